@@ -1,0 +1,136 @@
+//! Idempotency keys on every mutation (spec api.md "Idempotency").
+//!
+//! The key's identity is (caller subject, route template, key). The response
+//! of a mutation is stored with the mutation, in the same transaction (see
+//! `IdemWrite::store`); a 4xx refusal is stored in its own transaction; 5xx
+//! never. A second request with the same identity waits for the first (a
+//! per-identity lock) and then replays it.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+
+use super::auth::Caller;
+use super::errors::{ApiError, Code};
+use super::{Ctx, Reply, Request};
+use crate::model::{format_time, now_millis, Millis};
+use crate::store::{IdempotencyRecord, StoreResult, Tx};
+
+/// How long a stored response is replayed.
+pub const IDEMPOTENCY_TTL: Millis = 24 * 3600 * 1000;
+
+/// In-process locks, one per identity in flight.
+#[derive(Default)]
+pub struct KeyLocks(Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>);
+
+/// What a mutation stores with itself.
+#[derive(Debug, Clone)]
+pub struct IdemWrite {
+    pub identity: String,
+    pub fingerprint: Vec<u8>,
+    pub expires_at: Millis,
+}
+
+impl IdemWrite {
+    pub fn store(&self, tx: &Tx, reply: &Reply) -> StoreResult<()> {
+        tx.put_idempotency(
+            &self.identity,
+            &IdempotencyRecord {
+                fingerprint: self.fingerprint.clone(),
+                status: reply.status,
+                content_type: reply.content_type.clone(),
+                body: reply.body.clone(),
+                headers: reply.headers.clone(),
+                expires_at: self.expires_at,
+            },
+        )
+    }
+}
+
+pub fn valid_key(key: &str) -> bool {
+    (16..=128).contains(&key.len()) && key.bytes().all(|c| c.is_ascii_alphanumeric() || b"._~-".contains(&c))
+}
+
+/// SHA-256 of the RFC 8785 form of {path params, query, body}.
+pub fn fingerprint(req: &Request) -> Vec<u8> {
+    let params: serde_json::Map<String, Value> = req.params.iter().map(|(k, v)| (k.to_string(), json!(v))).collect();
+    let mut query: Vec<(String, String)> = req.query.clone();
+    query.sort();
+    let body = match serde_json::from_slice::<Value>(&req.body) {
+        Ok(v) => v,
+        Err(_) if req.body.is_empty() => Value::Null,
+        Err(_) => json!({"sha256": crate::hex::encode(&Sha256::digest(&req.body))}),
+    };
+    let doc = json!({"params": params, "query": query, "body": body});
+    Sha256::digest(crate::derive::canonical(&doc).as_bytes()).to_vec()
+}
+
+/// Runs a mutation under its idempotency key, when it has one.
+pub async fn mutation<'a, F, Fut>(ctx: &'a Ctx, req: &'a Request, caller: &Caller, run: F) -> Result<Reply, ApiError>
+where
+    F: FnOnce(Option<IdemWrite>) -> Fut,
+    Fut: Future<Output = Result<Reply, ApiError>> + 'a,
+{
+    let Some(key) = req.header("idempotency-key") else {
+        return run(None).await;
+    };
+    if !valid_key(key) {
+        return Err(ApiError::bad_request("Idempotency-Key must be 16 to 128 of [A-Za-z0-9._~-]").field("/headers/idempotency-key", "format"));
+    }
+    let identity = format!("{}\u{0}{}\u{0}{}", caller.subject, req.route, key);
+    let lock = {
+        let mut map = ctx.idempotency.0.lock().unwrap_or_else(|p| p.into_inner());
+        map.entry(identity.clone()).or_default().clone()
+    };
+    let guard = lock.lock().await;
+    let result = run_locked(ctx, req, identity.clone(), run).await;
+    drop(guard);
+    // Forget the lock when nobody else holds or waits for it.
+    let mut map = ctx.idempotency.0.lock().unwrap_or_else(|p| p.into_inner());
+    if map.get(&identity).is_some_and(|l| Arc::strong_count(l) == 2) {
+        map.remove(&identity);
+    }
+    drop(map);
+    drop(lock);
+    result
+}
+
+async fn run_locked<'a, F, Fut>(ctx: &'a Ctx, req: &'a Request, identity: String, run: F) -> Result<Reply, ApiError>
+where
+    F: FnOnce(Option<IdemWrite>) -> Fut,
+    Fut: Future<Output = Result<Reply, ApiError>> + 'a,
+{
+    let fp = fingerprint(req);
+    let now = now_millis();
+    if let Some(stored) = ctx.engine.store.read()?.idempotency(&identity)? {
+        if stored.expires_at > now {
+            if stored.fingerprint != fp {
+                return Err(ApiError::new(Code::IdempotencyConflict, "this Idempotency-Key was used with another request"));
+            }
+            let mut reply = Reply::text(stored.status, &stored.content_type, stored.body);
+            reply.headers = stored.headers;
+            return Ok(reply
+                .header("Idempotent-Replayed", "true")
+                .header("Idempotency-Expires-At", format_time(stored.expires_at)));
+        }
+    }
+    let write = IdemWrite { identity, fingerprint: fp, expires_at: now + IDEMPOTENCY_TTL };
+    let expires = format_time(write.expires_at);
+    match run(Some(write.clone())).await {
+        Ok(reply) => Ok(reply.header("Idempotency-Expires-At", expires)),
+        Err(e) if (400..500).contains(&e.code.status()) => {
+            let reply = Reply::from_error(&e, &req.request_id);
+            // A refusal is stored in its own transaction; if that fails the
+            // caller still gets the refusal.
+            let w = write.clone();
+            if let Err(se) = ctx.engine.store.write(move |tx| w.store(tx, &reply)).await {
+                tracing::error!(error = %se, "cannot store an idempotent refusal");
+            }
+            Err(e)
+        }
+        Err(e) => Err(e),
+    }
+}

@@ -1,0 +1,402 @@
+//! The HTTP layer: thin handlers that parse, authorize, call the engine and
+//! map errors.
+//!
+//! One warp filter takes every request; `dispatch` matches it against
+//! `ROUTES` (the same table `GET /v1/openapi.json` is checked against), so
+//! unknown routes get 404, wrong methods 405 with `Allow`, and every error
+//! carries the request id, all in one place.
+
+pub mod auth;
+pub mod builds;
+pub mod cursor;
+pub mod deployments;
+pub mod derive;
+pub mod errors;
+pub mod idempotency;
+pub mod ops;
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use bytes::{Bytes, BytesMut};
+use futures_util::StreamExt;
+use serde::Serialize;
+use warp::http::{HeaderMap, HeaderValue, Method, StatusCode};
+use warp::Filter;
+
+use crate::engine::Engine;
+use errors::{ApiError, Code};
+
+/// Total size of request headers berth accepts.
+pub const MAX_HEADER_BYTES: usize = 16 * 1024;
+/// A JSON body may nest this deep at most.
+pub const MAX_JSON_DEPTH: usize = 64;
+
+/// Every route berth serves: (method, template). `{x}` matches one segment.
+pub const ROUTES: &[(&str, &str)] = &[
+    ("GET", "/healthz"),
+    ("GET", "/readyz"),
+    ("GET", "/metrics"),
+    ("GET", "/v1/openapi.json"),
+    ("GET", "/v1/deployments"),
+    ("GET", "/v1/deployments/{id}"),
+    ("DELETE", "/v1/deployments/{id}"),
+    ("POST", "/v1/deployments/{id}/submit"),
+    ("POST", "/v1/deployments/{id}/preview"),
+    ("GET", "/v1/deployments/{id}/builds"),
+    ("GET", "/v1/builds/{build}"),
+    ("GET", "/v1/builds/{build}/log"),
+    ("POST", "/v1/builds/{build}/cancel"),
+    ("POST", "/v1/derive/instances"),
+    ("POST", "/v1/derive/applications"),
+    ("POST", "/v1/derive/sections"),
+];
+
+/// A response before it becomes HTTP: what the idempotency store keeps.
+#[derive(Debug, Clone)]
+pub struct Reply {
+    pub status: u16,
+    pub content_type: String,
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+}
+
+impl Reply {
+    pub fn json<T: Serialize + ?Sized>(status: u16, value: &T) -> Reply {
+        Reply {
+            status,
+            content_type: "application/json".into(),
+            headers: vec![],
+            body: serde_json::to_vec(value).unwrap_or_default(),
+        }
+    }
+    pub fn text(status: u16, content_type: &str, body: Vec<u8>) -> Reply {
+        Reply { status, content_type: content_type.into(), headers: vec![], body }
+    }
+    pub fn header(mut self, name: &str, value: impl Into<String>) -> Reply {
+        self.headers.push((name.to_string(), value.into()));
+        self
+    }
+    pub fn from_error(e: &ApiError, request_id: &str) -> Reply {
+        let mut r = Reply::text(e.code.status(), "application/problem+json", e.body(request_id));
+        if let Some(s) = e.retry_after {
+            r = r.header("Retry-After", s.to_string());
+        }
+        if let Some(allow) = &e.allow {
+            r = r.header("Allow", allow.clone());
+        }
+        if let Some(range) = &e.content_range {
+            r = r.header("Content-Range", range.clone());
+        }
+        r
+    }
+}
+
+/// What every handler gets.
+pub struct Ctx {
+    pub engine: Arc<Engine>,
+    pub service_token: String,
+    pub cursor_key: Vec<u8>,
+    pub idempotency: idempotency::KeyLocks,
+}
+
+/// One parsed request.
+pub struct Request {
+    pub method: Method,
+    pub route: &'static str,
+    pub params: HashMap<&'static str, String>,
+    pub query: Vec<(String, String)>,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+    pub request_id: String,
+}
+
+impl Request {
+    pub fn param(&self, name: &str) -> &str {
+        self.params.get(name).map(String::as_str).unwrap_or("")
+    }
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+    pub fn query_all<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a str> + 'a {
+        self.query.iter().filter(move |(k, _)| k == name).map(|(_, v)| v.as_str())
+    }
+    pub fn query_one(&self, name: &str) -> Option<&str> {
+        self.query.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
+    }
+}
+
+/// The one warp filter: everything goes through `handle`.
+pub fn filter(ctx: Arc<Ctx>) -> impl Filter<Extract = (warp::reply::Response,), Error = Infallible> + Clone {
+    let query = warp::query::raw().or(warp::any().map(String::new)).unify();
+    warp::any()
+        .and(warp::method())
+        .and(warp::path::full())
+        .and(query)
+        .and(warp::header::headers_cloned())
+        .and(warp::body::stream())
+        .then(move |method, path: warp::path::FullPath, query: String, headers: HeaderMap, body| {
+            let ctx = ctx.clone();
+            async move { handle(ctx, method, path.as_str().to_string(), query, headers, body).await }
+        })
+        .recover(|_| async { Ok::<_, Infallible>(into_http(Reply::from_error(&ApiError::internal(), "-"), "-")) })
+        .unify()
+}
+
+fn valid_request_id(id: &str) -> bool {
+    (1..=128).contains(&id.len()) && id.bytes().all(|c| c.is_ascii_alphanumeric() || b"._-".contains(&c))
+}
+
+async fn handle<S, B>(ctx: Arc<Ctx>, method: Method, path: String, query: String, headers: HeaderMap, body: S) -> warp::reply::Response
+where
+    S: futures_util::Stream<Item = Result<B, warp::Error>> + Unpin,
+    B: bytes::Buf,
+{
+    let request_id = headers
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| valid_request_id(v))
+        .map(str::to_string)
+        .unwrap_or_else(|| uuid::Uuid::now_v7().simple().to_string());
+    let (route, reply) = match dispatch(&ctx, method, &path, &query, headers, body, &request_id).await {
+        Ok((route, r)) => (route, r),
+        Err((route, e)) => (route, Reply::from_error(&e, &request_id)),
+    };
+    if reply.status >= 500 {
+        tracing::warn!(%request_id, route, status = reply.status, "request failed");
+    }
+    ops::count_request(&ctx, route, reply.status);
+    into_http(reply, &request_id)
+}
+
+type Dispatched = Result<(&'static str, Reply), (&'static str, ApiError)>;
+
+/// Finds the route; answers 404/405/413/415 itself; calls the handler.
+async fn dispatch<S, B>(
+    ctx: &Arc<Ctx>,
+    method: Method,
+    path: &str,
+    query: &str,
+    headers: HeaderMap,
+    body: S,
+    request_id: &str,
+) -> Dispatched
+where
+    S: futures_util::Stream<Item = Result<B, warp::Error>> + Unpin,
+    B: bytes::Buf,
+{
+    let segments: Vec<String> = path
+        .trim_start_matches('/')
+        .split('/')
+        .map(|s| percent_encoding::percent_decode_str(s).decode_utf8_lossy().into_owned())
+        .collect();
+    let mut allowed = Vec::new();
+    let mut found = None;
+    for (m, template) in ROUTES {
+        if let Some(params) = match_template(template, &segments) {
+            if *m == method.as_str() {
+                found = Some((*template, params));
+            } else {
+                allowed.push(*m);
+            }
+        }
+    }
+    let Some((route, params)) = found else {
+        if allowed.is_empty() {
+            return Err(("unknown", ApiError::new(Code::NotFound, "no such route")));
+        }
+        let mut e = ApiError::new(Code::MethodNotAllowed, "this route does not take that method");
+        e.allow = Some(allowed.join(", "));
+        return Err(("unknown", e));
+    };
+    let fail = |e: ApiError| Err((route, e));
+    let header_bytes: usize = headers.iter().map(|(k, v)| k.as_str().len() + v.len() + 4).sum();
+    if header_bytes > MAX_HEADER_BYTES {
+        return fail(ApiError::bad_request("the request headers are larger than 16 KiB").field("/headers", "too_large"));
+    }
+    let max_body = ctx.engine.settings.max_body;
+    let declared = headers.get("content-length").and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > max_body as u64) {
+        return fail(too_large(max_body));
+    }
+    let body = match read_body(body, max_body).await {
+        Ok(b) => b,
+        Err(e) => return fail(e),
+    };
+    if !body.is_empty() && method != Method::GET {
+        let ct = headers.get("content-type").and_then(|v| v.to_str().ok()).unwrap_or("");
+        let mime = ct.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
+        if mime != "application/json" {
+            return fail(ApiError::new(Code::UnsupportedMediaType, "the body must be application/json"));
+        }
+    }
+    let query = form_urlencoded::parse(query.as_bytes()).into_owned().collect();
+    let req = Request { method, route, params, query, headers, body, request_id: request_id.to_string() };
+    match route_to_handler(ctx, &req).await {
+        Ok(r) => Ok((route, r)),
+        Err(e) => fail(e),
+    }
+}
+
+fn too_large(max: usize) -> ApiError {
+    ApiError::new(Code::PayloadTooLarge, format!("the body is larger than --max-body ({max} bytes)"))
+}
+
+async fn read_body<S, B>(mut body: S, limit: usize) -> Result<Bytes, ApiError>
+where
+    S: futures_util::Stream<Item = Result<B, warp::Error>> + Unpin,
+    B: bytes::Buf,
+{
+    let mut out = BytesMut::new();
+    while let Some(chunk) = body.next().await {
+        let mut chunk = chunk.map_err(|_| ApiError::bad_request("the body could not be read"))?;
+        if out.len() + chunk.remaining() > limit {
+            return Err(too_large(limit));
+        }
+        while chunk.has_remaining() {
+            let part = chunk.chunk();
+            out.extend_from_slice(part);
+            let n = part.len();
+            chunk.advance(n);
+        }
+    }
+    Ok(out.freeze())
+}
+
+fn match_template(template: &'static str, segments: &[String]) -> Option<HashMap<&'static str, String>> {
+    let parts: Vec<&'static str> = template.trim_start_matches('/').split('/').collect();
+    if parts.len() != segments.len() {
+        return None;
+    }
+    let mut params = HashMap::new();
+    for (part, seg) in parts.iter().zip(segments) {
+        if let Some(name) = part.strip_prefix('{').and_then(|p| p.strip_suffix('}')) {
+            if seg.is_empty() {
+                return None;
+            }
+            params.insert(name, seg.clone());
+        } else if part != seg {
+            return None;
+        }
+    }
+    Some(params)
+}
+
+async fn route_to_handler(ctx: &Arc<Ctx>, req: &Request) -> Result<Reply, ApiError> {
+    match (req.method.as_str(), req.route) {
+        ("GET", "/healthz") => Ok(ops::healthz()),
+        ("GET", "/readyz") => Ok(ops::readyz(ctx)),
+        ("GET", "/metrics") => ops::metrics(ctx, req),
+        ("GET", "/v1/openapi.json") => Ok(ops::openapi()),
+        ("POST", "/v1/derive/instances") => derive::instances(ctx, req).await,
+        ("POST", "/v1/derive/applications") => derive::applications(req),
+        ("POST", "/v1/derive/sections") => derive::sections(ctx, req).await,
+        _ => {
+            let caller = auth::authenticate(ctx, req)?;
+            if !ctx.engine.ready.load(std::sync::atomic::Ordering::SeqCst) {
+                return Err(ApiError::new(Code::Unavailable, "the store is not ready yet").retry_after(1));
+            }
+            match (req.method.as_str(), req.route) {
+                ("GET", "/v1/deployments") => deployments::list(ctx, req, &caller).await,
+                ("GET", "/v1/deployments/{id}") => deployments::read(ctx, req).await,
+                ("POST", "/v1/deployments/{id}/preview") => deployments::preview(ctx, req).await,
+                ("POST", "/v1/deployments/{id}/submit") => {
+                    idempotency::mutation(ctx, req, &caller, |w| deployments::submit(ctx, req, w)).await
+                }
+                ("DELETE", "/v1/deployments/{id}") => {
+                    idempotency::mutation(ctx, req, &caller, |w| deployments::delete(ctx, req, w)).await
+                }
+                ("GET", "/v1/deployments/{id}/builds") => builds::list(ctx, req, &caller),
+                ("GET", "/v1/builds/{build}") => builds::read(ctx, req),
+                ("GET", "/v1/builds/{build}/log") => builds::log(ctx, req).await,
+                ("POST", "/v1/builds/{build}/cancel") => {
+                    idempotency::mutation(ctx, req, &caller, |w| builds::cancel(ctx, req, w)).await
+                }
+                _ => Err(ApiError::internal()),
+            }
+        }
+    }
+}
+
+fn into_http(reply: Reply, request_id: &str) -> warp::reply::Response {
+    let mut response = warp::reply::Response::new(reply.body.into());
+    *response.status_mut() = StatusCode::from_u16(reply.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let h = response.headers_mut();
+    if let Ok(v) = HeaderValue::from_str(&reply.content_type) {
+        h.insert("content-type", v);
+    }
+    for (name, value) in &reply.headers {
+        if let (Ok(n), Ok(v)) = (warp::http::HeaderName::from_bytes(name.as_bytes()), HeaderValue::from_str(value)) {
+            h.append(n, v);
+        }
+    }
+    if let Ok(v) = HeaderValue::from_str(request_id) {
+        h.insert("x-request-id", v);
+    }
+    response
+}
+
+/// Parses a JSON body into an object, with the errors of the contract:
+/// not JSON, not an object, nested too deep, keys not in `allowed`.
+pub fn json_object(body: &[u8], allowed: &[&str]) -> Result<serde_json::Map<String, serde_json::Value>, ApiError> {
+    let value: serde_json::Value = serde_json::from_slice(body).map_err(|e| {
+        ApiError::bad_request(format!("the body is not valid JSON (line {}, column {})", e.line(), e.column())).field("", "malformed_json")
+    })?;
+    if depth(&value) > MAX_JSON_DEPTH {
+        return Err(ApiError::bad_request("the body nests deeper than 64 levels").field("", "too_deep"));
+    }
+    let serde_json::Value::Object(map) = value else {
+        return Err(ApiError::bad_request("the body must be a JSON object").field("", "type"));
+    };
+    let unknown = map.keys().filter(|k| !allowed.contains(&k.as_str())).count();
+    if unknown > 0 {
+        return Err(ApiError::bad_request(format!(
+            "the body has {unknown} unknown field(s); this server knows: {}",
+            allowed.join(", ")
+        ))
+        .field("", "unknown_field"));
+    }
+    Ok(map)
+}
+
+fn depth(v: &serde_json::Value) -> usize {
+    // Iterative, so a hostile body cannot overflow the stack here.
+    let mut max = 0;
+    let mut stack = vec![(v, 1usize)];
+    while let Some((v, d)) = stack.pop() {
+        max = max.max(d);
+        match v {
+            serde_json::Value::Array(a) => stack.extend(a.iter().map(|x| (x, d + 1))),
+            serde_json::Value::Object(m) => stack.extend(m.values().map(|x| (x, d + 1))),
+            _ => {}
+        }
+    }
+    max
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn templates_match_segments() {
+        let segs = |p: &str| p.trim_start_matches('/').split('/').map(str::to_string).collect::<Vec<_>>();
+        let m = match_template("/v1/deployments/{id}/submit", &segs("/v1/deployments/alice/submit")).unwrap();
+        assert_eq!(m["id"], "alice");
+        assert!(match_template("/v1/deployments/{id}", &segs("/v1/deployments/")).is_none());
+        assert!(match_template("/v1/deployments", &segs("/v1/deployments/x")).is_none());
+    }
+
+    #[test]
+    fn json_object_errors_never_echo_the_body() {
+        let e = json_object(br#"{"secret-field-name": 1}"#, &["configuration"]).unwrap_err();
+        assert!(!e.message.contains("secret"));
+        assert_eq!(e.code, Code::InvalidRequest);
+        assert!(json_object(b"[1]", &[]).is_err());
+        assert!(json_object(b"{\"a\":", &["a"]).is_err());
+        let deep = "[".repeat(70) + &"]".repeat(70);
+        let e = json_object(format!("{{\"a\":{deep}}}").as_bytes(), &["a"]).unwrap_err();
+        assert_eq!(e.fields[0].code, "too_deep");
+    }
+}

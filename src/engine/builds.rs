@@ -1,0 +1,558 @@
+//! The build queue and one build's run: who runs next, the deployer process,
+//! the log, and the final transaction.
+//!
+//! Queue rules (spec lifecycle.md "Queue"): builds of one deployment run one
+//! at a time, oldest first; at most `--build-slots` run at once; the oldest
+//! waiting build of any deployment that has nothing running goes next, so
+//! no deployment can starve another.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde::Deserialize;
+use serde_json::json;
+use tokio::sync::{mpsc, watch};
+
+use super::runner::{self, Ended, Invocation, OpenError};
+use super::{lock, release_pending, Engine};
+use crate::model::*;
+use crate::store::StoreErrorKind;
+
+/// A log chunk is committed at least this often while lines arrive.
+pub const LOG_FLUSH_INTERVAL: Duration = Duration::from_millis(100);
+/// ... or when this many uncompressed bytes are waiting.
+pub const LOG_CHUNK_BYTES: usize = 1024 * 1024;
+/// zstd level for log chunks (fast, ratio ~5 on build logs).
+const LOG_ZSTD_LEVEL: i32 = 3;
+/// Lines buffered between the pipe readers and the log writer.
+const LINE_QUEUE: usize = 4096;
+/// Largest SBOM file read from a deployer (sbom.md).
+pub const MAX_SBOM_BYTES: u64 = 64 * 1024 * 1024;
+/// How often the queue looks again even without a wake-up.
+const QUEUE_POLL: Duration = Duration::from_secs(1);
+
+impl Engine {
+    /// Runs forever: starts queued builds whenever a slot is free.
+    pub async fn run_queue(self: Arc<Self>) {
+        loop {
+            if let Err(e) = self.dispatch() {
+                tracing::error!(error = %e, "queue dispatch failed");
+            }
+            let _ = tokio::time::timeout(QUEUE_POLL, self.wake.notified()).await;
+        }
+    }
+
+    fn dispatch(self: &Arc<Self>) -> Result<(), crate::store::StoreError> {
+        if self.stopping.load(Ordering::SeqCst) {
+            return Ok(());
+        }
+        let queued = self.store.read()?.queued()?;
+        let mut sched = lock(&self.sched);
+        let slots = usize::from(self.settings.build_slots);
+        for (build_id, deployment) in queued {
+            if sched.running.len() >= slots {
+                break;
+            }
+            let busy = sched.running.contains_key(&build_id)
+                || sched.running.values().any(|d| *d == deployment)
+                || sched.blocked.contains(&deployment);
+            if busy {
+                continue;
+            }
+            sched.running.insert(build_id, deployment);
+            let engine = self.clone();
+            tokio::spawn(async move { engine.run_build(build_id).await });
+        }
+        assert!(sched.running.len() <= slots, "more builds hold a slot than --build-slots");
+        Ok(())
+    }
+
+    fn release_slot(&self, build_id: BuildId) {
+        lock(&self.sched).running.remove(&build_id);
+        lock(&self.cancels).remove(&build_id);
+        self.wake_queue();
+    }
+
+    pub(super) fn block_deployment(&self, deployment: &str) {
+        lock(&self.sched).blocked.insert(deployment.to_string());
+    }
+
+    pub(super) fn unblock_deployment(&self, deployment: &str) {
+        lock(&self.sched).blocked.remove(deployment);
+        self.wake_queue();
+    }
+
+    async fn run_build(self: Arc<Self>, build_id: BuildId) {
+        let (cancel_tx, cancel_rx) = watch::channel(false);
+        lock(&self.cancels).insert(build_id, cancel_tx);
+        let started = self
+            .store
+            .write(move |tx| {
+                let Some(mut b) = tx.build(build_id)? else { return Ok(None) };
+                if b.status != BuildStatus::Queued {
+                    return Ok(None);
+                }
+                let Some(mut d) = tx.deployment(&b.deployment)? else { return Ok(None) };
+                let now = now_millis();
+                b.status = BuildStatus::Running;
+                b.started_at = Some(now);
+                b.previous = d.deployed.as_ref().map(|x| x.snapshot.clone());
+                d.running = Some(build_id);
+                d.revision += 1;
+                d.updated_at = now;
+                tx.put_build(&b)?;
+                tx.put_deployment(&d)?;
+                Ok(Some(b))
+            })
+            .await;
+        let build = match started {
+            Ok(Some(b)) => b,
+            Ok(None) => return self.release_slot(build_id),
+            Err(e) => {
+                tracing::error!(error = %e, "cannot mark a build running");
+                tokio::time::sleep(QUEUE_POLL).await;
+                return self.release_slot(build_id);
+            }
+        };
+        let outcome = self.execute(&build, cancel_rx).await;
+        self.finish(build, outcome).await;
+        self.release_slot(build_id);
+    }
+
+    /// Runs the deployer and captures the log; returns how it ended.
+    async fn execute(self: &Arc<Self>, build: &BuildRecord, cancel: watch::Receiver<bool>) -> Outcome {
+        let id_text = format_build_id(build.id);
+        let work_dir = self.settings.work_dir(&build.deployment);
+        let root = self.settings.scratch_root().join(&id_text);
+        let scratch_dir = root.join("scratch");
+        let _ = std::fs::remove_dir_all(&root);
+        if let Err(e) = std::fs::create_dir_all(&scratch_dir).and_then(|_| std::fs::create_dir_all(&work_dir)) {
+            return Outcome::failed(&root, "spawn_failed", format!("cannot create the build's directories: {e}"), LogBuffer::new(0));
+        }
+        let verb = match build.kind {
+            BuildKind::Deploy => "deploy",
+            BuildKind::Destroy => "destroy",
+        };
+        let configuration: serde_json::Value = serde_json::from_str(&build.snapshot.configuration).unwrap_or_default();
+        let previous = build.previous.as_ref().map(|p| {
+            json!({"configuration": serde_json::from_str::<serde_json::Value>(&p.configuration).unwrap_or_default(), "source": p.source})
+        });
+        let request = json!({
+            "deployment": build.deployment,
+            "build": id_text,
+            "method": build.method,
+            "configuration": configuration,
+            "source": build.snapshot.source,
+            "suspended": build.suspended,
+            "previous": previous,
+        });
+        let inv = Invocation {
+            verb,
+            request: request.to_string().into_bytes(),
+            work_dir,
+            scratch_dir,
+            result_path: root.join("result.json"),
+        };
+        let mut log = LogBuffer::new(self.settings.max_log_bytes);
+        let spawned = match runner::spawn(&self.deployer, &inv) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::error!(error = %e, program = %self.deployer.program.display(), "cannot start the deployer");
+                log.push(&format!("[berth] cannot start the deployer: {e}"));
+                return Outcome::failed(&root, "spawn_failed", "the deployer could not be started".into(), log);
+            }
+        };
+        let job = spawned.job;
+        let build_id = build.id;
+        let _ = self
+            .store
+            .write(move |tx| {
+                if let Some(mut b) = tx.build(build_id)? {
+                    b.job = Some(job);
+                    tx.put_build(&b)?;
+                }
+                Ok(())
+            })
+            .await;
+        let (lines_tx, mut lines_rx) = mpsc::channel::<String>(LINE_QUEUE);
+        let timeout = (!self.settings.build_timeout.is_zero()).then_some(self.settings.build_timeout);
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let mut cancel = cancel;
+        let grace = self.settings.cancel_grace;
+        // Forward the user's cancel into the runner; a log failure stops it too.
+        let waiter = {
+            let stop_rx = stop_rx.clone();
+            tokio::spawn(async move { runner::wait(spawned, timeout, grace, stop_rx, lines_tx).await })
+        };
+        let forward_stop = stop_tx.clone();
+        let forward = tokio::spawn(async move {
+            while cancel.changed().await.is_ok() {
+                if *cancel.borrow() {
+                    let _ = forward_stop.send(true);
+                    return;
+                }
+            }
+        });
+        let mut disk_failure: Option<String> = None;
+        let mut ticker = tokio::time::interval(LOG_FLUSH_INTERVAL);
+        loop {
+            tokio::select! {
+                line = lines_rx.recv() => match line {
+                    Some(line) => {
+                        log.push(&line);
+                        if log.pending.len() >= LOG_CHUNK_BYTES {
+                            self.flush_log(build_id, &mut log, &mut disk_failure, &stop_tx).await;
+                        }
+                    }
+                    None => break,
+                },
+                _ = ticker.tick() => {
+                    if !log.pending.is_empty() {
+                        self.flush_log(build_id, &mut log, &mut disk_failure, &stop_tx).await;
+                    }
+                }
+            }
+        }
+        forward.abort();
+        let ended = waiter.await.unwrap_or(Ended::Exit(-1));
+        let user_cancelled = ended == Ended::Cancelled && disk_failure.is_none();
+        let mut outcome = Outcome { root, ended, result: None, log, disk_failure, user_cancelled };
+        if ended == Ended::Exit(0) {
+            outcome.result = Some(read_deploy_result(&outcome.root, build.kind));
+        }
+        outcome
+    }
+
+    async fn flush_log(&self, build_id: BuildId, log: &mut LogBuffer, disk_failure: &mut Option<String>, stop: &watch::Sender<bool>) {
+        if disk_failure.is_some() {
+            log.pending.clear();
+            return;
+        }
+        let Some(chunk) = log.take_chunk() else { return };
+        let result = self
+            .store
+            .write(move |tx| {
+                tx.put_log_chunk(build_id, chunk.number, &chunk.compressed)?;
+                if let Some(mut b) = tx.build(build_id)? {
+                    b.log_bytes += chunk.bytes;
+                    b.log_lines += chunk.lines;
+                    b.log_chunks = chunk.number + 1;
+                    tx.put_build(&b)?;
+                }
+                Ok(())
+            })
+            .await;
+        if let Err(e) = result {
+            let reason = if e.kind == StoreErrorKind::DiskFull { "disk_full" } else { "log_write_failed" };
+            tracing::error!(error = %e, build = %format_build_id(build_id), "cannot store the build log; stopping the build");
+            *disk_failure = Some(reason.to_string());
+            let _ = stop.send(true);
+        }
+    }
+
+    /// The final transaction: status, last log chunk, the deployment's
+    /// deployed snapshot and pending counters, the destroy callback.
+    async fn finish(self: &Arc<Self>, build: BuildRecord, mut outcome: Outcome) {
+        let (status, failure, exit_code) = outcome.verdict(self.settings.build_timeout);
+        let nodes = match &outcome.result {
+            Some(Ok(nodes)) => nodes.clone(),
+            _ => vec![],
+        };
+        for (node, sbom) in &nodes {
+            if let Err(reason) = sbom {
+                outcome.log.push(&format!("[berth] node {node}: SBOM unavailable: {reason}"));
+            }
+        }
+        if outcome.log.dropped_lines > 0 {
+            let line = format!(
+                "[berth] {} line(s), {} byte(s) not stored: the log reached --max-log-bytes",
+                outcome.log.dropped_lines, outcome.log.dropped_bytes
+            );
+            outcome.log.force_push(&line);
+        }
+        let last_chunk = outcome.log.take_chunk();
+        self.metrics.log_bytes.fetch_add(outcome.log.stored_bytes, Ordering::Relaxed);
+        let build_id = build.id;
+        let kind = build.kind;
+        let result = self
+            .store
+            .write(move |tx| {
+                let Some(mut b) = tx.build(build_id)? else { return Ok(()) };
+                let now = now_millis();
+                if let Some(chunk) = &last_chunk {
+                    tx.put_log_chunk(build_id, chunk.number, &chunk.compressed)?;
+                    b.log_bytes += chunk.bytes;
+                    b.log_lines += chunk.lines;
+                    b.log_chunks = chunk.number + 1;
+                }
+                b.status = status;
+                b.finished_at = Some(now);
+                b.failure = failure;
+                b.exit_code = exit_code;
+                tx.put_build(&b)?;
+                if let Some(mut d) = tx.deployment(&b.deployment)? {
+                    release_pending(&mut d, b.kind);
+                    if d.running == Some(build_id) {
+                        d.running = None;
+                    }
+                    d.last_finished = Some(LastFinished { build_id, kind: b.kind, status });
+                    let succeeded = status == BuildStatus::Succeeded;
+                    match (b.kind, succeeded) {
+                        (BuildKind::Deploy, true) => {
+                            d.deployed = Some(Deployed { build_id, snapshot: b.snapshot.clone(), method: b.method.clone(), finished_at: now });
+                        }
+                        (BuildKind::Destroy, true) => {
+                            d.deployed = None;
+                            d.suspended = false;
+                        }
+                        _ => {}
+                    }
+                    d.revision += 1;
+                    d.updated_at = now;
+                    tx.put_deployment(&d)?;
+                }
+                if b.kind == BuildKind::Destroy {
+                    match (status == BuildStatus::Succeeded, tx.callback(build_id)?) {
+                        (true, Some(mut c)) => {
+                            c.armed = true;
+                            c.next_at = now;
+                            c.first_at = now;
+                            tx.put_callback(build_id, &c)?;
+                        }
+                        (false, Some(_)) => tx.remove_callback(build_id)?,
+                        _ => {}
+                    }
+                }
+                Ok(())
+            })
+            .await;
+        if let Err(e) = result {
+            // The build stays `running` in the store; the next start's
+            // recovery fails it with `interrupted_by_restart`.
+            tracing::error!(error = %e, build = %format_build_id(build_id), "cannot store the final status of a build");
+        }
+        let _ = std::fs::remove_dir_all(&outcome.root);
+        if kind == BuildKind::Destroy && status == BuildStatus::Succeeded {
+            let _ = std::fs::remove_dir_all(self.settings.work_dir(&build.deployment));
+            self.callbacks_wake.notify_one();
+        }
+    }
+}
+
+type NodeResults = Vec<(String, Result<(), String>)>;
+
+/// How a build's deployer run ended, before it is stored.
+struct Outcome {
+    root: std::path::PathBuf,
+    ended: Ended,
+    /// For exit 0: the checked result (nodes and their SBOM verdicts).
+    result: Option<Result<NodeResults, String>>,
+    log: LogBuffer,
+    disk_failure: Option<String>,
+    user_cancelled: bool,
+}
+
+impl Outcome {
+    fn failed(root: &std::path::Path, reason: &str, detail: String, log: LogBuffer) -> Outcome {
+        Outcome {
+            root: root.to_path_buf(),
+            ended: Ended::Exit(-1),
+            result: Some(Err(format!("{reason}\u{0}{detail}"))),
+            log,
+            disk_failure: None,
+            user_cancelled: false,
+        }
+    }
+
+    fn verdict(&self, timeout: Duration) -> (BuildStatus, Option<Failure>, Option<i32>) {
+        let fail = |reason: &str, detail: String| Some(Failure { reason: reason.into(), detail });
+        if let Some(reason) = &self.disk_failure {
+            return (BuildStatus::Failed, fail(reason, "the build log could not be stored".into()), None);
+        }
+        match self.ended {
+            Ended::Cancelled if self.user_cancelled => {
+                (BuildStatus::Cancelled, fail("cancelled", "cancelled while running".into()), None)
+            }
+            Ended::Cancelled => (BuildStatus::Failed, fail("cancelled", "stopped".into()), None),
+            Ended::Timeout => (BuildStatus::Failed, fail("timeout", format!("the build ran longer than {}s", timeout.as_secs())), None),
+            Ended::Signal(sig) => (BuildStatus::Failed, fail("exit_status", format!("the deployer was killed by signal {sig}")), None),
+            Ended::Exit(0) => match &self.result {
+                Some(Ok(_)) => (BuildStatus::Succeeded, None, Some(0)),
+                Some(Err(e)) => (BuildStatus::Failed, fail("deployer_protocol", e.clone()), Some(0)),
+                None => (BuildStatus::Failed, fail("deployer_protocol", "no result was read".into()), Some(0)),
+            },
+            Ended::Exit(-1) => match &self.result {
+                Some(Err(e)) => {
+                    let (reason, detail) = e.split_once('\u{0}').unwrap_or(("exit_status", e));
+                    (BuildStatus::Failed, fail(reason, detail.to_string()), None)
+                }
+                _ => (BuildStatus::Failed, fail("exit_status", "the deployer ended abnormally".into()), None),
+            },
+            Ended::Exit(code) => (BuildStatus::Failed, fail("exit_status", format!("the deployer exited with status {code}")), Some(code)),
+        }
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DeployResultNode {
+    name: String,
+    changed: bool,
+    #[serde(default)]
+    sbom: Option<SbomRef>,
+}
+
+#[derive(Deserialize)]
+#[serde(tag = "status", rename_all = "snake_case")]
+enum SbomRef {
+    Ready { path: String },
+    Unavailable { reason: String },
+}
+
+/// Checks a deploy or destroy result against the protocol and the SBOM
+/// files it names (each file: beneath the scratch dir, regular, limited,
+/// CycloneDX JSON). A bad SBOM makes only that node's SBOM unavailable.
+fn read_deploy_result(root: &std::path::Path, kind: BuildKind) -> Result<NodeResults, String> {
+    let bytes = match runner::read_result(&root.join("result.json")) {
+        Ok(Some(b)) => b,
+        Ok(None) => return Err("the deployer wrote no result".into()),
+        Err(e) => return Err(format!("result file: {e}")),
+    };
+    let value: serde_json::Value = serde_json::from_slice(&bytes).map_err(|_| "the result is not JSON".to_string())?;
+    if kind == BuildKind::Destroy {
+        return if value.is_object() { Ok(vec![]) } else { Err("a destroy result must be an object".into()) };
+    }
+    #[derive(Deserialize)]
+    struct DeployResult {
+        nodes: Vec<DeployResultNode>,
+    }
+    let parsed: DeployResult =
+        serde_json::from_value(value).map_err(|_| "the deploy result does not match the protocol (nodes)".to_string())?;
+    let scratch = root.join("scratch");
+    let mut out = Vec::with_capacity(parsed.nodes.len());
+    let mut names = std::collections::HashSet::new();
+    for node in parsed.nodes {
+        if !names.insert(node.name.clone()) {
+            return Err("the deploy result names a node twice".into());
+        }
+        let verdict = match (&node.sbom, node.changed) {
+            (Some(SbomRef::Ready { path }), _) => check_sbom(&scratch, path),
+            (Some(SbomRef::Unavailable { reason }), _) => Err(reason.chars().take(2000).collect()),
+            (None, false) => Ok(()),
+            (None, true) => Err("the deployer gave no SBOM".into()),
+        };
+        out.push((node.name, verdict));
+    }
+    Ok(out)
+}
+
+fn check_sbom(scratch: &std::path::Path, rel: &str) -> Result<(), String> {
+    let bytes = runner::open_beneath(scratch, rel, MAX_SBOM_BYTES).map_err(|e| match e {
+        OpenError::Missing => "the SBOM file is missing".to_string(),
+        OpenError::Refused(why) => why,
+    })?;
+    let doc: serde_json::Value = serde_json::from_slice(&bytes).map_err(|_| "the SBOM is not JSON".to_string())?;
+    if doc.get("bomFormat").and_then(|v| v.as_str()) != Some("CycloneDX") {
+        return Err("the SBOM is not CycloneDX".into());
+    }
+    if bytes.windows(6).any(|w| w == b"\\u0000") {
+        return Err("the SBOM contains U+0000".into());
+    }
+    Ok(())
+}
+
+/// Lines waiting to be committed, and the counts behind `--max-log-bytes`.
+pub struct LogBuffer {
+    pending: Vec<u8>,
+    pending_lines: u64,
+    next_chunk: u32,
+    stored_bytes: u64,
+    max_bytes: u64,
+    dropped_lines: u64,
+    dropped_bytes: u64,
+    first_pending: Option<Instant>,
+}
+
+pub struct Chunk {
+    number: u32,
+    compressed: Vec<u8>,
+    bytes: u64,
+    lines: u64,
+}
+
+impl LogBuffer {
+    pub fn new(max_bytes: u64) -> Self {
+        LogBuffer {
+            pending: Vec::new(),
+            pending_lines: 0,
+            next_chunk: 0,
+            stored_bytes: 0,
+            max_bytes,
+            dropped_lines: 0,
+            dropped_bytes: 0,
+            first_pending: None,
+        }
+    }
+
+    /// Adds a line, or counts it as dropped past `--max-log-bytes`.
+    pub fn push(&mut self, line: &str) {
+        let size = line.len() as u64 + 1;
+        if self.dropped_lines > 0 || self.stored_bytes + size > self.max_bytes {
+            self.dropped_lines += 1;
+            self.dropped_bytes += size;
+            return;
+        }
+        self.force_push(line);
+    }
+
+    fn force_push(&mut self, line: &str) {
+        self.pending.extend_from_slice(line.as_bytes());
+        self.pending.push(b'\n');
+        self.pending_lines += 1;
+        self.stored_bytes += line.len() as u64 + 1;
+        self.first_pending.get_or_insert_with(Instant::now);
+    }
+
+    fn take_chunk(&mut self) -> Option<Chunk> {
+        if self.pending.is_empty() {
+            return None;
+        }
+        let raw = std::mem::take(&mut self.pending);
+        let compressed = zstd::bulk::compress(&raw, LOG_ZSTD_LEVEL).unwrap_or_else(|_| raw.clone());
+        let chunk = Chunk { number: self.next_chunk, compressed, bytes: raw.len() as u64, lines: self.pending_lines };
+        self.next_chunk += 1;
+        self.pending_lines = 0;
+        self.first_pending = None;
+        Some(chunk)
+    }
+}
+
+/// Decompresses a build's stored chunks into its log text.
+pub fn decompress_chunks(chunks: &[Vec<u8>]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for c in chunks {
+        match zstd::stream::decode_all(c.as_slice()) {
+            Ok(bytes) => out.extend_from_slice(&bytes),
+            Err(e) => tracing::error!(error = %e, "a stored log chunk does not decompress"),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn log_cap_counts_dropped_lines() {
+        let mut log = LogBuffer::new(10);
+        log.push("12345"); // 6 bytes
+        log.push("1234"); // 5 bytes: over
+        log.push("1"); // dropped too, once dropping started
+        assert_eq!((log.dropped_lines, log.dropped_bytes), (2, 7));
+        let chunk = log.take_chunk().unwrap();
+        assert_eq!(decompress_chunks(&[chunk.compressed]), b"12345\n");
+        assert!(log.take_chunk().is_none());
+    }
+}

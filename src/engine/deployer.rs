@@ -1,0 +1,237 @@
+//! Calls of `describe` and `eval`: the deployer's answers about a source and
+//! a configuration, with their caches, slots and timeouts.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use serde::Deserialize;
+use serde_json::Value;
+use tokio::sync::{mpsc, watch};
+
+use super::runner::{self, Ended, Invocation};
+use super::Engine;
+use crate::api::errors::{ApiError, Code, FieldError};
+use crate::derive::{CatalogEntry, Rename};
+use crate::model::Source;
+
+/// Schema errors reported in one refusal at most.
+const MAX_SCHEMA_FIELDS: usize = 20;
+/// Output of an eval or describe kept for the server log.
+const MAX_CALL_OUTPUT_LINES: usize = 50;
+
+#[derive(Debug, Deserialize)]
+struct DescribeResult {
+    methods: Vec<String>,
+    default_method: String,
+    #[serde(default)]
+    actions: BTreeMap<String, Vec<String>>,
+    #[serde(default)]
+    catalog: Vec<CatalogEntry>,
+    #[serde(default)]
+    renames: Vec<Rename>,
+    #[serde(default)]
+    schema: Option<Value>,
+}
+
+/// What a source says about itself, with its schema compiled.
+pub struct Described {
+    pub methods: Vec<String>,
+    pub default_method: String,
+    pub actions: BTreeMap<String, Vec<String>>,
+    pub catalog: Vec<CatalogEntry>,
+    pub renames: Vec<Rename>,
+    validator: Option<(boon::Schemas, boon::SchemaIndex)>,
+}
+
+impl Described {
+    pub fn parse(text: &str) -> Result<Described, String> {
+        let r: DescribeResult = serde_json::from_str(text).map_err(|e| format!("describe result: {e}"))?;
+        if !r.methods.contains(&r.default_method) {
+            return Err("describe result: default_method is not one of methods".into());
+        }
+        let validator = match r.schema {
+            None | Some(Value::Null) => None,
+            Some(schema) => {
+                let mut schemas = boon::Schemas::new();
+                let mut compiler = boon::Compiler::new();
+                let url = "urn:berth:configuration-schema";
+                compiler.add_resource(url, schema).map_err(|e| format!("describe schema: {e}"))?;
+                let index = compiler.compile(url, &mut schemas).map_err(|e| format!("describe schema: {e}"))?;
+                Some((schemas, index))
+            }
+        };
+        Ok(Described {
+            methods: r.methods,
+            default_method: r.default_method,
+            actions: r.actions,
+            catalog: r.catalog,
+            renames: r.renames,
+            validator,
+        })
+    }
+
+    /// Schema errors as field pointers under `/configuration`, keyword as code.
+    pub fn schema_errors(&self, config: &Value) -> Vec<FieldError> {
+        let Some((schemas, index)) = &self.validator else { return vec![] };
+        let Err(error) = schemas.validate(config, *index) else { return vec![] };
+        let mut out = Vec::new();
+        collect_leaves(&error, &mut out);
+        out.dedup();
+        out.truncate(MAX_SCHEMA_FIELDS);
+        out
+    }
+
+    /// The method a configuration names: a collapsed one's key, a flat one's
+    /// `method` member, else the source's default.
+    pub fn method_of(&self, shaped: &crate::derive::Shaped) -> String {
+        shaped.method.map(str::to_string).unwrap_or_else(|| self.default_method.clone())
+    }
+}
+
+fn collect_leaves(e: &boon::ValidationError, out: &mut Vec<FieldError>) {
+    if e.causes.is_empty() {
+        // The keyword is the variant name of the error kind, never its values.
+        let debug = format!("{:?}", e.kind);
+        let name: String = debug.chars().take_while(|c| c.is_ascii_alphanumeric()).collect();
+        out.push(FieldError { pointer: format!("/configuration{}", e.instance_location), code: snake(&name) });
+    }
+    for cause in &e.causes {
+        collect_leaves(cause, out);
+    }
+}
+
+fn snake(camel: &str) -> String {
+    let mut s = String::new();
+    for (i, c) in camel.chars().enumerate() {
+        if c.is_ascii_uppercase() && i > 0 {
+            s.push('_');
+        }
+        s.push(c.to_ascii_lowercase());
+    }
+    s
+}
+
+/// The outcome of an eval that ran to a verdict.
+pub enum EvalVerdict {
+    Nodes(Value),
+    Refused(String),
+}
+
+impl Engine {
+    /// `describe` of a source: memory, then the store, then the deployer.
+    pub async fn describe(&self, source: &Source) -> Result<Arc<Described>, ApiError> {
+        if let Some(d) = self.described.lock().unwrap_or_else(|p| p.into_inner()).get(&source.digest) {
+            return Ok(d.clone());
+        }
+        let cached = self.store.read()?.describe(&source.digest)?;
+        let text = match cached {
+            Some(text) => text,
+            None => {
+                let request = serde_json::json!({"source": source}).to_string().into_bytes();
+                let (ended, result, output) = self.call("describe", request, None).await?;
+                let text = match (ended, result) {
+                    (Ended::Exit(0), Ok(Some(bytes))) => String::from_utf8_lossy(&bytes).into_owned(),
+                    (Ended::Timeout, _) => return Err(eval_unavailable("eval_timeout", "the deployer's describe timed out")),
+                    _ => {
+                        tracing::warn!(digest = %source.digest, ?ended, output = ?output, "describe failed");
+                        return Err(eval_unavailable("eval_crashed", "the deployer's describe failed; the server log has its output"));
+                    }
+                };
+                // Check before caching: a bad answer is not cached.
+                Described::parse(&text).map_err(|e| {
+                    tracing::warn!(digest = %source.digest, error = %e, "describe result is invalid");
+                    eval_unavailable("eval_crashed", "the deployer's describe result is invalid; the server log has the detail")
+                })?;
+                let digest = source.digest.clone();
+                let stored = text.clone();
+                self.store.write(move |tx| tx.put_describe(&digest, &stored)).await?;
+                text
+            }
+        };
+        let described = Arc::new(Described::parse(&text).map_err(|e| {
+            tracing::error!(digest = %source.digest, error = %e, "cached describe result is invalid");
+            ApiError::internal()
+        })?);
+        self.described.lock().unwrap_or_else(|p| p.into_inner()).insert(source.digest.clone(), described.clone());
+        Ok(described)
+    }
+
+    /// Runs `eval`. `Ok(None)` when no eval slot is free.
+    pub async fn eval(&self, request: Value) -> Result<Option<EvalVerdict>, ApiError> {
+        let Ok(_permit) = self.eval_slots.clone().try_acquire_owned() else {
+            return Ok(None);
+        };
+        let (ended, result, output) = self.call("eval", request.to_string().into_bytes(), None).await?;
+        let parsed = result.ok().flatten().and_then(|b| serde_json::from_slice::<Value>(&b).ok());
+        match ended {
+            Ended::Exit(0) => match parsed {
+                Some(v) if v.get("nodes").is_some_and(Value::is_array) => Ok(Some(EvalVerdict::Nodes(v))),
+                _ => {
+                    tracing::warn!(output = ?output, "eval result breaks the protocol");
+                    Err(eval_unavailable("eval_crashed", "the deployer's eval result is invalid"))
+                }
+            },
+            Ended::Exit(1) => match parsed.as_ref().and_then(|v| v.pointer("/error/message")).and_then(Value::as_str) {
+                Some(message) => Ok(Some(EvalVerdict::Refused(message.to_string()))),
+                None => {
+                    tracing::warn!(output = ?output, "eval exited 1 without an error result");
+                    Err(eval_unavailable("eval_crashed", "the deployer's eval failed without a verdict"))
+                }
+            },
+            Ended::Timeout => Err(eval_unavailable("eval_timeout", "the deployer's eval timed out")),
+            other => {
+                tracing::warn!(?other, output = ?output, "eval crashed");
+                Err(eval_unavailable("eval_crashed", "the deployer's eval crashed"))
+            }
+        }
+    }
+
+    /// One short call (describe, eval) with the eval timeout, in a fresh
+    /// scratch dir that is removed afterwards.
+    async fn call(
+        &self,
+        verb: &'static str,
+        request: Vec<u8>,
+        work_dir: Option<std::path::PathBuf>,
+    ) -> Result<(Ended, Result<Option<Vec<u8>>, String>, Vec<String>), ApiError> {
+        let call_id = crate::hex::encode(&uuid::Uuid::now_v7().as_u128().to_be_bytes());
+        let root = self.settings.scratch_root().join(format!("call-{call_id}"));
+        let scratch_dir = root.join("scratch");
+        let result_path = root.join("result.json");
+        std::fs::create_dir_all(&scratch_dir).map_err(|e| {
+            tracing::error!(error = %e, dir = %scratch_dir.display(), "cannot create a scratch dir");
+            ApiError::internal()
+        })?;
+        let inv = Invocation {
+            verb,
+            request,
+            work_dir: work_dir.unwrap_or_else(|| scratch_dir.clone()),
+            scratch_dir,
+            result_path: result_path.clone(),
+        };
+        let spawned = runner::spawn(&self.deployer, &inv).map_err(|e| {
+            tracing::error!(error = %e, program = %self.deployer.program.display(), "cannot start the deployer");
+            eval_unavailable("eval_crashed", "the deployer cannot be started; the server log has the detail")
+        })?;
+        let (lines_tx, mut lines_rx) = mpsc::channel(256);
+        let (_cancel_tx, cancel_rx) = watch::channel(false);
+        let collect = tokio::spawn(async move {
+            let mut kept = Vec::new();
+            while let Some(line) = lines_rx.recv().await {
+                if kept.len() < MAX_CALL_OUTPUT_LINES {
+                    kept.push(line);
+                }
+            }
+            kept
+        });
+        let ended = runner::wait(spawned, Some(self.settings.eval_timeout), self.settings.cancel_grace.min(std::time::Duration::from_secs(5)), cancel_rx, lines_tx).await;
+        let output = collect.await.unwrap_or_default();
+        let result = runner::read_result(&result_path);
+        let _ = std::fs::remove_dir_all(&root);
+        Ok((ended, result, output))
+    }
+}
+
+pub fn eval_unavailable(reason: &str, message: &str) -> ApiError {
+    ApiError::new(Code::EvalUnavailable, message).reason(reason).retry_after(1)
+}

@@ -1,0 +1,378 @@
+//! One deployer process: spawn it in its own process group with the protocol
+//! environment, capture its output line by line, stop it on cancel or
+//! timeout, and read its result file with limits.
+//!
+//! This is the only code that starts or signals processes.
+
+use std::ffi::OsString;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Component, Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use nix::sys::signal::{killpg, Signal};
+use nix::unistd::Pid;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
+use tokio::process::{Child, Command};
+use tokio::sync::{mpsc, watch};
+
+use crate::model::Job;
+
+/// A log line longer than this is split into several lines (events.md).
+pub const MAX_LINE_BYTES: usize = 64 * 1024;
+/// A result file larger than this is a protocol error (deployer.md).
+pub const MAX_RESULT_BYTES: u64 = 1024 * 1024;
+/// After the deployer exits, how long its output pipes may stay open.
+const PIPE_DRAIN_LIMIT: Duration = Duration::from_secs(5);
+
+/// How to run the deployer: a program and the arguments before the verb.
+#[derive(Debug, Clone)]
+pub struct DeployerCommand {
+    pub program: PathBuf,
+    pub prefix: Vec<OsString>,
+}
+
+impl DeployerCommand {
+    /// `--deployer` when given, else this binary's `deployer local`.
+    pub fn from_setting(deployer: Option<&Path>) -> std::io::Result<Self> {
+        Ok(match deployer {
+            Some(p) => Self { program: p.to_path_buf(), prefix: vec![] },
+            None => Self { program: std::env::current_exe()?, prefix: vec!["deployer".into(), "local".into()] },
+        })
+    }
+}
+
+/// One call of the deployer.
+pub struct Invocation {
+    pub verb: &'static str,
+    pub request: Vec<u8>,
+    pub work_dir: PathBuf,
+    pub scratch_dir: PathBuf,
+    pub result_path: PathBuf,
+}
+
+pub struct Spawned {
+    child: Child,
+    pub job: Job,
+}
+
+/// The environment a deployer sees: berth's own minus every `BERTH_*`
+/// variable (flag values may hold secrets), except the `local` deployer's
+/// own `BERTH_LOCAL_*` knobs.
+fn deployer_env() -> Vec<(OsString, OsString)> {
+    std::env::vars_os()
+        .filter(|(k, _)| {
+            let k = k.to_string_lossy();
+            !k.starts_with("BERTH_") || k.starts_with("BERTH_LOCAL_")
+        })
+        .collect()
+}
+
+pub fn spawn(cmd: &DeployerCommand, inv: &Invocation) -> std::io::Result<Spawned> {
+    let mut command = Command::new(&cmd.program);
+    command
+        .args(&cmd.prefix)
+        .arg(inv.verb)
+        .env_clear()
+        .envs(deployer_env())
+        .env("BERTH_RESULT", &inv.result_path)
+        .env("BERTH_WORK_DIR", &inv.work_dir)
+        .env("BERTH_SCRATCH_DIR", &inv.scratch_dir)
+        .current_dir(&inv.scratch_dir)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0)
+        .kill_on_drop(false);
+    let mut child = command.spawn()?;
+    let pid = child.id().and_then(|p| i32::try_from(p).ok()).unwrap_or(0);
+    let job = Job { pid, start_ticks: process_start_ticks(pid).unwrap_or(0) };
+    if let Some(mut stdin) = child.stdin.take() {
+        let request = inv.request.clone();
+        // A deployer may write before it reads: feed stdin on its own task.
+        tokio::spawn(async move {
+            let _ = stdin.write_all(&request).await;
+            let _ = stdin.shutdown().await;
+        });
+    }
+    Ok(Spawned { child, job })
+}
+
+/// Field 22 of /proc/<pid>/stat (start time in clock ticks since boot).
+pub fn process_start_ticks(pid: i32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let after_name = &stat[stat.rfind(')')? + 1..];
+    after_name.split_whitespace().nth(19)?.parse().ok()
+}
+
+/// True when a process with this pid exists and started at `job.start_ticks`.
+pub fn is_same_process(job: &Job) -> bool {
+    job.pid > 0 && process_start_ticks(job.pid) == Some(job.start_ticks)
+}
+
+pub fn signal_group(pgid: i32, signal: Signal) {
+    if pgid > 0 {
+        let _ = killpg(Pid::from_raw(pgid), signal);
+    }
+}
+
+/// True while any process of the group is alive.
+pub fn group_alive(pgid: i32) -> bool {
+    pgid > 0 && killpg(Pid::from_raw(pgid), None).is_ok()
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ended {
+    Exit(i32),
+    Signal(i32),
+    Timeout,
+    Cancelled,
+}
+
+/// Waits for the deployer, sending its output lines to `lines`; stops it on
+/// timeout or cancel (SIGTERM to the group, then SIGKILL after `grace`), and
+/// at the end kills whatever is left in its process group.
+pub async fn wait(
+    mut spawned: Spawned,
+    timeout: Option<Duration>,
+    grace: Duration,
+    mut cancel: watch::Receiver<bool>,
+    lines: mpsc::Sender<String>,
+) -> Ended {
+    let pgid = spawned.job.pid;
+    let readers = [
+        spawned.child.stdout.take().map(|s| tokio::spawn(read_lines(s, lines.clone()))),
+        spawned.child.stderr.take().map(|s| tokio::spawn(read_lines(s, lines.clone()))),
+    ];
+    drop(lines);
+    let deadline = async {
+        match timeout {
+            Some(t) => tokio::time::sleep(t).await,
+            None => std::future::pending().await,
+        }
+    };
+    let cancelled = async {
+        loop {
+            if *cancel.borrow_and_update() {
+                return;
+            }
+            if cancel.changed().await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    let mut stopped_by = None;
+    let status = tokio::select! {
+        s = spawned.child.wait() => s.ok(),
+        _ = deadline => { stopped_by = Some(Ended::Timeout); None }
+        _ = cancelled => { stopped_by = Some(Ended::Cancelled); None }
+    };
+    let status = match status {
+        Some(s) => Some(s),
+        None => {
+            signal_group(pgid, Signal::SIGTERM);
+            match tokio::time::timeout(grace, spawned.child.wait()).await {
+                Ok(s) => s.ok(),
+                Err(_) => {
+                    signal_group(pgid, Signal::SIGKILL);
+                    spawned.child.wait().await.ok()
+                }
+            }
+        }
+    };
+    // No stray child outlives its build.
+    signal_group(pgid, Signal::SIGKILL);
+    for reader in readers.into_iter().flatten() {
+        let abort = reader.abort_handle();
+        if tokio::time::timeout(PIPE_DRAIN_LIMIT, reader).await.is_err() {
+            abort.abort();
+        }
+    }
+    if let Some(by) = stopped_by {
+        return by;
+    }
+    use std::os::unix::process::ExitStatusExt;
+    match status {
+        Some(s) => match (s.code(), s.signal()) {
+            (Some(code), _) => Ended::Exit(code),
+            (None, Some(sig)) => Ended::Signal(sig),
+            _ => Ended::Exit(-1),
+        },
+        None => Ended::Exit(-1),
+    }
+}
+
+/// Splits output into lines at `\n` or at `MAX_LINE_BYTES` (on a character
+/// boundary), replacing invalid UTF-8; a last line without newline is kept.
+pub async fn read_lines<R: AsyncRead + Unpin>(mut reader: R, out: mpsc::Sender<String>) {
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut line: Vec<u8> = Vec::with_capacity(1024);
+    loop {
+        let n = match reader.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        let mut rest = &buf[..n];
+        while !rest.is_empty() {
+            let room = MAX_LINE_BYTES - line.len();
+            let window = &rest[..rest.len().min(room)];
+            match window.iter().position(|&b| b == b'\n') {
+                Some(i) => {
+                    line.extend_from_slice(&window[..i]);
+                    rest = &rest[i + 1..];
+                    if out.send(take_line(&mut line)).await.is_err() {
+                        return;
+                    }
+                }
+                None => {
+                    line.extend_from_slice(window);
+                    rest = &rest[window.len()..];
+                    if line.len() >= MAX_LINE_BYTES {
+                        let carry = incomplete_utf8_tail(&line);
+                        let tail = line.split_off(line.len() - carry);
+                        if out.send(take_line(&mut line)).await.is_err() {
+                            return;
+                        }
+                        line = tail;
+                    }
+                }
+            }
+        }
+    }
+    if !line.is_empty() {
+        let _ = out.send(take_line(&mut line)).await;
+    }
+}
+
+fn take_line(line: &mut Vec<u8>) -> String {
+    let text = String::from_utf8_lossy(line).into_owned();
+    line.clear();
+    text
+}
+
+/// How many bytes at the end of `bytes` start a UTF-8 character that is
+/// not complete yet (0 to 3).
+fn incomplete_utf8_tail(bytes: &[u8]) -> usize {
+    match std::str::from_utf8(bytes) {
+        Ok(_) => 0,
+        Err(e) if e.error_len().is_none() => bytes.len() - e.valid_up_to(),
+        Err(_) => {
+            // Invalid bytes somewhere; look only at the last three.
+            let start = bytes.len().saturating_sub(3);
+            match std::str::from_utf8(&bytes[start..]) {
+                Err(e) if e.error_len().is_none() => bytes.len() - start - e.valid_up_to(),
+                _ => 0,
+            }
+        }
+    }
+}
+
+/// Reads the result file: `Ok(None)` when missing, `Err` when too big or
+/// not a regular file.
+pub fn read_result(path: &Path) -> Result<Option<Vec<u8>>, String> {
+    match open_regular(path, MAX_RESULT_BYTES) {
+        Ok(bytes) => Ok(Some(bytes)),
+        Err(OpenError::Missing) => Ok(None),
+        Err(OpenError::Refused(why)) => Err(why),
+    }
+}
+
+#[derive(Debug)]
+pub enum OpenError {
+    Missing,
+    Refused(String),
+}
+
+/// Opens `rel` beneath `root` only: no `..`, no absolute path, no symlink
+/// anywhere on the way, a regular file, at most `limit` bytes.
+pub fn open_beneath(root: &Path, rel: &str, limit: u64) -> Result<Vec<u8>, OpenError> {
+    let rel_path = Path::new(rel);
+    if rel.is_empty() || rel_path.components().any(|c| !matches!(c, Component::Normal(_))) {
+        return Err(OpenError::Refused("the path leaves the scratch dir".into()));
+    }
+    let mut here = root.to_path_buf();
+    for c in rel_path.components() {
+        here.push(c);
+        match std::fs::symlink_metadata(&here) {
+            Ok(m) if m.file_type().is_symlink() => {
+                return Err(OpenError::Refused("the path goes through a symlink".into()))
+            }
+            Ok(_) => {}
+            Err(_) => return Err(OpenError::Missing),
+        }
+    }
+    open_regular(&here, limit)
+}
+
+fn open_regular(path: &Path, limit: u64) -> Result<Vec<u8>, OpenError> {
+    use std::io::Read;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK)
+        .open(path);
+    let file = match file {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(OpenError::Missing),
+        Err(_) => return Err(OpenError::Refused("the file cannot be opened (not a regular file?)".into())),
+    };
+    let meta = file.metadata().map_err(|_| OpenError::Refused("cannot stat the file".into()))?;
+    if !meta.file_type().is_file() {
+        return Err(OpenError::Refused("not a regular file".into()));
+    }
+    if meta.len() > limit {
+        return Err(OpenError::Refused(format!("the file is larger than {limit} bytes")));
+    }
+    let mut bytes = Vec::with_capacity(meta.len() as usize);
+    file.take(limit + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|_| OpenError::Refused("cannot read the file".into()))?;
+    if bytes.len() as u64 > limit {
+        return Err(OpenError::Refused(format!("the file is larger than {limit} bytes")));
+    }
+    Ok(bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn lines_of(input: &[u8]) -> Vec<String> {
+        let (tx, mut rx) = mpsc::channel(1024);
+        read_lines(input, tx).await;
+        let mut out = vec![];
+        while let Some(l) = rx.recv().await {
+            out.push(l);
+        }
+        out
+    }
+
+    #[tokio::test]
+    async fn splits_long_lines_keeps_last_and_replaces_garbage() {
+        assert_eq!(lines_of(b"a\nb\n\nlast").await, ["a", "b", "", "last"]);
+        assert_eq!(lines_of(b"x\xff\xfey\n").await, ["x\u{fffd}\u{fffd}y"]);
+        let long = vec![b'z'; MAX_LINE_BYTES * 2 + 10];
+        let got = lines_of(&long).await;
+        assert_eq!(got.iter().map(String::len).collect::<Vec<_>>(), [MAX_LINE_BYTES, MAX_LINE_BYTES, 10]);
+        // A multi-byte character straddling the split point stays whole.
+        let mut s = vec![b'a'; MAX_LINE_BYTES - 1];
+        s.extend_from_slice("é\n".as_bytes());
+        let got = lines_of(&s).await;
+        assert_eq!(got.len(), 2);
+        assert_eq!(got[1], "é");
+    }
+
+    #[test]
+    fn open_beneath_refuses_escapes() {
+        let dir = std::env::temp_dir().join(format!("berth-open-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("sbom")).unwrap();
+        std::fs::write(dir.join("sbom/a.json"), b"{}").unwrap();
+        std::os::unix::fs::symlink("/etc/passwd", dir.join("sbom/link")).unwrap_or(());
+        assert_eq!(open_beneath(&dir, "sbom/a.json", 10).unwrap(), b"{}");
+        assert!(matches!(open_beneath(&dir, "../x", 10), Err(OpenError::Refused(_))));
+        assert!(matches!(open_beneath(&dir, "/etc/passwd", 10), Err(OpenError::Refused(_))));
+        assert!(matches!(open_beneath(&dir, "sbom/link", 10), Err(OpenError::Refused(_))));
+        assert!(matches!(open_beneath(&dir, "sbom/a.json", 1), Err(OpenError::Refused(_))));
+        assert!(matches!(open_beneath(&dir, "sbom/none", 10), Err(OpenError::Missing)));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

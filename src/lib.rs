@@ -1,0 +1,13 @@
+//! berth: a single-binary deployment control plane for self-hosters.
+//!
+//! See ARCHITECTURE.md for the map; `main.rs` is only the CLI.
+
+pub mod api;
+pub mod derive;
+pub mod engine;
+pub mod hex;
+pub mod local_deployer;
+pub mod model;
+pub mod serve;
+pub mod settings;
+pub mod store;

@@ -1,0 +1,381 @@
+//! The embedded `local` deployer: `berth deployer local <verb>`.
+//!
+//! It exists so that `berth serve` works on any machine with nothing else
+//! installed, and so that every part of the deployer protocol (spec
+//! deployer.md) is exercised for real: it talks only the protocol (stdin,
+//! `BERTH_RESULT`, `BERTH_WORK_DIR`, `BERTH_SCRATCH_DIR`, exit status) and
+//! shares no state with the server. It "deploys" into the work dir.
+
+pub mod catalog;
+
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use serde_json::{json, Map, Value};
+use sha2::{Digest, Sha256};
+
+/// Largest request read from stdin.
+const MAX_REQUEST_BYTES: u64 = 4 * 1024 * 1024;
+/// Default of `BERTH_LOCAL_MAX_NODES`.
+const DEFAULT_MAX_NODES: usize = 32;
+/// Default of `BERTH_LOCAL_STEP_MS`.
+const DEFAULT_STEP_MS: u64 = 200;
+/// Exit status after SIGTERM (128 + 15, as a shell would report it).
+const EXIT_TERMINATED: i32 = 143;
+
+static TERMINATED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_sigterm(_: nix::libc::c_int) {
+    TERMINATED.store(true, Ordering::SeqCst);
+}
+
+fn install_sigterm_handler() {
+    use nix::sys::signal::{sigaction, SaFlags, SigAction, SigHandler, SigSet, Signal};
+    let action = SigAction::new(SigHandler::Handler(on_sigterm), SaFlags::empty(), SigSet::empty());
+    // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+    let _ = unsafe { sigaction(Signal::SIGTERM, &action) };
+}
+
+/// A node the deployment stands up.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Node {
+    pub name: String,
+    pub names: Vec<String>,
+    /// The applications it runs (one, or none for `base`).
+    pub application: Option<String>,
+}
+
+/// Runs one verb; returns the process exit status.
+pub fn run(verb: &str) -> i32 {
+    install_sigterm_handler();
+    let Some(result_path) = std::env::var_os("BERTH_RESULT").map(PathBuf::from) else {
+        eprintln!("berth deployer local: BERTH_RESULT is not set; this command is run by `berth serve`");
+        return 2;
+    };
+    let mut input = String::new();
+    if let Err(e) = std::io::stdin().take(MAX_REQUEST_BYTES).read_to_string(&mut input) {
+        eprintln!("cannot read the request on stdin: {e}");
+        return 2;
+    }
+    let request: Value = match serde_json::from_str(&input) {
+        Ok(v) => v,
+        Err(e) => {
+            eprintln!("the request on stdin is not JSON: {e}");
+            return 2;
+        }
+    };
+    let outcome = match verb {
+        "describe" => Ok(describe()),
+        "eval" => eval_verb(&request),
+        "deploy" => deploy(&request),
+        "destroy" => destroy(&request),
+        other => {
+            eprintln!("unknown verb {other:?}; expected describe, eval, deploy or destroy");
+            return 2;
+        }
+    };
+    let (result, code) = match outcome {
+        Ok(v) => (v, 0),
+        Err((v, code)) => (v, code),
+    };
+    if let Some(result) = result {
+        if let Err(e) = write_atomically(&result_path, result.to_string().as_bytes()) {
+            eprintln!("cannot write the result: {e}");
+            return 2;
+        }
+    }
+    code
+}
+
+type VerbResult = Result<Option<Value>, (Option<Value>, i32)>;
+
+fn describe() -> Option<Value> {
+    Some(json!({
+        "methods": ["local"],
+        "default_method": "local",
+        "actions": {"suspend": ["local"], "resume": ["local"]},
+        "catalog": catalog::catalog(),
+        "renames": [],
+        "schema": catalog::schema(),
+    }))
+}
+
+fn refuse(message: String) -> (Option<Value>, i32) {
+    (Some(json!({"error": {"message": message}})), 1)
+}
+
+fn eval_verb(request: &Value) -> VerbResult {
+    let nodes = evaluate(request).map_err(refuse)?;
+    Ok(Some(json!({"nodes": nodes.iter().map(|n| json!({"name": n.name, "names": n.names})).collect::<Vec<_>>()})))
+}
+
+fn max_nodes() -> usize {
+    std::env::var("BERTH_LOCAL_MAX_NODES").ok().and_then(|v| v.parse().ok()).unwrap_or(DEFAULT_MAX_NODES)
+}
+
+/// The eval rules: schema-level shape, then what a schema cannot say.
+pub fn evaluate(request: &Value) -> Result<Vec<Node>, String> {
+    let method = request.get("method").and_then(Value::as_str).unwrap_or("local");
+    if method != "local" {
+        return Err(format!("this deployer has only the method \"local\", not {method:?}"));
+    }
+    let config = request.get("configuration").ok_or("the request has no configuration")?;
+    let suspended = request.get("suspended").and_then(Value::as_bool).unwrap_or(false);
+    let shaped = crate::derive::shape(config).map_err(|e| format!("{} at {:?}", e.message, e.pointer))?;
+    for name in shaped.apps().keys() {
+        if !crate::derive::is_dns_label(name) {
+            return Err(format!("application name {name:?} is not a DNS label"));
+        }
+        if name == "base" {
+            return Err("the application name \"base\" is reserved for the base node".into());
+        }
+    }
+    let (domain, instances) = crate::derive::instances(config, &catalog::catalog()).map_err(|e| e.message.to_string())?;
+    let enabled: Vec<_> = instances.iter().filter(|i| i.enabled).collect();
+    if !enabled.is_empty() && domain.is_none() {
+        return Err("an enabled application needs a domain".into());
+    }
+    let mut nodes = Vec::new();
+    if !enabled.is_empty() {
+        nodes.push(Node { name: "base".into(), names: vec![], application: None });
+    }
+    for inst in enabled {
+        let names = match (&inst.domain, suspended) {
+            (Some(d), false) => vec![d.clone()],
+            _ => vec![],
+        };
+        nodes.push(Node { name: inst.name.clone(), names, application: Some(inst.name.clone()) });
+    }
+    if nodes.len() > max_nodes() {
+        return Err(format!("{} nodes is more than this deployer stands up ({})", nodes.len(), max_nodes()));
+    }
+    let mut seen = std::collections::BTreeSet::new();
+    for name in nodes.iter().flat_map(|n| n.names.iter()) {
+        if !seen.insert(name) {
+            return Err(format!("two nodes publish the name {name:?}"));
+        }
+    }
+    Ok(nodes)
+}
+
+fn step_delay() -> Duration {
+    let ms = std::env::var("BERTH_LOCAL_STEP_MS").ok().and_then(|v| v.parse().ok()).unwrap_or(DEFAULT_STEP_MS);
+    Duration::from_millis(ms)
+}
+
+/// Logs a step, then waits the step delay; `Err` when SIGTERM arrived.
+fn step(line: &str) -> Result<(), ()> {
+    println!("{line}");
+    let _ = std::io::stdout().flush();
+    std::thread::sleep(step_delay());
+    if TERMINATED.load(Ordering::SeqCst) {
+        println!("received SIGTERM: stopping between steps; the state file is consistent");
+        return Err(());
+    }
+    Ok(())
+}
+
+fn work_dir() -> Result<PathBuf, String> {
+    std::env::var_os("BERTH_WORK_DIR").map(PathBuf::from).ok_or_else(|| "BERTH_WORK_DIR is not set".into())
+}
+
+fn fail(message: impl std::fmt::Display) -> (Option<Value>, i32) {
+    eprintln!("error: {message}");
+    (None, 1)
+}
+
+fn deploy(request: &Value) -> VerbResult {
+    let deployment = request.get("deployment").and_then(Value::as_str).unwrap_or("unknown");
+    let work = work_dir().map_err(fail)?;
+    let scratch = std::env::var_os("BERTH_SCRATCH_DIR").map(PathBuf::from).ok_or_else(|| fail("BERTH_SCRATCH_DIR is not set"))?;
+    let suspended = request.get("suspended").and_then(Value::as_bool).unwrap_or(false);
+    let nodes = evaluate(request).map_err(|e| fail(format!("evaluation refused the configuration: {e}")))?;
+    let config = request.get("configuration").cloned().unwrap_or(Value::Null);
+    let apps: Map<String, Value> = crate::derive::shape(&config).map(|s| s.apps().clone()).unwrap_or_default();
+    let fail_node = std::env::var("BERTH_LOCAL_FAIL").ok();
+    let nodes_dir = work.join("nodes");
+    std::fs::create_dir_all(&nodes_dir).map_err(|e| fail(format!("cannot create {}: {e}", nodes_dir.display())))?;
+
+    let term = |_| (None, EXIT_TERMINATED);
+    step(&format!("planning deployment {deployment}: {} node(s){}", nodes.len(), if suspended { ", suspended" } else { "" })).map_err(term)?;
+    let mut results = Vec::new();
+    let mut activated: Vec<String> = Vec::new();
+    for node in &nodes {
+        let rendered = json!({
+            "node": node.name,
+            "deployment": deployment,
+            "application": node.application,
+            "settings": node.application.as_ref().and_then(|a| apps.get(a)).cloned(),
+            "names": node.names,
+            "suspended": suspended,
+        });
+        let text = serde_json::to_string_pretty(&rendered).unwrap_or_default();
+        let path = nodes_dir.join(format!("{}.json", node.name));
+        let changed = std::fs::read_to_string(&path).map(|old| old != text).unwrap_or(true);
+        let drv = hex(&Sha256::digest(text.as_bytes()))[..32].to_string();
+        step(&format!("evaluating node {}: /nix/store/{drv}-nixos-system-{}", node.name, node.name)).map_err(term)?;
+        if !changed {
+            step(&format!("node {} is up to date", node.name)).map_err(term)?;
+            results.push(json!({"name": node.name, "changed": false}));
+            activated.push(node.name.clone());
+            continue;
+        }
+        for (pkg, version, _) in catalog::packages(node.application.as_deref().unwrap_or("base")) {
+            println!("building '/nix/store/{}-{pkg}-{version}.drv'...", &hex(&Sha256::digest(format!("{pkg}{version}").as_bytes()))[..32]);
+        }
+        step(&format!("copying closure of node {} to local", node.name)).map_err(term)?;
+        if fail_node.as_deref() == Some(node.name.as_str()) {
+            write_state(&work, deployment, &activated, suspended).map_err(fail)?;
+            return Err(fail(format!("activation of node {} failed (BERTH_LOCAL_FAIL)", node.name)));
+        }
+        write_atomically(&path, text.as_bytes()).map_err(|e| fail(format!("cannot write {}: {e}", path.display())))?;
+        activated.push(node.name.clone());
+        write_state(&work, deployment, &activated, suspended).map_err(fail)?;
+        step(&format!("activating node {}: switching to configuration", node.name)).map_err(term)?;
+        let sbom_rel = format!("sbom/{}.cdx.json", node.name);
+        let sbom = match write_sbom(&scratch.join(&sbom_rel), node) {
+            Ok(()) => json!({"status": "ready", "path": sbom_rel}),
+            Err(e) => json!({"status": "unavailable", "reason": format!("sbom evaluation failed: {e}")}),
+        };
+        results.push(json!({"name": node.name, "changed": true, "sbom": sbom}));
+    }
+    // Nodes of an earlier deploy that this one no longer has.
+    if let Ok(entries) = std::fs::read_dir(&nodes_dir) {
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().trim_end_matches(".json").to_string();
+            if !nodes.iter().any(|n| n.name == name) {
+                println!("removing node {name}");
+                let _ = std::fs::remove_file(entry.path());
+            }
+        }
+    }
+    write_state(&work, deployment, &activated, suspended).map_err(fail)?;
+    println!("deployment {deployment} is active");
+    Ok(Some(json!({"nodes": results})))
+}
+
+fn destroy(request: &Value) -> VerbResult {
+    let deployment = request.get("deployment").and_then(Value::as_str).unwrap_or("unknown");
+    let work = work_dir().map_err(fail)?;
+    let term = |_| (None, EXIT_TERMINATED);
+    step(&format!("destroying deployment {deployment}")).map_err(term)?;
+    let nodes_dir = work.join("nodes");
+    let mut remaining: Vec<String> = std::fs::read_dir(&nodes_dir)
+        .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().trim_end_matches(".json").to_string()).collect())
+        .unwrap_or_default();
+    remaining.sort();
+    while let Some(node) = remaining.pop() {
+        step(&format!("stopping node {node}")).map_err(|_| {
+            let _ = write_state(&work, deployment, &remaining_with(&remaining, &node), false);
+            (None, EXIT_TERMINATED)
+        })?;
+        let _ = std::fs::remove_file(nodes_dir.join(format!("{node}.json")));
+        write_state(&work, deployment, &remaining, false).map_err(fail)?;
+    }
+    let _ = std::fs::remove_dir(&nodes_dir);
+    let _ = std::fs::remove_file(work.join("state.json"));
+    println!("deployment {deployment} is destroyed");
+    Ok(Some(json!({})))
+}
+
+fn remaining_with(list: &[String], node: &str) -> Vec<String> {
+    let mut v = list.to_vec();
+    v.push(node.to_string());
+    v
+}
+
+fn write_state(work: &Path, deployment: &str, nodes: &[String], suspended: bool) -> Result<(), String> {
+    let state = json!({"deployment": deployment, "nodes": nodes, "suspended": suspended});
+    write_atomically(&work.join("state.json"), state.to_string().as_bytes()).map_err(|e| format!("cannot write the state file: {e}"))
+}
+
+/// Write to a temporary file, fsync, rename over the target, fsync the directory.
+fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir)?;
+    let tmp = path.with_extension("tmp");
+    {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+    }
+    std::fs::rename(&tmp, path)?;
+    std::fs::File::open(dir)?.sync_all()
+}
+
+fn hex(bytes: &[u8]) -> String {
+    crate::hex::encode(bytes)
+}
+
+/// A CycloneDX 1.5 SBOM of the node's packages.
+fn write_sbom(path: &Path, node: &Node) -> std::io::Result<()> {
+    let packages = catalog::packages(node.application.as_deref().unwrap_or("base"));
+    let node_ref = format!("node:{}", node.name);
+    let components: Vec<Value> = packages
+        .iter()
+        .map(|(name, version, license)| {
+            let purl = format!("pkg:nix/{name}@{version}");
+            json!({
+                "type": "library",
+                "bom-ref": purl,
+                "name": name,
+                "version": version,
+                "purl": purl,
+                "hashes": [{"alg": "SHA-256", "content": hex(&Sha256::digest(format!("{name}-{version}").as_bytes()))}],
+                "licenses": [{"license": {"id": license}}],
+            })
+        })
+        .collect();
+    let doc = json!({
+        "bomFormat": "CycloneDX",
+        "specVersion": "1.5",
+        "serialNumber": format!("urn:uuid:{}", uuid::Uuid::now_v7()),
+        "version": 1,
+        "metadata": {
+            "timestamp": crate::model::format_time(crate::model::now_millis()),
+            "tools": {"components": [{"type": "application", "name": "berth-local-deployer", "version": env!("CARGO_PKG_VERSION")}]},
+            "component": {"type": "operating-system", "name": node.name, "bom-ref": node_ref},
+        },
+        "components": components,
+        "dependencies": [{"ref": node_ref, "dependsOn": packages.iter().map(|(n, v, _)| format!("pkg:nix/{n}@{v}")).collect::<Vec<_>>()}],
+    });
+    write_atomically(path, serde_json::to_string_pretty(&doc).unwrap_or_default().as_bytes())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(config: Value, suspended: bool) -> Value {
+        json!({"deployment": "alice", "method": "local", "configuration": config, "suspended": suspended})
+    }
+
+    #[test]
+    fn nodes_and_names() {
+        let c = json!({"domain": "a.org", "applications": {"mastodon": {"enable": true}, "homepage": {"enable": true}, "pixelfed": {}}});
+        let nodes = evaluate(&req(c.clone(), false)).unwrap();
+        let names: Vec<_> = nodes.iter().map(|n| (n.name.as_str(), n.names.clone())).collect();
+        assert_eq!(
+            names,
+            vec![("base", vec![]), ("mastodon", vec!["mastodon.a.org".to_string()]), ("homepage", vec!["a.org".to_string()])]
+        );
+        let suspended = evaluate(&req(c, true)).unwrap();
+        assert!(suspended.iter().all(|n| n.names.is_empty()));
+    }
+
+    #[test]
+    fn refusals() {
+        for c in [
+            json!({"applications": {"mastodon": {"enable": true}}}),
+            json!({"domain": "a.org", "applications": {"base": {"enable": true}}}),
+            json!({"domain": "a.org", "applications": {"Bad_Name": {}}}),
+            json!({"domain": "a.org", "applications": {"s3": {"enable": true}, "garage": {"enable": true}}}),
+        ] {
+            assert!(evaluate(&req(c.clone(), false)).is_err(), "{c}");
+        }
+        assert!(evaluate(&json!({"method": "nix", "configuration": {}})).is_err());
+        assert!(evaluate(&req(json!({}), false)).unwrap().is_empty());
+    }
+}

@@ -1,0 +1,375 @@
+//! Plain data shared by the store, the engine and the HTTP layer.
+//!
+//! Records here are what the store persists (bincode, see `store::codec`);
+//! the `*View` types are what the API shows. Keeping both in one place makes
+//! "what is stored" and "what is shown" easy to compare.
+
+use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
+
+/// A build id: a UUIDv7, so ids sort by creation time in the store.
+pub type BuildId = u128;
+
+/// Milliseconds since the Unix epoch, UTC.
+pub type Millis = i64;
+
+pub fn now_millis() -> Millis {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    i64::try_from(now.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// RFC 3339 UTC with milliseconds, as every API time is written.
+pub fn format_time(ms: Millis) -> String {
+    let nanos = i128::from(ms) * 1_000_000;
+    match time::OffsetDateTime::from_unix_timestamp_nanos(nanos) {
+        Ok(t) => format!(
+            "{:04}-{:02}-{:02}T{:02}:{:02}:{:02}.{:03}Z",
+            t.year(),
+            u8::from(t.month()),
+            t.day(),
+            t.hour(),
+            t.minute(),
+            t.second(),
+            t.millisecond()
+        ),
+        Err(_) => "1970-01-01T00:00:00.000Z".to_string(),
+    }
+}
+
+pub fn new_build_id() -> BuildId {
+    uuid::Uuid::now_v7().as_u128()
+}
+
+pub fn format_build_id(id: BuildId) -> String {
+    uuid::Uuid::from_u128(id).hyphenated().to_string()
+}
+
+pub fn parse_build_id(text: &str) -> Option<BuildId> {
+    uuid::Uuid::try_parse(text).ok().map(|u| u.as_u128())
+}
+
+/// The longest deployment id (FR-002).
+pub const MAX_DEPLOYMENT_ID_LEN: usize = 40;
+
+/// `^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$`: a DNS label of at most 40 characters.
+pub fn is_valid_deployment_id(id: &str) -> bool {
+    is_dns_label(id, MAX_DEPLOYMENT_ID_LEN)
+}
+
+/// A lower-case DNS label of at most `max` characters.
+pub fn is_dns_label(s: &str, max: usize) -> bool {
+    let b = s.as_bytes();
+    if b.is_empty() || b.len() > max {
+        return false;
+    }
+    let inner = |c: &u8| c.is_ascii_lowercase() || c.is_ascii_digit();
+    inner(&b[0])
+        && inner(&b[b.len() - 1])
+        && b.iter().all(|c| inner(c) || *c == b'-')
+}
+
+/// A module source, pinned by digest and immutable.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Source {
+    pub url: String,
+    pub rev: String,
+    pub digest: String,
+}
+
+impl Source {
+    /// `sha256:` followed by 64 lower-case hex digits.
+    pub fn digest_is_valid(digest: &str) -> bool {
+        digest
+            .strip_prefix("sha256:")
+            .is_some_and(|h| h.len() == 64 && h.bytes().all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(&c)))
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BuildKind {
+    Deploy,
+    Destroy,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BuildStatus {
+    Queued,
+    Running,
+    Succeeded,
+    Failed,
+    Cancelled,
+}
+
+impl BuildStatus {
+    pub fn is_finished(self) -> bool {
+        matches!(self, Self::Succeeded | Self::Failed | Self::Cancelled)
+    }
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Queued => "queued",
+            Self::Running => "running",
+            Self::Succeeded => "succeeded",
+            Self::Failed => "failed",
+            Self::Cancelled => "cancelled",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Trigger {
+    Submit,
+    Delete,
+    Action(String),
+    AutomaticUpdate,
+}
+
+impl Trigger {
+    pub fn label(&self) -> String {
+        match self {
+            Self::Submit => "submit".into(),
+            Self::Delete => "delete".into(),
+            Self::Action(name) => format!("action:{name}"),
+            Self::AutomaticUpdate => "automatic_update".into(),
+        }
+    }
+}
+
+/// Why a build failed or was cancelled; `reason` is a stable code.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Failure {
+    pub reason: String,
+    pub detail: String,
+}
+
+/// The process group of a running build, enough to recognise it after a
+/// restart (a pid alone may have been reused).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Job {
+    pub pid: i32,
+    /// Field 22 of `/proc/<pid>/stat`: clock ticks after boot.
+    pub start_ticks: u64,
+}
+
+/// The configuration and source a build runs against.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Snapshot {
+    /// The configuration exactly as submitted (JSON text).
+    pub configuration: String,
+    pub source: Source,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct BuildRecord {
+    pub id: BuildId,
+    pub deployment: String,
+    pub kind: BuildKind,
+    pub trigger: Trigger,
+    pub status: BuildStatus,
+    pub suspended: bool,
+    pub method: String,
+    pub snapshot: Snapshot,
+    /// What the deployment ran before this build (given to the deployer).
+    pub previous: Option<Snapshot>,
+    pub created_at: Millis,
+    pub started_at: Option<Millis>,
+    pub finished_at: Option<Millis>,
+    pub exit_code: Option<i32>,
+    pub failure: Option<Failure>,
+    pub job: Option<Job>,
+    pub log_bytes: u64,
+    pub log_lines: u64,
+    /// Number of log chunks committed for this build.
+    pub log_chunks: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum UpdatePolicy {
+    Manual,
+    Automatic,
+    Window {
+        frequency: Frequency,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        day: Option<u8>,
+        start: String,
+        duration_minutes: u32,
+        time_zone: String,
+    },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Frequency {
+    Daily,
+    Weekly,
+    Monthly,
+}
+
+/// What the last successful deploy ran.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Deployed {
+    pub build_id: BuildId,
+    pub snapshot: Snapshot,
+    pub method: String,
+    pub finished_at: Millis,
+}
+
+/// The last finished build that counts for the derived state.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+pub struct LastFinished {
+    pub build_id: BuildId,
+    pub kind: BuildKind,
+    pub status: BuildStatus,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct DeploymentRecord {
+    pub id: String,
+    pub revision: u64,
+    pub suspended: bool,
+    pub method: String,
+    /// The domain of the last submitted configuration (derived at submit).
+    pub domain: Option<String>,
+    pub snapshot: Snapshot,
+    #[serde(with = "as_json_text")]
+    pub update_policy: UpdatePolicy,
+    pub deployed: Option<Deployed>,
+    pub last_build: Option<BuildId>,
+    pub last_finished: Option<LastFinished>,
+    /// Deploy builds queued or running.
+    pub pending_deploys: u32,
+    /// Destroy builds queued or running.
+    pub pending_destroys: u32,
+    pub running: Option<BuildId>,
+    pub created_at: Millis,
+    pub updated_at: Millis,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DeploymentState {
+    Destroying,
+    Building,
+    Failed,
+    Active,
+    Idle,
+}
+
+impl DeploymentRecord {
+    /// lifecycle.md "Deployment state": the first row that applies wins.
+    pub fn state(&self) -> DeploymentState {
+        if self.pending_destroys > 0 {
+            return DeploymentState::Destroying;
+        }
+        if self.pending_deploys > 0 {
+            return DeploymentState::Building;
+        }
+        match self.last_finished {
+            Some(LastFinished { status: BuildStatus::Failed | BuildStatus::Cancelled, .. }) => {
+                DeploymentState::Failed
+            }
+            Some(LastFinished { kind: BuildKind::Deploy, status: BuildStatus::Succeeded, .. }) => {
+                DeploymentState::Active
+            }
+            _ => DeploymentState::Idle,
+        }
+    }
+
+    pub fn has_pending_build(&self) -> bool {
+        self.pending_deploys + self.pending_destroys > 0
+    }
+}
+
+/// A stored configuration as JSON, for embedding in a response without
+/// re-encoding (so it is shown exactly as submitted).
+pub fn raw_json(text: &str) -> Box<RawValue> {
+    RawValue::from_string(text.to_string())
+        .unwrap_or_else(|_| RawValue::from_string("null".to_string()).expect("null is JSON"))
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct BuildSummary {
+    pub id: String,
+    pub deployment: String,
+    pub kind: BuildKind,
+    pub trigger: String,
+    pub status: BuildStatus,
+    pub suspended: bool,
+    pub created_at: String,
+    pub started_at: Option<String>,
+    pub finished_at: Option<String>,
+    pub exit_code: Option<i32>,
+    pub failure: Option<Failure>,
+}
+
+impl BuildRecord {
+    pub fn summary(&self) -> BuildSummary {
+        BuildSummary {
+            id: format_build_id(self.id),
+            deployment: self.deployment.clone(),
+            kind: self.kind,
+            trigger: self.trigger.label(),
+            status: self.status,
+            suspended: self.suspended,
+            created_at: format_time(self.created_at),
+            started_at: self.started_at.map(format_time),
+            finished_at: self.finished_at.map(format_time),
+            exit_code: self.exit_code,
+            failure: self.failure.clone(),
+        }
+    }
+
+    pub fn view(&self) -> BuildView {
+        BuildView {
+            summary: self.summary(),
+            configuration: raw_json(&self.snapshot.configuration),
+            source: self.snapshot.source.clone(),
+            job_id: self.job.map(|j| format!("pid:{}", j.pid)),
+            log_bytes: self.log_bytes,
+            log_lines: self.log_lines,
+        }
+    }
+}
+
+#[derive(Debug, Serialize)]
+pub struct BuildView {
+    #[serde(flatten)]
+    pub summary: BuildSummary,
+    pub configuration: Box<RawValue>,
+    pub source: Source,
+    pub job_id: Option<String>,
+    pub log_bytes: u64,
+    pub log_lines: u64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct DeploymentSummary {
+    pub id: String,
+    pub revision: u64,
+    pub state: DeploymentState,
+    pub suspended: bool,
+    pub domain: Option<String>,
+    pub updated_at: String,
+    pub last_build: Option<BuildSummary>,
+}
+
+/// Stores a value as its JSON text: for types whose serde form bincode
+/// cannot read back (internally tagged enums, skipped fields).
+mod as_json_text {
+    use serde::{de::DeserializeOwned, Deserialize, Deserializer, Serialize, Serializer};
+
+    pub fn serialize<T: Serialize, S: Serializer>(value: &T, s: S) -> Result<S::Ok, S::Error> {
+        let text = serde_json::to_string(value).map_err(serde::ser::Error::custom)?;
+        s.serialize_str(&text)
+    }
+
+    pub fn deserialize<'de, T: DeserializeOwned, D: Deserializer<'de>>(d: D) -> Result<T, D::Error> {
+        let text = String::deserialize(d)?;
+        serde_json::from_str(&text).map_err(serde::de::Error::custom)
+    }
+}

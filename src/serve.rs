@@ -1,0 +1,169 @@
+//! `berth serve`: open the data dir and the store, recover, then serve HTTP
+//! and run the queue until SIGTERM/SIGINT.
+
+use std::io::Write;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::path::Path;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::api::{self, Ctx};
+use crate::engine::Engine;
+use crate::settings::Settings;
+use crate::store::Store;
+
+/// Random bytes in a generated secret (256 bits).
+const SECRET_BYTES: usize = 32;
+
+fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("BERTH_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,warp=warn,hyper=warn,hyper_util=warn"));
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+}
+
+/// Reads a secret file, or creates it (0600) with fresh random bytes as hex.
+fn load_or_create_secret(path: &Path) -> Result<String, String> {
+    match std::fs::read_to_string(path) {
+        Ok(s) if !s.trim().is_empty() => return Ok(s.trim().to_string()),
+        Ok(_) => return Err(format!("{} is empty", path.display())),
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(format!("cannot read {}: {e}", path.display())),
+        Err(_) => {}
+    }
+    let mut bytes = [0u8; SECRET_BYTES];
+    getrandom::fill(&mut bytes).map_err(|e| format!("no randomness for a new secret: {e}"))?;
+    let secret = crate::hex::encode(&bytes);
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .map_err(|e| format!("cannot create {}: {e}", path.display()))?;
+    f.write_all(secret.as_bytes()).and_then(|_| f.sync_all()).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+    tracing::info!(path = %path.display(), "generated a new secret file");
+    Ok(secret)
+}
+
+fn read_secret_file(path: &Path) -> Result<String, String> {
+    let s = std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let s = s.trim().to_string();
+    if s.is_empty() {
+        return Err(format!("{} is empty", path.display()));
+    }
+    Ok(s)
+}
+
+pub fn run(settings: Settings) -> i32 {
+    init_tracing();
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("berth: cannot start the async runtime: {e}");
+            return 1;
+        }
+    };
+    match runtime.block_on(serve(settings)) {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("berth: {e}");
+            1
+        }
+    }
+}
+
+async fn serve(mut settings: Settings) -> Result<(), String> {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    if settings.reset_dev_state && !settings.dev {
+        return Err("--reset-dev-state deletes every stored deployment; it needs --dev too".into());
+    }
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(&settings.data_dir)
+        .map_err(|e| format!("cannot create the data dir {}: {e}", settings.data_dir.display()))?;
+    // Deployers run in their scratch dir: every path handed to them is absolute.
+    settings.data_dir = std::fs::canonicalize(&settings.data_dir)
+        .map_err(|e| format!("cannot resolve the data dir {}: {e}", settings.data_dir.display()))?;
+    let service_token = match &settings.service_token_file {
+        Some(p) => read_secret_file(p)?,
+        None => {
+            let path = settings.data_dir.join("service-token");
+            let token = load_or_create_secret(&path)?;
+            tracing::info!(path = %path.display(), "service token file (send it as Authorization: Bearer <token>)");
+            token
+        }
+    };
+    let cursor_key = load_or_create_secret(&settings.data_dir.join("cursor-key"))?.into_bytes();
+    let callback_secret = match &settings.callback_secret_file {
+        Some(p) => read_secret_file(p)?,
+        None => load_or_create_secret(&settings.data_dir.join("callback-secret"))?,
+    }
+    .into_bytes();
+    let store = Store::open(&settings.db_path()).map_err(|e| format!("cannot open {}: {e}", settings.db_path().display()))?;
+    if settings.reset_dev_state {
+        reset_dev_state(&settings, &store).await?;
+    }
+    let listener = tokio::net::TcpListener::bind(settings.listen)
+        .await
+        .map_err(|e| format!("cannot listen on {}: {e} (choose another with --listen)", settings.listen))?;
+    let local = listener.local_addr().map_err(|e| e.to_string())?;
+    let settings = Arc::new(settings);
+    let engine = Engine::new(settings.clone(), store, callback_secret).map_err(|e| format!("cannot find the deployer: {e}"))?;
+    let ctx = Arc::new(Ctx { engine: engine.clone(), service_token, cursor_key, idempotency: Default::default() });
+
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let mut server_stop = stop_rx.clone();
+    let server = warp::serve(api::filter(ctx))
+        .incoming(listener)
+        .graceful(async move {
+            let _ = server_stop.wait_for(|s| *s).await;
+        })
+        .run();
+    let server = tokio::spawn(server);
+    tracing::info!(address = %local, "berth listening on http://{local}");
+
+    engine.recover().await.map_err(|e| format!("recovery failed: {e}"))?;
+    engine.ready.store(true, Ordering::SeqCst);
+    tokio::spawn(engine.clone().run_queue());
+    tokio::spawn(engine.clone().run_callbacks());
+    tokio::spawn(engine.clone().run_idempotency_sweep());
+
+    wait_for_signal().await;
+    tracing::info!("shutting down: no new requests or builds; waiting for running builds");
+    engine.stopping.store(true, Ordering::SeqCst);
+    let _ = stop_tx.send(true);
+    let deadline = tokio::time::Instant::now() + settings.shutdown_grace;
+    while engine.running_builds() > 0 && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    if engine.running_builds() > 0 {
+        tracing::warn!(running = engine.running_builds(), "exiting with builds still running; the next start recovers them");
+    }
+    let _ = tokio::time::timeout(Duration::from_secs(2), server).await;
+    Ok(())
+}
+
+async fn wait_for_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+        tracing::error!("cannot install signal handlers; stop berth with SIGKILL");
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+}
+
+async fn reset_dev_state(settings: &Settings, store: &Store) -> Result<(), String> {
+    let rx = store.read().map_err(|e| e.to_string())?;
+    let deployments = rx.deployment_count().map_err(|e| e.to_string())?;
+    eprintln!(
+        "berth: --reset-dev-state: deleting {deployments} deployment(s) with their builds and logs from {}, and {}",
+        settings.db_path().display(),
+        settings.data_dir.join("work").display()
+    );
+    store.write(|tx| tx.clear_all()).await.map_err(|e| e.to_string())?;
+    let _ = std::fs::remove_dir_all(settings.data_dir.join("work"));
+    Ok(())
+}

@@ -1,0 +1,201 @@
+//! Every flag of `berth`, its environment variable, its default and its limit.
+//!
+//! One place to read what can be tuned. Each flag is also read from a
+//! `BERTH_*` environment variable; `berth serve --help` prints them all.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+
+use crate::model::Source;
+
+#[derive(Debug, Parser)]
+#[command(name = "berth", version, about = "A single-binary deployment control plane for self-hosters")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the HTTP server, the build queue and the deployers.
+    Serve(Box<Settings>),
+    /// Run a built-in deployer (berth calls this itself; see spec deployer.md).
+    Deployer {
+        #[command(subcommand)]
+        deployer: DeployerCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum DeployerCommand {
+    /// The embedded `local` deployer: `berth deployer local <verb>`.
+    Local {
+        /// describe, eval, deploy or destroy
+        verb: String,
+    },
+}
+
+/// Flags of `berth serve`.
+#[derive(Debug, Clone, Args)]
+pub struct Settings {
+    /// Address to listen on.
+    #[arg(long, env = "BERTH_LISTEN", default_value = "127.0.0.1:8080")]
+    pub listen: SocketAddr,
+
+    /// Directory holding berth.redb, secrets, work/ and scratch/.
+    #[arg(long, env = "BERTH_DATA_DIR", default_value = "./berth-data")]
+    pub data_dir: PathBuf,
+
+    /// File holding the service token; when absent berth generates
+    /// <data-dir>/service-token (0600) on first start.
+    #[arg(long, env = "BERTH_SERVICE_TOKEN_FILE")]
+    pub service_token_file: Option<PathBuf>,
+
+    /// Deployer executable (run as `<deployer> <verb>`); default: this
+    /// binary's embedded `local` deployer.
+    #[arg(long, env = "BERTH_DEPLOYER")]
+    pub deployer: Option<PathBuf>,
+
+    /// The default source (a self-pin): url=...,rev=...,digest=sha256:<64 hex>.
+    /// Without it berth uses a built-in source for the `local` deployer.
+    #[arg(long, env = "BERTH_DEFAULT_SOURCE", value_parser = parse_source)]
+    pub default_source: Option<Source>,
+
+    /// Origins (scheme://host[:port]) an explicit source url may have;
+    /// comma-separated. Default: none.
+    #[arg(long, env = "BERTH_SOURCE_ORIGIN", value_delimiter = ',')]
+    pub source_origin: Vec<String>,
+
+    /// Origins a delete callback may have; comma-separated. Default: none.
+    #[arg(long, env = "BERTH_CALLBACK_ORIGIN", value_delimiter = ',')]
+    pub callback_origin: Vec<String>,
+
+    /// HMAC key for callback signatures; generated in the data dir when absent.
+    #[arg(long, env = "BERTH_CALLBACK_SECRET_FILE")]
+    pub callback_secret_file: Option<PathBuf>,
+
+    /// Largest request body in bytes.
+    #[arg(long, env = "BERTH_MAX_BODY", default_value_t = 1024 * 1024)]
+    pub max_body: usize,
+
+    /// Concurrent `eval` calls.
+    #[arg(long, env = "BERTH_EVAL_SLOTS", default_value_t = 2)]
+    pub eval_slots: usize,
+
+    /// Time limit of one `eval` or `describe` call (e.g. 60s, 2m).
+    #[arg(long, env = "BERTH_EVAL_TIMEOUT", default_value = "60s", value_parser = parse_duration)]
+    pub eval_timeout: Duration,
+
+    /// Builds running at once across deployments.
+    #[arg(long, env = "BERTH_BUILD_SLOTS", default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=1024))]
+    pub build_slots: u16,
+
+    /// Time limit of one deploy or destroy; 0 turns it off.
+    #[arg(long, env = "BERTH_BUILD_TIMEOUT", default_value = "24h", value_parser = parse_duration)]
+    pub build_timeout: Duration,
+
+    /// Time between SIGTERM and SIGKILL when a build is stopped.
+    #[arg(long, env = "BERTH_CANCEL_GRACE", default_value = "30s", value_parser = parse_duration)]
+    pub cancel_grace: Duration,
+
+    /// On SIGTERM/SIGINT, how long to wait for running builds before exiting.
+    #[arg(long, env = "BERTH_SHUTDOWN_GRACE", default_value = "30s", value_parser = parse_duration)]
+    pub shutdown_grace: Duration,
+
+    /// Stored log bytes per build; past it lines are counted, not stored.
+    #[arg(long, env = "BERTH_MAX_LOG_BYTES", default_value_t = 256 * 1024 * 1024)]
+    pub max_log_bytes: u64,
+
+    /// Queued builds one deployment may have before a submit gets queue_full.
+    #[arg(long, env = "BERTH_MAX_QUEUED_BUILDS", default_value_t = 100)]
+    pub max_queued_builds: u32,
+
+    /// Serve /metrics without the service token.
+    #[arg(long, env = "BERTH_METRICS_PUBLIC")]
+    pub metrics_public: bool,
+
+    /// Development mode (allows --reset-dev-state).
+    #[arg(long, env = "BERTH_DEV")]
+    pub dev: bool,
+
+    /// Delete the stored state at start (needs --dev).
+    #[arg(long, env = "BERTH_RESET_DEV_STATE")]
+    pub reset_dev_state: bool,
+}
+
+impl Settings {
+    pub fn db_path(&self) -> PathBuf {
+        self.data_dir.join("berth.redb")
+    }
+    pub fn work_dir(&self, deployment: &str) -> PathBuf {
+        self.data_dir.join("work").join(deployment)
+    }
+    pub fn scratch_root(&self) -> PathBuf {
+        self.data_dir.join("scratch")
+    }
+}
+
+/// `url=...,rev=...,digest=sha256:...`
+pub fn parse_source(text: &str) -> Result<Source, String> {
+    let (mut url, mut rev, mut digest) = (None, None, None);
+    for part in text.split(',') {
+        let (key, value) = part.split_once('=').ok_or("expected key=value pairs: url=...,rev=...,digest=sha256:...")?;
+        match key.trim() {
+            "url" => url = Some(value.trim().to_string()),
+            "rev" => rev = Some(value.trim().to_string()),
+            "digest" => digest = Some(value.trim().to_string()),
+            _ => return Err("unknown key; expected url, rev and digest".into()),
+        }
+    }
+    let source = Source {
+        url: url.ok_or("missing url=")?,
+        rev: rev.ok_or("missing rev=")?,
+        digest: digest.ok_or("missing digest=")?,
+    };
+    if !Source::digest_is_valid(&source.digest) {
+        return Err("digest must be sha256: followed by 64 lower-case hex digits".into());
+    }
+    Ok(source)
+}
+
+/// `250ms`, `30s`, `5m`, `24h`, or a plain number of seconds.
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    let text = text.trim();
+    let split = text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let n: u64 = number.parse().map_err(|_| "expected a number followed by ms, s, m or h".to_string())?;
+    let d = match unit {
+        "ms" => Duration::from_millis(n),
+        "" | "s" => Duration::from_secs(n),
+        "m" => Duration::from_secs(n.saturating_mul(60)),
+        "h" => Duration::from_secs(n.saturating_mul(3600)),
+        _ => return Err("unit must be ms, s, m or h".into()),
+    };
+    Ok(d)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
+        assert_eq!(parse_duration("24h"), Ok(Duration::from_secs(86400)));
+        assert_eq!(parse_duration("0"), Ok(Duration::ZERO));
+        assert!(parse_duration("5 parsecs").is_err());
+        assert!(parse_duration("").is_err());
+    }
+
+    #[test]
+    fn sources() {
+        let d = format!("sha256:{}", "a".repeat(64));
+        let s = parse_source(&format!("url=https://x.org/m,rev=v1,digest={d}")).unwrap();
+        assert_eq!(s.rev, "v1");
+        assert!(parse_source("url=x,rev=y,digest=sha256:zz").is_err());
+        assert!(parse_source("url=x,rev=y").is_err());
+    }
+}

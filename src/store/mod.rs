@@ -1,0 +1,533 @@
+//! The store: the only code that touches redb.
+//!
+//! Writes go through one writer thread that group-commits: every write job
+//! queued while the previous commit was in flight runs in the next single
+//! transaction, which commits (fsync) once. Concurrent requests so share the
+//! cost of an fsync, and each job still sees the writes of the jobs before it.
+//! A job must check before it writes: a job that returns a domain refusal
+//! must not have written anything. A storage error aborts the whole batch.
+//!
+//! Reads use redb read transactions on the caller's thread (MVCC snapshots).
+
+pub mod codec;
+pub mod tables;
+
+use std::path::Path;
+use std::sync::Arc;
+
+use redb::{Database, ReadTransaction, ReadableDatabase, ReadableTable, ReadableTableMetadata, WriteTransaction};
+use serde::{Deserialize, Serialize};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::model::{BuildId, BuildRecord, DeploymentRecord, Millis, Source};
+use tables::*;
+
+/// The on-disk layout version in `meta`; an older file is migrated at open.
+pub const SCHEMA_VERSION: u32 = 1;
+/// Write jobs waiting for the writer thread before `write` waits for room.
+const WRITE_QUEUE_DEPTH: usize = 4096;
+/// Jobs folded into one transaction at most, to bound commit latency.
+const MAX_JOBS_PER_COMMIT: usize = 256;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreErrorKind {
+    DiskFull,
+    Corrupt,
+    Closed,
+    Other,
+}
+
+#[derive(Debug, Clone)]
+pub struct StoreError {
+    pub kind: StoreErrorKind,
+    pub detail: String,
+}
+
+impl std::fmt::Display for StoreError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "store error ({:?}): {}", self.kind, self.detail)
+    }
+}
+
+impl std::error::Error for StoreError {}
+
+impl StoreError {
+    pub fn corrupt(detail: impl Into<String>) -> Self {
+        Self { kind: StoreErrorKind::Corrupt, detail: detail.into() }
+    }
+    fn closed() -> Self {
+        Self { kind: StoreErrorKind::Closed, detail: "the store writer has stopped".into() }
+    }
+}
+
+fn is_disk_full(text: &str) -> bool {
+    text.contains("No space left") || text.contains("os error 28") || text.contains("StorageFull")
+}
+
+macro_rules! from_redb {
+    ($($t:ty),*) => {$(
+        impl From<$t> for StoreError {
+            fn from(e: $t) -> Self {
+                let detail = e.to_string();
+                let kind = if is_disk_full(&detail) || is_disk_full(&format!("{e:?}")) {
+                    StoreErrorKind::DiskFull
+                } else {
+                    StoreErrorKind::Other
+                };
+                Self { kind, detail }
+            }
+        }
+    )*};
+}
+from_redb!(
+    redb::Error,
+    redb::StorageError,
+    redb::TableError,
+    redb::TransactionError,
+    redb::CommitError,
+    redb::DatabaseError
+);
+
+pub type StoreResult<T> = Result<T, StoreError>;
+
+type Completion = Box<dyn FnOnce(Option<StoreError>) + Send>;
+type WriteJob = Box<dyn FnOnce(&WriteTransaction) -> (Completion, bool) + Send>;
+
+/// A stored response to a mutation, replayed for the same idempotency key.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct IdempotencyRecord {
+    pub fingerprint: Vec<u8>,
+    pub status: u16,
+    pub content_type: String,
+    pub body: Vec<u8>,
+    pub headers: Vec<(String, String)>,
+    pub expires_at: Millis,
+}
+
+/// A destroy callback waiting to be sent (or retried).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PendingCallback {
+    pub url: String,
+    pub deployment: String,
+    /// False until the destroy succeeds.
+    pub armed: bool,
+    pub attempts: u32,
+    pub next_at: Millis,
+    pub first_at: Millis,
+}
+
+#[derive(Clone)]
+pub struct Store {
+    db: Arc<Database>,
+    writer: mpsc::Sender<WriteJob>,
+}
+
+impl Store {
+    /// Opens (or creates) the store and starts its writer thread.
+    pub fn open(path: &Path) -> StoreResult<Store> {
+        let db = Database::builder()
+            .set_concurrency_mode(redb::ConcurrencyMode::SingleWriter)
+            .create(path)?;
+        let db = Arc::new(db);
+        init_schema(&db)?;
+        let (tx, rx) = mpsc::channel::<WriteJob>(WRITE_QUEUE_DEPTH);
+        let writer_db = db.clone();
+        std::thread::Builder::new()
+            .name("berth-store-writer".into())
+            .spawn(move || writer_loop(writer_db, rx))
+            .map_err(|e| StoreError { kind: StoreErrorKind::Other, detail: e.to_string() })?;
+        Ok(Store { db, writer: tx })
+    }
+
+    /// Runs `job` inside the next group commit and returns its value once the
+    /// commit is durable. The job must not write when it returns a refusal.
+    pub async fn write<T, F>(&self, job: F) -> StoreResult<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(&Tx) -> StoreResult<T> + Send + 'static,
+    {
+        let (done_tx, done_rx) = oneshot::channel::<StoreResult<T>>();
+        let wrapped: WriteJob = Box::new(move |txn: &WriteTransaction| {
+            let result = job(&Tx { txn });
+            let failed = result.is_err();
+            let completion: Completion = Box::new(move |commit_error| {
+                let outcome = match commit_error {
+                    Some(e) => Err(e),
+                    None => result,
+                };
+                let _ = done_tx.send(outcome);
+            });
+            (completion, failed)
+        });
+        self.writer.send(wrapped).await.map_err(|_| StoreError::closed())?;
+        done_rx.await.map_err(|_| StoreError::closed())?
+    }
+
+    pub fn read(&self) -> StoreResult<Rx> {
+        Ok(Rx { txn: self.db.begin_read()? })
+    }
+
+    /// Bytes the store file takes on disk.
+    pub fn file_size(path: &Path) -> u64 {
+        std::fs::metadata(path).map(|m| m.len()).unwrap_or(0)
+    }
+}
+
+fn init_schema(db: &Database) -> StoreResult<()> {
+    let txn = db.begin_write()?;
+    {
+        let mut meta = txn.open_table(META)?;
+        let found = meta.get("schema_version")?.map(|v| v.value().to_vec());
+        match found {
+            None => {
+                meta.insert("schema_version", SCHEMA_VERSION.to_le_bytes().as_slice())?;
+            }
+            Some(bytes) => {
+                let version = <[u8; 4]>::try_from(bytes.as_slice())
+                    .map(u32::from_le_bytes)
+                    .map_err(|_| StoreError::corrupt("meta.schema_version is not a u32"))?;
+                if version > SCHEMA_VERSION {
+                    return Err(StoreError::corrupt(format!(
+                        "the store has schema version {version}, newer than this berth ({SCHEMA_VERSION}); use a newer berth"
+                    )));
+                }
+                // Version 1 is the first layout: nothing to migrate yet.
+            }
+        }
+        // Create every table so readers never meet a missing one.
+        txn.open_table(DEPLOYMENTS)?;
+        txn.open_table(BUILDS)?;
+        txn.open_table(DEPLOYMENT_BUILDS)?;
+        txn.open_table(QUEUED)?;
+        txn.open_table(RUNNING)?;
+        txn.open_table(LOG_CHUNKS)?;
+        txn.open_table(IDEMPOTENCY)?;
+        txn.open_table(SOURCES)?;
+        txn.open_table(DESCRIBE_CACHE)?;
+        txn.open_table(CALLBACKS)?;
+    }
+    txn.commit()?;
+    Ok(())
+}
+
+fn writer_loop(db: Arc<Database>, mut rx: mpsc::Receiver<WriteJob>) {
+    while let Some(first) = rx.blocking_recv() {
+        let mut batch = vec![first];
+        while batch.len() < MAX_JOBS_PER_COMMIT {
+            match rx.try_recv() {
+                Ok(job) => batch.push(job),
+                Err(_) => break,
+            }
+        }
+        let txn = match db.begin_write() {
+            Ok(t) => t,
+            Err(e) => {
+                let err = StoreError::from(e);
+                // Jobs never ran; answer each with the error.
+                let noop = WriteTransactionless(err);
+                for job in batch {
+                    noop.fail(job);
+                }
+                continue;
+            }
+        };
+        let mut completions = Vec::with_capacity(batch.len());
+        let mut storage_failed = false;
+        for job in batch {
+            let (completion, failed) = job(&txn);
+            storage_failed |= failed;
+            completions.push(completion);
+        }
+        let commit_error = if storage_failed {
+            // A job failed part-way: nothing of this batch may land.
+            let _ = txn.abort();
+            Some(StoreError { kind: StoreErrorKind::Other, detail: "batch aborted after a storage error".into() })
+        } else {
+            txn.commit().err().map(StoreError::from)
+        };
+        if let Some(e) = &commit_error {
+            tracing::error!(error = %e, "store commit failed");
+        }
+        for completion in completions {
+            completion(commit_error.clone());
+        }
+    }
+}
+
+/// Answers jobs that could not get a transaction at all.
+struct WriteTransactionless(StoreError);
+
+impl WriteTransactionless {
+    fn fail(&self, job: WriteJob) {
+        // We cannot run the job without a transaction; dropping it drops its
+        // sender, which the waiting caller sees as `Closed`. Log the cause.
+        tracing::error!(error = %self.0, "store write transaction could not start");
+        drop(job);
+    }
+}
+
+fn decode<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> StoreResult<T> {
+    codec::decode(bytes).map_err(StoreError::corrupt)
+}
+
+/// Typed access inside a write transaction.
+pub struct Tx<'a> {
+    txn: &'a WriteTransaction,
+}
+
+impl Tx<'_> {
+    pub fn deployment(&self, id: &str) -> StoreResult<Option<DeploymentRecord>> {
+        let t = self.txn.open_table(DEPLOYMENTS)?;
+        let v = t.get(id)?;
+        v.map(|v| decode(v.value())).transpose()
+    }
+
+    pub fn put_deployment(&self, d: &DeploymentRecord) -> StoreResult<()> {
+        let mut t = self.txn.open_table(DEPLOYMENTS)?;
+        t.insert(d.id.as_str(), codec::encode(d).as_slice())?;
+        Ok(())
+    }
+
+    pub fn build(&self, id: BuildId) -> StoreResult<Option<BuildRecord>> {
+        let t = self.txn.open_table(BUILDS)?;
+        let v = t.get(id)?;
+        v.map(|v| decode(v.value())).transpose()
+    }
+
+    /// Stores a build and keeps the queued/running indexes in step with its status.
+    pub fn put_build(&self, b: &BuildRecord) -> StoreResult<()> {
+        use crate::model::BuildStatus::*;
+        self.txn.open_table(BUILDS)?.insert(b.id, codec::encode(b).as_slice())?;
+        self.txn.open_table(DEPLOYMENT_BUILDS)?.insert((b.deployment.as_str(), b.id), ())?;
+        let mut queued = self.txn.open_table(QUEUED)?;
+        let mut running = self.txn.open_table(RUNNING)?;
+        match b.status {
+            Queued => {
+                queued.insert(b.id, b.deployment.as_str())?;
+                running.remove(b.id)?;
+            }
+            Running => {
+                queued.remove(b.id)?;
+                running.insert(b.id, b.deployment.as_str())?;
+            }
+            Succeeded | Failed | Cancelled => {
+                queued.remove(b.id)?;
+                running.remove(b.id)?;
+            }
+        }
+        Ok(())
+    }
+
+    pub fn put_log_chunk(&self, build: BuildId, chunk: u32, compressed: &[u8]) -> StoreResult<()> {
+        self.txn.open_table(LOG_CHUNKS)?.insert((build, chunk), compressed)?;
+        Ok(())
+    }
+
+    pub fn source(&self, digest: &str) -> StoreResult<Option<Source>> {
+        let t = self.txn.open_table(SOURCES)?;
+        let v = t.get(digest)?;
+        v.map(|v| decode(v.value())).transpose()
+    }
+
+    pub fn put_source(&self, s: &Source) -> StoreResult<()> {
+        self.txn.open_table(SOURCES)?.insert(s.digest.as_str(), codec::encode(s).as_slice())?;
+        Ok(())
+    }
+
+    pub fn put_describe(&self, digest: &str, json: &str) -> StoreResult<()> {
+        self.txn.open_table(DESCRIBE_CACHE)?.insert(digest, json.as_bytes())?;
+        Ok(())
+    }
+
+    pub fn idempotency(&self, key: &str) -> StoreResult<Option<IdempotencyRecord>> {
+        let t = self.txn.open_table(IDEMPOTENCY)?;
+        let v = t.get(key)?;
+        v.map(|v| decode(v.value())).transpose()
+    }
+
+    pub fn put_idempotency(&self, key: &str, r: &IdempotencyRecord) -> StoreResult<()> {
+        self.txn.open_table(IDEMPOTENCY)?.insert(key, codec::encode(r).as_slice())?;
+        Ok(())
+    }
+
+    /// Removes idempotency records that expired before `now`; returns how many.
+    pub fn sweep_idempotency(&self, now: Millis, max: usize) -> StoreResult<usize> {
+        let mut t = self.txn.open_table(IDEMPOTENCY)?;
+        let mut expired = Vec::new();
+        for entry in t.iter()? {
+            let (k, v) = entry?;
+            let r: IdempotencyRecord = decode(v.value())?;
+            if r.expires_at <= now {
+                expired.push(k.value().to_string());
+                if expired.len() >= max {
+                    break;
+                }
+            }
+        }
+        for k in &expired {
+            t.remove(k.as_str())?;
+        }
+        Ok(expired.len())
+    }
+
+    pub fn callback(&self, build: BuildId) -> StoreResult<Option<PendingCallback>> {
+        let t = self.txn.open_table(CALLBACKS)?;
+        let v = t.get(build)?;
+        v.map(|v| decode(v.value())).transpose()
+    }
+
+    pub fn put_callback(&self, build: BuildId, c: &PendingCallback) -> StoreResult<()> {
+        self.txn.open_table(CALLBACKS)?.insert(build, codec::encode(c).as_slice())?;
+        Ok(())
+    }
+
+    pub fn remove_callback(&self, build: BuildId) -> StoreResult<()> {
+        self.txn.open_table(CALLBACKS)?.remove(build)?;
+        Ok(())
+    }
+
+    /// Deletes every stored row (the `--reset-dev-state` path).
+    pub fn clear_all(&self) -> StoreResult<()> {
+        macro_rules! clear {
+            ($($t:expr),*) => {$( self.txn.delete_table($t)?; self.txn.open_table($t)?; )*};
+        }
+        clear!(DEPLOYMENTS, BUILDS, DEPLOYMENT_BUILDS, QUEUED, RUNNING, LOG_CHUNKS, IDEMPOTENCY, CALLBACKS);
+        Ok(())
+    }
+}
+
+/// Typed access inside a read transaction (a consistent snapshot).
+pub struct Rx {
+    txn: ReadTransaction,
+}
+
+impl Rx {
+    pub fn deployment(&self, id: &str) -> StoreResult<Option<DeploymentRecord>> {
+        let t = self.txn.open_table(DEPLOYMENTS)?;
+        let v = t.get(id)?;
+        v.map(|v| decode(v.value())).transpose()
+    }
+
+    /// Deployments with id > `after`, in id order, at most `limit`.
+    pub fn deployments_after(&self, after: Option<&str>, limit: usize) -> StoreResult<Vec<DeploymentRecord>> {
+        let t = self.txn.open_table(DEPLOYMENTS)?;
+        let mut out = Vec::new();
+        let iter = match after {
+            Some(a) => t.range::<&str>((std::ops::Bound::Excluded(a), std::ops::Bound::Unbounded))?,
+            None => t.range::<&str>(..)?,
+        };
+        for entry in iter {
+            let (_, v) = entry?;
+            out.push(decode(v.value())?);
+            if out.len() >= limit {
+                break;
+            }
+        }
+        Ok(out)
+    }
+
+    pub fn deployment_count(&self) -> StoreResult<u64> {
+        Ok(self.txn.open_table(DEPLOYMENTS)?.len()?)
+    }
+
+    pub fn build(&self, id: BuildId) -> StoreResult<Option<BuildRecord>> {
+        let t = self.txn.open_table(BUILDS)?;
+        let v = t.get(id)?;
+        v.map(|v| decode(v.value())).transpose()
+    }
+
+    /// Builds of one deployment older than `before`, newest first.
+    pub fn builds_of(&self, deployment: &str, before: Option<BuildId>, limit: usize) -> StoreResult<Vec<BuildRecord>> {
+        let index = self.txn.open_table(DEPLOYMENT_BUILDS)?;
+        let builds = self.txn.open_table(BUILDS)?;
+        let upper = before.unwrap_or(u128::MAX);
+        let range = index.range((deployment, 0u128)..(deployment, upper))?;
+        let mut out = Vec::new();
+        for entry in range.rev() {
+            let (k, _) = entry?;
+            let (_, id) = k.value();
+            if before.is_none() && id == u128::MAX {
+                continue;
+            }
+            if let Some(v) = builds.get(id)? {
+                out.push(decode(v.value())?);
+            }
+            if out.len() >= limit {
+                break;
+            }
+        }
+        Ok(out)
+    }
+
+    /// Every queued build id with its deployment, oldest first.
+    pub fn queued(&self) -> StoreResult<Vec<(BuildId, String)>> {
+        let t = self.txn.open_table(QUEUED)?;
+        let mut out = Vec::new();
+        for entry in t.iter()? {
+            let (k, v) = entry?;
+            out.push((k.value(), v.value().to_string()));
+        }
+        Ok(out)
+    }
+
+    pub fn running(&self) -> StoreResult<Vec<(BuildId, String)>> {
+        let t = self.txn.open_table(RUNNING)?;
+        let mut out = Vec::new();
+        for entry in t.iter()? {
+            let (k, v) = entry?;
+            out.push((k.value(), v.value().to_string()));
+        }
+        Ok(out)
+    }
+
+    /// Counts of builds by status (for /metrics).
+    pub fn build_status_counts(&self) -> StoreResult<[u64; 5]> {
+        let t = self.txn.open_table(BUILDS)?;
+        let mut counts = [0u64; 5];
+        for entry in t.iter()? {
+            let (_, v) = entry?;
+            let b: BuildRecord = decode(v.value())?;
+            counts[b.status as usize] += 1;
+        }
+        Ok(counts)
+    }
+
+    /// The compressed log chunks of a build, in order.
+    pub fn log_chunks(&self, build: BuildId) -> StoreResult<Vec<Vec<u8>>> {
+        let t = self.txn.open_table(LOG_CHUNKS)?;
+        let mut out = Vec::new();
+        for entry in t.range((build, 0u32)..=(build, u32::MAX))? {
+            let (_, v) = entry?;
+            out.push(v.value().to_vec());
+        }
+        Ok(out)
+    }
+
+    pub fn idempotency(&self, key: &str) -> StoreResult<Option<IdempotencyRecord>> {
+        let t = self.txn.open_table(IDEMPOTENCY)?;
+        let v = t.get(key)?;
+        v.map(|v| decode(v.value())).transpose()
+    }
+
+    pub fn source(&self, digest: &str) -> StoreResult<Option<Source>> {
+        let t = self.txn.open_table(SOURCES)?;
+        let v = t.get(digest)?;
+        v.map(|v| decode(v.value())).transpose()
+    }
+
+    pub fn describe(&self, digest: &str) -> StoreResult<Option<String>> {
+        let t = self.txn.open_table(DESCRIBE_CACHE)?;
+        let v = t.get(digest)?;
+        Ok(v.map(|v| String::from_utf8_lossy(v.value()).into_owned()))
+    }
+
+    pub fn callbacks(&self) -> StoreResult<Vec<(BuildId, PendingCallback)>> {
+        let t = self.txn.open_table(CALLBACKS)?;
+        let mut out = Vec::new();
+        for entry in t.iter()? {
+            let (k, v) = entry?;
+            out.push((k.value(), decode(v.value())?));
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,39 @@
+//! Every redb table in one place: name, key type, value type, and why it exists.
+//!
+//! Values named `&[u8]` are `codec`-encoded records (a version byte, then
+//! bincode) unless said otherwise.
+
+use redb::TableDefinition;
+
+/// Schema version and other single facts (`schema_version` -> u32 LE).
+pub const META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
+
+/// Deployment id -> `DeploymentRecord`.
+pub const DEPLOYMENTS: TableDefinition<&str, &[u8]> = TableDefinition::new("deployments");
+
+/// Build id (UUIDv7 as u128, so time-ordered) -> `BuildRecord`.
+pub const BUILDS: TableDefinition<u128, &[u8]> = TableDefinition::new("builds");
+
+/// (deployment id, build id) -> (): the builds of one deployment, in order.
+pub const DEPLOYMENT_BUILDS: TableDefinition<(&str, u128), ()> = TableDefinition::new("deployment_builds");
+
+/// Build id -> deployment id for every queued build; key order is queue order.
+pub const QUEUED: TableDefinition<u128, &str> = TableDefinition::new("queued");
+
+/// Build id -> deployment id for every running build (recovery reads this).
+pub const RUNNING: TableDefinition<u128, &str> = TableDefinition::new("running");
+
+/// (build id, chunk number) -> zstd-compressed log text (whole lines).
+pub const LOG_CHUNKS: TableDefinition<(u128, u32), &[u8]> = TableDefinition::new("log_chunks");
+
+/// "subject\u{0}route\u{0}key" -> `IdempotencyRecord`.
+pub const IDEMPOTENCY: TableDefinition<&str, &[u8]> = TableDefinition::new("idempotency");
+
+/// Source digest -> `Source`: a digest names one (url, rev) forever.
+pub const SOURCES: TableDefinition<&str, &[u8]> = TableDefinition::new("sources");
+
+/// Source digest -> the deployer's `describe` result (JSON text).
+pub const DESCRIBE_CACHE: TableDefinition<&str, &[u8]> = TableDefinition::new("describe_cache");
+
+/// Destroy build id -> `PendingCallback`.
+pub const CALLBACKS: TableDefinition<u128, &[u8]> = TableDefinition::new("callbacks");
