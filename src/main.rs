@@ -8,7 +8,9 @@ fn main() {
     let cli = Cli::parse();
     let code = match cli.command {
         Command::Serve(settings) => berth::serve::run(*settings),
-        Command::Deployer { deployer: DeployerCommand::Local { verb } } => berth::local_deployer::run(&verb),
+        Command::Deployer {
+            deployer: DeployerCommand::Local { verb },
+        } => berth::local_deployer::run(&verb),
     };
     std::process::exit(code);
 }

@@ -65,9 +65,7 @@ pub fn is_dns_label(s: &str, max: usize) -> bool {
         return false;
     }
     let inner = |c: &u8| c.is_ascii_lowercase() || c.is_ascii_digit();
-    inner(&b[0])
-        && inner(&b[b.len() - 1])
-        && b.iter().all(|c| inner(c) || *c == b'-')
+    inner(&b[0]) && inner(&b[b.len() - 1]) && b.iter().all(|c| inner(c) || *c == b'-')
 }
 
 /// A module source, pinned by digest and immutable.
@@ -82,9 +80,11 @@ pub struct Source {
 impl Source {
     /// `sha256:` followed by 64 lower-case hex digits.
     pub fn digest_is_valid(digest: &str) -> bool {
-        digest
-            .strip_prefix("sha256:")
-            .is_some_and(|h| h.len() == 64 && h.bytes().all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(&c)))
+        digest.strip_prefix("sha256:").is_some_and(|h| {
+            h.len() == 64
+                && h.bytes()
+                    .all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(&c))
+        })
     }
 }
 
@@ -270,12 +270,15 @@ impl DeploymentRecord {
             return DeploymentState::Building;
         }
         match self.last_finished {
-            Some(LastFinished { status: BuildStatus::Failed | BuildStatus::Cancelled, .. }) => {
-                DeploymentState::Failed
-            }
-            Some(LastFinished { kind: BuildKind::Deploy, status: BuildStatus::Succeeded, .. }) => {
-                DeploymentState::Active
-            }
+            Some(LastFinished {
+                status: BuildStatus::Failed | BuildStatus::Cancelled,
+                ..
+            }) => DeploymentState::Failed,
+            Some(LastFinished {
+                kind: BuildKind::Deploy,
+                status: BuildStatus::Succeeded,
+                ..
+            }) => DeploymentState::Active,
             _ => DeploymentState::Idle,
         }
     }
@@ -368,7 +371,9 @@ mod as_json_text {
         s.serialize_str(&text)
     }
 
-    pub fn deserialize<'de, T: DeserializeOwned, D: Deserializer<'de>>(d: D) -> Result<T, D::Error> {
+    pub fn deserialize<'de, T: DeserializeOwned, D: Deserializer<'de>>(
+        d: D,
+    ) -> Result<T, D::Error> {
         let text = String::deserialize(d)?;
         serde_json::from_str(&text).map_err(serde::de::Error::custom)
     }

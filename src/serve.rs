@@ -17,9 +17,13 @@ use crate::store::Store;
 const SECRET_BYTES: usize = 32;
 
 fn init_tracing() {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("BERTH_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,warp=warn,hyper=warn,hyper_util=warn"));
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+    let filter = tracing_subscriber::EnvFilter::try_from_env("BERTH_LOG").unwrap_or_else(|_| {
+        tracing_subscriber::EnvFilter::new("info,warp=warn,hyper=warn,hyper_util=warn")
+    });
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
 }
 
 /// Reads a secret file, or creates it (0600) with fresh random bytes as hex.
@@ -27,7 +31,9 @@ fn load_or_create_secret(path: &Path) -> Result<String, String> {
     match std::fs::read_to_string(path) {
         Ok(s) if !s.trim().is_empty() => return Ok(s.trim().to_string()),
         Ok(_) => return Err(format!("{} is empty", path.display())),
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(format!("cannot read {}: {e}", path.display())),
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            return Err(format!("cannot read {}: {e}", path.display()))
+        }
         Err(_) => {}
     }
     let mut bytes = [0u8; SECRET_BYTES];
@@ -39,13 +45,16 @@ fn load_or_create_secret(path: &Path) -> Result<String, String> {
         .mode(0o600)
         .open(path)
         .map_err(|e| format!("cannot create {}: {e}", path.display()))?;
-    f.write_all(secret.as_bytes()).and_then(|_| f.sync_all()).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+    f.write_all(secret.as_bytes())
+        .and_then(|_| f.sync_all())
+        .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
     tracing::info!(path = %path.display(), "generated a new secret file");
     Ok(secret)
 }
 
 fn read_secret_file(path: &Path) -> Result<String, String> {
-    let s = std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let s = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
     let s = s.trim().to_string();
     if s.is_empty() {
         return Err(format!("{} is empty", path.display()));
@@ -55,7 +64,10 @@ fn read_secret_file(path: &Path) -> Result<String, String> {
 
 pub fn run(settings: Settings) -> i32 {
     init_tracing();
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(r) => r,
         Err(e) => {
             eprintln!("berth: cannot start the async runtime: {e}");
@@ -80,10 +92,19 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
         .recursive(true)
         .mode(0o700)
         .create(&settings.data_dir)
-        .map_err(|e| format!("cannot create the data dir {}: {e}", settings.data_dir.display()))?;
+        .map_err(|e| {
+            format!(
+                "cannot create the data dir {}: {e}",
+                settings.data_dir.display()
+            )
+        })?;
     // Deployers run in their scratch dir: every path handed to them is absolute.
-    settings.data_dir = std::fs::canonicalize(&settings.data_dir)
-        .map_err(|e| format!("cannot resolve the data dir {}: {e}", settings.data_dir.display()))?;
+    settings.data_dir = std::fs::canonicalize(&settings.data_dir).map_err(|e| {
+        format!(
+            "cannot resolve the data dir {}: {e}",
+            settings.data_dir.display()
+        )
+    })?;
     let service_token = match &settings.service_token_file {
         Some(p) => read_secret_file(p)?,
         None => {
@@ -99,17 +120,29 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
         None => load_or_create_secret(&settings.data_dir.join("callback-secret"))?,
     }
     .into_bytes();
-    let store = Store::open(&settings.db_path()).map_err(|e| format!("cannot open {}: {e}", settings.db_path().display()))?;
+    let store = Store::open(&settings.db_path())
+        .map_err(|e| format!("cannot open {}: {e}", settings.db_path().display()))?;
     if settings.reset_dev_state {
         reset_dev_state(&settings, &store).await?;
     }
     let listener = tokio::net::TcpListener::bind(settings.listen)
         .await
-        .map_err(|e| format!("cannot listen on {}: {e} (choose another with --listen)", settings.listen))?;
+        .map_err(|e| {
+            format!(
+                "cannot listen on {}: {e} (choose another with --listen)",
+                settings.listen
+            )
+        })?;
     let local = listener.local_addr().map_err(|e| e.to_string())?;
     let settings = Arc::new(settings);
-    let engine = Engine::new(settings.clone(), store, callback_secret).map_err(|e| format!("cannot find the deployer: {e}"))?;
-    let ctx = Arc::new(Ctx { engine: engine.clone(), service_token, cursor_key, idempotency: Default::default() });
+    let engine = Engine::new(settings.clone(), store, callback_secret)
+        .map_err(|e| format!("cannot find the deployer: {e}"))?;
+    let ctx = Arc::new(Ctx {
+        engine: engine.clone(),
+        service_token,
+        cursor_key,
+        idempotency: Default::default(),
+    });
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let mut server_stop = stop_rx.clone();
@@ -122,7 +155,10 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
     let server = tokio::spawn(server);
     tracing::info!(address = %local, "berth listening on http://{local}");
 
-    engine.recover().await.map_err(|e| format!("recovery failed: {e}"))?;
+    engine
+        .recover()
+        .await
+        .map_err(|e| format!("recovery failed: {e}"))?;
     engine.ready.store(true, Ordering::SeqCst);
     tokio::spawn(engine.clone().run_queue());
     tokio::spawn(engine.clone().run_callbacks());
@@ -137,7 +173,10 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     if engine.running_builds() > 0 {
-        tracing::warn!(running = engine.running_builds(), "exiting with builds still running; the next start recovers them");
+        tracing::warn!(
+            running = engine.running_builds(),
+            "exiting with builds still running; the next start recovers them"
+        );
     }
     let _ = tokio::time::timeout(Duration::from_secs(2), server).await;
     Ok(())
@@ -145,7 +184,10 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
 
 async fn wait_for_signal() {
     use tokio::signal::unix::{signal, SignalKind};
-    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
         tracing::error!("cannot install signal handlers; stop berth with SIGKILL");
         return std::future::pending().await;
     };
@@ -163,7 +205,10 @@ async fn reset_dev_state(settings: &Settings, store: &Store) -> Result<(), Strin
         settings.db_path().display(),
         settings.data_dir.join("work").display()
     );
-    store.write(|tx| tx.clear_all()).await.map_err(|e| e.to_string())?;
+    store
+        .write(|tx| tx.clear_all())
+        .await
+        .map_err(|e| e.to_string())?;
     let _ = std::fs::remove_dir_all(settings.data_dir.join("work"));
     Ok(())
 }

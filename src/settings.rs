@@ -12,7 +12,11 @@ use clap::{Args, Parser, Subcommand};
 use crate::model::Source;
 
 #[derive(Debug, Parser)]
-#[command(name = "berth", version, about = "A single-binary deployment control plane for self-hosters")]
+#[command(
+    name = "berth",
+    version,
+    about = "A single-binary deployment control plane for self-hosters"
+)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
@@ -142,7 +146,9 @@ impl Settings {
 pub fn parse_source(text: &str) -> Result<Source, String> {
     let (mut url, mut rev, mut digest) = (None, None, None);
     for part in text.split(',') {
-        let (key, value) = part.split_once('=').ok_or("expected key=value pairs: url=...,rev=...,digest=sha256:...")?;
+        let (key, value) = part
+            .split_once('=')
+            .ok_or("expected key=value pairs: url=...,rev=...,digest=sha256:...")?;
         match key.trim() {
             "url" => url = Some(value.trim().to_string()),
             "rev" => rev = Some(value.trim().to_string()),
@@ -164,9 +170,13 @@ pub fn parse_source(text: &str) -> Result<Source, String> {
 /// `250ms`, `30s`, `5m`, `24h`, or a plain number of seconds.
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
     let text = text.trim();
-    let split = text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len());
+    let split = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
     let (number, unit) = text.split_at(split);
-    let n: u64 = number.parse().map_err(|_| "expected a number followed by ms, s, m or h".to_string())?;
+    let n: u64 = number
+        .parse()
+        .map_err(|_| "expected a number followed by ms, s, m or h".to_string())?;
     let d = match unit {
         "ms" => Duration::from_millis(n),
         "" | "s" => Duration::from_secs(n),

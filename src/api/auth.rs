@@ -36,16 +36,28 @@ pub fn is_service_token(ctx: &Ctx, req: &Request) -> bool {
 
 pub fn authenticate(ctx: &Ctx, req: &Request) -> Result<Caller, ApiError> {
     if !is_service_token(ctx, req) {
-        return Err(ApiError::new(Code::Unauthenticated, "a valid bearer token is required"));
+        return Err(ApiError::new(
+            Code::Unauthenticated,
+            "a valid bearer token is required",
+        ));
     }
     let actor = |name: &str| -> Result<Option<String>, ApiError> {
         match req.header(name) {
             None => Ok(None),
-            Some(v) if v.chars().count() <= MAX_ACTOR_CHARS && !v.is_empty() => Ok(Some(v.to_string())),
-            Some(_) => Err(ApiError::bad_request(format!("{name} must be 1 to 256 characters")).field(format!("/headers/{name}"), "length")),
+            Some(v) if v.chars().count() <= MAX_ACTOR_CHARS && !v.is_empty() => {
+                Ok(Some(v.to_string()))
+            }
+            Some(_) => Err(
+                ApiError::bad_request(format!("{name} must be 1 to 256 characters"))
+                    .field(format!("/headers/{name}"), "length"),
+            ),
         }
     };
     let subject = actor("x-actor-subject")?;
     let issuer = actor("x-actor-issuer")?;
-    Ok(Caller { subject: subject.unwrap_or_else(|| "service".into()), issuer, trusted_backend: true })
+    Ok(Caller {
+        subject: subject.unwrap_or_else(|| "service".into()),
+        issuer,
+        trusted_backend: true,
+    })
 }

@@ -30,17 +30,32 @@ pub fn list(ctx: &Ctx, req: &Request, caller: &Caller) -> Result<Reply, ApiError
     let mut builds = rx.builds_of(&id, before, limit + 1)?;
     let next_cursor = if builds.len() > limit {
         builds.truncate(limit);
-        builds.last().map(|b| cursor::encode(&ctx.cursor_key, &caller.subject, &filter, &format_build_id(b.id)))
+        builds.last().map(|b| {
+            cursor::encode(
+                &ctx.cursor_key,
+                &caller.subject,
+                &filter,
+                &format_build_id(b.id),
+            )
+        })
     } else {
         None
     };
     let items: Vec<BuildSummary> = builds.iter().map(BuildRecord::summary).collect();
-    Ok(Reply::json(200, &serde_json::json!({"items": items, "next_cursor": next_cursor})))
+    Ok(Reply::json(
+        200,
+        &serde_json::json!({"items": items, "next_cursor": next_cursor}),
+    ))
 }
 
 pub fn read(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
     let id = build_id(req)?;
-    let b = ctx.engine.store.read()?.build(id)?.ok_or_else(|| ApiError::not_found("build"))?;
+    let b = ctx
+        .engine
+        .store
+        .read()?
+        .build(id)?
+        .ok_or_else(|| ApiError::not_found("build"))?;
     Ok(Reply::json(200, &b.view()))
 }
 
@@ -53,10 +68,15 @@ pub enum ByteRange {
 }
 
 pub fn parse_range(header: &str) -> Result<ByteRange, ApiError> {
-    let bad = || ApiError::bad_request("Range must be one bytes=START-[END] or bytes=-SUFFIX").field("/headers/range", "format");
+    let bad = || {
+        ApiError::bad_request("Range must be one bytes=START-[END] or bytes=-SUFFIX")
+            .field("/headers/range", "format")
+    };
     let spec = header.trim().strip_prefix("bytes=").ok_or_else(bad)?;
     if spec.contains(',') {
-        return Err(ApiError::bad_request("one Range per request").field("/headers/range", "multiple"));
+        return Err(
+            ApiError::bad_request("one Range per request").field("/headers/range", "multiple")
+        );
     }
     let (a, b) = spec.split_once('-').ok_or_else(bad)?;
     let num = |s: &str| s.trim().parse::<u64>().map_err(|_| bad());
@@ -104,11 +124,18 @@ pub async fn log(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
         return Ok(Reply::text(200, TEXT, text).header("Accept-Ranges", "bytes"));
     };
     match resolve_range(&range, len) {
-        Some((start, end)) => Ok(Reply::text(206, TEXT, text[start as usize..=end as usize].to_vec())
-            .header("Content-Range", format!("bytes {start}-{end}/{len}"))
-            .header("Accept-Ranges", "bytes")),
+        Some((start, end)) => {
+            Ok(
+                Reply::text(206, TEXT, text[start as usize..=end as usize].to_vec())
+                    .header("Content-Range", format!("bytes {start}-{end}/{len}"))
+                    .header("Accept-Ranges", "bytes"),
+            )
+        }
         None => {
-            let mut e = ApiError::new(Code::RangeNotSatisfiable, "the range starts at or after the end of the log so far");
+            let mut e = ApiError::new(
+                Code::RangeNotSatisfiable,
+                "the range starts at or after the end of the log so far",
+            );
             e.reason = Some("range_not_satisfiable".into());
             e.content_range = Some(format!("bytes */{len}"));
             Err(e)

@@ -17,12 +17,19 @@ fn mac(key: &[u8], subject: &str, filter: &str, payload: &[u8]) -> Vec<u8> {
 
 pub fn encode(key: &[u8], subject: &str, filter: &str, position: &str) -> String {
     let payload = position.as_bytes();
-    format!("{}.{}", crate::hex::encode(payload), crate::hex::encode(&mac(key, subject, filter, payload)))
+    format!(
+        "{}.{}",
+        crate::hex::encode(payload),
+        crate::hex::encode(&mac(key, subject, filter, payload))
+    )
 }
 
 /// The position inside a cursor, or `invalid_request` / `cursor_invalid`.
 pub fn decode(key: &[u8], subject: &str, filter: &str, cursor: &str) -> Result<String, ApiError> {
-    let invalid = || ApiError::bad_request("the cursor is not valid for this list").field("/query/cursor", "cursor_invalid");
+    let invalid = || {
+        ApiError::bad_request("the cursor is not valid for this list")
+            .field("/query/cursor", "cursor_invalid")
+    };
     let (payload, tag) = cursor.split_once('.').ok_or_else(invalid)?;
     let payload = crate::hex::decode(payload).ok_or_else(invalid)?;
     let tag = crate::hex::decode(tag).ok_or_else(invalid)?;

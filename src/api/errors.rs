@@ -55,8 +55,12 @@ pub struct FieldError {
     pub code: String,
 }
 
+/// Boxed so that `Result<T, ApiError>` stays one pointer wide on the happy path.
 #[derive(Debug, Clone)]
-pub struct ApiError {
+pub struct ApiError(Box<Problem>);
+
+#[derive(Debug, Clone)]
+pub struct Problem {
     pub code: Code,
     pub reason: Option<String>,
     pub message: String,
@@ -70,9 +74,22 @@ pub struct ApiError {
 /// The deployer's own explanation is cut to this many characters.
 pub const MAX_DEPLOYER_MESSAGE_CHARS: usize = 2000;
 
+impl std::ops::Deref for ApiError {
+    type Target = Problem;
+    fn deref(&self) -> &Problem {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for ApiError {
+    fn deref_mut(&mut self) -> &mut Problem {
+        &mut self.0
+    }
+}
+
 impl ApiError {
     pub fn new(code: Code, message: impl Into<String>) -> Self {
-        Self {
+        Self(Box::new(Problem {
             code,
             reason: None,
             message: message.into(),
@@ -81,14 +98,17 @@ impl ApiError {
             retry_after: None,
             allow: None,
             content_range: None,
-        }
+        }))
     }
     pub fn reason(mut self, reason: &str) -> Self {
         self.reason = Some(reason.to_string());
         self
     }
     pub fn field(mut self, pointer: impl Into<String>, code: impl Into<String>) -> Self {
-        self.fields.push(FieldError { pointer: pointer.into(), code: code.into() });
+        self.fields.push(FieldError {
+            pointer: pointer.into(),
+            code: code.into(),
+        });
         self
     }
     pub fn retry_after(mut self, seconds: u32) -> Self {
@@ -110,13 +130,16 @@ impl ApiError {
         Self::new(Code::Conflict, message).reason(reason)
     }
     pub fn internal() -> Self {
-        Self::new(Code::Internal, "internal error; the server log has the detail")
+        Self::new(
+            Code::Internal,
+            "internal error; the server log has the detail",
+        )
     }
 
     /// The problem+json body.
     pub fn body(&self, request_id: &str) -> Vec<u8> {
         #[derive(Serialize)]
-        struct Problem<'a> {
+        struct Body<'a> {
             code: Code,
             reason: &'a Option<String>,
             message: &'a str,
@@ -124,7 +147,7 @@ impl ApiError {
             fields: &'a [FieldError],
             deployer_message: &'a Option<String>,
         }
-        serde_json::to_vec(&Problem {
+        serde_json::to_vec(&Body {
             code: self.code,
             reason: &self.reason,
             message: &self.message,
@@ -141,9 +164,13 @@ impl From<StoreError> for ApiError {
         match e.kind {
             StoreErrorKind::DiskFull => {
                 tracing::error!(error = %e, "disk full");
-                ApiError::new(Code::Unavailable, "the disk is full; nothing was stored").reason("disk_full").retry_after(10)
+                ApiError::new(Code::Unavailable, "the disk is full; nothing was stored")
+                    .reason("disk_full")
+                    .retry_after(10)
             }
-            StoreErrorKind::Closed => ApiError::new(Code::Unavailable, "the store is shutting down").retry_after(1),
+            StoreErrorKind::Closed => {
+                ApiError::new(Code::Unavailable, "the store is shutting down").retry_after(1)
+            }
             _ => {
                 tracing::error!(error = %e, "store failure");
                 ApiError::internal()

@@ -51,12 +51,19 @@ impl IdemWrite {
 }
 
 pub fn valid_key(key: &str) -> bool {
-    (16..=128).contains(&key.len()) && key.bytes().all(|c| c.is_ascii_alphanumeric() || b"._~-".contains(&c))
+    (16..=128).contains(&key.len())
+        && key
+            .bytes()
+            .all(|c| c.is_ascii_alphanumeric() || b"._~-".contains(&c))
 }
 
 /// SHA-256 of the RFC 8785 form of {path params, query, body}.
 pub fn fingerprint(req: &Request) -> Vec<u8> {
-    let params: serde_json::Map<String, Value> = req.params.iter().map(|(k, v)| (k.to_string(), json!(v))).collect();
+    let params: serde_json::Map<String, Value> = req
+        .params
+        .iter()
+        .map(|(k, v)| (k.to_string(), json!(v)))
+        .collect();
     let mut query: Vec<(String, String)> = req.query.clone();
     query.sort();
     let body = match serde_json::from_slice::<Value>(&req.body) {
@@ -69,7 +76,12 @@ pub fn fingerprint(req: &Request) -> Vec<u8> {
 }
 
 /// Runs a mutation under its idempotency key, when it has one.
-pub async fn mutation<'a, F, Fut>(ctx: &'a Ctx, req: &'a Request, caller: &Caller, run: F) -> Result<Reply, ApiError>
+pub async fn mutation<'a, F, Fut>(
+    ctx: &'a Ctx,
+    req: &'a Request,
+    caller: &Caller,
+    run: F,
+) -> Result<Reply, ApiError>
 where
     F: FnOnce(Option<IdemWrite>) -> Fut,
     Fut: Future<Output = Result<Reply, ApiError>> + 'a,
@@ -78,7 +90,10 @@ where
         return run(None).await;
     };
     if !valid_key(key) {
-        return Err(ApiError::bad_request("Idempotency-Key must be 16 to 128 of [A-Za-z0-9._~-]").field("/headers/idempotency-key", "format"));
+        return Err(
+            ApiError::bad_request("Idempotency-Key must be 16 to 128 of [A-Za-z0-9._~-]")
+                .field("/headers/idempotency-key", "format"),
+        );
     }
     let identity = format!("{}\u{0}{}\u{0}{}", caller.subject, req.route, key);
     let lock = {
@@ -90,7 +105,10 @@ where
     drop(guard);
     // Forget the lock when nobody else holds or waits for it.
     let mut map = ctx.idempotency.0.lock().unwrap_or_else(|p| p.into_inner());
-    if map.get(&identity).is_some_and(|l| Arc::strong_count(l) == 2) {
+    if map
+        .get(&identity)
+        .is_some_and(|l| Arc::strong_count(l) == 2)
+    {
         map.remove(&identity);
     }
     drop(map);
@@ -98,7 +116,12 @@ where
     result
 }
 
-async fn run_locked<'a, F, Fut>(ctx: &'a Ctx, req: &'a Request, identity: String, run: F) -> Result<Reply, ApiError>
+async fn run_locked<'a, F, Fut>(
+    ctx: &'a Ctx,
+    req: &'a Request,
+    identity: String,
+    run: F,
+) -> Result<Reply, ApiError>
 where
     F: FnOnce(Option<IdemWrite>) -> Fut,
     Fut: Future<Output = Result<Reply, ApiError>> + 'a,
@@ -108,7 +131,10 @@ where
     if let Some(stored) = ctx.engine.store.read()?.idempotency(&identity)? {
         if stored.expires_at > now {
             if stored.fingerprint != fp {
-                return Err(ApiError::new(Code::IdempotencyConflict, "this Idempotency-Key was used with another request"));
+                return Err(ApiError::new(
+                    Code::IdempotencyConflict,
+                    "this Idempotency-Key was used with another request",
+                ));
             }
             let mut reply = Reply::text(stored.status, &stored.content_type, stored.body);
             reply.headers = stored.headers;
@@ -117,7 +143,11 @@ where
                 .header("Idempotency-Expires-At", format_time(stored.expires_at)));
         }
     }
-    let write = IdemWrite { identity, fingerprint: fp, expires_at: now + IDEMPOTENCY_TTL };
+    let write = IdemWrite {
+        identity,
+        fingerprint: fp,
+        expires_at: now + IDEMPOTENCY_TTL,
+    };
     let expires = format_time(write.expires_at);
     match run(Some(write.clone())).await {
         Ok(reply) => Ok(reply.header("Idempotency-Expires-At", expires)),

@@ -72,14 +72,23 @@ impl Reply {
         }
     }
     pub fn text(status: u16, content_type: &str, body: Vec<u8>) -> Reply {
-        Reply { status, content_type: content_type.into(), headers: vec![], body }
+        Reply {
+            status,
+            content_type: content_type.into(),
+            headers: vec![],
+            body,
+        }
     }
     pub fn header(mut self, name: &str, value: impl Into<String>) -> Reply {
         self.headers.push((name.to_string(), value.into()));
         self
     }
     pub fn from_error(e: &ApiError, request_id: &str) -> Reply {
-        let mut r = Reply::text(e.code.status(), "application/problem+json", e.body(request_id));
+        let mut r = Reply::text(
+            e.code.status(),
+            "application/problem+json",
+            e.body(request_id),
+        );
         if let Some(s) = e.retry_after {
             r = r.header("Retry-After", s.to_string());
         }
@@ -120,15 +129,23 @@ impl Request {
         self.headers.get(name).and_then(|v| v.to_str().ok())
     }
     pub fn query_all<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a str> + 'a {
-        self.query.iter().filter(move |(k, _)| k == name).map(|(_, v)| v.as_str())
+        self.query
+            .iter()
+            .filter(move |(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
     }
     pub fn query_one(&self, name: &str) -> Option<&str> {
-        self.query.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
+        self.query
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
     }
 }
 
 /// The one warp filter: everything goes through `handle`.
-pub fn filter(ctx: Arc<Ctx>) -> impl Filter<Extract = (warp::reply::Response,), Error = Infallible> + Clone {
+pub fn filter(
+    ctx: Arc<Ctx>,
+) -> impl Filter<Extract = (warp::reply::Response,), Error = Infallible> + Clone {
     let query = warp::query::raw().or(warp::any().map(String::new)).unify();
     warp::any()
         .and(warp::method())
@@ -145,10 +162,20 @@ pub fn filter(ctx: Arc<Ctx>) -> impl Filter<Extract = (warp::reply::Response,), 
 }
 
 fn valid_request_id(id: &str) -> bool {
-    (1..=128).contains(&id.len()) && id.bytes().all(|c| c.is_ascii_alphanumeric() || b"._-".contains(&c))
+    (1..=128).contains(&id.len())
+        && id
+            .bytes()
+            .all(|c| c.is_ascii_alphanumeric() || b"._-".contains(&c))
 }
 
-async fn handle<S, B>(ctx: Arc<Ctx>, method: Method, path: String, query: String, headers: HeaderMap, body: S) -> warp::reply::Response
+async fn handle<S, B>(
+    ctx: Arc<Ctx>,
+    method: Method,
+    path: String,
+    query: String,
+    headers: HeaderMap,
+    body: S,
+) -> warp::reply::Response
 where
     S: futures_util::Stream<Item = Result<B, warp::Error>> + Unpin,
     B: bytes::Buf,
@@ -159,10 +186,11 @@ where
         .filter(|v| valid_request_id(v))
         .map(str::to_string)
         .unwrap_or_else(|| uuid::Uuid::now_v7().simple().to_string());
-    let (route, reply) = match dispatch(&ctx, method, &path, &query, headers, body, &request_id).await {
-        Ok((route, r)) => (route, r),
-        Err((route, e)) => (route, Reply::from_error(&e, &request_id)),
-    };
+    let (route, reply) =
+        match dispatch(&ctx, method, &path, &query, headers, body, &request_id).await {
+            Ok((route, r)) => (route, r),
+            Err((route, e)) => (route, Reply::from_error(&e, &request_id)),
+        };
     if reply.status >= 500 {
         tracing::warn!(%request_id, route, status = reply.status, "request failed");
     }
@@ -189,7 +217,11 @@ where
     let segments: Vec<String> = path
         .trim_start_matches('/')
         .split('/')
-        .map(|s| percent_encoding::percent_decode_str(s).decode_utf8_lossy().into_owned())
+        .map(|s| {
+            percent_encoding::percent_decode_str(s)
+                .decode_utf8_lossy()
+                .into_owned()
+        })
         .collect();
     let mut allowed = Vec::new();
     let mut found = None;
@@ -206,17 +238,29 @@ where
         if allowed.is_empty() {
             return Err(("unknown", ApiError::new(Code::NotFound, "no such route")));
         }
-        let mut e = ApiError::new(Code::MethodNotAllowed, "this route does not take that method");
+        let mut e = ApiError::new(
+            Code::MethodNotAllowed,
+            "this route does not take that method",
+        );
         e.allow = Some(allowed.join(", "));
         return Err(("unknown", e));
     };
     let fail = |e: ApiError| Err((route, e));
-    let header_bytes: usize = headers.iter().map(|(k, v)| k.as_str().len() + v.len() + 4).sum();
+    let header_bytes: usize = headers
+        .iter()
+        .map(|(k, v)| k.as_str().len() + v.len() + 4)
+        .sum();
     if header_bytes > MAX_HEADER_BYTES {
-        return fail(ApiError::bad_request("the request headers are larger than 16 KiB").field("/headers", "too_large"));
+        return fail(
+            ApiError::bad_request("the request headers are larger than 16 KiB")
+                .field("/headers", "too_large"),
+        );
     }
     let max_body = ctx.engine.settings.max_body;
-    let declared = headers.get("content-length").and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+    let declared = headers
+        .get("content-length")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
     if declared.is_some_and(|n| n > max_body as u64) {
         return fail(too_large(max_body));
     }
@@ -225,14 +269,35 @@ where
         Err(e) => return fail(e),
     };
     if !body.is_empty() && method != Method::GET {
-        let ct = headers.get("content-type").and_then(|v| v.to_str().ok()).unwrap_or("");
-        let mime = ct.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
+        let ct = headers
+            .get("content-type")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("");
+        let mime = ct
+            .split(';')
+            .next()
+            .unwrap_or("")
+            .trim()
+            .to_ascii_lowercase();
         if mime != "application/json" {
-            return fail(ApiError::new(Code::UnsupportedMediaType, "the body must be application/json"));
+            return fail(ApiError::new(
+                Code::UnsupportedMediaType,
+                "the body must be application/json",
+            ));
         }
     }
-    let query = form_urlencoded::parse(query.as_bytes()).into_owned().collect();
-    let req = Request { method, route, params, query, headers, body, request_id: request_id.to_string() };
+    let query = form_urlencoded::parse(query.as_bytes())
+        .into_owned()
+        .collect();
+    let req = Request {
+        method,
+        route,
+        params,
+        query,
+        headers,
+        body,
+        request_id: request_id.to_string(),
+    };
     match route_to_handler(ctx, &req).await {
         Ok(r) => Ok((route, r)),
         Err(e) => fail(e),
@@ -240,7 +305,10 @@ where
 }
 
 fn too_large(max: usize) -> ApiError {
-    ApiError::new(Code::PayloadTooLarge, format!("the body is larger than --max-body ({max} bytes)"))
+    ApiError::new(
+        Code::PayloadTooLarge,
+        format!("the body is larger than --max-body ({max} bytes)"),
+    )
 }
 
 async fn read_body<S, B>(mut body: S, limit: usize) -> Result<Bytes, ApiError>
@@ -264,7 +332,10 @@ where
     Ok(out.freeze())
 }
 
-fn match_template(template: &'static str, segments: &[String]) -> Option<HashMap<&'static str, String>> {
+fn match_template(
+    template: &'static str,
+    segments: &[String],
+) -> Option<HashMap<&'static str, String>> {
     let parts: Vec<&'static str> = template.trim_start_matches('/').split('/').collect();
     if parts.len() != segments.len() {
         return None;
@@ -295,17 +366,21 @@ async fn route_to_handler(ctx: &Arc<Ctx>, req: &Request) -> Result<Reply, ApiErr
         _ => {
             let caller = auth::authenticate(ctx, req)?;
             if !ctx.engine.ready.load(std::sync::atomic::Ordering::SeqCst) {
-                return Err(ApiError::new(Code::Unavailable, "the store is not ready yet").retry_after(1));
+                return Err(
+                    ApiError::new(Code::Unavailable, "the store is not ready yet").retry_after(1),
+                );
             }
             match (req.method.as_str(), req.route) {
                 ("GET", "/v1/deployments") => deployments::list(ctx, req, &caller).await,
                 ("GET", "/v1/deployments/{id}") => deployments::read(ctx, req).await,
                 ("POST", "/v1/deployments/{id}/preview") => deployments::preview(ctx, req).await,
                 ("POST", "/v1/deployments/{id}/submit") => {
-                    idempotency::mutation(ctx, req, &caller, |w| deployments::submit(ctx, req, w)).await
+                    idempotency::mutation(ctx, req, &caller, |w| deployments::submit(ctx, req, w))
+                        .await
                 }
                 ("DELETE", "/v1/deployments/{id}") => {
-                    idempotency::mutation(ctx, req, &caller, |w| deployments::delete(ctx, req, w)).await
+                    idempotency::mutation(ctx, req, &caller, |w| deployments::delete(ctx, req, w))
+                        .await
                 }
                 ("GET", "/v1/deployments/{id}/builds") => builds::list(ctx, req, &caller),
                 ("GET", "/v1/builds/{build}") => builds::read(ctx, req),
@@ -321,13 +396,17 @@ async fn route_to_handler(ctx: &Arc<Ctx>, req: &Request) -> Result<Reply, ApiErr
 
 fn into_http(reply: Reply, request_id: &str) -> warp::reply::Response {
     let mut response = warp::reply::Response::new(reply.body.into());
-    *response.status_mut() = StatusCode::from_u16(reply.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    *response.status_mut() =
+        StatusCode::from_u16(reply.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     let h = response.headers_mut();
     if let Ok(v) = HeaderValue::from_str(&reply.content_type) {
         h.insert("content-type", v);
     }
     for (name, value) in &reply.headers {
-        if let (Ok(n), Ok(v)) = (warp::http::HeaderName::from_bytes(name.as_bytes()), HeaderValue::from_str(value)) {
+        if let (Ok(n), Ok(v)) = (
+            warp::http::HeaderName::from_bytes(name.as_bytes()),
+            HeaderValue::from_str(value),
+        ) {
             h.append(n, v);
         }
     }
@@ -339,17 +418,30 @@ fn into_http(reply: Reply, request_id: &str) -> warp::reply::Response {
 
 /// Parses a JSON body into an object, with the errors of the contract:
 /// not JSON, not an object, nested too deep, keys not in `allowed`.
-pub fn json_object(body: &[u8], allowed: &[&str]) -> Result<serde_json::Map<String, serde_json::Value>, ApiError> {
+pub fn json_object(
+    body: &[u8],
+    allowed: &[&str],
+) -> Result<serde_json::Map<String, serde_json::Value>, ApiError> {
     let value: serde_json::Value = serde_json::from_slice(body).map_err(|e| {
-        ApiError::bad_request(format!("the body is not valid JSON (line {}, column {})", e.line(), e.column())).field("", "malformed_json")
+        ApiError::bad_request(format!(
+            "the body is not valid JSON (line {}, column {})",
+            e.line(),
+            e.column()
+        ))
+        .field("", "malformed_json")
     })?;
     if depth(&value) > MAX_JSON_DEPTH {
-        return Err(ApiError::bad_request("the body nests deeper than 64 levels").field("", "too_deep"));
+        return Err(
+            ApiError::bad_request("the body nests deeper than 64 levels").field("", "too_deep"),
+        );
     }
     let serde_json::Value::Object(map) = value else {
         return Err(ApiError::bad_request("the body must be a JSON object").field("", "type"));
     };
-    let unknown = map.keys().filter(|k| !allowed.contains(&k.as_str())).count();
+    let unknown = map
+        .keys()
+        .filter(|k| !allowed.contains(&k.as_str()))
+        .count();
     if unknown > 0 {
         return Err(ApiError::bad_request(format!(
             "the body has {unknown} unknown field(s); this server knows: {}",
@@ -381,8 +473,17 @@ mod tests {
 
     #[test]
     fn templates_match_segments() {
-        let segs = |p: &str| p.trim_start_matches('/').split('/').map(str::to_string).collect::<Vec<_>>();
-        let m = match_template("/v1/deployments/{id}/submit", &segs("/v1/deployments/alice/submit")).unwrap();
+        let segs = |p: &str| {
+            p.trim_start_matches('/')
+                .split('/')
+                .map(str::to_string)
+                .collect::<Vec<_>>()
+        };
+        let m = match_template(
+            "/v1/deployments/{id}/submit",
+            &segs("/v1/deployments/alice/submit"),
+        )
+        .unwrap();
         assert_eq!(m["id"], "alice");
         assert!(match_template("/v1/deployments/{id}", &segs("/v1/deployments/")).is_none());
         assert!(match_template("/v1/deployments", &segs("/v1/deployments/x")).is_none());

@@ -19,7 +19,11 @@ pub fn readyz(ctx: &Ctx) -> Reply {
     if ctx.engine.ready.load(Ordering::SeqCst) {
         Reply::text(200, "text/plain; charset=utf-8", b"ready\n".to_vec())
     } else {
-        Reply::text(503, "text/plain; charset=utf-8", b"starting: recovery is not done\n".to_vec())
+        Reply::text(
+            503,
+            "text/plain; charset=utf-8",
+            b"starting: recovery is not done\n".to_vec(),
+        )
     }
 }
 
@@ -28,13 +32,21 @@ pub fn openapi() -> Reply {
 }
 
 pub fn count_request(ctx: &Ctx, route: &'static str, status: u16) {
-    let mut m = ctx.engine.metrics.requests.lock().unwrap_or_else(|p| p.into_inner());
+    let mut m = ctx
+        .engine
+        .metrics
+        .requests
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
     *m.entry((route.to_string(), status)).or_default() += 1;
 }
 
 pub fn metrics(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
     if !ctx.engine.settings.metrics_public && !auth::is_service_token(ctx, req) {
-        return Err(ApiError::new(Code::Unauthenticated, "/metrics needs the service token (or --metrics-public)"));
+        return Err(ApiError::new(
+            Code::Unauthenticated,
+            "/metrics needs the service token (or --metrics-public)",
+        ));
     }
     let mut out = String::new();
     let e = &ctx.engine;
@@ -44,24 +56,65 @@ pub fn metrics(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
         let mut rows: Vec<_> = m.iter().collect();
         rows.sort();
         for ((route, status), n) in rows {
-            let _ = writeln!(out, "berth_http_requests_total{{route=\"{route}\",code=\"{status}\"}} {n}");
+            let _ = writeln!(
+                out,
+                "berth_http_requests_total{{route=\"{route}\",code=\"{status}\"}} {n}"
+            );
         }
     }
     let counts = e.store.read()?.build_status_counts()?;
     out.push_str("# HELP berth_builds Stored builds by status.\n# TYPE berth_builds gauge\n");
-    for status in [BuildStatus::Queued, BuildStatus::Running, BuildStatus::Succeeded, BuildStatus::Failed, BuildStatus::Cancelled] {
-        let _ = writeln!(out, "berth_builds{{status=\"{}\"}} {}", status.as_str(), counts[status as usize]);
+    for status in [
+        BuildStatus::Queued,
+        BuildStatus::Running,
+        BuildStatus::Succeeded,
+        BuildStatus::Failed,
+        BuildStatus::Cancelled,
+    ] {
+        let _ = writeln!(
+            out,
+            "berth_builds{{status=\"{}\"}} {}",
+            status.as_str(),
+            counts[status as usize]
+        );
     }
     let gauges = [
-        ("berth_running_builds", "Builds holding a build slot.", e.running_builds() as u64),
-        ("berth_eval_slots_in_use", "Eval calls running.", e.eval_slots_in_use() as u64),
+        (
+            "berth_running_builds",
+            "Builds holding a build slot.",
+            e.running_builds() as u64,
+        ),
+        (
+            "berth_eval_slots_in_use",
+            "Eval calls running.",
+            e.eval_slots_in_use() as u64,
+        ),
         ("berth_sse_clients", "Open event streams.", 0),
-        ("berth_log_bytes_total", "Log bytes stored since start.", e.metrics.log_bytes.load(Ordering::Relaxed)),
-        ("berth_audit_events_total", "Audit events written since start.", 0),
-        ("berth_store_bytes", "Size of berth.redb.", Store::file_size(&e.settings.db_path())),
+        (
+            "berth_log_bytes_total",
+            "Log bytes stored since start.",
+            e.metrics.log_bytes.load(Ordering::Relaxed),
+        ),
+        (
+            "berth_audit_events_total",
+            "Audit events written since start.",
+            0,
+        ),
+        (
+            "berth_store_bytes",
+            "Size of berth.redb.",
+            Store::file_size(&e.settings.db_path()),
+        ),
     ];
     for (name, help, value) in gauges {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {value}");
+        let _ = writeln!(
+            out,
+            "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {value}"
+        );
     }
-    Ok(Reply::text(200, "text/plain; version=0.0.4", out.into_bytes()))
+    Ok(Reply::text(
+        200,
+        "text/plain; version=0.0.4",
+        out.into_bytes(),
+    ))
 }

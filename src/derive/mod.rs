@@ -70,11 +70,18 @@ impl Shaped<'_> {
 /// Reads a configuration's shape: collapsed when it has a `deployment` key.
 pub fn shape(config: &Value) -> Result<Shaped<'_>, DeriveError> {
     let Some(top) = config.as_object() else {
-        return Err(DeriveError { pointer: String::new(), rule: "type", message: "a configuration must be a JSON object" });
+        return Err(DeriveError {
+            pointer: String::new(),
+            rule: "type",
+            message: "a configuration must be a JSON object",
+        });
     };
     let (method, inner, prefix) = match top.get("deployment") {
         Some(deployment) => {
-            let only = deployment.as_object().filter(|m| m.len() == 1).and_then(|m| m.iter().next());
+            let only = deployment
+                .as_object()
+                .filter(|m| m.len() == 1)
+                .and_then(|m| m.iter().next());
             let Some((method, inner)) = only else {
                 return Err(DeriveError {
                     pointer: "/deployment".into(),
@@ -84,17 +91,29 @@ pub fn shape(config: &Value) -> Result<Shaped<'_>, DeriveError> {
             };
             let prefix = format!("/deployment/{}", pointer::escape(method));
             let Some(inner) = inner.as_object() else {
-                return Err(DeriveError { pointer: prefix, rule: "type", message: "the method's value must be an object" });
+                return Err(DeriveError {
+                    pointer: prefix,
+                    rule: "type",
+                    message: "the method's value must be an object",
+                });
             };
             (Some(method.as_str()), inner, prefix)
         }
-        None => (top.get("method").and_then(Value::as_str), top, String::new()),
+        None => (
+            top.get("method").and_then(Value::as_str),
+            top,
+            String::new(),
+        ),
     };
     let domain = match inner.get("domain") {
         None | Some(Value::Null) => None,
         Some(Value::String(s)) => Some(s.as_str()),
         Some(_) => {
-            return Err(DeriveError { pointer: format!("{prefix}/domain"), rule: "type", message: "`domain` must be a string" })
+            return Err(DeriveError {
+                pointer: format!("{prefix}/domain"),
+                rule: "type",
+                message: "`domain` must be a string",
+            })
         }
     };
     let applications_path = format!("{prefix}/applications");
@@ -102,10 +121,19 @@ pub fn shape(config: &Value) -> Result<Shaped<'_>, DeriveError> {
         None | Some(Value::Null) => None,
         Some(Value::Object(m)) => Some(m),
         Some(_) => {
-            return Err(DeriveError { pointer: applications_path, rule: "type", message: "`applications` must be an object" })
+            return Err(DeriveError {
+                pointer: applications_path,
+                rule: "type",
+                message: "`applications` must be an object",
+            })
         }
     };
-    Ok(Shaped { method, domain, applications_path, applications })
+    Ok(Shaped {
+        method,
+        domain,
+        applications_path,
+        applications,
+    })
 }
 
 /// One derived instance (spec/configuration.md "Instances").
@@ -125,14 +153,25 @@ fn enabled(app: Option<&Value>) -> bool {
 }
 
 /// The domain and instances of a configuration.
-pub fn instances(config: &Value, catalog: &[CatalogEntry]) -> Result<(Option<String>, Vec<Instance>), DeriveError> {
+pub fn instances(
+    config: &Value,
+    catalog: &[CatalogEntry],
+) -> Result<(Option<String>, Vec<Instance>), DeriveError> {
     let shaped = shape(config)?;
     let apps = shaped.apps();
     let domain = shaped.domain;
     let mut out = Vec::with_capacity(catalog.len() + apps.len());
     for entry in catalog {
         let sub = entry.subdomain.as_deref();
-        out.push(make_instance(&entry.name, entry.configurable, entry.operator_toggled, sub, sub.is_none(), apps.get(&entry.name), domain));
+        out.push(make_instance(
+            &entry.name,
+            entry.configurable,
+            entry.operator_toggled,
+            sub,
+            sub.is_none(),
+            apps.get(&entry.name),
+            domain,
+        ));
     }
     // serde_json's Map iterates in key (code point) order.
     for (name, value) in apps {
@@ -177,7 +216,11 @@ fn make_instance(
         enabled,
         domain,
         url,
-        section: if configurable { Some(name.to_string()) } else { None },
+        section: if configurable {
+            Some(name.to_string())
+        } else {
+            None
+        },
     }
 }
 
@@ -193,8 +236,10 @@ pub fn parse_renames(renames: &[Rename]) -> Result<Vec<(Pointer, Pointer)>, Deri
                 rule: "rename",
                 message,
             };
-            let from = Pointer::parse(&r.from).ok_or_else(|| bad("from", "not a JSON pointer below the applications object"))?;
-            let to = Pointer::parse(&r.to).ok_or_else(|| bad("to", "not a JSON pointer below the applications object"))?;
+            let from = Pointer::parse(&r.from)
+                .ok_or_else(|| bad("from", "not a JSON pointer below the applications object"))?;
+            let to = Pointer::parse(&r.to)
+                .ok_or_else(|| bad("to", "not a JSON pointer below the applications object"))?;
             if to.is_strictly_inside(&from) {
                 return Err(bad("to", "a rename cannot move a value inside itself"));
             }
@@ -213,7 +258,8 @@ pub struct Renamed {
 /// Applies renames in one pass, in list order, to a copy of `apps`.
 pub fn apply_renames(apps: &Map<String, Value>, renames: &[(Pointer, Pointer)]) -> Renamed {
     let mut root = Value::Object(apps.clone());
-    let mut origin: BTreeMap<String, String> = apps.keys().map(|k| (k.clone(), k.clone())).collect();
+    let mut origin: BTreeMap<String, String> =
+        apps.keys().map(|k| (k.clone(), k.clone())).collect();
     for (from, to) in renames {
         if pointer::move_value(&mut root, from, to) && from.len() == 1 && to.len() == 1 {
             if let Some(was) = origin.remove(from.token(0)) {
@@ -251,12 +297,22 @@ pub struct Applications {
     pub changed: Vec<String>,
 }
 
-pub fn applications(draft: &Value, deployed: Option<&Value>, renames: &[Rename]) -> Result<Applications, DeriveError> {
+pub fn applications(
+    draft: &Value,
+    deployed: Option<&Value>,
+    renames: &[Rename],
+) -> Result<Applications, DeriveError> {
     let renames = parse_renames(renames)?;
     let draft_shape = shape(draft).map_err(|e| e.under("/draft"))?;
-    let deployed_shape = deployed.map(shape).transpose().map_err(|e| e.under("/deployed"))?;
+    let deployed_shape = deployed
+        .map(shape)
+        .transpose()
+        .map_err(|e| e.under("/deployed"))?;
     let a = apply_renames(draft_shape.apps(), &renames);
-    let b = apply_renames(deployed_shape.as_ref().map(Shaped::apps).unwrap_or(&EMPTY), &renames);
+    let b = apply_renames(
+        deployed_shape.as_ref().map(Shaped::apps).unwrap_or(&EMPTY),
+        &renames,
+    );
     let mut changed: Vec<String> = a
         .apps
         .keys()
@@ -290,7 +346,10 @@ pub fn sections(
 ) -> Result<Vec<Section>, DeriveError> {
     let renames = parse_renames(renames)?;
     let c1 = shape(config).map_err(|e| e.under("/configuration"))?;
-    let c2 = deployed.map(shape).transpose().map_err(|e| e.under("/deployed"))?;
+    let c2 = deployed
+        .map(shape)
+        .transpose()
+        .map_err(|e| e.under("/deployed"))?;
     let a = apply_renames(c1.apps(), &renames);
     let b = apply_renames(c2.as_ref().map(Shaped::apps).unwrap_or(&EMPTY), &renames);
     let known = |name: &str| catalog.iter().any(|e| e.name == name);
@@ -303,7 +362,9 @@ pub fn sections(
         name: name.to_string(),
         path: format!("{}/{}", c1.applications_path, pointer::escape(name)),
         deployed_path: match (&c2, b.origin.get(name)) {
-            (Some(s), Some(was)) => Some(format!("{}/{}", s.applications_path, pointer::escape(was))),
+            (Some(s), Some(was)) => {
+                Some(format!("{}/{}", s.applications_path, pointer::escape(was)))
+            }
             _ => None,
         },
         changed: !same_value(a.apps.get(name), b.apps.get(name)),

@@ -57,12 +57,18 @@ impl Pointer {
     }
 
     fn parent_and_last(&self) -> (&[String], &str) {
-        let (last, parent) = self.0.split_last().expect("a parsed pointer has at least one token");
+        let (last, parent) = self
+            .0
+            .split_last()
+            .expect("a parsed pointer has at least one token");
         (parent, last)
     }
 }
 
-fn object_at_mut<'v>(root: &'v mut Value, path: &[String]) -> Option<&'v mut serde_json::Map<String, Value>> {
+fn object_at_mut<'v>(
+    root: &'v mut Value,
+    path: &[String],
+) -> Option<&'v mut serde_json::Map<String, Value>> {
     let mut here = root;
     for token in path {
         here = here.as_object_mut()?.get_mut(token)?;
@@ -123,9 +129,15 @@ mod tests {
         let p = |s| Pointer::parse(s).unwrap();
         assert!(move_value(&mut v, &p("/a/x"), &p("/b/y")));
         assert_eq!(v, json!({"a": {}, "b": {"y": 1}}));
-        assert!(!move_value(&mut v, &p("/b/y"), &p("/missing/y")), "parent of to is missing");
+        assert!(
+            !move_value(&mut v, &p("/b/y"), &p("/missing/y")),
+            "parent of to is missing"
+        );
         assert!(!move_value(&mut v, &p("/a"), &p("/b")), "to is present");
-        assert!(!move_value(&mut v, &p("/a"), &p("/a/inner")), "to inside from");
+        assert!(
+            !move_value(&mut v, &p("/a"), &p("/a/inner")),
+            "to inside from"
+        );
         assert_eq!(v, json!({"a": {}, "b": {"y": 1}}));
     }
 

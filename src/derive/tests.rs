@@ -9,7 +9,12 @@ pub fn local_catalog() -> Vec<CatalogEntry> {
 }
 
 fn renames(list: &[(&str, &str)]) -> Vec<Rename> {
-    list.iter().map(|(f, t)| Rename { from: f.to_string(), to: t.to_string() }).collect()
+    list.iter()
+        .map(|(f, t)| Rename {
+            from: f.to_string(),
+            to: t.to_string(),
+        })
+        .collect()
 }
 
 fn example() -> (Value, Value, Vec<Rename>) {
@@ -25,7 +30,10 @@ fn worked_example_sections() {
     let (draft, deployed, r) = example();
     let s = sections(&draft, Some(&deployed), &r, &local_catalog()).unwrap();
     let names: Vec<&str> = s.iter().map(|s| s.name.as_str()).collect();
-    assert_eq!(names, ["mastodon", "pixelfed", "peertube", "forgejo", "homepage", "fedi2"]);
+    assert_eq!(
+        names,
+        ["mastodon", "pixelfed", "peertube", "forgejo", "homepage", "fedi2"]
+    );
     assert_eq!(
         s[0],
         Section {
@@ -40,7 +48,15 @@ fn worked_example_sections() {
         assert_eq!(mid.deployed_path, None);
         assert!(!mid.changed);
     }
-    assert_eq!(s[5], Section { name: "fedi2".into(), path: "/applications/fedi2".into(), deployed_path: None, changed: true });
+    assert_eq!(
+        s[5],
+        Section {
+            name: "fedi2".into(),
+            path: "/applications/fedi2".into(),
+            deployed_path: None,
+            changed: true
+        }
+    );
 }
 
 #[test]
@@ -49,7 +65,10 @@ fn worked_example_applications_and_instances() {
     let a = applications(&draft, Some(&deployed), &r).unwrap();
     assert_eq!(a.changed, ["fedi2", "garage"]);
     assert_eq!(a.draft_path, "/applications");
-    assert_eq!(a.deployed_path.as_deref(), Some("/deployment/local/applications"));
+    assert_eq!(
+        a.deployed_path.as_deref(),
+        Some("/deployment/local/applications")
+    );
     let without = applications(&draft, Some(&deployed), &[]).unwrap();
     assert_eq!(without.changed, ["fedi", "fedi2", "garage", "mastodon"]);
 
@@ -114,13 +133,19 @@ fn shape_errors_name_the_pointer() {
         (json!({"deployment": {}}), "/deployment"),
         (json!({"deployment": {"a": {}, "b": {}}}), "/deployment"),
         (json!({"deployment": {"local": 1}}), "/deployment/local"),
-        (json!({"deployment": {"lo/cal": {"domain": true}}}), "/deployment/lo~1cal/domain"),
+        (
+            json!({"deployment": {"lo/cal": {"domain": true}}}),
+            "/deployment/lo~1cal/domain",
+        ),
         (json!([1]), ""),
     ];
     for (c, ptr) in cases {
         assert_eq!(shape(&c).unwrap_err().pointer, ptr, "{c}");
     }
-    assert_eq!(shape(&json!({})).unwrap().applications_path, "/applications");
+    assert_eq!(
+        shape(&json!({})).unwrap().applications_path,
+        "/applications"
+    );
     assert_eq!(shape(&json!({"domain": null})).unwrap().domain, None);
 }
 
@@ -129,8 +154,14 @@ fn renames_of_settings_and_chains() {
     let draft = json!({"applications": {"mastodon": {"single_user": true}}});
     let deployed = json!({"applications": {"mastodon": {"singleUser": true}}});
     let r = renames(&[("/mastodon/singleUser", "/mastodon/single_user")]);
-    assert!(applications(&draft, Some(&deployed), &r).unwrap().changed.is_empty());
-    assert_eq!(applications(&draft, Some(&deployed), &[]).unwrap().changed, ["mastodon"]);
+    assert!(applications(&draft, Some(&deployed), &r)
+        .unwrap()
+        .changed
+        .is_empty());
+    assert_eq!(
+        applications(&draft, Some(&deployed), &[]).unwrap().changed,
+        ["mastodon"]
+    );
 
     // a -> b, then b -> c: values stored under a or b both reach c in one pass.
     let chain = renames(&[("/a", "/b"), ("/b", "/c")]);
@@ -140,7 +171,10 @@ fn renames_of_settings_and_chains() {
         let s = sections(&draft, Some(&deployed), &chain, &local_catalog()).unwrap();
         let c = s.iter().find(|s| s.name == "c").unwrap();
         assert!(!c.changed, "{old}");
-        assert_eq!(c.deployed_path.as_deref(), Some(format!("/applications/{old}").as_str()));
+        assert_eq!(
+            c.deployed_path.as_deref(),
+            Some(format!("/applications/{old}").as_str())
+        );
     }
 }
 
@@ -148,7 +182,10 @@ fn renames_of_settings_and_chains() {
 fn rename_whose_target_parent_is_missing_does_nothing() {
     let deployed = json!({"applications": {"mastodon": {"x": 1}}});
     let r = renames(&[("/mastodon/x", "/pixelfed/x")]);
-    let renamed = apply_renames(shape(&deployed).unwrap().apps(), &parse_renames(&r).unwrap());
+    let renamed = apply_renames(
+        shape(&deployed).unwrap().apps(),
+        &parse_renames(&r).unwrap(),
+    );
     assert_eq!(Value::Object(renamed.apps), json!({"mastodon": {"x": 1}}));
 }
 
@@ -156,13 +193,21 @@ fn rename_whose_target_parent_is_missing_does_nothing() {
 fn malformed_renames_are_refused_with_their_index() {
     let c = json!({});
     for (list, ptr) in [
-        (renames(&[("/ok", "/fine"), ("nope", "/x")]), "/renames/1/from"),
+        (
+            renames(&[("/ok", "/fine"), ("nope", "/x")]),
+            "/renames/1/from",
+        ),
         (renames(&[("/a", "/b~")]), "/renames/0/to"),
         (renames(&[("", "/b")]), "/renames/0/from"),
         (renames(&[("/a", "/a/b")]), "/renames/0/to"),
     ] {
         assert_eq!(applications(&c, None, &list).unwrap_err().pointer, ptr);
-        assert_eq!(sections(&c, None, &list, &local_catalog()).unwrap_err().pointer, ptr);
+        assert_eq!(
+            sections(&c, None, &list, &local_catalog())
+                .unwrap_err()
+                .pointer,
+            ptr
+        );
     }
 }
 
@@ -190,7 +235,8 @@ fn arb_json(depth: u32) -> impl Strategy<Value = Value> {
     leaf.prop_recursive(depth, 24, 4, |inner| {
         prop_oneof![
             prop::collection::vec(inner.clone(), 0..3).prop_map(Value::Array),
-            prop::collection::btree_map("[a-z/~]{1,5}", inner, 0..4).prop_map(|m| Value::Object(m.into_iter().collect())),
+            prop::collection::btree_map("[a-z/~]{1,5}", inner, 0..4)
+                .prop_map(|m| Value::Object(m.into_iter().collect())),
         ]
     })
 }
@@ -227,7 +273,12 @@ fn respell(v: &Value) -> Value {
     match v {
         Value::Number(n) => n.as_f64().map(|f| json!(f)).unwrap_or_else(|| v.clone()),
         Value::Array(a) => Value::Array(a.iter().map(respell).collect()),
-        Value::Object(m) => Value::Object(m.iter().rev().map(|(k, v)| (k.clone(), respell(v))).collect()),
+        Value::Object(m) => Value::Object(
+            m.iter()
+                .rev()
+                .map(|(k, v)| (k.clone(), respell(v)))
+                .collect(),
+        ),
         _ => v.clone(),
     }
 }

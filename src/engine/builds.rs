@@ -64,7 +64,10 @@ impl Engine {
             let engine = self.clone();
             tokio::spawn(async move { engine.run_build(build_id).await });
         }
-        assert!(sched.running.len() <= slots, "more builds hold a slot than --build-slots");
+        assert!(
+            sched.running.len() <= slots,
+            "more builds hold a slot than --build-slots"
+        );
         Ok(())
     }
 
@@ -89,11 +92,15 @@ impl Engine {
         let started = self
             .store
             .write(move |tx| {
-                let Some(mut b) = tx.build(build_id)? else { return Ok(None) };
+                let Some(mut b) = tx.build(build_id)? else {
+                    return Ok(None);
+                };
                 if b.status != BuildStatus::Queued {
                     return Ok(None);
                 }
-                let Some(mut d) = tx.deployment(&b.deployment)? else { return Ok(None) };
+                let Some(mut d) = tx.deployment(&b.deployment)? else {
+                    return Ok(None);
+                };
                 let now = now_millis();
                 b.status = BuildStatus::Running;
                 b.started_at = Some(now);
@@ -121,20 +128,32 @@ impl Engine {
     }
 
     /// Runs the deployer and captures the log; returns how it ended.
-    async fn execute(self: &Arc<Self>, build: &BuildRecord, cancel: watch::Receiver<bool>) -> Outcome {
+    async fn execute(
+        self: &Arc<Self>,
+        build: &BuildRecord,
+        cancel: watch::Receiver<bool>,
+    ) -> Outcome {
         let id_text = format_build_id(build.id);
         let work_dir = self.settings.work_dir(&build.deployment);
         let root = self.settings.scratch_root().join(&id_text);
         let scratch_dir = root.join("scratch");
         let _ = std::fs::remove_dir_all(&root);
-        if let Err(e) = std::fs::create_dir_all(&scratch_dir).and_then(|_| std::fs::create_dir_all(&work_dir)) {
-            return Outcome::failed(&root, "spawn_failed", format!("cannot create the build's directories: {e}"), LogBuffer::new(0));
+        if let Err(e) =
+            std::fs::create_dir_all(&scratch_dir).and_then(|_| std::fs::create_dir_all(&work_dir))
+        {
+            return Outcome::failed(
+                &root,
+                "spawn_failed",
+                format!("cannot create the build's directories: {e}"),
+                LogBuffer::new(0),
+            );
         }
         let verb = match build.kind {
             BuildKind::Deploy => "deploy",
             BuildKind::Destroy => "destroy",
         };
-        let configuration: serde_json::Value = serde_json::from_str(&build.snapshot.configuration).unwrap_or_default();
+        let configuration: serde_json::Value =
+            serde_json::from_str(&build.snapshot.configuration).unwrap_or_default();
         let previous = build.previous.as_ref().map(|p| {
             json!({"configuration": serde_json::from_str::<serde_json::Value>(&p.configuration).unwrap_or_default(), "source": p.source})
         });
@@ -160,7 +179,12 @@ impl Engine {
             Err(e) => {
                 tracing::error!(error = %e, program = %self.deployer.program.display(), "cannot start the deployer");
                 log.push(&format!("[berth] cannot start the deployer: {e}"));
-                return Outcome::failed(&root, "spawn_failed", "the deployer could not be started".into(), log);
+                return Outcome::failed(
+                    &root,
+                    "spawn_failed",
+                    "the deployer could not be started".into(),
+                    log,
+                );
             }
         };
         let job = spawned.job;
@@ -176,14 +200,17 @@ impl Engine {
             })
             .await;
         let (lines_tx, mut lines_rx) = mpsc::channel::<String>(LINE_QUEUE);
-        let timeout = (!self.settings.build_timeout.is_zero()).then_some(self.settings.build_timeout);
+        let timeout =
+            (!self.settings.build_timeout.is_zero()).then_some(self.settings.build_timeout);
         let (stop_tx, stop_rx) = watch::channel(false);
         let mut cancel = cancel;
         let grace = self.settings.cancel_grace;
         // Forward the user's cancel into the runner; a log failure stops it too.
         let waiter = {
             let stop_rx = stop_rx.clone();
-            tokio::spawn(async move { runner::wait(spawned, timeout, grace, stop_rx, lines_tx).await })
+            tokio::spawn(
+                async move { runner::wait(spawned, timeout, grace, stop_rx, lines_tx).await },
+            )
         };
         let forward_stop = stop_tx.clone();
         let forward = tokio::spawn(async move {
@@ -217,19 +244,34 @@ impl Engine {
         forward.abort();
         let ended = waiter.await.unwrap_or(Ended::Exit(-1));
         let user_cancelled = ended == Ended::Cancelled && disk_failure.is_none();
-        let mut outcome = Outcome { root, ended, result: None, log, disk_failure, user_cancelled };
+        let mut outcome = Outcome {
+            root,
+            ended,
+            result: None,
+            log,
+            disk_failure,
+            user_cancelled,
+        };
         if ended == Ended::Exit(0) {
             outcome.result = Some(read_deploy_result(&outcome.root, build.kind));
         }
         outcome
     }
 
-    async fn flush_log(&self, build_id: BuildId, log: &mut LogBuffer, disk_failure: &mut Option<String>, stop: &watch::Sender<bool>) {
+    async fn flush_log(
+        &self,
+        build_id: BuildId,
+        log: &mut LogBuffer,
+        disk_failure: &mut Option<String>,
+        stop: &watch::Sender<bool>,
+    ) {
         if disk_failure.is_some() {
             log.pending.clear();
             return;
         }
-        let Some(chunk) = log.take_chunk() else { return };
+        let Some(chunk) = log.take_chunk() else {
+            return;
+        };
         let result = self
             .store
             .write(move |tx| {
@@ -244,7 +286,11 @@ impl Engine {
             })
             .await;
         if let Err(e) = result {
-            let reason = if e.kind == StoreErrorKind::DiskFull { "disk_full" } else { "log_write_failed" };
+            let reason = if e.kind == StoreErrorKind::DiskFull {
+                "disk_full"
+            } else {
+                "log_write_failed"
+            };
             tracing::error!(error = %e, build = %format_build_id(build_id), "cannot store the build log; stopping the build");
             *disk_failure = Some(reason.to_string());
             let _ = stop.send(true);
@@ -261,7 +307,9 @@ impl Engine {
         };
         for (node, sbom) in &nodes {
             if let Err(reason) = sbom {
-                outcome.log.push(&format!("[berth] node {node}: SBOM unavailable: {reason}"));
+                outcome
+                    .log
+                    .push(&format!("[berth] node {node}: SBOM unavailable: {reason}"));
             }
         }
         if outcome.log.dropped_lines > 0 {
@@ -272,13 +320,17 @@ impl Engine {
             outcome.log.force_push(&line);
         }
         let last_chunk = outcome.log.take_chunk();
-        self.metrics.log_bytes.fetch_add(outcome.log.stored_bytes, Ordering::Relaxed);
+        self.metrics
+            .log_bytes
+            .fetch_add(outcome.log.stored_bytes, Ordering::Relaxed);
         let build_id = build.id;
         let kind = build.kind;
         let result = self
             .store
             .write(move |tx| {
-                let Some(mut b) = tx.build(build_id)? else { return Ok(()) };
+                let Some(mut b) = tx.build(build_id)? else {
+                    return Ok(());
+                };
                 let now = now_millis();
                 if let Some(chunk) = &last_chunk {
                     tx.put_log_chunk(build_id, chunk.number, &chunk.compressed)?;
@@ -296,11 +348,20 @@ impl Engine {
                     if d.running == Some(build_id) {
                         d.running = None;
                     }
-                    d.last_finished = Some(LastFinished { build_id, kind: b.kind, status });
+                    d.last_finished = Some(LastFinished {
+                        build_id,
+                        kind: b.kind,
+                        status,
+                    });
                     let succeeded = status == BuildStatus::Succeeded;
                     match (b.kind, succeeded) {
                         (BuildKind::Deploy, true) => {
-                            d.deployed = Some(Deployed { build_id, snapshot: b.snapshot.clone(), method: b.method.clone(), finished_at: now });
+                            d.deployed = Some(Deployed {
+                                build_id,
+                                snapshot: b.snapshot.clone(),
+                                method: b.method.clone(),
+                                finished_at: now,
+                            });
                         }
                         (BuildKind::Destroy, true) => {
                             d.deployed = None;
@@ -366,30 +427,78 @@ impl Outcome {
     }
 
     fn verdict(&self, timeout: Duration) -> (BuildStatus, Option<Failure>, Option<i32>) {
-        let fail = |reason: &str, detail: String| Some(Failure { reason: reason.into(), detail });
+        let fail = |reason: &str, detail: String| {
+            Some(Failure {
+                reason: reason.into(),
+                detail,
+            })
+        };
         if let Some(reason) = &self.disk_failure {
-            return (BuildStatus::Failed, fail(reason, "the build log could not be stored".into()), None);
+            return (
+                BuildStatus::Failed,
+                fail(reason, "the build log could not be stored".into()),
+                None,
+            );
         }
         match self.ended {
-            Ended::Cancelled if self.user_cancelled => {
-                (BuildStatus::Cancelled, fail("cancelled", "cancelled while running".into()), None)
-            }
-            Ended::Cancelled => (BuildStatus::Failed, fail("cancelled", "stopped".into()), None),
-            Ended::Timeout => (BuildStatus::Failed, fail("timeout", format!("the build ran longer than {}s", timeout.as_secs())), None),
-            Ended::Signal(sig) => (BuildStatus::Failed, fail("exit_status", format!("the deployer was killed by signal {sig}")), None),
+            Ended::Cancelled if self.user_cancelled => (
+                BuildStatus::Cancelled,
+                fail("cancelled", "cancelled while running".into()),
+                None,
+            ),
+            Ended::Cancelled => (
+                BuildStatus::Failed,
+                fail("cancelled", "stopped".into()),
+                None,
+            ),
+            Ended::Timeout => (
+                BuildStatus::Failed,
+                fail(
+                    "timeout",
+                    format!("the build ran longer than {}s", timeout.as_secs()),
+                ),
+                None,
+            ),
+            Ended::Signal(sig) => (
+                BuildStatus::Failed,
+                fail(
+                    "exit_status",
+                    format!("the deployer was killed by signal {sig}"),
+                ),
+                None,
+            ),
             Ended::Exit(0) => match &self.result {
                 Some(Ok(_)) => (BuildStatus::Succeeded, None, Some(0)),
-                Some(Err(e)) => (BuildStatus::Failed, fail("deployer_protocol", e.clone()), Some(0)),
-                None => (BuildStatus::Failed, fail("deployer_protocol", "no result was read".into()), Some(0)),
+                Some(Err(e)) => (
+                    BuildStatus::Failed,
+                    fail("deployer_protocol", e.clone()),
+                    Some(0),
+                ),
+                None => (
+                    BuildStatus::Failed,
+                    fail("deployer_protocol", "no result was read".into()),
+                    Some(0),
+                ),
             },
             Ended::Exit(-1) => match &self.result {
                 Some(Err(e)) => {
                     let (reason, detail) = e.split_once('\u{0}').unwrap_or(("exit_status", e));
                     (BuildStatus::Failed, fail(reason, detail.to_string()), None)
                 }
-                _ => (BuildStatus::Failed, fail("exit_status", "the deployer ended abnormally".into()), None),
+                _ => (
+                    BuildStatus::Failed,
+                    fail("exit_status", "the deployer ended abnormally".into()),
+                    None,
+                ),
             },
-            Ended::Exit(code) => (BuildStatus::Failed, fail("exit_status", format!("the deployer exited with status {code}")), Some(code)),
+            Ended::Exit(code) => (
+                BuildStatus::Failed,
+                fail(
+                    "exit_status",
+                    format!("the deployer exited with status {code}"),
+                ),
+                Some(code),
+            ),
         }
     }
 }
@@ -419,16 +528,21 @@ fn read_deploy_result(root: &std::path::Path, kind: BuildKind) -> Result<NodeRes
         Ok(None) => return Err("the deployer wrote no result".into()),
         Err(e) => return Err(format!("result file: {e}")),
     };
-    let value: serde_json::Value = serde_json::from_slice(&bytes).map_err(|_| "the result is not JSON".to_string())?;
+    let value: serde_json::Value =
+        serde_json::from_slice(&bytes).map_err(|_| "the result is not JSON".to_string())?;
     if kind == BuildKind::Destroy {
-        return if value.is_object() { Ok(vec![]) } else { Err("a destroy result must be an object".into()) };
+        return if value.is_object() {
+            Ok(vec![])
+        } else {
+            Err("a destroy result must be an object".into())
+        };
     }
     #[derive(Deserialize)]
     struct DeployResult {
         nodes: Vec<DeployResultNode>,
     }
-    let parsed: DeployResult =
-        serde_json::from_value(value).map_err(|_| "the deploy result does not match the protocol (nodes)".to_string())?;
+    let parsed: DeployResult = serde_json::from_value(value)
+        .map_err(|_| "the deploy result does not match the protocol (nodes)".to_string())?;
     let scratch = root.join("scratch");
     let mut out = Vec::with_capacity(parsed.nodes.len());
     let mut names = std::collections::HashSet::new();
@@ -452,7 +566,8 @@ fn check_sbom(scratch: &std::path::Path, rel: &str) -> Result<(), String> {
         OpenError::Missing => "the SBOM file is missing".to_string(),
         OpenError::Refused(why) => why,
     })?;
-    let doc: serde_json::Value = serde_json::from_slice(&bytes).map_err(|_| "the SBOM is not JSON".to_string())?;
+    let doc: serde_json::Value =
+        serde_json::from_slice(&bytes).map_err(|_| "the SBOM is not JSON".to_string())?;
     if doc.get("bomFormat").and_then(|v| v.as_str()) != Some("CycloneDX") {
         return Err("the SBOM is not CycloneDX".into());
     }
@@ -520,7 +635,12 @@ impl LogBuffer {
         }
         let raw = std::mem::take(&mut self.pending);
         let compressed = zstd::bulk::compress(&raw, LOG_ZSTD_LEVEL).unwrap_or_else(|_| raw.clone());
-        let chunk = Chunk { number: self.next_chunk, compressed, bytes: raw.len() as u64, lines: self.pending_lines };
+        let chunk = Chunk {
+            number: self.next_chunk,
+            compressed,
+            bytes: raw.len() as u64,
+            lines: self.pending_lines,
+        };
         self.next_chunk += 1;
         self.pending_lines = 0;
         self.first_pending = None;

@@ -25,7 +25,10 @@ const CALLBACK_POLL: Duration = Duration::from_secs(1);
 pub fn signature(secret: &[u8], body: &[u8]) -> String {
     let mut mac = hmac::Hmac::<Sha256>::new_from_slice(secret).expect("HMAC takes any key length");
     mac.update(body);
-    format!("sha256={}", crate::hex::encode(&mac.finalize().into_bytes()))
+    format!(
+        "sha256={}",
+        crate::hex::encode(&mac.finalize().into_bytes())
+    )
 }
 
 pub fn backoff(attempts: u32) -> Millis {
@@ -53,9 +56,18 @@ impl Engine {
         }
     }
 
-    async fn send_due_callbacks(&self, client: &reqwest::Client) -> Result<(), crate::store::StoreError> {
+    async fn send_due_callbacks(
+        &self,
+        client: &reqwest::Client,
+    ) -> Result<(), crate::store::StoreError> {
         let now = now_millis();
-        let due: Vec<_> = self.store.read()?.callbacks()?.into_iter().filter(|(_, c)| c.armed && c.next_at <= now).collect();
+        let due: Vec<_> = self
+            .store
+            .read()?
+            .callbacks()?
+            .into_iter()
+            .filter(|(_, c)| c.armed && c.next_at <= now)
+            .collect();
         for (build_id, callback) in due {
             let body = serde_json::json!({
                 "deployment": callback.deployment,
@@ -66,7 +78,10 @@ impl Engine {
             let sent = client
                 .post(&callback.url)
                 .header("content-type", "application/json")
-                .header("Berth-Signature", signature(&self.callback_secret, body.as_bytes()))
+                .header(
+                    "Berth-Signature",
+                    signature(&self.callback_secret, body.as_bytes()),
+                )
                 .body(body)
                 .send()
                 .await;
@@ -99,8 +114,14 @@ impl Engine {
         const SWEEP_EVERY: Duration = Duration::from_secs(600);
         const SWEEP_BATCH: usize = 10_000;
         loop {
-            match self.store.write(|tx| tx.sweep_idempotency(now_millis(), SWEEP_BATCH)).await {
-                Ok(n) if n > 0 => tracing::info!(removed = n, "expired idempotency records removed"),
+            match self
+                .store
+                .write(|tx| tx.sweep_idempotency(now_millis(), SWEEP_BATCH))
+                .await
+            {
+                Ok(n) if n > 0 => {
+                    tracing::info!(removed = n, "expired idempotency records removed")
+                }
                 Ok(_) => {}
                 Err(e) => tracing::error!(error = %e, "idempotency sweep"),
             }
@@ -124,6 +145,9 @@ mod tests {
     fn signature_is_hmac_sha256() {
         // RFC 4231 test case 2.
         let sig = signature(b"Jefe", b"what do ya want for nothing?");
-        assert_eq!(sig, "sha256=5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843");
+        assert_eq!(
+            sig,
+            "sha256=5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843"
+        );
     }
 }

@@ -45,7 +45,8 @@ pub struct Described {
 
 impl Described {
     pub fn parse(text: &str) -> Result<Described, String> {
-        let r: DescribeResult = serde_json::from_str(text).map_err(|e| format!("describe result: {e}"))?;
+        let r: DescribeResult =
+            serde_json::from_str(text).map_err(|e| format!("describe result: {e}"))?;
         if !r.methods.contains(&r.default_method) {
             return Err("describe result: default_method is not one of methods".into());
         }
@@ -55,8 +56,12 @@ impl Described {
                 let mut schemas = boon::Schemas::new();
                 let mut compiler = boon::Compiler::new();
                 let url = "urn:berth:configuration-schema";
-                compiler.add_resource(url, schema).map_err(|e| format!("describe schema: {e}"))?;
-                let index = compiler.compile(url, &mut schemas).map_err(|e| format!("describe schema: {e}"))?;
+                compiler
+                    .add_resource(url, schema)
+                    .map_err(|e| format!("describe schema: {e}"))?;
+                let index = compiler
+                    .compile(url, &mut schemas)
+                    .map_err(|e| format!("describe schema: {e}"))?;
                 Some((schemas, index))
             }
         };
@@ -72,8 +77,12 @@ impl Described {
 
     /// Schema errors as field pointers under `/configuration`, keyword as code.
     pub fn schema_errors(&self, config: &Value) -> Vec<FieldError> {
-        let Some((schemas, index)) = &self.validator else { return vec![] };
-        let Err(error) = schemas.validate(config, *index) else { return vec![] };
+        let Some((schemas, index)) = &self.validator else {
+            return vec![];
+        };
+        let Err(error) = schemas.validate(config, *index) else {
+            return vec![];
+        };
         let mut out = Vec::new();
         collect_leaves(&error, &mut out);
         out.dedup();
@@ -84,7 +93,10 @@ impl Described {
     /// The method a configuration names: a collapsed one's key, a flat one's
     /// `method` member, else the source's default.
     pub fn method_of(&self, shaped: &crate::derive::Shaped) -> String {
-        shaped.method.map(str::to_string).unwrap_or_else(|| self.default_method.clone())
+        shaped
+            .method
+            .map(str::to_string)
+            .unwrap_or_else(|| self.default_method.clone())
     }
 }
 
@@ -92,8 +104,14 @@ fn collect_leaves(e: &boon::ValidationError, out: &mut Vec<FieldError>) {
     if e.causes.is_empty() {
         // The keyword is the variant name of the error kind, never its values.
         let debug = format!("{:?}", e.kind);
-        let name: String = debug.chars().take_while(|c| c.is_ascii_alphanumeric()).collect();
-        out.push(FieldError { pointer: format!("/configuration{}", e.instance_location), code: snake(&name) });
+        let name: String = debug
+            .chars()
+            .take_while(|c| c.is_ascii_alphanumeric())
+            .collect();
+        out.push(FieldError {
+            pointer: format!("/configuration{}", e.instance_location),
+            code: snake(&name),
+        });
     }
     for cause in &e.causes {
         collect_leaves(cause, out);
@@ -120,21 +138,38 @@ pub enum EvalVerdict {
 impl Engine {
     /// `describe` of a source: memory, then the store, then the deployer.
     pub async fn describe(&self, source: &Source) -> Result<Arc<Described>, ApiError> {
-        if let Some(d) = self.described.lock().unwrap_or_else(|p| p.into_inner()).get(&source.digest) {
+        if let Some(d) = self
+            .described
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&source.digest)
+        {
             return Ok(d.clone());
         }
         let cached = self.store.read()?.describe(&source.digest)?;
         let text = match cached {
             Some(text) => text,
             None => {
-                let request = serde_json::json!({"source": source}).to_string().into_bytes();
+                let request = serde_json::json!({"source": source})
+                    .to_string()
+                    .into_bytes();
                 let (ended, result, output) = self.call("describe", request, None).await?;
                 let text = match (ended, result) {
-                    (Ended::Exit(0), Ok(Some(bytes))) => String::from_utf8_lossy(&bytes).into_owned(),
-                    (Ended::Timeout, _) => return Err(eval_unavailable("eval_timeout", "the deployer's describe timed out")),
+                    (Ended::Exit(0), Ok(Some(bytes))) => {
+                        String::from_utf8_lossy(&bytes).into_owned()
+                    }
+                    (Ended::Timeout, _) => {
+                        return Err(eval_unavailable(
+                            "eval_timeout",
+                            "the deployer's describe timed out",
+                        ))
+                    }
                     _ => {
                         tracing::warn!(digest = %source.digest, ?ended, output = ?output, "describe failed");
-                        return Err(eval_unavailable("eval_crashed", "the deployer's describe failed; the server log has its output"));
+                        return Err(eval_unavailable(
+                            "eval_crashed",
+                            "the deployer's describe failed; the server log has its output",
+                        ));
                     }
                 };
                 // Check before caching: a bad answer is not cached.
@@ -144,7 +179,9 @@ impl Engine {
                 })?;
                 let digest = source.digest.clone();
                 let stored = text.clone();
-                self.store.write(move |tx| tx.put_describe(&digest, &stored)).await?;
+                self.store
+                    .write(move |tx| tx.put_describe(&digest, &stored))
+                    .await?;
                 text
             }
         };
@@ -152,7 +189,10 @@ impl Engine {
             tracing::error!(digest = %source.digest, error = %e, "cached describe result is invalid");
             ApiError::internal()
         })?);
-        self.described.lock().unwrap_or_else(|p| p.into_inner()).insert(source.digest.clone(), described.clone());
+        self.described
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(source.digest.clone(), described.clone());
         Ok(described)
     }
 
@@ -161,27 +201,50 @@ impl Engine {
         let Ok(_permit) = self.eval_slots.clone().try_acquire_owned() else {
             return Ok(None);
         };
-        let (ended, result, output) = self.call("eval", request.to_string().into_bytes(), None).await?;
-        let parsed = result.ok().flatten().and_then(|b| serde_json::from_slice::<Value>(&b).ok());
+        let (ended, result, output) = self
+            .call("eval", request.to_string().into_bytes(), None)
+            .await?;
+        let parsed = result
+            .ok()
+            .flatten()
+            .and_then(|b| serde_json::from_slice::<Value>(&b).ok());
         match ended {
             Ended::Exit(0) => match parsed {
-                Some(v) if v.get("nodes").is_some_and(Value::is_array) => Ok(Some(EvalVerdict::Nodes(v))),
+                Some(v) if v.get("nodes").is_some_and(Value::is_array) => {
+                    Ok(Some(EvalVerdict::Nodes(v)))
+                }
                 _ => {
                     tracing::warn!(output = ?output, "eval result breaks the protocol");
-                    Err(eval_unavailable("eval_crashed", "the deployer's eval result is invalid"))
+                    Err(eval_unavailable(
+                        "eval_crashed",
+                        "the deployer's eval result is invalid",
+                    ))
                 }
             },
-            Ended::Exit(1) => match parsed.as_ref().and_then(|v| v.pointer("/error/message")).and_then(Value::as_str) {
+            Ended::Exit(1) => match parsed
+                .as_ref()
+                .and_then(|v| v.pointer("/error/message"))
+                .and_then(Value::as_str)
+            {
                 Some(message) => Ok(Some(EvalVerdict::Refused(message.to_string()))),
                 None => {
                     tracing::warn!(output = ?output, "eval exited 1 without an error result");
-                    Err(eval_unavailable("eval_crashed", "the deployer's eval failed without a verdict"))
+                    Err(eval_unavailable(
+                        "eval_crashed",
+                        "the deployer's eval failed without a verdict",
+                    ))
                 }
             },
-            Ended::Timeout => Err(eval_unavailable("eval_timeout", "the deployer's eval timed out")),
+            Ended::Timeout => Err(eval_unavailable(
+                "eval_timeout",
+                "the deployer's eval timed out",
+            )),
             other => {
                 tracing::warn!(?other, output = ?output, "eval crashed");
-                Err(eval_unavailable("eval_crashed", "the deployer's eval crashed"))
+                Err(eval_unavailable(
+                    "eval_crashed",
+                    "the deployer's eval crashed",
+                ))
             }
         }
     }
@@ -224,7 +287,16 @@ impl Engine {
             }
             kept
         });
-        let ended = runner::wait(spawned, Some(self.settings.eval_timeout), self.settings.cancel_grace.min(std::time::Duration::from_secs(5)), cancel_rx, lines_tx).await;
+        let ended = runner::wait(
+            spawned,
+            Some(self.settings.eval_timeout),
+            self.settings
+                .cancel_grace
+                .min(std::time::Duration::from_secs(5)),
+            cancel_rx,
+            lines_tx,
+        )
+        .await;
         let output = collect.await.unwrap_or_default();
         let result = runner::read_result(&result_path);
         let _ = std::fs::remove_dir_all(&root);
@@ -233,5 +305,7 @@ impl Engine {
 }
 
 pub fn eval_unavailable(reason: &str, message: &str) -> ApiError {
-    ApiError::new(Code::EvalUnavailable, message).reason(reason).retry_after(1)
+    ApiError::new(Code::EvalUnavailable, message)
+        .reason(reason)
+        .retry_after(1)
 }

@@ -128,12 +128,20 @@ fn origin_of(url: &str) -> Option<String> {
 
 /// True when `url`'s origin is one of `allowed` (each `scheme://host[:port]`).
 pub fn origin_allowed(url: &str, allowed: &[String]) -> bool {
-    let Some(origin) = origin_of(url) else { return false };
-    allowed.iter().any(|a| origin_of(a).as_deref() == Some(origin.as_str()))
+    let Some(origin) = origin_of(url) else {
+        return false;
+    };
+    allowed
+        .iter()
+        .any(|a| origin_of(a).as_deref() == Some(origin.as_str()))
 }
 
 impl Engine {
-    pub fn new(settings: Arc<Settings>, store: Store, callback_secret: Vec<u8>) -> std::io::Result<Arc<Engine>> {
+    pub fn new(
+        settings: Arc<Settings>,
+        store: Store,
+        callback_secret: Vec<u8>,
+    ) -> std::io::Result<Arc<Engine>> {
         let deployer = DeployerCommand::from_setting(settings.deployer.as_deref())?;
         let (default_source, has_self_pin) = match &settings.default_source {
             Some(s) => (s.clone(), true),
@@ -172,24 +180,43 @@ impl Engine {
     }
 
     /// Resolves the source of a submit or preview (api.md "Source resolution").
-    fn resolve_source(&self, input: &SubmitInput, existing: Option<&DeploymentRecord>) -> Result<Source, ApiError> {
+    fn resolve_source(
+        &self,
+        input: &SubmitInput,
+        existing: Option<&DeploymentRecord>,
+    ) -> Result<Source, ApiError> {
         if let Some(source) = &input.source {
-            let policy = input.update_policy.as_ref().or(existing.map(|d| &d.update_policy));
+            let policy = input
+                .update_policy
+                .as_ref()
+                .or(existing.map(|d| &d.update_policy));
             if policy.is_some_and(|p| *p != UpdatePolicy::Manual) {
-                return Err(ApiError::conflict("policy_not_manual", "an explicit source needs the manual update policy"));
+                return Err(ApiError::conflict(
+                    "policy_not_manual",
+                    "an explicit source needs the manual update policy",
+                ));
             }
             if !Source::digest_is_valid(&source.digest) {
-                return Err(ApiError::bad_request("the source digest must be sha256: and 64 lower-case hex digits")
-                    .field("/source/digest", "format"));
+                return Err(ApiError::bad_request(
+                    "the source digest must be sha256: and 64 lower-case hex digits",
+                )
+                .field("/source/digest", "format"));
             }
             let registered = self.store.read()?.source(&source.digest)?;
             return match registered {
                 Some(r) if r == *source => Ok(r),
-                Some(_) => Err(ApiError::conflict("source_immutable", "this digest is already registered with another url or rev")),
+                Some(_) => Err(ApiError::conflict(
+                    "source_immutable",
+                    "this digest is already registered with another url or rev",
+                )),
                 None if *source == self.default_source => Ok(source.clone()),
-                None if origin_allowed(&source.url, &self.settings.source_origin) => Ok(source.clone()),
-                None => Err(ApiError::bad_request("the source url's origin is not allowed (see --source-origin)")
-                    .field("/source/url", "source_origin_not_allowed")),
+                None if origin_allowed(&source.url, &self.settings.source_origin) => {
+                    Ok(source.clone())
+                }
+                None => Err(ApiError::bad_request(
+                    "the source url's origin is not allowed (see --source-origin)",
+                )
+                .field("/source/url", "source_origin_not_allowed")),
             };
         }
         if input.keep_deployed_revision {
@@ -210,11 +237,15 @@ impl Engine {
         eval_required: bool,
     ) -> Result<Validated, ApiError> {
         let shaped = crate::derive::shape(&input.configuration).map_err(|e| {
-            ApiError::new(Code::InvalidConfiguration, e.message).field(format!("/configuration{}", e.pointer), e.rule)
+            ApiError::new(Code::InvalidConfiguration, e.message)
+                .field(format!("/configuration{}", e.pointer), e.rule)
         })?;
         if contains_nul(&input.configuration) {
-            return Err(ApiError::new(Code::InvalidConfiguration, "the configuration contains the character U+0000")
-                .field("/configuration", "nul_character"));
+            return Err(ApiError::new(
+                Code::InvalidConfiguration,
+                "the configuration contains the character U+0000",
+            )
+            .field("/configuration", "nul_character"));
         }
         let domain = shaped.domain.map(str::to_string);
         let source = self.resolve_source(input, existing)?;
@@ -223,16 +254,25 @@ impl Engine {
         if !described.methods.contains(&method) {
             let pointer = match shaped.method {
                 Some(m) if input.configuration.get("deployment").is_some() => {
-                    format!("/configuration/deployment/{}", crate::derive::pointer::escape(m))
+                    format!(
+                        "/configuration/deployment/{}",
+                        crate::derive::pointer::escape(m)
+                    )
                 }
                 _ => "/configuration/method".to_string(),
             };
-            return Err(ApiError::new(Code::InvalidConfiguration, "the configuration names a method the source does not give")
-                .field(pointer, "method"));
+            return Err(ApiError::new(
+                Code::InvalidConfiguration,
+                "the configuration names a method the source does not give",
+            )
+            .field(pointer, "method"));
         }
         let fields = described.schema_errors(&input.configuration);
         if !fields.is_empty() {
-            let mut e = ApiError::new(Code::InvalidConfiguration, "the configuration does not match the source's schema");
+            let mut e = ApiError::new(
+                Code::InvalidConfiguration,
+                "the configuration does not match the source's schema",
+            );
             e.fields = fields;
             return Err(e);
         }
@@ -246,37 +286,69 @@ impl Engine {
         let nodes = match self.eval(request).await? {
             Some(EvalVerdict::Nodes(v)) => Some(v),
             Some(EvalVerdict::Refused(message)) => {
-                return Err(ApiError::new(Code::InvalidConfiguration, "the deployer's eval refused the configuration")
-                    .deployer_message(&message))
+                return Err(ApiError::new(
+                    Code::InvalidConfiguration,
+                    "the deployer's eval refused the configuration",
+                )
+                .deployer_message(&message))
             }
             None if eval_required => {
-                return Err(ApiError::new(Code::EvalUnavailable, "every eval slot is busy").reason("eval_slots_busy").retry_after(1))
+                return Err(
+                    ApiError::new(Code::EvalUnavailable, "every eval slot is busy")
+                        .reason("eval_slots_busy")
+                        .retry_after(1),
+                )
             }
             None => None,
         };
-        Ok(Validated { source, method, domain, nodes })
+        Ok(Validated {
+            source,
+            method,
+            domain,
+            nodes,
+        })
     }
 
     /// `POST /v1/deployments/{id}/preview`: the eval's nodes; stores nothing.
     pub async fn preview(&self, id: &str, input: SubmitInput) -> Result<Reply, ApiError> {
         let existing = self.store.read()?.deployment(id)?;
         let suspended = existing.as_ref().is_some_and(|d| d.suspended);
-        let v = self.validate(id, &input, existing.as_ref(), suspended, true).await?;
-        let nodes = v.nodes.and_then(|n| n.get("nodes").cloned()).unwrap_or(Value::Array(vec![]));
+        let v = self
+            .validate(id, &input, existing.as_ref(), suspended, true)
+            .await?;
+        let nodes = v
+            .nodes
+            .and_then(|n| n.get("nodes").cloned())
+            .unwrap_or(Value::Array(vec![]));
         Ok(Reply::json(200, &json!({"nodes": nodes})))
     }
 
     /// `POST /v1/deployments/{id}/submit`: validate, then store the deployment
     /// and a queued deploy build in one transaction.
-    pub async fn submit(self: &Arc<Self>, id: &str, input: SubmitInput, idem: Option<IdemWrite>) -> Result<Reply, ApiError> {
+    pub async fn submit(
+        self: &Arc<Self>,
+        id: &str,
+        input: SubmitInput,
+        idem: Option<IdemWrite>,
+    ) -> Result<Reply, ApiError> {
         let existing = self.store.read()?.deployment(id)?;
         if existing.as_ref().is_some_and(|d| d.suspended) {
-            return Err(ApiError::conflict("suspended", "the deployment is suspended; resume it first"));
+            return Err(ApiError::conflict(
+                "suspended",
+                "the deployment is suspended; resume it first",
+            ));
         }
-        let v = self.validate(id, &input, existing.as_ref(), false, false).await?;
+        let v = self
+            .validate(id, &input, existing.as_ref(), false, false)
+            .await?;
         let id = id.to_string();
         let max_queued = self.settings.max_queued_builds;
-        let SubmitInput { configuration_text, mode, update_policy, .. } = input;
+        let SubmitInput {
+            configuration_text,
+            mode,
+            update_policy,
+            ..
+        } = input;
         let reply = self
             .store
             .write(move |tx| {
@@ -359,7 +431,12 @@ impl Engine {
     }
 
     /// `DELETE /v1/deployments/{id}`: queue a destroy behind whatever is queued.
-    pub async fn delete(self: &Arc<Self>, id: &str, callback: Option<String>, idem: Option<IdemWrite>) -> Result<Reply, ApiError> {
+    pub async fn delete(
+        self: &Arc<Self>,
+        id: &str,
+        callback: Option<String>,
+        idem: Option<IdemWrite>,
+    ) -> Result<Reply, ApiError> {
         let id = id.to_string();
         let max_queued = self.settings.max_queued_builds;
         let reply = self
@@ -403,10 +480,20 @@ impl Engine {
                 tx.put_build(&build)?;
                 tx.put_deployment(&d)?;
                 if let Some(url) = callback {
-                    let pending = PendingCallback { url, deployment: id.clone(), armed: false, attempts: 0, next_at: now, first_at: now };
+                    let pending = PendingCallback {
+                        url,
+                        deployment: id.clone(),
+                        armed: false,
+                        attempts: 0,
+                        next_at: now,
+                        first_at: now,
+                    };
                     tx.put_callback(build.id, &pending)?;
                 }
-                let reply = Reply::json(202, &json!({"status": "queued", "build_id": format_build_id(build.id)}));
+                let reply = Reply::json(
+                    202,
+                    &json!({"status": "queued", "build_id": format_build_id(build.id)}),
+                );
                 record(tx, idem.as_ref(), &reply)?;
                 Ok(Ok(reply))
             })
@@ -417,7 +504,11 @@ impl Engine {
 
     /// `POST /v1/builds/{build}/cancel`: a queued build ends at once, a running
     /// one is stopped by its runner (SIGTERM, grace, SIGKILL).
-    pub async fn cancel(self: &Arc<Self>, build_id: BuildId, idem: Option<IdemWrite>) -> Result<Reply, ApiError> {
+    pub async fn cancel(
+        self: &Arc<Self>,
+        build_id: BuildId,
+        idem: Option<IdemWrite>,
+    ) -> Result<Reply, ApiError> {
         let (reply, was_running) = self
             .store
             .write(move |tx| {
@@ -426,7 +517,10 @@ impl Engine {
                 };
                 match b.status {
                     s if s.is_finished() => {
-                        return Ok(Err(ApiError::conflict("build_finished", "the build has already finished")));
+                        return Ok(Err(ApiError::conflict(
+                            "build_finished",
+                            "the build has already finished",
+                        )));
                     }
                     BuildStatus::Running => {
                         let reply = Reply::json(202, &b.view());
@@ -436,12 +530,17 @@ impl Engine {
                     _ => {}
                 }
                 let Some(mut d) = tx.deployment(&b.deployment)? else {
-                    return Err(crate::store::StoreError::corrupt("a build without its deployment"));
+                    return Err(crate::store::StoreError::corrupt(
+                        "a build without its deployment",
+                    ));
                 };
                 let now = now_millis();
                 b.status = BuildStatus::Cancelled;
                 b.finished_at = Some(now);
-                b.failure = Some(Failure { reason: "cancelled".into(), detail: "cancelled while queued".into() });
+                b.failure = Some(Failure {
+                    reason: "cancelled".into(),
+                    detail: "cancelled while queued".into(),
+                });
                 release_pending(&mut d, b.kind);
                 d.revision += 1;
                 d.updated_at = now;
@@ -467,8 +566,11 @@ impl Engine {
 fn check_queue_room(d: &DeploymentRecord, max_queued: u32) -> Result<(), ApiError> {
     let queued = d.pending_deploys + d.pending_destroys - u32::from(d.running.is_some());
     if queued >= max_queued {
-        return Err(ApiError::new(Code::QueueFull, "this deployment has as many queued builds as --max-queued-builds allows")
-            .reason("queue_limit"));
+        return Err(ApiError::new(
+            Code::QueueFull,
+            "this deployment has as many queued builds as --max-queued-builds allows",
+        )
+        .reason("queue_limit"));
     }
     Ok(())
 }

@@ -23,7 +23,9 @@ impl Engine {
             let orphan = self
                 .store
                 .write(move |tx| {
-                    let Some(mut b) = tx.build(build_id)? else { return Ok(None) };
+                    let Some(mut b) = tx.build(build_id)? else {
+                        return Ok(None);
+                    };
                     let now = now_millis();
                     b.status = BuildStatus::Failed;
                     b.finished_at = Some(now);
@@ -35,7 +37,11 @@ impl Engine {
                     if let Some(mut d) = tx.deployment(&b.deployment)? {
                         release_pending(&mut d, b.kind);
                         d.running = None;
-                        d.last_finished = Some(LastFinished { build_id, kind: b.kind, status: BuildStatus::Failed });
+                        d.last_finished = Some(LastFinished {
+                            build_id,
+                            kind: b.kind,
+                            status: BuildStatus::Failed,
+                        });
                         d.revision += 1;
                         d.updated_at = now;
                         tx.put_deployment(&d)?;

@@ -36,8 +36,14 @@ impl DeployerCommand {
     /// `--deployer` when given, else this binary's `deployer local`.
     pub fn from_setting(deployer: Option<&Path>) -> std::io::Result<Self> {
         Ok(match deployer {
-            Some(p) => Self { program: p.to_path_buf(), prefix: vec![] },
-            None => Self { program: std::env::current_exe()?, prefix: vec!["deployer".into(), "local".into()] },
+            Some(p) => Self {
+                program: p.to_path_buf(),
+                prefix: vec![],
+            },
+            None => Self {
+                program: std::env::current_exe()?,
+                prefix: vec!["deployer".into(), "local".into()],
+            },
         })
     }
 }
@@ -86,7 +92,10 @@ pub fn spawn(cmd: &DeployerCommand, inv: &Invocation) -> std::io::Result<Spawned
         .kill_on_drop(false);
     let mut child = command.spawn()?;
     let pid = child.id().and_then(|p| i32::try_from(p).ok()).unwrap_or(0);
-    let job = Job { pid, start_ticks: process_start_ticks(pid).unwrap_or(0) };
+    let job = Job {
+        pid,
+        start_ticks: process_start_ticks(pid).unwrap_or(0),
+    };
     if let Some(mut stdin) = child.stdin.take() {
         let request = inv.request.clone();
         // A deployer may write before it reads: feed stdin on its own task.
@@ -141,8 +150,16 @@ pub async fn wait(
 ) -> Ended {
     let pgid = spawned.job.pid;
     let readers = [
-        spawned.child.stdout.take().map(|s| tokio::spawn(read_lines(s, lines.clone()))),
-        spawned.child.stderr.take().map(|s| tokio::spawn(read_lines(s, lines.clone()))),
+        spawned
+            .child
+            .stdout
+            .take()
+            .map(|s| tokio::spawn(read_lines(s, lines.clone()))),
+        spawned
+            .child
+            .stderr
+            .take()
+            .map(|s| tokio::spawn(read_lines(s, lines.clone()))),
     ];
     drop(lines);
     let deadline = async {
@@ -184,7 +201,10 @@ pub async fn wait(
     signal_group(pgid, Signal::SIGKILL);
     for reader in readers.into_iter().flatten() {
         let abort = reader.abort_handle();
-        if tokio::time::timeout(PIPE_DRAIN_LIMIT, reader).await.is_err() {
+        if tokio::time::timeout(PIPE_DRAIN_LIMIT, reader)
+            .await
+            .is_err()
+        {
             abort.abort();
         }
     }
@@ -287,7 +307,11 @@ pub enum OpenError {
 /// anywhere on the way, a regular file, at most `limit` bytes.
 pub fn open_beneath(root: &Path, rel: &str, limit: u64) -> Result<Vec<u8>, OpenError> {
     let rel_path = Path::new(rel);
-    if rel.is_empty() || rel_path.components().any(|c| !matches!(c, Component::Normal(_))) {
+    if rel.is_empty()
+        || rel_path
+            .components()
+            .any(|c| !matches!(c, Component::Normal(_)))
+    {
         return Err(OpenError::Refused("the path leaves the scratch dir".into()));
     }
     let mut here = root.to_path_buf();
@@ -313,21 +337,31 @@ fn open_regular(path: &Path, limit: u64) -> Result<Vec<u8>, OpenError> {
     let file = match file {
         Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(OpenError::Missing),
-        Err(_) => return Err(OpenError::Refused("the file cannot be opened (not a regular file?)".into())),
+        Err(_) => {
+            return Err(OpenError::Refused(
+                "the file cannot be opened (not a regular file?)".into(),
+            ))
+        }
     };
-    let meta = file.metadata().map_err(|_| OpenError::Refused("cannot stat the file".into()))?;
+    let meta = file
+        .metadata()
+        .map_err(|_| OpenError::Refused("cannot stat the file".into()))?;
     if !meta.file_type().is_file() {
         return Err(OpenError::Refused("not a regular file".into()));
     }
     if meta.len() > limit {
-        return Err(OpenError::Refused(format!("the file is larger than {limit} bytes")));
+        return Err(OpenError::Refused(format!(
+            "the file is larger than {limit} bytes"
+        )));
     }
     let mut bytes = Vec::with_capacity(meta.len() as usize);
     file.take(limit + 1)
         .read_to_end(&mut bytes)
         .map_err(|_| OpenError::Refused("cannot read the file".into()))?;
     if bytes.len() as u64 > limit {
-        return Err(OpenError::Refused(format!("the file is larger than {limit} bytes")));
+        return Err(OpenError::Refused(format!(
+            "the file is larger than {limit} bytes"
+        )));
     }
     Ok(bytes)
 }
@@ -352,7 +386,10 @@ mod tests {
         assert_eq!(lines_of(b"x\xff\xfey\n").await, ["x\u{fffd}\u{fffd}y"]);
         let long = vec![b'z'; MAX_LINE_BYTES * 2 + 10];
         let got = lines_of(&long).await;
-        assert_eq!(got.iter().map(String::len).collect::<Vec<_>>(), [MAX_LINE_BYTES, MAX_LINE_BYTES, 10]);
+        assert_eq!(
+            got.iter().map(String::len).collect::<Vec<_>>(),
+            [MAX_LINE_BYTES, MAX_LINE_BYTES, 10]
+        );
         // A multi-byte character straddling the split point stays whole.
         let mut s = vec![b'a'; MAX_LINE_BYTES - 1];
         s.extend_from_slice("é\n".as_bytes());
@@ -368,11 +405,26 @@ mod tests {
         std::fs::write(dir.join("sbom/a.json"), b"{}").unwrap();
         std::os::unix::fs::symlink("/etc/passwd", dir.join("sbom/link")).unwrap_or(());
         assert_eq!(open_beneath(&dir, "sbom/a.json", 10).unwrap(), b"{}");
-        assert!(matches!(open_beneath(&dir, "../x", 10), Err(OpenError::Refused(_))));
-        assert!(matches!(open_beneath(&dir, "/etc/passwd", 10), Err(OpenError::Refused(_))));
-        assert!(matches!(open_beneath(&dir, "sbom/link", 10), Err(OpenError::Refused(_))));
-        assert!(matches!(open_beneath(&dir, "sbom/a.json", 1), Err(OpenError::Refused(_))));
-        assert!(matches!(open_beneath(&dir, "sbom/none", 10), Err(OpenError::Missing)));
+        assert!(matches!(
+            open_beneath(&dir, "../x", 10),
+            Err(OpenError::Refused(_))
+        ));
+        assert!(matches!(
+            open_beneath(&dir, "/etc/passwd", 10),
+            Err(OpenError::Refused(_))
+        ));
+        assert!(matches!(
+            open_beneath(&dir, "sbom/link", 10),
+            Err(OpenError::Refused(_))
+        ));
+        assert!(matches!(
+            open_beneath(&dir, "sbom/a.json", 1),
+            Err(OpenError::Refused(_))
+        ));
+        assert!(matches!(
+            open_beneath(&dir, "sbom/none", 10),
+            Err(OpenError::Missing)
+        ));
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

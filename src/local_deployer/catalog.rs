@@ -113,6 +113,9 @@ pub fn packages(app: &str) -> &'static [Package] {
         "homepage" => &[("homepage-dashboard", "0.9.13", "GPL-3.0-only")],
         "garage" => &[("garage", "1.0.1", "AGPL-3.0-only")],
         // An application the catalog does not know runs in a generic container.
-        _ => &[("podman", "5.3.1", "Apache-2.0"), ("conmon", "2.1.12", "Apache-2.0")],
+        _ => &[
+            ("podman", "5.3.1", "Apache-2.0"),
+            ("conmon", "2.1.12", "Apache-2.0"),
+        ],
     }
 }

@@ -33,7 +33,11 @@ extern "C" fn on_sigterm(_: nix::libc::c_int) {
 
 fn install_sigterm_handler() {
     use nix::sys::signal::{sigaction, SaFlags, SigAction, SigHandler, SigSet, Signal};
-    let action = SigAction::new(SigHandler::Handler(on_sigterm), SaFlags::empty(), SigSet::empty());
+    let action = SigAction::new(
+        SigHandler::Handler(on_sigterm),
+        SaFlags::empty(),
+        SigSet::empty(),
+    );
     // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
     let _ = unsafe { sigaction(Signal::SIGTERM, &action) };
 }
@@ -51,11 +55,16 @@ pub struct Node {
 pub fn run(verb: &str) -> i32 {
     install_sigterm_handler();
     let Some(result_path) = std::env::var_os("BERTH_RESULT").map(PathBuf::from) else {
-        eprintln!("berth deployer local: BERTH_RESULT is not set; this command is run by `berth serve`");
+        eprintln!(
+            "berth deployer local: BERTH_RESULT is not set; this command is run by `berth serve`"
+        );
         return 2;
     };
     let mut input = String::new();
-    if let Err(e) = std::io::stdin().take(MAX_REQUEST_BYTES).read_to_string(&mut input) {
+    if let Err(e) = std::io::stdin()
+        .take(MAX_REQUEST_BYTES)
+        .read_to_string(&mut input)
+    {
         eprintln!("cannot read the request on stdin: {e}");
         return 2;
     }
@@ -108,22 +117,38 @@ fn refuse(message: String) -> (Option<Value>, i32) {
 
 fn eval_verb(request: &Value) -> VerbResult {
     let nodes = evaluate(request).map_err(refuse)?;
-    Ok(Some(json!({"nodes": nodes.iter().map(|n| json!({"name": n.name, "names": n.names})).collect::<Vec<_>>()})))
+    Ok(Some(
+        json!({"nodes": nodes.iter().map(|n| json!({"name": n.name, "names": n.names})).collect::<Vec<_>>()}),
+    ))
 }
 
 fn max_nodes() -> usize {
-    std::env::var("BERTH_LOCAL_MAX_NODES").ok().and_then(|v| v.parse().ok()).unwrap_or(DEFAULT_MAX_NODES)
+    std::env::var("BERTH_LOCAL_MAX_NODES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(DEFAULT_MAX_NODES)
 }
 
 /// The eval rules: schema-level shape, then what a schema cannot say.
 pub fn evaluate(request: &Value) -> Result<Vec<Node>, String> {
-    let method = request.get("method").and_then(Value::as_str).unwrap_or("local");
+    let method = request
+        .get("method")
+        .and_then(Value::as_str)
+        .unwrap_or("local");
     if method != "local" {
-        return Err(format!("this deployer has only the method \"local\", not {method:?}"));
+        return Err(format!(
+            "this deployer has only the method \"local\", not {method:?}"
+        ));
     }
-    let config = request.get("configuration").ok_or("the request has no configuration")?;
-    let suspended = request.get("suspended").and_then(Value::as_bool).unwrap_or(false);
-    let shaped = crate::derive::shape(config).map_err(|e| format!("{} at {:?}", e.message, e.pointer))?;
+    let config = request
+        .get("configuration")
+        .ok_or("the request has no configuration")?;
+    let suspended = request
+        .get("suspended")
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    let shaped =
+        crate::derive::shape(config).map_err(|e| format!("{} at {:?}", e.message, e.pointer))?;
     for name in shaped.apps().keys() {
         if !crate::derive::is_dns_label(name) {
             return Err(format!("application name {name:?} is not a DNS label"));
@@ -132,24 +157,37 @@ pub fn evaluate(request: &Value) -> Result<Vec<Node>, String> {
             return Err("the application name \"base\" is reserved for the base node".into());
         }
     }
-    let (domain, instances) = crate::derive::instances(config, &catalog::catalog()).map_err(|e| e.message.to_string())?;
+    let (domain, instances) =
+        crate::derive::instances(config, &catalog::catalog()).map_err(|e| e.message.to_string())?;
     let enabled: Vec<_> = instances.iter().filter(|i| i.enabled).collect();
     if !enabled.is_empty() && domain.is_none() {
         return Err("an enabled application needs a domain".into());
     }
     let mut nodes = Vec::new();
     if !enabled.is_empty() {
-        nodes.push(Node { name: "base".into(), names: vec![], application: None });
+        nodes.push(Node {
+            name: "base".into(),
+            names: vec![],
+            application: None,
+        });
     }
     for inst in enabled {
         let names = match (&inst.domain, suspended) {
             (Some(d), false) => vec![d.clone()],
             _ => vec![],
         };
-        nodes.push(Node { name: inst.name.clone(), names, application: Some(inst.name.clone()) });
+        nodes.push(Node {
+            name: inst.name.clone(),
+            names,
+            application: Some(inst.name.clone()),
+        });
     }
     if nodes.len() > max_nodes() {
-        return Err(format!("{} nodes is more than this deployer stands up ({})", nodes.len(), max_nodes()));
+        return Err(format!(
+            "{} nodes is more than this deployer stands up ({})",
+            nodes.len(),
+            max_nodes()
+        ));
     }
     let mut seen = std::collections::BTreeSet::new();
     for name in nodes.iter().flat_map(|n| n.names.iter()) {
@@ -161,7 +199,10 @@ pub fn evaluate(request: &Value) -> Result<Vec<Node>, String> {
 }
 
 fn step_delay() -> Duration {
-    let ms = std::env::var("BERTH_LOCAL_STEP_MS").ok().and_then(|v| v.parse().ok()).unwrap_or(DEFAULT_STEP_MS);
+    let ms = std::env::var("BERTH_LOCAL_STEP_MS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(DEFAULT_STEP_MS);
     Duration::from_millis(ms)
 }
 
@@ -178,7 +219,9 @@ fn step(line: &str) -> Result<(), ()> {
 }
 
 fn work_dir() -> Result<PathBuf, String> {
-    std::env::var_os("BERTH_WORK_DIR").map(PathBuf::from).ok_or_else(|| "BERTH_WORK_DIR is not set".into())
+    std::env::var_os("BERTH_WORK_DIR")
+        .map(PathBuf::from)
+        .ok_or_else(|| "BERTH_WORK_DIR is not set".into())
 }
 
 fn fail(message: impl std::fmt::Display) -> (Option<Value>, i32) {
@@ -187,19 +230,36 @@ fn fail(message: impl std::fmt::Display) -> (Option<Value>, i32) {
 }
 
 fn deploy(request: &Value) -> VerbResult {
-    let deployment = request.get("deployment").and_then(Value::as_str).unwrap_or("unknown");
+    let deployment = request
+        .get("deployment")
+        .and_then(Value::as_str)
+        .unwrap_or("unknown");
     let work = work_dir().map_err(fail)?;
-    let scratch = std::env::var_os("BERTH_SCRATCH_DIR").map(PathBuf::from).ok_or_else(|| fail("BERTH_SCRATCH_DIR is not set"))?;
-    let suspended = request.get("suspended").and_then(Value::as_bool).unwrap_or(false);
-    let nodes = evaluate(request).map_err(|e| fail(format!("evaluation refused the configuration: {e}")))?;
+    let scratch = std::env::var_os("BERTH_SCRATCH_DIR")
+        .map(PathBuf::from)
+        .ok_or_else(|| fail("BERTH_SCRATCH_DIR is not set"))?;
+    let suspended = request
+        .get("suspended")
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    let nodes = evaluate(request)
+        .map_err(|e| fail(format!("evaluation refused the configuration: {e}")))?;
     let config = request.get("configuration").cloned().unwrap_or(Value::Null);
-    let apps: Map<String, Value> = crate::derive::shape(&config).map(|s| s.apps().clone()).unwrap_or_default();
+    let apps: Map<String, Value> = crate::derive::shape(&config)
+        .map(|s| s.apps().clone())
+        .unwrap_or_default();
     let fail_node = std::env::var("BERTH_LOCAL_FAIL").ok();
     let nodes_dir = work.join("nodes");
-    std::fs::create_dir_all(&nodes_dir).map_err(|e| fail(format!("cannot create {}: {e}", nodes_dir.display())))?;
+    std::fs::create_dir_all(&nodes_dir)
+        .map_err(|e| fail(format!("cannot create {}: {e}", nodes_dir.display())))?;
 
     let term = |_| (None, EXIT_TERMINATED);
-    step(&format!("planning deployment {deployment}: {} node(s){}", nodes.len(), if suspended { ", suspended" } else { "" })).map_err(term)?;
+    step(&format!(
+        "planning deployment {deployment}: {} node(s){}",
+        nodes.len(),
+        if suspended { ", suspended" } else { "" }
+    ))
+    .map_err(term)?;
     let mut results = Vec::new();
     let mut activated: Vec<String> = Vec::new();
     for node in &nodes {
@@ -213,9 +273,15 @@ fn deploy(request: &Value) -> VerbResult {
         });
         let text = serde_json::to_string_pretty(&rendered).unwrap_or_default();
         let path = nodes_dir.join(format!("{}.json", node.name));
-        let changed = std::fs::read_to_string(&path).map(|old| old != text).unwrap_or(true);
+        let changed = std::fs::read_to_string(&path)
+            .map(|old| old != text)
+            .unwrap_or(true);
         let drv = hex(&Sha256::digest(text.as_bytes()))[..32].to_string();
-        step(&format!("evaluating node {}: /nix/store/{drv}-nixos-system-{}", node.name, node.name)).map_err(term)?;
+        step(&format!(
+            "evaluating node {}: /nix/store/{drv}-nixos-system-{}",
+            node.name, node.name
+        ))
+        .map_err(term)?;
         if !changed {
             step(&format!("node {} is up to date", node.name)).map_err(term)?;
             results.push(json!({"name": node.name, "changed": false}));
@@ -223,28 +289,45 @@ fn deploy(request: &Value) -> VerbResult {
             continue;
         }
         for (pkg, version, _) in catalog::packages(node.application.as_deref().unwrap_or("base")) {
-            println!("building '/nix/store/{}-{pkg}-{version}.drv'...", &hex(&Sha256::digest(format!("{pkg}{version}").as_bytes()))[..32]);
+            println!(
+                "building '/nix/store/{}-{pkg}-{version}.drv'...",
+                &hex(&Sha256::digest(format!("{pkg}{version}").as_bytes()))[..32]
+            );
         }
         step(&format!("copying closure of node {} to local", node.name)).map_err(term)?;
         if fail_node.as_deref() == Some(node.name.as_str()) {
             write_state(&work, deployment, &activated, suspended).map_err(fail)?;
-            return Err(fail(format!("activation of node {} failed (BERTH_LOCAL_FAIL)", node.name)));
+            return Err(fail(format!(
+                "activation of node {} failed (BERTH_LOCAL_FAIL)",
+                node.name
+            )));
         }
-        write_atomically(&path, text.as_bytes()).map_err(|e| fail(format!("cannot write {}: {e}", path.display())))?;
+        write_atomically(&path, text.as_bytes())
+            .map_err(|e| fail(format!("cannot write {}: {e}", path.display())))?;
         activated.push(node.name.clone());
         write_state(&work, deployment, &activated, suspended).map_err(fail)?;
-        step(&format!("activating node {}: switching to configuration", node.name)).map_err(term)?;
+        step(&format!(
+            "activating node {}: switching to configuration",
+            node.name
+        ))
+        .map_err(term)?;
         let sbom_rel = format!("sbom/{}.cdx.json", node.name);
         let sbom = match write_sbom(&scratch.join(&sbom_rel), node) {
             Ok(()) => json!({"status": "ready", "path": sbom_rel}),
-            Err(e) => json!({"status": "unavailable", "reason": format!("sbom evaluation failed: {e}")}),
+            Err(e) => {
+                json!({"status": "unavailable", "reason": format!("sbom evaluation failed: {e}")})
+            }
         };
         results.push(json!({"name": node.name, "changed": true, "sbom": sbom}));
     }
     // Nodes of an earlier deploy that this one no longer has.
     if let Ok(entries) = std::fs::read_dir(&nodes_dir) {
         for entry in entries.flatten() {
-            let name = entry.file_name().to_string_lossy().trim_end_matches(".json").to_string();
+            let name = entry
+                .file_name()
+                .to_string_lossy()
+                .trim_end_matches(".json")
+                .to_string();
             if !nodes.iter().any(|n| n.name == name) {
                 println!("removing node {name}");
                 let _ = std::fs::remove_file(entry.path());
@@ -257,13 +340,25 @@ fn deploy(request: &Value) -> VerbResult {
 }
 
 fn destroy(request: &Value) -> VerbResult {
-    let deployment = request.get("deployment").and_then(Value::as_str).unwrap_or("unknown");
+    let deployment = request
+        .get("deployment")
+        .and_then(Value::as_str)
+        .unwrap_or("unknown");
     let work = work_dir().map_err(fail)?;
     let term = |_| (None, EXIT_TERMINATED);
     step(&format!("destroying deployment {deployment}")).map_err(term)?;
     let nodes_dir = work.join("nodes");
     let mut remaining: Vec<String> = std::fs::read_dir(&nodes_dir)
-        .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().trim_end_matches(".json").to_string()).collect())
+        .map(|d| {
+            d.flatten()
+                .map(|e| {
+                    e.file_name()
+                        .to_string_lossy()
+                        .trim_end_matches(".json")
+                        .to_string()
+                })
+                .collect()
+        })
         .unwrap_or_default();
     remaining.sort();
     while let Some(node) = remaining.pop() {
@@ -286,9 +381,15 @@ fn remaining_with(list: &[String], node: &str) -> Vec<String> {
     v
 }
 
-fn write_state(work: &Path, deployment: &str, nodes: &[String], suspended: bool) -> Result<(), String> {
+fn write_state(
+    work: &Path,
+    deployment: &str,
+    nodes: &[String],
+    suspended: bool,
+) -> Result<(), String> {
     let state = json!({"deployment": deployment, "nodes": nodes, "suspended": suspended});
-    write_atomically(&work.join("state.json"), state.to_string().as_bytes()).map_err(|e| format!("cannot write the state file: {e}"))
+    write_atomically(&work.join("state.json"), state.to_string().as_bytes())
+        .map_err(|e| format!("cannot write the state file: {e}"))
 }
 
 /// Write to a temporary file, fsync, rename over the target, fsync the directory.
@@ -341,7 +442,12 @@ fn write_sbom(path: &Path, node: &Node) -> std::io::Result<()> {
         "components": components,
         "dependencies": [{"ref": node_ref, "dependsOn": packages.iter().map(|(n, v, _)| format!("pkg:nix/{n}@{v}")).collect::<Vec<_>>()}],
     });
-    write_atomically(path, serde_json::to_string_pretty(&doc).unwrap_or_default().as_bytes())
+    write_atomically(
+        path,
+        serde_json::to_string_pretty(&doc)
+            .unwrap_or_default()
+            .as_bytes(),
+    )
 }
 
 #[cfg(test)]
@@ -356,10 +462,17 @@ mod tests {
     fn nodes_and_names() {
         let c = json!({"domain": "a.org", "applications": {"mastodon": {"enable": true}, "homepage": {"enable": true}, "pixelfed": {}}});
         let nodes = evaluate(&req(c.clone(), false)).unwrap();
-        let names: Vec<_> = nodes.iter().map(|n| (n.name.as_str(), n.names.clone())).collect();
+        let names: Vec<_> = nodes
+            .iter()
+            .map(|n| (n.name.as_str(), n.names.clone()))
+            .collect();
         assert_eq!(
             names,
-            vec![("base", vec![]), ("mastodon", vec!["mastodon.a.org".to_string()]), ("homepage", vec!["a.org".to_string()])]
+            vec![
+                ("base", vec![]),
+                ("mastodon", vec!["mastodon.a.org".to_string()]),
+                ("homepage", vec!["a.org".to_string()])
+            ]
         );
         let suspended = evaluate(&req(c, true)).unwrap();
         assert!(suspended.iter().all(|n| n.names.is_empty()));

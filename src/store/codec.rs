@@ -39,6 +39,8 @@ mod tests {
         assert_eq!(back, ("alice".to_string(), 7));
         let mut other = bytes.clone();
         other[0] = 9;
-        assert!(decode::<(String, u64)>(&other).unwrap_err().contains("version 9"));
+        assert!(decode::<(String, u64)>(&other)
+            .unwrap_err()
+            .contains("version 9"));
     }
 }

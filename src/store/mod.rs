@@ -15,7 +15,10 @@ pub mod tables;
 use std::path::Path;
 use std::sync::Arc;
 
-use redb::{Database, ReadTransaction, ReadableDatabase, ReadableTable, ReadableTableMetadata, WriteTransaction};
+use redb::{
+    Database, ReadTransaction, ReadableDatabase, ReadableTable, ReadableTableMetadata,
+    WriteTransaction,
+};
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
 
@@ -53,10 +56,16 @@ impl std::error::Error for StoreError {}
 
 impl StoreError {
     pub fn corrupt(detail: impl Into<String>) -> Self {
-        Self { kind: StoreErrorKind::Corrupt, detail: detail.into() }
+        Self {
+            kind: StoreErrorKind::Corrupt,
+            detail: detail.into(),
+        }
     }
     fn closed() -> Self {
-        Self { kind: StoreErrorKind::Closed, detail: "the store writer has stopped".into() }
+        Self {
+            kind: StoreErrorKind::Closed,
+            detail: "the store writer has stopped".into(),
+        }
     }
 }
 
@@ -135,7 +144,10 @@ impl Store {
         std::thread::Builder::new()
             .name("berth-store-writer".into())
             .spawn(move || writer_loop(writer_db, rx))
-            .map_err(|e| StoreError { kind: StoreErrorKind::Other, detail: e.to_string() })?;
+            .map_err(|e| StoreError {
+                kind: StoreErrorKind::Other,
+                detail: e.to_string(),
+            })?;
         Ok(Store { db, writer: tx })
     }
 
@@ -159,12 +171,17 @@ impl Store {
             });
             (completion, failed)
         });
-        self.writer.send(wrapped).await.map_err(|_| StoreError::closed())?;
+        self.writer
+            .send(wrapped)
+            .await
+            .map_err(|_| StoreError::closed())?;
         done_rx.await.map_err(|_| StoreError::closed())?
     }
 
     pub fn read(&self) -> StoreResult<Rx> {
-        Ok(Rx { txn: self.db.begin_read()? })
+        Ok(Rx {
+            txn: self.db.begin_read()?,
+        })
     }
 
     /// Bytes the store file takes on disk.
@@ -241,7 +258,10 @@ fn writer_loop(db: Arc<Database>, mut rx: mpsc::Receiver<WriteJob>) {
         let commit_error = if storage_failed {
             // A job failed part-way: nothing of this batch may land.
             let _ = txn.abort();
-            Some(StoreError { kind: StoreErrorKind::Other, detail: "batch aborted after a storage error".into() })
+            Some(StoreError {
+                kind: StoreErrorKind::Other,
+                detail: "batch aborted after a storage error".into(),
+            })
         } else {
             txn.commit().err().map(StoreError::from)
         };
@@ -297,8 +317,12 @@ impl Tx<'_> {
     /// Stores a build and keeps the queued/running indexes in step with its status.
     pub fn put_build(&self, b: &BuildRecord) -> StoreResult<()> {
         use crate::model::BuildStatus::*;
-        self.txn.open_table(BUILDS)?.insert(b.id, codec::encode(b).as_slice())?;
-        self.txn.open_table(DEPLOYMENT_BUILDS)?.insert((b.deployment.as_str(), b.id), ())?;
+        self.txn
+            .open_table(BUILDS)?
+            .insert(b.id, codec::encode(b).as_slice())?;
+        self.txn
+            .open_table(DEPLOYMENT_BUILDS)?
+            .insert((b.deployment.as_str(), b.id), ())?;
         let mut queued = self.txn.open_table(QUEUED)?;
         let mut running = self.txn.open_table(RUNNING)?;
         match b.status {
@@ -319,7 +343,9 @@ impl Tx<'_> {
     }
 
     pub fn put_log_chunk(&self, build: BuildId, chunk: u32, compressed: &[u8]) -> StoreResult<()> {
-        self.txn.open_table(LOG_CHUNKS)?.insert((build, chunk), compressed)?;
+        self.txn
+            .open_table(LOG_CHUNKS)?
+            .insert((build, chunk), compressed)?;
         Ok(())
     }
 
@@ -330,12 +356,16 @@ impl Tx<'_> {
     }
 
     pub fn put_source(&self, s: &Source) -> StoreResult<()> {
-        self.txn.open_table(SOURCES)?.insert(s.digest.as_str(), codec::encode(s).as_slice())?;
+        self.txn
+            .open_table(SOURCES)?
+            .insert(s.digest.as_str(), codec::encode(s).as_slice())?;
         Ok(())
     }
 
     pub fn put_describe(&self, digest: &str, json: &str) -> StoreResult<()> {
-        self.txn.open_table(DESCRIBE_CACHE)?.insert(digest, json.as_bytes())?;
+        self.txn
+            .open_table(DESCRIBE_CACHE)?
+            .insert(digest, json.as_bytes())?;
         Ok(())
     }
 
@@ -346,7 +376,9 @@ impl Tx<'_> {
     }
 
     pub fn put_idempotency(&self, key: &str, r: &IdempotencyRecord) -> StoreResult<()> {
-        self.txn.open_table(IDEMPOTENCY)?.insert(key, codec::encode(r).as_slice())?;
+        self.txn
+            .open_table(IDEMPOTENCY)?
+            .insert(key, codec::encode(r).as_slice())?;
         Ok(())
     }
 
@@ -377,7 +409,9 @@ impl Tx<'_> {
     }
 
     pub fn put_callback(&self, build: BuildId, c: &PendingCallback) -> StoreResult<()> {
-        self.txn.open_table(CALLBACKS)?.insert(build, codec::encode(c).as_slice())?;
+        self.txn
+            .open_table(CALLBACKS)?
+            .insert(build, codec::encode(c).as_slice())?;
         Ok(())
     }
 
@@ -391,7 +425,16 @@ impl Tx<'_> {
         macro_rules! clear {
             ($($t:expr),*) => {$( self.txn.delete_table($t)?; self.txn.open_table($t)?; )*};
         }
-        clear!(DEPLOYMENTS, BUILDS, DEPLOYMENT_BUILDS, QUEUED, RUNNING, LOG_CHUNKS, IDEMPOTENCY, CALLBACKS);
+        clear!(
+            DEPLOYMENTS,
+            BUILDS,
+            DEPLOYMENT_BUILDS,
+            QUEUED,
+            RUNNING,
+            LOG_CHUNKS,
+            IDEMPOTENCY,
+            CALLBACKS
+        );
         Ok(())
     }
 }
@@ -409,11 +452,17 @@ impl Rx {
     }
 
     /// Deployments with id > `after`, in id order, at most `limit`.
-    pub fn deployments_after(&self, after: Option<&str>, limit: usize) -> StoreResult<Vec<DeploymentRecord>> {
+    pub fn deployments_after(
+        &self,
+        after: Option<&str>,
+        limit: usize,
+    ) -> StoreResult<Vec<DeploymentRecord>> {
         let t = self.txn.open_table(DEPLOYMENTS)?;
         let mut out = Vec::new();
         let iter = match after {
-            Some(a) => t.range::<&str>((std::ops::Bound::Excluded(a), std::ops::Bound::Unbounded))?,
+            Some(a) => {
+                t.range::<&str>((std::ops::Bound::Excluded(a), std::ops::Bound::Unbounded))?
+            }
             None => t.range::<&str>(..)?,
         };
         for entry in iter {
@@ -437,7 +486,12 @@ impl Rx {
     }
 
     /// Builds of one deployment older than `before`, newest first.
-    pub fn builds_of(&self, deployment: &str, before: Option<BuildId>, limit: usize) -> StoreResult<Vec<BuildRecord>> {
+    pub fn builds_of(
+        &self,
+        deployment: &str,
+        before: Option<BuildId>,
+        limit: usize,
+    ) -> StoreResult<Vec<BuildRecord>> {
         let index = self.txn.open_table(DEPLOYMENT_BUILDS)?;
         let builds = self.txn.open_table(BUILDS)?;
         let upper = before.unwrap_or(u128::MAX);

@@ -15,7 +15,8 @@ pub const DEPLOYMENTS: TableDefinition<&str, &[u8]> = TableDefinition::new("depl
 pub const BUILDS: TableDefinition<u128, &[u8]> = TableDefinition::new("builds");
 
 /// (deployment id, build id) -> (): the builds of one deployment, in order.
-pub const DEPLOYMENT_BUILDS: TableDefinition<(&str, u128), ()> = TableDefinition::new("deployment_builds");
+pub const DEPLOYMENT_BUILDS: TableDefinition<(&str, u128), ()> =
+    TableDefinition::new("deployment_builds");
 
 /// Build id -> deployment id for every queued build; key order is queue order.
 pub const QUEUED: TableDefinition<u128, &str> = TableDefinition::new("queued");

@@ -1,0 +1,198 @@
+//! Deployers that misbehave: every case ends in the documented build
+//! failure reason, and the server keeps serving.
+
+use serde_json::json;
+
+use crate::harness::*;
+
+async fn run_with(body: &str, extra: &[&str]) -> (Server, serde_json::Value) {
+    let dir = temp_dir("deployer");
+    let deployer = script(&dir, "d.sh", &format!("{SCRIPT_PRELUDE}\n{body}"));
+    let mut opts = Options::default()
+        .arg("--deployer")
+        .arg(deployer.to_str().unwrap());
+    for a in extra {
+        opts = opts.arg(a);
+    }
+    let s = Server::start_in(dir, opts).await;
+    let id = s.submit_ok("alice", json!({})).await;
+    let b = s.wait_build(&id, "final").await;
+    (s, b)
+}
+
+#[tokio::test]
+async fn exit_1_fails_with_exit_status_and_keeps_the_log() {
+    let (s, b) = run_with("echo 'about to fail'; echo 'to stderr' >&2; exit 1", &[]).await;
+    assert_eq!(
+        (
+            b["status"].as_str(),
+            b["failure"]["reason"].as_str(),
+            b["exit_code"].as_i64()
+        ),
+        (Some("failed"), Some("exit_status"), Some(1))
+    );
+    let log = s.log_text(b["id"].as_str().unwrap()).await;
+    assert!(
+        log.contains("about to fail\n") && log.contains("to stderr\n"),
+        "{log}"
+    );
+}
+
+#[tokio::test]
+async fn protocol_errors() {
+    for body in [
+        "echo not-json > \"$BERTH_RESULT\"",
+        "true",                                                         // no result at all
+        "printf '%s' '{\"nodes\": 5}' > \"$BERTH_RESULT\"",             // wrong shape
+        "head -c 2097152 /dev/zero | tr '\\0' ' ' > \"$BERTH_RESULT\"", // 2 MiB result
+    ] {
+        let (_s, b) = run_with(body, &[]).await;
+        assert_eq!(b["status"], "failed", "{body}: {b}");
+        assert_eq!(b["failure"]["reason"], "deployer_protocol", "{body}: {b}");
+    }
+}
+
+#[tokio::test]
+async fn an_sbom_outside_the_scratch_dir_fails_only_that_sbom() {
+    let (s, b) = run_with(
+        "ln -s /etc/passwd \"$BERTH_SCRATCH_DIR/link.json\"\nprintf '%s' '{\"nodes\":[{\"name\":\"web\",\"changed\":true,\"sbom\":{\"status\":\"ready\",\"path\":\"../../../etc/passwd\"}},{\"name\":\"db\",\"changed\":true,\"sbom\":{\"status\":\"ready\",\"path\":\"link.json\"}}]}' > \"$BERTH_RESULT\"",
+        &[],
+    )
+    .await;
+    assert_eq!(b["status"], "succeeded", "{b}");
+    let log = s.log_text(b["id"].as_str().unwrap()).await;
+    assert!(
+        log.contains("node web: SBOM unavailable: the path leaves the scratch dir"),
+        "{log}"
+    );
+    assert!(
+        log.contains("node db: SBOM unavailable: the path goes through a symlink"),
+        "{log}"
+    );
+}
+
+#[tokio::test]
+async fn a_deployer_that_never_exits_times_out() {
+    let (s, b) = run_with(
+        "echo started; sleep 600",
+        &["--build-timeout", "1s", "--cancel-grace", "1s"],
+    )
+    .await;
+    assert_eq!(b["status"], "failed");
+    assert_eq!(b["failure"]["reason"], "timeout");
+    assert!(s
+        .log_text(b["id"].as_str().unwrap())
+        .await
+        .contains("started"));
+}
+
+#[tokio::test]
+async fn sigterm_ignored_gets_sigkill_after_grace() {
+    let dir = temp_dir("stubborn");
+    let marker = dir.join("child-alive");
+    let body = format!(
+        "{SCRIPT_PRELUDE}\ntrap '' TERM\n(trap '' TERM; while true; do touch {m}; sleep 0.05; done) &\necho stubborn\nwhile true; do sleep 0.05; done\n",
+        m = marker.display()
+    );
+    let deployer = script(&dir, "d.sh", &body);
+    let s = Server::start_in(
+        dir.clone(),
+        Options::default()
+            .arg("--deployer")
+            .arg(deployer.to_str().unwrap())
+            .arg("--cancel-grace")
+            .arg("1s"),
+    )
+    .await;
+    let id = s.submit_ok("alice", json!({})).await;
+    s.wait_build(&id, "running").await;
+    eventually("the deployer logs", || async {
+        s.log_text(&id).await.contains("stubborn")
+    })
+    .await;
+    let started = std::time::Instant::now();
+    s.post(&format!("/v1/builds/{id}/cancel"), &json!({}))
+        .send()
+        .await
+        .unwrap();
+    let b = s.wait_build(&id, "final").await;
+    assert_eq!(b["status"], "cancelled");
+    assert!(
+        started.elapsed() >= std::time::Duration::from_millis(900),
+        "SIGKILL came before the grace period"
+    );
+    // The background child of the deployer died with its process group.
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let _ = std::fs::remove_file(&marker);
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    assert!(
+        !marker.exists(),
+        "a child of the deployer outlived its build"
+    );
+}
+
+#[tokio::test]
+async fn long_lines_garbage_and_a_last_line_without_newline() {
+    let (s, b) = run_with("head -c 150000 /dev/zero | tr '\\0' 'x'; echo; printf 'bad \\377\\376 bytes\\n'; printf 'no newline'; printf '%s' '{\"nodes\":[]}' > \"$BERTH_RESULT\"", &[]).await;
+    assert_eq!(b["status"], "succeeded", "{b}");
+    let log = s.log_text(b["id"].as_str().unwrap()).await;
+    let lines: Vec<&str> = log.lines().collect();
+    assert_eq!(lines[0].len(), 65536);
+    assert_eq!(lines[1].len(), 65536);
+    assert_eq!(lines[2].len(), 150000 - 2 * 65536);
+    assert_eq!(lines[3], "bad \u{fffd}\u{fffd} bytes");
+    assert_eq!(lines[4], "no newline");
+    assert_eq!(b["log_lines"], 5);
+}
+
+#[tokio::test]
+async fn eval_outcomes() {
+    // A deployer whose eval crashes: submit and preview get 503 eval_crashed.
+    let dir = temp_dir("eval");
+    let deployer = script(
+        &dir,
+        "d.sh",
+        "case \"$1\" in describe) cat >/dev/null; printf '%s' '{\"methods\":[\"local\"],\"default_method\":\"local\",\"catalog\":[],\"schema\":null}' > \"$BERTH_RESULT\";; eval) exit 3;; esac",
+    );
+    let s = Server::start_in(
+        dir,
+        Options::default()
+            .arg("--deployer")
+            .arg(deployer.to_str().unwrap()),
+    )
+    .await;
+    let (status, p) = s.submit("alice", json!({"configuration": {}})).await;
+    assert_eq!(status, 503, "{p}");
+    assert_eq!(
+        (p["code"].as_str(), p["reason"].as_str()),
+        (Some("eval_unavailable"), Some("eval_crashed"))
+    );
+    let (status, _) = s.json("/v1/deployments/alice").await;
+    assert_eq!(status, 404);
+    // With no eval slot, submit skips the eval and preview answers 503 with Retry-After.
+    drop(s);
+    let s = Server::start(Options::default().arg("--eval-slots").arg("0")).await;
+    let r = s
+        .post(
+            "/v1/deployments/alice/preview",
+            &json!({"configuration": {}}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 503);
+    assert_eq!(r.headers()["retry-after"], "1");
+    // Skipping the eval: the deploy evaluates, and fails on a refused configuration.
+    let b = s
+        .submit_ok(
+            "alice",
+            json!({"applications": {"mastodon": {"enable": true}}}),
+        )
+        .await;
+    let b = s.wait_build(&b, "final").await;
+    assert_eq!(b["status"], "failed");
+    assert!(s
+        .log_text(b["id"].as_str().unwrap())
+        .await
+        .contains("needs a domain"));
+}

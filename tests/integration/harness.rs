@@ -1,0 +1,309 @@
+//! The real `berth` binary on a free loopback port with a temp data dir,
+//! and small helpers to talk HTTP to it.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+static NEXT: AtomicU32 = AtomicU32::new(0);
+
+pub fn temp_dir(tag: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "berth-it-{}-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::SeqCst),
+        tag
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// reqwest is built without a default TLS provider; tests install ring once.
+pub fn client() -> reqwest::Client {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    reqwest::Client::new()
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+pub struct Server {
+    pub dir: PathBuf,
+    pub base: String,
+    pub token: String,
+    pub args: Vec<String>,
+    pub envs: Vec<(String, String)>,
+    child: Option<Child>,
+    pub http: reqwest::Client,
+}
+
+pub struct Options {
+    pub args: Vec<String>,
+    pub envs: Vec<(String, String)>,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            args: vec![],
+            envs: vec![("BERTH_LOCAL_STEP_MS".into(), "0".into())],
+        }
+    }
+}
+
+impl Options {
+    pub fn arg(mut self, a: &str) -> Self {
+        self.args.push(a.to_string());
+        self
+    }
+    pub fn env(mut self, k: &str, v: &str) -> Self {
+        self.envs.push((k.into(), v.into()));
+        self
+    }
+}
+
+impl Server {
+    pub async fn start(opts: Options) -> Server {
+        let dir = temp_dir("server");
+        Self::start_in(dir, opts).await
+    }
+
+    pub async fn start_in(dir: PathBuf, opts: Options) -> Server {
+        let mut s = Server {
+            dir,
+            base: String::new(),
+            token: String::new(),
+            args: opts.args,
+            envs: opts.envs,
+            child: None,
+            http: client(),
+        };
+        s.launch().await;
+        s
+    }
+
+    /// Starts the binary (again) on a new port with the same data dir.
+    pub async fn launch(&mut self) {
+        let port = free_port();
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join("server.log"))
+            .unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_berth"))
+            .arg("serve")
+            .arg("--listen")
+            .arg(format!("127.0.0.1:{port}"))
+            .arg("--data-dir")
+            .arg(self.dir.join("data"))
+            .args(&self.args)
+            .envs(self.envs.iter().map(|(k, v)| (k, v)))
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .expect("start berth");
+        self.child = Some(child);
+        self.base = format!("http://127.0.0.1:{port}");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Ok(r) = self.http.get(format!("{}/readyz", self.base)).send().await {
+                if r.status() == 200 {
+                    break;
+                }
+            }
+            assert!(
+                Instant::now() < deadline,
+                "berth did not become ready; log:\n{}",
+                self.log()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        self.token = std::fs::read_to_string(self.dir.join("data/service-token"))
+            .unwrap()
+            .trim()
+            .to_string();
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("server.log")).unwrap_or_default()
+    }
+
+    /// kill -9.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// SIGTERM, then wait for the exit.
+    pub fn terminate(&mut self) -> std::process::ExitStatus {
+        let mut c = self.child.take().expect("running");
+        let _ = Command::new("kill")
+            .arg("-TERM")
+            .arg(c.id().to_string())
+            .status();
+        c.wait().unwrap()
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{}", self.base, path)
+    }
+
+    pub fn get(&self, path: &str) -> reqwest::RequestBuilder {
+        self.http.get(self.url(path)).bearer_auth(&self.token)
+    }
+
+    pub fn post(&self, path: &str, body: &Value) -> reqwest::RequestBuilder {
+        self.http
+            .post(self.url(path))
+            .bearer_auth(&self.token)
+            .json(body)
+    }
+
+    pub fn delete(&self, path: &str) -> reqwest::RequestBuilder {
+        self.http.delete(self.url(path)).bearer_auth(&self.token)
+    }
+
+    pub async fn json(&self, path: &str) -> (u16, Value) {
+        read(self.get(path).send().await.unwrap()).await
+    }
+
+    pub async fn submit(&self, id: &str, body: Value) -> (u16, Value) {
+        read(
+            self.post(&format!("/v1/deployments/{id}/submit"), &body)
+                .send()
+                .await
+                .unwrap(),
+        )
+        .await
+    }
+
+    /// Submits and returns the new build id; panics unless 202.
+    pub async fn submit_ok(&self, id: &str, config: Value) -> String {
+        let (status, body) = self
+            .submit(id, json!({"configuration": config, "mode": "enqueue"}))
+            .await;
+        assert_eq!(status, 202, "{body}\n{}", self.log());
+        body["build_id"].as_str().unwrap().to_string()
+    }
+
+    pub async fn build(&self, id: &str) -> Value {
+        let (status, b) = self.json(&format!("/v1/builds/{id}")).await;
+        assert_eq!(status, 200, "{b}");
+        b
+    }
+
+    /// Waits until the build has `status` (or any final status when "final").
+    pub async fn wait_build(&self, id: &str, status: &str) -> Value {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let b = self.build(id).await;
+            let s = b["status"].as_str().unwrap_or("");
+            let done = if status == "final" {
+                matches!(s, "succeeded" | "failed" | "cancelled")
+            } else {
+                s == status
+            };
+            if done {
+                return b;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "build {id} never reached {status}: {b}\n{}",
+                self.log()
+            );
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    }
+
+    pub async fn log_text(&self, build: &str) -> String {
+        self.get(&format!("/v1/builds/{build}/log"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.kill();
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}
+
+pub async fn read(r: reqwest::Response) -> (u16, Value) {
+    let status = r.status().as_u16();
+    let text = r.text().await.unwrap();
+    (
+        status,
+        serde_json::from_str(&text).unwrap_or(Value::String(text)),
+    )
+}
+
+pub fn mastodon(domain: &str) -> Value {
+    json!({"domain": domain, "applications": {"mastodon": {"enable": true}}})
+}
+
+/// A test deployer: a shell script, made executable.
+pub fn script(dir: &Path, name: &str, body: &str) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let path = dir.join(name);
+    std::fs::write(&path, format!("#!/bin/sh\n{body}")).unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    path
+}
+
+/// describe/eval answers every scripted deployer shares.
+pub const SCRIPT_PRELUDE: &str = r#"
+verb="$1"
+dep=$(basename "$BERTH_WORK_DIR")
+case "$verb" in
+describe) cat >/dev/null; printf '%s' '{"methods":["local"],"default_method":"local","actions":{"suspend":["local"],"resume":["local"]},"catalog":[],"schema":null}' > "$BERTH_RESULT"; exit 0;;
+eval) cat >/dev/null; printf '%s' '{"nodes":[]}' > "$BERTH_RESULT"; exit 0;;
+esac
+cat >/dev/null
+"#;
+
+/// A deployer whose builds wait until `<gates>/<deployment>` exists (the
+/// file is removed as the build passes, so each build needs its own open).
+pub fn gated_deployer(dir: &Path) -> (PathBuf, PathBuf) {
+    let gates = dir.join("gates");
+    std::fs::create_dir_all(&gates).unwrap();
+    let body = format!(
+        "{SCRIPT_PRELUDE}\necho \"start $verb $dep\"\necho \"$verb\" >> {g}/$dep.log\nwhile [ ! -e {g}/$dep ]; do sleep 0.02; done\nrm -f {g}/$dep\necho \"end $verb $dep\"\nprintf '%s' '{{\"nodes\":[]}}' > \"$BERTH_RESULT\"\n",
+        g = gates.display()
+    );
+    (script(dir, "gated.sh", &body), gates)
+}
+
+pub fn open_gate(gates: &Path, deployment: &str) {
+    std::fs::write(gates.join(deployment), b"").unwrap();
+}
+
+pub async fn eventually<F, Fut>(what: &str, mut f: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !f().await {
+        assert!(Instant::now() < deadline, "timed out waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}

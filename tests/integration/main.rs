@@ -1,0 +1,11 @@
+//! Black-box tests: the real `berth` binary, real HTTP, real deployer
+//! processes (the embedded `local` one and small shell scripts).
+
+mod harness;
+
+mod bad_input;
+mod deploy;
+mod deployers;
+mod queue;
+mod restart;
+mod routes;
