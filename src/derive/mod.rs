@@ -7,6 +7,7 @@
 
 pub mod pointer;
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
@@ -61,8 +62,8 @@ pub struct Shaped<'a> {
 
 static EMPTY: std::sync::LazyLock<Map<String, Value>> = std::sync::LazyLock::new(Map::new);
 
-impl Shaped<'_> {
-    pub fn apps(&self) -> &Map<String, Value> {
+impl<'a> Shaped<'a> {
+    pub fn apps(&self) -> &'a Map<String, Value> {
         self.applications.unwrap_or(&EMPTY)
     }
 }
@@ -249,42 +250,102 @@ pub fn parse_renames(renames: &[Rename]) -> Result<Vec<(Pointer, Pointer)>, Deri
 }
 
 /// The applications object after renames, and for each top-level
-/// application the name it had as stored.
-pub struct Renamed {
-    pub apps: Map<String, Value>,
-    pub origin: BTreeMap<String, String>,
+/// application the name it had as stored. Values are borrowed from the
+/// configuration; only an application that a setting rename touches is
+/// copied, so a derivation over hundreds of applications stays cheap.
+pub struct Renamed<'a> {
+    pub apps: BTreeMap<Cow<'a, str>, Cow<'a, Value>>,
+    /// Where each value was stored: its pointer below the applications
+    /// object, escaped, without the leading `/`.
+    pub origin: BTreeMap<Cow<'a, str>, Cow<'a, str>>,
 }
 
 /// Applies renames in one pass, in list order, to a copy of `apps`.
-pub fn apply_renames(apps: &Map<String, Value>, renames: &[(Pointer, Pointer)]) -> Renamed {
-    let mut root = Value::Object(apps.clone());
-    let mut origin: BTreeMap<String, String> =
-        apps.keys().map(|k| (k.clone(), k.clone())).collect();
+pub fn apply_renames<'a>(
+    apps: &'a Map<String, Value>,
+    renames: &[(Pointer, Pointer)],
+) -> Renamed<'a> {
+    let mut map: BTreeMap<Cow<'a, str>, Cow<'a, Value>> = apps
+        .iter()
+        .map(|(k, v)| (Cow::Borrowed(k.as_str()), Cow::Borrowed(v)))
+        .collect();
+    let mut origin: BTreeMap<Cow<'a, str>, Cow<'a, str>> = apps
+        .keys()
+        .map(|k| (Cow::Borrowed(k.as_str()), pointer::escape(k)))
+        .collect();
     for (from, to) in renames {
-        if pointer::move_value(&mut root, from, to) && from.len() == 1 && to.len() == 1 {
-            if let Some(was) = origin.remove(from.token(0)) {
-                origin.insert(to.token(0).to_string(), was);
+        if to.is_strictly_inside(from) || from == to {
+            continue;
+        }
+        if from.len() == 1 && to.len() == 1 {
+            // An application renamed: move it whole, without copying.
+            let (f, t) = (from.token(0), to.token(0));
+            if map.contains_key(t) {
+                continue;
+            }
+            if let Some(v) = map.remove(f) {
+                map.insert(Cow::Owned(t.to_string()), v);
+                if let Some(was) = origin.remove(f) {
+                    origin.insert(Cow::Owned(t.to_string()), was);
+                }
+            }
+            continue;
+        }
+        // A setting moved: work on owned copies of the applications involved.
+        let mut root = Value::Object(Map::new());
+        for app in [from.token(0), to.token(0)] {
+            if let Some(v) = map.get(app) {
+                root.as_object_mut()
+                    .expect("object")
+                    .insert(app.to_string(), v.clone().into_owned());
+            }
+        }
+        if pointer::move_value(&mut root, from, to) {
+            for (k, v) in root.as_object_mut().expect("object") {
+                map.insert(Cow::Owned(k.clone()), Cow::Owned(std::mem::take(v)));
+            }
+            if from.len() == 1 {
+                map.remove(from.token(0));
+                origin.remove(from.token(0));
+            }
+            if to.len() == 1 {
+                origin.insert(
+                    Cow::Owned(to.token(0).to_string()),
+                    Cow::Owned(from.escaped_tail()),
+                );
             }
         }
     }
-    let apps = match root {
-        Value::Object(m) => m,
-        _ => Map::new(),
-    };
-    origin.retain(|k, _| apps.contains_key(k));
-    Renamed { apps, origin }
+    Renamed { apps: map, origin }
 }
 
-/// RFC 8785 canonical text, so that member order and number spelling never
-/// count as a change.
+/// RFC 8785 canonical text (used for fingerprints).
 pub fn canonical(value: &Value) -> String {
     serde_jcs::to_string(value).unwrap_or_default()
 }
 
-fn same_value(a: Option<&Value>, b: Option<&Value>) -> bool {
+/// Equality of JSON values as RFC 8785 sees them: member order never
+/// matters and numbers compare by their IEEE-754 value (`1` equals `1.0`).
+/// Same answer as comparing canonical texts, without building them.
+pub fn json_eq(a: &Value, b: &Value) -> bool {
+    match (a, b) {
+        (Value::Number(x), Value::Number(y)) => x == y || x.as_f64() == y.as_f64(),
+        (Value::Array(x), Value::Array(y)) => {
+            x.len() == y.len() && x.iter().zip(y).all(|(p, q)| json_eq(p, q))
+        }
+        (Value::Object(x), Value::Object(y)) => {
+            x.len() == y.len()
+                && x.iter()
+                    .all(|(k, v)| y.get(k).is_some_and(|w| json_eq(v, w)))
+        }
+        _ => a == b,
+    }
+}
+
+fn same_value(a: Option<&Cow<Value>>, b: Option<&Cow<Value>>) -> bool {
     match (a, b) {
         (None, None) => true,
-        (Some(x), Some(y)) => x == y || canonical(x) == canonical(y),
+        (Some(x), Some(y)) => json_eq(x, y),
         _ => false,
     }
 }
@@ -317,8 +378,8 @@ pub fn applications(
         .apps
         .keys()
         .chain(b.apps.keys())
-        .filter(|name| !same_value(a.apps.get(*name), b.apps.get(*name)))
-        .cloned()
+        .filter(|name| !same_value(a.apps.get(name.as_ref()), b.apps.get(name.as_ref())))
+        .map(|name| name.to_string())
         .collect();
     changed.sort();
     changed.dedup();
@@ -357,14 +418,12 @@ pub fn sections(
         .iter()
         .filter(|e| e.configurable)
         .map(|e| e.name.as_str())
-        .chain(a.apps.keys().map(String::as_str).filter(|n| !known(n)));
+        .chain(a.apps.keys().map(|k| k.as_ref()).filter(|n| !known(n)));
     let section = |name: &str| Section {
         name: name.to_string(),
         path: format!("{}/{}", c1.applications_path, pointer::escape(name)),
         deployed_path: match (&c2, b.origin.get(name)) {
-            (Some(s), Some(was)) => {
-                Some(format!("{}/{}", s.applications_path, pointer::escape(was)))
-            }
+            (Some(s), Some(was)) => Some(format!("{}/{}", s.applications_path, was)),
             _ => None,
         },
         changed: !same_value(a.apps.get(name), b.apps.get(name)),

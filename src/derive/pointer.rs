@@ -7,11 +7,11 @@ use serde_json::Value;
 pub struct Pointer(Vec<String>);
 
 /// Escapes one token: `~` as `~0`, `/` as `~1`.
-pub fn escape(token: &str) -> String {
+pub fn escape(token: &str) -> std::borrow::Cow<'_, str> {
     if !token.contains(['~', '/']) {
-        return token.to_string();
+        return std::borrow::Cow::Borrowed(token);
     }
-    token.replace('~', "~0").replace('/', "~1")
+    std::borrow::Cow::Owned(token.replace('~', "~0").replace('/', "~1"))
 }
 
 impl Pointer {
@@ -49,6 +49,15 @@ impl Pointer {
 
     pub fn token(&self, i: usize) -> &str {
         &self.0[i]
+    }
+
+    /// The pointer's text without its leading `/`.
+    pub fn escaped_tail(&self) -> String {
+        self.0
+            .iter()
+            .map(|t| escape(t))
+            .collect::<Vec<_>>()
+            .join("/")
     }
 
     /// True when `self` names a place strictly below `other`.

@@ -186,7 +186,12 @@ fn rename_whose_target_parent_is_missing_does_nothing() {
         shape(&deployed).unwrap().apps(),
         &parse_renames(&r).unwrap(),
     );
-    assert_eq!(Value::Object(renamed.apps), json!({"mastodon": {"x": 1}}));
+    let apps: Map<String, Value> = renamed
+        .apps
+        .into_iter()
+        .map(|(k, v)| (k.into_owned(), v.into_owned()))
+        .collect();
+    assert_eq!(Value::Object(apps), json!({"mastodon": {"x": 1}}));
 }
 
 #[test]
@@ -216,6 +221,55 @@ fn catalog_not_configurable_is_never_a_section() {
     let c = json!({"applications": {"garage": {"enable": true}}});
     let s = sections(&c, None, &[], &local_catalog()).unwrap();
     assert!(s.iter().all(|s| s.name != "garage"));
+}
+
+#[test]
+fn json_eq_matches_canonical_comparison() {
+    let cases = [
+        (json!(1), json!(1.0), true),
+        (
+            json!({"a": [1, {"b": 2.50}]}),
+            json!({"a": [1.0, {"b": 2.5}]}),
+            true,
+        ),
+        (json!([1, 2]), json!([2, 1]), false),
+        (json!({"a": 1}), json!({"a": 1, "b": null}), false),
+        (json!("1"), json!(1), false),
+        (json!(9007199254740993u64), json!(9007199254740992u64), true),
+    ];
+    for (a, b, eq) in cases {
+        assert_eq!(json_eq(&a, &b), eq, "{a} vs {b}");
+        assert_eq!(canonical(&a) == canonical(&b), eq, "canonical {a} vs {b}");
+    }
+}
+
+#[test]
+fn setting_renames_across_applications() {
+    // A setting moves from one application into another that exists.
+    let deployed = json!({"applications": {"old": {"x": 1}, "new": {}}});
+    let r = parse_renames(&renames(&[("/old/x", "/new/x")])).unwrap();
+    let renamed = apply_renames(shape(&deployed).unwrap().apps(), &r);
+    assert_eq!(renamed.apps["new"].as_ref(), &json!({"x": 1}));
+    assert_eq!(renamed.apps["old"].as_ref(), &json!({}));
+}
+
+#[test]
+fn a_setting_moved_to_the_top_keeps_its_stored_place() {
+    let deployed = json!({"applications": {"legacy": {"blog": {"enable": true}}}});
+    let draft = json!({"applications": {"blog": {"enable": true}}});
+    let s = sections(
+        &draft,
+        Some(&deployed),
+        &renames(&[("/legacy/blog", "/blog")]),
+        &local_catalog(),
+    )
+    .unwrap();
+    let blog = s.iter().find(|s| s.name == "blog").unwrap();
+    assert_eq!(
+        blog.deployed_path.as_deref(),
+        Some("/applications/legacy/blog")
+    );
+    assert!(!blog.changed);
 }
 
 #[test]

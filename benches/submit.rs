@@ -1,0 +1,173 @@
+//! Submit throughput with 1 and 32 concurrent clients (idempotency keys, no
+//! eval: `--eval-slots 0`) against a plain fsync loop on the same disk in the
+//! same run; RSS of the idle server and with 10,000 deployments.
+//!
+//! Run: `cargo bench --bench submit` (release build of berth).
+
+use std::io::Write;
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const PHASE: Duration = Duration::from_secs(5);
+
+fn fsync_rate(dir: &std::path::Path) -> f64 {
+    let path = dir.join("fsync-loop");
+    let mut f = std::fs::File::create(&path).unwrap();
+    let start = Instant::now();
+    let mut n = 0u64;
+    while start.elapsed() < PHASE {
+        f.write_all(&[b'x'; 128]).unwrap();
+        f.sync_data().unwrap();
+        n += 1;
+    }
+    n as f64 / start.elapsed().as_secs_f64()
+}
+
+fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+async fn submit_phase(base: &str, token: &str, clients: usize, ids: Arc<AtomicU64>) -> f64 {
+    let done = Arc::new(AtomicU64::new(0));
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    for c in 0..clients {
+        let (base, token, done, ids) = (
+            base.to_string(),
+            token.to_string(),
+            done.clone(),
+            ids.clone(),
+        );
+        tasks.push(tokio::spawn(async move {
+            let http = reqwest::Client::new();
+            while start.elapsed() < PHASE {
+                let n = ids.fetch_add(1, Ordering::Relaxed);
+                let body = serde_json::json!({"configuration": {"domain": format!("d{n}.example.org")}, "mode": "enqueue"});
+                let r = http
+                    .post(format!("{base}/v1/deployments/d{n}/submit"))
+                    .bearer_auth(&token)
+                    .header("Idempotency-Key", format!("bench-key-{c:04}-{n:012}"))
+                    .json(&body)
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(r.status(), 202, "{}", r.text().await.unwrap_or_default());
+                done.fetch_add(1, Ordering::Relaxed);
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    done.load(Ordering::Relaxed) as f64 / start.elapsed().as_secs_f64()
+}
+
+fn main() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let dir = std::env::temp_dir().join(format!("berth-bench-submit-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    // A deployer whose builds never finish: submits only queue.
+    let deployer = dir.join("sleepy.sh");
+    std::fs::write(&deployer, "#!/bin/sh\ncase \"$1\" in describe) cat >/dev/null; printf '%s' '{\"methods\":[\"local\"],\"default_method\":\"local\",\"catalog\":[],\"schema\":null}' > \"$BERTH_RESULT\";; *) cat >/dev/null; sleep 3600;; esac\n").unwrap();
+    Command::new("chmod")
+        .arg("+x")
+        .arg(&deployer)
+        .status()
+        .unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_berth"))
+        .args([
+            "serve",
+            "--eval-slots",
+            "0",
+            "--build-slots",
+            "1",
+            "--listen",
+        ])
+        .arg(format!("127.0.0.1:{port}"))
+        .arg("--data-dir")
+        .arg(dir.join("data"))
+        .arg("--deployer")
+        .arg(&deployer)
+        .env("BERTH_LOG", "warn")
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let base = format!("http://127.0.0.1:{port}");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let http = reqwest::Client::new();
+        while http
+            .get(format!("{base}/readyz"))
+            .send()
+            .await
+            .map(|r| r.status() != 200)
+            .unwrap_or(true)
+        {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    });
+    let token = std::fs::read_to_string(dir.join("data/service-token")).unwrap();
+    let idle_rss = rss_kib(child.id());
+    let fsyncs = fsync_rate(&dir);
+    let ids = Arc::new(AtomicU64::new(0));
+    let one = rt.block_on(submit_phase(&base, &token, 1, ids.clone()));
+    let many = rt.block_on(submit_phase(&base, &token, 32, ids.clone()));
+    // Fill up to 10,000 deployments for the RSS figure.
+    rt.block_on(async {
+        let http = reqwest::Client::new();
+        let mut set = tokio::task::JoinSet::new();
+        while ids.load(Ordering::Relaxed) < 10_000 {
+            let n = ids.fetch_add(1, Ordering::Relaxed);
+            let (http, base, token) = (http.clone(), base.clone(), token.clone());
+            set.spawn(async move {
+                let body = serde_json::json!({"configuration": {"domain": format!("d{n}.example.org")}, "mode": "enqueue"});
+                http.post(format!("{base}/v1/deployments/d{n}/submit")).bearer_auth(&token).json(&body).send().await.unwrap();
+            });
+            if set.len() >= 32 {
+                set.join_next().await;
+            }
+        }
+        while set.join_next().await.is_some() {}
+    });
+    let deployments = ids.load(Ordering::Relaxed);
+    let full_rss = rss_kib(child.id());
+    let store_bytes = std::fs::metadata(dir.join("data/berth.redb"))
+        .map(|m| m.len())
+        .unwrap_or(0);
+    println!("fsync loop (128 B append + fdatasync): {fsyncs:.0}/s");
+    println!(
+        "submit, 1 client:   {one:.0}/s = {:.2}x the fsync rate",
+        one / fsyncs
+    );
+    println!(
+        "submit, 32 clients: {many:.0}/s = {:.2}x the fsync rate",
+        many / fsyncs
+    );
+    println!(
+        "RSS idle: {} MiB; with {deployments} deployments: {} MiB; store file {} MiB",
+        idle_rss / 1024,
+        full_rss / 1024,
+        store_bytes / (1 << 20)
+    );
+    let _ = child.kill();
+    let _ = child.wait();
+    // The one running build's deployer sleeps in its own process group.
+    let _ = Command::new("pkill")
+        .arg("-f")
+        .arg(deployer.to_str().unwrap())
+        .status();
+    let _ = std::fs::remove_dir_all(&dir);
+}
