@@ -196,3 +196,118 @@ async fn eval_outcomes() {
         .await
         .contains("needs a domain"));
 }
+
+#[tokio::test]
+async fn flag_values_never_reach_the_deployer() {
+    let dir = temp_dir("env");
+    let deployer = script(
+        &dir,
+        "d.sh",
+        &format!(
+            "{SCRIPT_PRELUDE}\nenv | sort\nprintf '%s' '{{\"nodes\":[]}}' > \"$BERTH_RESULT\""
+        ),
+    );
+    let opts = Options::default()
+        .arg("--deployer")
+        .arg(deployer.to_str().unwrap())
+        .env("BERTH_SECRET_DATABASE_URL", "postgres://user:hunter2@db/x")
+        .env("BERTH_LOCAL_STEP_MS", "7")
+        .env("UNRELATED_VAR", "kept");
+    let s = Server::start_in(dir, opts).await;
+    let id = s.submit_ok("alice", json!({})).await;
+    s.wait_build(&id, "succeeded").await;
+    let log = s.log_text(&id).await;
+    assert!(!log.contains("hunter2"), "{log}");
+    assert!(log.contains("UNRELATED_VAR=kept"));
+    assert!(log.contains("BERTH_LOCAL_STEP_MS=7"));
+    assert!(
+        log.contains("BERTH_WORK_DIR=")
+            && log.contains("BERTH_SCRATCH_DIR=")
+            && log.contains("BERTH_RESULT=")
+    );
+}
+
+#[tokio::test]
+async fn an_eval_that_never_answers_times_out() {
+    let dir = temp_dir("eval-timeout");
+    let deployer = script(
+        &dir,
+        "d.sh",
+        "case \"$1\" in describe) cat >/dev/null; printf '%s' '{\"methods\":[\"local\"],\"default_method\":\"local\",\"catalog\":[],\"schema\":null}' > \"$BERTH_RESULT\";; eval) sleep 600;; esac",
+    );
+    let s = Server::start_in(
+        dir,
+        Options::default()
+            .arg("--deployer")
+            .arg(deployer.to_str().unwrap())
+            .arg("--eval-timeout")
+            .arg("1s"),
+    )
+    .await;
+    let (status, p) = s.submit("alice", json!({"configuration": {}})).await;
+    assert_eq!(status, 503, "{p}");
+    assert_eq!(p["reason"], "eval_timeout");
+    let (status, _) = s.json("/v1/deployments/alice").await;
+    assert_eq!(status, 404);
+}
+
+#[tokio::test]
+async fn sources_are_immutable_and_origins_checked() {
+    let s = Server::start(
+        Options::default()
+            .arg("--source-origin")
+            .arg("https://git.example.org"),
+    )
+    .await;
+    let digest = format!("sha256:{}", "ab".repeat(32));
+    let source = json!({"url": "https://git.example.org/modules", "rev": "v1", "digest": digest});
+    let (status, p) = s
+        .submit("alice", json!({"configuration": {}, "source": source}))
+        .await;
+    assert_eq!(status, 202, "{p}");
+    let (_, d) = s.json("/v1/deployments/alice").await;
+    assert_eq!(d["source"], source);
+    // Same digest, another rev: refused.
+    let other = json!({"url": "https://git.example.org/modules", "rev": "v2", "digest": digest});
+    let (status, p) = s
+        .submit("bob", json!({"configuration": {}, "source": other}))
+        .await;
+    assert_eq!(
+        (status, p["reason"].as_str()),
+        (409, Some("source_immutable")),
+        "{p}"
+    );
+    // An origin not allowed.
+    let foreign = json!({"url": "https://evil.example.com/m", "rev": "v1", "digest": format!("sha256:{}", "cd".repeat(32))});
+    let (status, p) = s
+        .submit("bob", json!({"configuration": {}, "source": foreign}))
+        .await;
+    assert_eq!(
+        (status, p["fields"][0]["code"].as_str()),
+        (400, Some("source_origin_not_allowed")),
+        "{p}"
+    );
+    // An explicit source needs the manual policy.
+    let (status, p) = s
+        .submit(
+            "carol",
+            json!({"configuration": {}, "source": source, "update_policy": {"kind": "automatic"}}),
+        )
+        .await;
+    assert_eq!(
+        (status, p["reason"].as_str()),
+        (409, Some("policy_not_manual")),
+        "{p}"
+    );
+    // A window policy is validated field by field.
+    let (status, p) = s
+        .submit("carol", json!({"configuration": {}, "update_policy": {"kind": "window", "frequency": "weekly", "day": 9, "start": "03:00", "duration_minutes": 120, "time_zone": "Europe/Amsterdam"}}))
+        .await;
+    assert_eq!(
+        (status, p["fields"][0]["pointer"].as_str()),
+        (400, Some("/update_policy/day")),
+        "{p}"
+    );
+    let (status, _) = s.json("/v1/deployments/carol").await;
+    assert_eq!(status, 404);
+}
