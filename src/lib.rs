@@ -5,6 +5,7 @@
 pub mod api;
 pub mod derive;
 pub mod engine;
+pub mod events;
 pub mod hex;
 pub mod local_deployer;
 pub mod model;

@@ -185,6 +185,13 @@ pub struct BuildRecord {
     pub log_lines: u64,
     /// Number of log chunks committed for this build.
     pub log_chunks: u32,
+    /// Last event seq of the build channel that is committed.
+    pub event_seq: u64,
+    /// Seqs up to this may have been sent live (log lines go out before
+    /// their chunk commits); after a crash, new events start above it.
+    pub seq_reserved: u64,
+    /// The seq of the first log line (line `i` has seq `log_first_seq + i`).
+    pub log_first_seq: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -246,6 +253,8 @@ pub struct DeploymentRecord {
     /// Destroy builds queued or running.
     pub pending_destroys: u32,
     pub running: Option<BuildId>,
+    /// Last event seq of the deployment channel.
+    pub event_seq: u64,
     pub created_at: Millis,
     pub updated_at: Millis,
 }

@@ -142,6 +142,7 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
         service_token,
         cursor_key,
         idempotency: Default::default(),
+        tickets: Default::default(),
     });
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
@@ -166,7 +167,7 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
 
     wait_for_signal().await;
     tracing::info!("shutting down: no new requests or builds; waiting for running builds");
-    engine.stopping.store(true, Ordering::SeqCst);
+    engine.begin_shutdown();
     let _ = stop_tx.send(true);
     let deadline = tokio::time::Instant::now() + settings.shutdown_grace;
     while engine.running_builds() > 0 && tokio::time::Instant::now() < deadline {

@@ -117,6 +117,14 @@ pub struct Settings {
     #[arg(long, env = "BERTH_MAX_QUEUED_BUILDS", default_value_t = 100)]
     pub max_queued_builds: u32,
 
+    /// How long a stream ticket (for a browser's EventSource) stays valid.
+    #[arg(long, env = "BERTH_TICKET_TTL", default_value = "1h", value_parser = parse_duration)]
+    pub ticket_ttl: Duration,
+
+    /// Open event streams at most; past it a stream request gets 503.
+    #[arg(long, env = "BERTH_MAX_SSE_CLIENTS", default_value_t = 10_000)]
+    pub max_sse_clients: usize,
+
     /// Serve /metrics without the service token.
     #[arg(long, env = "BERTH_METRICS_PUBLIC")]
     pub metrics_public: bool,

@@ -254,7 +254,7 @@ pub async fn view(ctx: &Ctx, d: &DeploymentRecord) -> Result<Reply, ApiError> {
         update: serde_json::json!({"available": available, "default_source": default, "last_automatic": null}),
         last_build: last_build.as_ref().map(BuildRecord::summary),
         audit: vec![],
-        event_cursor: "0".into(),
+        event_cursor: d.event_seq.to_string(),
         created_at: format_time(d.created_at),
         updated_at: format_time(d.updated_at),
     };

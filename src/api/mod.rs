@@ -12,6 +12,7 @@ pub mod cursor;
 pub mod deployments;
 pub mod derive;
 pub mod errors;
+pub mod events;
 pub mod idempotency;
 pub mod ops;
 
@@ -48,6 +49,9 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("GET", "/v1/builds/{build}"),
     ("GET", "/v1/builds/{build}/log"),
     ("POST", "/v1/builds/{build}/cancel"),
+    ("GET", "/v1/deployments/{id}/events"),
+    ("GET", "/v1/builds/{build}/events"),
+    ("POST", "/v1/stream-tickets"),
     ("POST", "/v1/derive/instances"),
     ("POST", "/v1/derive/applications"),
     ("POST", "/v1/derive/sections"),
@@ -108,6 +112,7 @@ pub struct Ctx {
     pub service_token: String,
     pub cursor_key: Vec<u8>,
     pub idempotency: idempotency::KeyLocks,
+    pub tickets: events::Tickets,
 }
 
 /// One parsed request.
@@ -188,7 +193,14 @@ where
         .unwrap_or_else(|| uuid::Uuid::now_v7().simple().to_string());
     let (route, reply) =
         match dispatch(&ctx, method, &path, &query, headers, body, &request_id).await {
-            Ok((route, r)) => (route, r),
+            Ok((route, Answer::Reply(r))) => (route, r),
+            Ok((route, Answer::Stream(mut response))) => {
+                ops::count_request(&ctx, route, response.status().as_u16());
+                if let Ok(v) = HeaderValue::from_str(&request_id) {
+                    response.headers_mut().insert("x-request-id", v);
+                }
+                return response;
+            }
             Err((route, e)) => (route, Reply::from_error(&e, &request_id)),
         };
     if reply.status >= 500 {
@@ -198,7 +210,13 @@ where
     into_http(reply, &request_id)
 }
 
-type Dispatched = Result<(&'static str, Reply), (&'static str, ApiError)>;
+/// A handler's answer: a stored-able reply, or a live event stream.
+pub enum Answer {
+    Reply(Reply),
+    Stream(warp::reply::Response),
+}
+
+type Dispatched = Result<(&'static str, Answer), (&'static str, ApiError)>;
 
 /// Finds the route; answers 404/405/413/415 itself; calls the handler.
 async fn dispatch<S, B>(
@@ -354,7 +372,17 @@ fn match_template(
     Some(params)
 }
 
-async fn route_to_handler(ctx: &Arc<Ctx>, req: &Request) -> Result<Reply, ApiError> {
+async fn route_to_handler(ctx: &Arc<Ctx>, req: &Request) -> Result<Answer, ApiError> {
+    match (req.method.as_str(), req.route) {
+        ("GET", "/v1/builds/{build}/events") => events::build_events(ctx, req).map(Answer::Stream),
+        ("GET", "/v1/deployments/{id}/events") => {
+            events::deployment_events(ctx, req).map(Answer::Stream)
+        }
+        _ => route_reply(ctx, req).await.map(Answer::Reply),
+    }
+}
+
+async fn route_reply(ctx: &Arc<Ctx>, req: &Request) -> Result<Reply, ApiError> {
     match (req.method.as_str(), req.route) {
         ("GET", "/healthz") => Ok(ops::healthz()),
         ("GET", "/readyz") => Ok(ops::readyz(ctx)),
@@ -385,6 +413,7 @@ async fn route_to_handler(ctx: &Arc<Ctx>, req: &Request) -> Result<Reply, ApiErr
                 ("GET", "/v1/deployments/{id}/builds") => builds::list(ctx, req, &caller),
                 ("GET", "/v1/builds/{build}") => builds::read(ctx, req),
                 ("GET", "/v1/builds/{build}/log") => builds::log(ctx, req).await,
+                ("POST", "/v1/stream-tickets") => events::ticket(ctx, req, &caller),
                 ("POST", "/v1/builds/{build}/cancel") => {
                     idempotency::mutation(ctx, req, &caller, |w| builds::cancel(ctx, req, w)).await
                 }

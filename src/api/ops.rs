@@ -89,7 +89,11 @@ pub fn metrics(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
             "Eval calls running.",
             e.eval_slots_in_use() as u64,
         ),
-        ("berth_sse_clients", "Open event streams.", 0),
+        (
+            "berth_sse_clients",
+            "Open event streams.",
+            e.hub.clients.load(Ordering::SeqCst) as u64,
+        ),
         (
             "berth_log_bytes_total",
             "Log bytes stored since start.",

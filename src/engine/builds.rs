@@ -8,7 +8,7 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde::Deserialize;
 use serde_json::json;
@@ -16,6 +16,7 @@ use tokio::sync::{mpsc, watch};
 
 use super::runner::{self, Ended, Invocation, OpenError};
 use super::{lock, release_pending, Engine};
+use crate::events::{self, Channel, Frame, SEQ_BLOCK};
 use crate::model::*;
 use crate::store::StoreErrorKind;
 
@@ -89,6 +90,7 @@ impl Engine {
     async fn run_build(self: Arc<Self>, build_id: BuildId) {
         let (cancel_tx, cancel_rx) = watch::channel(false);
         lock(&self.cancels).insert(build_id, cancel_tx);
+        let hub = self.hub.clone();
         let started = self
             .store
             .write(move |tx| {
@@ -105,9 +107,13 @@ impl Engine {
                 b.status = BuildStatus::Running;
                 b.started_at = Some(now);
                 b.previous = d.deployed.as_ref().map(|x| x.snapshot.clone());
+                events::build_status(tx, &hub, &mut b, now)?;
+                b.log_first_seq = b.event_seq + 1;
+                b.seq_reserved = b.event_seq + SEQ_BLOCK;
                 d.running = Some(build_id);
                 d.revision += 1;
                 d.updated_at = now;
+                events::deployment_changed(tx, &hub, &mut d, Some(&b), now)?;
                 tx.put_build(&b)?;
                 tx.put_deployment(&d)?;
                 Ok(Some(b))
@@ -145,7 +151,7 @@ impl Engine {
                 &root,
                 "spawn_failed",
                 format!("cannot create the build's directories: {e}"),
-                LogBuffer::new(0),
+                LogBuffer::new(0, build.log_first_seq, build.seq_reserved),
             );
         }
         let verb = match build.kind {
@@ -173,7 +179,11 @@ impl Engine {
             scratch_dir,
             result_path: root.join("result.json"),
         };
-        let mut log = LogBuffer::new(self.settings.max_log_bytes);
+        let mut log = LogBuffer::new(
+            self.settings.max_log_bytes,
+            build.log_first_seq,
+            build.seq_reserved,
+        );
         let spawned = match runner::spawn(&self.deployer, &inv) {
             Ok(s) => s,
             Err(e) => {
@@ -227,7 +237,15 @@ impl Engine {
             tokio::select! {
                 line = lines_rx.recv() => match line {
                     Some(line) => {
-                        log.push(&line);
+                        // Never send an id that is not reserved in the store.
+                        if log.next_seq > log.reserved && disk_failure.is_none() {
+                            self.flush_log(build_id, &mut log, &mut disk_failure, &stop_tx).await;
+                        }
+                        if let Some(seq) = log.push(&line) {
+                            if disk_failure.is_none() {
+                                self.hub.publish_line(build_id, Frame::new(seq, "log", line, false));
+                            }
+                        }
                         if log.pending.len() >= LOG_CHUNK_BYTES {
                             self.flush_log(build_id, &mut log, &mut disk_failure, &stop_tx).await;
                         }
@@ -258,6 +276,8 @@ impl Engine {
         outcome
     }
 
+    /// Commits the waiting lines as one chunk and moves the seq reservation
+    /// ahead; runs even with no lines when only the reservation must move.
     async fn flush_log(
         &self,
         build_id: BuildId,
@@ -266,34 +286,44 @@ impl Engine {
         stop: &watch::Sender<bool>,
     ) {
         if disk_failure.is_some() {
-            log.pending.clear();
+            log.discard_pending();
             return;
         }
-        let Some(chunk) = log.take_chunk() else {
-            return;
-        };
+        let chunk = log.take_chunk();
+        let reserve = log.next_seq.saturating_sub(1) + SEQ_BLOCK;
+        let hub = self.hub.clone();
         let result = self
             .store
             .write(move |tx| {
-                tx.put_log_chunk(build_id, chunk.number, &chunk.compressed)?;
-                if let Some(mut b) = tx.build(build_id)? {
+                let Some(mut b) = tx.build(build_id)? else {
+                    return Ok(());
+                };
+                if let Some(chunk) = &chunk {
+                    tx.put_log_chunk(build_id, chunk.number, chunk.first_line, &chunk.compressed)?;
                     b.log_bytes += chunk.bytes;
                     b.log_lines += chunk.lines;
                     b.log_chunks = chunk.number + 1;
-                    tx.put_build(&b)?;
+                    b.event_seq = chunk.last_seq;
+                    let last = chunk.last_seq;
+                    tx.after_commit(move || hub.committed(build_id, last));
                 }
+                b.seq_reserved = b.seq_reserved.max(reserve);
+                tx.put_build(&b)?;
                 Ok(())
             })
             .await;
-        if let Err(e) = result {
-            let reason = if e.kind == StoreErrorKind::DiskFull {
-                "disk_full"
-            } else {
-                "log_write_failed"
-            };
-            tracing::error!(error = %e, build = %format_build_id(build_id), "cannot store the build log; stopping the build");
-            *disk_failure = Some(reason.to_string());
-            let _ = stop.send(true);
+        match result {
+            Ok(()) => log.reserved = log.reserved.max(reserve),
+            Err(e) => {
+                let reason = if e.kind == StoreErrorKind::DiskFull {
+                    "disk_full"
+                } else {
+                    "log_write_failed"
+                };
+                tracing::error!(error = %e, build = %format_build_id(build_id), "cannot store the build log; stopping the build");
+                *disk_failure = Some(reason.to_string());
+                let _ = stop.send(true);
+            }
         }
     }
 
@@ -305,11 +335,14 @@ impl Engine {
             Some(Ok(nodes)) => nodes.clone(),
             _ => vec![],
         };
+        // berth's own closing lines go out with the final commit.
+        let mut late_frames = Vec::new();
         for (node, sbom) in &nodes {
             if let Err(reason) = sbom {
-                outcome
-                    .log
-                    .push(&format!("[berth] node {node}: SBOM unavailable: {reason}"));
+                let line = format!("[berth] node {node}: SBOM unavailable: {reason}");
+                if let Some(seq) = outcome.log.push(&line) {
+                    late_frames.push(Frame::new(seq, "log", line, false));
+                }
             }
         }
         if outcome.log.dropped_lines > 0 {
@@ -317,9 +350,12 @@ impl Engine {
                 "[berth] {} line(s), {} byte(s) not stored: the log reached --max-log-bytes",
                 outcome.log.dropped_lines, outcome.log.dropped_bytes
             );
-            outcome.log.force_push(&line);
+            let seq = outcome.log.force_push(&line);
+            late_frames.push(Frame::new(seq, "log", line, false));
         }
         let last_chunk = outcome.log.take_chunk();
+        let last_seq_used = outcome.log.next_seq.saturating_sub(1);
+        let hub = self.hub.clone();
         self.metrics
             .log_bytes
             .fetch_add(outcome.log.stored_bytes, Ordering::Relaxed);
@@ -333,15 +369,27 @@ impl Engine {
                 };
                 let now = now_millis();
                 if let Some(chunk) = &last_chunk {
-                    tx.put_log_chunk(build_id, chunk.number, &chunk.compressed)?;
+                    tx.put_log_chunk(build_id, chunk.number, chunk.first_line, &chunk.compressed)?;
                     b.log_bytes += chunk.bytes;
                     b.log_lines += chunk.lines;
                     b.log_chunks = chunk.number + 1;
                 }
+                // Ids sent live are never reused, even for lines a failed
+                // disk could not keep.
+                b.event_seq = b.event_seq.max(last_seq_used);
+                let publish = hub.clone();
+                tx.after_commit(move || {
+                    let channel = Channel::Build(build_id);
+                    for frame in late_frames {
+                        publish.publish(&channel, frame);
+                    }
+                    publish.committed(build_id, last_seq_used);
+                });
                 b.status = status;
                 b.finished_at = Some(now);
                 b.failure = failure;
                 b.exit_code = exit_code;
+                events::build_status(tx, &hub, &mut b, now)?;
                 tx.put_build(&b)?;
                 if let Some(mut d) = tx.deployment(&b.deployment)? {
                     release_pending(&mut d, b.kind);
@@ -371,6 +419,7 @@ impl Engine {
                     }
                     d.revision += 1;
                     d.updated_at = now;
+                    events::deployment_changed(tx, &hub, &mut d, Some(&b), now)?;
                     tx.put_deployment(&d)?;
                 }
                 if b.kind == BuildKind::Destroy {
@@ -577,56 +626,80 @@ fn check_sbom(scratch: &std::path::Path, rel: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// Lines waiting to be committed, and the counts behind `--max-log-bytes`.
+/// Lines waiting to be committed, their seqs, and the counts behind
+/// `--max-log-bytes`.
 pub struct LogBuffer {
     pending: Vec<u8>,
     pending_lines: u64,
+    pending_first_seq: u64,
+    /// The seq the next stored line gets.
+    pub next_seq: u64,
+    /// The seq of the build's first line (line index 0).
+    first_seq: u64,
+    /// Seqs up to this are reserved in the store.
+    pub reserved: u64,
     next_chunk: u32,
     stored_bytes: u64,
     max_bytes: u64,
     dropped_lines: u64,
     dropped_bytes: u64,
-    first_pending: Option<Instant>,
 }
 
 pub struct Chunk {
     number: u32,
+    /// Index of the chunk's first line in the build's log.
+    first_line: u64,
+    last_seq: u64,
     compressed: Vec<u8>,
     bytes: u64,
     lines: u64,
 }
 
 impl LogBuffer {
-    pub fn new(max_bytes: u64) -> Self {
+    pub fn new(max_bytes: u64, first_seq: u64, reserved: u64) -> Self {
         LogBuffer {
             pending: Vec::new(),
             pending_lines: 0,
+            pending_first_seq: first_seq,
+            next_seq: first_seq,
+            first_seq,
+            reserved,
             next_chunk: 0,
             stored_bytes: 0,
             max_bytes,
             dropped_lines: 0,
             dropped_bytes: 0,
-            first_pending: None,
         }
     }
 
-    /// Adds a line, or counts it as dropped past `--max-log-bytes`.
-    pub fn push(&mut self, line: &str) {
+    /// Adds a line and returns its seq, or counts it as dropped (no seq)
+    /// past `--max-log-bytes`.
+    pub fn push(&mut self, line: &str) -> Option<u64> {
         let size = line.len() as u64 + 1;
         if self.dropped_lines > 0 || self.stored_bytes + size > self.max_bytes {
             self.dropped_lines += 1;
             self.dropped_bytes += size;
-            return;
+            return None;
         }
-        self.force_push(line);
+        Some(self.force_push(line))
     }
 
-    fn force_push(&mut self, line: &str) {
+    fn force_push(&mut self, line: &str) -> u64 {
+        if self.pending_lines == 0 {
+            self.pending_first_seq = self.next_seq;
+        }
         self.pending.extend_from_slice(line.as_bytes());
         self.pending.push(b'\n');
         self.pending_lines += 1;
         self.stored_bytes += line.len() as u64 + 1;
-        self.first_pending.get_or_insert_with(Instant::now);
+        self.next_seq += 1;
+        self.next_seq - 1
+    }
+
+    /// Forgets lines that cannot be stored (their seqs stay used).
+    fn discard_pending(&mut self) {
+        self.pending.clear();
+        self.pending_lines = 0;
     }
 
     fn take_chunk(&mut self) -> Option<Chunk> {
@@ -637,25 +710,34 @@ impl LogBuffer {
         let compressed = zstd::bulk::compress(&raw, LOG_ZSTD_LEVEL).unwrap_or_else(|_| raw.clone());
         let chunk = Chunk {
             number: self.next_chunk,
+            first_line: self.pending_first_seq - self.first_seq,
+            last_seq: self.pending_first_seq + self.pending_lines - 1,
             compressed,
             bytes: raw.len() as u64,
             lines: self.pending_lines,
         };
         self.next_chunk += 1;
         self.pending_lines = 0;
-        self.first_pending = None;
         Some(chunk)
     }
 }
 
-/// Decompresses a build's stored chunks into its log text.
-pub fn decompress_chunks(chunks: &[Vec<u8>]) -> Vec<u8> {
-    let mut out = Vec::new();
-    for c in chunks {
-        match zstd::stream::decode_all(c.as_slice()) {
-            Ok(bytes) => out.extend_from_slice(&bytes),
-            Err(e) => tracing::error!(error = %e, "a stored log chunk does not decompress"),
+/// Decompresses one stored chunk (its header already removed).
+pub fn decompress_chunk(compressed: &[u8]) -> Vec<u8> {
+    match zstd::stream::decode_all(compressed) {
+        Ok(bytes) => bytes,
+        Err(e) => {
+            tracing::error!(error = %e, "a stored log chunk does not decompress");
+            Vec::new()
         }
+    }
+}
+
+/// Decompresses a build's stored chunks into its log text.
+pub fn decompress_chunks(chunks: &[(u64, Vec<u8>)]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for (_, c) in chunks {
+        out.extend_from_slice(&decompress_chunk(c));
     }
     out
 }
@@ -664,15 +746,17 @@ pub fn decompress_chunks(chunks: &[Vec<u8>]) -> Vec<u8> {
 mod tests {
     use super::*;
 
-    #[test]
     fn log_cap_counts_dropped_lines() {
-        let mut log = LogBuffer::new(10);
-        log.push("12345"); // 6 bytes
-        log.push("1234"); // 5 bytes: over
-        log.push("1"); // dropped too, once dropping started
+        let mut log = LogBuffer::new(10, 3, 100);
+        assert_eq!(log.push("12345"), Some(3)); // 6 bytes
+        assert_eq!(log.push("1234"), None); // 5 bytes: over
+        assert_eq!(log.push("1"), None); // dropped too, once dropping started
         assert_eq!((log.dropped_lines, log.dropped_bytes), (2, 7));
         let chunk = log.take_chunk().unwrap();
-        assert_eq!(decompress_chunks(&[chunk.compressed]), b"12345\n");
+        assert_eq!((chunk.first_line, chunk.last_seq), (0, 3));
+        assert_eq!(decompress_chunks(&[(0, chunk.compressed)]), b"12345\n");
         assert!(log.take_chunk().is_none());
+        assert_eq!(log.force_push("notice"), 4);
+        assert_eq!(log.take_chunk().unwrap().first_line, 1);
     }
 }

@@ -23,6 +23,7 @@ use tokio::sync::{watch, Notify, Semaphore};
 use crate::api::errors::{ApiError, Code};
 use crate::api::idempotency::IdemWrite;
 use crate::api::Reply;
+use crate::events;
 use crate::model::*;
 use crate::settings::Settings;
 use crate::store::{PendingCallback, Store, Tx};
@@ -65,6 +66,8 @@ pub struct Engine {
     pub stopping: AtomicBool,
     pub metrics: Metrics,
     pub callback_secret: Vec<u8>,
+    pub hub: Arc<crate::events::Hub>,
+    stop: watch::Sender<bool>,
 }
 
 /// The source berth uses for its embedded `local` deployer when no
@@ -163,7 +166,20 @@ impl Engine {
             stopping: AtomicBool::new(false),
             metrics: Metrics::default(),
             callback_secret,
+            hub: Arc::new(crate::events::Hub::default()),
+            stop: watch::channel(false).0,
         }))
+    }
+
+    /// Tells long-lived tasks (event streams) that berth is stopping.
+    pub fn begin_shutdown(&self) {
+        self.stopping
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        self.stop.send_replace(true);
+    }
+
+    pub fn stop_signal(&self) -> watch::Receiver<bool> {
+        self.stop.subscribe()
     }
 
     pub fn eval_slots_in_use(&self) -> usize {
@@ -349,6 +365,7 @@ impl Engine {
             update_policy,
             ..
         } = input;
+        let hub = self.hub.clone();
         let reply = self
             .store
             .write(move |tx| {
@@ -385,6 +402,7 @@ impl Engine {
                     pending_deploys: 0,
                     pending_destroys: 0,
                     running: None,
+                    event_seq: 0,
                     created_at: now,
                     updated_at: now,
                 });
@@ -407,6 +425,9 @@ impl Engine {
                     log_bytes: 0,
                     log_lines: 0,
                     log_chunks: 0,
+                    event_seq: 0,
+                    seq_reserved: 0,
+                    log_first_seq: 0,
                 };
                 d.snapshot = snapshot;
                 d.method = v.method;
@@ -418,6 +439,9 @@ impl Engine {
                 d.last_build = Some(build.id);
                 d.revision += 1;
                 d.updated_at = now;
+                let mut build = build;
+                events::build_status(tx, &hub, &mut build, now)?;
+                events::deployment_changed(tx, &hub, &mut d, Some(&build), now)?;
                 tx.put_source(&v.source)?;
                 tx.put_build(&build)?;
                 tx.put_deployment(&d)?;
@@ -439,6 +463,7 @@ impl Engine {
     ) -> Result<Reply, ApiError> {
         let id = id.to_string();
         let max_queued = self.settings.max_queued_builds;
+        let hub = self.hub.clone();
         let reply = self
             .store
             .write(move |tx| {
@@ -472,11 +497,17 @@ impl Engine {
                     log_bytes: 0,
                     log_lines: 0,
                     log_chunks: 0,
+                    event_seq: 0,
+                    seq_reserved: 0,
+                    log_first_seq: 0,
                 };
                 d.pending_destroys += 1;
                 d.last_build = Some(build.id);
                 d.revision += 1;
                 d.updated_at = now;
+                let mut build = build;
+                events::build_status(tx, &hub, &mut build, now)?;
+                events::deployment_changed(tx, &hub, &mut d, Some(&build), now)?;
                 tx.put_build(&build)?;
                 tx.put_deployment(&d)?;
                 if let Some(url) = callback {
@@ -509,6 +540,7 @@ impl Engine {
         build_id: BuildId,
         idem: Option<IdemWrite>,
     ) -> Result<Reply, ApiError> {
+        let hub = self.hub.clone();
         let (reply, was_running) = self
             .store
             .write(move |tx| {
@@ -544,6 +576,8 @@ impl Engine {
                 release_pending(&mut d, b.kind);
                 d.revision += 1;
                 d.updated_at = now;
+                events::build_status(tx, &hub, &mut b, now)?;
+                events::deployment_changed(tx, &hub, &mut d, Some(&b), now)?;
                 tx.put_build(&b)?;
                 tx.put_deployment(&d)?;
                 if b.kind == BuildKind::Destroy {

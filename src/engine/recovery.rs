@@ -10,6 +10,7 @@ use std::time::Duration;
 use nix::sys::signal::Signal;
 
 use super::{release_pending, runner, Engine};
+use crate::events;
 use crate::model::*;
 
 /// How often an orphaned process group is checked while it is stopping.
@@ -20,6 +21,7 @@ impl Engine {
         let _ = std::fs::remove_dir_all(self.settings.scratch_root());
         let running = self.store.read()?.running()?;
         for (build_id, deployment) in running {
+            let hub = self.hub.clone();
             let orphan = self
                 .store
                 .write(move |tx| {
@@ -33,6 +35,9 @@ impl Engine {
                         reason: "interrupted_by_restart".into(),
                         detail: "berth stopped while this build ran".into(),
                     });
+                    // Lines up to the reservation may have been sent live.
+                    b.event_seq = b.event_seq.max(b.seq_reserved);
+                    events::build_status(tx, &hub, &mut b, now)?;
                     tx.put_build(&b)?;
                     if let Some(mut d) = tx.deployment(&b.deployment)? {
                         release_pending(&mut d, b.kind);
@@ -44,6 +49,7 @@ impl Engine {
                         });
                         d.revision += 1;
                         d.updated_at = now;
+                        events::deployment_changed(tx, &hub, &mut d, Some(&b), now)?;
                         tx.put_deployment(&d)?;
                     }
                     if b.kind == BuildKind::Destroy {

@@ -222,11 +222,15 @@ pub async fn wait(
     }
 }
 
-/// Splits output into lines at `\n` or at `MAX_LINE_BYTES` (on a character
-/// boundary), replacing invalid UTF-8; a last line without newline is kept.
+/// Splits output into lines at LF, CRLF or a lone CR (a progress bar's
+/// redraw becomes its own line, so every line is one SSE `data:` line), or
+/// at `MAX_LINE_BYTES` on a character boundary; replaces invalid UTF-8; a
+/// last line without newline is kept.
 pub async fn read_lines<R: AsyncRead + Unpin>(mut reader: R, out: mpsc::Sender<String>) {
     let mut buf = vec![0u8; 64 * 1024];
     let mut line: Vec<u8> = Vec::with_capacity(1024);
+    // The previous line ended with CR: an LF right after it is the same break.
+    let mut skip_lf = false;
     loop {
         let n = match reader.read(&mut buf).await {
             Ok(0) | Err(_) => break,
@@ -234,11 +238,19 @@ pub async fn read_lines<R: AsyncRead + Unpin>(mut reader: R, out: mpsc::Sender<S
         };
         let mut rest = &buf[..n];
         while !rest.is_empty() {
+            if skip_lf {
+                skip_lf = false;
+                if rest[0] == b'\n' {
+                    rest = &rest[1..];
+                    continue;
+                }
+            }
             let room = MAX_LINE_BYTES - line.len();
             let window = &rest[..rest.len().min(room)];
-            match window.iter().position(|&b| b == b'\n') {
+            match window.iter().position(|&b| b == b'\n' || b == b'\r') {
                 Some(i) => {
                     line.extend_from_slice(&window[..i]);
+                    skip_lf = window[i] == b'\r';
                     rest = &rest[i + 1..];
                     if out.send(take_line(&mut line)).await.is_err() {
                         return;
@@ -383,6 +395,10 @@ mod tests {
     #[tokio::test]
     async fn splits_long_lines_keeps_last_and_replaces_garbage() {
         assert_eq!(lines_of(b"a\nb\n\nlast").await, ["a", "b", "", "last"]);
+        assert_eq!(
+            lines_of(b"crlf\r\nbar 1%\rbar 2%\r\n\rx").await,
+            ["crlf", "bar 1%", "bar 2%", "", "x"]
+        );
         assert_eq!(lines_of(b"x\xff\xfey\n").await, ["x\u{fffd}\u{fffd}y"]);
         let long = vec![b'z'; MAX_LINE_BYTES * 2 + 10];
         let got = lines_of(&long).await;

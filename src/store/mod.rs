@@ -100,7 +100,10 @@ from_redb!(
 pub type StoreResult<T> = Result<T, StoreError>;
 
 type Completion = Box<dyn FnOnce(Option<StoreError>) + Send>;
-type WriteJob = Box<dyn FnOnce(&WriteTransaction) -> (Completion, bool) + Send>;
+/// Work to run after the transaction that queued it is durable (publishing
+/// events to live subscribers), in commit order.
+pub type Hook = Box<dyn FnOnce() + Send>;
+type WriteJob = Box<dyn FnOnce(&WriteTransaction) -> (Completion, bool, Vec<Hook>) + Send>;
 
 /// A stored response to a mutation, replayed for the same idempotency key.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -160,8 +163,13 @@ impl Store {
     {
         let (done_tx, done_rx) = oneshot::channel::<StoreResult<T>>();
         let wrapped: WriteJob = Box::new(move |txn: &WriteTransaction| {
-            let result = job(&Tx { txn });
+            let tx = Tx {
+                txn,
+                hooks: std::cell::RefCell::new(Vec::new()),
+            };
+            let result = job(&tx);
             let failed = result.is_err();
+            let hooks = tx.hooks.into_inner();
             let completion: Completion = Box::new(move |commit_error| {
                 let outcome = match commit_error {
                     Some(e) => Err(e),
@@ -169,7 +177,7 @@ impl Store {
                 };
                 let _ = done_tx.send(outcome);
             });
-            (completion, failed)
+            (completion, failed, hooks)
         });
         self.writer
             .send(wrapped)
@@ -222,6 +230,8 @@ fn init_schema(db: &Database) -> StoreResult<()> {
         txn.open_table(SOURCES)?;
         txn.open_table(DESCRIBE_CACHE)?;
         txn.open_table(CALLBACKS)?;
+        txn.open_table(DEPLOYMENT_EVENTS)?;
+        txn.open_table(BUILD_EVENTS)?;
     }
     txn.commit()?;
     Ok(())
@@ -249,11 +259,13 @@ fn writer_loop(db: Arc<Database>, mut rx: mpsc::Receiver<WriteJob>) {
             }
         };
         let mut completions = Vec::with_capacity(batch.len());
+        let mut hooks = Vec::new();
         let mut storage_failed = false;
         for job in batch {
-            let (completion, failed) = job(&txn);
+            let (completion, failed, job_hooks) = job(&txn);
             storage_failed |= failed;
             completions.push(completion);
+            hooks.extend(job_hooks);
         }
         let commit_error = if storage_failed {
             // A job failed part-way: nothing of this batch may land.
@@ -265,8 +277,9 @@ fn writer_loop(db: Arc<Database>, mut rx: mpsc::Receiver<WriteJob>) {
         } else {
             txn.commit().err().map(StoreError::from)
         };
-        if let Some(e) = &commit_error {
-            tracing::error!(error = %e, "store commit failed");
+        match &commit_error {
+            Some(e) => tracing::error!(error = %e, "store commit failed"),
+            None => hooks.into_iter().for_each(|hook| hook()),
         }
         for completion in completions {
             completion(commit_error.clone());
@@ -293,9 +306,66 @@ fn decode<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> StoreResult<T> {
 /// Typed access inside a write transaction.
 pub struct Tx<'a> {
     txn: &'a WriteTransaction,
+    hooks: std::cell::RefCell<Vec<Hook>>,
+}
+
+/// One stored event of a channel (events.md).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct StoredEvent {
+    pub event: String,
+    pub data: String,
+    pub at: Millis,
 }
 
 impl Tx<'_> {
+    /// Runs `hook` after this transaction is durable; never if it aborts.
+    pub fn after_commit(&self, hook: impl FnOnce() + Send + 'static) {
+        self.hooks.borrow_mut().push(Box::new(hook));
+    }
+
+    pub fn put_deployment_event(
+        &self,
+        deployment: &str,
+        seq: u64,
+        e: &StoredEvent,
+    ) -> StoreResult<()> {
+        self.txn
+            .open_table(DEPLOYMENT_EVENTS)?
+            .insert((deployment, seq), codec::encode(e).as_slice())?;
+        Ok(())
+    }
+
+    pub fn put_build_event(&self, build: BuildId, seq: u64, e: &StoredEvent) -> StoreResult<()> {
+        self.txn
+            .open_table(BUILD_EVENTS)?
+            .insert((build, seq), codec::encode(e).as_slice())?;
+        Ok(())
+    }
+
+    /// Removes a deployment's events with seq below `below` that are older
+    /// than `before`; returns how many.
+    pub fn prune_deployment_events(
+        &self,
+        deployment: &str,
+        below: u64,
+        before: Millis,
+    ) -> StoreResult<usize> {
+        let mut t = self.txn.open_table(DEPLOYMENT_EVENTS)?;
+        let mut doomed = Vec::new();
+        for entry in t.range((deployment, 0u64)..(deployment, below))? {
+            let (k, v) = entry?;
+            let e: StoredEvent = decode(v.value())?;
+            if e.at >= before {
+                break;
+            }
+            doomed.push(k.value().1);
+        }
+        for seq in &doomed {
+            t.remove((deployment, *seq))?;
+        }
+        Ok(doomed.len())
+    }
+
     pub fn deployment(&self, id: &str) -> StoreResult<Option<DeploymentRecord>> {
         let t = self.txn.open_table(DEPLOYMENTS)?;
         let v = t.get(id)?;
@@ -342,10 +412,19 @@ impl Tx<'_> {
         Ok(())
     }
 
-    pub fn put_log_chunk(&self, build: BuildId, chunk: u32, compressed: &[u8]) -> StoreResult<()> {
+    pub fn put_log_chunk(
+        &self,
+        build: BuildId,
+        chunk: u32,
+        first_line: u64,
+        compressed: &[u8],
+    ) -> StoreResult<()> {
+        let mut value = Vec::with_capacity(8 + compressed.len());
+        value.extend_from_slice(&first_line.to_le_bytes());
+        value.extend_from_slice(compressed);
         self.txn
             .open_table(LOG_CHUNKS)?
-            .insert((build, chunk), compressed)?;
+            .insert((build, chunk), value.as_slice())?;
         Ok(())
     }
 
@@ -433,7 +512,9 @@ impl Tx<'_> {
             RUNNING,
             LOG_CHUNKS,
             IDEMPOTENCY,
-            CALLBACKS
+            CALLBACKS,
+            DEPLOYMENT_EVENTS,
+            BUILD_EVENTS
         );
         Ok(())
     }
@@ -546,13 +627,72 @@ impl Rx {
         Ok(counts)
     }
 
-    /// The compressed log chunks of a build, in order.
-    pub fn log_chunks(&self, build: BuildId) -> StoreResult<Vec<Vec<u8>>> {
+    /// The compressed log chunks of a build, in order, each with the index
+    /// of its first line.
+    pub fn log_chunks(&self, build: BuildId) -> StoreResult<Vec<(u64, Vec<u8>)>> {
         let t = self.txn.open_table(LOG_CHUNKS)?;
         let mut out = Vec::new();
         for entry in t.range((build, 0u32)..=(build, u32::MAX))? {
             let (_, v) = entry?;
-            out.push(v.value().to_vec());
+            let bytes = v.value();
+            let (head, body) = bytes
+                .split_at_checked(8)
+                .ok_or_else(|| StoreError::corrupt("a log chunk without its header"))?;
+            let first = u64::from_le_bytes(
+                head.try_into()
+                    .map_err(|_| StoreError::corrupt("log chunk header"))?,
+            );
+            out.push((first, body.to_vec()));
+        }
+        Ok(out)
+    }
+
+    /// A build's stored status events, in seq order.
+    pub fn build_events(&self, build: BuildId) -> StoreResult<Vec<(u64, StoredEvent)>> {
+        let t = self.txn.open_table(BUILD_EVENTS)?;
+        let mut out = Vec::new();
+        for entry in t.range((build, 0u64)..=(build, u64::MAX))? {
+            let (k, v) = entry?;
+            out.push((k.value().1, decode(v.value())?));
+        }
+        Ok(out)
+    }
+
+    /// A deployment's events with seq > `after`, at most `limit`.
+    pub fn deployment_events_after(
+        &self,
+        deployment: &str,
+        after: u64,
+        limit: usize,
+    ) -> StoreResult<Vec<(u64, StoredEvent)>> {
+        let t = self.txn.open_table(DEPLOYMENT_EVENTS)?;
+        let mut out = Vec::new();
+        for entry in t.range((deployment, after.saturating_add(1))..=(deployment, u64::MAX))? {
+            let (k, v) = entry?;
+            out.push((k.value().1, decode(v.value())?));
+            if out.len() >= limit {
+                break;
+            }
+        }
+        Ok(out)
+    }
+
+    /// The oldest kept event seq of a deployment's channel.
+    pub fn first_deployment_event(&self, deployment: &str) -> StoreResult<Option<u64>> {
+        let t = self.txn.open_table(DEPLOYMENT_EVENTS)?;
+        let first = t
+            .range((deployment, 0u64)..=(deployment, u64::MAX))?
+            .next()
+            .transpose()?;
+        Ok(first.map(|(k, _)| k.value().1))
+    }
+
+    /// Every deployment id (for sweeps).
+    pub fn deployment_ids(&self) -> StoreResult<Vec<String>> {
+        let t = self.txn.open_table(DEPLOYMENTS)?;
+        let mut out = Vec::new();
+        for entry in t.iter()? {
+            out.push(entry?.0.value().to_string());
         }
         Ok(out)
     }

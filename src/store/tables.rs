@@ -24,7 +24,8 @@ pub const QUEUED: TableDefinition<u128, &str> = TableDefinition::new("queued");
 /// Build id -> deployment id for every running build (recovery reads this).
 pub const RUNNING: TableDefinition<u128, &str> = TableDefinition::new("running");
 
-/// (build id, chunk number) -> zstd-compressed log text (whole lines).
+/// (build id, chunk number) -> first line index (u64 LE) then the
+/// zstd-compressed log text of whole lines.
 pub const LOG_CHUNKS: TableDefinition<(u128, u32), &[u8]> = TableDefinition::new("log_chunks");
 
 /// "subject\u{0}route\u{0}key" -> `IdempotencyRecord`.
@@ -38,3 +39,11 @@ pub const DESCRIBE_CACHE: TableDefinition<&str, &[u8]> = TableDefinition::new("d
 
 /// Destroy build id -> `PendingCallback`.
 pub const CALLBACKS: TableDefinition<u128, &[u8]> = TableDefinition::new("callbacks");
+
+/// (deployment id, event seq) -> `StoredEvent`: the deployment channel.
+pub const DEPLOYMENT_EVENTS: TableDefinition<(&str, u64), &[u8]> =
+    TableDefinition::new("deployment_events");
+
+/// (build id, event seq) -> `StoredEvent`: a build's status events (its log
+/// lines live in `LOG_CHUNKS`, their seqs follow from the build record).
+pub const BUILD_EVENTS: TableDefinition<(u128, u64), &[u8]> = TableDefinition::new("build_events");
