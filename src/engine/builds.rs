@@ -746,6 +746,7 @@ pub fn decompress_chunks(chunks: &[(u64, Vec<u8>)]) -> Vec<u8> {
 mod tests {
     use super::*;
 
+    #[test]
     fn log_cap_counts_dropped_lines() {
         let mut log = LogBuffer::new(10, 3, 100);
         assert_eq!(log.push("12345"), Some(3)); // 6 bytes

@@ -196,7 +196,8 @@ async fn build_stream(
         loop {
             let Some(frame) = next_live(engine, &mut rx, w, reauthorize, &mut next_check).await?
             else {
-                break; // fell behind: catch up from the store
+                tracing::debug!(build = %crate::model::format_build_id(id), "subscriber fell behind; catching up from the store");
+                break;
             };
             let mut batch = vec![frame];
             while batch.len() < 1024 {
@@ -266,10 +267,10 @@ async fn replay_build(
     };
     for (first_line, compressed) in chunks {
         let text = decompress_chunk(&compressed);
-        let mut seq = build.log_first_seq + first_line;
         // Every stored line ends with a newline.
         let body = text.strip_suffix(b"\n").unwrap_or(&text);
-        for line in body.split(|&b| b == b'\n') {
+        let first_seq = build.log_first_seq + first_line;
+        for (seq, line) in (first_seq..).zip(body.split(|&b| b == b'\n')) {
             emit_status_before(seq, w, last);
             if seq > *last {
                 *last = seq;
@@ -280,7 +281,6 @@ async fn replay_build(
                     last: false,
                 });
             }
-            seq += 1;
             w.flush_if_full().await?;
         }
     }

@@ -307,3 +307,84 @@ where
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
 }
+
+/// One parsed server-sent event.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SseEvent {
+    pub id: Option<u64>,
+    pub event: String,
+    pub data: String,
+}
+
+/// A minimal `text/event-stream` reader.
+pub struct Sse {
+    resp: reqwest::Response,
+    buf: String,
+    pub comments: usize,
+}
+
+impl Sse {
+    pub async fn open(req: reqwest::RequestBuilder) -> Sse {
+        let resp = req.send().await.unwrap();
+        assert_eq!(resp.status(), 200, "stream refused");
+        assert_eq!(resp.headers()["content-type"], "text/event-stream");
+        Sse {
+            resp,
+            buf: String::new(),
+            comments: 0,
+        }
+    }
+
+    /// The next event, or None when the server closed the stream.
+    pub async fn next(&mut self) -> Option<SseEvent> {
+        loop {
+            while let Some(end) = self.buf.find("\n\n") {
+                let block: String = self.buf.drain(..end + 2).collect();
+                let mut ev = SseEvent {
+                    id: None,
+                    event: "message".into(),
+                    data: String::new(),
+                };
+                let mut has_data = false;
+                for line in block.lines() {
+                    if line.starts_with(':') {
+                        self.comments += 1;
+                    } else if let Some(v) = line.strip_prefix("id: ") {
+                        ev.id = v.parse().ok();
+                    } else if let Some(v) = line.strip_prefix("event: ") {
+                        ev.event = v.to_string();
+                    } else if let Some(v) = line.strip_prefix("data: ") {
+                        if has_data {
+                            ev.data.push('\n');
+                        }
+                        ev.data.push_str(v);
+                        has_data = true;
+                    }
+                }
+                if has_data {
+                    return Some(ev);
+                }
+            }
+            let chunk = tokio::time::timeout(Duration::from_secs(30), self.resp.chunk())
+                .await
+                .expect("stream stalled");
+            match chunk {
+                Ok(Some(bytes)) => self.buf.push_str(&String::from_utf8_lossy(&bytes)),
+                _ => return None,
+            }
+        }
+    }
+
+    /// Every event until the stream ends (the `end` event included).
+    pub async fn until_end(&mut self) -> Vec<SseEvent> {
+        let mut out = vec![];
+        while let Some(e) = self.next().await {
+            let done = e.event == "end";
+            out.push(e);
+            if done {
+                break;
+            }
+        }
+        out
+    }
+}

@@ -1,0 +1,370 @@
+//! Event channels over real HTTP/SSE (spec events.md).
+
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use crate::harness::*;
+
+fn stream(s: &Server, path: &str) -> reqwest::RequestBuilder {
+    s.http.get(s.url(path)).bearer_auth(&s.token)
+}
+
+/// Checks ids go up by one from `first`, and the log lines equal `log`.
+fn assert_gap_free(events: &[SseEvent], first: u64) {
+    let ids: Vec<u64> = events.iter().filter_map(|e| e.id).collect();
+    let expected: Vec<u64> = (first..first + ids.len() as u64).collect();
+    assert_eq!(ids, expected, "ids are not gap-free");
+}
+
+fn log_of(events: &[SseEvent]) -> String {
+    events
+        .iter()
+        .filter(|e| e.event == "log")
+        .map(|e| format!("{}\n", e.data))
+        .collect()
+}
+
+#[tokio::test]
+async fn replay_from_every_position_equals_the_stored_log() {
+    let body = "echo first\nhead -c 70000 /dev/zero | tr '\\0' 'y'; echo\nprintf 'bin \\377 ary\\n'\nprintf 'cr\\rlf\\r\\n'\nfor i in 1 2 3 4 5; do echo \"line $i\"; done\nprintf 'no newline'\nprintf '%s' '{\"nodes\":[]}' > \"$BERTH_RESULT\"";
+    let dir = temp_dir("replay");
+    let deployer = script(&dir, "d.sh", &format!("{SCRIPT_PRELUDE}\n{body}"));
+    let s = Server::start_in(
+        dir,
+        Options::default()
+            .arg("--deployer")
+            .arg(deployer.to_str().unwrap()),
+    )
+    .await;
+    let id = s.submit_ok("alice", json!({})).await;
+    s.wait_build(&id, "succeeded").await;
+    let stored = s.log_text(&id).await;
+    let mut sse = Sse::open(stream(&s, &format!("/v1/builds/{id}/events"))).await;
+    let all = sse.until_end().await;
+    assert_gap_free(&all[..all.len() - 1], 1);
+    let statuses: Vec<String> = all
+        .iter()
+        .filter(|e| e.event == "status")
+        .map(|e| {
+            serde_json::from_str::<Value>(&e.data).unwrap()["status"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+    assert_eq!(statuses, ["queued", "running", "succeeded"]);
+    let end = all.last().unwrap();
+    assert_eq!(end.event, "end");
+    assert_eq!(
+        serde_json::from_str::<Value>(&end.data).unwrap()["status"],
+        "succeeded"
+    );
+    assert_eq!(log_of(&all), stored);
+    assert!(stored.contains("bin \u{fffd} ary\ncr\nlf\n"), "{stored}");
+    assert!(stored.ends_with("no newline\n"));
+    // From every position: exactly the rest.
+    let last_id = all[all.len() - 2].id.unwrap();
+    for cursor in 0..=last_id {
+        let mut sse = Sse::open(
+            stream(&s, &format!("/v1/builds/{id}/events"))
+                .header("Last-Event-ID", cursor.to_string()),
+        )
+        .await;
+        let rest = sse.until_end().await;
+        let expected: Vec<&SseEvent> = all
+            .iter()
+            .filter(|e| e.id.is_none_or(|i| i > cursor))
+            .collect();
+        assert_eq!(rest.iter().collect::<Vec<_>>(), expected, "cursor {cursor}");
+    }
+    // ?cursor= works the same way.
+    let mut sse = Sse::open(stream(
+        &s,
+        &format!("/v1/builds/{id}/events?cursor={}", last_id - 1),
+    ))
+    .await;
+    assert_eq!(sse.until_end().await.len(), 2);
+}
+
+#[tokio::test]
+async fn bad_or_foreign_cursors_resync_then_start_from_the_first_event() {
+    let s = Server::start(Options::default()).await;
+    let id = s
+        .submit_ok(
+            "alice",
+            json!({"domain": "a.org", "applications": {"mastodon": {"enable": true}}}),
+        )
+        .await;
+    s.wait_build(&id, "succeeded").await;
+    for cursor in ["not-a-number", "999999"] {
+        let mut sse = Sse::open(
+            stream(&s, &format!("/v1/builds/{id}/events")).header("Last-Event-ID", cursor),
+        )
+        .await;
+        let first = sse.next().await.unwrap();
+        assert_eq!(first.event, "resync_required");
+        assert_eq!(
+            serde_json::from_str::<Value>(&first.data).unwrap()["reason"],
+            "cursor_invalid"
+        );
+        let rest = sse.until_end().await;
+        assert_eq!(
+            rest[0].id,
+            Some(1),
+            "after a resync the stream starts at the first event"
+        );
+    }
+}
+
+#[tokio::test]
+async fn reconnect_mid_build_sees_every_line_exactly_once() {
+    let dir = temp_dir("reconnect");
+    let (deployer, gates) = gated_deployer(&dir);
+    // A deployer that talks for a while before waiting at its gate.
+    let talky = script(
+        &dir,
+        "talky.sh",
+        &format!("{SCRIPT_PRELUDE}\ni=0; while [ $i -lt 300 ]; do echo \"line $i\"; i=$((i+1)); [ $((i % 50)) -eq 0 ] && sleep 0.05; done\nexec {} \"$verb\" < /dev/null", deployer.display()),
+    );
+    let s = Server::start_in(
+        dir,
+        Options::default()
+            .arg("--deployer")
+            .arg(talky.to_str().unwrap()),
+    )
+    .await;
+    let id = s.submit_ok("alice", json!({})).await;
+    let mut sse = Sse::open(stream(&s, &format!("/v1/builds/{id}/events"))).await;
+    let mut seen = vec![];
+    while seen.len() < 120 {
+        seen.push(sse.next().await.unwrap());
+    }
+    drop(sse); // a network blip
+    let last = seen.last().unwrap().id.unwrap();
+    let mut sse = Sse::open(
+        stream(&s, &format!("/v1/builds/{id}/events")).header("Last-Event-ID", last.to_string()),
+    )
+    .await;
+    let mut more = vec![sse.next().await.unwrap()];
+    open_gate(&gates, "alice");
+    more.extend(sse.until_end().await);
+    seen.extend(more);
+    assert_gap_free(&seen[..seen.len() - 1], 1);
+    assert_eq!(log_of(&seen), s.log_text(&id).await);
+}
+
+#[tokio::test]
+async fn two_hundred_subscribers_see_identical_gap_free_sequences() {
+    let dir = temp_dir("fanout");
+    let (gated, gates) = gated_deployer(&dir);
+    let burst = script(
+        &dir,
+        "burst.sh",
+        &format!(
+            "{SCRIPT_PRELUDE}\nseq 1 2000 | sed 's/^/burst line /'\nexec {} \"$verb\" < /dev/null",
+            gated.display()
+        ),
+    );
+    let s = Server::start_in(
+        dir,
+        Options::default()
+            .arg("--deployer")
+            .arg(burst.to_str().unwrap())
+            .arg("--max-sse-clients")
+            .arg("500"),
+    )
+    .await;
+    let id = s.submit_ok("alice", json!({})).await;
+    let mut tasks = vec![];
+    for _ in 0..200 {
+        let req = stream(&s, &format!("/v1/builds/{id}/events"));
+        tasks.push(tokio::spawn(async move {
+            Sse::open(req).await.until_end().await
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    open_gate(&gates, "alice");
+    let mut results = vec![];
+    for t in tasks {
+        results.push(t.await.unwrap());
+    }
+    let first = &results[0];
+    assert_gap_free(&first[..first.len() - 1], 1);
+    assert!(log_of(first).contains("burst line 2000\n"));
+    for r in &results[1..] {
+        assert_eq!(r, first);
+    }
+}
+
+#[tokio::test]
+async fn a_subscriber_that_reads_nothing_does_not_hold_the_build() {
+    let dir = temp_dir("slow");
+    let deployer = script(&dir, "d.sh", &format!("{SCRIPT_PRELUDE}\nseq 1 150000 | sed 's/^/a fairly long log line to fill buffers quickly: /'\nprintf '%s' '{{\"nodes\":[]}}' > \"$BERTH_RESULT\""));
+    let s = Server::start_in(
+        dir,
+        Options::default()
+            .arg("--deployer")
+            .arg(deployer.to_str().unwrap()),
+    )
+    .await;
+    // Subscribe to the channel before the build exists... via a build queued
+    // behind nothing: open the stream right after the submit, read nothing.
+    let id = s.submit_ok("alice", json!({})).await;
+    let mut stalled = Sse::open(stream(&s, &format!("/v1/builds/{id}/events"))).await;
+    let b = s.wait_build(&id, "final").await;
+    assert_eq!(
+        b["status"], "succeeded",
+        "the build was held up by a subscriber that reads nothing"
+    );
+    // It then reads everything, in order and without a gap (catch-up).
+    let all = stalled.until_end().await;
+    assert_gap_free(&all[..all.len() - 1], 1);
+    assert_eq!(log_of(&all), s.log_text(&id).await);
+}
+
+#[tokio::test]
+async fn tickets_are_bound_to_a_channel_and_expire() {
+    let s = Server::start(Options::default().arg("--ticket-ttl").arg("1s")).await;
+    let id = s.submit_ok("alice", json!({})).await;
+    s.wait_build(&id, "final").await;
+    let channel = format!("/v1/builds/{id}/events");
+    let (status, t) = read(
+        s.post("/v1/stream-tickets", &json!({"channel": channel}))
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(status, 200, "{t}");
+    let ticket = t["ticket"].as_str().unwrap();
+    let mut sse = Sse::open(s.http.get(s.url(&format!("{channel}?ticket={ticket}")))).await;
+    assert_eq!(sse.until_end().await.last().unwrap().event, "end");
+    // Another channel with this ticket, no credential at all: plain 401.
+    let other = s
+        .http
+        .get(s.url(&format!("/v1/deployments/alice/events?ticket={ticket}")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(other.status(), 401);
+    assert_eq!(
+        s.http.get(s.url(&channel)).send().await.unwrap().status(),
+        401
+    );
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let expired = s
+        .http
+        .get(s.url(&format!("{channel}?ticket={ticket}")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(expired.status(), 401);
+    let (status, _) = read(
+        s.post("/v1/stream-tickets", &json!({"channel": "/v1/elsewhere"}))
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(status, 400);
+}
+
+#[tokio::test]
+async fn deployment_channel_across_a_deploy_and_a_destroy() {
+    let s = Server::start(Options::default().arg("--max-sse-clients").arg("2")).await;
+    // Subscribing before the deployment exists is allowed: it sees the first submit.
+    let mut sse = Sse::open(stream(&s, "/v1/deployments/alice/events")).await;
+    let id = s
+        .submit_ok(
+            "alice",
+            json!({"domain": "a.org", "applications": {"mastodon": {"enable": true}}}),
+        )
+        .await;
+    s.wait_build(&id, "succeeded").await;
+    let r = s.delete("/v1/deployments/alice").send().await.unwrap();
+    let destroy = read(r).await.1["build_id"].as_str().unwrap().to_string();
+    s.wait_build(&destroy, "succeeded").await;
+    let mut events = vec![];
+    loop {
+        let e = sse.next().await.unwrap();
+        let done = e.event == "deployment"
+            && serde_json::from_str::<Value>(&e.data).unwrap()["state"] == "idle";
+        events.push(e);
+        if done {
+            break;
+        }
+    }
+    assert_gap_free(&events, 1);
+    let states: Vec<String> = events
+        .iter()
+        .filter(|e| e.event == "deployment")
+        .map(|e| {
+            serde_json::from_str::<Value>(&e.data).unwrap()["state"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+    assert_eq!(
+        states,
+        [
+            "building",
+            "building",
+            "active",
+            "destroying",
+            "destroying",
+            "idle"
+        ]
+    );
+    let builds: Vec<(String, String)> = events
+        .iter()
+        .filter(|e| e.event == "build")
+        .map(|e| {
+            let v: Value = serde_json::from_str(&e.data).unwrap();
+            (
+                v["kind"].as_str().unwrap().to_string(),
+                v["status"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        builds
+            .iter()
+            .map(|(k, s)| format!("{k}:{s}"))
+            .collect::<Vec<_>>(),
+        [
+            "deploy:queued",
+            "deploy:running",
+            "deploy:succeeded",
+            "destroy:queued",
+            "destroy:running",
+            "destroy:succeeded"
+        ]
+    );
+    // The read's event_cursor is the position of that snapshot.
+    let (_, d) = s.json("/v1/deployments/alice").await;
+    assert_eq!(
+        d["event_cursor"],
+        events.last().unwrap().id.unwrap().to_string()
+    );
+    // Too many streams: 503 (two are allowed, one is open).
+    let mut second = Sse::open(stream(&s, "/v1/deployments/alice/events?cursor=2")).await;
+    let replayed = second.next().await.unwrap();
+    assert_eq!(replayed.id, Some(3));
+    let third = stream(&s, "/v1/deployments/alice/events")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(third.status(), 503);
+    // Without a cursor the stream starts with the current summary.
+    drop(second);
+    drop(sse);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let mut fresh = Sse::open(stream(&s, "/v1/deployments/alice/events")).await;
+    let first = fresh.next().await.unwrap();
+    assert_eq!(first.event, "deployment");
+    assert_eq!(first.id, events.last().unwrap().id);
+    let mut bad = Sse::open(stream(&s, "/v1/deployments/alice/events?cursor=abc")).await;
+    assert_eq!(bad.next().await.unwrap().event, "resync_required");
+}
