@@ -163,7 +163,7 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
     engine.ready.store(true, Ordering::SeqCst);
     tokio::spawn(engine.clone().run_queue());
     tokio::spawn(engine.clone().run_callbacks());
-    tokio::spawn(engine.clone().run_idempotency_sweep());
+    tokio::spawn(engine.clone().run_sweeps());
 
     wait_for_signal().await;
     tracing::info!("shutting down: no new requests or builds; waiting for running builds");

@@ -231,34 +231,27 @@ impl Engine {
                 }
             }
         });
-        let mut disk_failure: Option<String> = None;
+        let mut pipe = LogPipe::new(self, build_id, log, stop_tx.clone());
         let mut ticker = tokio::time::interval(LOG_FLUSH_INTERVAL);
         loop {
             tokio::select! {
                 line = lines_rx.recv() => match line {
-                    Some(line) => {
-                        // Never send an id that is not reserved in the store.
-                        if log.next_seq > log.reserved && disk_failure.is_none() {
-                            self.flush_log(build_id, &mut log, &mut disk_failure, &stop_tx).await;
-                        }
-                        if let Some(seq) = log.push(&line) {
-                            if disk_failure.is_none() {
-                                self.hub.publish_line(build_id, Frame::new(seq, "log", line, false));
-                            }
-                        }
-                        if log.pending.len() >= LOG_CHUNK_BYTES {
-                            self.flush_log(build_id, &mut log, &mut disk_failure, &stop_tx).await;
-                        }
-                    }
+                    Some(line) => pipe.line(line).await,
                     None => break,
                 },
+                _ = tokio::time::sleep_until(pipe.held_until), if !pipe.held.is_empty() => pipe.publish_held(),
+                Some(result) = pipe.done_rx.recv() => pipe.flush_done(result),
                 _ = ticker.tick() => {
-                    if !log.pending.is_empty() {
-                        self.flush_log(build_id, &mut log, &mut disk_failure, &stop_tx).await;
+                    pipe.publish_held();
+                    if !pipe.log.pending.is_empty() && !pipe.in_flight {
+                        pipe.start_flush();
                     }
                 }
             }
         }
+        pipe.publish_held();
+        pipe.wait_in_flight().await;
+        let (log, disk_failure) = (pipe.log, pipe.disk_failure);
         forward.abort();
         let ended = waiter.await.unwrap_or(Ended::Exit(-1));
         let user_cancelled = ended == Ended::Cancelled && disk_failure.is_none();
@@ -274,57 +267,6 @@ impl Engine {
             outcome.result = Some(read_deploy_result(&outcome.root, build.kind));
         }
         outcome
-    }
-
-    /// Commits the waiting lines as one chunk and moves the seq reservation
-    /// ahead; runs even with no lines when only the reservation must move.
-    async fn flush_log(
-        &self,
-        build_id: BuildId,
-        log: &mut LogBuffer,
-        disk_failure: &mut Option<String>,
-        stop: &watch::Sender<bool>,
-    ) {
-        if disk_failure.is_some() {
-            log.discard_pending();
-            return;
-        }
-        let chunk = log.take_chunk();
-        let reserve = log.next_seq.saturating_sub(1) + SEQ_BLOCK;
-        let hub = self.hub.clone();
-        let result = self
-            .store
-            .write(move |tx| {
-                let Some(mut b) = tx.build(build_id)? else {
-                    return Ok(());
-                };
-                if let Some(chunk) = &chunk {
-                    tx.put_log_chunk(build_id, chunk.number, chunk.first_line, &chunk.compressed)?;
-                    b.log_bytes += chunk.bytes;
-                    b.log_lines += chunk.lines;
-                    b.log_chunks = chunk.number + 1;
-                    b.event_seq = chunk.last_seq;
-                    let last = chunk.last_seq;
-                    tx.after_commit(move || hub.committed(build_id, last));
-                }
-                b.seq_reserved = b.seq_reserved.max(reserve);
-                tx.put_build(&b)?;
-                Ok(())
-            })
-            .await;
-        match result {
-            Ok(()) => log.reserved = log.reserved.max(reserve),
-            Err(e) => {
-                let reason = if e.kind == StoreErrorKind::DiskFull {
-                    "disk_full"
-                } else {
-                    "log_write_failed"
-                };
-                tracing::error!(error = %e, build = %format_build_id(build_id), "cannot store the build log; stopping the build");
-                *disk_failure = Some(reason.to_string());
-                let _ = stop.send(true);
-            }
-        }
     }
 
     /// The final transaction: status, last log chunk, the deployment's
@@ -446,6 +388,156 @@ impl Engine {
         if kind == BuildKind::Destroy && status == BuildStatus::Succeeded {
             let _ = std::fs::remove_dir_all(self.settings.work_dir(&build.deployment));
             self.callbacks_wake.notify_one();
+        }
+    }
+}
+
+/// The path of a running build's output: each line gets its seq, goes to
+/// live subscribers (held a few ms and sent together when many watch), and
+/// is committed in zstd chunks. A chunk's commit runs beside the line path,
+/// so a slow fsync never holds a live line back; ids are reserved in the
+/// store well ahead of use, so that wait is rare too.
+struct LogPipe {
+    store: crate::store::Store,
+    hub: Arc<events::Hub>,
+    build_id: BuildId,
+    channel: Channel,
+    log: LogBuffer,
+    held: Vec<Arc<Frame>>,
+    held_until: tokio::time::Instant,
+    in_flight: bool,
+    done_tx: mpsc::Sender<Result<u64, crate::store::StoreError>>,
+    done_rx: mpsc::Receiver<Result<u64, crate::store::StoreError>>,
+    disk_failure: Option<String>,
+    stop: watch::Sender<bool>,
+}
+
+impl LogPipe {
+    fn new(
+        engine: &Engine,
+        build_id: BuildId,
+        log: LogBuffer,
+        stop: watch::Sender<bool>,
+    ) -> LogPipe {
+        let (done_tx, done_rx) = mpsc::channel(1);
+        LogPipe {
+            store: engine.store.clone(),
+            hub: engine.hub.clone(),
+            build_id,
+            channel: Channel::Build(build_id),
+            log,
+            held: Vec::new(),
+            held_until: tokio::time::Instant::now(),
+            in_flight: false,
+            done_tx,
+            done_rx,
+            disk_failure: None,
+            stop,
+        }
+    }
+
+    async fn line(&mut self, line: String) {
+        if self.disk_failure.is_some() {
+            // Lines are still read (so the deployer is not blocked) and counted.
+            self.log.push(&line);
+            self.log.discard_pending();
+            return;
+        }
+        // Never send an id that is not reserved in the store.
+        if self.log.next_seq > self.log.reserved {
+            self.publish_held();
+            self.wait_in_flight().await;
+            self.start_flush();
+            self.wait_in_flight().await;
+        }
+        if let Some(seq) = self.log.push(&line) {
+            let many = self.hub.fanout(&self.channel) >= events::COALESCE_FANOUT;
+            if self.held.is_empty() {
+                self.held_until = tokio::time::Instant::now() + events::COALESCE_WINDOW;
+            }
+            self.held.push(Frame::new(seq, "log", line, false));
+            if !many {
+                self.publish_held();
+            }
+        }
+        if self.log.pending.len() >= LOG_CHUNK_BYTES {
+            self.publish_held();
+            // At most one commit in flight: a disk slower than the deployer
+            // slows the deployer (its pipe fills), never loses a line.
+            self.wait_in_flight().await;
+            self.start_flush();
+        }
+    }
+
+    fn publish_held(&mut self) {
+        self.hub
+            .publish_lines(self.build_id, std::mem::take(&mut self.held));
+    }
+
+    /// Starts committing the waiting lines (and a reservation ahead).
+    fn start_flush(&mut self) {
+        debug_assert!(!self.in_flight, "two chunk commits in flight");
+        let chunk = self.log.take_chunk();
+        let reserve = self.log.next_seq.saturating_sub(1) + SEQ_BLOCK;
+        let (store, hub, build_id, done) = (
+            self.store.clone(),
+            self.hub.clone(),
+            self.build_id,
+            self.done_tx.clone(),
+        );
+        self.in_flight = true;
+        tokio::spawn(async move {
+            let result = store
+                .write(move |tx| {
+                    let Some(mut b) = tx.build(build_id)? else {
+                        return Ok(reserve);
+                    };
+                    if let Some(chunk) = &chunk {
+                        tx.put_log_chunk(
+                            build_id,
+                            chunk.number,
+                            chunk.first_line,
+                            &chunk.compressed,
+                        )?;
+                        b.log_bytes += chunk.bytes;
+                        b.log_lines += chunk.lines;
+                        b.log_chunks = chunk.number + 1;
+                        b.event_seq = chunk.last_seq;
+                        let last = chunk.last_seq;
+                        tx.after_commit(move || hub.committed(build_id, last));
+                    }
+                    b.seq_reserved = b.seq_reserved.max(reserve);
+                    tx.put_build(&b)?;
+                    Ok(reserve)
+                })
+                .await;
+            let _ = done.send(result).await;
+        });
+    }
+
+    fn flush_done(&mut self, result: Result<u64, crate::store::StoreError>) {
+        self.in_flight = false;
+        match result {
+            Ok(reserve) => self.log.reserved = self.log.reserved.max(reserve),
+            Err(e) => {
+                let reason = if e.kind == StoreErrorKind::DiskFull {
+                    "disk_full"
+                } else {
+                    "log_write_failed"
+                };
+                tracing::error!(error = %e, build = %format_build_id(self.build_id), "cannot store the build log; stopping the build");
+                self.disk_failure = Some(reason.to_string());
+                self.log.discard_pending();
+                let _ = self.stop.send(true);
+            }
+        }
+    }
+
+    async fn wait_in_flight(&mut self) {
+        if self.in_flight {
+            if let Some(result) = self.done_rx.recv().await {
+                self.flush_done(result);
+            }
         }
     }
 }

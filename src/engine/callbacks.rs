@@ -108,26 +108,6 @@ impl Engine {
         }
         Ok(())
     }
-
-    /// Removes expired idempotency records, forever.
-    pub async fn run_idempotency_sweep(self: Arc<Self>) {
-        const SWEEP_EVERY: Duration = Duration::from_secs(600);
-        const SWEEP_BATCH: usize = 10_000;
-        loop {
-            match self
-                .store
-                .write(|tx| tx.sweep_idempotency(now_millis(), SWEEP_BATCH))
-                .await
-            {
-                Ok(n) if n > 0 => {
-                    tracing::info!(removed = n, "expired idempotency records removed")
-                }
-                Ok(_) => {}
-                Err(e) => tracing::error!(error = %e, "idempotency sweep"),
-            }
-            tokio::time::sleep(SWEEP_EVERY).await;
-        }
-    }
 }
 
 #[cfg(test)]

@@ -11,6 +11,7 @@ pub mod callbacks;
 pub mod deployer;
 pub mod recovery;
 pub mod runner;
+pub mod sweeps;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64};

@@ -15,7 +15,7 @@ use bytes::Bytes;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
-use super::{Channel, Frame, Hub};
+use super::{Batch, Channel, Frame, Hub};
 use crate::engine::builds::decompress_chunk;
 use crate::engine::Engine;
 use crate::model::BuildId;
@@ -59,30 +59,65 @@ enum Stop {
     Closed,
 }
 
+/// Gathers encoded events and writes them to the client in as few writes
+/// as it can (one write when many lines arrived together).
 struct Writer {
     tx: mpsc::Sender<Result<Bytes, Infallible>>,
-    buf: Vec<u8>,
+    parts: Vec<Bytes>,
+    size: usize,
     last_write: Instant,
 }
 
 impl Writer {
     fn push(&mut self, frame: &Frame) {
-        frame.encode_into(&mut self.buf);
+        self.size += frame.encoded().len();
+        self.parts.push(frame.encoded().clone());
+    }
+    fn push_bytes(&mut self, bytes: &Bytes) {
+        self.size += bytes.len();
+        self.parts.push(bytes.clone());
+    }
+    /// Writes what of `batch` is after `last`; returns the final status
+    /// frame when the batch has it.
+    fn push_batch(&mut self, batch: &Batch, last: &mut u64) -> Option<Arc<Frame>> {
+        if batch.last_seq() <= *last {
+            return None;
+        }
+        if batch.first_seq() > *last {
+            self.push_bytes(batch.encoded());
+            *last = batch.last_seq();
+        } else {
+            let from = *last;
+            for f in batch.frames.iter().filter(|f| f.seq > from) {
+                self.push(f);
+                *last = f.seq;
+            }
+        }
+        batch.frames.iter().find(|f| f.last).cloned()
     }
     fn raw(&mut self, text: &str) {
-        self.buf.extend_from_slice(text.as_bytes());
+        self.size += text.len();
+        self.parts.push(Bytes::from(text.to_string()));
     }
     async fn flush(&mut self) -> Result<(), Stop> {
-        if self.buf.is_empty() {
-            return Ok(());
-        }
-        let bytes = Bytes::from(std::mem::take(&mut self.buf));
+        let bytes = match self.parts.len() {
+            0 => return Ok(()),
+            1 => self.parts.pop().expect("one part"),
+            _ => {
+                let mut joined = Vec::with_capacity(self.size);
+                for p in self.parts.drain(..) {
+                    joined.extend_from_slice(&p);
+                }
+                Bytes::from(joined)
+            }
+        };
+        self.size = 0;
         self.tx.send(Ok(bytes)).await.map_err(|_| Stop::Closed)?;
         self.last_write = Instant::now();
         Ok(())
     }
     async fn flush_if_full(&mut self) -> Result<(), Stop> {
-        if self.buf.len() >= MAX_WRITE {
+        if self.size >= MAX_WRITE {
             self.flush().await?;
         }
         Ok(())
@@ -106,7 +141,8 @@ pub fn spawn(
         let _slot = slot;
         let mut w = Writer {
             tx,
-            buf: Vec::new(),
+            parts: Vec::new(),
+            size: 0,
             last_write: Instant::now(),
         };
         w.raw("retry: 2000\n\n");
@@ -121,34 +157,56 @@ pub fn spawn(
     tokio_stream::wrappers::ReceiverStream::new(rx)
 }
 
-/// Waits for the next live frame, keeping the stream alive and authorized.
+/// The timers of one stream, made once: re-arming them on every wake-up
+/// would cost more than the write itself when a thousand streams tail a build.
+struct Timers {
+    keep_alive: std::pin::Pin<Box<tokio::time::Sleep>>,
+    recheck: std::pin::Pin<Box<tokio::time::Sleep>>,
+    stopping: tokio::sync::watch::Receiver<bool>,
+}
+
+impl Timers {
+    fn new(engine: &Engine) -> Timers {
+        Timers {
+            keep_alive: Box::pin(tokio::time::sleep(KEEP_ALIVE)),
+            recheck: Box::pin(tokio::time::sleep(REAUTHORIZE_EVERY)),
+            stopping: engine.stop_signal(),
+        }
+    }
+}
+
+/// Waits for the next live batch, keeping the stream alive and authorized.
 /// `Ok(None)`: the hub dropped this subscriber (it fell behind): catch up.
 async fn next_live(
-    engine: &Engine,
-    rx: &mut mpsc::Receiver<Arc<Frame>>,
+    rx: &mut mpsc::Receiver<Arc<Batch>>,
     w: &mut Writer,
     reauthorize: &Reauthorize,
-    next_check: &mut Instant,
-) -> Result<Option<Arc<Frame>>, Stop> {
-    let mut stopping = engine.stop_signal();
+    timers: &mut Timers,
+) -> Result<Option<Arc<Batch>>, Stop> {
     loop {
-        if *stopping.borrow() {
+        if *timers.stopping.borrow() {
             return Err(Stop::Closed);
         }
-        let keep_alive_at = w.last_write + KEEP_ALIVE;
         tokio::select! {
-            frame = rx.recv() => return Ok(frame),
-            _ = tokio::time::sleep_until(keep_alive_at) => {
-                w.raw(": keep-alive\n\n");
-                w.flush().await?;
+            biased;
+            batch = rx.recv() => return Ok(batch),
+            _ = timers.keep_alive.as_mut() => {
+                let due = w.last_write + KEEP_ALIVE;
+                if due <= Instant::now() {
+                    w.raw(": keep-alive\n\n");
+                    w.flush().await?;
+                    timers.keep_alive.as_mut().reset(Instant::now() + KEEP_ALIVE);
+                } else {
+                    timers.keep_alive.as_mut().reset(due);
+                }
             }
-            _ = tokio::time::sleep_until(*next_check) => {
+            _ = timers.recheck.as_mut() => {
                 if !reauthorize() {
                     return Err(Stop::Closed);
                 }
-                *next_check = Instant::now() + REAUTHORIZE_EVERY;
+                timers.recheck.as_mut().reset(Instant::now() + REAUTHORIZE_EVERY);
             }
-            _ = stopping.changed() => return Err(Stop::Closed),
+            _ = timers.stopping.changed() => return Err(Stop::Closed),
             _ = w.tx.closed() => return Err(Stop::Closed),
         }
     }
@@ -179,7 +237,7 @@ async fn build_stream(
             _ => w.raw(&resync("cursor_invalid")),
         }
     }
-    let mut next_check = Instant::now() + REAUTHORIZE_EVERY;
+    let mut timers = Timers::new(engine);
     loop {
         let (mut rx, pending) = engine.hub.subscribe(&Channel::Build(id));
         if let Some(final_frame) = replay_build(engine, id, &mut last, w).await? {
@@ -194,26 +252,17 @@ async fn build_stream(
         }
         w.flush().await?;
         loop {
-            let Some(frame) = next_live(engine, &mut rx, w, reauthorize, &mut next_check).await?
-            else {
+            let Some(frame) = next_live(&mut rx, w, reauthorize, &mut timers).await? else {
                 tracing::debug!(build = %crate::model::format_build_id(id), "subscriber fell behind; catching up from the store");
                 break;
             };
-            let mut batch = vec![frame];
-            while batch.len() < 1024 {
-                match rx.try_recv() {
-                    Ok(f) => batch.push(f),
-                    Err(_) => break,
+            let mut next = Some(frame);
+            while let Some(batch) = next.take() {
+                if let Some(final_frame) = w.push_batch(&batch, &mut last) {
+                    return end(w, &final_frame).await;
                 }
-            }
-            for f in batch {
-                if f.seq <= last {
-                    continue;
-                }
-                last = f.seq;
-                w.push(&f);
-                if f.last {
-                    return end(w, &f).await;
+                if w.size < MAX_WRITE {
+                    next = rx.try_recv().ok();
                 }
             }
             w.flush().await?;
@@ -274,12 +323,12 @@ async fn replay_build(
             emit_status_before(seq, w, last);
             if seq > *last {
                 *last = seq;
-                w.push(&Frame {
+                w.push(&Frame::new(
                     seq,
-                    event: "log",
-                    data: String::from_utf8_lossy(line).into_owned(),
-                    last: false,
-                });
+                    "log",
+                    String::from_utf8_lossy(line).into_owned(),
+                    false,
+                ));
             }
             w.flush_if_full().await?;
         }
@@ -314,12 +363,12 @@ async fn deployment_stream(
     match cursor {
         None => {
             if let Some(s) = summary {
-                w.push(&Frame {
-                    seq: current,
-                    event: "deployment",
-                    data: serde_json::to_string(&s).unwrap_or_default(),
-                    last: false,
-                });
+                w.push(&Frame::new(
+                    current,
+                    "deployment",
+                    serde_json::to_string(&s).unwrap_or_default(),
+                    false,
+                ));
             }
         }
         Some(text) => match text.trim().parse::<u64>() {
@@ -338,7 +387,7 @@ async fn deployment_stream(
             _ => w.raw(&resync("cursor_invalid")),
         },
     }
-    let mut next_check = Instant::now() + REAUTHORIZE_EVERY;
+    let mut timers = Timers::new(engine);
     loop {
         // Replay what the store has after `last` (also after falling behind).
         loop {
@@ -361,12 +410,7 @@ async fn deployment_stream(
                 } else {
                     "deployment"
                 };
-                w.push(&Frame {
-                    seq,
-                    event,
-                    data: e.data,
-                    last: false,
-                });
+                w.push(&Frame::new(seq, event, e.data, false));
                 w.flush_if_full().await?;
             }
             if n < REPLAY_PAGE {
@@ -375,19 +419,12 @@ async fn deployment_stream(
         }
         w.flush().await?;
         loop {
-            let Some(frame) = next_live(engine, &mut rx, w, reauthorize, &mut next_check).await?
-            else {
+            let Some(frame) = next_live(&mut rx, w, reauthorize, &mut timers).await? else {
                 break;
             };
-            if frame.seq > last {
-                last = frame.seq;
-                w.push(&frame);
-            }
-            while let Ok(f) = rx.try_recv() {
-                if f.seq > last {
-                    last = f.seq;
-                    w.push(&f);
-                }
+            w.push_batch(&frame, &mut last);
+            while let Ok(more) = rx.try_recv() {
+                w.push_batch(&more, &mut last);
             }
             w.flush().await?;
         }

@@ -725,3 +725,114 @@ impl Rx {
         Ok(out)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn temp_store(tag: &str) -> (Store, std::path::PathBuf) {
+        let dir = std::env::temp_dir().join(format!("berth-store-{}-{tag}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        (Store::open(&dir.join("berth.redb")).unwrap(), dir)
+    }
+
+    #[tokio::test]
+    async fn prune_keeps_recent_and_newest_events() {
+        let (store, dir) = temp_store("prune");
+        store
+            .write(|tx| {
+                for seq in 1..=10u64 {
+                    // seq 1-5 are old, 6-10 recent.
+                    let at = if seq <= 5 { 1_000 } else { 9_000 };
+                    tx.put_deployment_event(
+                        "a",
+                        seq,
+                        &StoredEvent {
+                            event: "deployment".into(),
+                            data: "{}".into(),
+                            at,
+                        },
+                    )?;
+                }
+                tx.put_deployment_event(
+                    "b",
+                    1,
+                    &StoredEvent {
+                        event: "deployment".into(),
+                        data: "{}".into(),
+                        at: 1,
+                    },
+                )
+            })
+            .await
+            .unwrap();
+        // Below seq 4 and older than 5,000: seqs 1-3 go; 4-5 are kept (count).
+        let removed = store
+            .write(|tx| tx.prune_deployment_events("a", 4, 5_000))
+            .await
+            .unwrap();
+        assert_eq!(removed, 3);
+        let rx = store.read().unwrap();
+        assert_eq!(rx.first_deployment_event("a").unwrap(), Some(4));
+        assert_eq!(rx.deployment_events_after("a", 0, 100).unwrap().len(), 7);
+        assert_eq!(
+            rx.first_deployment_event("b").unwrap(),
+            Some(1),
+            "another deployment is untouched"
+        );
+        // Recent events are never pruned, whatever their seq.
+        let removed = store
+            .write(|tx| tx.prune_deployment_events("a", 100, 5_000))
+            .await
+            .unwrap();
+        assert_eq!(removed, 2);
+        assert_eq!(
+            store.read().unwrap().first_deployment_event("a").unwrap(),
+            Some(6)
+        );
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[tokio::test]
+    async fn a_failed_job_aborts_its_batch_and_hooks_run_only_after_commit() {
+        let (store, dir) = temp_store("hooks");
+        let ran = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = ran.clone();
+        store
+            .write(move |tx| {
+                tx.after_commit(move || flag.store(true, std::sync::atomic::Ordering::SeqCst));
+                tx.put_source(&Source {
+                    url: "u".into(),
+                    rev: "r".into(),
+                    digest: "d".into(),
+                })
+            })
+            .await
+            .unwrap();
+        assert!(ran.load(std::sync::atomic::Ordering::SeqCst));
+        let ran = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = ran.clone();
+        let r = store
+            .write(move |tx| -> StoreResult<()> {
+                tx.after_commit(move || flag.store(true, std::sync::atomic::Ordering::SeqCst));
+                tx.put_source(&Source {
+                    url: "u2".into(),
+                    rev: "r".into(),
+                    digest: "d2".into(),
+                })?;
+                Err(StoreError::corrupt("simulated failure after a write"))
+            })
+            .await;
+        assert!(r.is_err());
+        assert!(
+            !ran.load(std::sync::atomic::Ordering::SeqCst),
+            "a hook ran for an aborted transaction"
+        );
+        assert!(
+            store.read().unwrap().source("d2").unwrap().is_none(),
+            "an aborted batch left a write behind"
+        );
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}

@@ -201,13 +201,11 @@ async fn two_hundred_subscribers_see_identical_gap_free_sequences() {
 async fn a_subscriber_that_reads_nothing_does_not_hold_the_build() {
     let dir = temp_dir("slow");
     let deployer = script(&dir, "d.sh", &format!("{SCRIPT_PRELUDE}\nseq 1 150000 | sed 's/^/a fairly long log line to fill buffers quickly: /'\nprintf '%s' '{{\"nodes\":[]}}' > \"$BERTH_RESULT\""));
-    let s = Server::start_in(
-        dir,
-        Options::default()
-            .arg("--deployer")
-            .arg(deployer.to_str().unwrap()),
-    )
-    .await;
+    let opts = Options::default()
+        .arg("--deployer")
+        .arg(deployer.to_str().unwrap())
+        .env("BERTH_LOG", "info,berth::events=debug");
+    let s = Server::start_in(dir, opts).await;
     // Subscribe to the channel before the build exists... via a build queued
     // behind nothing: open the stream right after the submit, read nothing.
     let id = s.submit_ok("alice", json!({})).await;
@@ -221,6 +219,10 @@ async fn a_subscriber_that_reads_nothing_does_not_hold_the_build() {
     let all = stalled.until_end().await;
     assert_gap_free(&all[..all.len() - 1], 1);
     assert_eq!(log_of(&all), s.log_text(&id).await);
+    assert!(
+        s.log().contains("catching up from the store"),
+        "the subscriber never fell behind: this test did not exercise catch-up"
+    );
 }
 
 #[tokio::test]

@@ -1,0 +1,441 @@
+//! Live-tail figures (events.md "Live-tail performance"):
+//! - latency from the deployer's write() of a line to a subscribed client's
+//!   receipt, p50/p99, at 10,000 lines/s with 10 subscribers and at 1,000
+//!   lines/s with 1,000 subscribers, against a plain pipe from a writer
+//!   process to a reader measured in the same run;
+//! - log ingest throughput for a deployer that writes as fast as it can,
+//!   against `cat` of the same bytes to /dev/null;
+//! - zstd ratio of a realistic build log, chunked as berth stores it.
+//!
+//! This executable is also the deployer berth runs (and the pipe writer).
+//! Run: `cargo bench --bench events`.
+
+use std::io::{BufRead, Write};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+fn now_nanos() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64
+}
+
+/// Writes `lines` timestamped lines at `rate` per second to stdout.
+fn paced_writer(lines: u64, rate: u64) {
+    let out = std::io::stdout();
+    let mut out = out.lock();
+    let start = Instant::now();
+    for i in 0..lines {
+        let due = start + Duration::from_nanos(i * 1_000_000_000 / rate);
+        let now = Instant::now();
+        if due > now {
+            std::thread::sleep(due - now);
+        }
+        // One write() per line, as a deployer's line-buffered output does.
+        let line = format!(
+            "ts={} building '/nix/store/{:032x}-pkg-{i}.drv'...\n",
+            now_nanos(),
+            i
+        );
+        out.write_all(line.as_bytes()).unwrap();
+        out.flush().unwrap();
+    }
+}
+
+fn deployer(verb: &str) {
+    let result = std::env::var("BERTH_RESULT").unwrap();
+    std::io::copy(&mut std::io::stdin(), &mut std::io::sink()).unwrap();
+    let answer = match verb {
+        "describe" => {
+            r#"{"methods":["local"],"default_method":"local","catalog":[],"schema":null}"#
+        }
+        "eval" => r#"{"nodes":[]}"#,
+        _ => {
+            let go = std::env::var("BENCH_GO_FILE").unwrap_or_default();
+            while !go.is_empty() && !std::path::Path::new(&go).exists() {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            match std::env::var("BENCH_MODE").as_deref() {
+                Ok("cat") => {
+                    let status = Command::new("cat")
+                        .arg(std::env::var("BENCH_FILE").unwrap())
+                        .status()
+                        .unwrap();
+                    assert!(status.success());
+                }
+                _ => {
+                    let lines = std::env::var("BENCH_LINES").unwrap().parse().unwrap();
+                    let rate = std::env::var("BENCH_RATE").unwrap().parse().unwrap();
+                    paced_writer(lines, rate);
+                }
+            }
+            r#"{"nodes":[]}"#
+        }
+    };
+    std::fs::write(result, answer).unwrap();
+}
+
+fn percentile(sorted: &[u64], p: f64) -> f64 {
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i] as f64 / 1e6
+}
+
+fn pipe_baseline(lines: u64, rate: u64) -> Vec<u64> {
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .arg("pipe-writer")
+        .env("BENCH_LINES", lines.to_string())
+        .env("BENCH_RATE", rate.to_string())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let reader = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut lat = Vec::new();
+    for line in reader.lines() {
+        let line = line.unwrap();
+        let ts: u64 = line
+            .strip_prefix("ts=")
+            .and_then(|r| r.split(' ').next())
+            .unwrap()
+            .parse()
+            .unwrap();
+        lat.push(now_nanos().saturating_sub(ts));
+    }
+    child.wait().unwrap();
+    lat.sort_unstable();
+    lat
+}
+
+struct Berth {
+    child: std::process::Child,
+    base: String,
+    token: String,
+    dir: std::path::PathBuf,
+    http: reqwest::Client,
+}
+
+impl Berth {
+    async fn start(dir: &std::path::Path, envs: &[(&str, String)]) -> Berth {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let child = Command::new(env!("CARGO_BIN_EXE_berth"))
+            .args([
+                "serve",
+                "--listen",
+                &format!("127.0.0.1:{port}"),
+                "--deployer",
+            ])
+            .arg(std::env::current_exe().unwrap())
+            .arg("--data-dir")
+            .arg(dir.join("data"))
+            .envs(envs.iter().map(|(k, v)| (k.to_string(), v.clone())))
+            .env("BERTH_LOG", "warn")
+            .spawn()
+            .unwrap();
+        let base = format!("http://127.0.0.1:{port}");
+        let http = reqwest::Client::new();
+        while http
+            .get(format!("{base}/readyz"))
+            .send()
+            .await
+            .map(|r| r.status() != 200)
+            .unwrap_or(true)
+        {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let token = std::fs::read_to_string(dir.join("data/service-token")).unwrap();
+        Berth {
+            child,
+            base,
+            token,
+            dir: dir.to_path_buf(),
+            http,
+        }
+    }
+
+    async fn submit(&self, id: &str) -> String {
+        let r = self
+            .http
+            .post(format!("{}/v1/deployments/{id}/submit", self.base))
+            .bearer_auth(&self.token)
+            .json(&serde_json::json!({"configuration": {}, "mode": "enqueue"}))
+            .send()
+            .await
+            .unwrap();
+        let v: serde_json::Value = r.json().await.unwrap();
+        v["build_id"].as_str().unwrap().to_string()
+    }
+
+    async fn build(&self, id: &str) -> serde_json::Value {
+        let r = self
+            .http
+            .get(format!("{}/v1/builds/{id}", self.base))
+            .bearer_auth(&self.token)
+            .send()
+            .await
+            .unwrap();
+        r.json().await.unwrap()
+    }
+
+    async fn wait_final(&self, id: &str) -> serde_json::Value {
+        loop {
+            let b = self.build(id).await;
+            if b["finished_at"].is_string() {
+                return b;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+impl Drop for Berth {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Subscribes `n` clients, lets the deployer start, returns all latencies.
+async fn berth_latency(berth: &Berth, deployment: &str, n: usize) -> Vec<u64> {
+    let go = berth.dir.join(format!("go-{deployment}"));
+    let build = berth.submit(deployment).await;
+    let mut tasks = Vec::new();
+    let addr = berth.base.trim_start_matches("http://").to_string();
+    for _ in 0..n {
+        let request = format!(
+            "GET /v1/builds/{build}/events HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {}\r\n\r\n",
+            berth.token.trim()
+        );
+        let addr = addr.clone();
+        tasks.push(tokio::spawn(async move {
+            // A raw-socket reader: the client shares the two cores with
+            // berth, so it must not be the bottleneck it measures. Each SSE
+            // event arrives inside one HTTP chunk, so lines are never split
+            // by the chunked framing.
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            let mut sock = tokio::net::TcpStream::connect(&addr).await.unwrap();
+            sock.write_all(request.as_bytes()).await.unwrap();
+            let mut buf = vec![0u8; 256 * 1024];
+            let mut filled = 0usize;
+            let mut lat = Vec::with_capacity(4096);
+            loop {
+                let n = sock.read(&mut buf[filled..]).await.unwrap();
+                if n == 0 {
+                    break;
+                }
+                let received = now_nanos();
+                filled += n;
+                let complete = buf[..filled]
+                    .iter()
+                    .rposition(|&b| b == b'\n')
+                    .map_or(0, |i| i + 1);
+                let mut done = false;
+                for line in buf[..complete].split(|&b| b == b'\n') {
+                    if let Some(rest) = line.strip_prefix(b"data: ts=") {
+                        let ts = rest
+                            .iter()
+                            .take_while(|b| b.is_ascii_digit())
+                            .fold(0u64, |n, d| n * 10 + u64::from(d - b'0'));
+                        lat.push(received.saturating_sub(ts));
+                    } else if line.starts_with(b"event: end") {
+                        done = true;
+                    }
+                }
+                buf.copy_within(complete..filled, 0);
+                filled -= complete;
+                if done {
+                    break;
+                }
+            }
+            lat
+        }));
+    }
+    // Start only when every subscriber is connected (berth_sse_clients).
+    loop {
+        let m = berth
+            .http
+            .get(format!("{}/metrics", berth.base))
+            .bearer_auth(&berth.token)
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        let open: usize = m
+            .lines()
+            .find_map(|l| l.strip_prefix("berth_sse_clients "))
+            .unwrap()
+            .parse()
+            .unwrap();
+        if open >= n {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    std::fs::write(&go, b"").unwrap();
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(t.await.unwrap());
+    }
+    berth.wait_final(&build).await;
+    all.sort_unstable();
+    all
+}
+
+fn realistic_log(bytes: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(bytes + 200);
+    let mut i = 0u64;
+    let pkgs = [
+        "openssl-3.3.2",
+        "glibc-2.40",
+        "python3-3.12.7",
+        "rustc-1.82.0",
+        "nodejs-20.18.1",
+        "postgresql-16.6",
+    ];
+    while out.len() < bytes {
+        let pkg = pkgs[(i % pkgs.len() as u64) as usize];
+        let h = (i.wrapping_mul(0x9e3779b97f4a7c15) >> 3) as u128 * 0x1f3d;
+        let line = match i % 7 {
+            0 => format!("building '/nix/store/{h:032x}-{pkg}.drv'...\n"),
+            1 => format!("{pkg}> gcc -O2 -pipe -fstack-protector-strong -c src/module_{i}.c -o build/module_{i}.o\n"),
+            2 => format!("{pkg}> checking for {} in -lc... yes\n", ["malloc", "pthread_create", "dlopen"][(i % 3) as usize]),
+            3 => format!("{pkg}> [{:3}%] Built target obj_{}\n", i % 101, i % 977),
+            4 => format!("copying path '/nix/store/{h:032x}-{pkg}' from 'https://cache.nixos.org'...\n"),
+            5 => format!("{pkg}> src/module_{i}.c:{}:{}: warning: unused variable 'tmp' [-Wunused-variable]\n", i % 400, i % 80),
+            _ => format!("{pkg}> test_{} ... ok ({} ms)\n", i % 5000, i % 97),
+        };
+        out.extend_from_slice(line.as_bytes());
+        i += 1;
+    }
+    out
+}
+
+fn main() {
+    let mut args = std::env::args().skip(1);
+    match args.next().as_deref() {
+        Some("pipe-writer") => {
+            let lines = std::env::var("BENCH_LINES").unwrap().parse().unwrap();
+            let rate = std::env::var("BENCH_RATE").unwrap().parse().unwrap();
+            return paced_writer(lines, rate);
+        }
+        Some(verb @ ("describe" | "eval" | "deploy" | "destroy"))
+            if std::env::var("BERTH_RESULT").is_ok() =>
+        {
+            return deployer(verb)
+        }
+        _ => {}
+    }
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let dir = std::env::temp_dir().join(format!("berth-bench-events-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+
+    // Latency.
+    // BENCH_ONLY=fanout runs only the 1,000-subscriber case (for profiling).
+    let only_fanout = std::env::var("BENCH_ONLY").as_deref() == Ok("fanout");
+    let fanout_lines = std::env::var("BENCH_FANOUT_LINES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(3_000u64);
+    for (rate, subscribers, lines) in [
+        (10_000u64, 10usize, 30_000u64),
+        (1_000, 1_000, fanout_lines),
+    ] {
+        if only_fanout && subscribers != 1_000 {
+            continue;
+        }
+        let pipe = pipe_baseline(lines, rate);
+        let berth_lat = rt.block_on(async {
+            let berth = Berth::start(
+                &dir.join(format!("lat-{rate}")),
+                &[
+                    ("BENCH_LINES", lines.to_string()),
+                    ("BENCH_RATE", rate.to_string()),
+                    (
+                        "BENCH_GO_FILE",
+                        dir.join(format!("lat-{rate}/go-d")).display().to_string(),
+                    ),
+                ],
+            )
+            .await;
+            berth_latency(&berth, "d", subscribers).await
+        });
+        assert_eq!(
+            berth_lat.len() as u64,
+            lines * subscribers as u64,
+            "a subscriber missed lines"
+        );
+        println!(
+            "latency at {rate} lines/s, {subscribers} subscribers: berth p50 {:.2} ms, p99 {:.2} ms; plain pipe p50 {:.3} ms, p99 {:.3} ms",
+            percentile(&berth_lat, 0.5),
+            percentile(&berth_lat, 0.99),
+            percentile(&pipe, 0.5),
+            percentile(&pipe, 0.99)
+        );
+    }
+
+    if only_fanout {
+        return;
+    }
+    // Ingest throughput and compression.
+    let log = realistic_log(64 << 20);
+    let file = dir.join("build.log");
+    std::fs::write(&file, &log).unwrap();
+    let t = Instant::now();
+    let status = Command::new("sh")
+        .arg("-c")
+        .arg(format!("cat '{}' > /dev/null", file.display()))
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let cat_mbs = log.len() as f64 / 1e6 / t.elapsed().as_secs_f64();
+    let (berth_mbs, stored) = rt.block_on(async {
+        let berth = Berth::start(
+            &dir.join("ingest"),
+            &[
+                ("BENCH_MODE", "cat".into()),
+                ("BENCH_FILE", file.display().to_string()),
+            ],
+        )
+        .await;
+        let id = berth.submit("ingest").await;
+        let b = berth.wait_final(&id).await;
+        let started = time_of(&b["started_at"]);
+        let finished = time_of(&b["finished_at"]);
+        (
+            b["log_bytes"].as_u64().unwrap() as f64 / 1e6 / (finished - started),
+            b["log_bytes"].as_u64().unwrap(),
+        )
+    });
+    assert_eq!(stored as usize, log.len());
+    let mut compressed = 0usize;
+    for chunk in log.chunks(1 << 20) {
+        compressed += zstd::bulk::compress(chunk, 3).unwrap().len();
+    }
+    println!(
+        "ingest of a {} MB log: berth {berth_mbs:.0} MB/s (deployer start to final commit); cat to /dev/null {cat_mbs:.0} MB/s; ratio {:.2}",
+        log.len() / 1_000_000,
+        berth_mbs / cat_mbs
+    );
+    println!(
+        "zstd level 3 in 1 MiB chunks on the realistic log: ratio {:.1}",
+        log.len() as f64 / compressed as f64
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+fn time_of(v: &serde_json::Value) -> f64 {
+    let t = time::OffsetDateTime::parse(
+        v.as_str().unwrap(),
+        &time::format_description::well_known::Rfc3339,
+    )
+    .unwrap();
+    t.unix_timestamp_nanos() as f64 / 1e9
+}
