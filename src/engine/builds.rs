@@ -209,7 +209,7 @@ impl Engine {
                 Ok(())
             })
             .await;
-        let (lines_tx, mut lines_rx) = mpsc::channel::<String>(LINE_QUEUE);
+        let (lines_tx, mut lines_rx) = mpsc::channel::<Vec<String>>(LINE_QUEUE);
         let timeout =
             (!self.settings.build_timeout.is_zero()).then_some(self.settings.build_timeout);
         let (stop_tx, stop_rx) = watch::channel(false);
@@ -236,7 +236,7 @@ impl Engine {
         loop {
             tokio::select! {
                 line = lines_rx.recv() => match line {
-                    Some(line) => pipe.line(line).await,
+                    Some(batch) => pipe.lines(batch).await,
                     None => break,
                 },
                 _ = tokio::time::sleep_until(pipe.held_until), if !pipe.held.is_empty() => pipe.publish_held(),
@@ -295,7 +295,7 @@ impl Engine {
             let seq = outcome.log.force_push(&line);
             late_frames.push(Frame::new(seq, "log", line, false));
         }
-        let last_chunk = outcome.log.take_chunk();
+        let last_chunk = outcome.log.take_chunk().map(Chunk::compress);
         let last_seq_used = outcome.log.next_seq.saturating_sub(1);
         let hub = self.hub.clone();
         self.metrics
@@ -436,6 +436,18 @@ impl LogPipe {
         }
     }
 
+    /// The lines of one read: published together (at once with few
+    /// subscribers, after `COALESCE_WINDOW` with many).
+    async fn lines(&mut self, batch: Vec<String>) {
+        let many = self.hub.fanout(&self.channel) >= events::COALESCE_FANOUT;
+        for line in batch {
+            self.line(line).await;
+        }
+        if !many {
+            self.publish_held();
+        }
+    }
+
     async fn line(&mut self, line: String) {
         if self.disk_failure.is_some() {
             // Lines are still read (so the deployer is not blocked) and counted.
@@ -451,14 +463,10 @@ impl LogPipe {
             self.wait_in_flight().await;
         }
         if let Some(seq) = self.log.push(&line) {
-            let many = self.hub.fanout(&self.channel) >= events::COALESCE_FANOUT;
             if self.held.is_empty() {
                 self.held_until = tokio::time::Instant::now() + events::COALESCE_WINDOW;
             }
             self.held.push(Frame::new(seq, "log", line, false));
-            if !many {
-                self.publish_held();
-            }
         }
         if self.log.pending.len() >= LOG_CHUNK_BYTES {
             self.publish_held();
@@ -487,6 +495,11 @@ impl LogPipe {
         );
         self.in_flight = true;
         tokio::spawn(async move {
+            // zstd runs on the blocking pool, off the line path.
+            let chunk = match chunk {
+                Some(c) => tokio::task::spawn_blocking(move || c.compress()).await.ok(),
+                None => None,
+            };
             let result = store
                 .write(move |tx| {
                     let Some(mut b) = tx.build(build_id)? else {
@@ -737,6 +750,8 @@ pub struct LogBuffer {
     dropped_bytes: u64,
 }
 
+/// Lines cut for one commit; `compressed` holds the raw text until
+/// `compress` runs (off the line path).
 pub struct Chunk {
     number: u32,
     /// Index of the chunk's first line in the build's log.
@@ -799,18 +814,26 @@ impl LogBuffer {
             return None;
         }
         let raw = std::mem::take(&mut self.pending);
-        let compressed = zstd::bulk::compress(&raw, LOG_ZSTD_LEVEL).unwrap_or_else(|_| raw.clone());
         let chunk = Chunk {
             number: self.next_chunk,
             first_line: self.pending_first_seq - self.first_seq,
             last_seq: self.pending_first_seq + self.pending_lines - 1,
-            compressed,
             bytes: raw.len() as u64,
+            compressed: raw,
             lines: self.pending_lines,
         };
         self.next_chunk += 1;
         self.pending_lines = 0;
         Some(chunk)
+    }
+}
+
+impl Chunk {
+    fn compress(mut self) -> Chunk {
+        if let Ok(c) = zstd::bulk::compress(&self.compressed, LOG_ZSTD_LEVEL) {
+            self.compressed = c;
+        }
+        self
     }
 }
 
@@ -845,7 +868,7 @@ mod tests {
         assert_eq!(log.push("1234"), None); // 5 bytes: over
         assert_eq!(log.push("1"), None); // dropped too, once dropping started
         assert_eq!((log.dropped_lines, log.dropped_bytes), (2, 7));
-        let chunk = log.take_chunk().unwrap();
+        let chunk = log.take_chunk().unwrap().compress();
         assert_eq!((chunk.first_line, chunk.last_seq), (0, 3));
         assert_eq!(decompress_chunks(&[(0, chunk.compressed)]), b"12345\n");
         assert!(log.take_chunk().is_none());

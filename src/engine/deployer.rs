@@ -280,9 +280,11 @@ impl Engine {
         let (_cancel_tx, cancel_rx) = watch::channel(false);
         let collect = tokio::spawn(async move {
             let mut kept = Vec::new();
-            while let Some(line) = lines_rx.recv().await {
-                if kept.len() < MAX_CALL_OUTPUT_LINES {
-                    kept.push(line);
+            while let Some(batch) = lines_rx.recv().await {
+                for line in batch {
+                    if kept.len() < MAX_CALL_OUTPUT_LINES {
+                        kept.push(line);
+                    }
                 }
             }
             kept

@@ -146,7 +146,7 @@ pub async fn wait(
     timeout: Option<Duration>,
     grace: Duration,
     mut cancel: watch::Receiver<bool>,
-    lines: mpsc::Sender<String>,
+    lines: mpsc::Sender<Vec<String>>,
 ) -> Ended {
     let pgid = spawned.job.pid;
     let readers = [
@@ -226,7 +226,7 @@ pub async fn wait(
 /// redraw becomes its own line, so every line is one SSE `data:` line), or
 /// at `MAX_LINE_BYTES` on a character boundary; replaces invalid UTF-8; a
 /// last line without newline is kept.
-pub async fn read_lines<R: AsyncRead + Unpin>(mut reader: R, out: mpsc::Sender<String>) {
+pub async fn read_lines<R: AsyncRead + Unpin>(mut reader: R, out: mpsc::Sender<Vec<String>>) {
     let mut buf = vec![0u8; 64 * 1024];
     let mut line: Vec<u8> = Vec::with_capacity(1024);
     // The previous line ended with CR: an LF right after it is the same break.
@@ -236,6 +236,8 @@ pub async fn read_lines<R: AsyncRead + Unpin>(mut reader: R, out: mpsc::Sender<S
             Ok(0) | Err(_) => break,
             Ok(n) => n,
         };
+        // All lines of one read go out together: one channel operation.
+        let mut batch = Vec::new();
         let mut rest = &buf[..n];
         while !rest.is_empty() {
             if skip_lf {
@@ -252,9 +254,7 @@ pub async fn read_lines<R: AsyncRead + Unpin>(mut reader: R, out: mpsc::Sender<S
                     line.extend_from_slice(&window[..i]);
                     skip_lf = window[i] == b'\r';
                     rest = &rest[i + 1..];
-                    if out.send(take_line(&mut line)).await.is_err() {
-                        return;
-                    }
+                    batch.push(take_line(&mut line));
                 }
                 None => {
                     line.extend_from_slice(window);
@@ -262,17 +262,18 @@ pub async fn read_lines<R: AsyncRead + Unpin>(mut reader: R, out: mpsc::Sender<S
                     if line.len() >= MAX_LINE_BYTES {
                         let carry = incomplete_utf8_tail(&line);
                         let tail = line.split_off(line.len() - carry);
-                        if out.send(take_line(&mut line)).await.is_err() {
-                            return;
-                        }
+                        batch.push(take_line(&mut line));
                         line = tail;
                     }
                 }
             }
         }
+        if !batch.is_empty() && out.send(batch).await.is_err() {
+            return;
+        }
     }
     if !line.is_empty() {
-        let _ = out.send(take_line(&mut line)).await;
+        let _ = out.send(vec![take_line(&mut line)]).await;
     }
 }
 
@@ -386,8 +387,8 @@ mod tests {
         let (tx, mut rx) = mpsc::channel(1024);
         read_lines(input, tx).await;
         let mut out = vec![];
-        while let Some(l) = rx.recv().await {
-            out.push(l);
+        while let Some(batch) = rx.recv().await {
+            out.extend(batch);
         }
         out
     }

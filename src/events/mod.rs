@@ -20,8 +20,9 @@ use tokio::sync::mpsc;
 use crate::model::{BuildId, BuildRecord, DeploymentRecord, Millis};
 use crate::store::{StoreResult, StoredEvent, Tx};
 
-/// Events queued for one subscriber before it counts as slow.
-pub const SUBSCRIBER_QUEUE: usize = 4096;
+/// Batches queued for one subscriber before it counts as slow (a batch is
+/// at most one read of the deployer's output, 64 KiB).
+pub const SUBSCRIBER_QUEUE: usize = 64;
 /// Log seqs reserved ahead of use: a crash never lets an id be reused.
 pub const SEQ_BLOCK: u64 = 65_536;
 /// From this many subscribers on, lines that arrive within

@@ -200,7 +200,7 @@ async fn two_hundred_subscribers_see_identical_gap_free_sequences() {
 #[tokio::test]
 async fn a_subscriber_that_reads_nothing_does_not_hold_the_build() {
     let dir = temp_dir("slow");
-    let deployer = script(&dir, "d.sh", &format!("{SCRIPT_PRELUDE}\nseq 1 150000 | sed 's/^/a fairly long log line to fill buffers quickly: /'\nprintf '%s' '{{\"nodes\":[]}}' > \"$BERTH_RESULT\""));
+    let deployer = script(&dir, "d.sh", &format!("{SCRIPT_PRELUDE}\nseq 1 300000 | sed 's/^/a fairly long log line to fill buffers quickly: /'\nprintf '%s' '{{\"nodes\":[]}}' > \"$BERTH_RESULT\""));
     let opts = Options::default()
         .arg("--deployer")
         .arg(deployer.to_str().unwrap())
