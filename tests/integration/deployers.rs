@@ -8,9 +8,7 @@ use crate::harness::*;
 async fn run_with(body: &str, extra: &[&str]) -> (Server, serde_json::Value) {
     let dir = temp_dir("deployer");
     let deployer = script(&dir, "d.sh", &format!("{SCRIPT_PRELUDE}\n{body}"));
-    let mut opts = Options::default()
-        .arg("--deployer")
-        .arg(deployer.to_str().unwrap());
+    let mut opts = Options::default().deployer(&deployer);
     for a in extra {
         opts = opts.arg(a);
     }
@@ -98,8 +96,7 @@ async fn sigterm_ignored_gets_sigkill_after_grace() {
     let s = Server::start_in(
         dir.clone(),
         Options::default()
-            .arg("--deployer")
-            .arg(deployer.to_str().unwrap())
+            .deployer(&deployer)
             .arg("--cancel-grace")
             .arg("1s"),
     )
@@ -154,13 +151,7 @@ async fn eval_outcomes() {
         "d.sh",
         "case \"$1\" in describe) cat >/dev/null; printf '%s' '{\"methods\":[\"local\"],\"default_method\":\"local\",\"catalog\":[],\"schema\":null}' > \"$BERTH_RESULT\";; eval) exit 3;; esac",
     );
-    let s = Server::start_in(
-        dir,
-        Options::default()
-            .arg("--deployer")
-            .arg(deployer.to_str().unwrap()),
-    )
-    .await;
+    let s = Server::start_in(dir, Options::default().deployer(&deployer)).await;
     let (status, p) = s.submit("alice", json!({"configuration": {}})).await;
     assert_eq!(status, 503, "{p}");
     assert_eq!(
@@ -208,8 +199,7 @@ async fn flag_values_never_reach_the_deployer() {
         ),
     );
     let opts = Options::default()
-        .arg("--deployer")
-        .arg(deployer.to_str().unwrap())
+        .deployer(&deployer)
         .env("BERTH_SECRET_DATABASE_URL", "postgres://user:hunter2@db/x")
         .env("BERTH_LOCAL_STEP_MS", "7")
         .env("UNRELATED_VAR", "kept");
@@ -238,8 +228,7 @@ async fn an_eval_that_never_answers_times_out() {
     let s = Server::start_in(
         dir,
         Options::default()
-            .arg("--deployer")
-            .arg(deployer.to_str().unwrap())
+            .deployer(&deployer)
             .arg("--eval-timeout")
             .arg("1s"),
     )

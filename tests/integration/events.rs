@@ -30,13 +30,7 @@ async fn replay_from_every_position_equals_the_stored_log() {
     let body = "echo first\nhead -c 70000 /dev/zero | tr '\\0' 'y'; echo\nprintf 'bin \\377 ary\\n'\nprintf 'cr\\rlf\\r\\n'\nfor i in 1 2 3 4 5; do echo \"line $i\"; done\nprintf 'no newline'\nprintf '%s' '{\"nodes\":[]}' > \"$BERTH_RESULT\"";
     let dir = temp_dir("replay");
     let deployer = script(&dir, "d.sh", &format!("{SCRIPT_PRELUDE}\n{body}"));
-    let s = Server::start_in(
-        dir,
-        Options::default()
-            .arg("--deployer")
-            .arg(deployer.to_str().unwrap()),
-    )
-    .await;
+    let s = Server::start_in(dir, Options::default().deployer(&deployer)).await;
     let id = s.submit_ok("alice", json!({})).await;
     s.wait_build(&id, "succeeded").await;
     let stored = s.log_text(&id).await;
@@ -127,13 +121,7 @@ async fn reconnect_mid_build_sees_every_line_exactly_once() {
         "talky.sh",
         &format!("{SCRIPT_PRELUDE}\ni=0; while [ $i -lt 300 ]; do echo \"line $i\"; i=$((i+1)); [ $((i % 50)) -eq 0 ] && sleep 0.05; done\nexec {} \"$verb\" < /dev/null", deployer.display()),
     );
-    let s = Server::start_in(
-        dir,
-        Options::default()
-            .arg("--deployer")
-            .arg(talky.to_str().unwrap()),
-    )
-    .await;
+    let s = Server::start_in(dir, Options::default().deployer(&talky)).await;
     let id = s.submit_ok("alice", json!({})).await;
     let mut sse = Sse::open(stream(&s, &format!("/v1/builds/{id}/events"))).await;
     let mut seen = vec![];
@@ -169,8 +157,7 @@ async fn two_hundred_subscribers_see_identical_gap_free_sequences() {
     let s = Server::start_in(
         dir,
         Options::default()
-            .arg("--deployer")
-            .arg(burst.to_str().unwrap())
+            .deployer(&burst)
             .arg("--max-sse-clients")
             .arg("500"),
     )
@@ -202,8 +189,7 @@ async fn a_subscriber_that_reads_nothing_does_not_hold_the_build() {
     let dir = temp_dir("slow");
     let deployer = script(&dir, "d.sh", &format!("{SCRIPT_PRELUDE}\nseq 1 300000 | sed 's/^/a fairly long log line to fill buffers quickly: /'\nprintf '%s' '{{\"nodes\":[]}}' > \"$BERTH_RESULT\""));
     let opts = Options::default()
-        .arg("--deployer")
-        .arg(deployer.to_str().unwrap())
+        .deployer(&deployer)
         .env("BERTH_LOG", "info,berth::events=debug");
     let s = Server::start_in(dir, opts).await;
     // Subscribe to the channel before the build exists... via a build queued

@@ -65,6 +65,11 @@ impl Options {
         self.args.push(a.to_string());
         self
     }
+    /// Runs builds with this deployer instead of the embedded `local` one.
+    pub fn deployer(self, path: &Path) -> Self {
+        self.arg("--deployer")
+            .arg(path.to_str().expect("a UTF-8 temp path"))
+    }
     pub fn env(mut self, k: &str, v: &str) -> Self {
         self.envs.push((k.into(), v.into()));
         self

@@ -9,8 +9,7 @@ fn gated(dir: &std::path::Path, slots: &str) -> (Options, std::path::PathBuf) {
     let (deployer, gates) = gated_deployer(dir);
     (
         Options::default()
-            .arg("--deployer")
-            .arg(deployer.to_str().unwrap())
+            .deployer(&deployer)
             .arg("--build-slots")
             .arg(slots),
         gates,

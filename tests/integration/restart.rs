@@ -12,8 +12,7 @@ async fn kill_9_mid_build_then_restart() {
     let mut s = Server::start_in(
         dir,
         Options::default()
-            .arg("--deployer")
-            .arg(deployer.to_str().unwrap())
+            .deployer(&deployer)
             .arg("--cancel-grace")
             .arg("1s"),
     )
@@ -63,8 +62,7 @@ async fn sigterm_waits_for_running_builds_then_exits() {
     let mut s = Server::start_in(
         dir,
         Options::default()
-            .arg("--deployer")
-            .arg(deployer.to_str().unwrap())
+            .deployer(&deployer)
             .arg("--shutdown-grace")
             .arg("20s"),
     )
