@@ -326,3 +326,62 @@ async fn deployment_fields_across_shapes() {
         assert_eq!(p["fields"][0]["pointer"], pointer, "{p}");
     }
 }
+
+#[tokio::test]
+async fn cancelling_a_local_deploy_stops_it_between_steps() {
+    let s = Server::start(Options::default().env("BERTH_LOCAL_STEP_MS", "300")).await;
+    let config = json!({"domain": "a.org", "applications": {"mastodon": {"enable": true}, "pixelfed": {"enable": true}, "forgejo": {"enable": true}}});
+    let id = s.submit_ok("alice", config).await;
+    s.wait_build(&id, "running").await;
+    eventually("the deploy is under way", || async {
+        s.log_text(&id).await.contains("evaluating node base")
+    })
+    .await;
+    s.post(&format!("/v1/builds/{id}/cancel"), &json!({}))
+        .send()
+        .await
+        .unwrap();
+    let b = s.wait_build(&id, "final").await;
+    assert_eq!(b["status"], "cancelled");
+    let log = s.log_text(&id).await;
+    assert!(
+        log.contains("received SIGTERM: stopping between steps"),
+        "{log}"
+    );
+    assert!(!log.contains("deployment alice is active"), "{log}");
+    // The state file it leaves is whole JSON.
+    let state = std::fs::read_to_string(s.dir.join("data/work/alice/state.json"))
+        .unwrap_or_else(|_| "{}".into());
+    serde_json::from_str::<Value>(&state).expect("a consistent state file");
+}
+
+#[tokio::test]
+async fn a_verbose_deploy_is_capped_not_failed() {
+    let dir = temp_dir("cap");
+    let deployer = script(&dir, "d.sh", &format!("{SCRIPT_PRELUDE}\nseq 1 1000 | sed 's/^/line /'\nprintf '%s' '{{\"nodes\":[]}}' > \"$BERTH_RESULT\""));
+    let s = Server::start_in(
+        dir,
+        Options::default()
+            .deployer(&deployer)
+            .arg("--max-log-bytes")
+            .arg("1000"),
+    )
+    .await;
+    let id = s.submit_ok("alice", json!({})).await;
+    let b = s.wait_build(&id, "final").await;
+    assert_eq!(
+        b["status"], "succeeded",
+        "a deploy must not fail because it was verbose"
+    );
+    let log = s.log_text(&id).await;
+    let last = log.lines().last().unwrap();
+    assert!(
+        last.starts_with("[berth] ")
+            && last.contains("not stored: the log reached --max-log-bytes"),
+        "{last}"
+    );
+    // Lines up to the cap are kept whole, in order.
+    assert!(log.starts_with("line 1\nline 2\n"));
+    assert!(log.len() <= 1000 + last.len() + 1);
+    assert_eq!(b["log_bytes"].as_u64().unwrap() as usize, log.len());
+}

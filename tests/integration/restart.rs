@@ -69,6 +69,8 @@ async fn sigterm_waits_for_running_builds_then_exits() {
     .await;
     let b = s.submit_ok("alice", json!({})).await;
     s.wait_build(&b, "running").await;
+    let mut stream = Sse::open(s.get("/v1/deployments/alice/events")).await;
+    assert_eq!(stream.next().await.unwrap().event, "deployment");
     let gates2 = gates.clone();
     let opener = std::thread::spawn(move || {
         std::thread::sleep(std::time::Duration::from_millis(500));
@@ -77,6 +79,10 @@ async fn sigterm_waits_for_running_builds_then_exits() {
     let status = s.terminate();
     opener.join().unwrap();
     assert!(status.success(), "{status:?}");
+    // Open streams are closed cleanly at shutdown.
+    while let Some(e) = stream.next().await {
+        assert_ne!(e.event, "resync_required");
+    }
     s.launch().await;
     assert_eq!(
         s.build(&b).await["status"],
