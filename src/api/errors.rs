@@ -171,6 +171,20 @@ impl From<StoreError> for ApiError {
             StoreErrorKind::Closed => {
                 ApiError::new(Code::Unavailable, "the store is shutting down").retry_after(1)
             }
+            StoreErrorKind::Reopening => ApiError::new(
+                Code::Unavailable,
+                "the store is reopening after an I/O error; nothing was stored",
+            )
+            .retry_after(1),
+            StoreErrorKind::Io => {
+                tracing::error!(error = %e, "store I/O error");
+                ApiError::new(
+                    Code::Unavailable,
+                    "the store hit an I/O error; nothing was stored",
+                )
+                .reason("storage_io")
+                .retry_after(5)
+            }
             _ => {
                 tracing::error!(error = %e, "store failure");
                 ApiError::internal()

@@ -30,6 +30,9 @@ const LOG_ZSTD_LEVEL: i32 = 3;
 const LINE_QUEUE: usize = 4096;
 /// Largest SBOM file read from a deployer (sbom.md).
 pub const MAX_SBOM_BYTES: u64 = 64 * 1024 * 1024;
+/// Pauses between attempts of a build's final commit (a full disk).
+const FINAL_COMMIT_FIRST_PAUSE: Duration = Duration::from_millis(100);
+const FINAL_COMMIT_MAX_PAUSE: Duration = Duration::from_secs(30);
 /// How often the queue looks again even without a wake-up.
 const QUEUE_POLL: Duration = Duration::from_secs(1);
 
@@ -303,82 +306,108 @@ impl Engine {
             .fetch_add(outcome.log.stored_bytes, Ordering::Relaxed);
         let build_id = build.id;
         let kind = build.kind;
-        let result = self
-            .store
-            .write(move |tx| {
-                let Some(mut b) = tx.build(build_id)? else {
-                    return Ok(());
-                };
-                let now = now_millis();
-                if let Some(chunk) = &last_chunk {
-                    tx.put_log_chunk(build_id, chunk.number, chunk.first_line, &chunk.compressed)?;
-                    b.log_bytes += chunk.bytes;
-                    b.log_lines += chunk.lines;
-                    b.log_chunks = chunk.number + 1;
-                }
-                // Ids sent live are never reused, even for lines a failed
-                // disk could not keep.
-                b.event_seq = b.event_seq.max(last_seq_used);
-                let publish = hub.clone();
-                tx.after_commit(move || {
-                    let channel = Channel::Build(build_id);
-                    for frame in late_frames {
-                        publish.publish(&channel, frame);
+        // The final commit is retried until it lands (a full disk that
+        // recovers): a build must not stay `running` without a job.
+        let last_chunk = Arc::new(last_chunk);
+        let late_frames = Arc::new(late_frames);
+        let mut pause = FINAL_COMMIT_FIRST_PAUSE;
+        let result = loop {
+            let (last_chunk, late_frames, failure, hub) = (
+                last_chunk.clone(),
+                late_frames.clone(),
+                failure.clone(),
+                hub.clone(),
+            );
+            let attempt = self
+                .store
+                .write(move |tx| {
+                    let Some(mut b) = tx.build(build_id)? else {
+                        return Ok(());
+                    };
+                    let now = now_millis();
+                    if let Some(chunk) = last_chunk.as_ref() {
+                        tx.put_log_chunk(
+                            build_id,
+                            chunk.number,
+                            chunk.first_line,
+                            &chunk.compressed,
+                        )?;
+                        b.log_bytes += chunk.bytes;
+                        b.log_lines += chunk.lines;
+                        b.log_chunks = chunk.number + 1;
                     }
-                    publish.committed(build_id, last_seq_used);
-                });
-                b.status = status;
-                b.finished_at = Some(now);
-                b.failure = failure;
-                b.exit_code = exit_code;
-                events::build_status(tx, &hub, &mut b, now)?;
-                tx.put_build(&b)?;
-                if let Some(mut d) = tx.deployment(&b.deployment)? {
-                    release_pending(&mut d, b.kind);
-                    if d.running == Some(build_id) {
-                        d.running = None;
-                    }
-                    d.last_finished = Some(LastFinished {
-                        build_id,
-                        kind: b.kind,
-                        status,
+                    // Ids sent live are never reused, even for lines a failed
+                    // disk could not keep.
+                    b.event_seq = b.event_seq.max(last_seq_used);
+                    let publish = hub.clone();
+                    tx.after_commit(move || {
+                        let channel = Channel::Build(build_id);
+                        for frame in late_frames.iter() {
+                            publish.publish(&channel, frame.clone());
+                        }
+                        publish.committed(build_id, last_seq_used);
                     });
-                    let succeeded = status == BuildStatus::Succeeded;
-                    match (b.kind, succeeded) {
-                        (BuildKind::Deploy, true) => {
-                            d.deployed = Some(Deployed {
-                                build_id,
-                                snapshot: b.snapshot.clone(),
-                                method: b.method.clone(),
-                                finished_at: now,
-                            });
+                    b.status = status;
+                    b.finished_at = Some(now);
+                    b.failure = failure;
+                    b.exit_code = exit_code;
+                    events::build_status(tx, &hub, &mut b, now)?;
+                    tx.put_build(&b)?;
+                    if let Some(mut d) = tx.deployment(&b.deployment)? {
+                        release_pending(&mut d, b.kind);
+                        if d.running == Some(build_id) {
+                            d.running = None;
                         }
-                        (BuildKind::Destroy, true) => {
-                            d.deployed = None;
-                            d.suspended = false;
+                        d.last_finished = Some(LastFinished {
+                            build_id,
+                            kind: b.kind,
+                            status,
+                        });
+                        let succeeded = status == BuildStatus::Succeeded;
+                        match (b.kind, succeeded) {
+                            (BuildKind::Deploy, true) => {
+                                d.deployed = Some(Deployed {
+                                    build_id,
+                                    snapshot: b.snapshot.clone(),
+                                    method: b.method.clone(),
+                                    finished_at: now,
+                                });
+                            }
+                            (BuildKind::Destroy, true) => {
+                                d.deployed = None;
+                                d.suspended = false;
+                            }
+                            _ => {}
                         }
-                        _ => {}
+                        d.revision += 1;
+                        d.updated_at = now;
+                        events::deployment_changed(tx, &hub, &mut d, Some(&b), now)?;
+                        tx.put_deployment(&d)?;
                     }
-                    d.revision += 1;
-                    d.updated_at = now;
-                    events::deployment_changed(tx, &hub, &mut d, Some(&b), now)?;
-                    tx.put_deployment(&d)?;
-                }
-                if b.kind == BuildKind::Destroy {
-                    match (status == BuildStatus::Succeeded, tx.callback(build_id)?) {
-                        (true, Some(mut c)) => {
-                            c.armed = true;
-                            c.next_at = now;
-                            c.first_at = now;
-                            tx.put_callback(build_id, &c)?;
+                    if b.kind == BuildKind::Destroy {
+                        match (status == BuildStatus::Succeeded, tx.callback(build_id)?) {
+                            (true, Some(mut c)) => {
+                                c.armed = true;
+                                c.next_at = now;
+                                c.first_at = now;
+                                tx.put_callback(build_id, &c)?;
+                            }
+                            (false, Some(_)) => tx.remove_callback(build_id)?,
+                            _ => {}
                         }
-                        (false, Some(_)) => tx.remove_callback(build_id)?,
-                        _ => {}
                     }
+                    Ok(())
+                })
+                .await;
+            match attempt {
+                Err(e) if e.is_transient() && !self.stopping.load(Ordering::SeqCst) => {
+                    tracing::warn!(error = %e, build = %format_build_id(build_id), "final commit of a build failed; retrying");
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(FINAL_COMMIT_MAX_PAUSE);
                 }
-                Ok(())
-            })
-            .await;
+                other => break other,
+            }
+        };
         if let Err(e) = result {
             // The build stays `running` in the store; the next start's
             // recovery fails it with `interrupted_by_restart`.

@@ -35,6 +35,10 @@ const MAX_JOBS_PER_COMMIT: usize = 256;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StoreErrorKind {
     DiskFull,
+    /// Another I/O error; the store reopens its file after one.
+    Io,
+    /// The file is being reopened after an I/O error; try again shortly.
+    Reopening,
     Corrupt,
     Closed,
     Other,
@@ -61,12 +65,29 @@ impl StoreError {
             detail: detail.into(),
         }
     }
+    /// A failure that may pass by itself (a full disk, an I/O error, a reopen).
+    pub fn is_transient(&self) -> bool {
+        matches!(
+            self.kind,
+            StoreErrorKind::DiskFull | StoreErrorKind::Io | StoreErrorKind::Reopening
+        )
+    }
+    fn reopening() -> Self {
+        Self {
+            kind: StoreErrorKind::Reopening,
+            detail: "the store is reopening its file after an I/O error".into(),
+        }
+    }
     fn closed() -> Self {
         Self {
             kind: StoreErrorKind::Closed,
             detail: "the store writer has stopped".into(),
         }
     }
+}
+
+fn is_io(text: &str) -> bool {
+    text.contains("I/O error") || text.contains("Previous I/O error")
 }
 
 fn is_disk_full(text: &str) -> bool {
@@ -78,8 +99,14 @@ macro_rules! from_redb {
         impl From<$t> for StoreError {
             fn from(e: $t) -> Self {
                 let detail = e.to_string();
-                let kind = if is_disk_full(&detail) || is_disk_full(&format!("{e:?}")) {
+                let debug = format!("{e:?}");
+                let kind = if is_disk_full(&detail) || is_disk_full(&debug) {
                     StoreErrorKind::DiskFull
+                } else if detail.contains("has been closed") {
+                    // A read that raced a reopen after an I/O error.
+                    StoreErrorKind::Reopening
+                } else if is_io(&detail) || debug.contains("Io(") {
+                    StoreErrorKind::Io
                 } else {
                     StoreErrorKind::Other
                 };
@@ -103,7 +130,12 @@ type Completion = Box<dyn FnOnce(Option<StoreError>) + Send>;
 /// Work to run after the transaction that queued it is durable (publishing
 /// events to live subscribers), in commit order.
 pub type Hook = Box<dyn FnOnce() + Send>;
-type WriteJob = Box<dyn FnOnce(&WriteTransaction) -> (Completion, bool, Vec<Hook>) + Send>;
+/// Runs one job; returns its completion, the store error it failed with (if
+/// any: the batch then aborts), and its after-commit hooks.
+type WriteJob = Box<
+    dyn FnOnce(Result<&WriteTransaction, StoreError>) -> (Completion, Option<StoreError>, Vec<Hook>)
+        + Send,
+>;
 
 /// A stored response to a mutation, replayed for the same idempotency key.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -128,30 +160,101 @@ pub struct PendingCallback {
     pub first_at: Millis,
 }
 
+/// The open database, swapped for a fresh handle after an I/O error: redb
+/// refuses every call after one ("close and re-open the database"), and a
+/// full disk must not need a restart of berth.
+struct Shared {
+    path: std::path::PathBuf,
+    db: std::sync::RwLock<Option<Arc<Database>>>,
+    /// While the file cannot be opened for writing (a full disk), reads go
+    /// through a read-only handle.
+    read_only: std::sync::RwLock<Option<Arc<redb::ReadOnlyDatabase>>>,
+}
+
+impl Shared {
+    fn current(&self) -> Option<Arc<Database>> {
+        self.db.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Drops the poisoned handle and opens the file again; retries while
+    /// old read transactions still hold the file. Leaves `None` when it
+    /// cannot open yet (the next write tries again).
+    fn reopen(&self) {
+        let old = self.db.write().unwrap_or_else(|p| p.into_inner()).take();
+        drop(old);
+        // The read-only handle (if any) would keep the writer out.
+        let old_ro = self
+            .read_only
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        drop(old_ro);
+        for _ in 0..REOPEN_ATTEMPTS {
+            match open_database(&self.path) {
+                Ok(db) => {
+                    tracing::warn!(path = %self.path.display(), "store reopened after an I/O error");
+                    *self.db.write().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(db));
+                    return;
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "store reopen: not yet");
+                    std::thread::sleep(REOPEN_PAUSE);
+                }
+            }
+        }
+        match Database::builder()
+            .set_concurrency_mode(redb::ConcurrencyMode::SingleWriter)
+            .open_read_only(&self.path)
+        {
+            Ok(ro) => {
+                *self.read_only.write().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(ro));
+                tracing::error!(path = %self.path.display(), "cannot reopen the store for writing yet (disk full?); serving reads only");
+            }
+            Err(e) => {
+                tracing::error!(path = %self.path.display(), error = %e, "cannot reopen the store yet; answering 503 until it can")
+            }
+        }
+    }
+}
+
+/// How often, and how far apart, a reopen is tried in one go.
+const REOPEN_ATTEMPTS: usize = 10;
+/// How long a read waits for a reopen in progress (x `REOPEN_PAUSE`).
+const READ_WAIT_ATTEMPTS: usize = 100;
+const REOPEN_PAUSE: std::time::Duration = std::time::Duration::from_millis(10);
+
+fn open_database(path: &Path) -> StoreResult<Database> {
+    Ok(Database::builder()
+        .set_concurrency_mode(redb::ConcurrencyMode::SingleWriter)
+        .create(path)?)
+}
+
 #[derive(Clone)]
 pub struct Store {
-    db: Arc<Database>,
+    shared: Arc<Shared>,
     writer: mpsc::Sender<WriteJob>,
 }
 
 impl Store {
     /// Opens (or creates) the store and starts its writer thread.
     pub fn open(path: &Path) -> StoreResult<Store> {
-        let db = Database::builder()
-            .set_concurrency_mode(redb::ConcurrencyMode::SingleWriter)
-            .create(path)?;
-        let db = Arc::new(db);
+        let db = open_database(path)?;
         init_schema(&db)?;
+        let shared = Arc::new(Shared {
+            path: path.to_path_buf(),
+            db: std::sync::RwLock::new(Some(Arc::new(db))),
+            read_only: std::sync::RwLock::new(None),
+        });
         let (tx, rx) = mpsc::channel::<WriteJob>(WRITE_QUEUE_DEPTH);
-        let writer_db = db.clone();
+        let writer_shared = shared.clone();
         std::thread::Builder::new()
             .name("berth-store-writer".into())
-            .spawn(move || writer_loop(writer_db, rx))
+            .spawn(move || writer_loop(writer_shared, rx))
             .map_err(|e| StoreError {
                 kind: StoreErrorKind::Other,
                 detail: e.to_string(),
             })?;
-        Ok(Store { db, writer: tx })
+        Ok(Store { shared, writer: tx })
     }
 
     /// Runs `job` inside the next group commit and returns its value once the
@@ -162,13 +265,22 @@ impl Store {
         F: FnOnce(&Tx) -> StoreResult<T> + Send + 'static,
     {
         let (done_tx, done_rx) = oneshot::channel::<StoreResult<T>>();
-        let wrapped: WriteJob = Box::new(move |txn: &WriteTransaction| {
+        let wrapped: WriteJob = Box::new(move |txn: Result<&WriteTransaction, StoreError>| {
+            let txn = match txn {
+                Ok(t) => t,
+                Err(e) => {
+                    let completion: Completion = Box::new(move |_| {
+                        let _ = done_tx.send(Err(e));
+                    });
+                    return (completion, None, Vec::new());
+                }
+            };
             let tx = Tx {
                 txn,
                 hooks: std::cell::RefCell::new(Vec::new()),
             };
             let result = job(&tx);
-            let failed = result.is_err();
+            let failed = result.as_ref().err().cloned();
             let hooks = tx.hooks.into_inner();
             let completion: Completion = Box::new(move |commit_error| {
                 let outcome = match commit_error {
@@ -187,9 +299,28 @@ impl Store {
     }
 
     pub fn read(&self) -> StoreResult<Rx> {
-        Ok(Rx {
-            txn: self.db.begin_read()?,
-        })
+        // A reopen after an I/O error takes some milliseconds: a read waits
+        // for it rather than failing.
+        for _ in 0..READ_WAIT_ATTEMPTS {
+            if let Some(db) = self.shared.current() {
+                return Ok(Rx {
+                    txn: db.begin_read()?,
+                });
+            }
+            let ro = self
+                .shared
+                .read_only
+                .read()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone();
+            if let Some(ro) = ro {
+                return Ok(Rx {
+                    txn: ro.begin_read()?,
+                });
+            }
+            std::thread::sleep(REOPEN_PAUSE);
+        }
+        Err(StoreError::reopening())
     }
 
     /// Bytes the store file takes on disk.
@@ -237,7 +368,7 @@ fn init_schema(db: &Database) -> StoreResult<()> {
     Ok(())
 }
 
-fn writer_loop(db: Arc<Database>, mut rx: mpsc::Receiver<WriteJob>) {
+fn writer_loop(shared: Arc<Shared>, mut rx: mpsc::Receiver<WriteJob>) {
     while let Some(first) = rx.blocking_recv() {
         let mut batch = vec![first];
         while batch.len() < MAX_JOBS_PER_COMMIT {
@@ -246,56 +377,71 @@ fn writer_loop(db: Arc<Database>, mut rx: mpsc::Receiver<WriteJob>) {
                 Err(_) => break,
             }
         }
+        let db = match shared.current() {
+            Some(db) => db,
+            None => {
+                shared.reopen();
+                match shared.current() {
+                    Some(db) => db,
+                    None => {
+                        for job in batch {
+                            let (completion, _, _) = job(Err(StoreError::reopening()));
+                            completion(None);
+                        }
+                        continue;
+                    }
+                }
+            }
+        };
         let txn = match db.begin_write() {
             Ok(t) => t,
             Err(e) => {
                 let err = StoreError::from(e);
-                // Jobs never ran; answer each with the error.
-                let noop = WriteTransactionless(err);
+                tracing::error!(error = %err, "store write transaction could not start");
                 for job in batch {
-                    noop.fail(job);
+                    let (completion, _, _) = job(Err(err.clone()));
+                    completion(None);
+                }
+                if matches!(err.kind, StoreErrorKind::Io | StoreErrorKind::DiskFull) {
+                    drop(db);
+                    shared.reopen();
                 }
                 continue;
             }
         };
         let mut completions = Vec::with_capacity(batch.len());
         let mut hooks = Vec::new();
-        let mut storage_failed = false;
+        let mut failure: Option<StoreError> = None;
         for job in batch {
-            let (completion, failed, job_hooks) = job(&txn);
-            storage_failed |= failed;
+            let (completion, failed, job_hooks) = job(Ok(&txn));
+            if failure.is_none() {
+                failure = failed;
+            }
             completions.push(completion);
             hooks.extend(job_hooks);
         }
-        let commit_error = if storage_failed {
-            // A job failed part-way: nothing of this batch may land.
-            let _ = txn.abort();
-            Some(StoreError {
-                kind: StoreErrorKind::Other,
-                detail: "batch aborted after a storage error".into(),
-            })
-        } else {
-            txn.commit().err().map(StoreError::from)
+        let commit_error = match failure {
+            Some(f) => {
+                // A job failed part-way: nothing of this batch may land.
+                let _ = txn.abort();
+                Some(f)
+            }
+            None => txn.commit().err().map(StoreError::from),
         };
         match &commit_error {
             Some(e) => tracing::error!(error = %e, "store commit failed"),
             None => hooks.into_iter().for_each(|hook| hook()),
         }
+        let poisoned = commit_error
+            .as_ref()
+            .is_some_and(|e| matches!(e.kind, StoreErrorKind::Io | StoreErrorKind::DiskFull));
         for completion in completions {
             completion(commit_error.clone());
         }
-    }
-}
-
-/// Answers jobs that could not get a transaction at all.
-struct WriteTransactionless(StoreError);
-
-impl WriteTransactionless {
-    fn fail(&self, job: WriteJob) {
-        // We cannot run the job without a transaction; dropping it drops its
-        // sender, which the waiting caller sees as `Closed`. Log the cause.
-        tracing::error!(error = %self.0, "store write transaction could not start");
-        drop(job);
+        if poisoned {
+            drop(db);
+            shared.reopen();
+        }
     }
 }
 

@@ -6,6 +6,7 @@ mod harness;
 mod bad_input;
 mod deploy;
 mod deployers;
+mod disk;
 mod events;
 mod queue;
 mod restart;

@@ -1,0 +1,105 @@
+//! A full disk (storage.md): the mutation that hits it answers 503 and
+//! stores nothing, reads keep working, and berth recovers by itself when
+//! space returns. Runs on a small tmpfs (needs root, as CI has).
+
+use std::process::Command;
+
+use serde_json::json;
+
+use crate::harness::*;
+
+struct Mount(std::path::PathBuf);
+
+impl Drop for Mount {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+    }
+}
+
+#[tokio::test]
+async fn a_full_disk_refuses_writes_keeps_reads_and_recovers() {
+    let dir = temp_dir("disk");
+    // Only the data dir is small: the server's own log stays writable.
+    let data = dir.join("data");
+    std::fs::create_dir_all(&data).unwrap();
+    let mounted = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=4m", "tmpfs"])
+        .arg(&data)
+        .status();
+    if !mounted.is_ok_and(|s| s.success()) {
+        eprintln!("skipped: cannot mount a tmpfs here (not root?)");
+        return;
+    }
+    let _mount = Mount(data.clone());
+    let filler = data.join("filler");
+    std::fs::write(&filler, vec![0u8; 1_500_000]).unwrap();
+    let s = Server::start_in(
+        dir.clone(),
+        Options::default()
+            .arg("--eval-slots")
+            .arg("0")
+            .arg("--build-slots")
+            .arg("1"),
+    )
+    .await;
+    let pad = "x".repeat(60_000);
+    let (mut stored, mut refused_full) = (0, 0);
+    for i in 0..200 {
+        let (status, body) = s
+            .submit(
+                &format!("d{i}"),
+                json!({"configuration": {"pad": pad}, "mode": "enqueue"}),
+            )
+            .await;
+        match status {
+            202 => stored += 1,
+            503 => {
+                assert_eq!(body["code"], "unavailable", "{body}");
+                if body["reason"] == "disk_full" {
+                    refused_full += 1;
+                }
+                if refused_full >= 3 {
+                    break;
+                }
+            }
+            other => panic!("a full disk must answer 503, not {other}: {body}"),
+        }
+    }
+    assert!(refused_full > 0, "the disk never filled");
+    // Reads keep working, and only what was acknowledged is there.
+    let (status, list) = s.json("/v1/deployments?limit=200").await;
+    assert_eq!(status, 200, "{list}");
+    assert_eq!(list["items"].as_array().unwrap().len(), stored);
+    // Space returns: writes work again, without a restart.
+    std::fs::remove_file(&filler).unwrap();
+    eventually("writes work again", || async {
+        s.submit("after", json!({"configuration": {}, "mode": "enqueue"}))
+            .await
+            .0
+            == 202
+    })
+    .await;
+    let (_, list) = s.json("/v1/deployments?limit=200").await;
+    assert_eq!(list["items"].as_array().unwrap().len(), stored + 1);
+    // Nothing is left `running` without a job: every build ends.
+    eventually("every build finishes", || async {
+        let (_, list) = s.json("/v1/deployments?limit=200").await;
+        let mut all_final = true;
+        for d in list["items"].as_array().unwrap() {
+            let (_, builds) = s
+                .json(&format!(
+                    "/v1/deployments/{}/builds",
+                    d["id"].as_str().unwrap()
+                ))
+                .await;
+            for b in builds["items"].as_array().unwrap() {
+                all_final &= matches!(
+                    b["status"].as_str(),
+                    Some("succeeded" | "failed" | "cancelled")
+                );
+            }
+        }
+        all_final
+    })
+    .await;
+}
