@@ -51,6 +51,10 @@ impl Engine {
         if self.stopping.load(Ordering::SeqCst) {
             return Ok(());
         }
+        // Every slot busy: nothing to start, and no need to read the queue.
+        if lock(&self.sched).running.len() >= usize::from(self.settings.build_slots) {
+            return Ok(());
+        }
         let queued = self.store.read()?.queued()?;
         let mut sched = lock(&self.sched);
         let slots = usize::from(self.settings.build_slots);
