@@ -69,6 +69,9 @@ pub struct Problem {
     pub retry_after: Option<u32>,
     pub allow: Option<String>,
     pub content_range: Option<String>,
+    /// A read that raced the store's reopen: the same request may simply
+    /// run again.
+    pub retry_read: bool,
 }
 
 /// The deployer's own explanation is cut to this many characters.
@@ -98,6 +101,7 @@ impl ApiError {
             retry_after: None,
             allow: None,
             content_range: None,
+            retry_read: false,
         }))
     }
     pub fn reason(mut self, reason: &str) -> Self {
@@ -171,11 +175,15 @@ impl From<StoreError> for ApiError {
             StoreErrorKind::Closed => {
                 ApiError::new(Code::Unavailable, "the store is shutting down").retry_after(1)
             }
-            StoreErrorKind::Reopening => ApiError::new(
-                Code::Unavailable,
-                "the store is reopening after an I/O error; nothing was stored",
-            )
-            .retry_after(1),
+            StoreErrorKind::Reopening => {
+                let mut e = ApiError::new(
+                    Code::Unavailable,
+                    "the store is reopening after an I/O error; nothing was stored",
+                )
+                .retry_after(1);
+                e.retry_read = true;
+                e
+            }
             StoreErrorKind::Io => {
                 tracing::error!(error = %e, "store I/O error");
                 ApiError::new(

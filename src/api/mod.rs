@@ -33,6 +33,8 @@ use errors::{ApiError, Code};
 pub const MAX_HEADER_BYTES: usize = 16 * 1024;
 /// A JSON body may nest this deep at most.
 pub const MAX_JSON_DEPTH: usize = 64;
+/// Times a GET that raced a store reopen is run again.
+const READ_RETRIES: u32 = 5;
 
 /// Every route berth serves: (method, template). `{x}` matches one segment.
 pub const ROUTES: &[(&str, &str)] = &[
@@ -316,9 +318,17 @@ where
         body,
         request_id: request_id.to_string(),
     };
-    match route_to_handler(ctx, &req).await {
-        Ok(r) => Ok((route, r)),
-        Err(e) => fail(e),
+    // A read that raced a store reopen (after an I/O error) runs again.
+    let mut attempts = 0;
+    loop {
+        match route_to_handler(ctx, &req).await {
+            Ok(r) => return Ok((route, r)),
+            Err(e) if e.retry_read && req.method == Method::GET && attempts < READ_RETRIES => {
+                attempts += 1;
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
+            Err(e) => return fail(e),
+        }
     }
 }
 
