@@ -269,6 +269,7 @@ impl Engine {
             log,
             disk_failure,
             user_cancelled,
+            not_started: None,
         };
         if ended == Ended::Exit(0) {
             outcome.result = Some(read_deploy_result(&outcome.root, build.kind));
@@ -599,17 +600,24 @@ struct Outcome {
     log: LogBuffer,
     disk_failure: Option<String>,
     user_cancelled: bool,
+    /// Why the deployer could not even be started.
+    not_started: Option<Failure>,
 }
 
 impl Outcome {
+    /// The deployer never ran (its directories or its process could not be made).
     fn failed(root: &std::path::Path, reason: &str, detail: String, log: LogBuffer) -> Outcome {
         Outcome {
             root: root.to_path_buf(),
             ended: Ended::Exit(-1),
-            result: Some(Err(format!("{reason}\u{0}{detail}"))),
+            result: None,
             log,
             disk_failure: None,
             user_cancelled: false,
+            not_started: Some(Failure {
+                reason: reason.into(),
+                detail,
+            }),
         }
     }
 
@@ -620,6 +628,9 @@ impl Outcome {
                 detail,
             })
         };
+        if let Some(f) = &self.not_started {
+            return (BuildStatus::Failed, Some(f.clone()), None);
+        }
         if let Some(reason) = &self.disk_failure {
             return (
                 BuildStatus::Failed,
@@ -667,17 +678,11 @@ impl Outcome {
                     Some(0),
                 ),
             },
-            Ended::Exit(-1) => match &self.result {
-                Some(Err(e)) => {
-                    let (reason, detail) = e.split_once('\u{0}').unwrap_or(("exit_status", e));
-                    (BuildStatus::Failed, fail(reason, detail.to_string()), None)
-                }
-                _ => (
-                    BuildStatus::Failed,
-                    fail("exit_status", "the deployer ended abnormally".into()),
-                    None,
-                ),
-            },
+            Ended::Exit(-1) => (
+                BuildStatus::Failed,
+                fail("exit_status", "the deployer ended abnormally".into()),
+                None,
+            ),
             Ended::Exit(code) => (
                 BuildStatus::Failed,
                 fail(

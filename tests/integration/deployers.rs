@@ -300,3 +300,34 @@ async fn sources_are_immutable_and_origins_checked() {
     let (status, _) = s.json("/v1/deployments/carol").await;
     assert_eq!(status, 404);
 }
+
+#[tokio::test]
+async fn a_deployer_that_cannot_start_fails_the_build() {
+    let dir = temp_dir("vanish");
+    let (deployer, gates) = gated_deployer(&dir);
+    let s = Server::start_in(
+        dir,
+        Options::default()
+            .deployer(&deployer)
+            .arg("--build-slots")
+            .arg("1"),
+    )
+    .await;
+    let first = s.submit_ok("alice", json!({})).await;
+    s.wait_build(&first, "running").await;
+    let second = s.submit_ok("bob", json!({})).await;
+    // The executable goes away while bob waits for the slot.
+    std::fs::remove_file(&deployer).unwrap();
+    open_gate(&gates, "alice");
+    s.wait_build(&first, "succeeded").await;
+    let b = s.wait_build(&second, "final").await;
+    assert_eq!(b["status"], "failed");
+    assert_eq!(b["failure"]["reason"], "spawn_failed", "{b}");
+    assert!(s
+        .log_text(&second)
+        .await
+        .contains("cannot start the deployer"));
+    // The server keeps serving and the deployment can be retried later.
+    let (status, _) = s.json("/v1/deployments/bob").await;
+    assert_eq!(status, 200);
+}
