@@ -62,13 +62,41 @@ enum Stop {
 /// Gathers encoded events and writes them to the client in as few writes
 /// as it can (one write when many lines arrived together).
 struct Writer {
-    tx: mpsc::Sender<Result<Bytes, Infallible>>,
+    tx: mpsc::Sender<Control>,
     parts: Vec<Bytes>,
     size: usize,
     last_write: Instant,
 }
 
 impl Writer {
+    /// A writer only used to gather bytes (in the body's poll).
+    fn detached() -> Writer {
+        let (tx, _) = mpsc::channel(1);
+        Writer {
+            tx,
+            parts: Vec::new(),
+            size: 0,
+            last_write: Instant::now(),
+        }
+    }
+
+    /// The gathered bytes as one buffer, if any.
+    fn take(&mut self) -> Option<Bytes> {
+        let bytes = match self.parts.len() {
+            0 => return None,
+            1 => self.parts.pop().expect("one part"),
+            _ => {
+                let mut joined = Vec::with_capacity(self.size);
+                for p in self.parts.drain(..) {
+                    joined.extend_from_slice(&p);
+                }
+                Bytes::from(joined)
+            }
+        };
+        self.size = 0;
+        Some(bytes)
+    }
+
     fn push(&mut self, frame: &Frame) {
         self.size += frame.encoded().len();
         self.parts.push(frame.encoded().clone());
@@ -100,19 +128,13 @@ impl Writer {
         self.parts.push(Bytes::from(text.to_string()));
     }
     async fn flush(&mut self) -> Result<(), Stop> {
-        let bytes = match self.parts.len() {
-            0 => return Ok(()),
-            1 => self.parts.pop().expect("one part"),
-            _ => {
-                let mut joined = Vec::with_capacity(self.size);
-                for p in self.parts.drain(..) {
-                    joined.extend_from_slice(&p);
-                }
-                Bytes::from(joined)
-            }
+        let Some(bytes) = self.take() else {
+            return Ok(());
         };
-        self.size = 0;
-        self.tx.send(Ok(bytes)).await.map_err(|_| Stop::Closed)?;
+        self.tx
+            .send(Control::Bytes(bytes))
+            .await
+            .map_err(|_| Stop::Closed)?;
         self.last_write = Instant::now();
         Ok(())
     }
@@ -128,6 +150,84 @@ fn resync(reason: &str) -> String {
     format!("event: resync_required\ndata: {{\"reason\":\"{reason}\"}}\n\n")
 }
 
+/// What the producer task tells the HTTP body.
+enum Control {
+    /// Replayed or catch-up events, keep-alives, `resync_required`, `end`.
+    Bytes(Bytes),
+    /// From here on the body reads the hub queue itself, after seq `last`.
+    Live {
+        rx: mpsc::Receiver<Arc<Batch>>,
+        last: u64,
+    },
+}
+
+/// The HTTP body of a stream. Replay and catch-up come from the producer
+/// task; live batches are read from the hub queue right here, in the
+/// connection's own task, so a live line costs one wake-up per client, not
+/// two. When the hub drops this subscriber (it fell behind), the body tells
+/// the producer where it stopped, and the producer catches up.
+pub struct SseBody {
+    control: mpsc::Receiver<Control>,
+    live: Option<(mpsc::Receiver<Arc<Batch>>, u64)>,
+    behind: mpsc::Sender<u64>,
+    finished: bool,
+}
+
+impl futures_util::Stream for SseBody {
+    type Item = Result<Bytes, Infallible>;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        use std::task::Poll;
+        let this = &mut *self;
+        loop {
+            if this.finished {
+                return Poll::Ready(None);
+            }
+            match this.control.poll_recv(cx) {
+                Poll::Ready(Some(Control::Bytes(b))) => return Poll::Ready(Some(Ok(b))),
+                Poll::Ready(Some(Control::Live { rx, last })) => {
+                    this.live = Some((rx, last));
+                    continue;
+                }
+                // The producer stopped (shutdown, a revoked credential, end).
+                Poll::Ready(None) => return Poll::Ready(None),
+                Poll::Pending => {}
+            }
+            let Some((rx, last)) = this.live.as_mut() else {
+                return Poll::Pending;
+            };
+            match rx.poll_recv(cx) {
+                Poll::Ready(Some(batch)) => {
+                    let mut out = Writer::detached();
+                    let mut next = Some(batch);
+                    while let Some(batch) = next.take() {
+                        if let Some(final_frame) = out.push_batch(&batch, last) {
+                            out.raw(&end_text(&final_frame));
+                            this.finished = true;
+                            break;
+                        }
+                        if out.size < MAX_WRITE {
+                            next = rx.try_recv().ok();
+                        }
+                    }
+                    if let Some(bytes) = out.take() {
+                        return Poll::Ready(Some(Ok(bytes)));
+                    }
+                }
+                Poll::Ready(None) => {
+                    // Dropped by the hub: hand back to the producer to catch up.
+                    let (_, last) = this.live.take().expect("live");
+                    let _ = this.behind.try_send(last);
+                }
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+    }
+}
+
 /// Starts a producer; returns the body stream for the HTTP response.
 pub fn spawn(
     engine: Arc<Engine>,
@@ -135,8 +235,9 @@ pub fn spawn(
     cursor: Option<String>,
     reauthorize: Reauthorize,
     slot: ClientSlot,
-) -> tokio_stream::wrappers::ReceiverStream<Result<Bytes, Infallible>> {
-    let (tx, rx) = mpsc::channel(BODY_QUEUE);
+) -> SseBody {
+    let (tx, control) = mpsc::channel(BODY_QUEUE);
+    let (behind, mut behind_rx) = mpsc::channel(1);
     tokio::spawn(async move {
         let _slot = slot;
         let mut w = Writer {
@@ -147,14 +248,21 @@ pub fn spawn(
         };
         w.raw("retry: 2000\n\n");
         let _ = match channel {
-            Channel::Build(id) => build_stream(&engine, id, cursor, &reauthorize, &mut w).await,
+            Channel::Build(id) => {
+                build_stream(&engine, id, cursor, &reauthorize, &mut w, &mut behind_rx).await
+            }
             Channel::Deployment(ref id) => {
-                deployment_stream(&engine, id, cursor, &reauthorize, &mut w).await
+                deployment_stream(&engine, id, cursor, &reauthorize, &mut w, &mut behind_rx).await
             }
         };
         let _ = w.flush().await;
     });
-    tokio_stream::wrappers::ReceiverStream::new(rx)
+    SseBody {
+        control,
+        live: None,
+        behind,
+        finished: false,
+    }
 }
 
 /// The timers of one stream, made once: re-arming them on every wake-up
@@ -175,30 +283,33 @@ impl Timers {
     }
 }
 
-/// Waits for the next live batch, keeping the stream alive and authorized.
-/// `Ok(None)`: the hub dropped this subscriber (it fell behind): catch up.
-async fn next_live(
-    rx: &mut mpsc::Receiver<Arc<Batch>>,
+/// Hands the hub queue to the body and then only keeps the stream alive
+/// and authorized. Returns the seq to catch up from when the body fell
+/// behind; `Err` when the stream is over.
+async fn go_live(
+    rx: mpsc::Receiver<Arc<Batch>>,
+    last: u64,
     w: &mut Writer,
     reauthorize: &Reauthorize,
     timers: &mut Timers,
-) -> Result<Option<Arc<Batch>>, Stop> {
+    behind: &mut mpsc::Receiver<u64>,
+) -> Result<u64, Stop> {
+    w.flush().await?;
+    w.tx.send(Control::Live { rx, last })
+        .await
+        .map_err(|_| Stop::Closed)?;
     loop {
         if *timers.stopping.borrow() {
             return Err(Stop::Closed);
         }
         tokio::select! {
-            biased;
-            batch = rx.recv() => return Ok(batch),
+            resume = behind.recv() => return resume.ok_or(Stop::Closed),
             _ = timers.keep_alive.as_mut() => {
-                let due = w.last_write + KEEP_ALIVE;
-                if due <= Instant::now() {
-                    w.raw(": keep-alive\n\n");
-                    w.flush().await?;
-                    timers.keep_alive.as_mut().reset(Instant::now() + KEEP_ALIVE);
-                } else {
-                    timers.keep_alive.as_mut().reset(due);
-                }
+                // The body writes live events itself: a comment every
+                // interval is harmless, and tells proxies the stream lives.
+                w.raw(": keep-alive\n\n");
+                w.flush().await?;
+                timers.keep_alive.as_mut().reset(Instant::now() + KEEP_ALIVE);
             }
             _ = timers.recheck.as_mut() => {
                 if !reauthorize() {
@@ -219,6 +330,7 @@ async fn build_stream(
     cursor: Option<String>,
     reauthorize: &Reauthorize,
     w: &mut Writer,
+    behind: &mut mpsc::Receiver<u64>,
 ) -> Result<(), Stop> {
     let mut last = 0u64;
     if let Some(text) = cursor {
@@ -239,7 +351,7 @@ async fn build_stream(
     }
     let mut timers = Timers::new(engine);
     loop {
-        let (mut rx, pending) = engine.hub.subscribe(&Channel::Build(id));
+        let (rx, pending) = engine.hub.subscribe(&Channel::Build(id));
         if let Some(final_frame) = replay_build(engine, id, &mut last, w).await? {
             return end(w, &final_frame).await;
         }
@@ -250,28 +362,17 @@ async fn build_stream(
                 w.flush_if_full().await?;
             }
         }
-        w.flush().await?;
-        loop {
-            let Some(frame) = next_live(&mut rx, w, reauthorize, &mut timers).await? else {
-                tracing::debug!(build = %crate::model::format_build_id(id), "subscriber fell behind; catching up from the store");
-                break;
-            };
-            let mut next = Some(frame);
-            while let Some(batch) = next.take() {
-                if let Some(final_frame) = w.push_batch(&batch, &mut last) {
-                    return end(w, &final_frame).await;
-                }
-                if w.size < MAX_WRITE {
-                    next = rx.try_recv().ok();
-                }
-            }
-            w.flush().await?;
-        }
+        last = go_live(rx, last, w, reauthorize, &mut timers, behind).await?;
+        tracing::debug!(build = %crate::model::format_build_id(id), "subscriber fell behind; catching up from the store");
     }
 }
 
+fn end_text(final_status: &Frame) -> String {
+    format!("event: end\ndata: {}\n\n", final_status.data)
+}
+
 async fn end(w: &mut Writer, final_status: &Frame) -> Result<(), Stop> {
-    w.raw(&format!("event: end\ndata: {}\n\n", final_status.data));
+    w.raw(&end_text(final_status));
     w.flush().await
 }
 
@@ -345,6 +446,7 @@ async fn deployment_stream(
     cursor: Option<String>,
     reauthorize: &Reauthorize,
     w: &mut Writer,
+    behind: &mut mpsc::Receiver<u64>,
 ) -> Result<(), Stop> {
     let channel = Channel::Deployment(id.to_string());
     let (mut rx, _) = engine.hub.subscribe(&channel);
@@ -417,17 +519,7 @@ async fn deployment_stream(
                 break;
             }
         }
-        w.flush().await?;
-        loop {
-            let Some(frame) = next_live(&mut rx, w, reauthorize, &mut timers).await? else {
-                break;
-            };
-            w.push_batch(&frame, &mut last);
-            while let Ok(more) = rx.try_recv() {
-                w.push_batch(&more, &mut last);
-            }
-            w.flush().await?;
-        }
+        last = go_live(rx, last, w, reauthorize, &mut timers, behind).await?;
         let (again, _) = engine.hub.subscribe(&channel);
         rx = again;
     }
