@@ -356,3 +356,13 @@ async fn deployment_channel_across_a_deploy_and_a_destroy() {
     let mut bad = Sse::open(stream(&s, "/v1/deployments/alice/events?cursor=abc")).await;
     assert_eq!(bad.next().await.unwrap().event, "resync_required");
 }
+
+#[tokio::test]
+async fn an_idle_stream_gets_keep_alive_comments() {
+    let s = Server::start(Options::default()).await;
+    let mut sse = Sse::open(stream(&s, "/v1/deployments/quiet/events")).await;
+    assert!(
+        sse.wait_comment(Duration::from_secs(20)).await,
+        "no `: keep-alive` after 15 s of silence"
+    );
+}

@@ -380,6 +380,22 @@ impl Sse {
         }
     }
 
+    /// Waits (up to `limit`) for a comment line such as `: keep-alive`.
+    pub async fn wait_comment(&mut self, limit: Duration) -> bool {
+        let deadline = Instant::now() + limit;
+        while Instant::now() < deadline {
+            if self.buf.contains("\n:") || self.buf.starts_with(':') {
+                return true;
+            }
+            match tokio::time::timeout(Duration::from_millis(500), self.resp.chunk()).await {
+                Ok(Ok(Some(bytes))) => self.buf.push_str(&String::from_utf8_lossy(&bytes)),
+                Ok(_) => return false,
+                Err(_) => {}
+            }
+        }
+        false
+    }
+
     /// Every event until the stream ends (the `end` event included).
     pub async fn until_end(&mut self) -> Vec<SseEvent> {
         let mut out = vec![];
