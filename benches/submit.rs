@@ -69,12 +69,12 @@ async fn submit_phase(base: &str, token: &str, clients: usize, ids: Arc<AtomicU6
     done.load(Ordering::Relaxed) as f64 / start.elapsed().as_secs_f64()
 }
 
-fn main() {
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    let dir = std::env::temp_dir().join(format!("berth-bench-submit-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    // A deployer whose builds never finish: submits only queue.
+/// Starts berth with a deployer whose builds never finish (submits only queue).
+fn start(
+    dir: &std::path::Path,
+    rt: &tokio::runtime::Runtime,
+) -> (std::process::Child, String, String) {
+    std::fs::create_dir_all(dir).unwrap();
     let deployer = dir.join("sleepy.sh");
     std::fs::write(&deployer, "#!/bin/sh\ncase \"$1\" in describe) cat >/dev/null; printf '%s' '{\"methods\":[\"local\"],\"default_method\":\"local\",\"catalog\":[],\"schema\":null}' > \"$BERTH_RESULT\";; *) cat >/dev/null; sleep 3600;; esac\n").unwrap();
     Command::new("chmod")
@@ -87,13 +87,15 @@ fn main() {
         .local_addr()
         .unwrap()
         .port();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_berth"))
+    let child = Command::new(env!("CARGO_BIN_EXE_berth"))
         .args([
             "serve",
             "--eval-slots",
             "0",
             "--build-slots",
             "1",
+            "--max-queued-builds",
+            "1000000",
             "--listen",
         ])
         .arg(format!("127.0.0.1:{port}"))
@@ -106,7 +108,6 @@ fn main() {
         .spawn()
         .unwrap();
     let base = format!("http://127.0.0.1:{port}");
-    let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
         let http = reqwest::Client::new();
         while http
@@ -120,21 +121,48 @@ fn main() {
         }
     });
     let token = std::fs::read_to_string(dir.join("data/service-token")).unwrap();
-    let idle_rss = rss_kib(child.id());
+    (child, base, token)
+}
+
+fn stop(mut child: std::process::Child, dir: &std::path::Path) {
+    let _ = child.kill();
+    let _ = child.wait();
+    // The one running build's deployer sleeps in its own process group.
+    let _ = Command::new("pkill")
+        .arg("-f")
+        .arg(dir.join("sleepy.sh"))
+        .status();
+}
+
+fn main() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let root = std::env::temp_dir().join(format!("berth-bench-submit-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+
+    // Throughput, against an fsync loop on the same disk.
+    let dir = root.join("throughput");
+    let (child, base, token) = start(&dir, &rt);
     let fsyncs = fsync_rate(&dir);
     let ids = Arc::new(AtomicU64::new(0));
     let one = rt.block_on(submit_phase(&base, &token, 1, ids.clone()));
     let many = rt.block_on(submit_phase(&base, &token, 32, ids.clone()));
-    // Fill up to 10,000 deployments for the RSS figure.
+    stop(child, &dir);
+
+    // Memory: a fresh server, idle, then with exactly 10,000 deployments.
+    let dir = root.join("memory");
+    let (child, base, token) = start(&dir, &rt);
+    std::thread::sleep(Duration::from_millis(500));
+    let idle_rss = rss_kib(child.id());
     rt.block_on(async {
         let http = reqwest::Client::new();
         let mut set = tokio::task::JoinSet::new();
-        while ids.load(Ordering::Relaxed) < 10_000 {
-            let n = ids.fetch_add(1, Ordering::Relaxed);
+        for n in 0..10_000u64 {
             let (http, base, token) = (http.clone(), base.clone(), token.clone());
             set.spawn(async move {
                 let body = serde_json::json!({"configuration": {"domain": format!("d{n}.example.org")}, "mode": "enqueue"});
-                http.post(format!("{base}/v1/deployments/d{n}/submit")).bearer_auth(&token).json(&body).send().await.unwrap();
+                let r = http.post(format!("{base}/v1/deployments/d{n}/submit")).bearer_auth(&token).json(&body).send().await.unwrap();
+                assert_eq!(r.status(), 202);
             });
             if set.len() >= 32 {
                 set.join_next().await;
@@ -142,11 +170,12 @@ fn main() {
         }
         while set.join_next().await.is_some() {}
     });
-    let deployments = ids.load(Ordering::Relaxed);
     let full_rss = rss_kib(child.id());
     let store_bytes = std::fs::metadata(dir.join("data/berth.redb"))
         .map(|m| m.len())
         .unwrap_or(0);
+    stop(child, &dir);
+
     println!("fsync loop (128 B append + fdatasync): {fsyncs:.0}/s");
     println!(
         "submit, 1 client:   {one:.0}/s = {:.2}x the fsync rate",
@@ -157,17 +186,10 @@ fn main() {
         many / fsyncs
     );
     println!(
-        "RSS idle: {} MiB; with {deployments} deployments: {} MiB; store file {} MiB",
-        idle_rss / 1024,
-        full_rss / 1024,
-        store_bytes / (1 << 20)
+        "RSS idle: {:.1} MiB; with 10,000 deployments: {:.1} MiB; store file {:.1} MiB",
+        idle_rss as f64 / 1024.0,
+        full_rss as f64 / 1024.0,
+        store_bytes as f64 / f64::from(1 << 20)
     );
-    let _ = child.kill();
-    let _ = child.wait();
-    // The one running build's deployer sleeps in its own process group.
-    let _ = Command::new("pkill")
-        .arg("-f")
-        .arg(deployer.to_str().unwrap())
-        .status();
-    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(&root);
 }
