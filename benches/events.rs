@@ -202,57 +202,11 @@ impl Drop for Berth {
 async fn berth_latency(berth: &Berth, deployment: &str, n: usize) -> Vec<u64> {
     let go = berth.dir.join(format!("go-{deployment}"));
     let build = berth.submit(deployment).await;
-    let mut tasks = Vec::new();
+    // The client: one thread, epoll over every socket. It shares the two
+    // cores with berth, so it must cost as little as it can per read.
     let addr = berth.base.trim_start_matches("http://").to_string();
-    for _ in 0..n {
-        let request = format!(
-            "GET /v1/builds/{build}/events HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {}\r\n\r\n",
-            berth.token.trim()
-        );
-        let addr = addr.clone();
-        tasks.push(tokio::spawn(async move {
-            // A raw-socket reader: the client shares the two cores with
-            // berth, so it must not be the bottleneck it measures. Each SSE
-            // event arrives inside one HTTP chunk, so lines are never split
-            // by the chunked framing.
-            use tokio::io::{AsyncReadExt, AsyncWriteExt};
-            let mut sock = tokio::net::TcpStream::connect(&addr).await.unwrap();
-            sock.write_all(request.as_bytes()).await.unwrap();
-            let mut buf = vec![0u8; 256 * 1024];
-            let mut filled = 0usize;
-            let mut lat = Vec::with_capacity(4096);
-            loop {
-                let n = sock.read(&mut buf[filled..]).await.unwrap();
-                if n == 0 {
-                    break;
-                }
-                let received = now_nanos();
-                filled += n;
-                let complete = buf[..filled]
-                    .iter()
-                    .rposition(|&b| b == b'\n')
-                    .map_or(0, |i| i + 1);
-                let mut done = false;
-                for line in buf[..complete].split(|&b| b == b'\n') {
-                    if let Some(rest) = line.strip_prefix(b"data: ts=") {
-                        let ts = rest
-                            .iter()
-                            .take_while(|b| b.is_ascii_digit())
-                            .fold(0u64, |n, d| n * 10 + u64::from(d - b'0'));
-                        lat.push(received.saturating_sub(ts));
-                    } else if line.starts_with(b"event: end") {
-                        done = true;
-                    }
-                }
-                buf.copy_within(complete..filled, 0);
-                filled -= complete;
-                if done {
-                    break;
-                }
-            }
-            lat
-        }));
-    }
+    let request = format!("GET /v1/builds/{build}/events HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {}\r\n\r\n", berth.token.trim());
+    let client = std::thread::spawn(move || epoll_client(&addr, &request, n));
     // Start only when every subscriber is connected (berth_sse_clients).
     loop {
         let m = berth
@@ -278,13 +232,82 @@ async fn berth_latency(berth: &Berth, deployment: &str, n: usize) -> Vec<u64> {
     }
     tokio::time::sleep(Duration::from_millis(200)).await;
     std::fs::write(&go, b"").unwrap();
-    let mut all = Vec::new();
-    for t in tasks {
-        all.extend(t.await.unwrap());
-    }
+    let mut all = tokio::task::spawn_blocking(move || client.join().unwrap())
+        .await
+        .unwrap();
     berth.wait_final(&build).await;
     all.sort_unstable();
     all
+}
+
+/// `n` SSE connections read by one thread with epoll; returns every line's
+/// latency (receipt time minus the `ts=` the deployer wrote).
+fn epoll_client(addr: &str, request: &str, n: usize) -> Vec<u64> {
+    use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags};
+    use std::io::{Read, Write};
+    let epoll = Epoll::new(EpollCreateFlags::empty()).unwrap();
+    let mut socks = Vec::with_capacity(n);
+    for i in 0..n {
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        s.write_all(request.as_bytes()).unwrap();
+        s.set_nonblocking(true).unwrap();
+        epoll
+            .add(&s, EpollEvent::new(EpollFlags::EPOLLIN, i as u64))
+            .unwrap();
+        socks.push(s);
+    }
+    let mut bufs: Vec<(Vec<u8>, usize)> = (0..n).map(|_| (vec![0u8; 256 * 1024], 0)).collect();
+    let mut done = vec![false; n];
+    let mut open = n;
+    let mut lat = Vec::with_capacity(n * 4096);
+    let mut events = vec![EpollEvent::empty(); 256];
+    while open > 0 {
+        let ready = epoll.wait(&mut events, 30_000u16).unwrap();
+        assert!(ready > 0, "the streams stalled");
+        for ev in &events[..ready] {
+            let i = ev.data() as usize;
+            let (buf, filled) = &mut bufs[i];
+            loop {
+                match socks[i].read(&mut buf[*filled..]) {
+                    Ok(0) => {
+                        if !done[i] {
+                            done[i] = true;
+                            open -= 1;
+                        }
+                        break;
+                    }
+                    Ok(k) => {
+                        let received = now_nanos();
+                        *filled += k;
+                        let complete = buf[..*filled]
+                            .iter()
+                            .rposition(|&b| b == b'\n')
+                            .map_or(0, |p| p + 1);
+                        for line in buf[..complete].split(|&b| b == b'\n') {
+                            if let Some(rest) = line.strip_prefix(b"data: ts=") {
+                                let ts = rest
+                                    .iter()
+                                    .take_while(|b| b.is_ascii_digit())
+                                    .fold(0u64, |n, d| n * 10 + u64::from(d - b'0'));
+                                lat.push(received.saturating_sub(ts));
+                            } else if line.starts_with(b"event: end") && !done[i] {
+                                done[i] = true;
+                                open -= 1;
+                            }
+                        }
+                        buf.copy_within(complete..*filled, 0);
+                        *filled -= complete;
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                    Err(e) => panic!("read: {e}"),
+                }
+            }
+            if done[i] {
+                let _ = epoll.delete(&socks[i]);
+            }
+        }
+    }
+    lat
 }
 
 fn realistic_log(bytes: usize) -> Vec<u8> {
@@ -344,11 +367,15 @@ fn main() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(3_000u64);
+    let fanout_subs = std::env::var("BENCH_FANOUT_SUBS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1_000usize);
     for (rate, subscribers, lines) in [
         (10_000u64, 10usize, 30_000u64),
-        (1_000, 1_000, fanout_lines),
+        (1_000, fanout_subs, fanout_lines),
     ] {
-        if only_fanout && subscribers != 1_000 {
+        if only_fanout && subscribers == 10 {
             continue;
         }
         let pipe = pipe_baseline(lines, rate);

@@ -246,17 +246,14 @@ impl Engine {
                     Some(batch) => pipe.lines(batch).await,
                     None => break,
                 },
-                _ = tokio::time::sleep_until(pipe.held_until), if !pipe.held.is_empty() => pipe.publish_held(),
                 Some(result) = pipe.done_rx.recv() => pipe.flush_done(result),
                 _ = ticker.tick() => {
-                    pipe.publish_held();
                     if !pipe.log.pending.is_empty() && !pipe.in_flight {
                         pipe.start_flush();
                     }
                 }
             }
         }
-        pipe.publish_held();
         pipe.wait_in_flight().await;
         let (log, disk_failure) = (pipe.log, pipe.disk_failure);
         forward.abort();
@@ -435,10 +432,9 @@ struct LogPipe {
     store: crate::store::Store,
     hub: Arc<events::Hub>,
     build_id: BuildId,
-    channel: Channel,
     log: LogBuffer,
+    /// Lines of the current read, not yet published.
     held: Vec<Arc<Frame>>,
-    held_until: tokio::time::Instant,
     in_flight: bool,
     done_tx: mpsc::Sender<Result<u64, crate::store::StoreError>>,
     done_rx: mpsc::Receiver<Result<u64, crate::store::StoreError>>,
@@ -458,10 +454,8 @@ impl LogPipe {
             store: engine.store.clone(),
             hub: engine.hub.clone(),
             build_id,
-            channel: Channel::Build(build_id),
             log,
             held: Vec::new(),
-            held_until: tokio::time::Instant::now(),
             in_flight: false,
             done_tx,
             done_rx,
@@ -470,16 +464,14 @@ impl LogPipe {
         }
     }
 
-    /// The lines of one read: published together (at once with few
-    /// subscribers, after `COALESCE_WINDOW` with many).
+    /// The lines of one read, published together as one batch. (A client
+    /// that falls behind drains several batches per write by itself; holding
+    /// lines back on a timer was measured to add latency and save nothing.)
     async fn lines(&mut self, batch: Vec<String>) {
-        let many = self.hub.fanout(&self.channel) >= events::COALESCE_FANOUT;
         for line in batch {
             self.line(line).await;
         }
-        if !many {
-            self.publish_held();
-        }
+        self.publish_held();
     }
 
     async fn line(&mut self, line: String) {
@@ -497,9 +489,6 @@ impl LogPipe {
             self.wait_in_flight().await;
         }
         if let Some(seq) = self.log.push(&line) {
-            if self.held.is_empty() {
-                self.held_until = tokio::time::Instant::now() + events::COALESCE_WINDOW;
-            }
             self.held.push(Frame::new(seq, "log", line, false));
         }
         if self.log.pending.len() >= LOG_CHUNK_BYTES {

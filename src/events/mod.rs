@@ -25,12 +25,6 @@ use crate::store::{StoreResult, StoredEvent, Tx};
 pub const SUBSCRIBER_QUEUE: usize = 64;
 /// Log seqs reserved ahead of use: a crash never lets an id be reused.
 pub const SEQ_BLOCK: u64 = 65_536;
-/// From this many subscribers on, lines that arrive within
-/// `COALESCE_WINDOW` are published together: one write per subscriber
-/// instead of one per line, which is what keeps a 1,000-subscriber tail
-/// within its latency goal on two cores.
-pub const COALESCE_FANOUT: usize = 32;
-pub const COALESCE_WINDOW: std::time::Duration = std::time::Duration::from_millis(5);
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum Channel {
@@ -168,11 +162,6 @@ impl Hub {
                 .subscribers
                 .retain(|s| s.try_send(batch.clone()).is_ok());
         }
-    }
-
-    /// How many subscribers a channel has now.
-    pub fn fanout(&self, channel: &Channel) -> usize {
-        self.lock().get(channel).map_or(0, |s| s.subscribers.len())
     }
 
     /// Lines up to `seq` are in the store now.
