@@ -328,15 +328,7 @@ impl Engine {
                     };
                     let now = now_millis();
                     if let Some(chunk) = last_chunk.as_ref() {
-                        tx.put_log_chunk(
-                            build_id,
-                            chunk.number,
-                            chunk.first_line,
-                            &chunk.compressed,
-                        )?;
-                        b.log_bytes += chunk.bytes;
-                        b.log_lines += chunk.lines;
-                        b.log_chunks = chunk.number + 1;
+                        chunk.store(tx, &mut b)?;
                     }
                     // Ids sent live are never reused, even for lines a failed
                     // disk could not keep.
@@ -529,15 +521,7 @@ impl LogPipe {
                         return Ok(reserve);
                     };
                     if let Some(chunk) = &chunk {
-                        tx.put_log_chunk(
-                            build_id,
-                            chunk.number,
-                            chunk.first_line,
-                            &chunk.compressed,
-                        )?;
-                        b.log_bytes += chunk.bytes;
-                        b.log_lines += chunk.lines;
-                        b.log_chunks = chunk.number + 1;
+                        chunk.store(tx, &mut b)?;
                         b.event_seq = chunk.last_seq;
                         let last = chunk.last_seq;
                         tx.after_commit(move || hub.committed(build_id, last));
@@ -856,6 +840,16 @@ impl LogBuffer {
 }
 
 impl Chunk {
+    /// Writes the chunk and counts it in the build record (the caller stores
+    /// the record).
+    fn store(&self, tx: &crate::store::Tx, b: &mut BuildRecord) -> crate::store::StoreResult<()> {
+        tx.put_log_chunk(b.id, self.number, self.first_line, &self.compressed)?;
+        b.log_bytes += self.bytes;
+        b.log_lines += self.lines;
+        b.log_chunks = self.number + 1;
+        Ok(())
+    }
+
     fn compress(mut self) -> Chunk {
         if let Ok(c) = zstd::bulk::compress(&self.compressed, LOG_ZSTD_LEVEL) {
             self.compressed = c;
