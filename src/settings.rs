@@ -113,6 +113,19 @@ pub struct Settings {
     #[arg(long, env = "BERTH_MAX_LOG_BYTES", default_value_t = 256 * 1024 * 1024)]
     pub max_log_bytes: u64,
 
+    /// Builds kept per deployment: older ones beyond this many go (with their
+    /// logs and events) once also older than --keep-build-days.
+    #[arg(long, env = "BERTH_KEEP_BUILDS", default_value_t = 200, value_parser = clap::value_parser!(u32).range(1..))]
+    pub keep_builds: u32,
+
+    /// Days a build is kept at least (see --keep-builds).
+    #[arg(long, env = "BERTH_KEEP_BUILD_DAYS", default_value_t = 90)]
+    pub keep_build_days: u32,
+
+    /// How often the retention sweeps run (idempotency records, events, builds).
+    #[arg(long, env = "BERTH_SWEEP_INTERVAL", default_value = "10m", value_parser = parse_duration)]
+    pub sweep_interval: Duration,
+
     /// Queued builds one deployment may have before a submit gets queue_full.
     #[arg(long, env = "BERTH_MAX_QUEUED_BUILDS", default_value_t = 100)]
     pub max_queued_builds: u32,

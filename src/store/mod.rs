@@ -645,6 +645,42 @@ impl Tx<'_> {
         Ok(())
     }
 
+    /// The builds of a deployment, newest first, as (id, created_at, status).
+    pub fn build_ages(
+        &self,
+        deployment: &str,
+    ) -> StoreResult<Vec<(BuildId, Millis, crate::model::BuildStatus)>> {
+        let index = self.txn.open_table(DEPLOYMENT_BUILDS)?;
+        let builds = self.txn.open_table(BUILDS)?;
+        let mut out = Vec::new();
+        for entry in index
+            .range((deployment, 0u128)..=(deployment, u128::MAX))?
+            .rev()
+        {
+            let (k, _) = entry?;
+            let id = k.value().1;
+            if let Some(v) = builds.get(id)? {
+                let b: BuildRecord = decode(v.value())?;
+                out.push((id, b.created_at, b.status));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Removes a finished build with its log chunks and events.
+    pub fn delete_build(&self, deployment: &str, id: BuildId) -> StoreResult<()> {
+        self.txn.open_table(BUILDS)?.remove(id)?;
+        self.txn
+            .open_table(DEPLOYMENT_BUILDS)?
+            .remove((deployment, id))?;
+        self.txn.open_table(CALLBACKS)?.remove(id)?;
+        let mut chunks = self.txn.open_table(LOG_CHUNKS)?;
+        chunks.retain_in((id, 0u32)..=(id, u32::MAX), |_, _| false)?;
+        let mut events = self.txn.open_table(BUILD_EVENTS)?;
+        events.retain_in((id, 0u64)..=(id, u64::MAX), |_, _| false)?;
+        Ok(())
+    }
+
     /// Deletes every stored row (the `--reset-dev-state` path).
     pub fn clear_all(&self) -> StoreResult<()> {
         macro_rules! clear {
@@ -738,6 +774,17 @@ impl Rx {
             }
         }
         Ok(out)
+    }
+
+    /// How many builds a deployment has (from the index; nothing decoded).
+    pub fn build_count(&self, deployment: &str) -> StoreResult<usize> {
+        let index = self.txn.open_table(DEPLOYMENT_BUILDS)?;
+        let mut n = 0;
+        for entry in index.range((deployment, 0u128)..=(deployment, u128::MAX))? {
+            entry?;
+            n += 1;
+        }
+        Ok(n)
     }
 
     /// Every queued build id with its deployment, oldest first.

@@ -178,3 +178,62 @@ async fn cancel_queued_and_running() {
     );
     assert!(s.log_text(&running).await.contains("start deploy alice"));
 }
+
+#[tokio::test]
+async fn old_builds_are_removed_but_never_the_last_successful_deploy() {
+    // Every build is "old" (0 days); keep the newest 2.
+    let s = Server::start(
+        Options::default()
+            .arg("--keep-builds")
+            .arg("2")
+            .arg("--keep-build-days")
+            .arg("0")
+            .arg("--sweep-interval")
+            .arg("200ms")
+            .env("BERTH_LOCAL_FAIL", "pixelfed"),
+    )
+    .await;
+    let good = s
+        .submit_ok(
+            "alice",
+            json!({"domain": "a.org", "applications": {"mastodon": {"enable": true}}}),
+        )
+        .await;
+    s.wait_build(&good, "succeeded").await;
+    let mut failing = vec![];
+    for _ in 0..4 {
+        let id = s
+            .submit_ok(
+                "alice",
+                json!({"domain": "a.org", "applications": {"pixelfed": {"enable": true}}}),
+            )
+            .await;
+        s.wait_build(&id, "failed").await;
+        failing.push(id);
+    }
+    eventually("the sweep removes old builds", || async {
+        let (_, b) = s.json("/v1/deployments/alice/builds").await;
+        b["items"].as_array().unwrap().len() == 3
+    })
+    .await;
+    let (_, b) = s.json("/v1/deployments/alice/builds").await;
+    let ids: Vec<&str> = b["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| b["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        ids,
+        [failing[3].as_str(), failing[2].as_str(), good.as_str()]
+    );
+    // A removed build is gone with its log; the kept deploy still has its own.
+    let (status, _) = s.json(&format!("/v1/builds/{}", failing[0])).await;
+    assert_eq!(status, 404);
+    assert!(s
+        .log_text(&good)
+        .await
+        .contains("deployment alice is active"));
+    let (_, d) = s.json("/v1/deployments/alice").await;
+    assert_eq!(d["deployed"]["build_id"], good.as_str());
+}
