@@ -120,8 +120,29 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
         None => load_or_create_secret(&settings.data_dir.join("callback-secret"))?,
     }
     .into_bytes();
+    // With --deployer-user the deployer must traverse the data dir to its
+    // own work and scratch dirs (0711), but read nothing else.
+    if settings.deployer_user.is_some() {
+        use std::os::unix::fs::PermissionsExt;
+        for dir in [
+            settings.data_dir.clone(),
+            settings.data_dir.join("work"),
+            settings.scratch_root(),
+        ] {
+            std::fs::create_dir_all(&dir)
+                .map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+            std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o711))
+                .map_err(|e| format!("cannot set the mode of {}: {e}", dir.display()))?;
+        }
+    }
     let store = Store::open(&settings.db_path())
         .map_err(|e| format!("cannot open {}: {e}", settings.db_path().display()))?;
+    {
+        // The store holds every configuration: readable by berth only.
+        use std::os::unix::fs::PermissionsExt;
+        let _ =
+            std::fs::set_permissions(settings.db_path(), std::fs::Permissions::from_mode(0o600));
+    }
     if settings.reset_dev_state {
         reset_dev_state(&settings, &store).await?;
     }
@@ -136,7 +157,7 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
     let local = listener.local_addr().map_err(|e| e.to_string())?;
     let settings = Arc::new(settings);
     let engine = Engine::new(settings.clone(), store, callback_secret)
-        .map_err(|e| format!("cannot find the deployer: {e}"))?;
+        .map_err(|e| format!("deployer: {e}"))?;
     let ctx = Arc::new(Ctx {
         engine: engine.clone(),
         service_token,

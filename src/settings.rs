@@ -63,6 +63,11 @@ pub struct Settings {
     #[arg(long, env = "BERTH_DEPLOYER")]
     pub deployer: Option<PathBuf>,
 
+    /// Run deployers as this user (berth must run as root): they then cannot
+    /// read the store or the secret files in the data dir.
+    #[arg(long, env = "BERTH_DEPLOYER_USER")]
+    pub deployer_user: Option<String>,
+
     /// The default source (a self-pin): url=...,rev=...,digest=sha256:<64 hex>.
     /// Without it berth uses a built-in source for the `local` deployer.
     #[arg(long, env = "BERTH_DEFAULT_SOURCE", value_parser = parse_source)]

@@ -145,8 +145,11 @@ impl Engine {
         settings: Arc<Settings>,
         store: Store,
         callback_secret: Vec<u8>,
-    ) -> std::io::Result<Arc<Engine>> {
-        let deployer = DeployerCommand::from_setting(settings.deployer.as_deref())?;
+    ) -> Result<Arc<Engine>, String> {
+        let deployer = DeployerCommand::from_setting(
+            settings.deployer.as_deref(),
+            settings.deployer_user.as_deref(),
+        )?;
         let (default_source, has_self_pin) = match &settings.default_source {
             Some(s) => (s.clone(), true),
             None => (builtin_source(), false),

@@ -30,20 +30,36 @@ const PIPE_DRAIN_LIMIT: Duration = Duration::from_secs(5);
 pub struct DeployerCommand {
     pub program: PathBuf,
     pub prefix: Vec<OsString>,
+    /// (uid, gid) to run as, from `--deployer-user`.
+    pub run_as: Option<(u32, u32)>,
 }
 
 impl DeployerCommand {
     /// `--deployer` when given, else this binary's `deployer local`.
-    pub fn from_setting(deployer: Option<&Path>) -> std::io::Result<Self> {
-        Ok(match deployer {
-            Some(p) => Self {
-                program: p.to_path_buf(),
-                prefix: vec![],
-            },
-            None => Self {
-                program: std::env::current_exe()?,
-                prefix: vec!["deployer".into(), "local".into()],
-            },
+    pub fn from_setting(deployer: Option<&Path>, user: Option<&str>) -> Result<Self, String> {
+        let run_as = match user {
+            None => None,
+            Some(name) => {
+                if !nix::unistd::Uid::effective().is_root() {
+                    return Err("--deployer-user needs berth to run as root".into());
+                }
+                let u = nix::unistd::User::from_name(name)
+                    .map_err(|e| format!("--deployer-user: cannot look up users: {e}"))?
+                    .ok_or_else(|| format!("--deployer-user: no user named {name:?}"))?;
+                Some((u.uid.as_raw(), u.gid.as_raw()))
+            }
+        };
+        let (program, prefix) = match deployer {
+            Some(p) => (p.to_path_buf(), vec![]),
+            None => (
+                std::env::current_exe().map_err(|e| format!("cannot find this executable: {e}"))?,
+                vec!["deployer".into(), "local".into()],
+            ),
+        };
+        Ok(Self {
+            program,
+            prefix,
+            run_as,
         })
     }
 }
@@ -76,6 +92,18 @@ fn deployer_env() -> Vec<(OsString, OsString)> {
 
 pub fn spawn(cmd: &DeployerCommand, inv: &Invocation) -> std::io::Result<Spawned> {
     let mut command = Command::new(&cmd.program);
+    if let Some((uid, gid)) = cmd.run_as {
+        // The deployer owns its own dirs and nothing else of the data dir.
+        let result_dir = inv
+            .result_path
+            .parent()
+            .unwrap_or(&inv.scratch_dir)
+            .to_path_buf();
+        for dir in [&inv.work_dir, &inv.scratch_dir, &result_dir] {
+            std::os::unix::fs::chown(dir, Some(uid), Some(gid))?;
+        }
+        command.uid(uid).gid(gid);
+    }
     command
         .args(&cmd.prefix)
         .arg(inv.verb)

@@ -331,3 +331,36 @@ async fn a_deployer_that_cannot_start_fails_the_build() {
     let (status, _) = s.json("/v1/deployments/bob").await;
     assert_eq!(status, 200);
 }
+
+#[tokio::test]
+async fn deployers_run_as_the_deployer_user_and_cannot_read_secrets() {
+    if !nix::unistd::Uid::effective().is_root() {
+        eprintln!("skipped: needs root to switch users");
+        return;
+    }
+    let dir = temp_dir("user");
+    let data = dir.join("data");
+    let body = format!(
+        "{SCRIPT_PRELUDE}\necho \"uid=$(id -u)\"\nif cat {data}/service-token >/dev/null 2>&1; then echo TOKEN-READABLE; else echo token-protected; fi\nif cat {data}/berth.redb >/dev/null 2>&1; then echo STORE-READABLE; else echo store-protected; fi\ntouch \"$BERTH_WORK_DIR/mine\" && echo work-writable\nprintf '%s' '{{\"nodes\":[]}}' > \"$BERTH_RESULT\"",
+        data = data.display()
+    );
+    let deployer = script(&dir, "d.sh", &body);
+    let s = Server::start_in(
+        dir.clone(),
+        Options::default()
+            .deployer(&deployer)
+            .arg("--deployer-user")
+            .arg("nobody"),
+    )
+    .await;
+    let id = s.submit_ok("alice", json!({})).await;
+    let b = s.wait_build(&id, "final").await;
+    let log = s.log_text(&id).await;
+    assert_eq!(b["status"], "succeeded", "{b}\n{log}");
+    assert!(log.contains("uid=65534"), "{log}");
+    assert!(
+        log.contains("token-protected") && log.contains("store-protected"),
+        "{log}"
+    );
+    assert!(log.contains("work-writable"), "{log}");
+}
