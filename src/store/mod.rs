@@ -102,7 +102,7 @@ macro_rules! from_redb {
                 let debug = format!("{e:?}");
                 let kind = if is_disk_full(&detail) || is_disk_full(&debug) {
                     StoreErrorKind::DiskFull
-                } else if detail.contains("has been closed") {
+                } else if detail.contains("has been closed") || detail.contains("Previous I/O error") {
                     // A read that raced a reopen after an I/O error.
                     StoreErrorKind::Reopening
                 } else if is_io(&detail) || debug.contains("Io(") {
@@ -402,7 +402,7 @@ fn writer_loop(shared: Arc<Shared>, mut rx: mpsc::Receiver<WriteJob>) {
                     let (completion, _, _) = job(Err(err.clone()));
                     completion(None);
                 }
-                if matches!(err.kind, StoreErrorKind::Io | StoreErrorKind::DiskFull) {
+                if err.is_transient() {
                     drop(db);
                     shared.reopen();
                 }
@@ -432,9 +432,7 @@ fn writer_loop(shared: Arc<Shared>, mut rx: mpsc::Receiver<WriteJob>) {
             Some(e) => tracing::error!(error = %e, "store commit failed"),
             None => hooks.into_iter().for_each(|hook| hook()),
         }
-        let poisoned = commit_error
-            .as_ref()
-            .is_some_and(|e| matches!(e.kind, StoreErrorKind::Io | StoreErrorKind::DiskFull));
+        let poisoned = commit_error.as_ref().is_some_and(StoreError::is_transient);
         for completion in completions {
             completion(commit_error.clone());
         }
