@@ -62,8 +62,15 @@ pub fn metrics(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
             );
         }
     }
-    let counts = e.store.read()?.build_status_counts()?;
-    out.push_str("# HELP berth_builds Stored builds by status.\n# TYPE berth_builds gauge\n");
+    let mut counts = *e
+        .metrics
+        .builds_by_status
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    let (queued, running) = e.store.read()?.pending_counts()?;
+    counts[BuildStatus::Queued as usize] = queued;
+    counts[BuildStatus::Running as usize] = running;
+    out.push_str("# HELP berth_builds Stored builds by status (finished ones as of the last sweep).\n# TYPE berth_builds gauge\n");
     for status in [
         BuildStatus::Queued,
         BuildStatus::Running,

@@ -807,6 +807,15 @@ impl Rx {
     }
 
     /// Counts of builds by status (for /metrics).
+    /// Queued and running builds (table lengths; nothing decoded).
+    pub fn pending_counts(&self) -> StoreResult<(u64, u64)> {
+        Ok((
+            self.txn.open_table(QUEUED)?.len()?,
+            self.txn.open_table(RUNNING)?.len()?,
+        ))
+    }
+
+    /// Every build by status: a full scan, for the periodic refresh only.
     pub fn build_status_counts(&self) -> StoreResult<[u64; 5]> {
         let t = self.txn.open_table(BUILDS)?;
         let mut counts = [0u64; 5];

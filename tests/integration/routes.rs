@@ -80,6 +80,11 @@ async fn health_ready_metrics() {
         "{m}"
     );
     assert!(m.contains("berth_store_bytes "), "{m}");
+    assert!(
+        m.contains("berth_builds{status=\"queued\"}")
+            && m.contains("berth_builds{status=\"succeeded\"}"),
+        "{m}"
+    );
     let mode = std::fs::metadata(s.dir.join("data/service-token")).unwrap();
     use std::os::unix::fs::PermissionsExt;
     assert_eq!(mode.permissions().mode() & 0o777, 0o600);
