@@ -4,7 +4,7 @@
 //! Handlers in `api` parse and authorize, then call one function here. Each
 //! state change is one store transaction that checks the lifecycle rules
 //! (spec lifecycle.md) and writes the records, the idempotency record and
-//! (later) the event, together.
+//! the events of the change, together.
 
 pub mod builds;
 pub mod callbacks;
