@@ -163,6 +163,15 @@ pub struct Snapshot {
     pub source: Source,
 }
 
+/// What a build runs against, stored once in its own table (the build
+/// record itself is rewritten at every log chunk and must stay small).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct BuildSnapshots {
+    pub snapshot: Snapshot,
+    /// What the deployment ran before this build (given to the deployer).
+    pub previous: Option<Snapshot>,
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct BuildRecord {
     pub id: BuildId,
@@ -172,9 +181,6 @@ pub struct BuildRecord {
     pub status: BuildStatus,
     pub suspended: bool,
     pub method: String,
-    pub snapshot: Snapshot,
-    /// What the deployment ran before this build (given to the deployer).
-    pub previous: Option<Snapshot>,
     pub created_at: Millis,
     pub started_at: Option<Millis>,
     pub finished_at: Option<Millis>,
@@ -336,11 +342,11 @@ impl BuildRecord {
         }
     }
 
-    pub fn view(&self) -> BuildView {
+    pub fn view(&self, snaps: &BuildSnapshots) -> BuildView {
         BuildView {
             summary: self.summary(),
-            configuration: raw_json(&self.snapshot.configuration),
-            source: self.snapshot.source.clone(),
+            configuration: raw_json(&snaps.snapshot.configuration),
+            source: snaps.snapshot.source.clone(),
             job_id: self.job.map(|j| format!("pid:{}", j.pid)),
             log_bytes: self.log_bytes,
             log_lines: self.log_lines,

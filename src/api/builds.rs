@@ -50,13 +50,13 @@ pub fn list(ctx: &Ctx, req: &Request, caller: &Caller) -> Result<Reply, ApiError
 
 pub fn read(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
     let id = build_id(req)?;
-    let b = ctx
-        .engine
-        .store
-        .read()?
-        .build(id)?
-        .ok_or_else(|| ApiError::not_found("build"))?;
-    Ok(Reply::json(200, &b.view()))
+    let rx = ctx.engine.store.read()?;
+    let b = rx.build(id)?.ok_or_else(|| ApiError::not_found("build"))?;
+    let snaps = rx.build_snapshots(id)?.ok_or_else(|| {
+        tracing::error!(build = %format_build_id(id), "a build without its snapshots");
+        ApiError::internal()
+    })?;
+    Ok(Reply::json(200, &b.view(&snaps)))
 }
 
 /// A parsed `Range: bytes=` header: one range only.

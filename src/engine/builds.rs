@@ -113,7 +113,9 @@ impl Engine {
                 let now = now_millis();
                 b.status = BuildStatus::Running;
                 b.started_at = Some(now);
-                b.previous = d.deployed.as_ref().map(|x| x.snapshot.clone());
+                let mut snaps = super::build_snapshots(tx, build_id)?;
+                snaps.previous = d.deployed.as_ref().map(|x| x.snapshot.clone());
+                tx.put_build_snapshots(build_id, &snaps)?;
                 events::build_status(tx, &hub, &mut b, now)?;
                 b.log_first_seq = b.event_seq + 1;
                 b.seq_reserved = b.event_seq + SEQ_BLOCK;
@@ -123,11 +125,11 @@ impl Engine {
                 events::deployment_changed(tx, &hub, &mut d, Some(&b), now)?;
                 tx.put_build(&b)?;
                 tx.put_deployment(&d)?;
-                Ok(Some(b))
+                Ok(Some((b, snaps)))
             })
             .await;
-        let build = match started {
-            Ok(Some(b)) => b,
+        let (build, snaps) = match started {
+            Ok(Some(started)) => started,
             Ok(None) => return self.release_slot(build_id),
             Err(e) => {
                 tracing::error!(error = %e, "cannot mark a build running");
@@ -135,7 +137,7 @@ impl Engine {
                 return self.release_slot(build_id);
             }
         };
-        let outcome = self.execute(&build, cancel_rx).await;
+        let outcome = self.execute(&build, &snaps, cancel_rx).await;
         self.finish(build, outcome).await;
         self.release_slot(build_id);
     }
@@ -144,6 +146,7 @@ impl Engine {
     async fn execute(
         self: &Arc<Self>,
         build: &BuildRecord,
+        snaps: &BuildSnapshots,
         cancel: watch::Receiver<bool>,
     ) -> Outcome {
         let id_text = format_build_id(build.id);
@@ -166,8 +169,8 @@ impl Engine {
             BuildKind::Destroy => "destroy",
         };
         let configuration: serde_json::Value =
-            serde_json::from_str(&build.snapshot.configuration).unwrap_or_default();
-        let previous = build.previous.as_ref().map(|p| {
+            serde_json::from_str(&snaps.snapshot.configuration).unwrap_or_default();
+        let previous = snaps.previous.as_ref().map(|p| {
             json!({"configuration": serde_json::from_str::<serde_json::Value>(&p.configuration).unwrap_or_default(), "source": p.source})
         });
         let request = json!({
@@ -175,7 +178,7 @@ impl Engine {
             "build": id_text,
             "method": build.method,
             "configuration": configuration,
-            "source": build.snapshot.source,
+            "source": snaps.snapshot.source,
             "suspended": build.suspended,
             "previous": previous,
         });
@@ -362,7 +365,7 @@ impl Engine {
                             (BuildKind::Deploy, true) => {
                                 d.deployed = Some(Deployed {
                                     build_id,
-                                    snapshot: b.snapshot.clone(),
+                                    snapshot: super::build_snapshots(tx, build_id)?.snapshot,
                                     method: b.method.clone(),
                                     finished_at: now,
                                 });

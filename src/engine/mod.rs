@@ -421,8 +421,6 @@ impl Engine {
                     status: BuildStatus::Queued,
                     suspended: false,
                     method: v.method.clone(),
-                    snapshot: snapshot.clone(),
-                    previous: None,
                     created_at: now,
                     started_at: None,
                     finished_at: None,
@@ -451,6 +449,7 @@ impl Engine {
                 events::deployment_changed(tx, &hub, &mut d, Some(&build), now)?;
                 tx.put_source(&v.source)?;
                 tx.put_build(&build)?;
+                tx.put_build_snapshots(build.id, &BuildSnapshots { snapshot: d.snapshot.clone(), previous: None })?;
                 tx.put_deployment(&d)?;
                 let reply = Reply::json(202, &json!({"build_id": format_build_id(build.id), "deployment": summary(&d, Some(&build))}));
                 record(tx, idem.as_ref(), &reply)?;
@@ -493,8 +492,6 @@ impl Engine {
                     status: BuildStatus::Queued,
                     suspended: d.suspended,
                     method,
-                    snapshot,
-                    previous: None,
                     created_at: now,
                     started_at: None,
                     finished_at: None,
@@ -516,6 +513,13 @@ impl Engine {
                 events::build_status(tx, &hub, &mut build, now)?;
                 events::deployment_changed(tx, &hub, &mut d, Some(&build), now)?;
                 tx.put_build(&build)?;
+                tx.put_build_snapshots(
+                    build.id,
+                    &BuildSnapshots {
+                        snapshot,
+                        previous: None,
+                    },
+                )?;
                 tx.put_deployment(&d)?;
                 if let Some(url) = callback {
                     let pending = PendingCallback {
@@ -562,7 +566,8 @@ impl Engine {
                         )));
                     }
                     BuildStatus::Running => {
-                        let reply = Reply::json(202, &b.view());
+                        let snaps = build_snapshots(tx, build_id)?;
+                        let reply = Reply::json(202, &b.view(&snaps));
                         record(tx, idem.as_ref(), &reply)?;
                         return Ok(Ok((reply, true)));
                     }
@@ -590,7 +595,8 @@ impl Engine {
                 if b.kind == BuildKind::Destroy {
                     tx.remove_callback(b.id)?;
                 }
-                let reply = Reply::json(202, &b.view());
+                let snaps = build_snapshots(tx, build_id)?;
+                let reply = Reply::json(202, &b.view(&snaps));
                 record(tx, idem.as_ref(), &reply)?;
                 Ok(Ok((reply, false)))
             })
@@ -602,6 +608,12 @@ impl Engine {
         }
         Ok(reply)
     }
+}
+
+/// A build's snapshots; every stored build has them.
+pub(crate) fn build_snapshots(tx: &Tx, id: BuildId) -> crate::store::StoreResult<BuildSnapshots> {
+    tx.build_snapshots(id)?
+        .ok_or_else(|| crate::store::StoreError::corrupt("a build without its snapshots"))
 }
 
 fn check_queue_room(d: &DeploymentRecord, max_queued: u32) -> Result<(), ApiError> {

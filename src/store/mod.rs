@@ -22,7 +22,7 @@ use redb::{
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::model::{BuildId, BuildRecord, DeploymentRecord, Millis, Source};
+use crate::model::{BuildId, BuildRecord, BuildSnapshots, DeploymentRecord, Millis, Source};
 use tables::*;
 
 /// The on-disk layout version in `meta`; an older file is migrated at open.
@@ -363,6 +363,7 @@ fn init_schema(db: &Database) -> StoreResult<()> {
         txn.open_table(CALLBACKS)?;
         txn.open_table(DEPLOYMENT_EVENTS)?;
         txn.open_table(BUILD_EVENTS)?;
+        txn.open_table(BUILD_SNAPSHOTS)?;
     }
     txn.commit()?;
     Ok(())
@@ -665,9 +666,23 @@ impl Tx<'_> {
         Ok(out)
     }
 
-    /// Removes a finished build with its log chunks and events.
+    pub fn build_snapshots(&self, id: BuildId) -> StoreResult<Option<BuildSnapshots>> {
+        let t = self.txn.open_table(BUILD_SNAPSHOTS)?;
+        let v = t.get(id)?;
+        v.map(|v| decode(v.value())).transpose()
+    }
+
+    pub fn put_build_snapshots(&self, id: BuildId, s: &BuildSnapshots) -> StoreResult<()> {
+        self.txn
+            .open_table(BUILD_SNAPSHOTS)?
+            .insert(id, codec::encode(s).as_slice())?;
+        Ok(())
+    }
+
+    /// Removes a finished build with its snapshots, log chunks and events.
     pub fn delete_build(&self, deployment: &str, id: BuildId) -> StoreResult<()> {
         self.txn.open_table(BUILDS)?.remove(id)?;
+        self.txn.open_table(BUILD_SNAPSHOTS)?.remove(id)?;
         self.txn
             .open_table(DEPLOYMENT_BUILDS)?
             .remove((deployment, id))?;
@@ -694,7 +709,8 @@ impl Tx<'_> {
             IDEMPOTENCY,
             CALLBACKS,
             DEPLOYMENT_EVENTS,
-            BUILD_EVENTS
+            BUILD_EVENTS,
+            BUILD_SNAPSHOTS
         );
         Ok(())
     }
@@ -742,6 +758,12 @@ impl Rx {
 
     pub fn build(&self, id: BuildId) -> StoreResult<Option<BuildRecord>> {
         let t = self.txn.open_table(BUILDS)?;
+        let v = t.get(id)?;
+        v.map(|v| decode(v.value())).transpose()
+    }
+
+    pub fn build_snapshots(&self, id: BuildId) -> StoreResult<Option<BuildSnapshots>> {
+        let t = self.txn.open_table(BUILD_SNAPSHOTS)?;
         let v = t.get(id)?;
         v.map(|v| decode(v.value())).transpose()
     }

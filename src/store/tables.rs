@@ -47,3 +47,7 @@ pub const DEPLOYMENT_EVENTS: TableDefinition<(&str, u64), &[u8]> =
 /// (build id, event seq) -> `StoredEvent`: a build's status events (its log
 /// lines live in `LOG_CHUNKS`, their seqs follow from the build record).
 pub const BUILD_EVENTS: TableDefinition<(u128, u64), &[u8]> = TableDefinition::new("build_events");
+
+/// Build id -> `BuildSnapshots`: the configuration and source a build runs
+/// (written when queued, `previous` added when it starts).
+pub const BUILD_SNAPSHOTS: TableDefinition<u128, &[u8]> = TableDefinition::new("build_snapshots");
