@@ -146,14 +146,12 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
     if settings.reset_dev_state {
         reset_dev_state(&settings, &store).await?;
     }
-    let listener = tokio::net::TcpListener::bind(settings.listen)
-        .await
-        .map_err(|e| {
-            format!(
-                "cannot listen on {}: {e} (choose another with --listen)",
-                settings.listen
-            )
-        })?;
+    let listener = listen(settings.listen).map_err(|e| {
+        format!(
+            "cannot listen on {}: {e} (choose another with --listen)",
+            settings.listen
+        )
+    })?;
     let local = listener.local_addr().map_err(|e| e.to_string())?;
     let settings = Arc::new(settings);
     let engine = Engine::new(settings.clone(), store, callback_secret)
@@ -202,6 +200,24 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
     }
     let _ = tokio::time::timeout(Duration::from_secs(2), server).await;
     Ok(())
+}
+
+/// Backlog of the HTTP listening socket.
+const LISTEN_BACKLOG: u32 = 1024;
+
+/// The listening socket, with TCP_NODELAY (Linux passes it on to accepted
+/// connections): an event stream writes small frames, and Nagle's algorithm
+/// with the client's delayed ACK would hold some of them back for ~40 ms.
+fn listen(addr: std::net::SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    socket.set_nodelay(true)?;
+    socket.bind(addr)?;
+    socket.listen(LISTEN_BACKLOG)
 }
 
 async fn wait_for_signal() {
