@@ -26,8 +26,9 @@ pub const LOG_FLUSH_INTERVAL: Duration = Duration::from_millis(100);
 pub const LOG_CHUNK_BYTES: usize = 1024 * 1024;
 /// zstd level for log chunks (fast, ratio ~5 on build logs).
 const LOG_ZSTD_LEVEL: i32 = 3;
-/// Lines buffered between the pipe readers and the log writer.
-const LINE_QUEUE: usize = 4096;
+/// Batches (one per read, at most 64 KiB each) buffered between the pipe
+/// readers and the log writer: at most 4 MiB; past it the deployer waits.
+const LINE_QUEUE: usize = 64;
 /// Largest SBOM file read from a deployer (sbom.md).
 pub const MAX_SBOM_BYTES: u64 = 64 * 1024 * 1024;
 /// Pauses between attempts of a build's final commit (a full disk).
