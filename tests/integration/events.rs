@@ -17,6 +17,20 @@ fn assert_gap_free(events: &[SseEvent], first: u64) {
     assert_eq!(ids, expected, "ids are not gap-free");
 }
 
+/// The `key` member of the JSON data of every `event` event, in order.
+fn fields(events: &[SseEvent], event: &str, key: &str) -> Vec<String> {
+    events
+        .iter()
+        .filter(|e| e.event == event)
+        .map(|e| {
+            serde_json::from_str::<Value>(&e.data).unwrap()[key]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
+        .collect()
+}
+
 fn log_of(events: &[SseEvent]) -> String {
     events
         .iter()
@@ -37,16 +51,7 @@ async fn replay_from_every_position_equals_the_stored_log() {
     let mut sse = Sse::open(stream(&s, &format!("/v1/builds/{id}/events"))).await;
     let all = sse.until_end().await;
     assert_gap_free(&all[..all.len() - 1], 1);
-    let statuses: Vec<String> = all
-        .iter()
-        .filter(|e| e.event == "status")
-        .map(|e| {
-            serde_json::from_str::<Value>(&e.data).unwrap()["status"]
-                .as_str()
-                .unwrap()
-                .to_string()
-        })
-        .collect();
+    let statuses = fields(&all, "status", "status");
     assert_eq!(statuses, ["queued", "running", "succeeded"]);
     let end = all.last().unwrap();
     assert_eq!(end.event, "end");
@@ -284,16 +289,7 @@ async fn deployment_channel_across_a_deploy_and_a_destroy() {
         }
     }
     assert_gap_free(&events, 1);
-    let states: Vec<String> = events
-        .iter()
-        .filter(|e| e.event == "deployment")
-        .map(|e| {
-            serde_json::from_str::<Value>(&e.data).unwrap()["state"]
-                .as_str()
-                .unwrap()
-                .to_string()
-        })
-        .collect();
+    let states = fields(&events, "deployment", "state");
     assert_eq!(
         states,
         [
