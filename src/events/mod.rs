@@ -4,10 +4,10 @@
 //!
 //! A subscriber registers with the hub *before* it reads the store, and gets
 //! the not-yet-committed lines as a snapshot under the same lock, so nothing
-//! falls between "replayed from the store" and "live". Each subscriber has a
-//! bounded queue; a subscriber that falls behind is dropped from the hub and
-//! catches up from the store on its own (see `stream`), so it never slows
-//! the build or anyone else.
+//! falls between "replayed from the store" and "live". Each channel keeps
+//! a bounded tail of recent batches that all its subscribers read; one that
+//! falls further behind than the tail catches up from the store on its own
+//! (see `stream`), so it never slows the build or anyone else.
 
 pub mod stream;
 
@@ -15,14 +15,18 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Mutex};
 
-use tokio::sync::mpsc;
+use tokio::sync::futures::OwnedNotified;
+use tokio::sync::Notify;
 
 use crate::model::{BuildId, BuildRecord, DeploymentRecord, Millis};
 use crate::store::{StoreResult, StoredEvent, Tx};
 
-/// Batches queued for one subscriber before it counts as slow (a batch is
-/// at most one read of the deployer's output, 64 KiB).
-pub const SUBSCRIBER_QUEUE: usize = 64;
+/// Recent batches a channel keeps for its live subscribers: a subscriber
+/// further behind than this catches up from the store.
+pub const TAIL_BATCHES: usize = 1024;
+/// The same bound in bytes, so a deployer writing 64 KiB reads cannot make
+/// the tail hold 64 MiB.
+pub const TAIL_BYTES: usize = 1 << 20;
 /// Log seqs reserved ahead of use: a crash never lets an id be reused.
 pub const SEQ_BLOCK: u64 = 65_536;
 
@@ -112,55 +116,178 @@ impl Batch {
     }
 }
 
+/// One channel's live state, shared by the hub and its live subscribers.
 #[derive(Default)]
-struct State {
-    subscribers: Vec<mpsc::Sender<Arc<Batch>>>,
+struct Live {
+    state: Mutex<LiveState>,
+    /// Woken at every publish; each parked subscriber then reads the tail.
+    notify: Arc<Notify>,
+}
+
+#[derive(Default)]
+struct LiveState {
+    /// The latest batches, oldest first; `recent[0]` has position `first_pos`.
+    recent: VecDeque<Arc<Batch>>,
+    first_pos: u64,
+    recent_bytes: usize,
     /// Log lines sent live whose chunk is not committed yet.
     pending: VecDeque<Arc<Frame>>,
 }
 
+impl Live {
+    fn lock(&self) -> std::sync::MutexGuard<'_, LiveState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl LiveState {
+    fn end_pos(&self) -> u64 {
+        self.first_pos + self.recent.len() as u64
+    }
+
+    fn push(&mut self, batch: Arc<Batch>) {
+        self.recent_bytes += batch.encoded().len();
+        self.recent.push_back(batch);
+        while self.recent.len() > TAIL_BATCHES
+            || (self.recent_bytes > TAIL_BYTES && self.recent.len() > 1)
+        {
+            let old = self.recent.pop_front().expect("not empty");
+            self.recent_bytes -= old.encoded().len();
+            self.first_pos += 1;
+        }
+    }
+
+    /// Drops the tail (nobody reads it) but keeps positions increasing.
+    fn forget_tail(&mut self) {
+        self.first_pos = self.end_pos();
+        self.recent.clear();
+        self.recent_bytes = 0;
+    }
+}
+
+/// Every channel with subscribers or uncommitted lines. One shared tail per
+/// channel, not one queue per subscriber: a publish costs one push and one
+/// wake-up of the subscribers that wait, however many there are, and a
+/// subscriber that wakes reads everything published since its last read.
 #[derive(Default)]
 pub struct Hub {
-    channels: Mutex<HashMap<Channel, State>>,
+    channels: Mutex<HashMap<Channel, Arc<Live>>>,
     /// Open event streams (for `--max-sse-clients` and /metrics).
     pub clients: AtomicUsize,
 }
 
-impl Hub {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Channel, State>> {
-        self.channels.lock().unwrap_or_else(|p| p.into_inner())
-    }
+/// The subscriber fell further behind than the tail keeps: it catches up
+/// from the store.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Lagged;
 
-    /// Sends to every subscriber that has room; one that has none is
-    /// dropped and catches up from the store.
-    pub fn publish(&self, channel: &Channel, frame: Arc<Frame>) {
-        let batch = Batch::new(vec![frame]);
-        let mut map = self.lock();
-        if let Some(state) = map.get_mut(channel) {
-            state
-                .subscribers
-                .retain(|s| s.try_send(batch.clone()).is_ok());
-            if state.subscribers.is_empty() && state.pending.is_empty() {
-                map.remove(channel);
+/// One live subscriber's place in a channel's tail. Dropping it frees the
+/// channel's state once nobody else needs it.
+pub struct Subscription {
+    hub: Arc<Hub>,
+    channel: Channel,
+    live: Option<Arc<Live>>,
+    next_pos: u64,
+    notified: Option<std::pin::Pin<Box<OwnedNotified>>>,
+}
+
+impl Subscription {
+    /// Moves the batches published since the last call into `out` (up to
+    /// about `max_bytes`); pending until there is one.
+    pub fn poll_batches(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+        out: &mut Vec<Arc<Batch>>,
+        max_bytes: usize,
+    ) -> std::task::Poll<Result<(), Lagged>> {
+        use std::future::Future;
+        use std::task::Poll;
+        let live = self.live.as_ref().expect("live until dropped");
+        loop {
+            // Armed before the tail is read: a publish after the read wakes us.
+            let notified = self.notified.get_or_insert_with(|| {
+                let mut n = Box::pin(live.notify.clone().notified_owned());
+                n.as_mut().enable();
+                n
+            });
+            {
+                let state = live.lock();
+                if self.next_pos < state.first_pos {
+                    return Poll::Ready(Err(Lagged));
+                }
+                let start = (self.next_pos - state.first_pos) as usize;
+                let mut bytes = 0;
+                for batch in state.recent.iter().skip(start) {
+                    if bytes >= max_bytes {
+                        break;
+                    }
+                    bytes += batch.encoded().len();
+                    out.push(batch.clone());
+                    self.next_pos += 1;
+                }
+                if bytes > 0 {
+                    return Poll::Ready(Ok(()));
+                }
+            }
+            match notified.as_mut().poll(cx) {
+                Poll::Ready(()) => self.notified = None,
+                Poll::Pending => return Poll::Pending,
             }
         }
     }
+}
 
-    /// Log lines: published now, kept until their chunk commits. They go to
-    /// each subscriber as one batch, encoded once: the cost per subscriber
-    /// does not grow with the number of lines.
+impl Drop for Subscription {
+    fn drop(&mut self) {
+        let mut map = self.hub.lock();
+        // Counted under the map lock, where every clone is made.
+        drop(self.live.take());
+        if let Some(live) = map.get(&self.channel) {
+            if Arc::strong_count(live) == 1 {
+                let mut state = live.lock();
+                state.forget_tail();
+                if state.pending.is_empty() {
+                    drop(state);
+                    map.remove(&self.channel);
+                }
+            }
+        }
+    }
+}
+
+impl Hub {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Channel, Arc<Live>>> {
+        self.channels.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Appends to the channel's tail if anyone listens.
+    pub fn publish(&self, channel: &Channel, frame: Arc<Frame>) {
+        let map = self.lock();
+        let Some(live) = map.get(channel) else {
+            return;
+        };
+        if Arc::strong_count(live) > 1 {
+            live.lock().push(Batch::new(vec![frame]));
+            live.notify.notify_waiters();
+        }
+    }
+
+    /// Log lines: published now, kept until their chunk commits. They are one
+    /// batch, encoded once: the cost per subscriber does not grow with the
+    /// number of lines.
     pub fn publish_lines(&self, build: BuildId, frames: Vec<Arc<Frame>>) {
         if frames.is_empty() {
             return;
         }
         let mut map = self.lock();
-        let state = map.entry(Channel::Build(build)).or_default();
+        let live = map.entry(Channel::Build(build)).or_default();
+        let listened = Arc::strong_count(live) > 1;
+        let mut state = live.lock();
         state.pending.extend(frames.iter().cloned());
-        if !state.subscribers.is_empty() {
-            let batch = Batch::new(frames);
-            state
-                .subscribers
-                .retain(|s| s.try_send(batch.clone()).is_ok());
+        if listened {
+            state.push(Batch::new(frames));
+            drop(state);
+            live.notify.notify_waiters();
         }
     }
 
@@ -168,31 +295,49 @@ impl Hub {
     pub fn committed(&self, build: BuildId, seq: u64) {
         let mut map = self.lock();
         let channel = Channel::Build(build);
-        if let Some(state) = map.get_mut(&channel) {
+        if let Some(live) = map.get(&channel) {
+            let mut state = live.lock();
             while state.pending.front().is_some_and(|f| f.seq <= seq) {
                 state.pending.pop_front();
             }
-            if state.subscribers.is_empty() && state.pending.is_empty() {
+            if state.pending.is_empty() && Arc::strong_count(live) == 1 {
+                drop(state);
                 map.remove(&channel);
             }
         }
     }
 
-    /// Registers a subscriber; returns its queue and the lines sent live
-    /// but not committed yet.
-    pub fn subscribe(&self, channel: &Channel) -> (mpsc::Receiver<Arc<Batch>>, Vec<Arc<Frame>>) {
-        let (tx, rx) = mpsc::channel(SUBSCRIBER_QUEUE);
+    /// Registers a subscriber at the end of the channel's tail; returns it
+    /// and the lines sent live but not committed yet, taken together so that
+    /// nothing falls between them.
+    pub fn subscribe(self: &Arc<Self>, channel: &Channel) -> (Subscription, Vec<Arc<Frame>>) {
         let mut map = self.lock();
-        let state = map.entry(channel.clone()).or_default();
-        state.subscribers.push(tx);
-        (rx, state.pending.iter().cloned().collect())
+        let live = map.entry(channel.clone()).or_default().clone();
+        let (next_pos, pending) = {
+            let state = live.lock();
+            (state.end_pos(), state.pending.iter().cloned().collect())
+        };
+        let subscription = Subscription {
+            hub: self.clone(),
+            channel: channel.clone(),
+            live: Some(live),
+            next_pos,
+            notified: None,
+        };
+        (subscription, pending)
     }
 
     /// The highest seq sent live on a build channel, if any line is pending.
     pub fn pending_max(&self, build: BuildId) -> Option<u64> {
-        self.lock()
-            .get(&Channel::Build(build))
-            .and_then(|s| s.pending.back().map(|f| f.seq))
+        let map = self.lock();
+        let live = map.get(&Channel::Build(build))?;
+        let state = live.lock();
+        state.pending.back().map(|f| f.seq)
+    }
+
+    /// Channels the hub holds state for (for tests and /metrics).
+    pub fn channel_count(&self) -> usize {
+        self.lock().len()
     }
 }
 
@@ -285,28 +430,75 @@ mod tests {
         assert_eq!(&f.encoded()[..], b"id: 8\nevent: log\ndata: a\ndata: b\n\n");
     }
 
+    fn seqs(batches: &[Arc<Batch>]) -> Vec<u64> {
+        batches
+            .iter()
+            .flat_map(|b| b.frames.iter().map(|f| f.seq))
+            .collect()
+    }
+
+    async fn next(sub: &mut Subscription) -> Result<Vec<Arc<Batch>>, Lagged> {
+        let mut out = Vec::new();
+        std::future::poll_fn(|cx| sub.poll_batches(cx, &mut out, usize::MAX)).await?;
+        Ok(out)
+    }
+
     #[tokio::test]
-    async fn pending_lines_reach_late_subscribers_and_slow_ones_are_dropped() {
-        let hub = Hub::default();
+    async fn pending_lines_reach_late_subscribers_and_laggards_are_told() {
+        let hub = Arc::new(Hub::default());
         hub.publish_lines(1, vec![Frame::new(3, "log", "a".into(), false)]);
-        let (mut rx, pending) = hub.subscribe(&Channel::Build(1));
+        let (mut sub, pending) = hub.subscribe(&Channel::Build(1));
         assert_eq!(pending.iter().map(|f| f.seq).collect::<Vec<_>>(), [3]);
         hub.publish_lines(1, vec![Frame::new(4, "log", "b".into(), false)]);
-        assert_eq!(rx.recv().await.unwrap().first_seq(), 4);
+        hub.publish(
+            &Channel::Build(1),
+            Frame::new(5, "status", "{}".into(), false),
+        );
+        // Everything published since the last read comes in one read.
+        assert_eq!(seqs(&next(&mut sub).await.unwrap()), [4, 5]);
         hub.committed(1, 4);
         assert_eq!(hub.pending_max(1), None);
-        for seq in 0..(SUBSCRIBER_QUEUE as u64 + 1) {
+        for seq in 0..(TAIL_BATCHES as u64 + 1) {
             hub.publish(
                 &Channel::Build(1),
                 Frame::new(10 + seq, "log", String::new(), false),
             );
         }
-        // The queue filled: the subscriber was dropped and sees the end of
-        // its queue after what it already had.
-        let mut n = 0;
-        while rx.recv().await.is_some() {
-            n += 1;
+        assert_eq!(next(&mut sub).await.err(), Some(Lagged));
+        drop(sub);
+        assert_eq!(
+            hub.channel_count(),
+            0,
+            "the last subscriber frees the channel"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_waiting_subscriber_wakes_at_a_publish_and_bytes_bound_the_tail() {
+        let hub = Arc::new(Hub::default());
+        let (mut sub, _) = hub.subscribe(&Channel::Deployment("d".into()));
+        let reader = tokio::spawn(async move { (seqs(&next(&mut sub).await.unwrap()), sub) });
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        hub.publish(
+            &Channel::Deployment("d".into()),
+            Frame::new(1, "deployment", "{}".into(), false),
+        );
+        let (got, sub) = tokio::time::timeout(std::time::Duration::from_secs(5), reader)
+            .await
+            .expect("woken")
+            .unwrap();
+        assert_eq!(got, [1]);
+        // Three 600 KiB batches: the tail keeps at most 1 MiB, so the oldest
+        // unread ones are gone and the subscriber must catch up.
+        let big = "x".repeat(600 << 10);
+        for seq in 2..5 {
+            hub.publish_lines(7, vec![Frame::new(seq, "log", big.clone(), false)]);
         }
-        assert_eq!(n, SUBSCRIBER_QUEUE);
+        let (mut build_sub, _) = hub.subscribe(&Channel::Build(7));
+        for seq in 5..8 {
+            hub.publish_lines(7, vec![Frame::new(seq, "log", big.clone(), false)]);
+        }
+        assert_eq!(next(&mut build_sub).await.err(), Some(Lagged));
+        drop(sub);
     }
 }

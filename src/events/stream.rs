@@ -15,7 +15,7 @@ use bytes::Bytes;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
-use super::{Batch, Channel, Frame, Hub};
+use super::{Batch, Channel, Frame, Hub, Lagged, Subscription};
 use crate::engine::builds::decompress_chunk;
 use crate::engine::Engine;
 use crate::model::BuildId;
@@ -59,27 +59,15 @@ enum Stop {
     Closed,
 }
 
-/// Gathers encoded events and writes them to the client in as few writes
-/// as it can (one write when many lines arrived together).
-struct Writer {
-    tx: mpsc::Sender<Control>,
+/// Encoded events gathered into one buffer, so that many lines that
+/// arrived together cost the client one write.
+#[derive(Default)]
+struct Gather {
     parts: Vec<Bytes>,
     size: usize,
-    last_write: Instant,
 }
 
-impl Writer {
-    /// A writer only used to gather bytes (in the body's poll).
-    fn detached() -> Writer {
-        let (tx, _) = mpsc::channel(1);
-        Writer {
-            tx,
-            parts: Vec::new(),
-            size: 0,
-            last_write: Instant::now(),
-        }
-    }
-
+impl Gather {
     /// The gathered bytes as one buffer, if any.
     fn take(&mut self) -> Option<Bytes> {
         let bytes = match self.parts.len() {
@@ -98,14 +86,13 @@ impl Writer {
     }
 
     fn push(&mut self, frame: &Frame) {
-        self.size += frame.encoded().len();
-        self.parts.push(frame.encoded().clone());
+        self.push_bytes(frame.encoded());
     }
     fn push_bytes(&mut self, bytes: &Bytes) {
         self.size += bytes.len();
         self.parts.push(bytes.clone());
     }
-    /// Writes what of `batch` is after `last`; returns the final status
+    /// Gathers what of `batch` is after `last`; returns the final status
     /// frame when the batch has it.
     fn push_batch(&mut self, batch: &Batch, last: &mut u64) -> Option<Arc<Frame>> {
         if batch.last_seq() <= *last {
@@ -124,22 +111,34 @@ impl Writer {
         batch.frames.iter().find(|f| f.last).cloned()
     }
     fn raw(&mut self, text: &str) {
-        self.size += text.len();
-        self.parts.push(Bytes::from(text.to_string()));
+        self.push_bytes(&Bytes::from(text.to_string()));
+    }
+}
+
+/// Gathers events in the producer task and hands them to the HTTP body.
+struct Writer {
+    tx: mpsc::Sender<Control>,
+    gather: Gather,
+}
+
+impl Writer {
+    fn push(&mut self, frame: &Frame) {
+        self.gather.push(frame);
+    }
+    fn raw(&mut self, text: &str) {
+        self.gather.raw(text);
     }
     async fn flush(&mut self) -> Result<(), Stop> {
-        let Some(bytes) = self.take() else {
+        let Some(bytes) = self.gather.take() else {
             return Ok(());
         };
         self.tx
             .send(Control::Bytes(bytes))
             .await
-            .map_err(|_| Stop::Closed)?;
-        self.last_write = Instant::now();
-        Ok(())
+            .map_err(|_| Stop::Closed)
     }
     async fn flush_if_full(&mut self) -> Result<(), Stop> {
-        if self.size >= MAX_WRITE {
+        if self.gather.size >= MAX_WRITE {
             self.flush().await?;
         }
         Ok(())
@@ -154,22 +153,23 @@ fn resync(reason: &str) -> String {
 enum Control {
     /// Replayed or catch-up events, keep-alives, `resync_required`, `end`.
     Bytes(Bytes),
-    /// From here on the body reads the hub queue itself, after seq `last`.
+    /// From here on the body reads the channel's tail itself, after seq `last`.
     Live {
-        rx: mpsc::Receiver<Arc<Batch>>,
+        subscription: Subscription,
         last: u64,
     },
 }
 
 /// The HTTP body of a stream. Replay and catch-up come from the producer
-/// task; live batches are read from the hub queue right here, in the
+/// task; live batches are read from the hub's tail right here, in the
 /// connection's own task, so a live line costs one wake-up per client, not
-/// two. When the hub drops this subscriber (it fell behind), the body tells
-/// the producer where it stopped, and the producer catches up.
+/// two. When the subscriber falls behind the tail, the body tells the
+/// producer where it stopped, and the producer catches up.
 pub struct SseBody {
     control: mpsc::Receiver<Control>,
-    live: Option<(mpsc::Receiver<Arc<Batch>>, u64)>,
+    live: Option<(Subscription, u64)>,
     behind: mpsc::Sender<u64>,
+    batches: Vec<Arc<Batch>>,
     finished: bool,
 }
 
@@ -188,37 +188,34 @@ impl futures_util::Stream for SseBody {
             }
             match this.control.poll_recv(cx) {
                 Poll::Ready(Some(Control::Bytes(b))) => return Poll::Ready(Some(Ok(b))),
-                Poll::Ready(Some(Control::Live { rx, last })) => {
-                    this.live = Some((rx, last));
+                Poll::Ready(Some(Control::Live { subscription, last })) => {
+                    this.live = Some((subscription, last));
                     continue;
                 }
                 // The producer stopped (shutdown, a revoked credential, end).
                 Poll::Ready(None) => return Poll::Ready(None),
                 Poll::Pending => {}
             }
-            let Some((rx, last)) = this.live.as_mut() else {
+            let Some((subscription, last)) = this.live.as_mut() else {
                 return Poll::Pending;
             };
-            match rx.poll_recv(cx) {
-                Poll::Ready(Some(batch)) => {
-                    let mut out = Writer::detached();
-                    let mut next = Some(batch);
-                    while let Some(batch) = next.take() {
+            match subscription.poll_batches(cx, &mut this.batches, MAX_WRITE) {
+                Poll::Ready(Ok(())) => {
+                    let mut out = Gather::default();
+                    for batch in this.batches.drain(..) {
                         if let Some(final_frame) = out.push_batch(&batch, last) {
                             out.raw(&end_text(&final_frame));
                             this.finished = true;
                             break;
                         }
-                        if out.size < MAX_WRITE {
-                            next = rx.try_recv().ok();
-                        }
                     }
+                    this.batches.clear();
                     if let Some(bytes) = out.take() {
                         return Poll::Ready(Some(Ok(bytes)));
                     }
                 }
-                Poll::Ready(None) => {
-                    // Dropped by the hub: hand back to the producer to catch up.
+                Poll::Ready(Err(Lagged)) => {
+                    // Hand back to the producer to catch up from the store.
                     let (_, last) = this.live.take().expect("live");
                     let _ = this.behind.try_send(last);
                 }
@@ -242,9 +239,7 @@ pub fn spawn(
         let _slot = slot;
         let mut w = Writer {
             tx,
-            parts: Vec::new(),
-            size: 0,
-            last_write: Instant::now(),
+            gather: Gather::default(),
         };
         w.raw("retry: 2000\n\n");
         let _ = match channel {
@@ -261,6 +256,7 @@ pub fn spawn(
         control,
         live: None,
         behind,
+        batches: Vec::new(),
         finished: false,
     }
 }
@@ -287,7 +283,7 @@ impl Timers {
 /// and authorized. Returns the seq to catch up from when the body fell
 /// behind; `Err` when the stream is over.
 async fn go_live(
-    rx: mpsc::Receiver<Arc<Batch>>,
+    subscription: Subscription,
     last: u64,
     w: &mut Writer,
     reauthorize: &Reauthorize,
@@ -295,7 +291,7 @@ async fn go_live(
     behind: &mut mpsc::Receiver<u64>,
 ) -> Result<u64, Stop> {
     w.flush().await?;
-    w.tx.send(Control::Live { rx, last })
+    w.tx.send(Control::Live { subscription, last })
         .await
         .map_err(|_| Stop::Closed)?;
     loop {
@@ -351,7 +347,7 @@ async fn build_stream(
     }
     let mut timers = Timers::new(engine);
     loop {
-        let (rx, pending) = engine.hub.subscribe(&Channel::Build(id));
+        let (subscription, pending) = engine.hub.subscribe(&Channel::Build(id));
         if let Some(final_frame) = replay_build(engine, id, &mut last, w).await? {
             return end(w, &final_frame).await;
         }
@@ -362,7 +358,7 @@ async fn build_stream(
                 w.flush_if_full().await?;
             }
         }
-        last = go_live(rx, last, w, reauthorize, &mut timers, behind).await?;
+        last = go_live(subscription, last, w, reauthorize, &mut timers, behind).await?;
         tracing::debug!(build = %crate::model::format_build_id(id), "subscriber fell behind; catching up from the store");
     }
 }
@@ -449,7 +445,7 @@ async fn deployment_stream(
     behind: &mut mpsc::Receiver<u64>,
 ) -> Result<(), Stop> {
     let channel = Channel::Deployment(id.to_string());
-    let (mut rx, _) = engine.hub.subscribe(&channel);
+    let (mut subscription, _) = engine.hub.subscribe(&channel);
     let (current, summary) = {
         let rx = engine.store.read().ok();
         let d = rx.as_ref().and_then(|r| r.deployment(id).ok().flatten());
@@ -519,8 +515,8 @@ async fn deployment_stream(
                 break;
             }
         }
-        last = go_live(rx, last, w, reauthorize, &mut timers, behind).await?;
+        last = go_live(subscription, last, w, reauthorize, &mut timers, behind).await?;
         let (again, _) = engine.hub.subscribe(&channel);
-        rx = again;
+        subscription = again;
     }
 }
