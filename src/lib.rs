@@ -12,3 +12,4 @@ pub mod model;
 pub mod serve;
 pub mod settings;
 pub mod store;
+pub mod wire;

@@ -165,14 +165,7 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
     });
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let mut server_stop = stop_rx.clone();
-    let server = warp::serve(api::filter(ctx))
-        .incoming(listener)
-        .graceful(async move {
-            let _ = server_stop.wait_for(|s| *s).await;
-        })
-        .run();
-    let server = tokio::spawn(server);
+    let server = tokio::spawn(accept_loop(listener, ctx, stop_rx.clone()));
     tracing::info!(address = %local, "berth listening on http://{local}");
 
     engine
@@ -200,6 +193,57 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
     }
     let _ = tokio::time::timeout(Duration::from_secs(2), server).await;
     Ok(())
+}
+
+/// Pause after a failed accept (out of file descriptors, say), so a
+/// persistent failure does not spin.
+const ACCEPT_RETRY: Duration = Duration::from_millis(100);
+
+/// Serves HTTP/1.1 on every accepted connection until `stop`, then lets
+/// open requests finish (event streams end at shutdown by themselves).
+/// berth runs hyper itself rather than `warp::serve` so that each request
+/// carries its connection (`wire`), which a live event stream hands to the
+/// fan-out thread.
+async fn accept_loop(
+    listener: tokio::net::TcpListener,
+    ctx: Arc<api::Ctx>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    let service = hyper_util::service::TowerToHyperService::new(warp::service(api::filter(ctx)));
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    loop {
+        let stream = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(ACCEPT_RETRY).await;
+                    continue;
+                }
+            },
+            () = async { let _ = stop.wait_for(|s| *s).await; } => break,
+        };
+        let conn = crate::wire::Conn::new(stream);
+        let wire = conn.handle();
+        let service = service.clone();
+        let per_request = hyper::service::service_fn(move |mut req: hyper::Request<hyper::body::Incoming>| {
+            // Chunked encoding, which the fan-out writes, is HTTP/1.1's.
+            if req.version() == hyper::Version::HTTP_11 {
+                req.extensions_mut().insert(api::WireHandle(wire.clone()));
+            }
+            hyper::service::Service::call(&service, req)
+        });
+        let connection = hyper::server::conn::http1::Builder::new()
+            .serve_connection(hyper_util::rt::TokioIo::new(conn), per_request);
+        let connection = graceful.watch(connection);
+        tokio::spawn(async move {
+            if let Err(e) = connection.await {
+                tracing::debug!(error = %e, "connection ended with an error");
+            }
+        });
+    }
+    drop(listener);
+    graceful.shutdown().await;
 }
 
 /// Backlog of the HTTP listening socket.

@@ -134,7 +134,14 @@ fn open(
     let slot = ClientSlot::take(&ctx.engine.hub, ctx.engine.settings.max_sse_clients).ok_or_else(
         || ApiError::new(Code::Unavailable, "too many event streams are open").retry_after(5),
     )?;
-    let body = stream::spawn(ctx.engine.clone(), channel, cursor(req), reauthorize, slot);
+    let body = stream::spawn(
+        ctx.engine.clone(),
+        channel,
+        cursor(req),
+        reauthorize,
+        slot,
+        req.wire.clone(),
+    );
     let mut response = warp::reply::stream(body).into_response();
     let h = response.headers_mut();
     h.insert(

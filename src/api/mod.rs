@@ -126,7 +126,13 @@ pub struct Request {
     pub headers: HeaderMap,
     pub body: Bytes,
     pub request_id: String,
+    /// The connection, when an event stream may take it over (HTTP/1.1).
+    pub wire: Option<Arc<crate::wire::Wire>>,
 }
+
+/// The connection a request came on, put in its extensions by `serve`.
+#[derive(Clone)]
+pub struct WireHandle(pub Arc<crate::wire::Wire>);
 
 impl Request {
     pub fn param(&self, name: &str) -> &str {
@@ -160,9 +166,11 @@ pub fn filter(
         .and(query)
         .and(warp::header::headers_cloned())
         .and(warp::body::stream())
-        .then(move |method, path: warp::path::FullPath, query: String, headers: HeaderMap, body| {
+        .and(warp::ext::optional::<WireHandle>())
+        .then(move |method, path: warp::path::FullPath, query: String, headers: HeaderMap, body, wire: Option<WireHandle>| {
             let ctx = ctx.clone();
-            async move { handle(ctx, method, path.as_str().to_string(), query, headers, body).await }
+            let wire = wire.map(|w| w.0);
+            async move { handle(ctx, method, path.as_str().to_string(), query, headers, body, wire).await }
         })
         .recover(|_| async { Ok::<_, Infallible>(into_http(Reply::from_error(&ApiError::internal(), "-"), "-")) })
         .unify()
@@ -182,6 +190,7 @@ async fn handle<S, B>(
     query: String,
     headers: HeaderMap,
     body: S,
+    wire: Option<Arc<crate::wire::Wire>>,
 ) -> warp::reply::Response
 where
     S: futures_util::Stream<Item = Result<B, warp::Error>> + Unpin,
@@ -194,7 +203,7 @@ where
         .map(str::to_string)
         .unwrap_or_else(|| uuid::Uuid::now_v7().simple().to_string());
     let (route, reply) =
-        match dispatch(&ctx, method, &path, &query, headers, body, &request_id).await {
+        match dispatch(&ctx, method, &path, &query, headers, body, &request_id, wire).await {
             Ok((route, Answer::Reply(r))) => (route, r),
             Ok((route, Answer::Stream(mut response))) => {
                 ops::count_request(&ctx, route, response.status().as_u16());
@@ -229,6 +238,7 @@ async fn dispatch<S, B>(
     headers: HeaderMap,
     body: S,
     request_id: &str,
+    wire: Option<Arc<crate::wire::Wire>>,
 ) -> Dispatched
 where
     S: futures_util::Stream<Item = Result<B, warp::Error>> + Unpin,
@@ -317,6 +327,7 @@ where
         headers,
         body,
         request_id: request_id.to_string(),
+        wire,
     };
     // A read that raced a store reopen (after an I/O error) runs again.
     let mut attempts = 0;

@@ -9,6 +9,7 @@
 //! falls further behind than the tail catches up from the store on its own
 //! (see `stream`), so it never slows the build or anyone else.
 
+pub mod fanout;
 pub mod stream;
 
 use std::collections::{HashMap, VecDeque};
@@ -172,6 +173,8 @@ impl LiveState {
 #[derive(Default)]
 pub struct Hub {
     channels: Mutex<HashMap<Channel, Arc<Live>>>,
+    /// Writes the live streams that handed it their socket.
+    pub fanout: Arc<fanout::FanOut>,
     /// Open event streams (for `--max-sse-clients` and /metrics).
     pub clients: AtomicUsize,
 }
@@ -191,7 +194,61 @@ pub struct Subscription {
     notified: Option<std::pin::Pin<Box<OwnedNotified>>>,
 }
 
+/// What a read of the tail found.
+pub struct Peeked {
+    /// The position after the batches read.
+    pub next_pos: u64,
+    /// The tail holds more than was read (the byte limit stopped it).
+    pub more: bool,
+}
+
 impl Subscription {
+    fn live(&self) -> &Arc<Live> {
+        self.live.as_ref().expect("live until dropped")
+    }
+
+    /// Identifies the channel (the fan-out shares reads between subscribers
+    /// at one position of one channel).
+    pub fn channel_key(&self) -> usize {
+        Arc::as_ptr(self.live()) as usize
+    }
+
+    pub fn hub(&self) -> &Arc<Hub> {
+        &self.hub
+    }
+
+    pub fn next_pos(&self) -> u64 {
+        self.next_pos
+    }
+
+    pub fn set_next_pos(&mut self, pos: u64) {
+        self.next_pos = pos;
+    }
+
+    /// Copies the batches after this subscriber's position into `out` (about
+    /// `max_bytes` at most), without moving the position.
+    pub fn peek(&self, out: &mut Vec<Arc<Batch>>, max_bytes: usize) -> Result<Peeked, Lagged> {
+        let state = self.live().lock();
+        if self.next_pos < state.first_pos {
+            return Err(Lagged);
+        }
+        let start = (self.next_pos - state.first_pos) as usize;
+        let mut next_pos = self.next_pos;
+        let mut bytes = 0;
+        for batch in state.recent.iter().skip(start) {
+            if bytes >= max_bytes {
+                break;
+            }
+            bytes += batch.encoded().len();
+            out.push(batch.clone());
+            next_pos += 1;
+        }
+        Ok(Peeked {
+            next_pos,
+            more: next_pos < state.end_pos(),
+        })
+    }
+
     /// Moves the batches published since the last call into `out` (up to
     /// about `max_bytes`); pending until there is one.
     pub fn poll_batches(
@@ -202,33 +259,23 @@ impl Subscription {
     ) -> std::task::Poll<Result<(), Lagged>> {
         use std::future::Future;
         use std::task::Poll;
-        let live = self.live.as_ref().expect("live until dropped");
         loop {
             // Armed before the tail is read: a publish after the read wakes us.
-            let notified = self.notified.get_or_insert_with(|| {
-                let mut n = Box::pin(live.notify.clone().notified_owned());
+            if self.notified.is_none() {
+                let mut n = Box::pin(self.live().notify.clone().notified_owned());
                 n.as_mut().enable();
-                n
-            });
-            {
-                let state = live.lock();
-                if self.next_pos < state.first_pos {
-                    return Poll::Ready(Err(Lagged));
-                }
-                let start = (self.next_pos - state.first_pos) as usize;
-                let mut bytes = 0;
-                for batch in state.recent.iter().skip(start) {
-                    if bytes >= max_bytes {
-                        break;
-                    }
-                    bytes += batch.encoded().len();
-                    out.push(batch.clone());
-                    self.next_pos += 1;
-                }
-                if bytes > 0 {
-                    return Poll::Ready(Ok(()));
-                }
+                self.notified = Some(n);
             }
+            let before = out.len();
+            let peeked = match self.peek(out, max_bytes) {
+                Ok(p) => p,
+                Err(Lagged) => return Poll::Ready(Err(Lagged)),
+            };
+            if out.len() > before {
+                self.next_pos = peeked.next_pos;
+                return Poll::Ready(Ok(()));
+            }
+            let notified = self.notified.as_mut().expect("armed above");
             match notified.as_mut().poll(cx) {
                 Poll::Ready(()) => self.notified = None,
                 Poll::Pending => return Poll::Pending,
@@ -269,6 +316,7 @@ impl Hub {
         if Arc::strong_count(live) > 1 {
             live.lock().push(Batch::new(vec![frame]));
             live.notify.notify_waiters();
+            self.fanout.kick();
         }
     }
 
@@ -288,6 +336,7 @@ impl Hub {
             state.push(Batch::new(frames));
             drop(state);
             live.notify.notify_waiters();
+            self.fanout.kick();
         }
     }
 

@@ -16,6 +16,7 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 use super::{Batch, Channel, Frame, Hub, Lagged, Subscription};
+use crate::wire::{Return, Wire};
 use crate::engine::builds::decompress_chunk;
 use crate::engine::Engine;
 use crate::model::BuildId;
@@ -153,24 +154,62 @@ fn resync(reason: &str) -> String {
 enum Control {
     /// Replayed or catch-up events, keep-alives, `resync_required`, `end`.
     Bytes(Bytes),
-    /// From here on the body reads the channel's tail itself, after seq `last`.
-    Live {
-        subscription: Subscription,
-        last: u64,
-    },
+    /// From here on live events come from the channel's tail, after seq `last`.
+    Live { subscription: Subscription, last: u64 },
+}
+
+/// The live events of `batches` after `last` as one buffer, and whether
+/// they end the stream (then the buffer ends with `end`).
+pub(super) fn gather_live(batches: &[Arc<Batch>], last: &mut u64) -> (Option<Bytes>, bool) {
+    let mut out = Gather::default();
+    for batch in batches {
+        if let Some(final_frame) = out.push_batch(batch, last) {
+            out.raw(&end_text(&final_frame));
+            return (out.take(), true);
+        }
+    }
+    (out.take(), false)
 }
 
 /// The HTTP body of a stream. Replay and catch-up come from the producer
-/// task; live batches are read from the hub's tail right here, in the
-/// connection's own task, so a live line costs one wake-up per client, not
-/// two. When the subscriber falls behind the tail, the body tells the
-/// producer where it stopped, and the producer catches up.
+/// task. Live events are written by the fan-out thread straight to the
+/// socket (`crate::wire`): the body hands the socket over and waits for it
+/// to come back (the client fell behind: the producer catches up; the
+/// build ended; the socket failed). Where the connection cannot be handed
+/// over (not HTTP/1.1), the body reads the tail itself.
 pub struct SseBody {
     control: mpsc::Receiver<Control>,
+    wire: Option<Arc<Wire>>,
+    /// The fan-out holds the socket, or was asked for it.
+    handed: bool,
     live: Option<(Subscription, u64)>,
     behind: mpsc::Sender<u64>,
     batches: Vec<Arc<Batch>>,
     finished: bool,
+}
+
+impl SseBody {
+    /// While the fan-out holds the socket: `Some` when the body must act.
+    fn poll_handed(&mut self, cx: &mut std::task::Context<'_>) -> Option<bool> {
+        let wire = self.wire.as_ref()?;
+        match wire.poll_returned(cx) {
+            std::task::Poll::Pending => None,
+            std::task::Poll::Ready(None) => {
+                self.handed = false;
+                Some(false)
+            }
+            std::task::Poll::Ready(Some(Return::Behind(last))) => {
+                self.handed = false;
+                let _ = self.behind.try_send(last);
+                Some(false)
+            }
+            std::task::Poll::Ready(Some(Return::Ended | Return::Failed)) => {
+                self.handed = false;
+                self.finished = true;
+                Some(true)
+            }
+        }
+    }
 }
 
 impl futures_util::Stream for SseBody {
@@ -186,31 +225,55 @@ impl futures_util::Stream for SseBody {
             if this.finished {
                 return Poll::Ready(None);
             }
+            if this.handed && this.poll_handed(cx).is_some() {
+                continue;
+            }
             match this.control.poll_recv(cx) {
+                Poll::Ready(Some(Control::Bytes(b))) if this.handed => {
+                    // A keep-alive while the fan-out writes: it goes the same
+                    // way, in order. When the socket is backed up it is not
+                    // idle, and the comment is not needed.
+                    if let Some(wire) = &this.wire {
+                        let _ = wire.write_chunk(&crate::wire::chunk(&b));
+                    }
+                    continue;
+                }
                 Poll::Ready(Some(Control::Bytes(b))) => return Poll::Ready(Some(Ok(b))),
                 Poll::Ready(Some(Control::Live { subscription, last })) => {
-                    this.live = Some((subscription, last));
+                    match &this.wire {
+                        Some(wire) => {
+                            let fanout = subscription.hub().fanout.clone();
+                            wire.ask(
+                                Box::new(move |wire| fanout.join(subscription, last, wire)),
+                                cx.waker(),
+                            );
+                            this.handed = true;
+                        }
+                        None => this.live = Some((subscription, last)),
+                    }
                     continue;
                 }
                 // The producer stopped (shutdown, a revoked credential, end).
-                Poll::Ready(None) => return Poll::Ready(None),
+                Poll::Ready(None) => {
+                    if let Some(wire) = &this.wire {
+                        wire.reclaim();
+                    }
+                    return Poll::Ready(None);
+                }
                 Poll::Pending => {}
+            }
+            if this.handed {
+                return Poll::Pending;
             }
             let Some((subscription, last)) = this.live.as_mut() else {
                 return Poll::Pending;
             };
             match subscription.poll_batches(cx, &mut this.batches, MAX_WRITE) {
                 Poll::Ready(Ok(())) => {
-                    let mut out = Gather::default();
-                    for batch in this.batches.drain(..) {
-                        if let Some(final_frame) = out.push_batch(&batch, last) {
-                            out.raw(&end_text(&final_frame));
-                            this.finished = true;
-                            break;
-                        }
-                    }
+                    let (bytes, ended) = gather_live(&this.batches, last);
                     this.batches.clear();
-                    if let Some(bytes) = out.take() {
+                    this.finished = ended;
+                    if let Some(bytes) = bytes {
                         return Poll::Ready(Some(Ok(bytes)));
                     }
                 }
@@ -232,6 +295,7 @@ pub fn spawn(
     cursor: Option<String>,
     reauthorize: Reauthorize,
     slot: ClientSlot,
+    wire: Option<Arc<Wire>>,
 ) -> SseBody {
     let (tx, control) = mpsc::channel(BODY_QUEUE);
     let (behind, mut behind_rx) = mpsc::channel(1);
@@ -254,6 +318,8 @@ pub fn spawn(
     });
     SseBody {
         control,
+        wire,
+        handed: false,
         live: None,
         behind,
         batches: Vec::new(),

@@ -1,0 +1,326 @@
+//! The TCP connections berth serves HTTP on, and the one way to write to
+//! one of them outside hyper.
+//!
+//! Why: with a thousand clients tailing one build, waking each client's
+//! hyper task to write a frame cost three times a bare `write(2)`
+//! (measured: `cargo bench --bench events`). So a live event stream hands
+//! its socket to the fan-out thread (`events::fanout`), which writes every
+//! live subscriber in one pass, and takes it back to catch up or to end.
+//!
+//! hyper still parses every request and writes every head, replay and
+//! error. The hand-over is safe because hyper calls `poll_flush` here only
+//! when its own buffer is empty: the socket changes hands there, and only
+//! there. While the fan-out has it, every write is an HTTP/1.1 chunk
+//! (hyper chose chunked encoding for the stream), made under this
+//! connection's lock, so bytes never interleave. Bytes the socket cannot
+//! take at once wait in a small backlog that is written before anything
+//! else; a backlog past `MAX_BACKLOG` means a slow client, which goes back
+//! to catching up from the store.
+
+use std::collections::VecDeque;
+use std::io;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll, Waker};
+
+use bytes::{Buf, Bytes};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::TcpStream;
+
+/// Bytes queued for a socket that is not taking them before the client
+/// counts as slow.
+pub const MAX_BACKLOG: usize = 256 * 1024;
+
+/// One served connection (the I/O object hyper reads and writes).
+pub struct Conn(Arc<Wire>);
+
+impl Conn {
+    pub fn new(stream: TcpStream) -> Conn {
+        Conn(Arc::new(Wire {
+            stream,
+            state: Mutex::new(WireState {
+                holder: Holder::Hyper,
+                backlog: VecDeque::new(),
+                backlog_bytes: 0,
+                body: None,
+            }),
+        }))
+    }
+
+    /// The handle a request carries so that its stream can hand the socket
+    /// over.
+    pub fn handle(&self) -> Arc<Wire> {
+        self.0.clone()
+    }
+}
+
+/// Who writes to the socket now.
+enum Holder {
+    Hyper,
+    /// The stream asked for the socket; hyper's next flush gives it away.
+    Asked(Box<dyn FnOnce(Arc<Wire>) + Send>),
+    FanOut,
+    /// The fan-out gave the socket back, saying why.
+    Returned(Return),
+}
+
+/// Why the fan-out gave a socket back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Return {
+    /// The client fell behind; catch up from the store after this seq.
+    Behind(u64),
+    /// The final status and `end` were written: the stream is over.
+    Ended,
+    /// The socket failed (the client went away).
+    Failed,
+}
+
+struct WireState {
+    holder: Holder,
+    backlog: VecDeque<Bytes>,
+    backlog_bytes: usize,
+    /// The HTTP body of the stream, woken when the socket comes back or
+    /// its backlog needs writing.
+    body: Option<Waker>,
+}
+
+pub struct Wire {
+    stream: TcpStream,
+    state: Mutex<WireState>,
+}
+
+impl Wire {
+    fn lock(&self) -> MutexGuard<'_, WireState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Asks for the socket on behalf of a stream: `give` runs, with the
+    /// socket now owned by the fan-out, at hyper's next flush.
+    pub fn ask(&self, give: Box<dyn FnOnce(Arc<Wire>) + Send>, body: &Waker) {
+        let mut state = self.lock();
+        debug_assert!(matches!(state.holder, Holder::Hyper));
+        state.holder = Holder::Asked(give);
+        state.body = Some(body.clone());
+    }
+
+    /// Where the socket is, for the stream's body: `None` while the
+    /// fan-out has it (or is about to), `Some` once it came back and its
+    /// backlog is written. Registers the body to be woken.
+    pub fn poll_returned(&self, cx: &mut Context<'_>) -> Poll<Option<Return>> {
+        let mut state = self.lock();
+        state.body = Some(cx.waker().clone());
+        match state.holder {
+            Holder::Hyper => Poll::Ready(None),
+            Holder::Asked(_) => Poll::Pending,
+            Holder::FanOut => match self.poll_drain(&mut state, cx) {
+                // The fan-out queued bytes the socket could not take; they
+                // are written from here when the socket is ready.
+                Poll::Ready(Err(_)) => {
+                    state.holder = Holder::Hyper;
+                    Poll::Ready(Some(Return::Failed))
+                }
+                _ => Poll::Pending,
+            },
+            Holder::Returned(why) => match self.poll_drain(&mut state, cx) {
+                Poll::Pending => Poll::Pending,
+                Poll::Ready(Err(_)) => {
+                    state.holder = Holder::Hyper;
+                    Poll::Ready(Some(Return::Failed))
+                }
+                Poll::Ready(Ok(())) => {
+                    state.holder = Holder::Hyper;
+                    Poll::Ready(Some(why))
+                }
+            },
+        }
+    }
+
+    /// Takes the socket back from the fan-out (the stream stops for its own
+    /// reasons: shutdown, a revoked credential), or withdraws a request for
+    /// it. After this, the fan-out never writes to it again.
+    pub fn reclaim(&self) {
+        // What the backlog holds is still written before hyper's next bytes.
+        self.lock().holder = Holder::Hyper;
+    }
+
+    /// Writes `data` as one chunk if the fan-out holds the socket; bytes
+    /// the socket does not take now go to the backlog. `Err` when the
+    /// socket is not the fan-out's any more, or the backlog is full, or the
+    /// socket failed: the caller stops writing and gives it back.
+    pub fn write_chunk(&self, chunk: &Bytes) -> Result<(), Stopped> {
+        let mut state = self.lock();
+        if !matches!(state.holder, Holder::FanOut) {
+            return Err(Stopped::NotHeld);
+        }
+        if state.backlog_bytes + chunk.len() > MAX_BACKLOG {
+            return Err(Stopped::Slow);
+        }
+        let mut written = 0;
+        if state.backlog.is_empty() {
+            match self.stream.try_write(chunk) {
+                Ok(n) => written = n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(_) => return Err(Stopped::Failed),
+            }
+        }
+        if written < chunk.len() {
+            state.backlog_bytes += chunk.len() - written;
+            state.backlog.push_back(chunk.slice(written..));
+            if let Some(body) = &state.body {
+                body.wake_by_ref();
+            }
+        }
+        Ok(())
+    }
+
+    /// The fan-out gives the socket back.
+    pub fn give_back(&self, why: Return) {
+        let mut state = self.lock();
+        if matches!(state.holder, Holder::FanOut) {
+            state.holder = Holder::Returned(why);
+            if let Some(body) = state.body.take() {
+                body.wake();
+            }
+        }
+    }
+
+    /// Whether the fan-out still holds the socket.
+    pub fn held_by_fan_out(&self) -> bool {
+        matches!(self.lock().holder, Holder::FanOut)
+    }
+
+    /// Writes the backlog; ready when it is empty.
+    fn poll_drain(&self, state: &mut WireState, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        while let Some(front) = state.backlog.front_mut() {
+            match self.stream.try_write(front) {
+                Ok(n) => {
+                    state.backlog_bytes -= n;
+                    front.advance(n);
+                    if front.is_empty() {
+                        state.backlog.pop_front();
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    std::task::ready!(self.stream.poll_write_ready(cx))?;
+                }
+                Err(e) => return Poll::Ready(Err(e)),
+            }
+        }
+        Poll::Ready(Ok(()))
+    }
+}
+
+/// Why the fan-out must stop writing to a socket.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Stopped {
+    NotHeld,
+    Slow,
+    Failed,
+}
+
+/// The HTTP/1.1 chunk of `data`.
+pub fn chunk(data: &[u8]) -> Bytes {
+    let mut out = Vec::with_capacity(data.len() + 12);
+    out.extend_from_slice(format!("{:x}\r\n", data.len()).as_bytes());
+    out.extend_from_slice(data);
+    out.extend_from_slice(b"\r\n");
+    Bytes::from(out)
+}
+
+impl AsyncRead for Conn {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        loop {
+            std::task::ready!(self.0.stream.poll_read_ready(cx))?;
+            match self.0.stream.try_read(buf.initialize_unfilled()) {
+                Ok(n) => {
+                    buf.advance(n);
+                    return Poll::Ready(Ok(()));
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                Err(e) => return Poll::Ready(Err(e)),
+            }
+        }
+    }
+}
+
+impl Conn {
+    /// hyper writes only while it holds the socket (or before it gives it
+    /// away at its flush), and after the backlog.
+    fn poll_ready_for_hyper(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let mut state = self.0.lock();
+        debug_assert!(
+            !matches!(state.holder, Holder::FanOut),
+            "hyper writes while the fan-out holds the socket"
+        );
+        self.0.poll_drain(&mut state, cx)
+    }
+}
+
+impl AsyncWrite for Conn {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        std::task::ready!(self.poll_ready_for_hyper(cx))?;
+        loop {
+            match self.0.stream.try_write(buf) {
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    std::task::ready!(self.0.stream.poll_write_ready(cx))?;
+                }
+                other => return Poll::Ready(other),
+            }
+        }
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        std::task::ready!(self.poll_ready_for_hyper(cx))?;
+        loop {
+            match self.0.stream.try_write_vectored(bufs) {
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    std::task::ready!(self.0.stream.poll_write_ready(cx))?;
+                }
+                other => return Poll::Ready(other),
+            }
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        true
+    }
+
+    /// hyper's buffer is empty whenever it calls this: the one place where
+    /// the socket may change hands.
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let mut state = self.0.lock();
+        std::task::ready!(self.0.poll_drain(&mut state, cx))?;
+        if matches!(state.holder, Holder::Asked(_)) {
+            let Holder::Asked(give) = std::mem::replace(&mut state.holder, Holder::FanOut) else {
+                unreachable!("matched above");
+            };
+            drop(state);
+            give(self.0.clone());
+        }
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        std::task::ready!(self.as_ref().poll_ready_for_hyper(cx))?;
+        use std::os::fd::AsRawFd;
+        // The fan-out may still hold a reference: send FIN now, not at the
+        // last drop.
+        let _ = nix::sys::socket::shutdown(
+            self.0.stream.as_raw_fd(),
+            nix::sys::socket::Shutdown::Write,
+        );
+        Poll::Ready(Ok(()))
+    }
+}
