@@ -226,13 +226,14 @@ async fn accept_loop(
         let conn = crate::wire::Conn::new(stream);
         let wire = conn.handle();
         let service = service.clone();
-        let per_request = hyper::service::service_fn(move |mut req: hyper::Request<hyper::body::Incoming>| {
-            // Chunked encoding, which the fan-out writes, is HTTP/1.1's.
-            if req.version() == hyper::Version::HTTP_11 {
-                req.extensions_mut().insert(api::WireHandle(wire.clone()));
-            }
-            hyper::service::Service::call(&service, req)
-        });
+        let per_request =
+            hyper::service::service_fn(move |mut req: hyper::Request<hyper::body::Incoming>| {
+                // Chunked encoding, which the fan-out writes, is HTTP/1.1's.
+                if req.version() == hyper::Version::HTTP_11 {
+                    req.extensions_mut().insert(api::WireHandle(wire.clone()));
+                }
+                hyper::service::Service::call(&service, req)
+            });
         let connection = hyper::server::conn::http1::Builder::new()
             .serve_connection(hyper_util::rt::TokioIo::new(conn), per_request);
         let connection = graceful.watch(connection);

@@ -138,9 +138,15 @@ impl Wire {
     /// Takes the socket back from the fan-out (the stream stops for its own
     /// reasons: shutdown, a revoked credential), or withdraws a request for
     /// it. After this, the fan-out never writes to it again.
-    pub fn reclaim(&self) {
+    /// Returns whether the fan-out held it (it then drops its member at its
+    /// next pass).
+    pub fn reclaim(&self) -> bool {
         // What the backlog holds is still written before hyper's next bytes.
-        self.lock().holder = Holder::Hyper;
+        let mut state = self.lock();
+        let held = matches!(state.holder, Holder::FanOut);
+        state.holder = Holder::Hyper;
+        state.body = None;
+        held
     }
 
     /// Writes `data` as one chunk if the fan-out holds the socket; bytes

@@ -167,12 +167,33 @@ pub fn filter(
         .and(warp::header::headers_cloned())
         .and(warp::body::stream())
         .and(warp::ext::optional::<WireHandle>())
-        .then(move |method, path: warp::path::FullPath, query: String, headers: HeaderMap, body, wire: Option<WireHandle>| {
-            let ctx = ctx.clone();
-            let wire = wire.map(|w| w.0);
-            async move { handle(ctx, method, path.as_str().to_string(), query, headers, body, wire).await }
+        .then(
+            move |method,
+                  path: warp::path::FullPath,
+                  query: String,
+                  headers: HeaderMap,
+                  body,
+                  wire: Option<WireHandle>| {
+                let ctx = ctx.clone();
+                let wire = wire.map(|w| w.0);
+                async move {
+                    let head = Head {
+                        method,
+                        path: path.as_str().to_string(),
+                        query,
+                        headers,
+                        wire,
+                    };
+                    handle(ctx, head, body).await
+                }
+            },
+        )
+        .recover(|_| async {
+            Ok::<_, Infallible>(into_http(
+                Reply::from_error(&ApiError::internal(), "-"),
+                "-",
+            ))
         })
-        .recover(|_| async { Ok::<_, Infallible>(into_http(Reply::from_error(&ApiError::internal(), "-"), "-")) })
         .unify()
 }
 
@@ -183,37 +204,38 @@ fn valid_request_id(id: &str) -> bool {
             .all(|c| c.is_ascii_alphanumeric() || b"._-".contains(&c))
 }
 
-async fn handle<S, B>(
-    ctx: Arc<Ctx>,
+/// A request as it arrives, before its route is known.
+struct Head {
     method: Method,
     path: String,
     query: String,
     headers: HeaderMap,
-    body: S,
     wire: Option<Arc<crate::wire::Wire>>,
-) -> warp::reply::Response
+}
+
+async fn handle<S, B>(ctx: Arc<Ctx>, head: Head, body: S) -> warp::reply::Response
 where
     S: futures_util::Stream<Item = Result<B, warp::Error>> + Unpin,
     B: bytes::Buf,
 {
-    let request_id = headers
+    let request_id = head
+        .headers
         .get("x-request-id")
         .and_then(|v| v.to_str().ok())
         .filter(|v| valid_request_id(v))
         .map(str::to_string)
         .unwrap_or_else(|| uuid::Uuid::now_v7().simple().to_string());
-    let (route, reply) =
-        match dispatch(&ctx, method, &path, &query, headers, body, &request_id, wire).await {
-            Ok((route, Answer::Reply(r))) => (route, r),
-            Ok((route, Answer::Stream(mut response))) => {
-                ops::count_request(&ctx, route, response.status().as_u16());
-                if let Ok(v) = HeaderValue::from_str(&request_id) {
-                    response.headers_mut().insert("x-request-id", v);
-                }
-                return response;
+    let (route, reply) = match dispatch(&ctx, head, body, &request_id).await {
+        Ok((route, Answer::Reply(r))) => (route, r),
+        Ok((route, Answer::Stream(mut response))) => {
+            ops::count_request(&ctx, route, response.status().as_u16());
+            if let Ok(v) = HeaderValue::from_str(&request_id) {
+                response.headers_mut().insert("x-request-id", v);
             }
-            Err((route, e)) => (route, Reply::from_error(&e, &request_id)),
-        };
+            return response;
+        }
+        Err((route, e)) => (route, Reply::from_error(&e, &request_id)),
+    };
     if reply.status >= 500 {
         tracing::warn!(%request_id, route, status = reply.status, "request failed");
     }
@@ -230,20 +252,18 @@ pub enum Answer {
 type Dispatched = Result<(&'static str, Answer), (&'static str, ApiError)>;
 
 /// Finds the route; answers 404/405/413/415 itself; calls the handler.
-async fn dispatch<S, B>(
-    ctx: &Arc<Ctx>,
-    method: Method,
-    path: &str,
-    query: &str,
-    headers: HeaderMap,
-    body: S,
-    request_id: &str,
-    wire: Option<Arc<crate::wire::Wire>>,
-) -> Dispatched
+async fn dispatch<S, B>(ctx: &Arc<Ctx>, head: Head, body: S, request_id: &str) -> Dispatched
 where
     S: futures_util::Stream<Item = Result<B, warp::Error>> + Unpin,
     B: bytes::Buf,
 {
+    let Head {
+        method,
+        path,
+        query,
+        headers,
+        wire,
+    } = head;
     let segments: Vec<String> = path
         .trim_start_matches('/')
         .split('/')

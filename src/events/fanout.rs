@@ -105,15 +105,30 @@ impl FanOut {
                 members.append(&mut inbox.joining);
             }
             more = false;
-            let mut made: HashMap<(usize, u64, u64), Made> = HashMap::new();
+            let mut made: HashMap<(usize, u64, u64, u64), Made> = HashMap::new();
             members.retain_mut(|m| serve(m, &mut made, &mut more));
         }
     }
 }
 
 /// Writes one member what it has not seen; false when it leaves.
-fn serve(m: &mut Member, made: &mut HashMap<(usize, u64, u64), Made>, more: &mut bool) -> bool {
-    let key = (m.subscription.channel_key(), m.subscription.next_pos(), m.last);
+fn serve(
+    m: &mut Member,
+    made: &mut HashMap<(usize, u64, u64, u64), Made>,
+    more: &mut bool,
+) -> bool {
+    // The tail's end is part of the key: a line published during the pass
+    // reaches every client the pass has not written yet, in this pass.
+    let key = (
+        m.subscription.channel_key(),
+        m.subscription.next_pos(),
+        m.last,
+        m.subscription.tail_end(),
+    );
+    if key.1 == key.3 {
+        // Nothing new: stay, unless the stream took its socket back.
+        return m.wire.held_by_fan_out();
+    }
     let out = match made.get(&key) {
         Some(out) => out,
         None => {

@@ -123,6 +123,9 @@ struct Live {
     state: Mutex<LiveState>,
     /// Woken at every publish; each parked subscriber then reads the tail.
     notify: Arc<Notify>,
+    /// `state.end_pos()`, readable without the lock (the fan-out checks it
+    /// for every client it writes).
+    end_pos: std::sync::atomic::AtomicU64,
 }
 
 #[derive(Default)]
@@ -138,6 +141,12 @@ struct LiveState {
 impl Live {
     fn lock(&self) -> std::sync::MutexGuard<'_, LiveState> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn push(&self, state: &mut LiveState, batch: Arc<Batch>) {
+        state.push(batch);
+        self.end_pos
+            .store(state.end_pos(), std::sync::atomic::Ordering::Release);
     }
 }
 
@@ -215,6 +224,13 @@ impl Subscription {
 
     pub fn hub(&self) -> &Arc<Hub> {
         &self.hub
+    }
+
+    /// The position after the newest batch of the channel's tail.
+    pub fn tail_end(&self) -> u64 {
+        self.live()
+            .end_pos
+            .load(std::sync::atomic::Ordering::Acquire)
     }
 
     pub fn next_pos(&self) -> u64 {
@@ -314,7 +330,7 @@ impl Hub {
             return;
         };
         if Arc::strong_count(live) > 1 {
-            live.lock().push(Batch::new(vec![frame]));
+            live.push(&mut live.lock(), Batch::new(vec![frame]));
             live.notify.notify_waiters();
             self.fanout.kick();
         }
@@ -333,7 +349,7 @@ impl Hub {
         let mut state = live.lock();
         state.pending.extend(frames.iter().cloned());
         if listened {
-            state.push(Batch::new(frames));
+            live.push(&mut state, Batch::new(frames));
             drop(state);
             live.notify.notify_waiters();
             self.fanout.kick();

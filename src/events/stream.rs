@@ -15,11 +15,12 @@ use bytes::Bytes;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
+use super::fanout::FanOut;
 use super::{Batch, Channel, Frame, Hub, Lagged, Subscription};
-use crate::wire::{Return, Wire};
 use crate::engine::builds::decompress_chunk;
 use crate::engine::Engine;
 use crate::model::BuildId;
+use crate::wire::{Return, Stopped, Wire};
 
 /// Silence after which a `: keep-alive` comment is sent.
 pub const KEEP_ALIVE: Duration = Duration::from_secs(15);
@@ -155,7 +156,10 @@ enum Control {
     /// Replayed or catch-up events, keep-alives, `resync_required`, `end`.
     Bytes(Bytes),
     /// From here on live events come from the channel's tail, after seq `last`.
-    Live { subscription: Subscription, last: u64 },
+    Live {
+        subscription: Subscription,
+        last: u64,
+    },
 }
 
 /// The live events of `batches` after `last` as one buffer, and whether
@@ -182,13 +186,34 @@ pub struct SseBody {
     wire: Option<Arc<Wire>>,
     /// The fan-out holds the socket, or was asked for it.
     handed: bool,
+    fanout: Option<Arc<FanOut>>,
     live: Option<(Subscription, u64)>,
     behind: mpsc::Sender<u64>,
     batches: Vec<Arc<Batch>>,
     finished: bool,
 }
 
+impl Drop for SseBody {
+    /// However the stream ends (the client left, hyper dropped the
+    /// response), the fan-out lets go of the socket now, not at its next
+    /// write.
+    fn drop(&mut self) {
+        self.reclaim();
+    }
+}
+
 impl SseBody {
+    fn reclaim(&mut self) {
+        if let (true, Some(wire)) = (self.handed, &self.wire) {
+            if wire.reclaim() {
+                if let Some(fanout) = &self.fanout {
+                    fanout.kick();
+                }
+            }
+        }
+        self.handed = false;
+    }
+
     /// While the fan-out holds the socket: `Some` when the body must act.
     fn poll_handed(&mut self, cx: &mut std::task::Context<'_>) -> Option<bool> {
         let wire = self.wire.as_ref()?;
@@ -233,8 +258,12 @@ impl futures_util::Stream for SseBody {
                     // A keep-alive while the fan-out writes: it goes the same
                     // way, in order. When the socket is backed up it is not
                     // idle, and the comment is not needed.
-                    if let Some(wire) = &this.wire {
-                        let _ = wire.write_chunk(&crate::wire::chunk(&b));
+                    let written = match &this.wire {
+                        Some(wire) => wire.write_chunk(&crate::wire::chunk(&b)),
+                        None => Ok(()),
+                    };
+                    if written == Err(Stopped::Failed) {
+                        this.finished = true;
                     }
                     continue;
                 }
@@ -243,6 +272,7 @@ impl futures_util::Stream for SseBody {
                     match &this.wire {
                         Some(wire) => {
                             let fanout = subscription.hub().fanout.clone();
+                            this.fanout = Some(fanout.clone());
                             wire.ask(
                                 Box::new(move |wire| fanout.join(subscription, last, wire)),
                                 cx.waker(),
@@ -255,9 +285,7 @@ impl futures_util::Stream for SseBody {
                 }
                 // The producer stopped (shutdown, a revoked credential, end).
                 Poll::Ready(None) => {
-                    if let Some(wire) = &this.wire {
-                        wire.reclaim();
-                    }
+                    this.reclaim();
                     return Poll::Ready(None);
                 }
                 Poll::Pending => {}
@@ -320,6 +348,7 @@ pub fn spawn(
         control,
         wire,
         handed: false,
+        fanout: None,
         live: None,
         behind,
         batches: Vec::new(),
@@ -425,7 +454,7 @@ async fn build_stream(
             }
         }
         last = go_live(subscription, last, w, reauthorize, &mut timers, behind).await?;
-        tracing::debug!(build = %crate::model::format_build_id(id), "subscriber fell behind; catching up from the store");
+        tracing::debug!(build = %crate::model::format_build_id(id), last, "subscriber fell behind; catching up from the store");
     }
 }
 

@@ -362,3 +362,73 @@ async fn an_idle_stream_gets_keep_alive_comments() {
         "no `: keep-alive` after 15 s of silence"
     );
 }
+
+/// The metric of open event streams.
+async fn open_streams(s: &Server) -> u64 {
+    let text = s
+        .get("/metrics")
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix("berth_sse_clients "))
+        .and_then(|v| v.parse().ok())
+        .expect("berth_sse_clients in /metrics")
+}
+
+#[tokio::test]
+async fn an_http_1_0_client_tails_a_build_and_a_client_that_leaves_frees_its_stream() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let dir = temp_dir("http10");
+    let (deployer, gates) = gated_deployer(&dir);
+    let s = Server::start_in(dir, Options::default().deployer(&deployer)).await;
+    let id = s.submit_ok("alice", json!({})).await;
+    // HTTP/1.0 has no chunked encoding: berth cannot hand this connection
+    // to the fan-out and serves the live tail from the connection's task.
+    let mut conn = tokio::net::TcpStream::connect(s.base.trim_start_matches("http://"))
+        .await
+        .unwrap();
+    let request = format!(
+        "GET /v1/builds/{id}/events HTTP/1.0\r\nAuthorization: Bearer {}\r\n\r\n",
+        s.token.trim()
+    );
+    conn.write_all(request.as_bytes()).await.unwrap();
+    let mut text = Vec::new();
+    let mut buf = vec![0u8; 64 * 1024];
+    // Live: the deployer's first line arrives while the build waits.
+    while !String::from_utf8_lossy(&text).contains("start deploy alice") {
+        let n = tokio::time::timeout(Duration::from_secs(30), conn.read(&mut buf))
+            .await
+            .expect("no live line over HTTP/1.0")
+            .unwrap();
+        assert!(n > 0, "closed before the first line");
+        text.extend_from_slice(&buf[..n]);
+    }
+    open_gate(&gates, "alice");
+    tokio::time::timeout(Duration::from_secs(30), conn.read_to_end(&mut text))
+        .await
+        .expect("the stream did not end")
+        .unwrap();
+    let text = String::from_utf8(text).unwrap();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap();
+    assert!(head.starts_with("HTTP/1.0 200"), "{head}");
+    assert!(!head.to_ascii_lowercase().contains("chunked"), "{head}");
+    let events: Vec<SseEvent> = body.split("\n\n").filter_map(parse_event).collect();
+    assert_eq!(events.last().unwrap().event, "end");
+    assert_gap_free(&events[..events.len() - 1], 1);
+    assert_eq!(log_of(&events), s.log_text(&id).await);
+
+    // An HTTP/1.1 stream, live (its socket is the fan-out's), then gone.
+    let mut sse = Sse::open(stream(&s, "/v1/deployments/alice/events")).await;
+    assert_eq!(sse.next().await.unwrap().event, "deployment");
+    assert_eq!(open_streams(&s).await, 1);
+    drop(sse);
+    eventually(
+        "the stream's slot is freed when its client leaves",
+        || async { open_streams(&s).await == 0 },
+    )
+    .await;
+}

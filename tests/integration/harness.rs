@@ -321,6 +321,30 @@ pub struct SseEvent {
     pub data: String,
 }
 
+/// One block of a `text/event-stream` (None for a comment-only block).
+pub fn parse_event(block: &str) -> Option<SseEvent> {
+    let mut ev = SseEvent {
+        id: None,
+        event: "message".into(),
+        data: String::new(),
+    };
+    let mut has_data = false;
+    for line in block.lines() {
+        if let Some(v) = line.strip_prefix("id: ") {
+            ev.id = v.parse().ok();
+        } else if let Some(v) = line.strip_prefix("event: ") {
+            ev.event = v.to_string();
+        } else if let Some(v) = line.strip_prefix("data: ") {
+            if has_data {
+                ev.data.push('\n');
+            }
+            ev.data.push_str(v);
+            has_data = true;
+        }
+    }
+    has_data.then_some(ev)
+}
+
 /// A minimal `text/event-stream` reader.
 pub struct Sse {
     resp: reqwest::Response,
@@ -345,28 +369,8 @@ impl Sse {
         loop {
             while let Some(end) = self.buf.find("\n\n") {
                 let block: String = self.buf.drain(..end + 2).collect();
-                let mut ev = SseEvent {
-                    id: None,
-                    event: "message".into(),
-                    data: String::new(),
-                };
-                let mut has_data = false;
-                for line in block.lines() {
-                    if line.starts_with(':') {
-                        self.comments += 1;
-                    } else if let Some(v) = line.strip_prefix("id: ") {
-                        ev.id = v.parse().ok();
-                    } else if let Some(v) = line.strip_prefix("event: ") {
-                        ev.event = v.to_string();
-                    } else if let Some(v) = line.strip_prefix("data: ") {
-                        if has_data {
-                            ev.data.push('\n');
-                        }
-                        ev.data.push_str(v);
-                        has_data = true;
-                    }
-                }
-                if has_data {
+                self.comments += block.lines().filter(|l| l.starts_with(':')).count();
+                if let Some(ev) = parse_event(&block) {
                     return Some(ev);
                 }
             }
