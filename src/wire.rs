@@ -254,14 +254,15 @@ impl AsyncRead for Conn {
 }
 
 impl Conn {
-    /// hyper writes only while it holds the socket (or before it gives it
-    /// away at its flush), and after the backlog.
+    /// hyper writes after the backlog. It never writes while the fan-out
+    /// holds the socket, except to close a connection whose client went
+    /// away: then the fan-out loses the socket first, so bytes never
+    /// interleave.
     fn poll_ready_for_hyper(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let mut state = self.0.lock();
-        debug_assert!(
-            !matches!(state.holder, Holder::FanOut),
-            "hyper writes while the fan-out holds the socket"
-        );
+        if matches!(state.holder, Holder::FanOut) {
+            state.holder = Holder::Returned(Return::Failed);
+        }
         self.0.poll_drain(&mut state, cx)
     }
 }
