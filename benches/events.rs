@@ -310,6 +310,52 @@ fn epoll_client(addr: &str, request: &str, n: usize) -> Vec<u64> {
     lat
 }
 
+/// The floor of the fan-out on this machine: one thread that writes each
+/// line to `n` loopback sockets itself (no berth, no pipe, no HTTP), read by
+/// the same epoll client. A line's time is when it was due, so a writer
+/// that falls behind counts against it, as berth's lines do.
+fn socket_floor(n: usize, lines: u64, rate: u64) -> Vec<u64> {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let writer = std::thread::spawn(move || {
+        let mut socks: Vec<std::net::TcpStream> = (0..n)
+            .map(|_| {
+                let (s, _) = listener.accept().unwrap();
+                s.set_nodelay(true).unwrap();
+                s
+            })
+            .collect();
+        let start = Instant::now();
+        let wall = now_nanos();
+        let mut i = 0;
+        while i < lines {
+            let due = Duration::from_nanos(i * 1_000_000_000 / rate);
+            if let Some(wait) = due.checked_sub(start.elapsed()) {
+                std::thread::sleep(wait);
+            }
+            // Every line due by now goes in this pass, as berth batches.
+            let mut frames = String::new();
+            while i < lines && Duration::from_nanos(i * 1_000_000_000 / rate) <= start.elapsed() {
+                let ts = wall + i * 1_000_000_000 / rate;
+                frames.push_str(&format!(
+                    "id: {i}\nevent: log\ndata: ts={ts} building '/nix/store/{i:032x}-pkg-{i}.drv'...\n\n"
+                ));
+                i += 1;
+            }
+            for s in &mut socks {
+                s.write_all(frames.as_bytes()).unwrap();
+            }
+        }
+        for s in &mut socks {
+            s.write_all(b"event: end\ndata: {}\n\n").unwrap();
+        }
+    });
+    let mut lat = epoll_client(&addr, "", n);
+    writer.join().unwrap();
+    lat.sort_unstable();
+    lat
+}
+
 fn realistic_log(bytes: usize) -> Vec<u8> {
     let mut out = Vec::with_capacity(bytes + 200);
     let mut i = 0u64;
@@ -379,6 +425,7 @@ fn main() {
             continue;
         }
         let pipe = pipe_baseline(lines, rate);
+        let floor = socket_floor(subscribers, lines, rate);
         let berth_lat = rt.block_on(async {
             let berth = Berth::start(
                 &dir.join(format!("lat-{rate}")),
@@ -400,11 +447,13 @@ fn main() {
             "a subscriber missed lines"
         );
         println!(
-            "latency at {rate} lines/s, {subscribers} subscribers: berth p50 {:.2} ms, p99 {:.2} ms; plain pipe p50 {:.3} ms, p99 {:.3} ms",
+            "latency at {rate} lines/s, {subscribers} subscribers: berth p50 {:.2} ms, p99 {:.2} ms; plain pipe p50 {:.3} ms, p99 {:.3} ms; one thread writing the sockets itself p50 {:.2} ms, p99 {:.2} ms",
             percentile(&berth_lat, 0.5),
             percentile(&berth_lat, 0.99),
             percentile(&pipe, 0.5),
-            percentile(&pipe, 0.99)
+            percentile(&pipe, 0.99),
+            percentile(&floor, 0.5),
+            percentile(&floor, 0.99)
         );
     }
 
