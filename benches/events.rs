@@ -268,6 +268,7 @@ fn epoll_client(addr: &str, request: &str, n: usize) -> Vec<u64> {
             let i = ev.data() as usize;
             let (buf, filled) = &mut bufs[i];
             loop {
+                let room = buf.len() - *filled;
                 match socks[i].read(&mut buf[*filled..]) {
                     Ok(0) => {
                         if !done[i] {
@@ -297,6 +298,12 @@ fn epoll_client(addr: &str, request: &str, n: usize) -> Vec<u64> {
                         }
                         buf.copy_within(complete..*filled, 0);
                         *filled -= complete;
+                        // Level-triggered: what a read left is reported
+                        // again, so one read per readiness is enough unless
+                        // it filled the buffer.
+                        if k < room {
+                            break;
+                        }
                     }
                     Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
                     Err(e) => panic!("read: {e}"),
