@@ -102,6 +102,16 @@ pub fn metrics(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
             e.hub.clients.load(Ordering::SeqCst) as u64,
         ),
         (
+            "berth_sse_live_streams",
+            "Event streams whose socket the fan-out thread writes (the rest replay or catch up).",
+            e.hub.fanout.streams.load(Ordering::Relaxed) as u64,
+        ),
+        (
+            "berth_sse_catch_ups_total",
+            "Times an event stream fell behind and caught up from the store.",
+            e.hub.catch_ups.load(Ordering::Relaxed),
+        ),
+        (
             "berth_log_bytes_total",
             "Log bytes stored since start.",
             e.metrics.log_bytes.load(Ordering::Relaxed),

@@ -15,6 +15,7 @@
 //! when its build ends (after `end`), or when its socket fails.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 
 use bytes::Bytes;
@@ -45,7 +46,10 @@ struct Inbox {
 pub struct FanOut {
     inbox: Mutex<Inbox>,
     wake: Condvar,
-    thread: OnceLock<()>,
+    /// Whether the thread started (once, at the first stream).
+    thread: OnceLock<bool>,
+    /// Streams whose socket the fan-out holds (for /metrics).
+    pub streams: AtomicUsize,
 }
 
 /// What one read of a channel's tail gives every member at that position.
@@ -64,15 +68,22 @@ impl FanOut {
 
     /// A stream's socket is now the fan-out's: write from `last` on.
     pub fn join(self: &Arc<Self>, subscription: Subscription, last: u64, wire: Arc<Wire>) {
-        self.thread.get_or_init(|| {
+        let running = *self.thread.get_or_init(|| {
             let me = self.clone();
-            // Without the thread no live stream would move: a failure to
-            // start it is a failure to start berth's event streams at all.
-            std::thread::Builder::new()
+            let started = std::thread::Builder::new()
                 .name("berth-fanout".into())
-                .spawn(move || me.run())
-                .expect("start the fan-out thread");
+                .spawn(move || me.run());
+            if let Err(e) = &started {
+                tracing::error!(error = %e, "cannot start the event fan-out thread; live streams end after their replay");
+            }
+            started.is_ok()
         });
+        if !running {
+            // The client reconnects with its cursor and replays.
+            wire.give_back(Return::Failed);
+            return;
+        }
+        self.streams.fetch_add(1, Ordering::Relaxed);
         let mut inbox = self.lock();
         inbox.joining.push(Member {
             subscription,
@@ -106,7 +117,10 @@ impl FanOut {
             }
             more = false;
             let mut made: HashMap<(usize, u64, u64, u64), Made> = HashMap::new();
+            let before = members.len();
             members.retain_mut(|m| serve(m, &mut made, &mut more));
+            self.streams
+                .fetch_sub(before - members.len(), Ordering::Relaxed);
         }
     }
 }

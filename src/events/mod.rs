@@ -186,6 +186,8 @@ pub struct Hub {
     pub fanout: Arc<fanout::FanOut>,
     /// Open event streams (for `--max-sse-clients` and /metrics).
     pub clients: AtomicUsize,
+    /// Times a stream fell behind and caught up from the store (/metrics).
+    pub catch_ups: std::sync::atomic::AtomicU64,
 }
 
 /// The subscriber fell further behind than the tail keeps: it catches up

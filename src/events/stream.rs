@@ -454,6 +454,7 @@ async fn build_stream(
             }
         }
         last = go_live(subscription, last, w, reauthorize, &mut timers, behind).await?;
+        engine.hub.catch_ups.fetch_add(1, Ordering::Relaxed);
         tracing::debug!(build = %crate::model::format_build_id(id), last, "subscriber fell behind; catching up from the store");
     }
 }
@@ -611,6 +612,7 @@ async fn deployment_stream(
             }
         }
         last = go_live(subscription, last, w, reauthorize, &mut timers, behind).await?;
+        engine.hub.catch_ups.fetch_add(1, Ordering::Relaxed);
         let (again, _) = engine.hub.subscribe(&channel);
         subscription = again;
     }
