@@ -234,7 +234,10 @@ async fn accept_loop(
                 }
                 hyper::service::Service::call(&service, req)
             });
+        // The timer makes hyper's header read timeout (30 s) real: a client
+        // that sends its request head slowly cannot hold a connection.
         let connection = hyper::server::conn::http1::Builder::new()
+            .timer(hyper_util::rt::TokioTimer::new())
             .serve_connection(hyper_util::rt::TokioIo::new(conn), per_request);
         let connection = graceful.watch(connection);
         tokio::spawn(async move {

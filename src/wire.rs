@@ -321,13 +321,9 @@ impl AsyncWrite for Conn {
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         std::task::ready!(self.as_ref().poll_ready_for_hyper(cx))?;
-        use std::os::fd::AsRawFd;
         // The fan-out may still hold a reference: send FIN now, not at the
         // last drop.
-        let _ = nix::sys::socket::shutdown(
-            self.0.stream.as_raw_fd(),
-            nix::sys::socket::Shutdown::Write,
-        );
+        let _ = socket2::SockRef::from(&self.0.stream).shutdown(std::net::Shutdown::Write);
         Poll::Ready(Ok(()))
     }
 }
