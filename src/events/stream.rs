@@ -214,26 +214,24 @@ impl SseBody {
         self.handed = false;
     }
 
-    /// While the fan-out holds the socket: `Some` when the body must act.
-    fn poll_handed(&mut self, cx: &mut std::task::Context<'_>) -> Option<bool> {
-        let wire = self.wire.as_ref()?;
-        match wire.poll_returned(cx) {
-            std::task::Poll::Pending => None,
-            std::task::Poll::Ready(None) => {
-                self.handed = false;
-                Some(false)
-            }
-            std::task::Poll::Ready(Some(Return::Behind(last))) => {
-                self.handed = false;
+    /// While the fan-out holds the socket: true once it came back (the
+    /// body then goes on: catch up, or finish).
+    fn poll_socket_back(&mut self, cx: &mut std::task::Context<'_>) -> bool {
+        let Some(wire) = self.wire.as_ref() else {
+            return false;
+        };
+        let std::task::Poll::Ready(why) = wire.poll_returned(cx) else {
+            return false;
+        };
+        self.handed = false;
+        match why {
+            None => {}
+            Some(Return::Behind(last)) => {
                 let _ = self.behind.try_send(last);
-                Some(false)
             }
-            std::task::Poll::Ready(Some(Return::Ended | Return::Failed)) => {
-                self.handed = false;
-                self.finished = true;
-                Some(true)
-            }
+            Some(Return::Ended | Return::Failed) => self.finished = true,
         }
+        true
     }
 }
 
@@ -250,7 +248,7 @@ impl futures_util::Stream for SseBody {
             if this.finished {
                 return Poll::Ready(None);
             }
-            if this.handed && this.poll_handed(cx).is_some() {
+            if this.handed && this.poll_socket_back(cx) {
                 continue;
             }
             match this.control.poll_recv(cx) {
