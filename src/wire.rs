@@ -265,6 +265,23 @@ impl Conn {
         }
         self.0.poll_drain(&mut state, cx)
     }
+
+    /// One write of hyper's: `write` until the socket takes some bytes.
+    fn poll_hyper_write(
+        &self,
+        cx: &mut Context<'_>,
+        write: impl Fn(&TcpStream) -> io::Result<usize>,
+    ) -> Poll<io::Result<usize>> {
+        std::task::ready!(self.poll_ready_for_hyper(cx))?;
+        loop {
+            match write(&self.0.stream) {
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    std::task::ready!(self.0.stream.poll_write_ready(cx))?;
+                }
+                other => return Poll::Ready(other),
+            }
+        }
+    }
 }
 
 impl AsyncWrite for Conn {
@@ -273,15 +290,7 @@ impl AsyncWrite for Conn {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        std::task::ready!(self.poll_ready_for_hyper(cx))?;
-        loop {
-            match self.0.stream.try_write(buf) {
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    std::task::ready!(self.0.stream.poll_write_ready(cx))?;
-                }
-                other => return Poll::Ready(other),
-            }
-        }
+        self.poll_hyper_write(cx, |s| s.try_write(buf))
     }
 
     fn poll_write_vectored(
@@ -289,15 +298,7 @@ impl AsyncWrite for Conn {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        std::task::ready!(self.poll_ready_for_hyper(cx))?;
-        loop {
-            match self.0.stream.try_write_vectored(bufs) {
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    std::task::ready!(self.0.stream.poll_write_ready(cx))?;
-                }
-                other => return Poll::Ready(other),
-            }
-        }
+        self.poll_hyper_write(cx, |s| s.try_write_vectored(bufs))
     }
 
     fn is_write_vectored(&self) -> bool {

@@ -363,15 +363,9 @@ async fn an_idle_stream_gets_keep_alive_comments() {
 
 /// One unlabelled metric from /metrics.
 async fn metric(s: &Server, name: &str) -> u64 {
-    let text = s
-        .get("/metrics")
-        .send()
+    s.metrics()
         .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    text.lines()
+        .lines()
         .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
         .and_then(|v| v.parse().ok())
         .unwrap_or_else(|| panic!("{name} in /metrics"))

@@ -161,6 +161,12 @@ impl Server {
         c.wait().unwrap()
     }
 
+    /// `GET /metrics` with the token.
+    pub async fn metrics(&self) -> String {
+        let r = self.get("/metrics").send().await.unwrap();
+        r.text().await.unwrap()
+    }
+
     pub fn url(&self, path: &str) -> String {
         format!("{}{}", self.base, path)
     }

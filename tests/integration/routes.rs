@@ -65,14 +65,7 @@ async fn health_ready_metrics() {
         401
     );
     s.submit_ok("alice", serde_json::json!({})).await;
-    let m = s
-        .get("/metrics")
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let m = s.metrics().await;
     assert!(
         m.contains(
             "berth_http_requests_total{route=\"/v1/deployments/{id}/submit\",code=\"202\"} 1"
