@@ -16,8 +16,13 @@
 //! take at once wait in a small backlog that is written before anything
 //! else; a backlog past `MAX_BACKLOG` means a slow client, which goes back
 //! to catching up from the store.
+//!
+//! Closing lingers (`LINGER`): after its last answer a connection keeps
+//! reading and dropping what the client still sends, so that an early
+//! answer (a 413 before the body was read) is not lost to a reset.
 
 use std::collections::VecDeque;
+use std::future::Future;
 use std::io;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -31,12 +36,29 @@ use tokio::net::TcpStream;
 /// counts as slow.
 pub const MAX_BACKLOG: usize = 256 * 1024;
 
+/// How long a closing connection keeps reading (and dropping) what its
+/// client still sends.
+pub const LINGER: std::time::Duration = std::time::Duration::from_secs(2);
+/// Bytes a closing connection reads and drops at most.
+pub const LINGER_BYTES: usize = 4 << 20;
+
 /// One served connection (the I/O object hyper reads and writes).
-pub struct Conn(Arc<Wire>);
+pub struct Conn {
+    wire: Arc<Wire>,
+    linger: Option<Linger>,
+}
+
+/// A closing connection that still reads: an early answer (413 before the
+/// body was read) must reach a client that is still sending, and closing
+/// a socket with unread bytes resets the connection under it.
+struct Linger {
+    until: Pin<Box<tokio::time::Sleep>>,
+    dropped: usize,
+}
 
 impl Conn {
     pub fn new(stream: TcpStream) -> Conn {
-        Conn(Arc::new(Wire {
+        let wire = Arc::new(Wire {
             stream,
             state: Mutex::new(WireState {
                 holder: Holder::Hyper,
@@ -44,13 +66,14 @@ impl Conn {
                 backlog_bytes: 0,
                 body: None,
             }),
-        }))
+        });
+        Conn { wire, linger: None }
     }
 
     /// The handle a request carries so that its stream can hand the socket
     /// over.
     pub fn handle(&self) -> Arc<Wire> {
-        self.0.clone()
+        self.wire.clone()
     }
 }
 
@@ -240,8 +263,8 @@ impl AsyncRead for Conn {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         loop {
-            std::task::ready!(self.0.stream.poll_read_ready(cx))?;
-            match self.0.stream.try_read(buf.initialize_unfilled()) {
+            std::task::ready!(self.wire.stream.poll_read_ready(cx))?;
+            match self.wire.stream.try_read(buf.initialize_unfilled()) {
                 Ok(n) => {
                     buf.advance(n);
                     return Poll::Ready(Ok(()));
@@ -259,11 +282,11 @@ impl Conn {
     /// away: then the fan-out loses the socket first, so bytes never
     /// interleave.
     fn poll_ready_for_hyper(&self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        let mut state = self.0.lock();
+        let mut state = self.wire.lock();
         if matches!(state.holder, Holder::FanOut) {
             state.holder = Holder::Returned(Return::Failed);
         }
-        self.0.poll_drain(&mut state, cx)
+        self.wire.poll_drain(&mut state, cx)
     }
 
     /// One write of hyper's: `write` until the socket takes some bytes.
@@ -274,9 +297,9 @@ impl Conn {
     ) -> Poll<io::Result<usize>> {
         std::task::ready!(self.poll_ready_for_hyper(cx))?;
         loop {
-            match write(&self.0.stream) {
+            match write(&self.wire.stream) {
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    std::task::ready!(self.0.stream.poll_write_ready(cx))?;
+                    std::task::ready!(self.wire.stream.poll_write_ready(cx))?;
                 }
                 other => return Poll::Ready(other),
             }
@@ -308,23 +331,45 @@ impl AsyncWrite for Conn {
     /// hyper's buffer is empty whenever it calls this: the one place where
     /// the socket may change hands.
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        let mut state = self.0.lock();
-        std::task::ready!(self.0.poll_drain(&mut state, cx))?;
+        let mut state = self.wire.lock();
+        std::task::ready!(self.wire.poll_drain(&mut state, cx))?;
         if matches!(state.holder, Holder::Asked(_)) {
             let Holder::Asked(give) = std::mem::replace(&mut state.holder, Holder::FanOut) else {
                 unreachable!("matched above");
             };
             drop(state);
-            give(self.0.clone());
+            give(self.wire.clone());
         }
         Poll::Ready(Ok(()))
     }
 
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         std::task::ready!(self.as_ref().poll_ready_for_hyper(cx))?;
-        // The fan-out may still hold a reference: send FIN now, not at the
-        // last drop.
-        let _ = socket2::SockRef::from(&self.0.stream).shutdown(std::net::Shutdown::Write);
-        Poll::Ready(Ok(()))
+        let this = &mut *self;
+        let linger = this.linger.get_or_insert_with(|| {
+            // FIN now (the fan-out may still hold a reference to the socket).
+            let _ = socket2::SockRef::from(&this.wire.stream).shutdown(std::net::Shutdown::Write);
+            Linger {
+                until: Box::pin(tokio::time::sleep(LINGER)),
+                dropped: 0,
+            }
+        });
+        let mut scratch = [0u8; 16 * 1024];
+        loop {
+            if linger.until.as_mut().poll(cx).is_ready() || linger.dropped > LINGER_BYTES {
+                return Poll::Ready(Ok(()));
+            }
+            match this.wire.stream.poll_read_ready(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Err(_)) => return Poll::Ready(Ok(())),
+                Poll::Ready(Ok(())) => {}
+            }
+            match this.wire.stream.try_read(&mut scratch) {
+                Ok(n) if n > 0 => linger.dropped += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                // The client closed too, or the socket failed: done.
+                _ => return Poll::Ready(Ok(())),
+            }
+        }
     }
 }
