@@ -373,3 +373,121 @@ impl AsyncWrite for Conn {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// A served connection on a real loopback socket, and its client.
+    async fn pair() -> (Conn, TcpStream) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let client = TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        let (served, _) = listener.accept().await.unwrap();
+        (Conn::new(served), client)
+    }
+
+    /// Asks for the socket and lets a flush (as hyper's) hand it over.
+    async fn hand_over(conn: &mut Conn) -> Arc<Wire> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        conn.handle().ask(
+            Box::new(move |wire| tx.send(wire).unwrap()),
+            futures_util::task::noop_waker_ref(),
+        );
+        assert!(rx.try_recv().is_err(), "handed over before a flush");
+        conn.flush().await.unwrap();
+        let wire = rx.try_recv().expect("a flush hands the socket over");
+        assert!(wire.held_by_fan_out());
+        wire
+    }
+
+    #[tokio::test]
+    async fn bytes_keep_their_order_across_hand_over_backlog_and_give_back() {
+        let (mut conn, mut client) = pair().await;
+        conn.write_all(b"head;").await.unwrap();
+        let wire = hand_over(&mut conn).await;
+        // The client reads nothing: the socket fills, the rest waits in
+        // the backlog, and past its bound the client counts as slow.
+        let piece = Bytes::from(vec![b'x'; 16 * 1024]);
+        let mut sent = 0usize;
+        loop {
+            match wire.write_chunk(&piece) {
+                Ok(()) => sent += 1,
+                Err(stopped) => {
+                    assert_eq!(stopped, Stopped::Slow);
+                    break;
+                }
+            }
+            assert!(sent < 100_000, "the backlog never filled");
+        }
+        wire.give_back(Return::Behind(7));
+        assert!(wire.write_chunk(&piece).is_err(), "written after give-back");
+        // hyper's next bytes come after everything the fan-out wrote.
+        let writer = tokio::spawn(async move {
+            let returned = std::future::poll_fn(|cx| conn.handle().poll_returned(cx)).await;
+            assert_eq!(returned, Some(Return::Behind(7)));
+            conn.write_all(b";tail").await.unwrap();
+            conn.shutdown().await.unwrap();
+        });
+        let mut got = Vec::new();
+        client.read_to_end(&mut got).await.unwrap();
+        drop(client); // ends the server's lingering close
+        writer.await.unwrap();
+        assert!(got.starts_with(b"head;"));
+        assert!(got.ends_with(b";tail"));
+        let middle = &got[5..got.len() - 5];
+        assert_eq!(middle.len(), sent * piece.len());
+        assert!(middle.iter().all(|&b| b == b'x'));
+    }
+
+    #[tokio::test]
+    async fn a_reclaimed_socket_is_never_written_by_the_fan_out() {
+        let (mut conn, mut client) = pair().await;
+        let wire = hand_over(&mut conn).await;
+        wire.write_chunk(&Bytes::from_static(b"one")).unwrap();
+        assert!(wire.reclaim(), "the fan-out held it");
+        assert_eq!(
+            wire.write_chunk(&Bytes::from_static(b"two")),
+            Err(Stopped::NotHeld)
+        );
+        conn.write_all(b"three").await.unwrap();
+        let closing = tokio::spawn(async move { conn.shutdown().await });
+        let mut got = Vec::new();
+        client.read_to_end(&mut got).await.unwrap();
+        assert_eq!(got, b"onethree");
+        drop(client);
+        closing.await.unwrap().unwrap();
+    }
+
+    #[tokio::test]
+    async fn an_early_answer_reaches_a_client_that_is_still_sending() {
+        let (mut conn, client) = pair().await;
+        // Small buffers, so that the body cannot hide in them.
+        socket2::SockRef::from(&conn.wire.stream)
+            .set_recv_buffer_size(32 * 1024)
+            .unwrap();
+        socket2::SockRef::from(&client)
+            .set_send_buffer_size(32 * 1024)
+            .unwrap();
+        let (mut from_client, mut to_server) = client.into_split();
+        // As a 413: the answer goes out before the request body was read.
+        conn.write_all(b"answer").await.unwrap();
+        let closing = tokio::spawn(async move { conn.shutdown().await });
+        to_server
+            .write_all(&vec![b'b'; 2 << 20])
+            .await
+            .expect("the server reset the connection under a client still sending");
+        let mut got = Vec::new();
+        from_client.read_to_end(&mut got).await.unwrap();
+        assert_eq!(got, b"answer");
+        drop((from_client, to_server));
+        closing.await.unwrap().unwrap();
+    }
+
+    #[test]
+    fn chunks_are_http_1_1_chunks() {
+        assert_eq!(&chunk(b"hello, world")[..], b"c\r\nhello, world\r\n");
+    }
+}
