@@ -223,6 +223,19 @@ const REOPEN_ATTEMPTS: usize = 10;
 const READ_WAIT_ATTEMPTS: usize = 100;
 const REOPEN_PAUSE: std::time::Duration = std::time::Duration::from_millis(10);
 
+/// Waits `REOPEN_PAUSE` for a reopen in progress. On a runtime worker the
+/// worker first hands its other tasks on (`block_in_place`), so a read that
+/// waits never stalls unrelated requests; elsewhere it simply sleeps.
+fn pause_for_reopen() {
+    use tokio::runtime::{Handle, RuntimeFlavor};
+    match Handle::try_current() {
+        Ok(h) if h.runtime_flavor() == RuntimeFlavor::MultiThread => {
+            tokio::task::block_in_place(|| std::thread::sleep(REOPEN_PAUSE))
+        }
+        _ => std::thread::sleep(REOPEN_PAUSE),
+    }
+}
+
 fn open_database(path: &Path) -> StoreResult<Database> {
     Ok(Database::builder()
         .set_concurrency_mode(redb::ConcurrencyMode::SingleWriter)
@@ -318,7 +331,7 @@ impl Store {
                     txn: ro.begin_read()?,
                 });
             }
-            std::thread::sleep(REOPEN_PAUSE);
+            pause_for_reopen();
         }
         Err(StoreError::reopening())
     }
