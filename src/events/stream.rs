@@ -2,9 +2,10 @@
 //! live events from the hub, with keep-alives, periodic re-authorization,
 //! catch-up after falling behind, and a clean end.
 //!
-//! A producer task writes SSE text into a small bounded channel that is the
-//! HTTP body; when the client goes away the channel closes and the task ends
-//! at once, freeing its hub slot.
+//! A producer task writes replayed SSE text into a small bounded channel
+//! that feeds the HTTP body; live events go from the hub's tail to the
+//! socket through the fan-out thread (`super::fanout`). When the client goes
+//! away the channel closes and the task ends at once, freeing its slot.
 
 use std::convert::Infallible;
 use std::sync::atomic::Ordering;
@@ -372,8 +373,8 @@ impl Timers {
     }
 }
 
-/// Hands the hub queue to the body and then only keeps the stream alive
-/// and authorized. Returns the seq to catch up from when the body fell
+/// Hands the subscription to the body (which hands the socket to the
+/// fan-out) and then only keeps the stream alive and authorized. Returns the seq to catch up from when the body fell
 /// behind; `Err` when the stream is over.
 async fn go_live(
     subscription: Subscription,
