@@ -85,7 +85,7 @@ pub fn metrics(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
             counts[status as usize]
         );
     }
-    let gauges = [
+    let plain = [
         (
             "berth_running_builds",
             "Builds holding a build slot.",
@@ -127,10 +127,15 @@ pub fn metrics(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
             Store::file_size(&e.settings.db_path()),
         ),
     ];
-    for (name, help, value) in gauges {
+    for (name, help, value) in plain {
+        let kind = if name.ends_with("_total") {
+            "counter"
+        } else {
+            "gauge"
+        };
         let _ = writeln!(
             out,
-            "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {value}"
+            "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}"
         );
     }
     Ok(Reply::text(
