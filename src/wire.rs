@@ -107,6 +107,9 @@ struct WireState {
     body: Option<Waker>,
 }
 
+/// A served connection's socket, who writes to it now, and what waits to
+/// be written. Shared by hyper's I/O object (`Conn`), the stream's HTTP
+/// body and the fan-out thread.
 pub struct Wire {
     stream: TcpStream,
     state: Mutex<WireState>,
@@ -126,9 +129,10 @@ impl Wire {
         state.body = Some(body.clone());
     }
 
-    /// Where the socket is, for the stream's body: `None` while the
-    /// fan-out has it (or is about to), `Some` once it came back and its
-    /// backlog is written. Registers the body to be woken.
+    /// For the stream's body: pending while the fan-out has the socket (or
+    /// is about to); ready once it came back (with why) and its backlog is
+    /// written, or with `None` if hyper holds it. Registers the body to be
+    /// woken.
     pub fn poll_returned(&self, cx: &mut Context<'_>) -> Poll<Option<Return>> {
         let mut state = self.lock();
         state.body = Some(cx.waker().clone());
