@@ -10,6 +10,8 @@
 //! This executable is also the deployer berth runs (and the pipe writer).
 //! Run: `cargo bench --bench events`.
 
+mod common;
+
 use std::io::{BufRead, Write};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -116,43 +118,14 @@ struct Berth {
 
 impl Berth {
     async fn start(dir: &std::path::Path, envs: &[(&str, String)]) -> Berth {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let child = Command::new(env!("CARGO_BIN_EXE_berth"))
-            .args([
-                "serve",
-                "--listen",
-                &format!("127.0.0.1:{port}"),
-                "--deployer",
-            ])
-            .arg(std::env::current_exe().unwrap())
-            .arg("--data-dir")
-            .arg(dir.join("data"))
-            .envs(envs.iter().map(|(k, v)| (k.to_string(), v.clone())))
-            .env("BERTH_LOG", "warn")
-            .spawn()
-            .unwrap();
-        let base = format!("http://127.0.0.1:{port}");
-        let http = reqwest::Client::new();
-        while http
-            .get(format!("{base}/readyz"))
-            .send()
-            .await
-            .map(|r| r.status() != 200)
-            .unwrap_or(true)
-        {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        let token = std::fs::read_to_string(dir.join("data/service-token")).unwrap();
+        let deployer = std::env::current_exe().unwrap();
+        let started = common::start_berth(dir, &deployer, &[], envs).await;
         Berth {
-            child,
-            base,
-            token,
+            child: started.child,
+            base: started.base,
+            token: started.token,
             dir: dir.to_path_buf(),
-            http,
+            http: reqwest::Client::new(),
         }
     }
 

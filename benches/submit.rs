@@ -4,8 +4,10 @@
 //!
 //! Run: `cargo bench --bench submit` (release build of berth).
 
+mod common;
+
 use std::io::Write;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -82,45 +84,20 @@ fn start(
         .arg(&deployer)
         .status()
         .unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let child = Command::new(env!("CARGO_BIN_EXE_berth"))
-        .args([
-            "serve",
+    let started = rt.block_on(common::start_berth(
+        dir,
+        &deployer,
+        &[
             "--eval-slots",
             "0",
             "--build-slots",
             "1",
             "--max-queued-builds",
             "1000000",
-            "--listen",
-        ])
-        .arg(format!("127.0.0.1:{port}"))
-        .arg("--data-dir")
-        .arg(dir.join("data"))
-        .arg("--deployer")
-        .arg(&deployer)
-        .env("BERTH_LOG", "warn")
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
-    let base = format!("http://127.0.0.1:{port}");
-    rt.block_on(async {
-        let http = reqwest::Client::new();
-        while http
-            .get(format!("{base}/readyz"))
-            .send()
-            .await
-            .map(|r| r.status() != 200)
-            .unwrap_or(true)
-        {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    });
-    let token = std::fs::read_to_string(dir.join("data/service-token")).unwrap();
+        ],
+        &[],
+    ));
+    let (child, base, token) = (started.child, started.base, started.token);
     (child, base, token)
 }
 
