@@ -333,9 +333,17 @@ impl Hub {
         };
         if Arc::strong_count(live) > 1 {
             live.push(&mut live.lock(), Batch::new(vec![frame]));
-            live.notify.notify_waiters();
-            self.fanout.kick();
+            let notify = live.notify.clone();
+            drop(map);
+            self.wake(&notify);
         }
+    }
+
+    /// Wakes the readers of a channel that got a batch: the ones waiting in
+    /// their own task, and the fan-out. Called without the hub's lock.
+    fn wake(&self, notify: &Notify) {
+        notify.notify_waiters();
+        self.fanout.kick();
     }
 
     /// Log lines: published now, kept until their chunk commits. They are one
@@ -353,8 +361,9 @@ impl Hub {
         if listened {
             live.push(&mut state, Batch::new(frames));
             drop(state);
-            live.notify.notify_waiters();
-            self.fanout.kick();
+            let notify = live.notify.clone();
+            drop(map);
+            self.wake(&notify);
         }
     }
 
