@@ -461,6 +461,24 @@ fn decode<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> StoreResult<T> {
     codec::decode(bytes).map_err(StoreError::corrupt)
 }
 
+/// Stores `value` under `key` in `table`.
+fn put_record<'k, K: redb::Key + 'static, T: Serialize>(
+    mut table: redb::Table<'_, K, &'static [u8]>,
+    key: impl std::borrow::Borrow<K::SelfType<'k>>,
+    value: &T,
+) -> StoreResult<()> {
+    table.insert(key, codec::encode(value).as_slice())?;
+    Ok(())
+}
+
+/// The record stored under `key` in `table`, decoded.
+fn get_record<'k, K: redb::Key + 'static, T: serde::de::DeserializeOwned>(
+    table: &impl ReadableTable<K, &'static [u8]>,
+    key: impl std::borrow::Borrow<K::SelfType<'k>>,
+) -> StoreResult<Option<T>> {
+    table.get(key)?.map(|v| decode(v.value())).transpose()
+}
+
 /// Typed access inside a write transaction.
 pub struct Tx<'a> {
     txn: &'a WriteTransaction,
@@ -487,17 +505,15 @@ impl Tx<'_> {
         seq: u64,
         e: &StoredEvent,
     ) -> StoreResult<()> {
-        self.txn
-            .open_table(DEPLOYMENT_EVENTS)?
-            .insert((deployment, seq), codec::encode(e).as_slice())?;
-        Ok(())
+        put_record(
+            self.txn.open_table(DEPLOYMENT_EVENTS)?,
+            (deployment, seq),
+            e,
+        )
     }
 
     pub fn put_build_event(&self, build: BuildId, seq: u64, e: &StoredEvent) -> StoreResult<()> {
-        self.txn
-            .open_table(BUILD_EVENTS)?
-            .insert((build, seq), codec::encode(e).as_slice())?;
-        Ok(())
+        put_record(self.txn.open_table(BUILD_EVENTS)?, (build, seq), e)
     }
 
     /// Removes a deployment's events with seq below `below` that are older
@@ -525,21 +541,15 @@ impl Tx<'_> {
     }
 
     pub fn deployment(&self, id: &str) -> StoreResult<Option<DeploymentRecord>> {
-        let t = self.txn.open_table(DEPLOYMENTS)?;
-        let v = t.get(id)?;
-        v.map(|v| decode(v.value())).transpose()
+        get_record(&self.txn.open_table(DEPLOYMENTS)?, id)
     }
 
     pub fn put_deployment(&self, d: &DeploymentRecord) -> StoreResult<()> {
-        let mut t = self.txn.open_table(DEPLOYMENTS)?;
-        t.insert(d.id.as_str(), codec::encode(d).as_slice())?;
-        Ok(())
+        put_record(self.txn.open_table(DEPLOYMENTS)?, d.id.as_str(), d)
     }
 
     pub fn build(&self, id: BuildId) -> StoreResult<Option<BuildRecord>> {
-        let t = self.txn.open_table(BUILDS)?;
-        let v = t.get(id)?;
-        v.map(|v| decode(v.value())).transpose()
+        get_record(&self.txn.open_table(BUILDS)?, id)
     }
 
     /// Stores a build and keeps the queued/running indexes in step with its status.
@@ -587,16 +597,11 @@ impl Tx<'_> {
     }
 
     pub fn source(&self, digest: &str) -> StoreResult<Option<Source>> {
-        let t = self.txn.open_table(SOURCES)?;
-        let v = t.get(digest)?;
-        v.map(|v| decode(v.value())).transpose()
+        get_record(&self.txn.open_table(SOURCES)?, digest)
     }
 
     pub fn put_source(&self, s: &Source) -> StoreResult<()> {
-        self.txn
-            .open_table(SOURCES)?
-            .insert(s.digest.as_str(), codec::encode(s).as_slice())?;
-        Ok(())
+        put_record(self.txn.open_table(SOURCES)?, s.digest.as_str(), s)
     }
 
     pub fn put_describe(&self, digest: &str, json: &str) -> StoreResult<()> {
@@ -607,16 +612,11 @@ impl Tx<'_> {
     }
 
     pub fn idempotency(&self, key: &str) -> StoreResult<Option<IdempotencyRecord>> {
-        let t = self.txn.open_table(IDEMPOTENCY)?;
-        let v = t.get(key)?;
-        v.map(|v| decode(v.value())).transpose()
+        get_record(&self.txn.open_table(IDEMPOTENCY)?, key)
     }
 
     pub fn put_idempotency(&self, key: &str, r: &IdempotencyRecord) -> StoreResult<()> {
-        self.txn
-            .open_table(IDEMPOTENCY)?
-            .insert(key, codec::encode(r).as_slice())?;
-        Ok(())
+        put_record(self.txn.open_table(IDEMPOTENCY)?, key, r)
     }
 
     /// Removes idempotency records that expired before `now`; returns how many.
@@ -640,16 +640,11 @@ impl Tx<'_> {
     }
 
     pub fn callback(&self, build: BuildId) -> StoreResult<Option<PendingCallback>> {
-        let t = self.txn.open_table(CALLBACKS)?;
-        let v = t.get(build)?;
-        v.map(|v| decode(v.value())).transpose()
+        get_record(&self.txn.open_table(CALLBACKS)?, build)
     }
 
     pub fn put_callback(&self, build: BuildId, c: &PendingCallback) -> StoreResult<()> {
-        self.txn
-            .open_table(CALLBACKS)?
-            .insert(build, codec::encode(c).as_slice())?;
-        Ok(())
+        put_record(self.txn.open_table(CALLBACKS)?, build, c)
     }
 
     pub fn remove_callback(&self, build: BuildId) -> StoreResult<()> {
@@ -680,16 +675,11 @@ impl Tx<'_> {
     }
 
     pub fn build_snapshots(&self, id: BuildId) -> StoreResult<Option<BuildSnapshots>> {
-        let t = self.txn.open_table(BUILD_SNAPSHOTS)?;
-        let v = t.get(id)?;
-        v.map(|v| decode(v.value())).transpose()
+        get_record(&self.txn.open_table(BUILD_SNAPSHOTS)?, id)
     }
 
     pub fn put_build_snapshots(&self, id: BuildId, s: &BuildSnapshots) -> StoreResult<()> {
-        self.txn
-            .open_table(BUILD_SNAPSHOTS)?
-            .insert(id, codec::encode(s).as_slice())?;
-        Ok(())
+        put_record(self.txn.open_table(BUILD_SNAPSHOTS)?, id, s)
     }
 
     /// Removes a finished build with its snapshots, log chunks and events.
@@ -736,9 +726,7 @@ pub struct Rx {
 
 impl Rx {
     pub fn deployment(&self, id: &str) -> StoreResult<Option<DeploymentRecord>> {
-        let t = self.txn.open_table(DEPLOYMENTS)?;
-        let v = t.get(id)?;
-        v.map(|v| decode(v.value())).transpose()
+        get_record(&self.txn.open_table(DEPLOYMENTS)?, id)
     }
 
     /// Deployments with id > `after`, in id order, at most `limit`.
@@ -770,15 +758,11 @@ impl Rx {
     }
 
     pub fn build(&self, id: BuildId) -> StoreResult<Option<BuildRecord>> {
-        let t = self.txn.open_table(BUILDS)?;
-        let v = t.get(id)?;
-        v.map(|v| decode(v.value())).transpose()
+        get_record(&self.txn.open_table(BUILDS)?, id)
     }
 
     pub fn build_snapshots(&self, id: BuildId) -> StoreResult<Option<BuildSnapshots>> {
-        let t = self.txn.open_table(BUILD_SNAPSHOTS)?;
-        let v = t.get(id)?;
-        v.map(|v| decode(v.value())).transpose()
+        get_record(&self.txn.open_table(BUILD_SNAPSHOTS)?, id)
     }
 
     /// Builds of one deployment older than `before`, newest first.
@@ -933,15 +917,11 @@ impl Rx {
     }
 
     pub fn idempotency(&self, key: &str) -> StoreResult<Option<IdempotencyRecord>> {
-        let t = self.txn.open_table(IDEMPOTENCY)?;
-        let v = t.get(key)?;
-        v.map(|v| decode(v.value())).transpose()
+        get_record(&self.txn.open_table(IDEMPOTENCY)?, key)
     }
 
     pub fn source(&self, digest: &str) -> StoreResult<Option<Source>> {
-        let t = self.txn.open_table(SOURCES)?;
-        let v = t.get(digest)?;
-        v.map(|v| decode(v.value())).transpose()
+        get_record(&self.txn.open_table(SOURCES)?, digest)
     }
 
     pub fn describe(&self, digest: &str) -> StoreResult<Option<String>> {
