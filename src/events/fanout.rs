@@ -164,7 +164,9 @@ fn serve(
     };
     *more |= out.more;
     let Some(chunk) = &out.chunk else {
-        // Nothing new: stay, unless the stream took its socket back.
+        // Only lines this client already had (from its pending snapshot):
+        // move past them, so they are not read again nor make it lag.
+        m.subscription.set_next_pos(out.next_pos);
         return m.wire.held_by_fan_out();
     };
     match m.wire.write_chunk(chunk) {
