@@ -301,6 +301,19 @@ impl DeploymentRecord {
     pub fn has_pending_build(&self) -> bool {
         self.pending_deploys + self.pending_destroys > 0
     }
+
+    /// The short form every list, event and submit answer shows.
+    pub fn summary(&self, last_build: Option<&BuildRecord>) -> DeploymentSummary {
+        DeploymentSummary {
+            id: self.id.clone(),
+            revision: self.revision,
+            state: self.state(),
+            suspended: self.suspended,
+            domain: self.domain.clone(),
+            updated_at: format_time(self.updated_at),
+            last_build: last_build.map(BuildRecord::summary),
+        }
+    }
 }
 
 /// A stored configuration as JSON, for embedding in a response without

@@ -99,7 +99,7 @@ pub async fn list(ctx: &Ctx, req: &Request, caller: &Caller) -> Result<Reply, Ap
     let mut items = Vec::with_capacity(records.len());
     for d in &records {
         let last = d.last_build.map(|b| rx.build(b)).transpose()?.flatten();
-        items.push(engine::summary(d, last.as_ref()));
+        items.push(d.summary(last.as_ref()));
     }
     Ok(Reply::json(
         200,

@@ -451,7 +451,7 @@ impl Engine {
                 tx.put_build(&build)?;
                 tx.put_build_snapshots(build.id, &BuildSnapshots { snapshot: d.snapshot.clone(), previous: None })?;
                 tx.put_deployment(&d)?;
-                let reply = Reply::json(202, &json!({"build_id": format_build_id(build.id), "deployment": summary(&d, Some(&build))}));
+                let reply = Reply::json(202, &json!({"build_id": format_build_id(build.id), "deployment": d.summary(Some(&build))}));
                 record(tx, idem.as_ref(), &reply)?;
                 Ok(Ok(reply))
             })
@@ -643,17 +643,5 @@ fn record(tx: &Tx, idem: Option<&IdemWrite>, reply: &Reply) -> crate::store::Sto
     match idem {
         Some(w) => w.store(tx, reply),
         None => Ok(()),
-    }
-}
-
-pub fn summary(d: &DeploymentRecord, last_build: Option<&BuildRecord>) -> DeploymentSummary {
-    DeploymentSummary {
-        id: d.id.clone(),
-        revision: d.revision,
-        state: d.state(),
-        suspended: d.suspended,
-        domain: d.domain.clone(),
-        updated_at: format_time(d.updated_at),
-        last_build: last_build.map(BuildRecord::summary),
     }
 }

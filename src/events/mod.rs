@@ -465,7 +465,7 @@ pub fn deployment_changed(
         (None, _) => None,
     };
     d.event_seq += 1;
-    let summary = crate::engine::summary(d, last_build.as_ref());
+    let summary = d.summary(last_build.as_ref());
     frames.push((
         d.event_seq,
         "deployment",

@@ -548,7 +548,7 @@ async fn deployment_stream(
             let last = d
                 .last_build
                 .and_then(|b| rx.as_ref()?.build(b).ok().flatten());
-            crate::engine::summary(d, last.as_ref())
+            d.summary(last.as_ref())
         });
         (d.map(|d| d.event_seq).unwrap_or(0), summary)
     };

@@ -1,0 +1,177 @@
+//! What can go wrong in the store, sorted into the classes the rest of
+//! berth acts on: a full disk (503 `disk_full`, the file is reopened), another
+//! I/O error (reopened too), a reopen in progress (a read waits and retries),
+//! corruption, a stopped writer. The class comes from redb's error variants
+//! and `io::ErrorKind`, never from the text of a message.
+
+/// The store's error classes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreErrorKind {
+    DiskFull,
+    /// Another I/O error; the store reopens its file after one.
+    Io,
+    /// The file is being reopened after an I/O error; try again shortly.
+    Reopening,
+    Corrupt,
+    Closed,
+    Other,
+}
+
+#[derive(Debug, Clone)]
+pub struct StoreError {
+    pub kind: StoreErrorKind,
+    pub detail: String,
+}
+
+impl std::fmt::Display for StoreError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "store error ({:?}): {}", self.kind, self.detail)
+    }
+}
+
+impl std::error::Error for StoreError {}
+
+pub type StoreResult<T> = Result<T, StoreError>;
+
+impl StoreError {
+    pub fn corrupt(detail: impl Into<String>) -> Self {
+        Self {
+            kind: StoreErrorKind::Corrupt,
+            detail: detail.into(),
+        }
+    }
+    pub fn other(detail: impl Into<String>) -> Self {
+        Self {
+            kind: StoreErrorKind::Other,
+            detail: detail.into(),
+        }
+    }
+    /// A failure that may pass by itself (a full disk, an I/O error, a reopen).
+    pub fn is_transient(&self) -> bool {
+        matches!(
+            self.kind,
+            StoreErrorKind::DiskFull | StoreErrorKind::Io | StoreErrorKind::Reopening
+        )
+    }
+    pub(super) fn reopening() -> Self {
+        Self {
+            kind: StoreErrorKind::Reopening,
+            detail: "the store is reopening its file after an I/O error".into(),
+        }
+    }
+    pub(super) fn closed() -> Self {
+        Self {
+            kind: StoreErrorKind::Closed,
+            detail: "the store writer has stopped".into(),
+        }
+    }
+}
+
+/// ENOSPC and EDQUOT: the disk (or the quota) is full.
+fn io_kind(e: &std::io::Error) -> StoreErrorKind {
+    const ENOSPC: i32 = 28;
+    const EDQUOT: i32 = 122;
+    if e.kind() == std::io::ErrorKind::StorageFull
+        || e.kind() == std::io::ErrorKind::QuotaExceeded
+        || matches!(e.raw_os_error(), Some(ENOSPC | EDQUOT))
+    {
+        StoreErrorKind::DiskFull
+    } else {
+        StoreErrorKind::Io
+    }
+}
+
+fn storage_kind(e: &redb::StorageError) -> StoreErrorKind {
+    use redb::StorageError as S;
+    match e {
+        S::Io(io) => io_kind(io),
+        // redb refuses every call after an I/O error until the file is
+        // reopened: a caller meeting this raced the reopen.
+        S::PreviousIo | S::DatabaseClosed => StoreErrorKind::Reopening,
+        S::Corrupted(_) => StoreErrorKind::Corrupt,
+        _ => StoreErrorKind::Other,
+    }
+}
+
+/// The class of any redb error: the storage error inside it decides.
+trait Classify {
+    fn kind(&self) -> StoreErrorKind;
+}
+
+impl Classify for redb::StorageError {
+    fn kind(&self) -> StoreErrorKind {
+        storage_kind(self)
+    }
+}
+
+macro_rules! classify_by_storage {
+    ($($t:ident),*) => {$(
+        impl Classify for redb::$t {
+            fn kind(&self) -> StoreErrorKind {
+                match self {
+                    redb::$t::Storage(s) => storage_kind(s),
+                    _ => StoreErrorKind::Other,
+                }
+            }
+        }
+    )*};
+}
+classify_by_storage!(TableError, TransactionError, CommitError, DatabaseError);
+
+impl Classify for redb::Error {
+    fn kind(&self) -> StoreErrorKind {
+        use redb::Error as E;
+        match self {
+            E::Io(io) => io_kind(io),
+            E::PreviousIo | E::DatabaseClosed => StoreErrorKind::Reopening,
+            E::Corrupted(_) => StoreErrorKind::Corrupt,
+            _ => StoreErrorKind::Other,
+        }
+    }
+}
+
+macro_rules! from_redb {
+    ($($t:ty),*) => {$(
+        impl From<$t> for StoreError {
+            fn from(e: $t) -> Self {
+                Self { kind: e.kind(), detail: e.to_string() }
+            }
+        }
+    )*};
+}
+from_redb!(
+    redb::Error,
+    redb::StorageError,
+    redb::TableError,
+    redb::TransactionError,
+    redb::CommitError,
+    redb::DatabaseError
+);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn classes_come_from_variants_and_io_kinds() {
+        let full = std::io::Error::from_raw_os_error(28);
+        let e = StoreError::from(redb::StorageError::Io(full));
+        assert_eq!(e.kind, StoreErrorKind::DiskFull);
+        let full = std::io::Error::new(std::io::ErrorKind::StorageFull, "x");
+        let e = StoreError::from(redb::CommitError::Storage(redb::StorageError::Io(full)));
+        assert_eq!(e.kind, StoreErrorKind::DiskFull);
+        let eio = std::io::Error::from_raw_os_error(5);
+        let e = StoreError::from(redb::TransactionError::Storage(redb::StorageError::Io(eio)));
+        assert_eq!(e.kind, StoreErrorKind::Io);
+        assert!(e.is_transient());
+        let e = StoreError::from(redb::StorageError::PreviousIo);
+        assert_eq!(e.kind, StoreErrorKind::Reopening);
+        let e = StoreError::from(redb::Error::DatabaseClosed);
+        assert_eq!(e.kind, StoreErrorKind::Reopening);
+        let e = StoreError::from(redb::StorageError::Corrupted("x".into()));
+        assert_eq!(e.kind, StoreErrorKind::Corrupt);
+        assert!(!e.is_transient());
+        let e = StoreError::from(redb::Error::TableDoesNotExist("t".into()));
+        assert_eq!(e.kind, StoreErrorKind::Other);
+    }
+}

@@ -1,0 +1,232 @@
+//! Typed reads inside a read transaction: a consistent snapshot (MVCC),
+//! on the caller's thread.
+
+use redb::{ReadTransaction, ReadableTable, ReadableTableMetadata};
+
+use super::tables::*;
+use super::{
+    decode, get_record, IdempotencyRecord, PendingCallback, StoreError, StoreResult, StoredEvent,
+};
+use crate::model::{BuildId, BuildRecord, BuildSnapshots, DeploymentRecord, Source};
+
+/// Typed access inside a read transaction (a consistent snapshot).
+pub struct Rx {
+    pub(super) txn: ReadTransaction,
+}
+
+impl Rx {
+    pub fn deployment(&self, id: &str) -> StoreResult<Option<DeploymentRecord>> {
+        get_record(&self.txn.open_table(DEPLOYMENTS)?, id)
+    }
+
+    /// Deployments with id > `after`, in id order, at most `limit`.
+    pub fn deployments_after(
+        &self,
+        after: Option<&str>,
+        limit: usize,
+    ) -> StoreResult<Vec<DeploymentRecord>> {
+        let t = self.txn.open_table(DEPLOYMENTS)?;
+        let mut out = Vec::new();
+        let iter = match after {
+            Some(a) => {
+                t.range::<&str>((std::ops::Bound::Excluded(a), std::ops::Bound::Unbounded))?
+            }
+            None => t.range::<&str>(..)?,
+        };
+        for entry in iter {
+            let (_, v) = entry?;
+            out.push(decode(v.value())?);
+            if out.len() >= limit {
+                break;
+            }
+        }
+        Ok(out)
+    }
+
+    pub fn deployment_count(&self) -> StoreResult<u64> {
+        Ok(self.txn.open_table(DEPLOYMENTS)?.len()?)
+    }
+
+    pub fn build(&self, id: BuildId) -> StoreResult<Option<BuildRecord>> {
+        get_record(&self.txn.open_table(BUILDS)?, id)
+    }
+
+    pub fn build_snapshots(&self, id: BuildId) -> StoreResult<Option<BuildSnapshots>> {
+        get_record(&self.txn.open_table(BUILD_SNAPSHOTS)?, id)
+    }
+
+    /// Builds of one deployment older than `before`, newest first.
+    pub fn builds_of(
+        &self,
+        deployment: &str,
+        before: Option<BuildId>,
+        limit: usize,
+    ) -> StoreResult<Vec<BuildRecord>> {
+        let index = self.txn.open_table(DEPLOYMENT_BUILDS)?;
+        let builds = self.txn.open_table(BUILDS)?;
+        let upper = before.unwrap_or(u128::MAX);
+        let range = index.range((deployment, 0u128)..(deployment, upper))?;
+        let mut out = Vec::new();
+        for entry in range.rev() {
+            let (k, _) = entry?;
+            let (_, id) = k.value();
+            if before.is_none() && id == u128::MAX {
+                continue;
+            }
+            if let Some(v) = builds.get(id)? {
+                out.push(decode(v.value())?);
+            }
+            if out.len() >= limit {
+                break;
+            }
+        }
+        Ok(out)
+    }
+
+    /// How many builds a deployment has (from the index; nothing decoded).
+    pub fn build_count(&self, deployment: &str) -> StoreResult<usize> {
+        let index = self.txn.open_table(DEPLOYMENT_BUILDS)?;
+        let mut n = 0;
+        for entry in index.range((deployment, 0u128)..=(deployment, u128::MAX))? {
+            entry?;
+            n += 1;
+        }
+        Ok(n)
+    }
+
+    /// Every queued build id with its deployment, oldest first.
+    pub fn queued(&self) -> StoreResult<Vec<(BuildId, String)>> {
+        let t = self.txn.open_table(QUEUED)?;
+        let mut out = Vec::new();
+        for entry in t.iter()? {
+            let (k, v) = entry?;
+            out.push((k.value(), v.value().to_string()));
+        }
+        Ok(out)
+    }
+
+    pub fn running(&self) -> StoreResult<Vec<(BuildId, String)>> {
+        let t = self.txn.open_table(RUNNING)?;
+        let mut out = Vec::new();
+        for entry in t.iter()? {
+            let (k, v) = entry?;
+            out.push((k.value(), v.value().to_string()));
+        }
+        Ok(out)
+    }
+
+    /// Counts of builds by status (for /metrics).
+    /// Queued and running builds (table lengths; nothing decoded).
+    pub fn pending_counts(&self) -> StoreResult<(u64, u64)> {
+        Ok((
+            self.txn.open_table(QUEUED)?.len()?,
+            self.txn.open_table(RUNNING)?.len()?,
+        ))
+    }
+
+    /// Every build by status: a full scan, for the periodic refresh only.
+    pub fn build_status_counts(&self) -> StoreResult<[u64; 5]> {
+        let t = self.txn.open_table(BUILDS)?;
+        let mut counts = [0u64; 5];
+        for entry in t.iter()? {
+            let (_, v) = entry?;
+            let b: BuildRecord = decode(v.value())?;
+            counts[b.status as usize] += 1;
+        }
+        Ok(counts)
+    }
+
+    /// The compressed log chunks of a build, in order, each with the index
+    /// of its first line.
+    pub fn log_chunks(&self, build: BuildId) -> StoreResult<Vec<(u64, Vec<u8>)>> {
+        let t = self.txn.open_table(LOG_CHUNKS)?;
+        let mut out = Vec::new();
+        for entry in t.range((build, 0u32)..=(build, u32::MAX))? {
+            let (_, v) = entry?;
+            let bytes = v.value();
+            let (head, body) = bytes
+                .split_at_checked(8)
+                .ok_or_else(|| StoreError::corrupt("a log chunk without its header"))?;
+            let first = u64::from_le_bytes(
+                head.try_into()
+                    .map_err(|_| StoreError::corrupt("log chunk header"))?,
+            );
+            out.push((first, body.to_vec()));
+        }
+        Ok(out)
+    }
+
+    /// A build's stored status events, in seq order.
+    pub fn build_events(&self, build: BuildId) -> StoreResult<Vec<(u64, StoredEvent)>> {
+        let t = self.txn.open_table(BUILD_EVENTS)?;
+        let mut out = Vec::new();
+        for entry in t.range((build, 0u64)..=(build, u64::MAX))? {
+            let (k, v) = entry?;
+            out.push((k.value().1, decode(v.value())?));
+        }
+        Ok(out)
+    }
+
+    /// A deployment's events with seq > `after`, at most `limit`.
+    pub fn deployment_events_after(
+        &self,
+        deployment: &str,
+        after: u64,
+        limit: usize,
+    ) -> StoreResult<Vec<(u64, StoredEvent)>> {
+        let t = self.txn.open_table(DEPLOYMENT_EVENTS)?;
+        let mut out = Vec::new();
+        for entry in t.range((deployment, after.saturating_add(1))..=(deployment, u64::MAX))? {
+            let (k, v) = entry?;
+            out.push((k.value().1, decode(v.value())?));
+            if out.len() >= limit {
+                break;
+            }
+        }
+        Ok(out)
+    }
+
+    /// The oldest kept event seq of a deployment's channel.
+    pub fn first_deployment_event(&self, deployment: &str) -> StoreResult<Option<u64>> {
+        let t = self.txn.open_table(DEPLOYMENT_EVENTS)?;
+        let first = t
+            .range((deployment, 0u64)..=(deployment, u64::MAX))?
+            .next()
+            .transpose()?;
+        Ok(first.map(|(k, _)| k.value().1))
+    }
+
+    /// Every deployment id (for sweeps).
+    pub fn deployment_ids(&self) -> StoreResult<Vec<String>> {
+        let t = self.txn.open_table(DEPLOYMENTS)?;
+        let mut out = Vec::new();
+        for entry in t.iter()? {
+            out.push(entry?.0.value().to_string());
+        }
+        Ok(out)
+    }
+
+    pub fn idempotency(&self, key: &str) -> StoreResult<Option<IdempotencyRecord>> {
+        get_record(&self.txn.open_table(IDEMPOTENCY)?, key)
+    }
+
+    pub fn source(&self, digest: &str) -> StoreResult<Option<Source>> {
+        get_record(&self.txn.open_table(SOURCES)?, digest)
+    }
+
+    pub fn describe(&self, digest: &str) -> StoreResult<Option<String>> {
+        let t = self.txn.open_table(DESCRIBE_CACHE)?;
+        let v = t.get(digest)?;
+        Ok(v.map(|v| String::from_utf8_lossy(v.value()).into_owned()))
+    }
+
+    pub fn callbacks(&self) -> StoreResult<Vec<(BuildId, PendingCallback)>> {
+        let t = self.txn.open_table(CALLBACKS)?;
+        let mut out = Vec::new();
+        for entry in t.iter()? {
+            let (k, v) = entry?;
+            out.push((k.value(), decode(v.value())?));
+        }
+        Ok(out)
+    }
+}

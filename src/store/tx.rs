@@ -1,0 +1,244 @@
+//! Typed writes (and the reads a write job needs) inside the writer's
+//! transaction, and the hooks that run once it is durable.
+
+use redb::{ReadableTable, WriteTransaction};
+
+use super::tables::*;
+use super::writer::Hook;
+use super::{
+    codec, decode, get_record, put_record, IdempotencyRecord, PendingCallback, StoreResult,
+    StoredEvent,
+};
+use crate::model::{BuildId, BuildRecord, BuildSnapshots, DeploymentRecord, Millis, Source};
+
+/// Typed access inside a write transaction.
+pub struct Tx<'a> {
+    pub(super) txn: &'a WriteTransaction,
+    pub(super) hooks: std::cell::RefCell<Vec<Hook>>,
+}
+
+impl Tx<'_> {
+    /// Runs `hook` after this transaction is durable; never if it aborts.
+    pub fn after_commit(&self, hook: impl FnOnce() + Send + 'static) {
+        self.hooks.borrow_mut().push(Box::new(hook));
+    }
+
+    pub fn put_deployment_event(
+        &self,
+        deployment: &str,
+        seq: u64,
+        e: &StoredEvent,
+    ) -> StoreResult<()> {
+        put_record(
+            self.txn.open_table(DEPLOYMENT_EVENTS)?,
+            (deployment, seq),
+            e,
+        )
+    }
+
+    pub fn put_build_event(&self, build: BuildId, seq: u64, e: &StoredEvent) -> StoreResult<()> {
+        put_record(self.txn.open_table(BUILD_EVENTS)?, (build, seq), e)
+    }
+
+    /// Removes a deployment's events with seq below `below` that are older
+    /// than `before`; returns how many.
+    pub fn prune_deployment_events(
+        &self,
+        deployment: &str,
+        below: u64,
+        before: Millis,
+    ) -> StoreResult<usize> {
+        let mut t = self.txn.open_table(DEPLOYMENT_EVENTS)?;
+        let mut doomed = Vec::new();
+        for entry in t.range((deployment, 0u64)..(deployment, below))? {
+            let (k, v) = entry?;
+            let e: StoredEvent = decode(v.value())?;
+            if e.at >= before {
+                break;
+            }
+            doomed.push(k.value().1);
+        }
+        for seq in &doomed {
+            t.remove((deployment, *seq))?;
+        }
+        Ok(doomed.len())
+    }
+
+    pub fn deployment(&self, id: &str) -> StoreResult<Option<DeploymentRecord>> {
+        get_record(&self.txn.open_table(DEPLOYMENTS)?, id)
+    }
+
+    pub fn put_deployment(&self, d: &DeploymentRecord) -> StoreResult<()> {
+        put_record(self.txn.open_table(DEPLOYMENTS)?, d.id.as_str(), d)
+    }
+
+    pub fn build(&self, id: BuildId) -> StoreResult<Option<BuildRecord>> {
+        get_record(&self.txn.open_table(BUILDS)?, id)
+    }
+
+    /// Stores a build and keeps the queued/running indexes in step with its status.
+    pub fn put_build(&self, b: &BuildRecord) -> StoreResult<()> {
+        use crate::model::BuildStatus::*;
+        self.txn
+            .open_table(BUILDS)?
+            .insert(b.id, codec::encode(b).as_slice())?;
+        self.txn
+            .open_table(DEPLOYMENT_BUILDS)?
+            .insert((b.deployment.as_str(), b.id), ())?;
+        let mut queued = self.txn.open_table(QUEUED)?;
+        let mut running = self.txn.open_table(RUNNING)?;
+        match b.status {
+            Queued => {
+                queued.insert(b.id, b.deployment.as_str())?;
+                running.remove(b.id)?;
+            }
+            Running => {
+                queued.remove(b.id)?;
+                running.insert(b.id, b.deployment.as_str())?;
+            }
+            Succeeded | Failed | Cancelled => {
+                queued.remove(b.id)?;
+                running.remove(b.id)?;
+            }
+        }
+        Ok(())
+    }
+
+    pub fn put_log_chunk(
+        &self,
+        build: BuildId,
+        chunk: u32,
+        first_line: u64,
+        compressed: &[u8],
+    ) -> StoreResult<()> {
+        let mut value = Vec::with_capacity(8 + compressed.len());
+        value.extend_from_slice(&first_line.to_le_bytes());
+        value.extend_from_slice(compressed);
+        self.txn
+            .open_table(LOG_CHUNKS)?
+            .insert((build, chunk), value.as_slice())?;
+        Ok(())
+    }
+
+    pub fn source(&self, digest: &str) -> StoreResult<Option<Source>> {
+        get_record(&self.txn.open_table(SOURCES)?, digest)
+    }
+
+    pub fn put_source(&self, s: &Source) -> StoreResult<()> {
+        put_record(self.txn.open_table(SOURCES)?, s.digest.as_str(), s)
+    }
+
+    pub fn put_describe(&self, digest: &str, json: &str) -> StoreResult<()> {
+        self.txn
+            .open_table(DESCRIBE_CACHE)?
+            .insert(digest, json.as_bytes())?;
+        Ok(())
+    }
+
+    pub fn idempotency(&self, key: &str) -> StoreResult<Option<IdempotencyRecord>> {
+        get_record(&self.txn.open_table(IDEMPOTENCY)?, key)
+    }
+
+    pub fn put_idempotency(&self, key: &str, r: &IdempotencyRecord) -> StoreResult<()> {
+        put_record(self.txn.open_table(IDEMPOTENCY)?, key, r)
+    }
+
+    /// Removes idempotency records that expired before `now`; returns how many.
+    pub fn sweep_idempotency(&self, now: Millis, max: usize) -> StoreResult<usize> {
+        let mut t = self.txn.open_table(IDEMPOTENCY)?;
+        let mut expired = Vec::new();
+        for entry in t.iter()? {
+            let (k, v) = entry?;
+            let r: IdempotencyRecord = decode(v.value())?;
+            if r.expires_at <= now {
+                expired.push(k.value().to_string());
+                if expired.len() >= max {
+                    break;
+                }
+            }
+        }
+        for k in &expired {
+            t.remove(k.as_str())?;
+        }
+        Ok(expired.len())
+    }
+
+    pub fn callback(&self, build: BuildId) -> StoreResult<Option<PendingCallback>> {
+        get_record(&self.txn.open_table(CALLBACKS)?, build)
+    }
+
+    pub fn put_callback(&self, build: BuildId, c: &PendingCallback) -> StoreResult<()> {
+        put_record(self.txn.open_table(CALLBACKS)?, build, c)
+    }
+
+    pub fn remove_callback(&self, build: BuildId) -> StoreResult<()> {
+        self.txn.open_table(CALLBACKS)?.remove(build)?;
+        Ok(())
+    }
+
+    /// The builds of a deployment, newest first, as (id, created_at, status).
+    pub fn build_ages(
+        &self,
+        deployment: &str,
+    ) -> StoreResult<Vec<(BuildId, Millis, crate::model::BuildStatus)>> {
+        let index = self.txn.open_table(DEPLOYMENT_BUILDS)?;
+        let builds = self.txn.open_table(BUILDS)?;
+        let mut out = Vec::new();
+        for entry in index
+            .range((deployment, 0u128)..=(deployment, u128::MAX))?
+            .rev()
+        {
+            let (k, _) = entry?;
+            let id = k.value().1;
+            if let Some(v) = builds.get(id)? {
+                let b: BuildRecord = decode(v.value())?;
+                out.push((id, b.created_at, b.status));
+            }
+        }
+        Ok(out)
+    }
+
+    pub fn build_snapshots(&self, id: BuildId) -> StoreResult<Option<BuildSnapshots>> {
+        get_record(&self.txn.open_table(BUILD_SNAPSHOTS)?, id)
+    }
+
+    pub fn put_build_snapshots(&self, id: BuildId, s: &BuildSnapshots) -> StoreResult<()> {
+        put_record(self.txn.open_table(BUILD_SNAPSHOTS)?, id, s)
+    }
+
+    /// Removes a finished build with its snapshots, log chunks and events.
+    pub fn delete_build(&self, deployment: &str, id: BuildId) -> StoreResult<()> {
+        self.txn.open_table(BUILDS)?.remove(id)?;
+        self.txn.open_table(BUILD_SNAPSHOTS)?.remove(id)?;
+        self.txn
+            .open_table(DEPLOYMENT_BUILDS)?
+            .remove((deployment, id))?;
+        self.txn.open_table(CALLBACKS)?.remove(id)?;
+        let mut chunks = self.txn.open_table(LOG_CHUNKS)?;
+        chunks.retain_in((id, 0u32)..=(id, u32::MAX), |_, _| false)?;
+        let mut events = self.txn.open_table(BUILD_EVENTS)?;
+        events.retain_in((id, 0u64)..=(id, u64::MAX), |_, _| false)?;
+        Ok(())
+    }
+
+    /// Deletes every stored row (the `--reset-dev-state` path).
+    pub fn clear_all(&self) -> StoreResult<()> {
+        macro_rules! clear {
+            ($($t:expr),*) => {$( self.txn.delete_table($t)?; self.txn.open_table($t)?; )*};
+        }
+        clear!(
+            DEPLOYMENTS,
+            BUILDS,
+            DEPLOYMENT_BUILDS,
+            QUEUED,
+            RUNNING,
+            LOG_CHUNKS,
+            IDEMPOTENCY,
+            CALLBACKS,
+            DEPLOYMENT_EVENTS,
+            BUILD_EVENTS,
+            BUILD_SNAPSHOTS
+        );
+        Ok(())
+    }
+}
