@@ -5,8 +5,9 @@ use super::deployments::{deployment_id, page_limit};
 use super::errors::{ApiError, Code};
 use super::idempotency::IdemWrite;
 use super::{cursor, Ctx, Reply, Request};
-use crate::engine::builds::decompress_chunks;
+use crate::engine::CancelTaken;
 use crate::model::*;
+use crate::store::logs::decompress_chunks;
 
 fn build_id(req: &Request) -> Result<BuildId, ApiError> {
     parse_build_id(req.param("build")).ok_or_else(|| ApiError::not_found("build"))
@@ -113,7 +114,7 @@ pub async fn log(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
         if rx.build(id)?.is_none() {
             return Ok(None);
         }
-        Ok(Some(decompress_chunks(&rx.log_chunks(id)?)))
+        Ok(Some(decompress_chunks(&rx.log_chunks(id)?)?))
     })
     .await
     .map_err(|_| ApiError::internal())??
@@ -145,7 +146,14 @@ pub async fn log(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
 
 pub async fn cancel(ctx: &Ctx, req: &Request, idem: Option<IdemWrite>) -> Result<Reply, ApiError> {
     let id = build_id(req)?;
-    ctx.engine.cancel(id, idem).await
+    let record = idem.map(|w| w.recorder(cancel_reply));
+    let taken = ctx.engine.cancel(id, record).await?;
+    Ok(cancel_reply(&taken))
+}
+
+/// 202 with the build as it is now.
+fn cancel_reply(taken: &CancelTaken) -> Reply {
+    Reply::json(202, &taken.build)
 }
 
 #[cfg(test)]

@@ -11,7 +11,7 @@ use super::errors::ApiError;
 use super::idempotency::IdemWrite;
 use super::{cursor, json_object, Ctx, Reply, Request};
 use crate::derive::{CatalogEntry, Instance};
-use crate::engine::{self, Mode, SubmitInput};
+use crate::engine::{self, DestroyQueued, Mode, SubmitInput, Submitted};
 use crate::model::*;
 
 /// Most `id` parameters one list request may filter on.
@@ -153,7 +153,7 @@ async fn catalog_and_actions(
     match ctx.engine.describe(source).await {
         Ok(d) => (d.catalog.clone(), d.actions.clone().into_iter().collect()),
         Err(e) => {
-            tracing::warn!(digest = %source.digest, message = %e.message, "no describe for a stored source");
+            tracing::warn!(digest = %source.digest, reason = %e.describe(), "no describe for a stored source");
             (vec![], HashMap::new())
         }
     }
@@ -411,13 +411,32 @@ pub fn parse_policy(v: &Value, at: &str) -> Result<UpdatePolicy, ApiError> {
 pub async fn submit(ctx: &Ctx, req: &Request, idem: Option<IdemWrite>) -> Result<Reply, ApiError> {
     let id = deployment_id(req)?;
     let input = parse_submit(req, SUBMIT_FIELDS)?;
-    ctx.engine.submit(&id, input, idem).await
+    let record = idem.map(|w| w.recorder(submitted_reply));
+    let submitted = ctx.engine.submit(&id, input, record).await?;
+    Ok(submitted_reply(&submitted))
+}
+
+/// 202 with the queued build's id and the deployment after the submit.
+fn submitted_reply(s: &Submitted) -> Reply {
+    Reply::json(
+        202,
+        &serde_json::json!({"build_id": format_build_id(s.build.id), "deployment": s.deployment}),
+    )
+}
+
+/// 202 with the queued destroy's id.
+fn destroy_queued_reply(q: &DestroyQueued) -> Reply {
+    Reply::json(
+        202,
+        &serde_json::json!({"status": "queued", "build_id": format_build_id(q.build_id)}),
+    )
 }
 
 pub async fn preview(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
     let id = deployment_id(req)?;
     let input = parse_submit(req, PREVIEW_FIELDS)?;
-    ctx.engine.preview(&id, input).await
+    let nodes = ctx.engine.preview(&id, input).await?;
+    Ok(Reply::json(200, &serde_json::json!({"nodes": nodes})))
 }
 
 pub async fn delete(ctx: &Ctx, req: &Request, idem: Option<IdemWrite>) -> Result<Reply, ApiError> {
@@ -451,5 +470,7 @@ pub async fn delete(ctx: &Ctx, req: &Request, idem: Option<IdemWrite>) -> Result
             }
         }
     };
-    ctx.engine.delete(&id, callback, idem).await
+    let record = idem.map(|w| w.recorder(destroy_queued_reply));
+    let queued = ctx.engine.delete(&id, callback, record).await?;
+    Ok(destroy_queued_reply(&queued))
 }

@@ -1,11 +1,17 @@
 //! The error table of spec/api.md, and nothing else maps errors.
 //!
-//! Every refusal in berth is an `ApiError`: a code from the table, an
+//! Every refusal berth answers is an `ApiError`: a code from the table, an
 //! optional finer `reason`, a message that never contains a request value,
-//! and field pointers. `render` turns it into a problem+json response.
+//! and field pointers. The engine refuses in domain terms (`Refusal`); the
+//! one `From<Refusal>` below decides their status codes and messages.
+//! `Reply::from_error` turns an `ApiError` into a problem+json response.
 
 use serde::Serialize;
 
+pub use crate::engine::refusal::FieldError;
+use crate::engine::refusal::{
+    Conflict, EvalUnavailable, InvalidSource, Missing, QueueFull, Refusal,
+};
 use crate::store::{StoreError, StoreErrorKind};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -47,12 +53,6 @@ impl Code {
             Code::Internal => 500,
         }
     }
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct FieldError {
-    pub pointer: String,
-    pub code: String,
 }
 
 /// Boxed so that `Result<T, ApiError>` stays one pointer wide on the happy path.
@@ -109,10 +109,7 @@ impl ApiError {
         self
     }
     pub fn field(mut self, pointer: impl Into<String>, code: impl Into<String>) -> Self {
-        self.fields.push(FieldError {
-            pointer: pointer.into(),
-            code: code.into(),
-        });
+        self.fields.push(FieldError::new(pointer, code));
         self
     }
     pub fn retry_after(mut self, seconds: u32) -> Self {
@@ -198,5 +195,64 @@ impl From<StoreError> for ApiError {
                 ApiError::internal()
             }
         }
+    }
+}
+
+impl From<Refusal> for ApiError {
+    fn from(r: Refusal) -> Self {
+        match r {
+            Refusal::NotFound(Missing::Deployment) => ApiError::not_found("deployment"),
+            Refusal::NotFound(Missing::Build) => ApiError::not_found("build"),
+            Refusal::InvalidSource(InvalidSource::DigestFormat) => ApiError::bad_request(
+                "the source digest must be sha256: and 64 lower-case hex digits",
+            )
+            .field("/source/digest", "format"),
+            Refusal::InvalidSource(InvalidSource::OriginNotAllowed) => ApiError::bad_request(
+                "the source url's origin is not allowed (see --source-origin)",
+            )
+            .field("/source/url", "source_origin_not_allowed"),
+            Refusal::InvalidConfiguration {
+                message,
+                fields,
+                deployer_message,
+            } => {
+                let mut e = ApiError::new(Code::InvalidConfiguration, message);
+                e.fields = fields;
+                if let Some(text) = deployer_message {
+                    e = e.deployer_message(&text);
+                }
+                e
+            }
+            Refusal::Conflict(c) => ApiError::conflict(c.code(), conflict_message(c)),
+            Refusal::QueueFull(QueueFull::BuildRunning) => ApiError::new(
+                Code::QueueFull,
+                "a build of this deployment is running; use mode \"enqueue\" to queue behind it",
+            ),
+            Refusal::QueueFull(QueueFull::QueueLimit) => ApiError::new(
+                Code::QueueFull,
+                "this deployment has as many queued builds as --max-queued-builds allows",
+            )
+            .reason("queue_limit"),
+            Refusal::EvalUnavailable { reason, message } => {
+                let message = match reason {
+                    EvalUnavailable::SlotsBusy => "every eval slot is busy",
+                    _ => message,
+                };
+                ApiError::new(Code::EvalUnavailable, message)
+                    .reason(reason.code())
+                    .retry_after(1)
+            }
+            Refusal::Store(e) => e.into(),
+            Refusal::Internal => ApiError::internal(),
+        }
+    }
+}
+
+fn conflict_message(c: Conflict) -> &'static str {
+    match c {
+        Conflict::Suspended => "the deployment is suspended; resume it first",
+        Conflict::SourceImmutable => "this digest is already registered with another url or rev",
+        Conflict::PolicyNotManual => "an explicit source needs the manual update policy",
+        Conflict::BuildFinished => "the build has already finished",
     }
 }

@@ -134,8 +134,13 @@ fn open(
     let slot = ClientSlot::take(&ctx.engine.hub, ctx.engine.settings.max_sse_clients).ok_or_else(
         || ApiError::new(Code::Unavailable, "too many event streams are open").retry_after(5),
     )?;
+    let sources = stream::Sources {
+        store: ctx.engine.store.clone(),
+        hub: ctx.engine.hub.clone(),
+        stopping: ctx.engine.stop_signal(),
+    };
     let body = stream::spawn(
-        ctx.engine.clone(),
+        sources,
         channel,
         cursor(req),
         reauthorize,

@@ -16,6 +16,7 @@ use sha2::{Digest, Sha256};
 use super::auth::Caller;
 use super::errors::{ApiError, Code};
 use super::{Ctx, Reply, Request};
+use crate::engine::Recorder;
 use crate::model::{format_time, now_millis, Millis};
 use crate::store::{IdempotencyRecord, StoreResult, Tx};
 
@@ -35,6 +36,14 @@ pub struct IdemWrite {
 }
 
 impl IdemWrite {
+    /// The engine's hook that stores this record, with the answer `render`
+    /// makes of the outcome, in the mutation's own transaction. The handler
+    /// answers with the same `render`, so a replay is byte-for-byte the
+    /// first answer.
+    pub fn recorder<O: 'static>(self, render: fn(&O) -> Reply) -> Recorder<O> {
+        Box::new(move |tx, outcome| self.store(tx, &render(outcome)))
+    }
+
     pub fn store(&self, tx: &Tx, reply: &Reply) -> StoreResult<()> {
         tx.put_idempotency(
             &self.identity,

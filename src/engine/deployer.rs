@@ -8,9 +8,9 @@ use serde::Deserialize;
 use serde_json::Value;
 use tokio::sync::{mpsc, watch};
 
+use super::refusal::{EvalUnavailable, FieldError, Refusal};
 use super::runner::{self, Ended, Invocation};
 use super::Engine;
-use crate::api::errors::{ApiError, Code, FieldError};
 use crate::derive::{CatalogEntry, Rename};
 use crate::model::Source;
 
@@ -108,10 +108,10 @@ fn collect_leaves(e: &boon::ValidationError, out: &mut Vec<FieldError>) {
             .chars()
             .take_while(|c| c.is_ascii_alphanumeric())
             .collect();
-        out.push(FieldError {
-            pointer: format!("/configuration{}", e.instance_location),
-            code: snake(&name),
-        });
+        out.push(FieldError::new(
+            format!("/configuration{}", e.instance_location),
+            snake(&name),
+        ));
     }
     for cause in &e.causes {
         collect_leaves(cause, out);
@@ -137,7 +137,7 @@ pub enum EvalVerdict {
 
 impl Engine {
     /// `describe` of a source: memory, then the store, then the deployer.
-    pub async fn describe(&self, source: &Source) -> Result<Arc<Described>, ApiError> {
+    pub async fn describe(&self, source: &Source) -> Result<Arc<Described>, Refusal> {
         if let Some(d) = self
             .described
             .lock()
@@ -159,15 +159,15 @@ impl Engine {
                         String::from_utf8_lossy(&bytes).into_owned()
                     }
                     (Ended::Timeout, _) => {
-                        return Err(eval_unavailable(
-                            "eval_timeout",
+                        return Err(Refusal::eval_unavailable(
+                            EvalUnavailable::Timeout,
                             "the deployer's describe timed out",
                         ))
                     }
                     _ => {
                         tracing::warn!(digest = %source.digest, ?ended, output = ?output, "describe failed");
-                        return Err(eval_unavailable(
-                            "eval_crashed",
+                        return Err(Refusal::eval_unavailable(
+                            EvalUnavailable::Crashed,
                             "the deployer's describe failed; the server log has its output",
                         ));
                     }
@@ -175,7 +175,7 @@ impl Engine {
                 // Check before caching: a bad answer is not cached.
                 Described::parse(&text).map_err(|e| {
                     tracing::warn!(digest = %source.digest, error = %e, "describe result is invalid");
-                    eval_unavailable("eval_crashed", "the deployer's describe result is invalid; the server log has the detail")
+                    Refusal::eval_unavailable(EvalUnavailable::Crashed, "the deployer's describe result is invalid; the server log has the detail")
                 })?;
                 let digest = source.digest.clone();
                 let stored = text.clone();
@@ -187,7 +187,7 @@ impl Engine {
         };
         let described = Arc::new(Described::parse(&text).map_err(|e| {
             tracing::error!(digest = %source.digest, error = %e, "cached describe result is invalid");
-            ApiError::internal()
+            Refusal::Internal
         })?);
         self.described
             .lock()
@@ -197,7 +197,7 @@ impl Engine {
     }
 
     /// Runs `eval`. `Ok(None)` when no eval slot is free.
-    pub async fn eval(&self, request: Value) -> Result<Option<EvalVerdict>, ApiError> {
+    pub async fn eval(&self, request: Value) -> Result<Option<EvalVerdict>, Refusal> {
         let Ok(_permit) = self.eval_slots.clone().try_acquire_owned() else {
             return Ok(None);
         };
@@ -215,8 +215,8 @@ impl Engine {
                 }
                 _ => {
                     tracing::warn!(output = ?output, "eval result breaks the protocol");
-                    Err(eval_unavailable(
-                        "eval_crashed",
+                    Err(Refusal::eval_unavailable(
+                        EvalUnavailable::Crashed,
                         "the deployer's eval result is invalid",
                     ))
                 }
@@ -229,20 +229,20 @@ impl Engine {
                 Some(message) => Ok(Some(EvalVerdict::Refused(message.to_string()))),
                 None => {
                     tracing::warn!(output = ?output, "eval exited 1 without an error result");
-                    Err(eval_unavailable(
-                        "eval_crashed",
+                    Err(Refusal::eval_unavailable(
+                        EvalUnavailable::Crashed,
                         "the deployer's eval failed without a verdict",
                     ))
                 }
             },
-            Ended::Timeout => Err(eval_unavailable(
-                "eval_timeout",
+            Ended::Timeout => Err(Refusal::eval_unavailable(
+                EvalUnavailable::Timeout,
                 "the deployer's eval timed out",
             )),
             other => {
                 tracing::warn!(?other, output = ?output, "eval crashed");
-                Err(eval_unavailable(
-                    "eval_crashed",
+                Err(Refusal::eval_unavailable(
+                    EvalUnavailable::Crashed,
                     "the deployer's eval crashed",
                 ))
             }
@@ -256,14 +256,14 @@ impl Engine {
         verb: &'static str,
         request: Vec<u8>,
         work_dir: Option<std::path::PathBuf>,
-    ) -> Result<(Ended, Result<Option<Vec<u8>>, String>, Vec<String>), ApiError> {
+    ) -> Result<(Ended, Result<Option<Vec<u8>>, String>, Vec<String>), Refusal> {
         let call_id = crate::hex::encode(&uuid::Uuid::now_v7().as_u128().to_be_bytes());
         let root = self.settings.scratch_root().join(format!("call-{call_id}"));
         let scratch_dir = root.join("scratch");
         let result_path = root.join("result.json");
         std::fs::create_dir_all(&scratch_dir).map_err(|e| {
             tracing::error!(error = %e, dir = %scratch_dir.display(), "cannot create a scratch dir");
-            ApiError::internal()
+            Refusal::Internal
         })?;
         let inv = Invocation {
             verb,
@@ -274,7 +274,7 @@ impl Engine {
         };
         let spawned = runner::spawn(&self.deployer, &inv).map_err(|e| {
             tracing::error!(error = %e, program = %self.deployer.program.display(), "cannot start the deployer");
-            eval_unavailable("eval_crashed", "the deployer cannot be started; the server log has the detail")
+            Refusal::eval_unavailable(EvalUnavailable::Crashed, "the deployer cannot be started; the server log has the detail")
         })?;
         let (lines_tx, mut lines_rx) = mpsc::channel(256);
         let (_cancel_tx, cancel_rx) = watch::channel(false);
@@ -304,10 +304,4 @@ impl Engine {
         let _ = std::fs::remove_dir_all(&root);
         Ok((ended, result, output))
     }
-}
-
-pub fn eval_unavailable(reason: &str, message: &str) -> ApiError {
-    ApiError::new(Code::EvalUnavailable, message)
-        .reason(reason)
-        .retry_after(1)
 }

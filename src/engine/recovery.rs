@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use nix::sys::signal::Signal;
 
-use super::{release_pending, runner, Engine};
-use crate::events;
+use super::transition::{Change, End};
+use super::{runner, Engine};
 use crate::model::*;
 
 /// How often an orphaned process group is checked while it is stopping.
@@ -28,33 +28,17 @@ impl Engine {
                     let Some(mut b) = tx.build(build_id)? else {
                         return Ok(None);
                     };
-                    let now = now_millis();
-                    b.status = BuildStatus::Failed;
-                    b.finished_at = Some(now);
-                    b.failure = Some(Failure {
-                        reason: "interrupted_by_restart".into(),
-                        detail: "berth stopped while this build ran".into(),
-                    });
                     // Lines up to the reservation may have been sent live.
                     b.event_seq = b.event_seq.max(b.seq_reserved);
-                    events::build_status(tx, &hub, &mut b, now)?;
-                    tx.put_build(&b)?;
-                    if let Some(mut d) = tx.deployment(&b.deployment)? {
-                        release_pending(&mut d, b.kind);
-                        d.running = None;
-                        d.last_finished = Some(LastFinished {
-                            build_id,
-                            kind: b.kind,
-                            status: BuildStatus::Failed,
-                        });
-                        d.revision += 1;
-                        d.updated_at = now;
-                        events::deployment_changed(tx, &hub, &mut d, Some(&b), now)?;
-                        tx.put_deployment(&d)?;
-                    }
-                    if b.kind == BuildKind::Destroy {
-                        tx.remove_callback(build_id)?;
-                    }
+                    let mut d = tx.deployment(&b.deployment)?;
+                    Change::new(tx, &hub).finish(
+                        d.as_mut(),
+                        &mut b,
+                        End::failed(
+                            "interrupted_by_restart",
+                            "berth stopped while this build ran",
+                        ),
+                    )?;
                     Ok(b.job)
                 })
                 .await?;

@@ -18,9 +18,8 @@ use tokio::time::Instant;
 
 use super::fanout::FanOut;
 use super::{Batch, Channel, Frame, Hub, Lagged, Subscription};
-use crate::engine::builds::decompress_chunk;
-use crate::engine::Engine;
 use crate::model::BuildId;
+use crate::store::{logs, Store, StoreError};
 use crate::wire::{Return, Stopped, Wire};
 
 /// Silence after which a `: keep-alive` comment is sent.
@@ -59,7 +58,38 @@ impl Drop for ClientSlot {
 
 /// Why a stream stopped early.
 enum Stop {
+    /// The client left, berth is stopping, or the credential was revoked.
     Closed,
+    /// The store failed while the stream read it. The stream ends rather
+    /// than go on with a gap; the client reconnects with `Last-Event-ID`
+    /// and the replay resumes exactly where it stopped.
+    StoreFailed,
+}
+
+/// What a stream reads: the store, the hub, and berth's stop signal.
+#[derive(Clone)]
+pub struct Sources {
+    pub store: Store,
+    pub hub: Arc<Hub>,
+    pub stopping: tokio::sync::watch::Receiver<bool>,
+}
+
+/// Logs a store failure of a stream and ends it.
+fn store_failed(e: StoreError) -> Stop {
+    tracing::warn!(error = %e, "an event stream could not read the store; ending it so the client resumes from its last id");
+    Stop::StoreFailed
+}
+
+/// Runs a store read off the async workers (a replay decompresses chunks).
+async fn read_store<T: Send + 'static>(
+    store: &Store,
+    read: impl FnOnce(&crate::store::Rx) -> Result<T, StoreError> + Send + 'static,
+) -> Result<T, Stop> {
+    let store = store.clone();
+    tokio::task::spawn_blocking(move || read(&store.read()?))
+        .await
+        .map_err(|_| store_failed(StoreError::other("a store read task stopped")))?
+        .map_err(store_failed)
 }
 
 /// Encoded events gathered into one buffer, so that many lines that
@@ -317,7 +347,7 @@ impl futures_util::Stream for SseBody {
 
 /// Starts a producer; returns the body stream for the HTTP response.
 pub fn spawn(
-    engine: Arc<Engine>,
+    sources: Sources,
     channel: Channel,
     cursor: Option<String>,
     reauthorize: Reauthorize,
@@ -335,10 +365,10 @@ pub fn spawn(
         w.raw("retry: 2000\n\n");
         let _ = match channel {
             Channel::Build(id) => {
-                build_stream(&engine, id, cursor, &reauthorize, &mut w, &mut behind_rx).await
+                build_stream(&sources, id, cursor, &reauthorize, &mut w, &mut behind_rx).await
             }
             Channel::Deployment(ref id) => {
-                deployment_stream(&engine, id, cursor, &reauthorize, &mut w, &mut behind_rx).await
+                deployment_stream(&sources, id, cursor, &reauthorize, &mut w, &mut behind_rx).await
             }
         };
         let _ = w.flush().await;
@@ -364,11 +394,11 @@ struct Timers {
 }
 
 impl Timers {
-    fn new(engine: &Engine) -> Timers {
+    fn new(sources: &Sources) -> Timers {
         Timers {
             keep_alive: Box::pin(tokio::time::sleep(KEEP_ALIVE)),
             recheck: Box::pin(tokio::time::sleep(REAUTHORIZE_EVERY)),
-            stopping: engine.stop_signal(),
+            stopping: sources.stopping.clone(),
         }
     }
 }
@@ -415,7 +445,7 @@ async fn go_live(
 
 /// The build channel: status events and log lines share one seq.
 async fn build_stream(
-    engine: &Arc<Engine>,
+    sources: &Sources,
     id: BuildId,
     cursor: Option<String>,
     reauthorize: &Reauthorize,
@@ -424,25 +454,20 @@ async fn build_stream(
 ) -> Result<(), Stop> {
     let mut last = 0u64;
     if let Some(text) = cursor {
-        let current = {
-            let committed = engine
-                .store
-                .read()
-                .ok()
-                .and_then(|rx| rx.build(id).ok().flatten())
-                .map(|b| b.event_seq)
-                .unwrap_or(0);
-            committed.max(engine.hub.pending_max(id).unwrap_or(0))
-        };
+        let committed = read_store(&sources.store, move |rx| {
+            Ok(rx.build(id)?.map(|b| b.event_seq).unwrap_or(0))
+        })
+        .await?;
+        let current = committed.max(sources.hub.pending_max(id).unwrap_or(0));
         match text.trim().parse::<u64>() {
             Ok(n) if n <= current => last = n,
             _ => w.raw(&resync("cursor_invalid")),
         }
     }
-    let mut timers = Timers::new(engine);
+    let mut timers = Timers::new(sources);
     loop {
-        let (subscription, pending) = engine.hub.subscribe(&Channel::Build(id));
-        if let Some(final_frame) = replay_build(engine, id, &mut last, w).await? {
+        let (subscription, pending) = sources.hub.subscribe(&Channel::Build(id));
+        if let Some(final_frame) = replay_build(&sources.store, id, &mut last, w).await? {
             return end(w, &final_frame).await;
         }
         for f in pending {
@@ -453,7 +478,7 @@ async fn build_stream(
             }
         }
         last = go_live(subscription, last, w, reauthorize, &mut timers, behind).await?;
-        engine.hub.catch_ups.fetch_add(1, Ordering::Relaxed);
+        sources.hub.catch_ups.fetch_add(1, Ordering::Relaxed);
         tracing::debug!(build = %crate::model::format_build_id(id), last, "subscriber fell behind; catching up from the store");
     }
 }
@@ -470,20 +495,18 @@ async fn end(w: &mut Writer, final_status: &Frame) -> Result<(), Stop> {
 /// Sends every stored event of the build after `last`, merged by seq;
 /// returns the final status frame if the build has finished.
 async fn replay_build(
-    engine: &Arc<Engine>,
+    store: &Store,
     id: BuildId,
     last: &mut u64,
     w: &mut Writer,
 ) -> Result<Option<Arc<Frame>>, Stop> {
-    let store = engine.store.clone();
-    let loaded = tokio::task::spawn_blocking(move || -> Option<_> {
-        let rx = store.read().ok()?;
-        let b = rx.build(id).ok()??;
-        Some((b, rx.build_events(id).ok()?, rx.log_chunks(id).ok()?))
+    let loaded = read_store(store, move |rx| {
+        let Some(b) = rx.build(id)? else {
+            return Ok(None);
+        };
+        Ok(Some((b, rx.build_events(id)?, rx.log_chunks(id)?)))
     })
-    .await
-    .ok()
-    .flatten();
+    .await?;
     let Some((build, statuses, chunks)) = loaded else {
         return Ok(None);
     };
@@ -507,7 +530,7 @@ async fn replay_build(
         }
     };
     for (first_line, compressed) in chunks {
-        let text = decompress_chunk(&compressed);
+        let text = logs::decompress_chunk(&compressed).map_err(store_failed)?;
         // Every stored line ends with a newline.
         let body = text.strip_suffix(b"\n").unwrap_or(&text);
         let first_seq = build.log_first_seq + first_line;
@@ -532,7 +555,7 @@ async fn replay_build(
 
 /// The deployment channel: state events only, never ends by itself.
 async fn deployment_stream(
-    engine: &Arc<Engine>,
+    sources: &Sources,
     id: &str,
     cursor: Option<String>,
     reauthorize: &Reauthorize,
@@ -540,18 +563,22 @@ async fn deployment_stream(
     behind: &mut mpsc::Receiver<u64>,
 ) -> Result<(), Stop> {
     let channel = Channel::Deployment(id.to_string());
-    let (mut subscription, _) = engine.hub.subscribe(&channel);
-    let (current, summary) = {
-        let rx = engine.store.read().ok();
-        let d = rx.as_ref().and_then(|r| r.deployment(id).ok().flatten());
-        let summary = d.as_ref().map(|d| {
-            let last = d
-                .last_build
-                .and_then(|b| rx.as_ref()?.build(b).ok().flatten());
-            d.summary(last.as_ref())
-        });
-        (d.map(|d| d.event_seq).unwrap_or(0), summary)
-    };
+    let (mut subscription, _) = sources.hub.subscribe(&channel);
+    let owned_id = id.to_string();
+    let (current, summary, first) = read_store(&sources.store, move |rx| {
+        let id = owned_id.as_str();
+        let d = rx.deployment(id)?;
+        let summary = match &d {
+            Some(d) => {
+                let last = d.last_build.map(|b| rx.build(b)).transpose()?.flatten();
+                Some(d.summary(last.as_ref()))
+            }
+            None => None,
+        };
+        let first = rx.first_deployment_event(id)?;
+        Ok((d.map(|d| d.event_seq).unwrap_or(0), summary, first))
+    })
+    .await?;
     let mut last = current;
     match cursor {
         None => {
@@ -566,11 +593,6 @@ async fn deployment_stream(
         }
         Some(text) => match text.trim().parse::<u64>() {
             Ok(n) if n <= current => {
-                let first = engine
-                    .store
-                    .read()
-                    .ok()
-                    .and_then(|r| r.first_deployment_event(id).ok().flatten());
                 if n < current && first.is_some_and(|f| f > n + 1) {
                     w.raw(&resync("cursor_expired"));
                 } else {
@@ -580,16 +602,15 @@ async fn deployment_stream(
             _ => w.raw(&resync("cursor_invalid")),
         },
     }
-    let mut timers = Timers::new(engine);
+    let mut timers = Timers::new(sources);
     loop {
         // Replay what the store has after `last` (also after falling behind).
         loop {
-            let page = engine
-                .store
-                .read()
-                .ok()
-                .and_then(|r| r.deployment_events_after(id, last, REPLAY_PAGE).ok())
-                .unwrap_or_default();
+            let (owned_id, after) = (id.to_string(), last);
+            let page = read_store(&sources.store, move |rx| {
+                rx.deployment_events_after(&owned_id, after, REPLAY_PAGE)
+            })
+            .await?;
             let n = page.len();
             if n > 0 && page[0].0 > last + 1 && last > 0 {
                 w.raw(&resync("history_unavailable"));
@@ -611,8 +632,8 @@ async fn deployment_stream(
             }
         }
         last = go_live(subscription, last, w, reauthorize, &mut timers, behind).await?;
-        engine.hub.catch_ups.fetch_add(1, Ordering::Relaxed);
-        let (again, _) = engine.hub.subscribe(&channel);
+        sources.hub.catch_ups.fetch_add(1, Ordering::Relaxed);
+        let (again, _) = sources.hub.subscribe(&channel);
         subscription = again;
     }
 }

@@ -1,0 +1,317 @@
+//! One build's run: marked running, the deployer process with its log
+//! captured (`log_pipe`), its verdict (`verdict`), and the final transaction.
+//! The two transactions are plain functions (`start_tx`, `finish_tx`) that
+//! change state only through `transition`.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::json;
+use tokio::sync::{mpsc, watch};
+
+use super::log_pipe::{Chunk, LogBuffer, LogPipe, LINE_QUEUE, LOG_FLUSH_INTERVAL};
+use super::queue::QUEUE_POLL;
+use super::runner::{self, Ended, Invocation};
+use super::transition::{Change, End};
+use super::verdict::{read_deploy_result, Outcome};
+use super::{lock, Engine};
+use crate::events::{Channel, Frame, Hub};
+use crate::model::*;
+use crate::store::{StoreResult, Tx};
+
+/// Pauses between attempts of a build's final commit (a full disk).
+const FINAL_COMMIT_FIRST_PAUSE: Duration = Duration::from_millis(100);
+const FINAL_COMMIT_MAX_PAUSE: Duration = Duration::from_secs(30);
+
+impl Engine {
+    pub(super) async fn run_build(self: Arc<Self>, build_id: BuildId) {
+        let (cancel_tx, cancel_rx) = watch::channel(false);
+        lock(&self.cancels).insert(build_id, cancel_tx);
+        let hub = self.hub.clone();
+        let started = self
+            .store
+            .write(move |tx| start_tx(tx, &hub, build_id))
+            .await;
+        let (build, snaps) = match started {
+            Ok(Some(started)) => started,
+            Ok(None) => return self.release_slot(build_id),
+            Err(e) => {
+                tracing::error!(error = %e, "cannot mark a build running");
+                tokio::time::sleep(QUEUE_POLL).await;
+                return self.release_slot(build_id);
+            }
+        };
+        let outcome = self.execute(&build, &snaps, cancel_rx).await;
+        self.finish(build, outcome).await;
+        self.release_slot(build_id);
+    }
+
+    /// Runs the deployer and captures the log; returns how it ended.
+    async fn execute(
+        self: &Arc<Self>,
+        build: &BuildRecord,
+        snaps: &BuildSnapshots,
+        cancel: watch::Receiver<bool>,
+    ) -> Outcome {
+        let id_text = format_build_id(build.id);
+        let work_dir = self.settings.work_dir(&build.deployment);
+        let root = self.settings.scratch_root().join(&id_text);
+        let scratch_dir = root.join("scratch");
+        let _ = std::fs::remove_dir_all(&root);
+        if let Err(e) =
+            std::fs::create_dir_all(&scratch_dir).and_then(|_| std::fs::create_dir_all(&work_dir))
+        {
+            return Outcome::failed(
+                &root,
+                "spawn_failed",
+                format!("cannot create the build's directories: {e}"),
+                LogBuffer::new(0, build.log_first_seq, build.seq_reserved),
+            );
+        }
+        let verb = match build.kind {
+            BuildKind::Deploy => "deploy",
+            BuildKind::Destroy => "destroy",
+        };
+        let configuration: serde_json::Value =
+            serde_json::from_str(&snaps.snapshot.configuration).unwrap_or_default();
+        let previous = snaps.previous.as_ref().map(|p| {
+            json!({"configuration": serde_json::from_str::<serde_json::Value>(&p.configuration).unwrap_or_default(), "source": p.source})
+        });
+        let request = json!({
+            "deployment": build.deployment,
+            "build": id_text,
+            "method": build.method,
+            "configuration": configuration,
+            "source": snaps.snapshot.source,
+            "suspended": build.suspended,
+            "previous": previous,
+        });
+        let inv = Invocation {
+            verb,
+            request: request.to_string().into_bytes(),
+            work_dir,
+            scratch_dir,
+            result_path: root.join("result.json"),
+        };
+        let mut log = LogBuffer::new(
+            self.settings.max_log_bytes,
+            build.log_first_seq,
+            build.seq_reserved,
+        );
+        let spawned = match runner::spawn(&self.deployer, &inv) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::error!(error = %e, program = %self.deployer.program.display(), "cannot start the deployer");
+                log.push(&format!("[berth] cannot start the deployer: {e}"));
+                return Outcome::failed(
+                    &root,
+                    "spawn_failed",
+                    "the deployer could not be started".into(),
+                    log,
+                );
+            }
+        };
+        let job = spawned.job;
+        let build_id = build.id;
+        let _ = self
+            .store
+            .write(move |tx| {
+                if let Some(mut b) = tx.build(build_id)? {
+                    b.job = Some(job);
+                    tx.put_build(&b)?;
+                }
+                Ok(())
+            })
+            .await;
+        let (lines_tx, mut lines_rx) = mpsc::channel::<Vec<String>>(LINE_QUEUE);
+        let timeout =
+            (!self.settings.build_timeout.is_zero()).then_some(self.settings.build_timeout);
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let mut cancel = cancel;
+        let grace = self.settings.cancel_grace;
+        // Forward the user's cancel into the runner; a log failure stops it too.
+        let waiter = {
+            let stop_rx = stop_rx.clone();
+            tokio::spawn(
+                async move { runner::wait(spawned, timeout, grace, stop_rx, lines_tx).await },
+            )
+        };
+        let forward_stop = stop_tx.clone();
+        let forward = tokio::spawn(async move {
+            while cancel.changed().await.is_ok() {
+                if *cancel.borrow() {
+                    let _ = forward_stop.send(true);
+                    return;
+                }
+            }
+        });
+        let mut pipe = LogPipe::new(self, build_id, log, stop_tx.clone());
+        let mut ticker = tokio::time::interval(LOG_FLUSH_INTERVAL);
+        loop {
+            tokio::select! {
+                line = lines_rx.recv() => match line {
+                    Some(batch) => pipe.lines(batch).await,
+                    None => break,
+                },
+                Some(result) = pipe.done_rx.recv() => pipe.flush_done(result),
+                _ = ticker.tick() => {
+                    if !pipe.log.pending.is_empty() && !pipe.in_flight {
+                        pipe.start_flush();
+                    }
+                }
+            }
+        }
+        pipe.wait_in_flight().await;
+        let (log, disk_failure) = (pipe.log, pipe.disk_failure);
+        forward.abort();
+        let ended = waiter.await.unwrap_or(Ended::Exit(-1));
+        let user_cancelled = ended == Ended::Cancelled && disk_failure.is_none();
+        let mut outcome = Outcome {
+            root,
+            ended,
+            result: None,
+            log,
+            disk_failure,
+            user_cancelled,
+            not_started: None,
+        };
+        if ended == Ended::Exit(0) {
+            outcome.result = Some(read_deploy_result(&outcome.root, build.kind));
+        }
+        outcome
+    }
+
+    /// The final transaction: status, last log chunk, the deployment's
+    /// deployed snapshot and pending counters, the destroy callback.
+    async fn finish(self: &Arc<Self>, build: BuildRecord, mut outcome: Outcome) {
+        let end = outcome.verdict(self.settings.build_timeout);
+        let nodes = match &outcome.result {
+            Some(Ok(nodes)) => nodes.clone(),
+            _ => vec![],
+        };
+        // berth's own closing lines go out with the final commit.
+        let mut late_frames = Vec::new();
+        for (node, sbom) in &nodes {
+            if let Err(reason) = sbom {
+                let line = format!("[berth] node {node}: SBOM unavailable: {reason}");
+                if let Some(seq) = outcome.log.push(&line) {
+                    late_frames.push(Frame::new(seq, "log", line, false));
+                }
+            }
+        }
+        if outcome.log.dropped_lines > 0 {
+            let line = format!(
+                "[berth] {} line(s), {} byte(s) not stored: the log reached --max-log-bytes",
+                outcome.log.dropped_lines, outcome.log.dropped_bytes
+            );
+            let seq = outcome.log.force_push(&line);
+            late_frames.push(Frame::new(seq, "log", line, false));
+        }
+        let last_chunk = match outcome.log.take_chunk().map(Chunk::compress).transpose() {
+            Ok(chunk) => chunk,
+            Err(e) => {
+                // In-memory zstd does not fail; if it ever did, the lines
+                // were sent live but are not kept, and the log says so.
+                tracing::error!(error = %e, build = %format_build_id(build.id), "cannot compress the last log chunk; its lines are not stored");
+                None
+            }
+        };
+        let last_seq_used = outcome.log.next_seq.saturating_sub(1);
+        self.metrics
+            .log_bytes
+            .fetch_add(outcome.log.stored_bytes, Ordering::Relaxed);
+        let build_id = build.id;
+        let kind = build.kind;
+        let status = end.status;
+        let finished = Arc::new(Finished {
+            end,
+            last_chunk,
+            late_frames,
+            last_seq_used,
+        });
+        // The final commit is retried until it lands (a full disk that
+        // recovers): a build must not stay `running` without a job.
+        let mut pause = FINAL_COMMIT_FIRST_PAUSE;
+        let result = loop {
+            let (finished, hub) = (finished.clone(), self.hub.clone());
+            let attempt = self
+                .store
+                .write(move |tx| finish_tx(tx, &hub, build_id, &finished))
+                .await;
+            match attempt {
+                Err(e) if e.is_transient() && !self.stopping.load(Ordering::SeqCst) => {
+                    tracing::warn!(error = %e, build = %format_build_id(build_id), "final commit of a build failed; retrying");
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(FINAL_COMMIT_MAX_PAUSE);
+                }
+                other => break other,
+            }
+        };
+        if let Err(e) = result {
+            // The build stays `running` in the store; the next start's
+            // recovery fails it with `interrupted_by_restart`.
+            tracing::error!(error = %e, build = %format_build_id(build_id), "cannot store the final status of a build");
+        }
+        let _ = std::fs::remove_dir_all(&outcome.root);
+        if kind == BuildKind::Destroy && status == BuildStatus::Succeeded {
+            let _ = std::fs::remove_dir_all(self.settings.work_dir(&build.deployment));
+            self.callbacks_wake.notify_one();
+        }
+    }
+}
+
+/// The start's write job: a build still queued becomes running; `None`
+/// when it is not queued any more (cancelled meanwhile) or has no deployment.
+pub fn start_tx(
+    tx: &Tx,
+    hub: &Arc<Hub>,
+    build_id: BuildId,
+) -> StoreResult<Option<(BuildRecord, BuildSnapshots)>> {
+    let Some(mut b) = tx.build(build_id)? else {
+        return Ok(None);
+    };
+    if b.status != BuildStatus::Queued {
+        return Ok(None);
+    }
+    let Some(mut d) = tx.deployment(&b.deployment)? else {
+        return Ok(None);
+    };
+    let snaps = Change::new(tx, hub).start(&mut d, &mut b)?;
+    Ok(Some((b, snaps)))
+}
+
+/// What the final transaction of a build stores.
+pub struct Finished {
+    pub end: End,
+    /// The lines not yet committed, compressed.
+    pub last_chunk: Option<Chunk>,
+    /// berth's own closing lines (published after the commit).
+    pub late_frames: Vec<Arc<Frame>>,
+    /// The highest log seq handed out: never reused.
+    pub last_seq_used: u64,
+}
+
+/// The final write job: the last log chunk, then the final status through
+/// `transition`.
+pub fn finish_tx(tx: &Tx, hub: &Arc<Hub>, build_id: BuildId, f: &Arc<Finished>) -> StoreResult<()> {
+    let Some(mut b) = tx.build(build_id)? else {
+        return Ok(());
+    };
+    if let Some(chunk) = &f.last_chunk {
+        chunk.store(tx, &mut b)?;
+    }
+    // Ids sent live are never reused, even for lines a failed disk could
+    // not keep.
+    b.event_seq = b.event_seq.max(f.last_seq_used);
+    let (publish, late, last_seq_used) = (hub.clone(), f.clone(), f.last_seq_used);
+    tx.after_commit(move || {
+        let channel = Channel::Build(build_id);
+        for frame in &late.late_frames {
+            publish.publish(&channel, frame.clone());
+        }
+        publish.committed(build_id, last_seq_used);
+    });
+    let mut d = tx.deployment(&b.deployment)?;
+    Change::new(tx, hub).finish(d.as_mut(), &mut b, f.end.clone())
+}

@@ -1,0 +1,321 @@
+//! A running build's log: lines numbered, published live, and committed in
+//! zstd chunks beside the line path (`LogPipe`); the buffer of lines not yet
+//! committed and the `--max-log-bytes` cap (`LogBuffer`); one chunk
+//! (`Chunk`).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::{mpsc, watch};
+
+use super::Engine;
+use crate::events::{self, Frame, SEQ_BLOCK};
+use crate::model::*;
+use crate::store::{logs, StoreError, StoreErrorKind, StoreResult};
+
+/// A log chunk is committed at least this often while lines arrive.
+pub const LOG_FLUSH_INTERVAL: Duration = Duration::from_millis(100);
+/// ... or when this many uncompressed bytes are waiting.
+pub const LOG_CHUNK_BYTES: usize = 1024 * 1024;
+/// Batches (one per read, at most 64 KiB each) buffered between the pipe
+/// readers and the log writer: at most 4 MiB; past it the deployer waits.
+pub(super) const LINE_QUEUE: usize = 64;
+
+/// The path of a running build's output: each line gets its seq, goes to
+/// live subscribers at once (the lines of one read as one batch), and is
+/// committed in zstd chunks. A chunk's commit runs beside the line path,
+/// so a slow fsync never holds a live line back; ids are reserved in the
+/// store well ahead of use, so that wait is rare too.
+pub(super) struct LogPipe {
+    store: crate::store::Store,
+    hub: Arc<events::Hub>,
+    build_id: BuildId,
+    pub(super) log: LogBuffer,
+    /// Lines of the current read, not yet published.
+    held: Vec<Arc<Frame>>,
+    pub(super) in_flight: bool,
+    done_tx: mpsc::Sender<Result<u64, crate::store::StoreError>>,
+    pub(super) done_rx: mpsc::Receiver<Result<u64, crate::store::StoreError>>,
+    pub(super) disk_failure: Option<String>,
+    stop: watch::Sender<bool>,
+}
+
+impl LogPipe {
+    pub(super) fn new(
+        engine: &Engine,
+        build_id: BuildId,
+        log: LogBuffer,
+        stop: watch::Sender<bool>,
+    ) -> LogPipe {
+        let (done_tx, done_rx) = mpsc::channel(1);
+        LogPipe {
+            store: engine.store.clone(),
+            hub: engine.hub.clone(),
+            build_id,
+            log,
+            held: Vec::new(),
+            in_flight: false,
+            done_tx,
+            done_rx,
+            disk_failure: None,
+            stop,
+        }
+    }
+
+    /// The lines of one read, published together as one batch. (A client
+    /// that falls behind drains several batches per write by itself; holding
+    /// lines back on a timer was measured to add latency and save nothing.)
+    pub(super) async fn lines(&mut self, batch: Vec<String>) {
+        for line in batch {
+            self.line(line).await;
+        }
+        self.publish_held();
+    }
+
+    async fn line(&mut self, line: String) {
+        if self.disk_failure.is_some() {
+            // Lines are still read (so the deployer is not blocked) and counted.
+            self.log.push(&line);
+            self.log.discard_pending();
+            return;
+        }
+        // Never send an id that is not reserved in the store.
+        if self.log.next_seq > self.log.reserved {
+            self.publish_held();
+            self.wait_in_flight().await;
+            self.start_flush();
+            self.wait_in_flight().await;
+        }
+        if let Some(seq) = self.log.push(&line) {
+            self.held.push(Frame::new(seq, "log", line, false));
+        }
+        if self.log.pending.len() >= LOG_CHUNK_BYTES {
+            self.publish_held();
+            // At most one commit in flight: a disk slower than the deployer
+            // slows the deployer (its pipe fills), never loses a line.
+            self.wait_in_flight().await;
+            self.start_flush();
+        }
+    }
+
+    fn publish_held(&mut self) {
+        self.hub
+            .publish_lines(self.build_id, std::mem::take(&mut self.held));
+    }
+
+    /// Starts committing the waiting lines (and a reservation ahead).
+    pub(super) fn start_flush(&mut self) {
+        debug_assert!(!self.in_flight, "two chunk commits in flight");
+        let chunk = self.log.take_chunk();
+        let reserve = self.log.next_seq.saturating_sub(1) + SEQ_BLOCK;
+        let (store, hub, build_id, done) = (
+            self.store.clone(),
+            self.hub.clone(),
+            self.build_id,
+            self.done_tx.clone(),
+        );
+        self.in_flight = true;
+        tokio::spawn(async move {
+            // zstd runs on the blocking pool, off the line path.
+            let chunk = match chunk {
+                Some(c) => match tokio::task::spawn_blocking(move || c.compress()).await {
+                    Ok(Ok(c)) => Some(c),
+                    Ok(Err(e)) => {
+                        let _ = done.send(Err(e)).await;
+                        return;
+                    }
+                    Err(_) => {
+                        let e = StoreError::other("the log compression task stopped");
+                        let _ = done.send(Err(e)).await;
+                        return;
+                    }
+                },
+                None => None,
+            };
+            let result = store
+                .write(move |tx| {
+                    let Some(mut b) = tx.build(build_id)? else {
+                        return Ok(reserve);
+                    };
+                    if let Some(chunk) = &chunk {
+                        chunk.store(tx, &mut b)?;
+                        b.event_seq = chunk.last_seq;
+                        let last = chunk.last_seq;
+                        tx.after_commit(move || hub.committed(build_id, last));
+                    }
+                    b.seq_reserved = b.seq_reserved.max(reserve);
+                    tx.put_build(&b)?;
+                    Ok(reserve)
+                })
+                .await;
+            let _ = done.send(result).await;
+        });
+    }
+
+    pub(super) fn flush_done(&mut self, result: Result<u64, crate::store::StoreError>) {
+        self.in_flight = false;
+        match result {
+            Ok(reserve) => self.log.reserved = self.log.reserved.max(reserve),
+            Err(e) => {
+                let reason = if e.kind == StoreErrorKind::DiskFull {
+                    "disk_full"
+                } else {
+                    "log_write_failed"
+                };
+                tracing::error!(error = %e, build = %format_build_id(self.build_id), "cannot store the build log; stopping the build");
+                self.disk_failure = Some(reason.to_string());
+                self.log.discard_pending();
+                let _ = self.stop.send(true);
+            }
+        }
+    }
+
+    pub(super) async fn wait_in_flight(&mut self) {
+        if self.in_flight {
+            if let Some(result) = self.done_rx.recv().await {
+                self.flush_done(result);
+            }
+        }
+    }
+}
+
+/// Lines waiting to be committed, their seqs, and the counts behind
+/// `--max-log-bytes`.
+pub struct LogBuffer {
+    pub(super) pending: Vec<u8>,
+    pending_lines: u64,
+    pending_first_seq: u64,
+    /// The seq the next stored line gets.
+    pub next_seq: u64,
+    /// The seq of the build's first line (line index 0).
+    first_seq: u64,
+    /// Seqs up to this are reserved in the store.
+    pub reserved: u64,
+    next_chunk: u32,
+    pub(super) stored_bytes: u64,
+    max_bytes: u64,
+    pub(super) dropped_lines: u64,
+    pub(super) dropped_bytes: u64,
+}
+
+/// Lines cut for one commit; `compressed` holds the raw text until
+/// `compress` runs (off the line path).
+pub struct Chunk {
+    number: u32,
+    /// Index of the chunk's first line in the build's log.
+    first_line: u64,
+    last_seq: u64,
+    compressed: Vec<u8>,
+    bytes: u64,
+    lines: u64,
+}
+
+impl LogBuffer {
+    pub fn new(max_bytes: u64, first_seq: u64, reserved: u64) -> Self {
+        LogBuffer {
+            pending: Vec::new(),
+            pending_lines: 0,
+            pending_first_seq: first_seq,
+            next_seq: first_seq,
+            first_seq,
+            reserved,
+            next_chunk: 0,
+            stored_bytes: 0,
+            max_bytes,
+            dropped_lines: 0,
+            dropped_bytes: 0,
+        }
+    }
+
+    /// Adds a line and returns its seq, or counts it as dropped (no seq)
+    /// past `--max-log-bytes`.
+    pub fn push(&mut self, line: &str) -> Option<u64> {
+        let size = line.len() as u64 + 1;
+        if self.dropped_lines > 0 || self.stored_bytes + size > self.max_bytes {
+            self.dropped_lines += 1;
+            self.dropped_bytes += size;
+            return None;
+        }
+        Some(self.force_push(line))
+    }
+
+    pub(super) fn force_push(&mut self, line: &str) -> u64 {
+        if self.pending_lines == 0 {
+            self.pending_first_seq = self.next_seq;
+        }
+        self.pending.extend_from_slice(line.as_bytes());
+        self.pending.push(b'\n');
+        self.pending_lines += 1;
+        self.stored_bytes += line.len() as u64 + 1;
+        self.next_seq += 1;
+        self.next_seq - 1
+    }
+
+    /// Forgets lines that cannot be stored (their seqs stay used).
+    pub(super) fn discard_pending(&mut self) {
+        self.pending.clear();
+        self.pending_lines = 0;
+    }
+
+    pub(super) fn take_chunk(&mut self) -> Option<Chunk> {
+        if self.pending.is_empty() {
+            return None;
+        }
+        let raw = std::mem::take(&mut self.pending);
+        let chunk = Chunk {
+            number: self.next_chunk,
+            first_line: self.pending_first_seq - self.first_seq,
+            last_seq: self.pending_first_seq + self.pending_lines - 1,
+            bytes: raw.len() as u64,
+            compressed: raw,
+            lines: self.pending_lines,
+        };
+        self.next_chunk += 1;
+        self.pending_lines = 0;
+        Some(chunk)
+    }
+}
+
+impl Chunk {
+    /// Writes the chunk and counts it in the build record (the caller stores
+    /// the record).
+    pub(super) fn store(
+        &self,
+        tx: &crate::store::Tx,
+        b: &mut BuildRecord,
+    ) -> crate::store::StoreResult<()> {
+        tx.put_log_chunk(b.id, self.number, self.first_line, &self.compressed)?;
+        b.log_bytes += self.bytes;
+        b.log_lines += self.lines;
+        b.log_chunks = self.number + 1;
+        Ok(())
+    }
+
+    pub(super) fn compress(mut self) -> StoreResult<Chunk> {
+        self.compressed = logs::compress_chunk(&self.compressed)?;
+        Ok(self)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn log_cap_counts_dropped_lines() {
+        let mut log = LogBuffer::new(10, 3, 100);
+        assert_eq!(log.push("12345"), Some(3)); // 6 bytes
+        assert_eq!(log.push("1234"), None); // 5 bytes: over
+        assert_eq!(log.push("1"), None); // dropped too, once dropping started
+        assert_eq!((log.dropped_lines, log.dropped_bytes), (2, 7));
+        let chunk = log.take_chunk().unwrap().compress().unwrap();
+        assert_eq!((chunk.first_line, chunk.last_seq), (0, 3));
+        assert_eq!(
+            logs::decompress_chunks(&[(0, chunk.compressed)]).unwrap(),
+            b"12345\n"
+        );
+        assert!(log.take_chunk().is_none());
+        assert_eq!(log.force_push("notice"), 4);
+        assert_eq!(log.take_chunk().unwrap().first_line, 1);
+    }
+}

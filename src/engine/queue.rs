@@ -1,0 +1,76 @@
+//! The build queue: who runs next (spec lifecycle.md "Queue").
+//!
+//! Builds of one deployment run one at a time, oldest first; at most
+//! `--build-slots` run at once; the oldest waiting build of any deployment
+//! that has nothing running goes next, so no deployment can starve another.
+//! A deployment whose orphaned deployer (from before a restart) is still
+//! being stopped starts nothing until it has exited.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::{lock, Engine};
+use crate::model::*;
+
+/// How often the queue looks again even without a wake-up.
+pub(super) const QUEUE_POLL: Duration = Duration::from_secs(1);
+
+impl Engine {
+    /// Runs forever: starts queued builds whenever a slot is free.
+    pub async fn run_queue(self: Arc<Self>) {
+        loop {
+            if let Err(e) = self.dispatch() {
+                tracing::error!(error = %e, "queue dispatch failed");
+            }
+            let _ = tokio::time::timeout(QUEUE_POLL, self.wake.notified()).await;
+        }
+    }
+
+    fn dispatch(self: &Arc<Self>) -> Result<(), crate::store::StoreError> {
+        if self.stopping.load(Ordering::SeqCst) {
+            return Ok(());
+        }
+        // Every slot busy: nothing to start, and no need to read the queue.
+        if lock(&self.sched).running.len() >= usize::from(self.settings.build_slots) {
+            return Ok(());
+        }
+        let queued = self.store.read()?.queued()?;
+        let mut sched = lock(&self.sched);
+        let slots = usize::from(self.settings.build_slots);
+        for (build_id, deployment) in queued {
+            if sched.running.len() >= slots {
+                break;
+            }
+            let busy = sched.running.contains_key(&build_id)
+                || sched.running.values().any(|d| *d == deployment)
+                || sched.blocked.contains(&deployment);
+            if busy {
+                continue;
+            }
+            sched.running.insert(build_id, deployment);
+            let engine = self.clone();
+            tokio::spawn(async move { engine.run_build(build_id).await });
+        }
+        assert!(
+            sched.running.len() <= slots,
+            "more builds hold a slot than --build-slots"
+        );
+        Ok(())
+    }
+
+    pub(super) fn release_slot(&self, build_id: BuildId) {
+        lock(&self.sched).running.remove(&build_id);
+        lock(&self.cancels).remove(&build_id);
+        self.wake_queue();
+    }
+
+    pub(super) fn block_deployment(&self, deployment: &str) {
+        lock(&self.sched).blocked.insert(deployment.to_string());
+    }
+
+    pub(super) fn unblock_deployment(&self, deployment: &str) {
+        lock(&self.sched).blocked.remove(deployment);
+        self.wake_queue();
+    }
+}

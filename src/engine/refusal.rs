@@ -1,0 +1,151 @@
+//! Why the engine said no, in the domain's words: which rule, which
+//! reason code of api.md, which field. No HTTP here: `api::errors` alone
+//! turns a refusal into a status code and a problem+json body, and the
+//! messages a client reads are written there too (never with a request
+//! value in them).
+
+use serde::Serialize;
+
+use crate::store::StoreError;
+
+/// A field of the request that broke a rule: a JSON pointer and a rule name.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct FieldError {
+    pub pointer: String,
+    pub code: String,
+}
+
+impl FieldError {
+    pub fn new(pointer: impl Into<String>, code: impl Into<String>) -> FieldError {
+        FieldError {
+            pointer: pointer.into(),
+            code: code.into(),
+        }
+    }
+}
+
+/// What a request named that does not exist.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Missing {
+    Deployment,
+    Build,
+}
+
+/// A lifecycle rule that refuses the change (api.md: 409 `conflict` with
+/// these reasons).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Conflict {
+    /// The deployment is suspended: resume it first.
+    Suspended,
+    /// A source digest is already registered with another url or rev.
+    SourceImmutable,
+    /// An explicit source needs the manual update policy.
+    PolicyNotManual,
+    /// The build has already finished.
+    BuildFinished,
+}
+
+impl Conflict {
+    /// The reason code of api.md.
+    pub fn code(self) -> &'static str {
+        match self {
+            Conflict::Suspended => "suspended",
+            Conflict::SourceImmutable => "source_immutable",
+            Conflict::PolicyNotManual => "policy_not_manual",
+            Conflict::BuildFinished => "build_finished",
+        }
+    }
+}
+
+/// Why the queue of a deployment takes no other build (409 `queue_full`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QueueFull {
+    /// A build runs and the submit asked to replace, not to enqueue.
+    BuildRunning,
+    /// The deployment has `--max-queued-builds` builds waiting.
+    QueueLimit,
+}
+
+/// What is wrong with an explicit `source` (400 `invalid_request`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InvalidSource {
+    /// The digest is not `sha256:` and 64 lower-case hex digits.
+    DigestFormat,
+    /// The url's origin is not in `--source-origin`.
+    OriginNotAllowed,
+}
+
+/// Why the deployer cannot evaluate now (503 `eval_unavailable`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EvalUnavailable {
+    SlotsBusy,
+    Timeout,
+    Crashed,
+}
+
+impl EvalUnavailable {
+    pub fn code(self) -> &'static str {
+        match self {
+            EvalUnavailable::SlotsBusy => "eval_slots_busy",
+            EvalUnavailable::Timeout => "eval_timeout",
+            EvalUnavailable::Crashed => "eval_crashed",
+        }
+    }
+}
+
+/// Every way the engine refuses a request. A refusal has written nothing.
+#[derive(Debug, Clone)]
+pub enum Refusal {
+    NotFound(Missing),
+    /// The submitted `source` is not one berth may use.
+    InvalidSource(InvalidSource),
+    /// The configuration does not validate: its shape, the source's schema
+    /// or method, or the deployer's eval (`deployer_message`, its own words).
+    InvalidConfiguration {
+        /// Says which check failed; never contains a request value.
+        message: String,
+        fields: Vec<FieldError>,
+        deployer_message: Option<String>,
+    },
+    Conflict(Conflict),
+    QueueFull(QueueFull),
+    EvalUnavailable {
+        reason: EvalUnavailable,
+        /// Which call failed and how; never a request value.
+        message: &'static str,
+    },
+    /// The store failed; its class decides the answer (a full disk, ...).
+    Store(StoreError),
+    /// Something berth itself got wrong; the server log has the detail.
+    Internal,
+}
+
+impl From<StoreError> for Refusal {
+    fn from(e: StoreError) -> Self {
+        Refusal::Store(e)
+    }
+}
+
+impl Refusal {
+    pub fn invalid_configuration(message: impl Into<String>, field: FieldError) -> Refusal {
+        Refusal::InvalidConfiguration {
+            message: message.into(),
+            fields: vec![field],
+            deployer_message: None,
+        }
+    }
+
+    pub fn eval_unavailable(reason: EvalUnavailable, message: &'static str) -> Refusal {
+        Refusal::EvalUnavailable { reason, message }
+    }
+
+    /// A short form for logs.
+    pub fn describe(&self) -> String {
+        match self {
+            Refusal::InvalidConfiguration { message, .. } => message.clone(),
+            Refusal::EvalUnavailable { message, .. } => message.to_string(),
+            Refusal::Store(e) => e.to_string(),
+            other => format!("{other:?}"),
+        }
+    }
+}

@@ -1,0 +1,467 @@
+//! The changes a caller asks for: preview, submit, delete, cancel.
+//!
+//! Each validates what it can outside any transaction (shape, source,
+//! schema, eval), then runs one store write job that checks the lifecycle
+//! rules against the current records and, only if they hold, makes the
+//! change through `transition` and stores the caller's idempotency record
+//! (`Recorder`) in the same transaction. The job's body is a plain function
+//! of the transaction (`submit_tx`, ...), so tests drive the very same code
+//! against a real store.
+
+use std::sync::Arc;
+
+use serde_json::{json, Value};
+
+use super::deployer::EvalVerdict;
+use super::refusal::{
+    Conflict, EvalUnavailable, FieldError, InvalidSource, Missing, QueueFull, Refusal,
+};
+use super::transition::{Change, End, NewBuild};
+use super::{lock, origin_allowed, Engine};
+use crate::events::Hub;
+use crate::model::*;
+use crate::store::{PendingCallback, StoreError, StoreResult, Tx};
+
+/// Stores the caller's record of a mutation's outcome (its idempotent
+/// answer) in the mutation's own transaction.
+pub type Recorder<O> = Box<dyn FnOnce(&Tx, &O) -> StoreResult<()> + Send>;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    Replace,
+    Enqueue,
+}
+
+/// A parsed submit or preview body.
+pub struct SubmitInput {
+    /// The configuration exactly as submitted.
+    pub configuration_text: String,
+    pub configuration: Value,
+    pub source: Option<Source>,
+    pub mode: Mode,
+    pub keep_deployed_revision: bool,
+    pub update_policy: Option<UpdatePolicy>,
+}
+
+/// What a validated configuration resolved to.
+struct Validated {
+    source: Source,
+    method: String,
+    domain: Option<String>,
+    nodes: Option<Value>,
+}
+
+/// A submit that was stored: its queued build and the deployment after it.
+#[derive(Debug)]
+pub struct Submitted {
+    pub build: BuildRecord,
+    pub deployment: DeploymentSummary,
+}
+
+/// A delete that was stored: the queued destroy.
+#[derive(Debug)]
+pub struct DestroyQueued {
+    pub build_id: BuildId,
+}
+
+/// A cancel that was taken: the build as it is now (still running when the
+/// runner has yet to stop it).
+#[derive(Debug)]
+pub struct CancelTaken {
+    pub build: BuildView,
+    pub was_running: bool,
+}
+
+/// What a submit stores, after validation.
+pub struct SubmitRecord {
+    pub id: String,
+    pub snapshot: Snapshot,
+    pub method: String,
+    pub domain: Option<String>,
+    pub mode: Mode,
+    pub update_policy: Option<UpdatePolicy>,
+    pub max_queued: u32,
+}
+
+fn contains_nul(v: &Value) -> bool {
+    match v {
+        Value::String(s) => s.contains('\0'),
+        Value::Array(a) => a.iter().any(contains_nul),
+        Value::Object(m) => m.iter().any(|(k, v)| k.contains('\0') || contains_nul(v)),
+        _ => false,
+    }
+}
+
+impl Engine {
+    /// Resolves the source of a submit or preview (api.md "Source resolution").
+    fn resolve_source(
+        &self,
+        input: &SubmitInput,
+        existing: Option<&DeploymentRecord>,
+    ) -> Result<Source, Refusal> {
+        if let Some(source) = &input.source {
+            let policy = input
+                .update_policy
+                .as_ref()
+                .or(existing.map(|d| &d.update_policy));
+            if policy.is_some_and(|p| *p != UpdatePolicy::Manual) {
+                return Err(Refusal::Conflict(Conflict::PolicyNotManual));
+            }
+            if !Source::digest_is_valid(&source.digest) {
+                return Err(Refusal::InvalidSource(InvalidSource::DigestFormat));
+            }
+            let registered = self.store.read()?.source(&source.digest)?;
+            return match registered {
+                Some(r) if r == *source => Ok(r),
+                Some(_) => Err(Refusal::Conflict(Conflict::SourceImmutable)),
+                None if *source == self.default_source => Ok(source.clone()),
+                None if origin_allowed(&source.url, &self.settings.source_origin) => {
+                    Ok(source.clone())
+                }
+                None => Err(Refusal::InvalidSource(InvalidSource::OriginNotAllowed)),
+            };
+        }
+        if input.keep_deployed_revision {
+            if let Some(deployed) = existing.and_then(|d| d.deployed.as_ref()) {
+                return Ok(deployed.snapshot.source.clone());
+            }
+        }
+        Ok(self.default_source.clone())
+    }
+
+    /// Schema, method and eval checks shared by submit and preview.
+    async fn validate(
+        &self,
+        id: &str,
+        input: &SubmitInput,
+        existing: Option<&DeploymentRecord>,
+        suspended: bool,
+        eval_required: bool,
+    ) -> Result<Validated, Refusal> {
+        let shaped = crate::derive::shape(&input.configuration).map_err(|e| {
+            Refusal::invalid_configuration(
+                e.message,
+                FieldError::new(format!("/configuration{}", e.pointer), e.rule),
+            )
+        })?;
+        if contains_nul(&input.configuration) {
+            return Err(Refusal::invalid_configuration(
+                "the configuration contains the character U+0000",
+                FieldError::new("/configuration", "nul_character"),
+            ));
+        }
+        let domain = shaped.domain.map(str::to_string);
+        let source = self.resolve_source(input, existing)?;
+        let described = self.describe(&source).await?;
+        let method = described.method_of(&shaped);
+        if !described.methods.contains(&method) {
+            let pointer = match shaped.method {
+                Some(m) if input.configuration.get("deployment").is_some() => {
+                    format!(
+                        "/configuration/deployment/{}",
+                        crate::derive::pointer::escape(m)
+                    )
+                }
+                _ => "/configuration/method".to_string(),
+            };
+            return Err(Refusal::invalid_configuration(
+                "the configuration names a method the source does not give",
+                FieldError::new(pointer, "method"),
+            ));
+        }
+        let fields = described.schema_errors(&input.configuration);
+        if !fields.is_empty() {
+            return Err(Refusal::InvalidConfiguration {
+                message: "the configuration does not match the source's schema".into(),
+                fields,
+                deployer_message: None,
+            });
+        }
+        let request = json!({
+            "deployment": id,
+            "method": method,
+            "configuration": input.configuration,
+            "source": source,
+            "suspended": suspended,
+        });
+        let nodes = match self.eval(request).await? {
+            Some(EvalVerdict::Nodes(v)) => Some(v),
+            Some(EvalVerdict::Refused(message)) => {
+                return Err(Refusal::InvalidConfiguration {
+                    message: "the deployer's eval refused the configuration".into(),
+                    fields: vec![],
+                    deployer_message: Some(message),
+                })
+            }
+            None if eval_required => {
+                return Err(Refusal::eval_unavailable(
+                    EvalUnavailable::SlotsBusy,
+                    "every eval slot is busy",
+                ))
+            }
+            None => None,
+        };
+        Ok(Validated {
+            source,
+            method,
+            domain,
+            nodes,
+        })
+    }
+
+    /// Preview: the eval's nodes; stores nothing.
+    pub async fn preview(&self, id: &str, input: SubmitInput) -> Result<Value, Refusal> {
+        let existing = self.store.read()?.deployment(id)?;
+        let suspended = existing.as_ref().is_some_and(|d| d.suspended);
+        let v = self
+            .validate(id, &input, existing.as_ref(), suspended, true)
+            .await?;
+        Ok(v.nodes
+            .and_then(|n| n.get("nodes").cloned())
+            .unwrap_or(Value::Array(vec![])))
+    }
+
+    /// Submit: validate, then store the deployment and a queued deploy
+    /// build in one transaction.
+    pub async fn submit(
+        self: &Arc<Self>,
+        id: &str,
+        input: SubmitInput,
+        record: Option<Recorder<Submitted>>,
+    ) -> Result<Submitted, Refusal> {
+        let existing = self.store.read()?.deployment(id)?;
+        if existing.as_ref().is_some_and(|d| d.suspended) {
+            return Err(Refusal::Conflict(Conflict::Suspended));
+        }
+        let v = self
+            .validate(id, &input, existing.as_ref(), false, false)
+            .await?;
+        let submit = SubmitRecord {
+            id: id.to_string(),
+            snapshot: Snapshot {
+                configuration: input.configuration_text,
+                source: v.source,
+            },
+            method: v.method,
+            domain: v.domain,
+            mode: input.mode,
+            update_policy: input.update_policy,
+            max_queued: self.settings.max_queued_builds,
+        };
+        let hub = self.hub.clone();
+        let submitted = self
+            .store
+            .write(move |tx| submit_tx(tx, &hub, submit, record))
+            .await??;
+        self.wake_queue();
+        Ok(submitted)
+    }
+
+    /// Delete: queue a destroy behind whatever is queued.
+    pub async fn delete(
+        self: &Arc<Self>,
+        id: &str,
+        callback: Option<String>,
+        record: Option<Recorder<DestroyQueued>>,
+    ) -> Result<DestroyQueued, Refusal> {
+        let id = id.to_string();
+        let max_queued = self.settings.max_queued_builds;
+        let hub = self.hub.clone();
+        let queued = self
+            .store
+            .write(move |tx| delete_tx(tx, &hub, &id, callback, max_queued, record))
+            .await??;
+        self.wake_queue();
+        Ok(queued)
+    }
+
+    /// Cancel: a queued build ends at once, a running one is stopped by its
+    /// runner (SIGTERM, grace, SIGKILL).
+    pub async fn cancel(
+        self: &Arc<Self>,
+        build_id: BuildId,
+        record: Option<Recorder<CancelTaken>>,
+    ) -> Result<CancelTaken, Refusal> {
+        let hub = self.hub.clone();
+        let taken = self
+            .store
+            .write(move |tx| cancel_tx(tx, &hub, build_id, record))
+            .await??;
+        if taken.was_running {
+            if let Some(cancel) = lock(&self.cancels).get(&build_id) {
+                let _ = cancel.send(true);
+            }
+        }
+        Ok(taken)
+    }
+}
+
+/// The submit's write job: checks the rules against the current records,
+/// then stores the deployment and its queued build.
+pub fn submit_tx(
+    tx: &Tx,
+    hub: &Arc<Hub>,
+    s: SubmitRecord,
+    record: Option<Recorder<Submitted>>,
+) -> StoreResult<Result<Submitted, Refusal>> {
+    let change = Change::new(tx, hub);
+    let existing = tx.deployment(&s.id)?;
+    if let Some(d) = &existing {
+        if d.suspended {
+            return Ok(Err(Refusal::Conflict(Conflict::Suspended)));
+        }
+        if s.mode == Mode::Replace && d.running.is_some() {
+            return Ok(Err(Refusal::QueueFull(QueueFull::BuildRunning)));
+        }
+        if let Err(refusal) = check_queue_room(d, s.max_queued) {
+            return Ok(Err(refusal));
+        }
+    }
+    if let Some(registered) = tx.source(&s.snapshot.source.digest)? {
+        if registered != s.snapshot.source {
+            return Ok(Err(Refusal::Conflict(Conflict::SourceImmutable)));
+        }
+    }
+    let now = change.now();
+    let mut d = existing.unwrap_or_else(|| DeploymentRecord {
+        id: s.id.clone(),
+        revision: 0,
+        suspended: false,
+        method: s.method.clone(),
+        domain: None,
+        snapshot: s.snapshot.clone(),
+        update_policy: UpdatePolicy::Manual,
+        deployed: None,
+        last_build: None,
+        last_finished: None,
+        pending_deploys: 0,
+        pending_destroys: 0,
+        running: None,
+        event_seq: 0,
+        created_at: now,
+        updated_at: now,
+    });
+    tx.put_source(&s.snapshot.source)?;
+    d.snapshot = s.snapshot.clone();
+    d.method = s.method.clone();
+    d.domain = s.domain;
+    if let Some(p) = s.update_policy {
+        d.update_policy = p;
+    }
+    let build = change.enqueue(
+        &mut d,
+        NewBuild {
+            kind: BuildKind::Deploy,
+            trigger: Trigger::Submit,
+            suspended: false,
+            method: s.method,
+            snapshot: s.snapshot,
+        },
+    )?;
+    let submitted = Submitted {
+        deployment: d.summary(Some(&build)),
+        build,
+    };
+    if let Some(record) = record {
+        record(tx, &submitted)?;
+    }
+    Ok(Ok(submitted))
+}
+
+/// The delete's write job: a destroy of what is deployed (or of the last
+/// submit when nothing is), with its callback stored unarmed.
+pub fn delete_tx(
+    tx: &Tx,
+    hub: &Arc<Hub>,
+    id: &str,
+    callback: Option<String>,
+    max_queued: u32,
+    record: Option<Recorder<DestroyQueued>>,
+) -> StoreResult<Result<DestroyQueued, Refusal>> {
+    let change = Change::new(tx, hub);
+    let Some(mut d) = tx.deployment(id)? else {
+        return Ok(Err(Refusal::NotFound(Missing::Deployment)));
+    };
+    if let Err(refusal) = check_queue_room(&d, max_queued) {
+        return Ok(Err(refusal));
+    }
+    let (snapshot, method) = match &d.deployed {
+        Some(dep) => (dep.snapshot.clone(), dep.method.clone()),
+        None => (d.snapshot.clone(), d.method.clone()),
+    };
+    let suspended = d.suspended;
+    let build = change.enqueue(
+        &mut d,
+        NewBuild {
+            kind: BuildKind::Destroy,
+            trigger: Trigger::Delete,
+            suspended,
+            method,
+            snapshot,
+        },
+    )?;
+    if let Some(url) = callback {
+        let now = change.now();
+        let pending = PendingCallback {
+            url,
+            deployment: id.to_string(),
+            armed: false,
+            attempts: 0,
+            next_at: now,
+            first_at: now,
+        };
+        tx.put_callback(build.id, &pending)?;
+    }
+    let queued = DestroyQueued { build_id: build.id };
+    if let Some(record) = record {
+        record(tx, &queued)?;
+    }
+    Ok(Ok(queued))
+}
+
+/// The cancel's write job: a queued build is cancelled here; a running one
+/// is left to its runner (the caller signals it after the commit).
+pub fn cancel_tx(
+    tx: &Tx,
+    hub: &Arc<Hub>,
+    build_id: BuildId,
+    record: Option<Recorder<CancelTaken>>,
+) -> StoreResult<Result<CancelTaken, Refusal>> {
+    let Some(mut b) = tx.build(build_id)? else {
+        return Ok(Err(Refusal::NotFound(Missing::Build)));
+    };
+    let was_running = match b.status {
+        s if s.is_finished() => return Ok(Err(Refusal::Conflict(Conflict::BuildFinished))),
+        BuildStatus::Running => true,
+        _ => {
+            let mut d = tx
+                .deployment(&b.deployment)?
+                .ok_or_else(|| StoreError::corrupt("a build without its deployment"))?;
+            Change::new(tx, hub).finish(
+                Some(&mut d),
+                &mut b,
+                End::cancelled("cancelled while queued"),
+            )?;
+            false
+        }
+    };
+    let snaps = tx
+        .build_snapshots(build_id)?
+        .ok_or_else(|| StoreError::corrupt("a build without its snapshots"))?;
+    let taken = CancelTaken {
+        build: b.view(&snaps),
+        was_running,
+    };
+    if let Some(record) = record {
+        record(tx, &taken)?;
+    }
+    Ok(Ok(taken))
+}
+
+fn check_queue_room(d: &DeploymentRecord, max_queued: u32) -> Result<(), Refusal> {
+    let queued = d.pending_deploys + d.pending_destroys - u32::from(d.running.is_some());
+    if queued >= max_queued {
+        return Err(Refusal::QueueFull(QueueFull::QueueLimit));
+    }
+    Ok(())
+}

@@ -1,0 +1,305 @@
+//! The one place that changes the state of a build or a deployment.
+//!
+//! Every status change of a build (queued, running, and the final one) and
+//! every change of a deployment record goes through a `Change`, inside the
+//! store transaction of the request or the runner that causes it. A change:
+//!
+//! - refuses an illegal step (anything out of a final status, running ->
+//!   queued, ...): an assertion in debug builds, an error in release, so a
+//!   bug aborts the transaction instead of storing nonsense;
+//! - bumps the deployment's `revision` and `updated_at` (the `ETag`);
+//! - writes the build's `status` event and the deployment channel's
+//!   `build` and `deployment` events in the same transaction (published
+//!   after the commit by `events`);
+//! - stores both records itself, last, so no caller can forget one or store
+//!   it before its events are numbered.
+//!
+//! Callers check the domain rules first (a refusal writes nothing) and set
+//! what is theirs to set (the configuration of a submit, a build's log
+//! counters); the lifecycle bookkeeping (pending counters, `running`,
+//! `last_finished`, `deployed`, a destroy's callback) is done here. This is
+//! the hook where later changes (audit events, SBOMs) join the transaction.
+
+use std::sync::Arc;
+
+use crate::events::{self, Hub, SEQ_BLOCK};
+use crate::model::*;
+use crate::store::{StoreError, StoreResult, Tx};
+
+/// A build status change that the lifecycle does not allow.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Illegal {
+    pub from: Option<BuildStatus>,
+    pub to: BuildStatus,
+}
+
+/// lifecycle.md: a build is created queued; a queued build starts or is
+/// cancelled; a running build ends succeeded, failed or cancelled. A final
+/// status is final.
+pub fn check(from: Option<BuildStatus>, to: BuildStatus) -> Result<(), Illegal> {
+    use BuildStatus::*;
+    let legal = matches!(
+        (from, to),
+        (None, Queued)
+            | (Some(Queued), Running | Cancelled)
+            | (Some(Running), Succeeded | Failed | Cancelled)
+    );
+    if legal {
+        Ok(())
+    } else {
+        Err(Illegal { from, to })
+    }
+}
+
+/// Asserts in debug builds; aborts the transaction in release builds.
+fn guard(from: Option<BuildStatus>, to: BuildStatus) -> StoreResult<()> {
+    check(from, to).map_err(|illegal| {
+        debug_assert!(false, "illegal build status change: {illegal:?}");
+        StoreError::other(format!("illegal build status change: {illegal:?}"))
+    })
+}
+
+/// How a build ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct End {
+    pub status: BuildStatus,
+    pub failure: Option<Failure>,
+    pub exit_code: Option<i32>,
+}
+
+impl End {
+    pub fn failed(reason: &str, detail: &str) -> End {
+        End {
+            status: BuildStatus::Failed,
+            failure: Some(Failure {
+                reason: reason.into(),
+                detail: detail.into(),
+            }),
+            exit_code: None,
+        }
+    }
+
+    pub fn cancelled(detail: &str) -> End {
+        End {
+            status: BuildStatus::Cancelled,
+            failure: Some(Failure {
+                reason: "cancelled".into(),
+                detail: detail.into(),
+            }),
+            exit_code: None,
+        }
+    }
+}
+
+/// A new build before it is queued.
+pub struct NewBuild {
+    pub kind: BuildKind,
+    pub trigger: Trigger,
+    pub suspended: bool,
+    pub method: String,
+    pub snapshot: Snapshot,
+}
+
+/// One transaction's changes of state, all at the same instant.
+pub struct Change<'t, 'a> {
+    tx: &'t Tx<'a>,
+    hub: &'t Arc<Hub>,
+    now: Millis,
+}
+
+impl<'t, 'a> Change<'t, 'a> {
+    pub fn new(tx: &'t Tx<'a>, hub: &'t Arc<Hub>) -> Self {
+        Change {
+            tx,
+            hub,
+            now: now_millis(),
+        }
+    }
+
+    pub fn now(&self) -> Millis {
+        self.now
+    }
+
+    /// Queues a new build of `d`: counted as pending, the deployment's last
+    /// build. Stores the build, its snapshot and the deployment.
+    pub fn enqueue(&self, d: &mut DeploymentRecord, new: NewBuild) -> StoreResult<BuildRecord> {
+        guard(None, BuildStatus::Queued)?;
+        let mut b = BuildRecord {
+            id: new_build_id(),
+            deployment: d.id.clone(),
+            kind: new.kind,
+            trigger: new.trigger,
+            status: BuildStatus::Queued,
+            suspended: new.suspended,
+            method: new.method,
+            created_at: self.now,
+            started_at: None,
+            finished_at: None,
+            exit_code: None,
+            failure: None,
+            job: None,
+            log_bytes: 0,
+            log_lines: 0,
+            log_chunks: 0,
+            event_seq: 0,
+            seq_reserved: 0,
+            log_first_seq: 0,
+        };
+        match b.kind {
+            BuildKind::Deploy => d.pending_deploys += 1,
+            BuildKind::Destroy => d.pending_destroys += 1,
+        }
+        d.last_build = Some(b.id);
+        self.tx.put_build_snapshots(
+            b.id,
+            &BuildSnapshots {
+                snapshot: new.snapshot,
+                previous: None,
+            },
+        )?;
+        self.store_both(d, &mut b)?;
+        Ok(b)
+    }
+
+    /// Queued -> running: the deployment's running build; log seqs are
+    /// reserved ahead from here. Records what the deployment ran before,
+    /// for the deployer, in the build's snapshots, and returns them.
+    pub fn start(
+        &self,
+        d: &mut DeploymentRecord,
+        b: &mut BuildRecord,
+    ) -> StoreResult<BuildSnapshots> {
+        guard(Some(b.status), BuildStatus::Running)?;
+        debug_assert!(d.running.is_none(), "a deployment runs two builds at once");
+        let mut snaps = self
+            .tx
+            .build_snapshots(b.id)?
+            .ok_or_else(|| StoreError::corrupt("a build without its snapshots"))?;
+        snaps.previous = d.deployed.as_ref().map(|x| x.snapshot.clone());
+        self.tx.put_build_snapshots(b.id, &snaps)?;
+        b.status = BuildStatus::Running;
+        b.started_at = Some(self.now);
+        d.running = Some(b.id);
+        // The status event takes the next seq; log lines follow it.
+        self.store_both_with(d, b, |b| {
+            b.log_first_seq = b.event_seq + 1;
+            b.seq_reserved = b.event_seq + SEQ_BLOCK;
+        })?;
+        Ok(snaps)
+    }
+
+    /// Queued or running -> a final status. The deployment no longer counts
+    /// the build as pending; a build that ran is its last finished one; a
+    /// successful deploy becomes what is deployed, a
+    /// successful destroy clears it (and the suspended flag). A destroy's
+    /// callback is armed when it succeeded and dropped otherwise.
+    /// `d` is `None` only for a build whose deployment record is gone.
+    pub fn finish(
+        &self,
+        d: Option<&mut DeploymentRecord>,
+        b: &mut BuildRecord,
+        end: End,
+    ) -> StoreResult<()> {
+        guard(Some(b.status), end.status)?;
+        // lifecycle.md: a build cancelled while queued never ran, and the
+        // deployment's state ignores it.
+        let ran = b.status == BuildStatus::Running;
+        let status = end.status;
+        b.status = status;
+        b.finished_at = Some(self.now);
+        b.failure = end.failure;
+        b.exit_code = end.exit_code;
+        match d {
+            Some(d) => {
+                let counter = match b.kind {
+                    BuildKind::Deploy => &mut d.pending_deploys,
+                    BuildKind::Destroy => &mut d.pending_destroys,
+                };
+                debug_assert!(*counter > 0, "pending counter underflow");
+                *counter = counter.saturating_sub(1);
+                if d.running == Some(b.id) {
+                    d.running = None;
+                }
+                if ran {
+                    d.last_finished = Some(LastFinished {
+                        build_id: b.id,
+                        kind: b.kind,
+                        status,
+                    });
+                }
+                match (b.kind, status) {
+                    (BuildKind::Deploy, BuildStatus::Succeeded) => {
+                        let snapshot = self
+                            .tx
+                            .build_snapshots(b.id)?
+                            .ok_or_else(|| StoreError::corrupt("a build without its snapshots"))?
+                            .snapshot;
+                        d.deployed = Some(Deployed {
+                            build_id: b.id,
+                            snapshot,
+                            method: b.method.clone(),
+                            finished_at: self.now,
+                        });
+                    }
+                    (BuildKind::Destroy, BuildStatus::Succeeded) => {
+                        d.deployed = None;
+                        d.suspended = false;
+                    }
+                    _ => {}
+                }
+                self.store_both(d, b)?;
+            }
+            None => {
+                events::build_status(self.tx, self.hub, b, self.now)?;
+                self.tx.put_build(b)?;
+            }
+        }
+        if b.kind == BuildKind::Destroy {
+            match (status, self.tx.callback(b.id)?) {
+                (BuildStatus::Succeeded, Some(mut c)) => {
+                    c.armed = true;
+                    c.next_at = self.now;
+                    c.first_at = self.now;
+                    self.tx.put_callback(b.id, &c)?;
+                }
+                (_, Some(_)) => self.tx.remove_callback(b.id)?,
+                (_, None) => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// The build's status event, then the deployment's events and revision,
+    /// then both records.
+    fn store_both(&self, d: &mut DeploymentRecord, b: &mut BuildRecord) -> StoreResult<()> {
+        self.store_both_with(d, b, |_| {})
+    }
+
+    /// As `store_both`; `after_event` sets what depends on the status
+    /// event's seq before the build is stored.
+    fn store_both_with(
+        &self,
+        d: &mut DeploymentRecord,
+        b: &mut BuildRecord,
+        after_event: impl FnOnce(&mut BuildRecord),
+    ) -> StoreResult<()> {
+        debug_assert_eq!(
+            d.id, b.deployment,
+            "a build changed with another deployment"
+        );
+        events::build_status(self.tx, self.hub, b, self.now)?;
+        after_event(b);
+        self.bump(d);
+        events::deployment_changed(self.tx, self.hub, d, Some(b), self.now)?;
+        self.tx.put_build(b)?;
+        self.tx.put_deployment(d)
+    }
+
+    fn bump(&self, d: &mut DeploymentRecord) {
+        d.revision += 1;
+        d.updated_at = self.now.max(d.updated_at);
+    }
+}
+
+#[cfg(test)]
+mod tests;
