@@ -11,7 +11,9 @@ use nix::sys::signal::Signal;
 
 use super::transition::{Change, End};
 use super::{runner, Engine};
+use crate::events::Hub;
 use crate::model::*;
+use crate::store::{StoreResult, Tx};
 
 /// How often an orphaned process group is checked while it is stopping.
 const ORPHAN_POLL: Duration = Duration::from_millis(100);
@@ -24,23 +26,7 @@ impl Engine {
             let hub = self.hub.clone();
             let orphan = self
                 .store
-                .write(move |tx| {
-                    let Some(mut b) = tx.build(build_id)? else {
-                        return Ok(None);
-                    };
-                    // Lines up to the reservation may have been sent live.
-                    b.event_seq = b.event_seq.max(b.seq_reserved);
-                    let mut d = tx.deployment(&b.deployment)?;
-                    Change::new(tx, &hub).finish(
-                        d.as_mut(),
-                        &mut b,
-                        End::failed(
-                            "interrupted_by_restart",
-                            "berth stopped while this build ran",
-                        ),
-                    )?;
-                    Ok(b.job)
-                })
+                .write(move |tx| recover_tx(tx, &hub, build_id))
                 .await?;
             tracing::warn!(build = %format_build_id(build_id), %deployment, "build interrupted by restart: marked failed");
             if let Some(job) = orphan.filter(runner::is_same_process) {
@@ -55,6 +41,26 @@ impl Engine {
         }
         Ok(())
     }
+}
+
+/// A build found `running` at start failed with `interrupted_by_restart`;
+/// returns its job, to stop the deployer if it outlived berth.
+pub fn recover_tx(tx: &Tx, hub: &Arc<Hub>, build_id: BuildId) -> StoreResult<Option<Job>> {
+    let Some(mut b) = tx.build(build_id)? else {
+        return Ok(None);
+    };
+    // Lines up to the reservation may have been sent live.
+    b.event_seq = b.event_seq.max(b.seq_reserved);
+    let mut d = tx.deployment(&b.deployment)?;
+    Change::new(tx, hub).finish(
+        d.as_mut(),
+        &mut b,
+        End::failed(
+            "interrupted_by_restart",
+            "berth stopped while this build ran",
+        ),
+    )?;
+    Ok(b.job)
 }
 
 /// SIGTERM to the orphan's group, SIGKILL after `grace`, and wait until the

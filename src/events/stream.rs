@@ -637,3 +637,102 @@ async fn deployment_stream(
         subscription = again;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::*;
+    use crate::store::StoredEvent;
+    use futures_util::StreamExt;
+
+    fn build(id: BuildId) -> BuildRecord {
+        BuildRecord {
+            id,
+            deployment: "d".into(),
+            kind: BuildKind::Deploy,
+            trigger: Trigger::Submit,
+            status: BuildStatus::Running,
+            suspended: false,
+            method: "m".into(),
+            created_at: 1,
+            started_at: Some(2),
+            finished_at: None,
+            exit_code: None,
+            failure: None,
+            job: None,
+            log_bytes: 10,
+            log_lines: 2,
+            log_chunks: 1,
+            event_seq: 3,
+            seq_reserved: 3,
+            log_first_seq: 2,
+        }
+    }
+
+    /// A log chunk that does not decompress is a store failure in the
+    /// middle of a replay: the stream must end (the client resumes with
+    /// `Last-Event-ID`), never skip the chunk and go live with a gap.
+    #[tokio::test]
+    async fn a_store_failure_during_replay_ends_the_stream() {
+        let dir = std::env::temp_dir().join(format!("berth-replay-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let store = Store::open(&dir.join("berth.redb")).unwrap();
+        let id = new_build_id();
+        store
+            .write(move |tx| {
+                tx.put_build(&build(id))?;
+                tx.put_build_event(
+                    id,
+                    1,
+                    &StoredEvent {
+                        event: "status".into(),
+                        data: r#"{"status":"running"}"#.into(),
+                        at: 2,
+                    },
+                )?;
+                tx.put_log_chunk(id, 0, 0, b"these bytes are not zstd")
+            })
+            .await
+            .unwrap();
+        let hub = Arc::new(Hub::default());
+        let (_stop, stopping) = tokio::sync::watch::channel(false);
+        let sources = Sources {
+            store,
+            hub: hub.clone(),
+            stopping,
+        };
+        let slot = ClientSlot::take(&hub, 10).unwrap();
+        let mut body = spawn(
+            sources,
+            Channel::Build(id),
+            None,
+            Box::new(|| true),
+            slot,
+            None,
+        );
+        let mut seen = Vec::new();
+        let ended = tokio::time::timeout(Duration::from_secs(5), async {
+            while let Some(Ok(bytes)) = body.next().await {
+                seen.extend_from_slice(&bytes);
+            }
+        })
+        .await;
+        let text = String::from_utf8_lossy(&seen);
+        assert!(
+            ended.is_ok(),
+            "the stream went on after the failed read: {text}"
+        );
+        // Nothing after the unreadable chunk was sent, and no `end`.
+        assert_eq!(text, "retry: 2000\n\n");
+        // The producer frees its slot as it ends (just after the body's end).
+        let freed = tokio::time::timeout(Duration::from_secs(5), async {
+            while hub.clients.load(Ordering::SeqCst) != 0 {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+        .await;
+        assert!(freed.is_ok(), "the stream's slot was not freed");
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}
