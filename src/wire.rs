@@ -494,4 +494,119 @@ mod tests {
     fn chunks_are_http_1_1_chunks() {
         assert_eq!(&chunk(b"hello, world")[..], b"c\r\nhello, world\r\n");
     }
+
+    /// A streaming body as an SSE stream's: one replayed frame through
+    /// hyper, then the socket handed to a writer outside hyper (as the
+    /// fan-out), then given back and one more frame through hyper.
+    struct HandOverBody {
+        wire: Arc<Wire>,
+        step: u8,
+    }
+
+    impl hyper::body::Body for HandOverBody {
+        type Data = Bytes;
+        type Error = std::convert::Infallible;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<hyper::body::Frame<Bytes>, Self::Error>>> {
+            let data =
+                |s: &'static str| Poll::Ready(Some(Ok(hyper::body::Frame::data(Bytes::from(s)))));
+            match self.step {
+                0 => {
+                    self.step = 1;
+                    data("replayed;")
+                }
+                1 => {
+                    // Written by the "fan-out" at hyper's next flush, which
+                    // hyper makes when the body has nothing to give.
+                    self.wire.ask(
+                        Box::new(|wire| {
+                            for line in ["live-1;", "live-2;"] {
+                                wire.write_chunk(&chunk(line.as_bytes())).unwrap();
+                            }
+                            wire.give_back(Return::Ended);
+                        }),
+                        cx.waker(),
+                    );
+                    self.step = 2;
+                    Poll::Pending
+                }
+                2 => match self.wire.poll_returned(cx) {
+                    Poll::Pending => Poll::Pending,
+                    Poll::Ready(why) => {
+                        assert_eq!(why, Some(Return::Ended), "hyper held the socket");
+                        self.step = 3;
+                        data("after;")
+                    }
+                },
+                _ => Poll::Ready(None),
+            }
+        }
+    }
+
+    /// The behaviour the hand-over relies on, checked against the hyper
+    /// that is built (Cargo.toml pins it): hyper flushes its buffer, with
+    /// `poll_flush`, when a chunked body is pending, and writes nothing of
+    /// the response between that flush and the body's next frame. A hyper
+    /// that buffered the first chunk past the flush, or wrote a chunk
+    /// header early, breaks the order or the framing this test reads.
+    #[tokio::test]
+    async fn a_real_hyper_connection_hands_its_socket_over_and_back() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = tokio::spawn(async move {
+            let (served, _) = listener.accept().await.unwrap();
+            let conn = Conn::new(served);
+            let wire = conn.handle();
+            let service = hyper::service::service_fn(move |_req| {
+                let body = HandOverBody {
+                    wire: wire.clone(),
+                    step: 0,
+                };
+                async move { Ok::<_, std::convert::Infallible>(hyper::Response::new(body)) }
+            });
+            hyper::server::conn::http1::Builder::new()
+                .serve_connection(hyper_util::rt::TokioIo::new(conn), service)
+                .await
+        });
+        let mut client = TcpStream::connect(addr).await.unwrap();
+        client
+            .write_all(b"GET /stream HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+            .await
+            .unwrap();
+        let mut raw = Vec::new();
+        tokio::time::timeout(
+            std::time::Duration::from_secs(10),
+            client.read_to_end(&mut raw),
+        )
+        .await
+        .expect("the response ended")
+        .unwrap();
+        server.await.unwrap().unwrap();
+        let text = String::from_utf8(raw).unwrap();
+        let (head, body) = text.split_once("\r\n\r\n").expect("a head");
+        assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+        assert!(
+            head.to_ascii_lowercase()
+                .contains("transfer-encoding: chunked"),
+            "{head}"
+        );
+        // De-chunk: every chunk well framed, in order, then the last chunk.
+        let mut rest = body;
+        let mut got = String::new();
+        loop {
+            let (size, after) = rest.split_once("\r\n").expect("a chunk size line");
+            let size = usize::from_str_radix(size, 16).expect("a hex chunk size");
+            if size == 0 {
+                assert_eq!(after, "\r\n", "bytes after the last chunk");
+                break;
+            }
+            got.push_str(&after[..size]);
+            assert_eq!(&after[size..size + 2], "\r\n", "a chunk without its CRLF");
+            rest = &after[size + 2..];
+        }
+        assert_eq!(got, "replayed;live-1;live-2;after;");
+    }
 }

@@ -2,9 +2,10 @@
 //! map errors.
 //!
 //! One warp filter takes every request; `dispatch` matches it against
-//! `ROUTES` (the same table `GET /v1/openapi.json` is checked against), so
-//! unknown routes get 404, wrong methods 405 with `Allow`, and every error
-//! carries the request id, all in one place.
+//! `routes::ROUTES` (the same table `GET /v1/openapi.json` is checked
+//! against), so unknown routes get 404, wrong methods 405 with `Allow`, and
+//! every error carries the request id, all in one place; `routes::call`
+//! authenticates by the route's access class and runs its handler.
 
 pub mod auth;
 pub mod builds;
@@ -15,6 +16,9 @@ pub mod errors;
 pub mod events;
 pub mod idempotency;
 pub mod ops;
+pub mod routes;
+
+pub use routes::ROUTES;
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -35,29 +39,6 @@ pub const MAX_HEADER_BYTES: usize = 16 * 1024;
 pub const MAX_JSON_DEPTH: usize = 64;
 /// Times a GET that raced a store reopen is run again.
 const READ_RETRIES: u32 = 5;
-
-/// Every route berth serves: (method, template). `{x}` matches one segment.
-pub const ROUTES: &[(&str, &str)] = &[
-    ("GET", "/healthz"),
-    ("GET", "/readyz"),
-    ("GET", "/metrics"),
-    ("GET", "/v1/openapi.json"),
-    ("GET", "/v1/deployments"),
-    ("GET", "/v1/deployments/{id}"),
-    ("DELETE", "/v1/deployments/{id}"),
-    ("POST", "/v1/deployments/{id}/submit"),
-    ("POST", "/v1/deployments/{id}/preview"),
-    ("GET", "/v1/deployments/{id}/builds"),
-    ("GET", "/v1/builds/{build}"),
-    ("GET", "/v1/builds/{build}/log"),
-    ("POST", "/v1/builds/{build}/cancel"),
-    ("GET", "/v1/deployments/{id}/events"),
-    ("GET", "/v1/builds/{build}/events"),
-    ("POST", "/v1/stream-tickets"),
-    ("POST", "/v1/derive/instances"),
-    ("POST", "/v1/derive/applications"),
-    ("POST", "/v1/derive/sections"),
-];
 
 /// A response before it becomes HTTP: what the idempotency store keeps.
 #[derive(Debug, Clone)]
@@ -275,16 +256,16 @@ where
         .collect();
     let mut allowed = Vec::new();
     let mut found = None;
-    for (m, template) in ROUTES {
-        if let Some(params) = match_template(template, &segments) {
-            if *m == method.as_str() {
-                found = Some((*template, params));
+    for r in ROUTES {
+        if let Some(params) = routes::match_template(r.template, &segments) {
+            if r.method == method.as_str() {
+                found = Some((r, params));
             } else {
-                allowed.push(*m);
+                allowed.push(r.method);
             }
         }
     }
-    let Some((route, params)) = found else {
+    let Some((matched, params)) = found else {
         if allowed.is_empty() {
             return Err(("unknown", ApiError::new(Code::NotFound, "no such route")));
         }
@@ -295,6 +276,7 @@ where
         e.allow = Some(allowed.join(", "));
         return Err(("unknown", e));
     };
+    let route = matched.template;
     let fail = |e: ApiError| Err((route, e));
     let header_bytes: usize = headers
         .iter()
@@ -352,7 +334,7 @@ where
     // A read that raced a store reopen (after an I/O error) runs again.
     let mut attempts = 0;
     loop {
-        match route_to_handler(ctx, &req).await {
+        match routes::call(ctx, matched, &req).await {
             Ok(r) => return Ok((route, r)),
             Err(e) if e.retry_read && req.method == Method::GET && attempts < READ_RETRIES => {
                 attempts += 1;
@@ -389,79 +371,6 @@ where
         }
     }
     Ok(out.freeze())
-}
-
-fn match_template(
-    template: &'static str,
-    segments: &[String],
-) -> Option<HashMap<&'static str, String>> {
-    let parts: Vec<&'static str> = template.trim_start_matches('/').split('/').collect();
-    if parts.len() != segments.len() {
-        return None;
-    }
-    let mut params = HashMap::new();
-    for (part, seg) in parts.iter().zip(segments) {
-        if let Some(name) = part.strip_prefix('{').and_then(|p| p.strip_suffix('}')) {
-            if seg.is_empty() {
-                return None;
-            }
-            params.insert(name, seg.clone());
-        } else if part != seg {
-            return None;
-        }
-    }
-    Some(params)
-}
-
-async fn route_to_handler(ctx: &Arc<Ctx>, req: &Request) -> Result<Answer, ApiError> {
-    match (req.method.as_str(), req.route) {
-        ("GET", "/v1/builds/{build}/events") => events::build_events(ctx, req).map(Answer::Stream),
-        ("GET", "/v1/deployments/{id}/events") => {
-            events::deployment_events(ctx, req).map(Answer::Stream)
-        }
-        _ => route_reply(ctx, req).await.map(Answer::Reply),
-    }
-}
-
-async fn route_reply(ctx: &Arc<Ctx>, req: &Request) -> Result<Reply, ApiError> {
-    match (req.method.as_str(), req.route) {
-        ("GET", "/healthz") => Ok(ops::healthz()),
-        ("GET", "/readyz") => Ok(ops::readyz(ctx)),
-        ("GET", "/metrics") => ops::metrics(ctx, req),
-        ("GET", "/v1/openapi.json") => Ok(ops::openapi()),
-        ("POST", "/v1/derive/instances") => derive::instances(ctx, req).await,
-        ("POST", "/v1/derive/applications") => derive::applications(req),
-        ("POST", "/v1/derive/sections") => derive::sections(ctx, req).await,
-        _ => {
-            let caller = auth::authenticate(ctx, req)?;
-            if !ctx.engine.ready.load(std::sync::atomic::Ordering::SeqCst) {
-                return Err(
-                    ApiError::new(Code::Unavailable, "the store is not ready yet").retry_after(1),
-                );
-            }
-            match (req.method.as_str(), req.route) {
-                ("GET", "/v1/deployments") => deployments::list(ctx, req, &caller).await,
-                ("GET", "/v1/deployments/{id}") => deployments::read(ctx, req).await,
-                ("POST", "/v1/deployments/{id}/preview") => deployments::preview(ctx, req).await,
-                ("POST", "/v1/deployments/{id}/submit") => {
-                    idempotency::mutation(ctx, req, &caller, |w| deployments::submit(ctx, req, w))
-                        .await
-                }
-                ("DELETE", "/v1/deployments/{id}") => {
-                    idempotency::mutation(ctx, req, &caller, |w| deployments::delete(ctx, req, w))
-                        .await
-                }
-                ("GET", "/v1/deployments/{id}/builds") => builds::list(ctx, req, &caller),
-                ("GET", "/v1/builds/{build}") => builds::read(ctx, req),
-                ("GET", "/v1/builds/{build}/log") => builds::log(ctx, req).await,
-                ("POST", "/v1/stream-tickets") => events::ticket(ctx, req, &caller),
-                ("POST", "/v1/builds/{build}/cancel") => {
-                    idempotency::mutation(ctx, req, &caller, |w| builds::cancel(ctx, req, w)).await
-                }
-                _ => Err(ApiError::internal()),
-            }
-        }
-    }
 }
 
 fn into_http(reply: Reply, request_id: &str) -> warp::reply::Response {
@@ -540,24 +449,6 @@ fn depth(v: &serde_json::Value) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn templates_match_segments() {
-        let segs = |p: &str| {
-            p.trim_start_matches('/')
-                .split('/')
-                .map(str::to_string)
-                .collect::<Vec<_>>()
-        };
-        let m = match_template(
-            "/v1/deployments/{id}/submit",
-            &segs("/v1/deployments/alice/submit"),
-        )
-        .unwrap();
-        assert_eq!(m["id"], "alice");
-        assert!(match_template("/v1/deployments/{id}", &segs("/v1/deployments/")).is_none());
-        assert!(match_template("/v1/deployments", &segs("/v1/deployments/x")).is_none());
-    }
 
     #[test]
     fn json_object_errors_never_echo_the_body() {

@@ -22,7 +22,7 @@ async fn openapi_lists_exactly_the_routes_and_each_answers() {
     documented.sort();
     let mut served: Vec<(String, String)> = berth::api::ROUTES
         .iter()
-        .map(|(m, p)| (m.to_string(), p.to_string()))
+        .map(|r| (r.method.to_string(), r.template.to_string()))
         .collect();
     served.sort();
     assert_eq!(documented, served);
