@@ -20,6 +20,15 @@
 //! Closing lingers (`LINGER`): after its last answer a connection keeps
 //! reading and dropping what the client still sends, so that an early
 //! answer (a 413 before the body was read) is not lost to a reset.
+//!
+//! What the hand-over rules out in-process: TLS (the fan-out writes plain
+//! bytes to the TCP socket), HTTP/2 (one stream per socket is assumed), and
+//! compression of streams (chunks are written as encoded). Put a proxy in
+//! front for those, with `text/event-stream` unbuffered.
+//!
+//! One file over 600 lines on purpose: the I/O object hyper drives, the
+//! socket state the fan-out shares, and the tests on real sockets (and a
+//! real hyper connection) that pin their interplay are read together.
 
 use std::collections::VecDeque;
 use std::future::Future;

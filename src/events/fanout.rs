@@ -20,7 +20,7 @@ use std::sync::{Arc, Condvar, Mutex, OnceLock};
 
 use bytes::Bytes;
 
-use super::stream::gather_live;
+use super::frame::gather_live;
 use super::{Batch, Subscription};
 use crate::wire::{self, Return, Stopped, Wire};
 

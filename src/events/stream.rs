@@ -7,27 +7,24 @@
 //! socket through the fan-out thread (`super::fanout`). When the client goes
 //! away the channel closes and the task ends at once, freeing its slot.
 
-use std::convert::Infallible;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
-use super::fanout::FanOut;
-use super::{Batch, Channel, Frame, Hub, Lagged, Subscription};
+use super::body::{Control, SseBody, MAX_WRITE};
+use super::frame::{end_text, resync, Gather};
+use super::{Channel, Frame, Hub, Subscription};
 use crate::model::BuildId;
 use crate::store::{logs, Store, StoreError};
-use crate::wire::{Return, Stopped, Wire};
+use crate::wire::Wire;
 
 /// Silence after which a `: keep-alive` comment is sent.
 pub const KEEP_ALIVE: Duration = Duration::from_secs(15);
 /// How often an open stream's credential is checked again.
 pub const REAUTHORIZE_EVERY: Duration = Duration::from_secs(30);
-/// Bytes gathered into one write to the client at most.
-const MAX_WRITE: usize = 64 * 1024;
 /// Writes queued towards the client before the producer waits.
 const BODY_QUEUE: usize = 8;
 /// Deployment events read from the store per page of a replay.
@@ -92,62 +89,6 @@ async fn read_store<T: Send + 'static>(
         .map_err(store_failed)
 }
 
-/// Encoded events gathered into one buffer, so that many lines that
-/// arrived together cost the client one write.
-#[derive(Default)]
-struct Gather {
-    parts: Vec<Bytes>,
-    size: usize,
-}
-
-impl Gather {
-    /// The gathered bytes as one buffer, if any.
-    fn take(&mut self) -> Option<Bytes> {
-        let bytes = match self.parts.len() {
-            0 => return None,
-            1 => self.parts.pop().expect("one part"),
-            _ => {
-                let mut joined = Vec::with_capacity(self.size);
-                for p in self.parts.drain(..) {
-                    joined.extend_from_slice(&p);
-                }
-                Bytes::from(joined)
-            }
-        };
-        self.size = 0;
-        Some(bytes)
-    }
-
-    fn push(&mut self, frame: &Frame) {
-        self.push_bytes(frame.encoded());
-    }
-    fn push_bytes(&mut self, bytes: &Bytes) {
-        self.size += bytes.len();
-        self.parts.push(bytes.clone());
-    }
-    /// Gathers what of `batch` is after `last`; returns the final status
-    /// frame when the batch has it.
-    fn push_batch(&mut self, batch: &Batch, last: &mut u64) -> Option<Arc<Frame>> {
-        if batch.last_seq() <= *last {
-            return None;
-        }
-        if batch.first_seq() > *last {
-            self.push_bytes(batch.encoded());
-            *last = batch.last_seq();
-        } else {
-            let from = *last;
-            for f in batch.frames.iter().filter(|f| f.seq > from) {
-                self.push(f);
-                *last = f.seq;
-            }
-        }
-        batch.frames.iter().find(|f| f.last).cloned()
-    }
-    fn raw(&mut self, text: &str) {
-        self.push_bytes(&Bytes::from(text.to_string()));
-    }
-}
-
 /// Gathers events in the producer task and hands them to the HTTP body.
 struct Writer {
     tx: mpsc::Sender<Control>,
@@ -175,173 +116,6 @@ impl Writer {
             self.flush().await?;
         }
         Ok(())
-    }
-}
-
-fn resync(reason: &str) -> String {
-    format!("event: resync_required\ndata: {{\"reason\":\"{reason}\"}}\n\n")
-}
-
-/// What the producer task tells the HTTP body.
-enum Control {
-    /// Replayed or catch-up events, keep-alives, `resync_required`, `end`.
-    Bytes(Bytes),
-    /// From here on live events come from the channel's tail, after seq `last`.
-    Live {
-        subscription: Subscription,
-        last: u64,
-    },
-}
-
-/// The live events of `batches` after `last` as one buffer, and whether
-/// they end the stream (then the buffer ends with `end`).
-pub(super) fn gather_live(batches: &[Arc<Batch>], last: &mut u64) -> (Option<Bytes>, bool) {
-    let mut out = Gather::default();
-    for batch in batches {
-        if let Some(final_frame) = out.push_batch(batch, last) {
-            out.raw(&end_text(&final_frame));
-            return (out.take(), true);
-        }
-    }
-    (out.take(), false)
-}
-
-/// The HTTP body of a stream. Replay and catch-up come from the producer
-/// task. Live events are written by the fan-out thread straight to the
-/// socket (`crate::wire`): the body hands the socket over and waits for it
-/// to come back (the client fell behind: the producer catches up; the
-/// build ended; the socket failed). Where the connection cannot be handed
-/// over (not HTTP/1.1), the body reads the tail itself.
-pub struct SseBody {
-    control: mpsc::Receiver<Control>,
-    wire: Option<Arc<Wire>>,
-    /// The fan-out holds the socket, or was asked for it.
-    handed: bool,
-    fanout: Option<Arc<FanOut>>,
-    live: Option<(Subscription, u64)>,
-    behind: mpsc::Sender<u64>,
-    batches: Vec<Arc<Batch>>,
-    finished: bool,
-}
-
-impl Drop for SseBody {
-    /// However the stream ends (the client left, hyper dropped the
-    /// response), the fan-out lets go of the socket now, not at its next
-    /// write.
-    fn drop(&mut self) {
-        self.reclaim();
-    }
-}
-
-impl SseBody {
-    fn reclaim(&mut self) {
-        if let (true, Some(wire)) = (self.handed, &self.wire) {
-            if wire.reclaim() {
-                if let Some(fanout) = &self.fanout {
-                    fanout.kick();
-                }
-            }
-        }
-        self.handed = false;
-    }
-
-    /// While the fan-out holds the socket: true once it came back (the
-    /// body then goes on: catch up, or finish).
-    fn poll_socket_back(&mut self, cx: &mut std::task::Context<'_>) -> bool {
-        let Some(wire) = self.wire.as_ref() else {
-            return false;
-        };
-        let std::task::Poll::Ready(why) = wire.poll_returned(cx) else {
-            return false;
-        };
-        self.handed = false;
-        match why {
-            None => {}
-            Some(Return::Behind(last)) => {
-                let _ = self.behind.try_send(last);
-            }
-            Some(Return::Ended | Return::Failed) => self.finished = true,
-        }
-        true
-    }
-}
-
-impl futures_util::Stream for SseBody {
-    type Item = Result<Bytes, Infallible>;
-
-    fn poll_next(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Self::Item>> {
-        use std::task::Poll;
-        let this = &mut *self;
-        loop {
-            if this.finished {
-                return Poll::Ready(None);
-            }
-            if this.handed && this.poll_socket_back(cx) {
-                continue;
-            }
-            match this.control.poll_recv(cx) {
-                Poll::Ready(Some(Control::Bytes(b))) if this.handed => {
-                    // A keep-alive while the fan-out writes: it goes the same
-                    // way, in order. When the socket is backed up it is not
-                    // idle, and the comment is not needed.
-                    let written = match &this.wire {
-                        Some(wire) => wire.write_chunk(&crate::wire::chunk(&b)),
-                        None => Ok(()),
-                    };
-                    if written == Err(Stopped::Failed) {
-                        this.finished = true;
-                    }
-                    continue;
-                }
-                Poll::Ready(Some(Control::Bytes(b))) => return Poll::Ready(Some(Ok(b))),
-                Poll::Ready(Some(Control::Live { subscription, last })) => {
-                    match &this.wire {
-                        Some(wire) => {
-                            let fanout = subscription.hub().fanout.clone();
-                            this.fanout = Some(fanout.clone());
-                            wire.ask(
-                                Box::new(move |wire| fanout.join(subscription, last, wire)),
-                                cx.waker(),
-                            );
-                            this.handed = true;
-                        }
-                        None => this.live = Some((subscription, last)),
-                    }
-                    continue;
-                }
-                // The producer stopped (shutdown, a revoked credential, end).
-                Poll::Ready(None) => {
-                    this.reclaim();
-                    return Poll::Ready(None);
-                }
-                Poll::Pending => {}
-            }
-            if this.handed {
-                return Poll::Pending;
-            }
-            let Some((subscription, last)) = this.live.as_mut() else {
-                return Poll::Pending;
-            };
-            match subscription.poll_batches(cx, &mut this.batches, MAX_WRITE) {
-                Poll::Ready(Ok(())) => {
-                    let (bytes, ended) = gather_live(&this.batches, last);
-                    this.batches.clear();
-                    this.finished = ended;
-                    if let Some(bytes) = bytes {
-                        return Poll::Ready(Some(Ok(bytes)));
-                    }
-                }
-                Poll::Ready(Err(Lagged)) => {
-                    // Hand back to the producer to catch up from the store.
-                    let (_, last) = this.live.take().expect("live");
-                    let _ = this.behind.try_send(last);
-                }
-                Poll::Pending => return Poll::Pending,
-            }
-        }
     }
 }
 
@@ -481,10 +255,6 @@ async fn build_stream(
         sources.hub.catch_ups.fetch_add(1, Ordering::Relaxed);
         tracing::debug!(build = %crate::model::format_build_id(id), last, "subscriber fell behind; catching up from the store");
     }
-}
-
-fn end_text(final_status: &Frame) -> String {
-    format!("event: end\ndata: {}\n\n", final_status.data)
 }
 
 async fn end(w: &mut Writer, final_status: &Frame) -> Result<(), Stop> {

@@ -1,0 +1,164 @@
+//! How events become SSE bytes: a frame is encoded once and written to any
+//! number of subscribers; consecutive frames travel as one batch; a writer
+//! gathers what a client needs into one buffer.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+
+/// One event, encoded once and written to any number of subscribers.
+#[derive(Debug)]
+pub struct Frame {
+    pub seq: u64,
+    pub event: &'static str,
+    /// The JSON of a status event (an `end` event repeats it); empty for
+    /// log lines, whose text lives only in `encoded`.
+    pub data: String,
+    /// The final status of a build: the stream ends after it.
+    pub last: bool,
+    encoded: bytes::Bytes,
+}
+
+impl Frame {
+    pub fn new(seq: u64, event: &'static str, data: String, last: bool) -> Arc<Frame> {
+        let encoded = encode(seq, event, &data);
+        let data = if event == "log" { String::new() } else { data };
+        Arc::new(Frame {
+            seq,
+            event,
+            data,
+            last,
+            encoded,
+        })
+    }
+
+    /// The SSE text of this event.
+    pub fn encoded(&self) -> &bytes::Bytes {
+        &self.encoded
+    }
+}
+
+/// Data never contains a line break (JSON is compact; log lines are split at
+/// CR and LF when captured); if one ever did, each part becomes its own
+/// `data:` line.
+fn encode(seq: u64, event: &str, data: &str) -> bytes::Bytes {
+    let mut out = Vec::with_capacity(data.len() + 32);
+    out.extend_from_slice(format!("id: {seq}\nevent: {event}\n").as_bytes());
+    for part in data.split(['\n', '\r']) {
+        out.extend_from_slice(b"data: ");
+        out.extend_from_slice(part.as_bytes());
+        out.push(b'\n');
+    }
+    out.push(b'\n');
+    bytes::Bytes::from(out)
+}
+
+/// Consecutive events of one channel, sent to every subscriber as one item
+/// and, when the subscriber needs all of them, written as one buffer.
+#[derive(Debug)]
+pub struct Batch {
+    pub frames: Vec<Arc<Frame>>,
+    encoded: bytes::Bytes,
+}
+
+impl Batch {
+    pub fn new(frames: Vec<Arc<Frame>>) -> Arc<Batch> {
+        assert!(!frames.is_empty(), "an empty batch");
+        let encoded = if frames.len() == 1 {
+            frames[0].encoded().clone()
+        } else {
+            let mut joined = Vec::with_capacity(frames.iter().map(|f| f.encoded().len()).sum());
+            for f in &frames {
+                joined.extend_from_slice(f.encoded());
+            }
+            bytes::Bytes::from(joined)
+        };
+        Arc::new(Batch { frames, encoded })
+    }
+    pub fn first_seq(&self) -> u64 {
+        self.frames[0].seq
+    }
+    pub fn last_seq(&self) -> u64 {
+        self.frames[self.frames.len() - 1].seq
+    }
+    pub fn encoded(&self) -> &bytes::Bytes {
+        &self.encoded
+    }
+}
+
+/// Encoded events gathered into one buffer, so that many lines that
+/// arrived together cost the client one write.
+#[derive(Default)]
+pub(super) struct Gather {
+    parts: Vec<Bytes>,
+    pub(super) size: usize,
+}
+
+impl Gather {
+    /// The gathered bytes as one buffer, if any.
+    pub(super) fn take(&mut self) -> Option<Bytes> {
+        let bytes = match self.parts.len() {
+            0 => return None,
+            1 => self.parts.pop().expect("one part"),
+            _ => {
+                let mut joined = Vec::with_capacity(self.size);
+                for p in self.parts.drain(..) {
+                    joined.extend_from_slice(&p);
+                }
+                Bytes::from(joined)
+            }
+        };
+        self.size = 0;
+        Some(bytes)
+    }
+
+    pub(super) fn push(&mut self, frame: &Frame) {
+        self.push_bytes(frame.encoded());
+    }
+    pub(super) fn push_bytes(&mut self, bytes: &Bytes) {
+        self.size += bytes.len();
+        self.parts.push(bytes.clone());
+    }
+    /// Gathers what of `batch` is after `last`; returns the final status
+    /// frame when the batch has it.
+    pub(super) fn push_batch(&mut self, batch: &Batch, last: &mut u64) -> Option<Arc<Frame>> {
+        if batch.last_seq() <= *last {
+            return None;
+        }
+        if batch.first_seq() > *last {
+            self.push_bytes(batch.encoded());
+            *last = batch.last_seq();
+        } else {
+            let from = *last;
+            for f in batch.frames.iter().filter(|f| f.seq > from) {
+                self.push(f);
+                *last = f.seq;
+            }
+        }
+        batch.frames.iter().find(|f| f.last).cloned()
+    }
+    pub(super) fn raw(&mut self, text: &str) {
+        self.push_bytes(&Bytes::from(text.to_string()));
+    }
+}
+
+/// The live events of `batches` after `last` as one buffer, and whether
+/// they end the stream (then the buffer ends with `end`).
+pub(super) fn gather_live(batches: &[Arc<Batch>], last: &mut u64) -> (Option<Bytes>, bool) {
+    let mut out = Gather::default();
+    for batch in batches {
+        if let Some(final_frame) = out.push_batch(batch, last) {
+            out.raw(&end_text(&final_frame));
+            return (out.take(), true);
+        }
+    }
+    (out.take(), false)
+}
+
+pub(super) fn end_text(final_status: &Frame) -> String {
+    format!("event: end\ndata: {}\n\n", final_status.data)
+}
+
+pub(super) fn resync(reason: &str) -> String {
+    format!("event: resync_required\ndata: {{\"reason\":\"{reason}\"}}\n\n")
+}
