@@ -8,6 +8,7 @@ use super::{cursor, Ctx, Reply, Request};
 use crate::engine::CancelTaken;
 use crate::model::*;
 use crate::store::logs::decompress_chunks;
+use crate::store::Lookup;
 
 fn build_id(req: &Request) -> Result<BuildId, ApiError> {
     parse_build_id(req.param("build")).ok_or_else(|| ApiError::not_found("build"))

@@ -13,6 +13,7 @@ use super::{cursor, json_object, Ctx, Reply, Request};
 use crate::derive::{CatalogEntry, Instance};
 use crate::engine::{self, DestroyQueued, Mode, SubmitInput, Submitted};
 use crate::model::*;
+use crate::store::Lookup;
 
 /// Most `id` parameters one list request may filter on.
 pub const MAX_ID_FILTERS: usize = 200;

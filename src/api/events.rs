@@ -18,6 +18,7 @@ use super::{json_object, Ctx, Reply, Request};
 use crate::events::stream::{self, ClientSlot, Reauthorize};
 use crate::events::Channel;
 use crate::model::{format_time, is_valid_deployment_id, now_millis, parse_build_id, Millis};
+use crate::store::Lookup;
 
 /// Tickets held at once; past it, expired ones are swept, then 503.
 pub const MAX_TICKETS: usize = 100_000;

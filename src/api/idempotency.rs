@@ -18,6 +18,7 @@ use super::errors::{ApiError, Code};
 use super::{Ctx, Reply, Request};
 use crate::engine::Recorder;
 use crate::model::{format_time, now_millis, Millis};
+use crate::store::Lookup;
 use crate::store::{IdempotencyRecord, StoreResult, Tx};
 
 /// How long a stored response is replayed.

@@ -18,6 +18,7 @@ use super::verdict::{read_deploy_result, Outcome};
 use super::{lock, Engine};
 use crate::events::{Channel, Frame, Hub};
 use crate::model::*;
+use crate::store::Lookup;
 use crate::store::{StoreResult, Tx};
 
 /// Pauses between attempts of a build's final commit (a full disk).

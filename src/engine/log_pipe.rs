@@ -11,6 +11,7 @@ use tokio::sync::{mpsc, watch};
 use super::Engine;
 use crate::events::{self, Frame, SEQ_BLOCK};
 use crate::model::*;
+use crate::store::Lookup;
 use crate::store::{logs, StoreError, StoreErrorKind, StoreResult};
 
 /// A log chunk is committed at least this often while lines arrive.

@@ -13,6 +13,7 @@ use super::transition::{Change, End};
 use super::{runner, Engine};
 use crate::events::Hub;
 use crate::model::*;
+use crate::store::Lookup;
 use crate::store::{StoreResult, Tx};
 
 /// How often an orphaned process group is checked while it is stopping.

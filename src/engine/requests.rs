@@ -20,6 +20,7 @@ use super::transition::{Change, End, NewBuild};
 use super::{lock, origin_allowed, Engine};
 use crate::events::Hub;
 use crate::model::*;
+use crate::store::Lookup;
 use crate::store::{PendingCallback, StoreError, StoreResult, Tx};
 
 /// Stores the caller's record of a mutation's outcome (its idempotent

@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 use super::Engine;
 use crate::model::now_millis;
+use crate::store::Lookup;
 
 /// Builds removed per transaction at most.
 const BUILDS_PER_TXN: usize = 1000;

@@ -24,6 +24,7 @@ use std::sync::Arc;
 
 use crate::events::{self, Hub, SEQ_BLOCK};
 use crate::model::*;
+use crate::store::Lookup;
 use crate::store::{StoreError, StoreResult, Tx};
 
 /// A build status change that the lifecycle does not allow.

@@ -21,6 +21,7 @@ pub use hub::{Hub, Lagged, Peeked, Subscription};
 use std::sync::Arc;
 
 use crate::model::{BuildId, BuildRecord, DeploymentRecord, Millis};
+use crate::store::Lookup;
 use crate::store::{StoreResult, StoredEvent, Tx};
 
 /// Recent batches a channel keeps for its live subscribers: a subscriber

@@ -18,6 +18,7 @@ use super::body::{Control, SseBody, MAX_WRITE};
 use super::frame::{end_text, resync, Gather};
 use super::{Channel, Frame, Hub, Subscription};
 use crate::model::BuildId;
+use crate::store::Lookup;
 use crate::store::{logs, Store, StoreError};
 use crate::wire::Wire;
 

@@ -12,6 +12,7 @@
 pub mod codec;
 mod error;
 pub mod logs;
+mod lookup;
 mod records;
 mod rx;
 pub mod tables;
@@ -19,6 +20,7 @@ mod tx;
 mod writer;
 
 pub use error::{StoreError, StoreErrorKind, StoreResult};
+pub use lookup::Lookup;
 pub use records::{IdempotencyRecord, PendingCallback, StoredEvent};
 pub use rx::Rx;
 pub use tx::Tx;

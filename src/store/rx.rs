@@ -4,10 +4,8 @@
 use redb::{ReadTransaction, ReadableTable, ReadableTableMetadata};
 
 use super::tables::*;
-use super::{
-    decode, get_record, IdempotencyRecord, PendingCallback, StoreError, StoreResult, StoredEvent,
-};
-use crate::model::{BuildId, BuildRecord, BuildSnapshots, DeploymentRecord, Source};
+use super::{decode, PendingCallback, StoreError, StoreResult, StoredEvent};
+use crate::model::{BuildId, BuildRecord, DeploymentRecord};
 
 /// Typed access inside a read transaction (a consistent snapshot).
 pub struct Rx {
@@ -15,10 +13,6 @@ pub struct Rx {
 }
 
 impl Rx {
-    pub fn deployment(&self, id: &str) -> StoreResult<Option<DeploymentRecord>> {
-        get_record(&self.txn.open_table(DEPLOYMENTS)?, id)
-    }
-
     /// Deployments with id > `after`, in id order, at most `limit`.
     pub fn deployments_after(
         &self,
@@ -45,14 +39,6 @@ impl Rx {
 
     pub fn deployment_count(&self) -> StoreResult<u64> {
         Ok(self.txn.open_table(DEPLOYMENTS)?.len()?)
-    }
-
-    pub fn build(&self, id: BuildId) -> StoreResult<Option<BuildRecord>> {
-        get_record(&self.txn.open_table(BUILDS)?, id)
-    }
-
-    pub fn build_snapshots(&self, id: BuildId) -> StoreResult<Option<BuildSnapshots>> {
-        get_record(&self.txn.open_table(BUILD_SNAPSHOTS)?, id)
     }
 
     /// Builds of one deployment older than `before`, newest first.
@@ -204,14 +190,6 @@ impl Rx {
             out.push(entry?.0.value().to_string());
         }
         Ok(out)
-    }
-
-    pub fn idempotency(&self, key: &str) -> StoreResult<Option<IdempotencyRecord>> {
-        get_record(&self.txn.open_table(IDEMPOTENCY)?, key)
-    }
-
-    pub fn source(&self, digest: &str) -> StoreResult<Option<Source>> {
-        get_record(&self.txn.open_table(SOURCES)?, digest)
     }
 
     pub fn describe(&self, digest: &str) -> StoreResult<Option<String>> {

@@ -64,16 +64,8 @@ impl Tx<'_> {
         Ok(doomed.len())
     }
 
-    pub fn deployment(&self, id: &str) -> StoreResult<Option<DeploymentRecord>> {
-        get_record(&self.txn.open_table(DEPLOYMENTS)?, id)
-    }
-
     pub fn put_deployment(&self, d: &DeploymentRecord) -> StoreResult<()> {
         put_record(self.txn.open_table(DEPLOYMENTS)?, d.id.as_str(), d)
-    }
-
-    pub fn build(&self, id: BuildId) -> StoreResult<Option<BuildRecord>> {
-        get_record(&self.txn.open_table(BUILDS)?, id)
     }
 
     /// Stores a build and keeps the queued/running indexes in step with its status.
@@ -120,10 +112,6 @@ impl Tx<'_> {
         Ok(())
     }
 
-    pub fn source(&self, digest: &str) -> StoreResult<Option<Source>> {
-        get_record(&self.txn.open_table(SOURCES)?, digest)
-    }
-
     pub fn put_source(&self, s: &Source) -> StoreResult<()> {
         put_record(self.txn.open_table(SOURCES)?, s.digest.as_str(), s)
     }
@@ -133,10 +121,6 @@ impl Tx<'_> {
             .open_table(DESCRIBE_CACHE)?
             .insert(digest, json.as_bytes())?;
         Ok(())
-    }
-
-    pub fn idempotency(&self, key: &str) -> StoreResult<Option<IdempotencyRecord>> {
-        get_record(&self.txn.open_table(IDEMPOTENCY)?, key)
     }
 
     pub fn put_idempotency(&self, key: &str, r: &IdempotencyRecord) -> StoreResult<()> {
@@ -196,10 +180,6 @@ impl Tx<'_> {
             }
         }
         Ok(out)
-    }
-
-    pub fn build_snapshots(&self, id: BuildId) -> StoreResult<Option<BuildSnapshots>> {
-        get_record(&self.txn.open_table(BUILD_SNAPSHOTS)?, id)
     }
 
     pub fn put_build_snapshots(&self, id: BuildId, s: &BuildSnapshots) -> StoreResult<()> {

@@ -13,6 +13,7 @@ use crate::engine::build::{finish_tx, start_tx, Finished};
 use crate::engine::recovery::recover_tx;
 use crate::engine::refusal::Refusal;
 use crate::engine::requests::{cancel_tx, delete_tx, submit_tx, Mode, SubmitRecord};
+use crate::store::Lookup;
 use crate::store::Store;
 
 const ALL: [BuildStatus; 5] = [

@@ -1,0 +1,59 @@
+//! The keyed records that both a write job and a reader look up, written
+//! once for both transactions: `Tx` and `Rx` differ only in how they open
+//! a table.
+
+use redb::{ReadableTable, TableDefinition};
+
+use super::tables::*;
+use super::{get_record, IdempotencyRecord, StoreResult};
+use crate::model::{BuildId, BuildRecord, BuildSnapshots, DeploymentRecord, Source};
+
+/// A table of encoded records.
+type RecordTable<K> = TableDefinition<'static, K, &'static [u8]>;
+
+/// Lookups of single records by key, in a read or a write transaction.
+pub trait Lookup {
+    /// Opens `table` for reading in this transaction.
+    fn open<K: redb::Key + 'static>(
+        &self,
+        table: RecordTable<K>,
+    ) -> StoreResult<impl ReadableTable<K, &'static [u8]> + '_>;
+
+    fn deployment(&self, id: &str) -> StoreResult<Option<DeploymentRecord>> {
+        get_record(&self.open(DEPLOYMENTS)?, id)
+    }
+
+    fn build(&self, id: BuildId) -> StoreResult<Option<BuildRecord>> {
+        get_record(&self.open(BUILDS)?, id)
+    }
+
+    fn build_snapshots(&self, id: BuildId) -> StoreResult<Option<BuildSnapshots>> {
+        get_record(&self.open(BUILD_SNAPSHOTS)?, id)
+    }
+
+    fn source(&self, digest: &str) -> StoreResult<Option<Source>> {
+        get_record(&self.open(SOURCES)?, digest)
+    }
+
+    fn idempotency(&self, key: &str) -> StoreResult<Option<IdempotencyRecord>> {
+        get_record(&self.open(IDEMPOTENCY)?, key)
+    }
+}
+
+impl Lookup for super::Tx<'_> {
+    fn open<K: redb::Key + 'static>(
+        &self,
+        table: RecordTable<K>,
+    ) -> StoreResult<impl ReadableTable<K, &'static [u8]> + '_> {
+        Ok(self.txn.open_table(table)?)
+    }
+}
+
+impl Lookup for super::Rx {
+    fn open<K: redb::Key + 'static>(
+        &self,
+        table: RecordTable<K>,
+    ) -> StoreResult<impl ReadableTable<K, &'static [u8]> + '_> {
+        Ok(self.txn.open_table(table)?)
+    }
+}
