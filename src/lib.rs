@@ -12,4 +12,5 @@ pub mod model;
 pub mod serve;
 pub mod settings;
 pub mod store;
+pub mod window;
 pub mod wire;
