@@ -223,6 +223,52 @@ pub enum Frequency {
     Monthly,
 }
 
+/// The automatic update berth last tried for a deployment (lifecycle.md
+/// "Update policies"): one try per default source per policy.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct UpdateTry {
+    pub at: Millis,
+    pub source: Source,
+    pub build_id: Option<BuildId>,
+    pub result: TryResult,
+    /// Why it was refused or failed (a reason code).
+    pub reason: Option<String>,
+    /// Whether it still counts against this source: a new policy allows a
+    /// new try.
+    pub blocks: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TryResult {
+    Queued,
+    Succeeded,
+    Failed,
+    Refused,
+}
+
+/// `update.last_automatic` of a deployment read.
+#[derive(Debug, Clone, Serialize)]
+pub struct UpdateTryView {
+    pub at: String,
+    pub source: Source,
+    pub build_id: Option<String>,
+    pub result: TryResult,
+    pub reason: Option<String>,
+}
+
+impl UpdateTry {
+    pub fn view(&self) -> UpdateTryView {
+        UpdateTryView {
+            at: format_time(self.at),
+            source: self.source.clone(),
+            build_id: self.build_id.map(format_build_id),
+            result: self.result,
+            reason: self.reason.clone(),
+        }
+    }
+}
+
 /// What the last successful deploy ran.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Deployed {

@@ -176,6 +176,7 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
     tokio::spawn(engine.clone().run_queue());
     tokio::spawn(engine.clone().run_callbacks());
     tokio::spawn(engine.clone().run_sweeps());
+    tokio::spawn(engine.clone().run_updates());
 
     wait_for_signal().await;
     tracing::info!("shutting down: no new requests or builds; waiting for running builds");

@@ -131,7 +131,13 @@ pub struct Settings {
     #[arg(long, env = "BERTH_SWEEP_INTERVAL", default_value = "10m", value_parser = parse_duration)]
     pub sweep_interval: Duration,
 
-    /// Queued builds one deployment may have before a submit gets queue_full.
+    /// How often berth looks for due automatic updates (at most 5m, so no
+    /// maintenance window is shorter than three looks).
+    #[arg(long, env = "BERTH_UPDATE_INTERVAL", default_value = "60s", value_parser = parse_update_interval)]
+    pub update_interval: Duration,
+
+    /// Queued builds one deployment may have before a submit gets queue_full
+    /// (a delete always queues).
     #[arg(long, env = "BERTH_MAX_QUEUED_BUILDS", default_value_t = 100)]
     pub max_queued_builds: u32,
 
@@ -191,6 +197,19 @@ pub fn parse_source(text: &str) -> Result<Source, String> {
         return Err("digest must be sha256: followed by 64 lower-case hex digits".into());
     }
     Ok(source)
+}
+
+/// `--update-interval` at most: no maintenance window (15 minutes at least)
+/// is shorter than three looks.
+pub const MAX_UPDATE_INTERVAL: Duration = Duration::from_secs(300);
+
+/// `--update-interval`: 1 s to 5 minutes.
+fn parse_update_interval(text: &str) -> Result<Duration, String> {
+    let d = parse_duration(text)?;
+    if d < Duration::from_secs(1) || d > MAX_UPDATE_INTERVAL {
+        return Err("the update interval is 1s to 5m".into());
+    }
+    Ok(d)
 }
 
 /// `250ms`, `30s`, `5m`, `24h`, or a plain number of seconds.

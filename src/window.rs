@@ -16,7 +16,7 @@
 use time::{Date, Duration, Month, OffsetDateTime, PrimitiveDateTime, Time, UtcOffset};
 use time_tz::{Offset, OffsetError, PrimitiveDateTimeExt, TimeZone, Tz};
 
-use crate::model::Frequency;
+use crate::model::{Frequency, UpdatePolicy};
 
 /// Longest window (lifecycle.md): 24 hours.
 pub const MAX_DURATION_MINUTES: u32 = 1440;
@@ -75,7 +75,52 @@ pub enum State {
     Closed { next: Option<OffsetDateTime> },
 }
 
+/// Which field of a window policy breaks a rule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InvalidPolicy {
+    /// `day`: absent for daily, 1-7 for weekly, 1-31 for monthly.
+    Day,
+    /// `start`: a local `HH:MM`.
+    Start,
+    /// `duration_minutes`: 15 to 1440.
+    Duration,
+    /// `time_zone`: not an IANA name of the built-in database.
+    TimeZone,
+}
+
 impl Window {
+    /// The window of a policy: `None` for `manual` and `automatic`.
+    pub fn from_policy(policy: &UpdatePolicy) -> Result<Option<Window>, InvalidPolicy> {
+        let UpdatePolicy::Window {
+            frequency,
+            day,
+            start,
+            duration_minutes,
+            time_zone,
+        } = policy
+        else {
+            return Ok(None);
+        };
+        let day = match (frequency, day) {
+            (Frequency::Daily, None) => 0,
+            (Frequency::Weekly, Some(d @ 1..=7)) => *d,
+            (Frequency::Monthly, Some(d @ 1..=31)) => *d,
+            _ => return Err(InvalidPolicy::Day),
+        };
+        let start = parse_start(start).ok_or(InvalidPolicy::Start)?;
+        if !(MIN_DURATION_MINUTES..=MAX_DURATION_MINUTES).contains(duration_minutes) {
+            return Err(InvalidPolicy::Duration);
+        }
+        let zone = zone(time_zone).ok_or(InvalidPolicy::TimeZone)?;
+        Ok(Some(Window {
+            frequency: *frequency,
+            day,
+            start,
+            duration: Duration::minutes(i64::from(*duration_minutes)),
+            zone,
+        }))
+    }
+
     /// Whether a window opens on the local date `date`.
     fn opens_on(&self, date: Date) -> bool {
         match self.frequency {

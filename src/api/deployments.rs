@@ -1,6 +1,7 @@
 //! Deployment routes: list, read, submit, preview, delete.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use serde::Serialize;
 use serde_json::value::RawValue;
@@ -11,6 +12,9 @@ use super::errors::ApiError;
 use super::idempotency::IdemWrite;
 use super::{cursor, json_object, Ctx, Reply, Request};
 use crate::derive::{CatalogEntry, Instance};
+use crate::engine::actions::ActionQueued;
+use crate::engine::deployer::Described;
+use crate::engine::updates::PolicySet;
 use crate::engine::{self, DestroyQueued, Mode, SubmitInput, Submitted};
 use crate::model::*;
 use crate::store::Lookup;
@@ -145,18 +149,45 @@ struct DeploymentView {
     updated_at: String,
 }
 
-/// The catalog of a source from its cached `describe`; empty (and logged)
-/// when the deployer cannot describe it, so a read never fails on that.
-async fn catalog_and_actions(
-    ctx: &Ctx,
-    source: &Source,
-) -> (Vec<CatalogEntry>, HashMap<String, Vec<String>>) {
-    match ctx.engine.describe(source).await {
-        Ok(d) => (d.catalog.clone(), d.actions.clone().into_iter().collect()),
-        Err(e) => {
-            tracing::warn!(digest = %source.digest, reason = %e.describe(), "no describe for a stored source");
-            (vec![], HashMap::new())
+/// What a read shows of the sources of a deployment, from their cached
+/// `describe` (taken before any transaction, so the answer can be rendered
+/// inside one, for an idempotent replay).
+pub struct SourceFacts {
+    /// The describe of each source, by digest; a source the deployer cannot
+    /// describe is absent (its catalog then is empty, and logged).
+    described: HashMap<String, Arc<Described>>,
+    /// The self-pinned default source, if any.
+    default_source: Option<Source>,
+}
+
+impl SourceFacts {
+    /// The describe of the deployment's sources (last submitted, deployed).
+    pub async fn of(ctx: &Ctx, d: &DeploymentRecord) -> SourceFacts {
+        let mut described = HashMap::new();
+        let deployed = d.deployed.as_ref().map(|x| &x.snapshot.source);
+        for source in std::iter::once(&d.snapshot.source).chain(deployed) {
+            if described.contains_key(&source.digest) {
+                continue;
+            }
+            match ctx.engine.describe(source).await {
+                Ok(found) => {
+                    described.insert(source.digest.clone(), found);
+                }
+                Err(e) => {
+                    tracing::warn!(digest = %source.digest, reason = %e.describe(), "no describe for a stored source");
+                }
+            }
         }
+        SourceFacts {
+            described,
+            default_source: ctx.engine.self_pin().cloned(),
+        }
+    }
+
+    fn catalog(&self, source: &Source) -> &[CatalogEntry] {
+        self.described
+            .get(&source.digest)
+            .map_or(&[], |d| d.catalog.as_slice())
     }
 }
 
@@ -167,73 +198,41 @@ fn instances_of(text: &str, catalog: &[CatalogEntry]) -> Vec<Instance> {
         .unwrap_or_default()
 }
 
-/// lifecycle.md "Actions": each action with its first disabling reason.
-fn actions(
+/// The deployment read (api.md), with `ETag: "<revision>"`.
+pub fn render_view(
+    facts: &SourceFacts,
     d: &DeploymentRecord,
-    deployed_actions: &HashMap<String, Vec<String>>,
-) -> Vec<ActionView> {
-    let after_failure = matches!(d.state(), DeploymentState::Failed);
+    last_build: Option<&BuildRecord>,
+    last_try: Option<&UpdateTry>,
+) -> Reply {
+    let instances = instances_of(&d.snapshot.configuration, facts.catalog(&d.snapshot.source));
+    let deployed_instances = d.deployed.as_ref().map_or_else(Vec::new, |dep| {
+        instances_of(
+            &dep.snapshot.configuration,
+            facts.catalog(&dep.snapshot.source),
+        )
+    });
     let supported = |name: &str| {
         d.deployed.as_ref().is_some_and(|dep| {
-            deployed_actions
-                .get(name)
-                .is_some_and(|m| m.contains(&dep.method))
+            facts
+                .described
+                .get(&dep.snapshot.source.digest)
+                .is_some_and(|described| described.supports(name, &dep.method))
         })
     };
-    let toggle = |name: &'static str, wrong_state: bool, state_reason: &'static str| {
-        let reason = if d.deployed.is_none() {
-            Some("not_deployed")
-        } else if d.has_pending_build() {
-            Some("build_pending")
-        } else if wrong_state && !after_failure {
-            Some(state_reason)
-        } else if !supported(name) {
-            Some("unsupported_by_revision")
-        } else {
-            None
-        };
-        ActionView {
-            name,
-            enabled: reason.is_none(),
-            reason,
-        }
+    let actions = engine::actions::list(d, supported)
+        .into_iter()
+        .map(|a| ActionView {
+            name: a.name,
+            enabled: a.reason.is_none(),
+            reason: a.reason.map(|r| r.code()),
+        })
+        .collect();
+    let default = facts.default_source.as_ref();
+    let available = match (default, &d.deployed) {
+        (Some(default), Some(dep)) => dep.snapshot.source != *default,
+        _ => false,
     };
-    vec![
-        ActionView {
-            name: "deploy",
-            enabled: !d.suspended,
-            reason: d.suspended.then_some("suspended"),
-        },
-        ActionView {
-            name: "delete",
-            enabled: true,
-            reason: None,
-        },
-        toggle("suspend", d.suspended, "already_suspended"),
-        toggle("resume", !d.suspended, "not_suspended"),
-    ]
-}
-
-pub async fn view(ctx: &Ctx, d: &DeploymentRecord) -> Result<Reply, ApiError> {
-    let last_build = d
-        .last_build
-        .map(|b| ctx.engine.store.read()?.build(b))
-        .transpose()?
-        .flatten();
-    let (catalog, _) = catalog_and_actions(ctx, &d.snapshot.source).await;
-    let instances = instances_of(&d.snapshot.configuration, &catalog);
-    let (deployed_instances, deployed_actions) = match &d.deployed {
-        Some(dep) => {
-            let (catalog, actions) = catalog_and_actions(ctx, &dep.snapshot.source).await;
-            (instances_of(&dep.snapshot.configuration, &catalog), actions)
-        }
-        None => (vec![], HashMap::new()),
-    };
-    let default = &ctx.engine.default_source;
-    let available = d
-        .deployed
-        .as_ref()
-        .is_some_and(|dep| dep.snapshot.source != *default);
     let v = DeploymentView {
         id: d.id.clone(),
         revision: d.revision,
@@ -250,27 +249,130 @@ pub async fn view(ctx: &Ctx, d: &DeploymentRecord) -> Result<Reply, ApiError> {
         domain: d.domain.clone(),
         instances,
         deployed_instances,
-        actions: actions(d, &deployed_actions),
+        actions,
         update_policy: d.update_policy.clone(),
-        update: serde_json::json!({"available": available, "default_source": default, "last_automatic": null}),
-        last_build: last_build.as_ref().map(BuildRecord::summary),
+        update: serde_json::json!({
+            "available": available,
+            "default_source": default,
+            "last_automatic": last_try.map(UpdateTry::view),
+        }),
+        last_build: last_build.map(BuildRecord::summary),
         audit: vec![],
         event_cursor: d.event_seq.to_string(),
         created_at: format_time(d.created_at),
         updated_at: format_time(d.updated_at),
     };
-    Ok(Reply::json(200, &v).header("ETag", format!("\"{}\"", d.revision)))
+    Reply::json(200, &v).header("ETag", format!("\"{}\"", d.revision))
 }
 
 pub async fn read(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
     let id = deployment_id(req)?;
+    let (d, last_build, last_try) = {
+        let rx = ctx.engine.store.read()?;
+        let d = rx
+            .deployment(&id)?
+            .ok_or_else(|| ApiError::not_found("deployment"))?;
+        let last_build = d.last_build.map(|b| rx.build(b)).transpose()?.flatten();
+        (d, last_build, rx.update_try(&id)?)
+    };
+    let facts = SourceFacts::of(ctx, &d).await;
+    Ok(render_view(
+        &facts,
+        &d,
+        last_build.as_ref(),
+        last_try.as_ref(),
+    ))
+}
+
+/// `If-Match: "<revision>"` (also bare, or weak `W/"..."`); `*` or absent
+/// matches any revision.
+pub fn if_match(req: &Request) -> Result<Option<u64>, ApiError> {
+    let Some(raw) = req.headers.get("if-match") else {
+        return Ok(None);
+    };
+    let bad = || {
+        ApiError::bad_request("If-Match must be the deployment's ETag: \"<revision>\"")
+            .field("/headers/if-match", "format")
+    };
+    let text = raw.to_str().map_err(|_| bad())?.trim();
+    if text == "*" {
+        return Ok(None);
+    }
+    let text = text.strip_prefix("W/").unwrap_or(text);
+    let text = text
+        .strip_prefix('"')
+        .and_then(|t| t.strip_suffix('"'))
+        .unwrap_or(text);
+    text.parse::<u64>().map(Some).map_err(|_| bad())
+}
+
+/// `POST /v1/deployments/{id}/actions/{name}`.
+pub async fn act(ctx: &Ctx, req: &Request, idem: Option<IdemWrite>) -> Result<Reply, ApiError> {
+    let id = deployment_id(req)?;
+    let expected = if_match(req)?;
+    let record = idem.map(|w| w.recorder(action_reply));
+    let queued = ctx
+        .engine
+        .act(&id, req.param("name"), expected, record)
+        .await?;
+    Ok(action_reply(&queued))
+}
+
+/// 202 with the queued build's id.
+fn action_reply(q: &ActionQueued) -> Reply {
+    Reply::json(
+        202,
+        &serde_json::json!({"build_id": format_build_id(q.build_id)}),
+    )
+}
+
+/// `PUT /v1/deployments/{id}/update-policy`: 200 with the deployment.
+pub async fn set_update_policy(
+    ctx: &Ctx,
+    req: &Request,
+    idem: Option<IdemWrite>,
+) -> Result<Reply, ApiError> {
+    let id = deployment_id(req)?;
+    let expected = if_match(req)?;
+    if req.body.is_empty() {
+        return Err(ApiError::bad_request("a policy body is required").field("", "required"));
+    }
+    let body: Value = serde_json::from_slice(&req.body).map_err(|e| {
+        ApiError::bad_request(format!(
+            "the body is not valid JSON (line {}, column {})",
+            e.line(),
+            e.column()
+        ))
+        .field("", "malformed_json")
+    })?;
+    let policy = parse_policy(&body, "")?;
+    // The answer is rendered inside the change's transaction (an idempotent
+    // replay must be the same bytes), from describes read before it.
     let d = ctx
         .engine
         .store
         .read()?
         .deployment(&id)?
         .ok_or_else(|| ApiError::not_found("deployment"))?;
-    view(ctx, &d).await
+    let facts = Arc::new(SourceFacts::of(ctx, &d).await);
+    let render = move |set: &PolicySet| {
+        render_view(
+            &facts,
+            &set.deployment,
+            set.last_build.as_ref(),
+            set.last_try.as_ref(),
+        )
+    };
+    let render = Arc::new(render);
+    let record = idem.map(|w| {
+        let render = render.clone();
+        w.recorder(move |set: &PolicySet| render(set))
+    });
+    let set = ctx
+        .engine
+        .set_update_policy(&id, policy, expected, record)
+        .await?;
+    Ok(render(&set))
 }
 
 const SUBMIT_FIELDS: &[&str] = &[
@@ -356,54 +458,32 @@ pub fn parse_policy(v: &Value, at: &str) -> Result<UpdatePolicy, ApiError> {
     };
     let policy: UpdatePolicy = serde_json::from_value(v.clone())
         .map_err(|_| bad("", "invalid", "update_policy must be manual, automatic, or a window with frequency, start, duration_minutes and time_zone"))?;
-    if let UpdatePolicy::Window {
-        frequency,
-        day,
-        start,
-        duration_minutes,
-        time_zone,
-    } = &policy
-    {
-        let day_ok = match frequency {
-            Frequency::Daily => day.is_none(),
-            Frequency::Weekly => day.is_some_and(|d| (1..=7).contains(&d)),
-            Frequency::Monthly => day.is_some_and(|d| (1..=31).contains(&d)),
-        };
-        if !day_ok {
+    use crate::window::{InvalidPolicy, Window};
+    match Window::from_policy(&policy) {
+        Ok(_) => {}
+        Err(InvalidPolicy::Day) => {
             return Err(bad(
                 "/day",
                 "range",
                 "day is absent for daily, 1-7 for weekly (Monday = 1), 1-31 for monthly",
-            ));
+            ))
         }
-        let hm: Vec<&str> = start.split(':').collect();
-        let start_ok = hm.len() == 2
-            && hm
-                .iter()
-                .all(|p| p.len() == 2 && p.bytes().all(|c| c.is_ascii_digit()))
-            && hm[0].parse::<u8>().is_ok_and(|h| h < 24)
-            && hm[1].parse::<u8>().is_ok_and(|m| m < 60);
-        if !start_ok {
-            return Err(bad("/start", "format", "start is a local time HH:MM"));
+        Err(InvalidPolicy::Start) => {
+            return Err(bad("/start", "format", "start is a local time HH:MM"))
         }
-        if !(15..=1440).contains(duration_minutes) {
+        Err(InvalidPolicy::Duration) => {
             return Err(bad(
                 "/duration_minutes",
                 "range",
                 "duration_minutes is 15 to 1440",
-            ));
+            ))
         }
-        let tz_ok = !time_zone.is_empty()
-            && time_zone.len() <= 64
-            && time_zone
-                .bytes()
-                .all(|c| c.is_ascii_alphanumeric() || b"_+-/".contains(&c));
-        if !tz_ok {
+        Err(InvalidPolicy::TimeZone) => {
             return Err(bad(
                 "/time_zone",
                 "time_zone",
-                "time_zone must be an IANA zone name",
-            ));
+                "time_zone must be an IANA zone name of the built-in database",
+            ))
         }
     }
     Ok(policy)

@@ -203,6 +203,15 @@ impl From<Refusal> for ApiError {
         match r {
             Refusal::NotFound(Missing::Deployment) => ApiError::not_found("deployment"),
             Refusal::NotFound(Missing::Build) => ApiError::not_found("build"),
+            Refusal::NotFound(Missing::Action) => ApiError::not_found("action"),
+            Refusal::ActionRefused(reason) => ApiError::conflict(
+                reason.code(),
+                "the deployment's actions list shows this action disabled; its reason says why",
+            ),
+            Refusal::PreconditionFailed => ApiError::new(
+                Code::PreconditionFailed,
+                "If-Match does not match the deployment's current revision; read it again",
+            ),
             Refusal::InvalidSource(InvalidSource::DigestFormat) => ApiError::bad_request(
                 "the source digest must be sha256: and 64 lower-case hex digits",
             )

@@ -41,7 +41,10 @@ impl IdemWrite {
     /// makes of the outcome, in the mutation's own transaction. The handler
     /// answers with the same `render`, so a replay is byte-for-byte the
     /// first answer.
-    pub fn recorder<O: 'static>(self, render: fn(&O) -> Reply) -> Recorder<O> {
+    pub fn recorder<O: 'static>(
+        self,
+        render: impl Fn(&O) -> Reply + Send + 'static,
+    ) -> Recorder<O> {
         Box::new(move |tx, outcome| self.store(tx, &render(outcome)))
     }
 

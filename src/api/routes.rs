@@ -37,6 +37,8 @@ pub enum Call {
     ReadDeployment,
     DeleteDeployment,
     Submit,
+    Act,
+    SetUpdatePolicy,
     Preview,
     ListBuilds,
     ReadBuild,
@@ -69,96 +71,29 @@ const fn route(method: &'static str, template: &'static str, access: Access, cal
 }
 
 /// Every route berth serves.
+#[rustfmt::skip]
 pub const ROUTES: &[Route] = &[
     route("GET", "/healthz", Access::Public, Call::Healthz),
     route("GET", "/readyz", Access::Public, Call::Readyz),
     route("GET", "/metrics", Access::Metrics, Call::Metrics),
     route("GET", "/v1/openapi.json", Access::Public, Call::OpenApi),
-    route(
-        "GET",
-        "/v1/deployments",
-        Access::Token,
-        Call::ListDeployments,
-    ),
-    route(
-        "GET",
-        "/v1/deployments/{id}",
-        Access::Token,
-        Call::ReadDeployment,
-    ),
-    route(
-        "DELETE",
-        "/v1/deployments/{id}",
-        Access::Token,
-        Call::DeleteDeployment,
-    ),
-    route(
-        "POST",
-        "/v1/deployments/{id}/submit",
-        Access::Token,
-        Call::Submit,
-    ),
-    route(
-        "POST",
-        "/v1/deployments/{id}/preview",
-        Access::Token,
-        Call::Preview,
-    ),
-    route(
-        "GET",
-        "/v1/deployments/{id}/builds",
-        Access::Token,
-        Call::ListBuilds,
-    ),
+    route("GET", "/v1/deployments", Access::Token, Call::ListDeployments),
+    route("GET", "/v1/deployments/{id}", Access::Token, Call::ReadDeployment),
+    route("DELETE", "/v1/deployments/{id}", Access::Token, Call::DeleteDeployment),
+    route("POST", "/v1/deployments/{id}/submit", Access::Token, Call::Submit),
+    route("POST", "/v1/deployments/{id}/preview", Access::Token, Call::Preview),
+    route("POST", "/v1/deployments/{id}/actions/{name}", Access::Token, Call::Act),
+    route("PUT", "/v1/deployments/{id}/update-policy", Access::Token, Call::SetUpdatePolicy),
+    route("GET", "/v1/deployments/{id}/builds", Access::Token, Call::ListBuilds),
     route("GET", "/v1/builds/{build}", Access::Token, Call::ReadBuild),
-    route(
-        "GET",
-        "/v1/builds/{build}/log",
-        Access::Token,
-        Call::BuildLog,
-    ),
-    route(
-        "POST",
-        "/v1/builds/{build}/cancel",
-        Access::Token,
-        Call::CancelBuild,
-    ),
-    route(
-        "GET",
-        "/v1/deployments/{id}/events",
-        Access::StreamCredential,
-        Call::DeploymentEvents,
-    ),
-    route(
-        "GET",
-        "/v1/builds/{build}/events",
-        Access::StreamCredential,
-        Call::BuildEvents,
-    ),
-    route(
-        "POST",
-        "/v1/stream-tickets",
-        Access::Token,
-        Call::StreamTicket,
-    ),
-    route(
-        "POST",
-        "/v1/derive/instances",
-        Access::Public,
-        Call::DeriveInstances,
-    ),
-    route(
-        "POST",
-        "/v1/derive/applications",
-        Access::Public,
-        Call::DeriveApplications,
-    ),
-    route(
-        "POST",
-        "/v1/derive/sections",
-        Access::Public,
-        Call::DeriveSections,
-    ),
+    route("GET", "/v1/builds/{build}/log", Access::Token, Call::BuildLog),
+    route("POST", "/v1/builds/{build}/cancel", Access::Token, Call::CancelBuild),
+    route("GET", "/v1/deployments/{id}/events", Access::StreamCredential, Call::DeploymentEvents),
+    route("GET", "/v1/builds/{build}/events", Access::StreamCredential, Call::BuildEvents),
+    route("POST", "/v1/stream-tickets", Access::Token, Call::StreamTicket),
+    route("POST", "/v1/derive/instances", Access::Public, Call::DeriveInstances),
+    route("POST", "/v1/derive/applications", Access::Public, Call::DeriveApplications),
+    route("POST", "/v1/derive/sections", Access::Public, Call::DeriveSections),
 ];
 
 /// Authenticates by the route's access class, then runs its handler.
@@ -192,6 +127,15 @@ pub async fn call(ctx: &Arc<Ctx>, route: &Route, req: &Request) -> Result<Answer
         Call::Preview => deployments::preview(ctx, req).await,
         Call::Submit => {
             idempotency::mutation(ctx, req, caller()?, |w| deployments::submit(ctx, req, w)).await
+        }
+        Call::Act => {
+            idempotency::mutation(ctx, req, caller()?, |w| deployments::act(ctx, req, w)).await
+        }
+        Call::SetUpdatePolicy => {
+            idempotency::mutation(ctx, req, caller()?, |w| {
+                deployments::set_update_policy(ctx, req, w)
+            })
+            .await
         }
         Call::DeleteDeployment => {
             idempotency::mutation(ctx, req, caller()?, |w| deployments::delete(ctx, req, w)).await

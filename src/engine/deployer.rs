@@ -44,6 +44,13 @@ pub struct Described {
 }
 
 impl Described {
+    /// Whether this source lists `action` for `method`.
+    pub fn supports(&self, action: &str, method: &str) -> bool {
+        self.actions
+            .get(action)
+            .is_some_and(|methods| methods.iter().any(|m| m == method))
+    }
+
     pub fn parse(text: &str) -> Result<Described, String> {
         let r: DescribeResult =
             serde_json::from_str(text).map_err(|e| format!("describe result: {e}"))?;

@@ -6,6 +6,7 @@
 //! (spec lifecycle.md) and writes the records, the idempotency record and
 //! the events of the change, together.
 
+pub mod actions;
 pub mod build;
 pub mod callbacks;
 pub mod deployer;
@@ -17,6 +18,7 @@ pub mod requests;
 pub mod runner;
 pub mod sweeps;
 pub mod transition;
+pub mod updates;
 pub mod verdict;
 
 pub use requests::{CancelTaken, DestroyQueued, Mode, Recorder, SubmitInput, Submitted};
@@ -68,6 +70,8 @@ pub struct Engine {
     sched: Mutex<Sched>,
     wake: Notify,
     pub callbacks_wake: Notify,
+    /// Wakes the automatic update loop (a policy changed).
+    updates_wake: Notify,
     cancels: Mutex<HashMap<BuildId, watch::Sender<bool>>>,
     pub ready: AtomicBool,
     pub stopping: AtomicBool,
@@ -137,6 +141,7 @@ impl Engine {
             sched: Mutex::new(Sched::default()),
             wake: Notify::new(),
             callbacks_wake: Notify::new(),
+            updates_wake: Notify::new(),
             cancels: Mutex::new(HashMap::new()),
             ready: AtomicBool::new(false),
             stopping: AtomicBool::new(false),

@@ -29,6 +29,8 @@ impl FieldError {
 pub enum Missing {
     Deployment,
     Build,
+    /// An action name berth does not know.
+    Action,
 }
 
 /// A lifecycle rule that refuses the change (api.md: 409 `conflict` with
@@ -108,6 +110,11 @@ pub enum Refusal {
         deployer_message: Option<String>,
     },
     Conflict(Conflict),
+    /// An action the deployment's `actions` list shows disabled (409
+    /// `conflict` with the list's reason code).
+    ActionRefused(super::actions::Reason),
+    /// `If-Match` names another revision than the current one (412).
+    PreconditionFailed,
     QueueFull(QueueFull),
     EvalUnavailable {
         reason: EvalUnavailable,

@@ -45,10 +45,10 @@ pub struct SubmitInput {
 }
 
 /// What a validated configuration resolved to.
-struct Validated {
-    source: Source,
-    method: String,
-    domain: Option<String>,
+pub(super) struct Validated {
+    pub(super) source: Source,
+    pub(super) method: String,
+    pub(super) domain: Option<String>,
     nodes: Option<Value>,
 }
 
@@ -130,8 +130,9 @@ impl Engine {
         Ok(self.default_source.clone())
     }
 
-    /// Schema, method and eval checks shared by submit and preview.
-    async fn validate(
+    /// Schema, method and eval checks shared by submit, preview and the
+    /// automatic update.
+    pub(super) async fn validate(
         &self,
         id: &str,
         input: &SubmitInput,
@@ -266,11 +267,10 @@ impl Engine {
         record: Option<Recorder<DestroyQueued>>,
     ) -> Result<DestroyQueued, Refusal> {
         let id = id.to_string();
-        let max_queued = self.settings.max_queued_builds;
         let hub = self.hub.clone();
         let queued = self
             .store
-            .write(move |tx| delete_tx(tx, &hub, &id, callback, max_queued, record))
+            .write(move |tx| delete_tx(tx, &hub, &id, callback, record))
             .await??;
         self.wake_queue();
         Ok(queued)
@@ -347,7 +347,7 @@ pub fn submit_tx(
     d.method = s.method.clone();
     d.domain = s.domain;
     if let Some(p) = s.update_policy {
-        d.update_policy = p;
+        change.set_policy(&mut d, p)?;
     }
     let build = change.enqueue(
         &mut d,
@@ -376,16 +376,14 @@ pub fn delete_tx(
     hub: &Arc<Hub>,
     id: &str,
     callback: Option<String>,
-    max_queued: u32,
     record: Option<Recorder<DestroyQueued>>,
 ) -> StoreResult<Result<DestroyQueued, Refusal>> {
     let change = Change::new(tx, hub);
     let Some(mut d) = tx.deployment(id)? else {
         return Ok(Err(Refusal::NotFound(Missing::Deployment)));
     };
-    if let Err(refusal) = check_queue_room(&d, max_queued) {
-        return Ok(Err(refusal));
-    }
+    // A destroy always queues (FR-009): `--max-queued-builds` bounds
+    // submits only, so a deployment can always be deleted.
     let (snapshot, method) = match &d.deployed {
         Some(dep) => (dep.snapshot.clone(), dep.method.clone()),
         None => (d.snapshot.clone(), d.method.clone()),

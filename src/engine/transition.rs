@@ -24,8 +24,7 @@ use std::sync::Arc;
 
 use crate::events::{self, Hub, SEQ_BLOCK};
 use crate::model::*;
-use crate::store::Lookup;
-use crate::store::{StoreError, StoreResult, Tx};
+use crate::store::{Lookup, StoreError, StoreResult, Tx};
 
 /// A build status change that the lifecycle does not allow.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -255,6 +254,9 @@ impl<'t, 'a> Change<'t, 'a> {
                 self.tx.put_build(b)?;
             }
         }
+        if b.trigger == Trigger::AutomaticUpdate {
+            self.update_try_result(b)?;
+        }
         if b.kind == BuildKind::Destroy {
             match (status, self.tx.callback(b.id)?) {
                 (BuildStatus::Succeeded, Some(mut c)) => {
@@ -268,6 +270,48 @@ impl<'t, 'a> Change<'t, 'a> {
             }
         }
         Ok(())
+    }
+
+    /// A change of the deployment record alone (its update policy): a new
+    /// revision, its `deployment` event, the record stored.
+    pub fn update(&self, d: &mut DeploymentRecord) -> StoreResult<()> {
+        self.bump(d);
+        events::deployment_changed(self.tx, self.hub, d, None, self.now)?;
+        self.tx.put_deployment(d)
+    }
+
+    /// Sets the update policy; returns whether it changed. A new policy
+    /// allows a new automatic try of the default source already tried. The
+    /// caller stores `d` (with `update`, or with the build it queues).
+    pub fn set_policy(&self, d: &mut DeploymentRecord, policy: UpdatePolicy) -> StoreResult<bool> {
+        if d.update_policy == policy {
+            return Ok(false);
+        }
+        d.update_policy = policy;
+        if let Some(mut last) = self.tx.update_try(&d.id)? {
+            if last.blocks {
+                last.blocks = false;
+                self.tx.put_update_try(&d.id, &last)?;
+            }
+        }
+        Ok(true)
+    }
+
+    /// An automatic update's try learns how its build ended.
+    fn update_try_result(&self, b: &BuildRecord) -> StoreResult<()> {
+        let Some(mut last) = self.tx.update_try(&b.deployment)? else {
+            return Ok(());
+        };
+        if last.build_id != Some(b.id) {
+            return Ok(());
+        }
+        last.result = if b.status == BuildStatus::Succeeded {
+            TryResult::Succeeded
+        } else {
+            TryResult::Failed
+        };
+        last.reason = b.failure.as_ref().map(|f| f.reason.clone());
+        self.tx.put_update_try(&b.deployment, &last)
     }
 
     /// The build's status event, then the deployment's events and revision,

@@ -6,7 +6,7 @@ use redb::{ReadableTable, TableDefinition};
 
 use super::tables::*;
 use super::{get_record, IdempotencyRecord, StoreResult};
-use crate::model::{BuildId, BuildRecord, BuildSnapshots, DeploymentRecord, Source};
+use crate::model::{BuildId, BuildRecord, BuildSnapshots, DeploymentRecord, Source, UpdateTry};
 
 /// A table of encoded records.
 type RecordTable<K> = TableDefinition<'static, K, &'static [u8]>;
@@ -33,6 +33,10 @@ pub trait Lookup {
 
     fn source(&self, digest: &str) -> StoreResult<Option<Source>> {
         get_record(&self.open(SOURCES)?, digest)
+    }
+
+    fn update_try(&self, deployment: &str) -> StoreResult<Option<UpdateTry>> {
+        get_record(&self.open(UPDATE_TRIES)?, deployment)
     }
 
     fn idempotency(&self, key: &str) -> StoreResult<Option<IdempotencyRecord>> {

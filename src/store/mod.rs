@@ -180,6 +180,7 @@ fn init_schema(db: &Database) -> StoreResult<()> {
         txn.open_table(DEPLOYMENT_EVENTS)?;
         txn.open_table(BUILD_EVENTS)?;
         txn.open_table(BUILD_SNAPSHOTS)?;
+        txn.open_table(UPDATE_TRIES)?;
     }
     txn.commit()?;
     Ok(())

@@ -51,3 +51,8 @@ pub const BUILD_EVENTS: TableDefinition<(u128, u64), &[u8]> = TableDefinition::n
 /// Build id -> `BuildSnapshots`: the configuration and source a build runs
 /// (written when queued, `previous` added when it starts).
 pub const BUILD_SNAPSHOTS: TableDefinition<u128, &[u8]> = TableDefinition::new("build_snapshots");
+
+/// Deployment id -> `UpdateTry`: the last automatic update tried, written in
+/// the transaction of its build (or of its refusal), so a restart never
+/// tries the same default source twice under one policy.
+pub const UPDATE_TRIES: TableDefinition<&str, &[u8]> = TableDefinition::new("update_tries");

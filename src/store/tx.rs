@@ -9,7 +9,9 @@ use super::{
     codec, decode, get_record, put_record, IdempotencyRecord, PendingCallback, StoreResult,
     StoredEvent,
 };
-use crate::model::{BuildId, BuildRecord, BuildSnapshots, DeploymentRecord, Millis, Source};
+use crate::model::{
+    BuildId, BuildRecord, BuildSnapshots, DeploymentRecord, Millis, Source, UpdateTry,
+};
 
 /// Typed access inside a write transaction.
 pub struct Tx<'a> {
@@ -110,6 +112,10 @@ impl Tx<'_> {
             .open_table(LOG_CHUNKS)?
             .insert((build, chunk), value.as_slice())?;
         Ok(())
+    }
+
+    pub fn put_update_try(&self, deployment: &str, t: &UpdateTry) -> StoreResult<()> {
+        put_record(self.txn.open_table(UPDATE_TRIES)?, deployment, t)
     }
 
     pub fn put_source(&self, s: &Source) -> StoreResult<()> {
@@ -217,7 +223,8 @@ impl Tx<'_> {
             CALLBACKS,
             DEPLOYMENT_EVENTS,
             BUILD_EVENTS,
-            BUILD_SNAPSHOTS
+            BUILD_SNAPSHOTS,
+            UPDATE_TRIES
         );
         Ok(())
     }

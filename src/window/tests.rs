@@ -46,6 +46,66 @@ fn zones_are_iana_names_of_the_database() {
 }
 
 #[test]
+fn policies_are_checked_field_by_field() {
+    let policy = |frequency, day, start: &str, minutes, tz: &str| UpdatePolicy::Window {
+        frequency,
+        day,
+        start: start.into(),
+        duration_minutes: minutes,
+        time_zone: tz.into(),
+    };
+    assert!(Window::from_policy(&UpdatePolicy::Manual)
+        .unwrap()
+        .is_none());
+    assert!(Window::from_policy(&UpdatePolicy::Automatic)
+        .unwrap()
+        .is_none());
+    let ok = policy(Frequency::Weekly, Some(7), "03:00", 120, "Europe/Amsterdam");
+    assert!(Window::from_policy(&ok).unwrap().is_some());
+    let cases = [
+        (
+            policy(Frequency::Daily, Some(1), "03:00", 60, "UTC"),
+            InvalidPolicy::Day,
+        ),
+        (
+            policy(Frequency::Weekly, Some(8), "03:00", 60, "UTC"),
+            InvalidPolicy::Day,
+        ),
+        (
+            policy(Frequency::Weekly, None, "03:00", 60, "UTC"),
+            InvalidPolicy::Day,
+        ),
+        (
+            policy(Frequency::Monthly, Some(32), "03:00", 60, "UTC"),
+            InvalidPolicy::Day,
+        ),
+        (
+            policy(Frequency::Monthly, Some(0), "03:00", 60, "UTC"),
+            InvalidPolicy::Day,
+        ),
+        (
+            policy(Frequency::Daily, None, "3:00", 60, "UTC"),
+            InvalidPolicy::Start,
+        ),
+        (
+            policy(Frequency::Daily, None, "03:00", 14, "UTC"),
+            InvalidPolicy::Duration,
+        ),
+        (
+            policy(Frequency::Daily, None, "03:00", 1441, "UTC"),
+            InvalidPolicy::Duration,
+        ),
+        (
+            policy(Frequency::Daily, None, "03:00", 60, "Europe/Atlantis"),
+            InvalidPolicy::TimeZone,
+        ),
+    ];
+    for (p, expected) in cases {
+        assert_eq!(Window::from_policy(&p).err(), Some(expected), "{p:?}");
+    }
+}
+
+#[test]
 fn start_times_are_hh_mm() {
     assert_eq!(parse_start("03:00"), Some(time!(03:00)));
     assert_eq!(parse_start("23:59"), Some(time!(23:59)));

@@ -206,9 +206,7 @@ fn each_change_keeps_the_deployment_in_step() {
         // is no longer deployed nor suspended.
         let h = hub.clone();
         let destroy = store
-            .write(move |tx| {
-                delete_tx(tx, &h, "d", Some("http://127.0.0.1:1/cb".into()), 100, None)
-            })
+            .write(move |tx| delete_tx(tx, &h, "d", Some("http://127.0.0.1:1/cb".into()), None))
             .await
             .unwrap()
             .unwrap();
@@ -306,7 +304,7 @@ async fn run_ops(store: &Store, hub: &Arc<Hub>, ops: &[Op]) -> Vec<BuildId> {
             Op::Delete { deployment } => {
                 let id = DEPLOYMENTS[deployment as usize];
                 let r = store
-                    .write(move |tx| delete_tx(tx, &h, id, None, 100, None))
+                    .write(move |tx| delete_tx(tx, &h, id, None, None))
                     .await
                     .unwrap();
                 if let Ok(q) = r {
