@@ -132,7 +132,8 @@ fn main() {
                                 failure: None,
                                 exit_code: Some(0),
                             },
-                            last_chunk: None,
+                            nodes: vec![],
+        last_chunk: None,
                             late_frames: vec![],
                             last_seq_used: 0,
                         });

@@ -9,6 +9,7 @@ pub mod events;
 pub mod hex;
 pub mod local_deployer;
 pub mod model;
+pub mod sbom;
 pub mod serve;
 pub mod settings;
 pub mod store;

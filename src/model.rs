@@ -269,6 +269,55 @@ impl UpdateTry {
     }
 }
 
+/// Whether a node has an SBOM (spec sbom.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SbomStatus {
+    Ready,
+    Unavailable,
+}
+
+/// A node's SBOM as stored: its status and, when ready, the document's
+/// skeleton and the ordered hashes of its top-level components (the
+/// components themselves are stored once, content-addressed).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NodeSbom {
+    pub status: SbomStatus,
+    /// The deploy that gave it (none for "no deploy gave an SBOM yet").
+    pub build_id: Option<BuildId>,
+    pub at: Millis,
+    /// Why it is unavailable.
+    pub reason: Option<String>,
+    /// zstd of the skeleton's JSON text; empty when unavailable.
+    pub skeleton: Vec<u8>,
+    pub had_components: bool,
+    pub hashes: Vec<[u8; 32]>,
+}
+
+/// One node in `GET /v1/deployments/{id}/sboms`.
+#[derive(Debug, Clone, Serialize)]
+pub struct NodeSbomView {
+    pub node: String,
+    pub status: SbomStatus,
+    pub build_id: Option<String>,
+    pub at: String,
+    pub reason: Option<String>,
+    pub components: usize,
+}
+
+impl NodeSbom {
+    pub fn view(&self, node: &str) -> NodeSbomView {
+        NodeSbomView {
+            node: node.to_string(),
+            status: self.status,
+            build_id: self.build_id.map(format_build_id),
+            at: format_time(self.at),
+            reason: self.reason.clone(),
+            components: self.hashes.len(),
+        }
+    }
+}
+
 /// What the last successful deploy ran.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Deployed {

@@ -17,6 +17,7 @@ pub mod events;
 pub mod idempotency;
 pub mod ops;
 pub mod routes;
+pub mod sboms;
 
 pub use routes::ROUTES;
 

@@ -8,7 +8,9 @@
 use std::sync::Arc;
 
 use super::errors::{ApiError, Code};
-use super::{auth, builds, deployments, derive, events, idempotency, ops, Answer, Ctx, Request};
+use super::{
+    auth, builds, deployments, derive, events, idempotency, ops, sboms, Answer, Ctx, Request,
+};
 
 /// Who may call a route.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -40,6 +42,8 @@ pub enum Call {
     Act,
     SetUpdatePolicy,
     Preview,
+    ListSboms,
+    ReadSbom,
     ListBuilds,
     ReadBuild,
     BuildLog,
@@ -85,6 +89,8 @@ pub const ROUTES: &[Route] = &[
     route("POST", "/v1/deployments/{id}/actions/{name}", Access::Token, Call::Act),
     route("PUT", "/v1/deployments/{id}/update-policy", Access::Token, Call::SetUpdatePolicy),
     route("GET", "/v1/deployments/{id}/builds", Access::Token, Call::ListBuilds),
+    route("GET", "/v1/deployments/{id}/sboms", Access::Token, Call::ListSboms),
+    route("GET", "/v1/deployments/{id}/sboms/{node}", Access::Token, Call::ReadSbom),
     route("GET", "/v1/builds/{build}", Access::Token, Call::ReadBuild),
     route("GET", "/v1/builds/{build}/log", Access::Token, Call::BuildLog),
     route("POST", "/v1/builds/{build}/cancel", Access::Token, Call::CancelBuild),
@@ -141,6 +147,8 @@ pub async fn call(ctx: &Arc<Ctx>, route: &Route, req: &Request) -> Result<Answer
             idempotency::mutation(ctx, req, caller()?, |w| deployments::delete(ctx, req, w)).await
         }
         Call::ListBuilds => builds::list(ctx, req, caller()?),
+        Call::ListSboms => sboms::list(ctx, req),
+        Call::ReadSbom => sboms::node(ctx, req).await,
         Call::ReadBuild => builds::read(ctx, req),
         Call::BuildLog => builds::log(ctx, req).await,
         Call::CancelBuild => {

@@ -12,9 +12,9 @@ use tokio::sync::{mpsc, watch};
 
 use super::log_pipe::{Chunk, LogBuffer, LogPipe, LINE_QUEUE, LOG_FLUSH_INTERVAL};
 use super::queue::QUEUE_POLL;
-use super::runner::{self, Ended, Invocation};
+use super::runner::{self, CallDirs, Ended, Invocation};
 use super::transition::{Change, End};
-use super::verdict::{read_deploy_result, Outcome};
+use super::verdict::{read_deploy_result, NodeOutcome, Outcome, SbomOutcome};
 use super::{lock, Engine};
 use crate::events::{Channel, Frame, Hub};
 use crate::model::*;
@@ -58,18 +58,19 @@ impl Engine {
         let id_text = format_build_id(build.id);
         let work_dir = self.settings.work_dir(&build.deployment);
         let root = self.settings.scratch_root().join(&id_text);
-        let scratch_dir = root.join("scratch");
-        let _ = std::fs::remove_dir_all(&root);
-        if let Err(e) =
-            std::fs::create_dir_all(&scratch_dir).and_then(|_| std::fs::create_dir_all(&work_dir))
+        let dirs = match CallDirs::create(root.clone())
+            .and_then(|dirs| std::fs::create_dir_all(&work_dir).map(|_| dirs))
         {
-            return Outcome::failed(
-                &root,
-                "spawn_failed",
-                format!("cannot create the build's directories: {e}"),
-                LogBuffer::new(0, build.log_first_seq, build.seq_reserved),
-            );
-        }
+            Ok(dirs) => dirs,
+            Err(e) => {
+                return Outcome::failed(
+                    &root,
+                    "spawn_failed",
+                    format!("cannot create the build's directories: {e}"),
+                    LogBuffer::new(0, build.log_first_seq, build.seq_reserved),
+                )
+            }
+        };
         let verb = match build.kind {
             BuildKind::Deploy => "deploy",
             BuildKind::Destroy => "destroy",
@@ -92,8 +93,8 @@ impl Engine {
             verb,
             request: request.to_string().into_bytes(),
             work_dir,
-            scratch_dir,
-            result_path: root.join("result.json"),
+            scratch_dir: dirs.scratch,
+            result_path: dirs.result_path,
         };
         let mut log = LogBuffer::new(
             self.settings.max_log_bytes,
@@ -178,7 +179,14 @@ impl Engine {
             not_started: None,
         };
         if ended == Ended::Exit(0) {
-            outcome.result = Some(read_deploy_result(&outcome.root, build.kind));
+            // SBOMs may be large: read, check, split and compress them on
+            // the blocking pool.
+            let (root, kind) = (outcome.root.clone(), build.kind);
+            outcome.result = Some(
+                tokio::task::spawn_blocking(move || read_deploy_result(&root, kind))
+                    .await
+                    .unwrap_or_else(|_| Err("reading the deploy result stopped".into())),
+            );
         }
         outcome
     }
@@ -187,15 +195,15 @@ impl Engine {
     /// deployed snapshot and pending counters, the destroy callback.
     async fn finish(self: &Arc<Self>, build: BuildRecord, mut outcome: Outcome) {
         let end = outcome.verdict(self.settings.build_timeout);
-        let nodes = match &outcome.result {
-            Some(Ok(nodes)) => nodes.clone(),
+        let nodes = match outcome.result.take() {
+            Some(Ok(nodes)) => nodes,
             _ => vec![],
         };
         // berth's own closing lines go out with the final commit.
         let mut late_frames = Vec::new();
-        for (node, sbom) in &nodes {
-            if let Err(reason) = sbom {
-                let line = format!("[berth] node {node}: SBOM unavailable: {reason}");
+        for node in &nodes {
+            if let SbomOutcome::Unavailable(reason) = &node.sbom {
+                let line = format!("[berth] node {}: SBOM unavailable: {reason}", node.name);
                 if let Some(seq) = outcome.log.push(&line) {
                     late_frames.push(Frame::new(seq, "log", line, false));
                 }
@@ -227,6 +235,7 @@ impl Engine {
         let status = end.status;
         let finished = Arc::new(Finished {
             end,
+            nodes,
             last_chunk,
             late_frames,
             last_seq_used,
@@ -285,6 +294,8 @@ pub fn start_tx(
 /// What the final transaction of a build stores.
 pub struct Finished {
     pub end: End,
+    /// A deploy's nodes with their SBOMs (empty otherwise).
+    pub nodes: Vec<NodeOutcome>,
     /// The lines not yet committed, compressed.
     pub last_chunk: Option<Chunk>,
     /// berth's own closing lines (published after the commit).
@@ -314,5 +325,5 @@ pub fn finish_tx(tx: &Tx, hub: &Arc<Hub>, build_id: BuildId, f: &Arc<Finished>) 
         publish.committed(build_id, last_seq_used);
     });
     let mut d = tx.deployment(&b.deployment)?;
-    Change::new(tx, hub).finish(d.as_mut(), &mut b, f.end.clone())
+    Change::new(tx, hub).finish(d.as_mut(), &mut b, f.end.clone(), &f.nodes)
 }

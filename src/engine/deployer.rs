@@ -9,7 +9,7 @@ use serde_json::Value;
 use tokio::sync::{mpsc, watch};
 
 use super::refusal::{EvalUnavailable, FieldError, Refusal};
-use super::runner::{self, Ended, Invocation};
+use super::runner::{self, CallDirs, Ended, Invocation};
 use super::Engine;
 use crate::derive::{CatalogEntry, Rename};
 use crate::model::Source;
@@ -266,18 +266,16 @@ impl Engine {
     ) -> Result<(Ended, Result<Option<Vec<u8>>, String>, Vec<String>), Refusal> {
         let call_id = crate::hex::encode(&uuid::Uuid::now_v7().as_u128().to_be_bytes());
         let root = self.settings.scratch_root().join(format!("call-{call_id}"));
-        let scratch_dir = root.join("scratch");
-        let result_path = root.join("result.json");
-        std::fs::create_dir_all(&scratch_dir).map_err(|e| {
-            tracing::error!(error = %e, dir = %scratch_dir.display(), "cannot create a scratch dir");
+        let dirs = CallDirs::create(root.clone()).map_err(|e| {
+            tracing::error!(error = %e, dir = %root.display(), "cannot create a scratch dir");
             Refusal::Internal
         })?;
         let inv = Invocation {
             verb,
             request,
-            work_dir: work_dir.unwrap_or_else(|| scratch_dir.clone()),
-            scratch_dir,
-            result_path: result_path.clone(),
+            work_dir: work_dir.unwrap_or_else(|| dirs.scratch.clone()),
+            scratch_dir: dirs.scratch,
+            result_path: dirs.result_path,
         };
         let spawned = runner::spawn(&self.deployer, &inv).map_err(|e| {
             tracing::error!(error = %e, program = %self.deployer.program.display(), "cannot start the deployer");
@@ -307,7 +305,7 @@ impl Engine {
         )
         .await;
         let output = collect.await.unwrap_or_default();
-        let result = runner::read_result(&result_path);
+        let result = runner::read_result(&root);
         let _ = std::fs::remove_dir_all(&root);
         Ok((ended, result, output))
     }

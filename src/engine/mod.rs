@@ -16,6 +16,7 @@ pub mod recovery;
 pub mod refusal;
 pub mod requests;
 pub mod runner;
+pub mod sboms;
 pub mod sweeps;
 pub mod transition;
 pub mod updates;

@@ -60,6 +60,7 @@ pub fn recover_tx(tx: &Tx, hub: &Arc<Hub>, build_id: BuildId) -> StoreResult<Opt
             "interrupted_by_restart",
             "berth stopped while this build ran",
         ),
+        &[],
     )?;
     Ok(b.job)
 }

@@ -440,6 +440,7 @@ pub fn cancel_tx(
                 Some(&mut d),
                 &mut b,
                 End::cancelled("cancelled while queued"),
+                &[],
             )?;
             false
         }

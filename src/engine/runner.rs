@@ -5,7 +5,6 @@
 //! This is the only code that starts or signals processes.
 
 use std::ffi::OsString;
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Component, Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
@@ -94,6 +93,8 @@ pub fn spawn(cmd: &DeployerCommand, inv: &Invocation) -> std::io::Result<Spawned
     let mut command = Command::new(&cmd.program);
     if let Some((uid, gid)) = cmd.run_as {
         // The deployer owns its own dirs and nothing else of the data dir.
+        // The result file's own directory (never the call's root: a
+        // deployer that owned the root could swap its dirs for symlinks).
         let result_dir = inv
             .result_path
             .parent()
@@ -328,14 +329,52 @@ fn incomplete_utf8_tail(bytes: &[u8]) -> usize {
     }
 }
 
-/// Reads the result file: `Ok(None)` when missing, `Err` when too big or
-/// not a regular file.
-pub fn read_result(path: &Path) -> Result<Option<Vec<u8>>, String> {
-    match open_regular(path, MAX_RESULT_BYTES) {
+/// The directories of one deployer call under its own root, which berth
+/// owns: the deployer owns `scratch/` and `result/` (with
+/// `--deployer-user`), never the root, so it cannot swap either directory
+/// for a symlink; berth opens them with `O_NOFOLLOW` and every file beneath
+/// them with `openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS)`.
+pub struct CallDirs {
+    pub root: PathBuf,
+    pub scratch: PathBuf,
+    pub result_path: PathBuf,
+}
+
+/// Where the deployer writes its result, under the call's root.
+const RESULT_DIR: &str = "result";
+const RESULT_FILE: &str = "result.json";
+const SCRATCH_DIR: &str = "scratch";
+
+impl CallDirs {
+    /// Makes `root/scratch` and `root/result` (removing what a crashed
+    /// earlier call left).
+    pub fn create(root: PathBuf) -> std::io::Result<CallDirs> {
+        let _ = std::fs::remove_dir_all(&root);
+        let scratch = root.join(SCRATCH_DIR);
+        std::fs::create_dir_all(&scratch)?;
+        std::fs::create_dir_all(root.join(RESULT_DIR))?;
+        Ok(CallDirs {
+            result_path: root.join(RESULT_DIR).join(RESULT_FILE),
+            scratch,
+            root,
+        })
+    }
+}
+
+/// Reads the result file of the call rooted at `root`: `Ok(None)` when
+/// missing, `Err` when too big, not a regular file, or reached through a
+/// symlink.
+pub fn read_result(root: &Path) -> Result<Option<Vec<u8>>, String> {
+    match open_beneath(&root.join(RESULT_DIR), RESULT_FILE, MAX_RESULT_BYTES) {
         Ok(bytes) => Ok(Some(bytes)),
         Err(OpenError::Missing) => Ok(None),
         Err(OpenError::Refused(why)) => Err(why),
     }
+}
+
+/// Reads `rel` beneath the scratch dir of the call rooted at `root`.
+pub fn open_in_scratch(root: &Path, rel: &str, limit: u64) -> Result<Vec<u8>, OpenError> {
+    open_beneath(&root.join(SCRATCH_DIR), rel, limit)
 }
 
 #[derive(Debug)]
@@ -344,9 +383,16 @@ pub enum OpenError {
     Refused(String),
 }
 
-/// Opens `rel` beneath `root` only: no `..`, no absolute path, no symlink
-/// anywhere on the way, a regular file, at most `limit` bytes.
-pub fn open_beneath(root: &Path, rel: &str, limit: u64) -> Result<Vec<u8>, OpenError> {
+/// Opens `rel` beneath the directory `dir` only: `dir` itself must not be a
+/// symlink (`O_NOFOLLOW`), and `rel` is resolved by the kernel beneath it
+/// with no symlink anywhere (`openat2`, or `openat` per component with
+/// `O_NOFOLLOW` where the kernel lacks openat2); a regular file, at most
+/// `limit` bytes.
+pub fn open_beneath(dir: &Path, rel: &str, limit: u64) -> Result<Vec<u8>, OpenError> {
+    use nix::errno::Errno;
+    use nix::fcntl::{open, openat2, OFlag, OpenHow, ResolveFlag};
+    use nix::sys::stat::Mode;
+
     let rel_path = Path::new(rel);
     if rel.is_empty()
         || rel_path
@@ -355,35 +401,76 @@ pub fn open_beneath(root: &Path, rel: &str, limit: u64) -> Result<Vec<u8>, OpenE
     {
         return Err(OpenError::Refused("the path leaves the scratch dir".into()));
     }
-    let mut here = root.to_path_buf();
-    for c in rel_path.components() {
-        here.push(c);
-        match std::fs::symlink_metadata(&here) {
-            Ok(m) if m.file_type().is_symlink() => {
-                return Err(OpenError::Refused("the path goes through a symlink".into()))
-            }
-            Ok(_) => {}
-            Err(_) => return Err(OpenError::Missing),
+    let dir_fd = match open(
+        dir,
+        OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+        Mode::empty(),
+    ) {
+        Ok(fd) => fd,
+        Err(Errno::ENOENT) => return Err(OpenError::Missing),
+        Err(_) => {
+            return Err(OpenError::Refused(
+                "the deployer's directory was replaced (not a directory, or a symlink)".into(),
+            ))
         }
-    }
-    open_regular(&here, limit)
-}
-
-fn open_regular(path: &Path, limit: u64) -> Result<Vec<u8>, OpenError> {
-    use std::io::Read;
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK)
-        .open(path);
-    let file = match file {
-        Ok(f) => f,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(OpenError::Missing),
+    };
+    let file_flags = OFlag::O_RDONLY | OFlag::O_NOFOLLOW | OFlag::O_NONBLOCK | OFlag::O_CLOEXEC;
+    let how = OpenHow::new()
+        .flags(file_flags)
+        .resolve(ResolveFlag::RESOLVE_BENEATH | ResolveFlag::RESOLVE_NO_SYMLINKS);
+    let opened = match openat2(&dir_fd, rel_path, how) {
+        Err(Errno::ENOSYS) => open_per_component(&dir_fd, rel_path, file_flags),
+        other => other,
+    };
+    let fd = match opened {
+        Ok(fd) => fd,
+        Err(Errno::ENOENT) => return Err(OpenError::Missing),
+        Err(Errno::ELOOP) => {
+            return Err(OpenError::Refused("the path goes through a symlink".into()))
+        }
+        Err(Errno::EXDEV) => {
+            return Err(OpenError::Refused("the path leaves the scratch dir".into()))
+        }
         Err(_) => {
             return Err(OpenError::Refused(
                 "the file cannot be opened (not a regular file?)".into(),
             ))
         }
     };
+    read_regular(std::fs::File::from(fd), limit)
+}
+
+/// `openat` one component at a time, each with `O_NOFOLLOW` (kernels
+/// before 5.6 have no openat2).
+fn open_per_component(
+    dir: &std::os::fd::OwnedFd,
+    rel: &Path,
+    file_flags: nix::fcntl::OFlag,
+) -> nix::Result<std::os::fd::OwnedFd> {
+    use nix::fcntl::{openat, OFlag};
+    use nix::sys::stat::Mode;
+    use std::os::fd::AsFd;
+
+    let parts: Vec<_> = rel.components().collect();
+    let mut current: Option<std::os::fd::OwnedFd> = None;
+    for (i, part) in parts.iter().enumerate() {
+        let last = i + 1 == parts.len();
+        let flags = if last {
+            file_flags
+        } else {
+            OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC
+        };
+        let base = match &current {
+            Some(fd) => fd.as_fd(),
+            None => dir.as_fd(),
+        };
+        current = Some(openat(base, part.as_os_str(), flags, Mode::empty())?);
+    }
+    current.ok_or(nix::errno::Errno::ENOENT)
+}
+
+fn read_regular(file: std::fs::File, limit: u64) -> Result<Vec<u8>, OpenError> {
+    use std::io::Read;
     let meta = file
         .metadata()
         .map_err(|_| OpenError::Refused("cannot stat the file".into()))?;

@@ -22,6 +22,8 @@
 
 use std::sync::Arc;
 
+use super::sboms;
+use super::verdict::NodeOutcome;
 use crate::events::{self, Hub, SEQ_BLOCK};
 use crate::model::*;
 use crate::store::{Lookup, StoreError, StoreResult, Tx};
@@ -199,6 +201,7 @@ impl<'t, 'a> Change<'t, 'a> {
         d: Option<&mut DeploymentRecord>,
         b: &mut BuildRecord,
         end: End,
+        nodes: &[NodeOutcome],
     ) -> StoreResult<()> {
         guard(Some(b.status), end.status)?;
         // lifecycle.md: a build cancelled while queued never ran, and the
@@ -229,6 +232,7 @@ impl<'t, 'a> Change<'t, 'a> {
                 }
                 match (b.kind, status) {
                     (BuildKind::Deploy, BuildStatus::Succeeded) => {
+                        sboms::apply(self.tx, self.hub, d, b.id, nodes, self.now)?;
                         let snapshot = self
                             .tx
                             .build_snapshots(b.id)?
@@ -242,6 +246,7 @@ impl<'t, 'a> Change<'t, 'a> {
                         });
                     }
                     (BuildKind::Destroy, BuildStatus::Succeeded) => {
+                        sboms::clear(self.tx, self.hub, d, self.now)?;
                         d.deployed = None;
                         d.suspended = false;
                     }

@@ -10,18 +10,15 @@ use super::log_pipe::LogBuffer;
 use super::runner::{self, Ended, OpenError};
 use super::transition::End;
 use crate::model::*;
-
-/// Largest SBOM file read from a deployer (sbom.md).
-pub const MAX_SBOM_BYTES: u64 = 64 * 1024 * 1024;
-
-pub(super) type NodeResults = Vec<(String, Result<(), String>)>;
+use crate::sbom;
+use crate::store::compress;
 
 /// How a build's deployer run ended, before it is stored.
 pub(super) struct Outcome {
     pub(super) root: std::path::PathBuf,
     pub(super) ended: Ended,
     /// For exit 0: the checked result (nodes and their SBOM verdicts).
-    pub(super) result: Option<Result<NodeResults, String>>,
+    pub(super) result: Option<Result<Vec<NodeOutcome>, String>>,
     pub(super) log: LogBuffer,
     pub(super) disk_failure: Option<String>,
     pub(super) user_cancelled: bool,
@@ -151,14 +148,42 @@ enum SbomRef {
     Unavailable { reason: String },
 }
 
+/// A node of a deploy result, with its SBOM read, checked and prepared for
+/// the store (split, canonical, compressed) off the async runtime.
+#[derive(Debug)]
+pub struct NodeOutcome {
+    pub name: String,
+    pub changed: bool,
+    pub sbom: SbomOutcome,
+}
+
+#[derive(Debug)]
+pub enum SbomOutcome {
+    Ready(PreparedSbom),
+    /// Why the node has no SBOM from this deploy (a person reads it).
+    Unavailable(String),
+    /// `changed: false` without an SBOM: the node keeps the one it has.
+    Kept,
+}
+
+/// A document split for the store, every part compressed.
+#[derive(Debug)]
+pub struct PreparedSbom {
+    pub skeleton: Vec<u8>,
+    pub had_components: bool,
+    /// (hash, zstd of the canonical text), in the document's order.
+    pub components: Vec<(sbom::Hash, Vec<u8>)>,
+}
+
 /// Checks a deploy or destroy result against the protocol and the SBOM
 /// files it names (each file: beneath the scratch dir, regular, limited,
 /// CycloneDX JSON). A bad SBOM makes only that node's SBOM unavailable.
+/// Blocking: run it off the async workers (a document may be 64 MiB).
 pub(super) fn read_deploy_result(
     root: &std::path::Path,
     kind: BuildKind,
-) -> Result<NodeResults, String> {
-    let bytes = match runner::read_result(&root.join("result.json")) {
+) -> Result<Vec<NodeOutcome>, String> {
+    let bytes = match runner::read_result(root) {
         Ok(Some(b)) => b,
         Ok(None) => return Err("the deployer wrote no result".into()),
         Err(e) => return Err(format!("result file: {e}")),
@@ -178,36 +203,55 @@ pub(super) fn read_deploy_result(
     }
     let parsed: DeployResult = serde_json::from_value(value)
         .map_err(|_| "the deploy result does not match the protocol (nodes)".to_string())?;
-    let scratch = root.join("scratch");
     let mut out = Vec::with_capacity(parsed.nodes.len());
     let mut names = std::collections::HashSet::new();
     for node in parsed.nodes {
         if !names.insert(node.name.clone()) {
             return Err("the deploy result names a node twice".into());
         }
-        let verdict = match (&node.sbom, node.changed) {
-            (Some(SbomRef::Ready { path }), _) => check_sbom(&scratch, path),
-            (Some(SbomRef::Unavailable { reason }), _) => Err(reason.chars().take(2000).collect()),
-            (None, false) => Ok(()),
-            (None, true) => Err("the deployer gave no SBOM".into()),
+        let sbom = match (&node.sbom, node.changed) {
+            (Some(SbomRef::Ready { path }), _) => match read_sbom(root, path) {
+                Ok(prepared) => SbomOutcome::Ready(prepared),
+                Err(reason) => SbomOutcome::Unavailable(reason),
+            },
+            (Some(SbomRef::Unavailable { reason }), _) => {
+                SbomOutcome::Unavailable(reason.chars().take(MAX_REASON_CHARS).collect())
+            }
+            (None, false) => SbomOutcome::Kept,
+            (None, true) => SbomOutcome::Unavailable("the deployer gave no SBOM".into()),
         };
-        out.push((node.name, verdict));
+        out.push(NodeOutcome {
+            name: node.name,
+            changed: node.changed,
+            sbom,
+        });
     }
     Ok(out)
 }
 
-fn check_sbom(scratch: &std::path::Path, rel: &str) -> Result<(), String> {
-    let bytes = runner::open_beneath(scratch, rel, MAX_SBOM_BYTES).map_err(|e| match e {
+/// A deployer's reason for a missing SBOM is cut to this many characters.
+const MAX_REASON_CHARS: usize = 2000;
+
+fn read_sbom(root: &std::path::Path, rel: &str) -> Result<PreparedSbom, String> {
+    let bytes = runner::open_in_scratch(root, rel, sbom::MAX_SBOM_BYTES).map_err(|e| match e {
         OpenError::Missing => "the SBOM file is missing".to_string(),
         OpenError::Refused(why) => why,
     })?;
-    let doc: serde_json::Value =
-        serde_json::from_slice(&bytes).map_err(|_| "the SBOM is not JSON".to_string())?;
-    if doc.get("bomFormat").and_then(|v| v.as_str()) != Some("CycloneDX") {
-        return Err("the SBOM is not CycloneDX".into());
-    }
-    if bytes.windows(6).any(|w| w == b"\\u0000") {
-        return Err("the SBOM contains U+0000".into());
-    }
-    Ok(())
+    let doc = sbom::check(&bytes)?;
+    drop(bytes);
+    let split = sbom::split(doc)?;
+    let compress = |text: &[u8]| {
+        compress::compress(text).map_err(|_| "the SBOM could not be compressed".to_string())
+    };
+    let skeleton = compress(split.skeleton.to_string().as_bytes())?;
+    let components = split
+        .components
+        .iter()
+        .map(|c| Ok((c.hash, compress(c.text.as_bytes())?)))
+        .collect::<Result<Vec<_>, String>>()?;
+    Ok(PreparedSbom {
+        skeleton,
+        had_components: split.had_components,
+        components,
+    })
 }

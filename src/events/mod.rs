@@ -114,3 +114,35 @@ pub fn deployment_changed(
     });
     Ok(())
 }
+
+/// Stores one more event of the deployment channel (`sbom`) and publishes
+/// it after the commit. Only `engine::transition` (and what it calls) does
+/// this; the caller stores the deployment record with its new `event_seq`.
+pub fn deployment_event(
+    tx: &Tx,
+    hub: &Arc<Hub>,
+    d: &mut DeploymentRecord,
+    event: &'static str,
+    data: String,
+    now: Millis,
+) -> StoreResult<()> {
+    d.event_seq += 1;
+    let seq = d.event_seq;
+    tx.put_deployment_event(
+        &d.id,
+        seq,
+        &StoredEvent {
+            event: event.to_string(),
+            data: data.clone(),
+            at: now,
+        },
+    )?;
+    let (hub, id) = (hub.clone(), d.id.clone());
+    tx.after_commit(move || {
+        hub.publish(
+            &Channel::Deployment(id),
+            Frame::new(seq, event, data, false),
+        )
+    });
+    Ok(())
+}

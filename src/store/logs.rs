@@ -3,22 +3,17 @@
 //! chunks; this module is the one place that knows their compression, so
 //! the HTTP log route and the SSE replay read them back the same way.
 
-use super::{StoreError, StoreResult};
+use super::compress::{compress, decompress};
+use super::StoreResult;
 
-/// zstd level for log chunks (fast, ratio ~5 on build logs).
-const LOG_ZSTD_LEVEL: i32 = 3;
-
-/// Compresses the raw text of one chunk. zstd at level 3 does not fail on
-/// in-memory input; if it ever did, the raw text is an error, not a default.
+/// Compresses the raw text of one chunk.
 pub fn compress_chunk(raw: &[u8]) -> StoreResult<Vec<u8>> {
-    zstd::bulk::compress(raw, LOG_ZSTD_LEVEL)
-        .map_err(|e| StoreError::corrupt(format!("a log chunk does not compress: {e}")))
+    compress(raw)
 }
 
 /// Decompresses one stored chunk (its header already removed).
 pub fn decompress_chunk(compressed: &[u8]) -> StoreResult<Vec<u8>> {
-    zstd::stream::decode_all(compressed)
-        .map_err(|e| StoreError::corrupt(format!("a stored log chunk does not decompress: {e}")))
+    decompress(compressed)
 }
 
 /// Decompresses a build's stored chunks into its log text.

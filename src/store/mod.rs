@@ -10,6 +10,7 @@
 //! Reads use redb read transactions on the caller's thread (MVCC snapshots).
 
 pub mod codec;
+pub mod compress;
 mod error;
 pub mod logs;
 mod lookup;
@@ -181,6 +182,8 @@ fn init_schema(db: &Database) -> StoreResult<()> {
         txn.open_table(BUILD_EVENTS)?;
         txn.open_table(BUILD_SNAPSHOTS)?;
         txn.open_table(UPDATE_TRIES)?;
+        txn.open_table(SBOM_NODES)?;
+        txn.open_table(SBOM_COMPONENTS)?;
     }
     txn.commit()?;
     Ok(())
@@ -198,6 +201,19 @@ fn put_record<'k, K: redb::Key + 'static, T: Serialize>(
 ) -> StoreResult<()> {
     table.insert(key, codec::encode(value).as_slice())?;
     Ok(())
+}
+
+/// A component row: its reference count, then its compressed text.
+fn split_component_row(row: &[u8]) -> StoreResult<(u64, &[u8])> {
+    let (count, text) = row
+        .split_at_checked(8)
+        .ok_or_else(|| StoreError::corrupt("a component row without its count"))?;
+    let count = u64::from_le_bytes(
+        count
+            .try_into()
+            .map_err(|_| StoreError::corrupt("a component row's count"))?,
+    );
+    Ok((count, text))
 }
 
 /// The record stored under `key` in `table`, decoded.

@@ -4,8 +4,8 @@
 use redb::{ReadTransaction, ReadableTable, ReadableTableMetadata};
 
 use super::tables::*;
-use super::{decode, PendingCallback, StoreError, StoreResult, StoredEvent};
-use crate::model::{BuildId, BuildRecord, DeploymentRecord};
+use super::{decode, split_component_row, PendingCallback, StoreError, StoreResult, StoredEvent};
+use crate::model::{BuildId, BuildRecord, DeploymentRecord, NodeSbom};
 
 /// Typed access inside a read transaction (a consistent snapshot).
 pub struct Rx {
@@ -206,5 +206,49 @@ impl Rx {
             out.push((k.value(), decode(v.value())?));
         }
         Ok(out)
+    }
+
+    /// A deployment's SBOM nodes, by node name.
+    pub fn sbom_nodes(&self, deployment: &str) -> StoreResult<Vec<(String, NodeSbom)>> {
+        let t = self.txn.open_table(SBOM_NODES)?;
+        let mut out = Vec::new();
+        for entry in t.range((deployment, "")..)? {
+            let (k, v) = entry?;
+            let (dep, node) = k.value();
+            if dep != deployment {
+                break;
+            }
+            out.push((node.to_string(), decode(v.value())?));
+        }
+        Ok(out)
+    }
+
+    pub fn sbom_node(&self, deployment: &str, node: &str) -> StoreResult<Option<NodeSbom>> {
+        self.txn
+            .open_table(SBOM_NODES)?
+            .get((deployment, node))?
+            .map(|v| decode(v.value()))
+            .transpose()
+    }
+
+    /// A component's compressed text.
+    pub fn component(&self, hash: &[u8; 32]) -> StoreResult<Option<Vec<u8>>> {
+        let t = self.txn.open_table(SBOM_COMPONENTS)?;
+        let Some(row) = t.get(hash.as_slice())? else {
+            return Ok(None);
+        };
+        Ok(Some(split_component_row(row.value())?.1.to_vec()))
+    }
+
+    /// Stored components and the bytes they take (compressed, with their
+    /// reference counts).
+    pub fn component_totals(&self) -> StoreResult<(u64, u64)> {
+        let t = self.txn.open_table(SBOM_COMPONENTS)?;
+        let mut bytes = 0u64;
+        for entry in t.iter()? {
+            let (k, v) = entry?;
+            bytes += (k.value().len() + v.value().len()) as u64;
+        }
+        Ok((t.len()?, bytes))
     }
 }

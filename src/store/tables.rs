@@ -56,3 +56,12 @@ pub const BUILD_SNAPSHOTS: TableDefinition<u128, &[u8]> = TableDefinition::new("
 /// the transaction of its build (or of its refusal), so a restart never
 /// tries the same default source twice under one policy.
 pub const UPDATE_TRIES: TableDefinition<&str, &[u8]> = TableDefinition::new("update_tries");
+
+/// (deployment id, node) -> `NodeSbom`: each node's SBOM status, skeleton
+/// and ordered component hashes (sbom.md).
+pub const SBOM_NODES: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("sbom_nodes");
+
+/// SHA-256 of a component's RFC 8785 text -> reference count (u64 LE, one
+/// per occurrence in any node's list) then the zstd of that text. A row
+/// goes in the transaction that drops its last reference.
+pub const SBOM_COMPONENTS: TableDefinition<&[u8], &[u8]> = TableDefinition::new("sbom_components");

@@ -6,11 +6,11 @@ use redb::{ReadableTable, WriteTransaction};
 use super::tables::*;
 use super::writer::Hook;
 use super::{
-    codec, decode, get_record, put_record, IdempotencyRecord, PendingCallback, StoreResult,
-    StoredEvent,
+    codec, decode, get_record, put_record, split_component_row, IdempotencyRecord, PendingCallback,
+    StoreError, StoreResult, StoredEvent,
 };
 use crate::model::{
-    BuildId, BuildRecord, BuildSnapshots, DeploymentRecord, Millis, Source, UpdateTry,
+    BuildId, BuildRecord, BuildSnapshots, DeploymentRecord, Millis, NodeSbom, Source, UpdateTry,
 };
 
 /// Typed access inside a write transaction.
@@ -116,6 +116,74 @@ impl Tx<'_> {
 
     pub fn put_update_try(&self, deployment: &str, t: &UpdateTry) -> StoreResult<()> {
         put_record(self.txn.open_table(UPDATE_TRIES)?, deployment, t)
+    }
+
+    /// A deployment's SBOM nodes, by node name.
+    pub fn sbom_nodes(&self, deployment: &str) -> StoreResult<Vec<(String, NodeSbom)>> {
+        let t = self.txn.open_table(SBOM_NODES)?;
+        let mut out = Vec::new();
+        for entry in t.range((deployment, "")..)? {
+            let (k, v) = entry?;
+            let (dep, node) = k.value();
+            if dep != deployment {
+                break;
+            }
+            out.push((node.to_string(), decode(v.value())?));
+        }
+        Ok(out)
+    }
+
+    pub fn put_sbom_node(&self, deployment: &str, node: &str, s: &NodeSbom) -> StoreResult<()> {
+        put_record(self.txn.open_table(SBOM_NODES)?, (deployment, node), s)
+    }
+
+    pub fn remove_sbom_node(&self, deployment: &str, node: &str) -> StoreResult<()> {
+        self.txn
+            .open_table(SBOM_NODES)?
+            .remove((deployment, node))?;
+        Ok(())
+    }
+
+    /// One more reference to a component; stores its text (zstd) when new.
+    pub fn ref_component(&self, hash: &[u8; 32], compressed: &[u8]) -> StoreResult<()> {
+        let mut t = self.txn.open_table(SBOM_COMPONENTS)?;
+        let value = match t.get(hash.as_slice())? {
+            Some(row) => {
+                let (count, text) = split_component_row(row.value())?;
+                let mut value = (count + 1).to_le_bytes().to_vec();
+                value.extend_from_slice(text);
+                value
+            }
+            None => {
+                let mut value = 1u64.to_le_bytes().to_vec();
+                value.extend_from_slice(compressed);
+                value
+            }
+        };
+        t.insert(hash.as_slice(), value.as_slice())?;
+        Ok(())
+    }
+
+    /// One reference fewer; the row goes with its last reference.
+    pub fn unref_component(&self, hash: &[u8; 32]) -> StoreResult<()> {
+        let mut t = self.txn.open_table(SBOM_COMPONENTS)?;
+        let next = match t.get(hash.as_slice())? {
+            Some(row) => {
+                let (count, text) = split_component_row(row.value())?;
+                if count == 0 {
+                    return Err(StoreError::corrupt("a component with no references"));
+                }
+                let mut value = (count - 1).to_le_bytes().to_vec();
+                value.extend_from_slice(text);
+                (count > 1).then_some(value)
+            }
+            None => return Err(StoreError::corrupt("a node refers to a missing component")),
+        };
+        match next {
+            Some(value) => t.insert(hash.as_slice(), value.as_slice())?,
+            None => t.remove(hash.as_slice())?,
+        };
+        Ok(())
     }
 
     pub fn put_source(&self, s: &Source) -> StoreResult<()> {
@@ -224,7 +292,9 @@ impl Tx<'_> {
             DEPLOYMENT_EVENTS,
             BUILD_EVENTS,
             BUILD_SNAPSHOTS,
-            UPDATE_TRIES
+            UPDATE_TRIES,
+            SBOM_NODES,
+            SBOM_COMPONENTS
         );
         Ok(())
     }

@@ -131,6 +131,7 @@ fn end(status: BuildStatus) -> Arc<Finished> {
             BuildStatus::Cancelled => End::cancelled("cancelled while running"),
             _ => End::failed("exit_status", "the deployer exited with status 1"),
         },
+        nodes: vec![],
         last_chunk: None,
         late_frames: vec![],
         last_seq_used: 0,

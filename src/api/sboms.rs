@@ -1,0 +1,70 @@
+//! SBOM routes (spec api.md "SBOMs"): every node's status, and one node's
+//! CycloneDX document rebuilt from its skeleton and the shared components.
+
+use super::deployments::deployment_id;
+use super::errors::{ApiError, Code};
+use super::{Ctx, Reply, Request};
+use crate::model::*;
+use crate::store::{compress, Lookup, StoreError};
+
+/// The media type of a CycloneDX JSON document.
+const CYCLONEDX_JSON: &str = "application/vnd.cyclonedx+json";
+
+/// `GET /v1/deployments/{id}/sboms`.
+pub fn list(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
+    let id = deployment_id(req)?;
+    let rx = ctx.engine.store.read()?;
+    if rx.deployment(&id)?.is_none() {
+        return Err(ApiError::not_found("deployment"));
+    }
+    let nodes: Vec<NodeSbomView> = rx
+        .sbom_nodes(&id)?
+        .iter()
+        .map(|(name, s)| s.view(name))
+        .collect();
+    Ok(Reply::json(200, &serde_json::json!({ "nodes": nodes })))
+}
+
+/// `GET /v1/deployments/{id}/sboms/{node}`: the document, JSON-value-equal
+/// to the deployer's file. Decompressing and parsing run off the async
+/// workers (a document may be megabytes).
+pub async fn node(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
+    let id = deployment_id(req)?;
+    let node = req.param("node").to_string();
+    let store = ctx.engine.store.clone();
+    let rebuilt = tokio::task::spawn_blocking(move || -> Result<Vec<u8>, ApiError> {
+        let rx = store.read()?;
+        if rx.deployment(&id)?.is_none() {
+            return Err(ApiError::not_found("deployment"));
+        }
+        let sbom = rx
+            .sbom_node(&id, &node)?
+            .ok_or_else(|| ApiError::not_found("node with an SBOM"))?;
+        if sbom.status != SbomStatus::Ready {
+            return Err(ApiError::new(
+                Code::NotFound,
+                "this node has no SBOM; GET .../sboms says why",
+            )
+            .reason("sbom_unavailable"));
+        }
+        let corrupt = |what: &str| ApiError::from(StoreError::corrupt(what.to_string()));
+        let skeleton: serde_json::Value =
+            serde_json::from_slice(&compress::decompress(&sbom.skeleton)?)
+                .map_err(|_| corrupt("a stored SBOM skeleton is not JSON"))?;
+        let mut components = Vec::with_capacity(sbom.hashes.len());
+        for hash in &sbom.hashes {
+            let text = rx
+                .component(hash)?
+                .ok_or_else(|| corrupt("an SBOM refers to a missing component"))?;
+            components.push(
+                serde_json::from_slice(&compress::decompress(&text)?)
+                    .map_err(|_| corrupt("a stored component is not JSON"))?,
+            );
+        }
+        let doc = crate::sbom::rebuild(skeleton, sbom.had_components, components);
+        serde_json::to_vec(&doc).map_err(|_| ApiError::internal())
+    })
+    .await
+    .map_err(|_| ApiError::internal())??;
+    Ok(Reply::text(200, CYCLONEDX_JSON, rebuilt))
+}

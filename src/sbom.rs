@@ -1,0 +1,154 @@
+//! PURE: a CycloneDX SBOM split into its skeleton and its top-level
+//! components, each component keyed by the SHA-256 of its RFC 8785 text, and
+//! rebuilt from them (spec sbom.md "Content-addressed components"). No I/O:
+//! the store keeps the pieces, the engine decides when.
+//!
+//! The skeleton is the document without `components`; the node keeps it and
+//! the ordered list of component hashes (a hash may repeat). Rebuilding puts
+//! `components` back with the components in their order, so the result is
+//! JSON-value-equal to the deployer's document. bom-refs are never touched;
+//! nested components stay inside their parent's text.
+
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+/// Largest SBOM file read from a deployer (sbom.md).
+pub const MAX_SBOM_BYTES: u64 = 64 * 1024 * 1024;
+
+/// A component's key: SHA-256 of its RFC 8785 canonical text.
+pub type Hash = [u8; 32];
+
+/// One top-level component, canonical.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Component {
+    pub hash: Hash,
+    /// RFC 8785 text of the component.
+    pub text: String,
+}
+
+/// A document split for storage.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Split {
+    /// The document without its `components` member.
+    pub skeleton: Value,
+    /// Whether the document had a `components` member (an empty list and no
+    /// list rebuild differently).
+    pub had_components: bool,
+    /// The top-level components in their order.
+    pub components: Vec<Component>,
+}
+
+/// Why a file is not a usable SBOM; the text is for the person reading the
+/// node's status.
+pub fn check(bytes: &[u8]) -> Result<Value, String> {
+    // JSON escapes U+0000 as \u0000; a raw NUL byte is not valid JSON anyway.
+    if bytes.windows(6).any(|w| w == b"\\u0000") {
+        return Err("the SBOM contains the character U+0000".into());
+    }
+    let doc: Value =
+        serde_json::from_slice(bytes).map_err(|_| "the SBOM is not JSON".to_string())?;
+    if doc.get("bomFormat").and_then(Value::as_str) != Some("CycloneDX") {
+        return Err("the SBOM is not CycloneDX (bomFormat is not \"CycloneDX\")".into());
+    }
+    if doc.get("components").is_some_and(|c| !c.is_array()) {
+        return Err("the SBOM's components member is not a list".into());
+    }
+    Ok(doc)
+}
+
+/// Splits a checked document.
+pub fn split(mut doc: Value) -> Result<Split, String> {
+    let components = match doc.as_object_mut().and_then(|m| m.remove("components")) {
+        None => None,
+        Some(Value::Array(list)) => Some(list),
+        Some(_) => return Err("the SBOM's components member is not a list".into()),
+    };
+    let had_components = components.is_some();
+    let components = components
+        .unwrap_or_default()
+        .iter()
+        .map(canonical)
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(Split {
+        skeleton: doc,
+        had_components,
+        components,
+    })
+}
+
+/// A component's canonical text and hash.
+pub fn canonical(value: &Value) -> Result<Component, String> {
+    let text = serde_jcs::to_string(value)
+        .map_err(|_| "a component cannot be written as RFC 8785 JSON".to_string())?;
+    Ok(Component {
+        hash: Sha256::digest(text.as_bytes()).into(),
+        text,
+    })
+}
+
+/// The document again: the skeleton with `components` in their order.
+pub fn rebuild(mut skeleton: Value, had_components: bool, components: Vec<Value>) -> Value {
+    if had_components {
+        if let Some(map) = skeleton.as_object_mut() {
+            map.insert("components".into(), Value::Array(components));
+        }
+    }
+    skeleton
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn split_and_rebuild_are_value_equal_with_repeats_and_nesting() {
+        let doc = json!({
+            "bomFormat": "CycloneDX", "specVersion": "1.5",
+            "metadata": {"component": {"name": "web"}},
+            "components": [
+                {"name": "a", "version": "1", "bom-ref": "dup"},
+                {"version": "2", "name": "b", "components": [{"name": "inner"}]},
+                {"name": "a", "bom-ref": "dup", "version": "1"}
+            ],
+            "dependencies": [{"ref": "dup"}]
+        });
+        let split = split(check(doc.to_string().as_bytes()).unwrap()).unwrap();
+        assert_eq!(split.components.len(), 3);
+        assert_eq!(
+            split.components[0].hash, split.components[2].hash,
+            "key order does not change the hash"
+        );
+        assert_ne!(split.components[0].hash, split.components[1].hash);
+        assert!(split.skeleton.get("components").is_none());
+        let parts = split
+            .components
+            .iter()
+            .map(|c| serde_json::from_str(&c.text).unwrap())
+            .collect();
+        assert_eq!(rebuild(split.skeleton, true, parts), doc);
+    }
+
+    #[test]
+    fn a_document_without_components_stays_without() {
+        let doc = json!({"bomFormat": "CycloneDX", "specVersion": "1.4"});
+        let s = split(doc.clone()).unwrap();
+        assert!(!s.had_components);
+        assert_eq!(rebuild(s.skeleton, false, vec![]), doc);
+        let empty = json!({"bomFormat": "CycloneDX", "components": []});
+        let s = split(empty.clone()).unwrap();
+        assert_eq!(rebuild(s.skeleton, s.had_components, vec![]), empty);
+    }
+
+    #[test]
+    fn bad_documents_say_why() {
+        assert!(check(b"not json").unwrap_err().contains("not JSON"));
+        assert!(check(br#"{"bomFormat": "SPDX"}"#)
+            .unwrap_err()
+            .contains("not CycloneDX"));
+        assert!(check(br#"{"bomFormat": "CycloneDX", "x": "a\u0000b"}"#)
+            .unwrap_err()
+            .contains("U+0000"));
+        assert!(check(br#"{"bomFormat": "CycloneDX", "components": {}}"#).is_err());
+    }
+}
