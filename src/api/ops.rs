@@ -50,6 +50,7 @@ pub fn metrics(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
     }
     let mut out = String::new();
     let e = &ctx.engine;
+    let components = e.store.read()?.component_count()?;
     out.push_str("# HELP berth_http_requests_total Requests by route template and status.\n# TYPE berth_http_requests_total counter\n");
     {
         let m = e.metrics.requests.lock().unwrap_or_else(|p| p.into_inner());
@@ -120,6 +121,11 @@ pub fn metrics(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
             "berth_audit_events_total",
             "Audit events written since start.",
             0,
+        ),
+        (
+            "berth_sbom_components",
+            "Distinct SBOM components stored (each shared one once).",
+            components,
         ),
         (
             "berth_store_bytes",

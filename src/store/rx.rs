@@ -240,6 +240,11 @@ impl Rx {
         Ok(Some(split_component_row(row.value())?.1.to_vec()))
     }
 
+    /// Stored components (distinct, across every deployment).
+    pub fn component_count(&self) -> StoreResult<u64> {
+        Ok(self.txn.open_table(SBOM_COMPONENTS)?.len()?)
+    }
+
     /// Stored components and the bytes they take (compressed, with their
     /// reference counts).
     pub fn component_totals(&self) -> StoreResult<(u64, u64)> {

@@ -12,3 +12,4 @@ mod lifecycle;
 mod queue;
 mod restart;
 mod routes;
+mod sboms;
