@@ -48,21 +48,27 @@ pub async fn node(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
             .reason("sbom_unavailable"));
         }
         let corrupt = |what: &str| ApiError::from(StoreError::corrupt(what.to_string()));
-        let skeleton: serde_json::Value =
-            serde_json::from_slice(&compress::decompress(&sbom.skeleton)?)
-                .map_err(|_| corrupt("a stored SBOM skeleton is not JSON"))?;
-        let mut components = Vec::with_capacity(sbom.hashes.len());
-        for hash in &sbom.hashes {
-            let text = rx
-                .component(hash)?
-                .ok_or_else(|| corrupt("an SBOM refers to a missing component"))?;
-            components.push(
-                serde_json::from_slice(&compress::decompress(&text)?)
-                    .map_err(|_| corrupt("a stored component is not JSON"))?,
-            );
-        }
-        let doc = crate::sbom::rebuild(skeleton, sbom.had_components, components);
-        serde_json::to_vec(&doc).map_err(|_| ApiError::internal())
+        let max = crate::sbom::MAX_SBOM_BYTES as usize;
+        let mut unpacker = compress::Unpacker::new()?;
+        let mut skeleton = Vec::new();
+        unpacker.unpack_into(&sbom.skeleton, max, &mut skeleton)?;
+        let skeleton = String::from_utf8(skeleton)
+            .map_err(|_| corrupt("a stored SBOM skeleton is not text"))?;
+        // Stored components are typically a few hundred bytes each.
+        let hint = sbom.hashes.len() * 512;
+        let components = &sbom.hashes;
+        crate::sbom::rebuild_text(
+            &skeleton,
+            sbom.had_components,
+            components.len(),
+            hint,
+            |i, out| {
+                rx.with_component(&components[i], |text| unpacker.unpack_into(text, max, out))?
+                    .ok_or_else(|| corrupt("an SBOM refers to a missing component"))?
+                    .map_err(ApiError::from)
+            },
+        )?
+        .ok_or_else(|| corrupt("a stored SBOM skeleton is not an object"))
     })
     .await
     .map_err(|_| ApiError::internal())??;

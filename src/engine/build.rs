@@ -181,9 +181,9 @@ impl Engine {
         if ended == Ended::Exit(0) {
             // SBOMs may be large: read, check, split and compress them on
             // the blocking pool.
-            let (root, kind) = (outcome.root.clone(), build.kind);
+            let (root, kind, store) = (outcome.root.clone(), build.kind, self.store.clone());
             outcome.result = Some(
-                tokio::task::spawn_blocking(move || read_deploy_result(&root, kind))
+                tokio::task::spawn_blocking(move || read_deploy_result(&root, kind, &store))
                     .await
                     .unwrap_or_else(|_| Err("reading the deploy result stopped".into())),
             );

@@ -32,8 +32,8 @@ pub fn apply(
             SbomOutcome::Ready(prepared) => {
                 // References first, then the old ones dropped: a component
                 // both lists share never reaches zero in between.
-                for (hash, compressed) in &prepared.components {
-                    tx.ref_component(hash, compressed)?;
+                for (hash, bytes) in &prepared.components {
+                    tx.ref_component(hash, || bytes.compressed())?;
                 }
                 NodeSbom {
                     status: SbomStatus::Ready,

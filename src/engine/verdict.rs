@@ -166,13 +166,33 @@ pub enum SbomOutcome {
     Kept,
 }
 
-/// A document split for the store, every part compressed.
+/// A document split for the store.
 #[derive(Debug)]
 pub struct PreparedSbom {
+    /// zstd of the skeleton's JSON text.
     pub skeleton: Vec<u8>,
     pub had_components: bool,
-    /// (hash, zstd of the canonical text), in the document's order.
-    pub components: Vec<(sbom::Hash, Vec<u8>)>,
+    /// In the document's order.
+    pub components: Vec<(sbom::Hash, ComponentBytes)>,
+}
+
+/// A component's bytes for the store: compressed when it was new when read;
+/// a component already stored keeps only its text (compressed in the
+/// transaction only if it was collected meanwhile). With 90% of components
+/// shared, this spares most of the compression.
+#[derive(Debug)]
+pub enum ComponentBytes {
+    Compressed(Vec<u8>),
+    Known(String),
+}
+
+impl ComponentBytes {
+    pub fn compressed(&self) -> crate::store::StoreResult<Vec<u8>> {
+        match self {
+            ComponentBytes::Compressed(c) => Ok(c.clone()),
+            ComponentBytes::Known(text) => compress::compress(text.as_bytes()),
+        }
+    }
 }
 
 /// Checks a deploy or destroy result against the protocol and the SBOM
@@ -182,6 +202,7 @@ pub struct PreparedSbom {
 pub(super) fn read_deploy_result(
     root: &std::path::Path,
     kind: BuildKind,
+    store: &crate::store::Store,
 ) -> Result<Vec<NodeOutcome>, String> {
     let bytes = match runner::read_result(root) {
         Ok(Some(b)) => b,
@@ -210,7 +231,7 @@ pub(super) fn read_deploy_result(
             return Err("the deploy result names a node twice".into());
         }
         let sbom = match (&node.sbom, node.changed) {
-            (Some(SbomRef::Ready { path }), _) => match read_sbom(root, path) {
+            (Some(SbomRef::Ready { path }), _) => match read_sbom(root, path, store) {
                 Ok(prepared) => SbomOutcome::Ready(prepared),
                 Err(reason) => SbomOutcome::Unavailable(reason),
             },
@@ -232,7 +253,11 @@ pub(super) fn read_deploy_result(
 /// A deployer's reason for a missing SBOM is cut to this many characters.
 const MAX_REASON_CHARS: usize = 2000;
 
-fn read_sbom(root: &std::path::Path, rel: &str) -> Result<PreparedSbom, String> {
+fn read_sbom(
+    root: &std::path::Path,
+    rel: &str,
+    store: &crate::store::Store,
+) -> Result<PreparedSbom, String> {
     let bytes = runner::open_in_scratch(root, rel, sbom::MAX_SBOM_BYTES).map_err(|e| match e {
         OpenError::Missing => "the SBOM file is missing".to_string(),
         OpenError::Refused(why) => why,
@@ -244,10 +269,23 @@ fn read_sbom(root: &std::path::Path, rel: &str) -> Result<PreparedSbom, String> 
         compress::compress(text).map_err(|_| "the SBOM could not be compressed".to_string())
     };
     let skeleton = compress(split.skeleton.to_string().as_bytes())?;
+    // A store that cannot be read now only costs compression.
+    let rx = store.read().ok();
+    let known = |hash: &sbom::Hash| {
+        rx.as_ref()
+            .is_some_and(|rx| rx.has_component(hash).unwrap_or(false))
+    };
     let components = split
         .components
-        .iter()
-        .map(|c| Ok((c.hash, compress(c.text.as_bytes())?)))
+        .into_iter()
+        .map(|c| {
+            let bytes = if known(&c.hash) {
+                ComponentBytes::Known(c.text)
+            } else {
+                ComponentBytes::Compressed(compress(c.text.as_bytes())?)
+            };
+            Ok((c.hash, bytes))
+        })
         .collect::<Result<Vec<_>, String>>()?;
     Ok(PreparedSbom {
         skeleton,

@@ -203,17 +203,25 @@ fn put_record<'k, K: redb::Key + 'static, T: Serialize>(
     Ok(())
 }
 
-/// A component row: its reference count, then its compressed text.
-fn split_component_row(row: &[u8]) -> StoreResult<(u64, &[u8])> {
+/// A component row: its reference count (u32 LE: four bytes, not eight,
+/// on each of hundreds of thousands of small rows), then its compressed text.
+fn split_component_row(row: &[u8]) -> StoreResult<(u32, &[u8])> {
     let (count, text) = row
-        .split_at_checked(8)
+        .split_at_checked(4)
         .ok_or_else(|| StoreError::corrupt("a component row without its count"))?;
-    let count = u64::from_le_bytes(
+    let count = u32::from_le_bytes(
         count
             .try_into()
             .map_err(|_| StoreError::corrupt("a component row's count"))?,
     );
     Ok((count, text))
+}
+
+fn component_row(count: u32, text: &[u8]) -> Vec<u8> {
+    let mut row = Vec::with_capacity(4 + text.len());
+    row.extend_from_slice(&count.to_le_bytes());
+    row.extend_from_slice(text);
+    row
 }
 
 /// The record stored under `key` in `table`, decoded.

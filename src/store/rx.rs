@@ -231,6 +231,19 @@ impl Rx {
             .transpose()
     }
 
+    /// Runs `f` on a component's compressed text, without copying it.
+    pub fn with_component<R>(
+        &self,
+        hash: &[u8; 32],
+        f: impl FnOnce(&[u8]) -> R,
+    ) -> StoreResult<Option<R>> {
+        let t = self.txn.open_table(SBOM_COMPONENTS)?;
+        let Some(row) = t.get(hash.as_slice())? else {
+            return Ok(None);
+        };
+        Ok(Some(f(split_component_row(row.value())?.1)))
+    }
+
     /// A component's compressed text.
     pub fn component(&self, hash: &[u8; 32]) -> StoreResult<Option<Vec<u8>>> {
         let t = self.txn.open_table(SBOM_COMPONENTS)?;
@@ -238,6 +251,15 @@ impl Rx {
             return Ok(None);
         };
         Ok(Some(split_component_row(row.value())?.1.to_vec()))
+    }
+
+    /// Whether a component is stored.
+    pub fn has_component(&self, hash: &[u8; 32]) -> StoreResult<bool> {
+        Ok(self
+            .txn
+            .open_table(SBOM_COMPONENTS)?
+            .get(hash.as_slice())?
+            .is_some())
     }
 
     /// Stored components (distinct, across every deployment).

@@ -61,7 +61,7 @@ pub const UPDATE_TRIES: TableDefinition<&str, &[u8]> = TableDefinition::new("upd
 /// and ordered component hashes (sbom.md).
 pub const SBOM_NODES: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("sbom_nodes");
 
-/// SHA-256 of a component's RFC 8785 text -> reference count (u64 LE, one
+/// SHA-256 of a component's RFC 8785 text -> reference count (u32 LE, one
 /// per occurrence in any node's list) then the zstd of that text. A row
 /// goes in the transaction that drops its last reference.
 pub const SBOM_COMPONENTS: TableDefinition<&[u8], &[u8]> = TableDefinition::new("sbom_components");

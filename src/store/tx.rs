@@ -6,8 +6,8 @@ use redb::{ReadableTable, WriteTransaction};
 use super::tables::*;
 use super::writer::Hook;
 use super::{
-    codec, decode, get_record, put_record, split_component_row, IdempotencyRecord, PendingCallback,
-    StoreError, StoreResult, StoredEvent,
+    codec, component_row, decode, get_record, put_record, split_component_row, IdempotencyRecord,
+    PendingCallback, StoreError, StoreResult, StoredEvent,
 };
 use crate::model::{
     BuildId, BuildRecord, BuildSnapshots, DeploymentRecord, Millis, NodeSbom, Source, UpdateTry,
@@ -144,21 +144,23 @@ impl Tx<'_> {
         Ok(())
     }
 
-    /// One more reference to a component; stores its text (zstd) when new.
-    pub fn ref_component(&self, hash: &[u8; 32], compressed: &[u8]) -> StoreResult<()> {
+    /// One more reference to a component; stores its text (zstd, made by
+    /// `compressed` only when the row is new).
+    pub fn ref_component(
+        &self,
+        hash: &[u8; 32],
+        compressed: impl FnOnce() -> StoreResult<Vec<u8>>,
+    ) -> StoreResult<()> {
         let mut t = self.txn.open_table(SBOM_COMPONENTS)?;
         let value = match t.get(hash.as_slice())? {
             Some(row) => {
                 let (count, text) = split_component_row(row.value())?;
-                let mut value = (count + 1).to_le_bytes().to_vec();
-                value.extend_from_slice(text);
-                value
+                let count = count
+                    .checked_add(1)
+                    .ok_or_else(|| StoreError::corrupt("a component with 2^32 references"))?;
+                component_row(count, text)
             }
-            None => {
-                let mut value = 1u64.to_le_bytes().to_vec();
-                value.extend_from_slice(compressed);
-                value
-            }
+            None => component_row(1, &compressed()?),
         };
         t.insert(hash.as_slice(), value.as_slice())?;
         Ok(())
@@ -173,9 +175,7 @@ impl Tx<'_> {
                 if count == 0 {
                     return Err(StoreError::corrupt("a component with no references"));
                 }
-                let mut value = (count - 1).to_le_bytes().to_vec();
-                value.extend_from_slice(text);
-                (count > 1).then_some(value)
+                (count > 1).then(|| component_row(count - 1, text))
             }
             None => return Err(StoreError::corrupt("a node refers to a missing component")),
         };
