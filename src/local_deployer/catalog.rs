@@ -78,6 +78,11 @@ const BASE: &[Package] = &[
     ("coreutils", "9.5", "GPL-3.0-or-later"),
 ];
 
+/// The system packages every node runs on (its NixOS closure's base).
+pub fn base_packages() -> &'static [Package] {
+    BASE
+}
+
 /// The packages of an application's node.
 pub fn packages(app: &str) -> &'static [Package] {
     match app {

@@ -410,14 +410,25 @@ fn hex(bytes: &[u8]) -> String {
     crate::hex::encode(bytes)
 }
 
-/// A CycloneDX 1.5 SBOM of the node's packages.
+/// A CycloneDX 1.5 SBOM of the node's system: its application's packages
+/// on top of the base system every node shares (so the nodes of one
+/// deployment, and of every deployment, share most components), with
+/// purls, hashes, licenses and a dependency graph (the node on everything,
+/// the application on its runtime, everything on glibc).
 fn write_sbom(path: &Path, node: &Node) -> std::io::Result<()> {
-    let packages = catalog::packages(node.application.as_deref().unwrap_or("base"));
+    let app_packages = catalog::packages(node.application.as_deref().unwrap_or("base"));
+    let mut packages: Vec<(&str, &str, &str)> = app_packages.to_vec();
+    for base in catalog::base_packages() {
+        if !packages.iter().any(|(n, _, _)| *n == base.0) {
+            packages.push(*base);
+        }
+    }
+    let purl = |name: &str, version: &str| format!("pkg:nix/{name}@{version}");
     let node_ref = format!("node:{}", node.name);
     let components: Vec<Value> = packages
         .iter()
         .map(|(name, version, license)| {
-            let purl = format!("pkg:nix/{name}@{version}");
+            let purl = purl(name, version);
             json!({
                 "type": "library",
                 "bom-ref": purl,
@@ -429,6 +440,28 @@ fn write_sbom(path: &Path, node: &Node) -> std::io::Result<()> {
             })
         })
         .collect();
+    let glibc = catalog::base_packages()
+        .iter()
+        .find(|(n, _, _)| *n == "glibc")
+        .map(|(n, v, _)| purl(n, v));
+    let mut dependencies = vec![json!({
+        "ref": node_ref,
+        "dependsOn": packages.iter().map(|(n, v, _)| purl(n, v)).collect::<Vec<_>>(),
+    })];
+    for (i, (name, version, _)) in packages.iter().enumerate() {
+        let this = purl(name, version);
+        let mut on: Vec<String> = Vec::new();
+        if i == 0 && node.application.is_some() {
+            // The application runs on the rest of its own packages.
+            on.extend(app_packages.iter().skip(1).map(|(n, v, _)| purl(n, v)));
+        }
+        if let Some(glibc) = &glibc {
+            if *glibc != this && !on.contains(glibc) {
+                on.push(glibc.clone());
+            }
+        }
+        dependencies.push(json!({"ref": this, "dependsOn": on}));
+    }
     let doc = json!({
         "bomFormat": "CycloneDX",
         "specVersion": "1.5",
@@ -440,7 +473,7 @@ fn write_sbom(path: &Path, node: &Node) -> std::io::Result<()> {
             "component": {"type": "operating-system", "name": node.name, "bom-ref": node_ref},
         },
         "components": components,
-        "dependencies": [{"ref": node_ref, "dependsOn": packages.iter().map(|(n, v, _)| format!("pkg:nix/{n}@{v}")).collect::<Vec<_>>()}],
+        "dependencies": dependencies,
     });
     write_atomically(
         path,

@@ -391,3 +391,46 @@ esac
     let list = sboms(&s, "swap").await;
     assert_eq!(node(&list, "web")["status"], "unavailable", "{list:?}");
 }
+
+/// The embedded `local` deployer gives each node a realistic SBOM: its
+/// application on the base system the nodes share.
+#[tokio::test]
+async fn the_local_deployers_nodes_share_their_base_system() {
+    let s = Server::start(Options::default()).await;
+    let config = json!({"domain": "alice.example.org", "applications": {"mastodon": {"enable": true}, "forgejo": {"enable": true}}});
+    let b = s.submit_ok("alice", config).await;
+    s.wait_build(&b, "succeeded").await;
+    let list = sboms(&s, "alice").await;
+    let names: Vec<&str> = list.iter().map(|n| n["node"].as_str().unwrap()).collect();
+    assert!(
+        names.contains(&"mastodon") && names.contains(&"forgejo"),
+        "{list:?}"
+    );
+    let mut total = 0;
+    for n in &list {
+        assert_eq!(n["status"], "ready", "{n}");
+        total += n["components"].as_u64().unwrap();
+    }
+    let (status, doc) = s.json("/v1/deployments/alice/sboms/mastodon").await;
+    assert_eq!(status, 200, "{doc}");
+    let purls: Vec<&str> = doc["components"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["purl"].as_str().unwrap())
+        .collect();
+    assert!(
+        purls.iter().any(|p| p.starts_with("pkg:nix/mastodon@")),
+        "{purls:?}"
+    );
+    assert!(
+        purls.iter().any(|p| p.starts_with("pkg:nix/glibc@")),
+        "{purls:?}"
+    );
+    assert!(doc["dependencies"].as_array().unwrap().len() > 1);
+    let rows = component_rows(&s).await;
+    assert!(
+        rows < total,
+        "the nodes share components: {rows} rows for {total}"
+    );
+}
