@@ -34,7 +34,8 @@ fn testdata_files() -> Vec<PathBuf> {
 
 /// A deployer that plays a plan: for deployment `d`, its deploy copies
 /// `<plans>/d/scratch/` into its scratch dir and `<plans>/d/result.json` to
-/// its result, after running `<plans>/d/hook.sh` if present.
+/// its result, after running `<plans>/d/hook.sh` if present, and exits 1
+/// when `<plans>/d/fail` exists.
 fn plan_deployer(dir: &Path) -> (PathBuf, PathBuf) {
     let plans = dir.join("plans");
     std::fs::create_dir_all(&plans).unwrap();
@@ -45,7 +46,9 @@ case "$verb" in
 deploy)
   [ -x "$p/hook.sh" ] && "$p/hook.sh"
   [ -d "$p/scratch" ] && cp -r "$p/scratch/." "$BERTH_SCRATCH_DIR/"
-  cp "$p/result.json" "$BERTH_RESULT"; exit 0;;
+  cp "$p/result.json" "$BERTH_RESULT"
+  [ -e "$p/fail" ] && exit 1
+  exit 0;;
 destroy) printf '{{}}' > "$BERTH_RESULT"; exit 0;;
 esac
 exit 2
@@ -278,6 +281,25 @@ async fn unchanged_nodes_keep_theirs_and_dropped_nodes_lose_theirs() {
     assert_eq!(
         component_rows(&s).await as usize,
         distinct_components(&[&small])
+    );
+
+    // A failed deploy changes no SBOM, even when its deployer wrote a result
+    // naming new ones.
+    let other = testdata().join("laravel-7.12.0__bom.1.4.json");
+    plan(
+        &plans,
+        "keep",
+        &[("web.json", &other)],
+        json!([ready("web", "web.json")]),
+    );
+    std::fs::write(plans.join("keep/fail"), b"").unwrap();
+    let b = s.submit_ok("keep", json!({"domain": "keep.org"})).await;
+    let b = s.wait_build(&b, "final").await;
+    assert_eq!(b["status"], "failed", "{b}");
+    assert_eq!(
+        sboms(&s, "keep").await,
+        list,
+        "a failed deploy changed the SBOMs"
     );
 }
 
