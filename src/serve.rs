@@ -187,14 +187,31 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     if engine.running_builds() > 0 {
+        // storage.md: what still runs is ended on purpose and recorded,
+        // rather than left to die at its next write to a closed pipe.
         tracing::warn!(
             running = engine.running_builds(),
-            "exiting with builds still running; the next start recovers them"
+            "shutdown grace is over: stopping the running deployers"
         );
+        engine.stop_running_builds();
+        let deadline = tokio::time::Instant::now() + settings.cancel_grace + SHUTDOWN_FINAL_COMMIT;
+        while engine.running_builds() > 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        if engine.running_builds() > 0 {
+            tracing::error!(
+                running = engine.running_builds(),
+                "exiting with builds whose final status is not stored; the next start recovers them"
+            );
+        }
     }
     let _ = tokio::time::timeout(Duration::from_secs(2), server).await;
     Ok(())
 }
+
+/// Time for the final commits of builds stopped at shutdown, past
+/// `--cancel-grace`.
+const SHUTDOWN_FINAL_COMMIT: Duration = Duration::from_secs(10);
 
 /// Pause after a failed accept (out of file descriptors, say), so a
 /// persistent failure does not spin.

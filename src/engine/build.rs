@@ -25,9 +25,22 @@ use crate::store::{StoreResult, Tx};
 const FINAL_COMMIT_FIRST_PAUSE: Duration = Duration::from_millis(100);
 const FINAL_COMMIT_MAX_PAUSE: Duration = Duration::from_secs(30);
 
+/// Why a running build is asked to stop (the deployer's group gets
+/// SIGTERM, then SIGKILL after `--cancel-grace`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Halt {
+    /// Nobody asked.
+    No,
+    /// `POST /v1/builds/{build}/cancel`: the build ends `cancelled`.
+    Cancel,
+    /// berth is stopping and `--shutdown-grace` is over: the build ends
+    /// `failed` with `interrupted_by_shutdown`.
+    Shutdown,
+}
+
 impl Engine {
     pub(super) async fn run_build(self: Arc<Self>, build_id: BuildId) {
-        let (cancel_tx, cancel_rx) = watch::channel(false);
+        let (cancel_tx, cancel_rx) = watch::channel(Halt::No);
         lock(&self.cancels).insert(build_id, cancel_tx);
         let hub = self.hub.clone();
         let started = self
@@ -53,7 +66,7 @@ impl Engine {
         self: &Arc<Self>,
         build: &BuildRecord,
         snaps: &BuildSnapshots,
-        cancel: watch::Receiver<bool>,
+        cancel: watch::Receiver<Halt>,
     ) -> Outcome {
         let id_text = format_build_id(build.id);
         let work_dir = self.settings.work_dir(&build.deployment);
@@ -139,10 +152,14 @@ impl Engine {
                 async move { runner::wait(spawned, timeout, grace, stop_rx, lines_tx).await },
             )
         };
+        // Forward a cancel or a shutdown to the runner for as long as the
+        // deployer lives, whatever its pipes do (one that closed its stdout
+        // and stderr is still stopped).
         let forward_stop = stop_tx.clone();
+        let halt = cancel.clone();
         let forward = tokio::spawn(async move {
             while cancel.changed().await.is_ok() {
-                if *cancel.borrow() {
+                if *cancel.borrow() != Halt::No {
                     let _ = forward_stop.send(true);
                     return;
                 }
@@ -166,16 +183,20 @@ impl Engine {
         }
         pipe.wait_in_flight().await;
         let (log, disk_failure) = (pipe.log, pipe.disk_failure);
-        forward.abort();
         let ended = waiter.await.unwrap_or(Ended::Exit(-1));
-        let user_cancelled = ended == Ended::Cancelled && disk_failure.is_none();
+        forward.abort();
+        let halted = *halt.borrow();
         let mut outcome = Outcome {
             root,
             ended,
             result: None,
             log,
             disk_failure,
-            user_cancelled,
+            halted: if ended == Ended::Cancelled {
+                halted
+            } else {
+                Halt::No
+            },
             not_started: None,
         };
         if ended == Ended::Exit(0) {

@@ -73,7 +73,7 @@ pub struct Engine {
     pub callbacks_wake: Notify,
     /// Wakes the automatic update loop (a policy changed).
     updates_wake: Notify,
-    cancels: Mutex<HashMap<BuildId, watch::Sender<bool>>>,
+    cancels: Mutex<HashMap<BuildId, watch::Sender<build::Halt>>>,
     pub ready: AtomicBool,
     pub stopping: AtomicBool,
     pub metrics: Metrics,
@@ -170,6 +170,15 @@ impl Engine {
 
     pub fn running_builds(&self) -> usize {
         lock(&self.sched).running.len()
+    }
+
+    /// After `--shutdown-grace`: every running build's deployer is stopped
+    /// (SIGTERM, `--cancel-grace`, SIGKILL) and recorded `failed` with
+    /// `interrupted_by_shutdown`.
+    pub fn stop_running_builds(&self) {
+        for halt in lock(&self.cancels).values() {
+            let _ = halt.send(build::Halt::Shutdown);
+        }
     }
 
     /// Wakes the queue: something was queued or a slot came free.

@@ -290,7 +290,7 @@ impl Engine {
             .await??;
         if taken.was_running {
             if let Some(cancel) = lock(&self.cancels).get(&build_id) {
-                let _ = cancel.send(true);
+                let _ = cancel.send(super::build::Halt::Cancel);
             }
         }
         Ok(taken)

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
+use super::build::Halt;
 use super::log_pipe::LogBuffer;
 use super::runner::{self, Ended, OpenError};
 use super::transition::End;
@@ -21,7 +22,8 @@ pub(super) struct Outcome {
     pub(super) result: Option<Result<Vec<NodeOutcome>, String>>,
     pub(super) log: LogBuffer,
     pub(super) disk_failure: Option<String>,
-    pub(super) user_cancelled: bool,
+    /// Who stopped the deployer, when it was stopped.
+    pub(super) halted: Halt,
     /// Why the deployer could not even be started.
     pub(super) not_started: Option<Failure>,
 }
@@ -40,7 +42,7 @@ impl Outcome {
             result: None,
             log,
             disk_failure: None,
-            user_cancelled: false,
+            halted: Halt::No,
             not_started: Some(Failure {
                 reason: reason.into(),
                 detail,
@@ -76,9 +78,17 @@ impl Outcome {
             );
         }
         match self.ended {
-            Ended::Cancelled if self.user_cancelled => (
+            Ended::Cancelled if self.halted == Halt::Cancel => (
                 BuildStatus::Cancelled,
                 fail("cancelled", "cancelled while running".into()),
+                None,
+            ),
+            Ended::Cancelled if self.halted == Halt::Shutdown => (
+                BuildStatus::Failed,
+                fail(
+                    "interrupted_by_shutdown",
+                    "berth was stopping and --shutdown-grace was over".into(),
+                ),
                 None,
             ),
             Ended::Cancelled => (

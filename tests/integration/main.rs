@@ -8,6 +8,7 @@ mod deploy;
 mod deployers;
 mod disk;
 mod events;
+mod faults;
 mod lifecycle;
 mod queue;
 mod restart;

@@ -1,0 +1,109 @@
+//! Faults (issue "Faults"): a cancel ends a deployer whatever its pipes do,
+//! shutdown ends what still runs after its grace and records it, recovery
+//! stops a whole orphaned group.
+
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use crate::harness::*;
+
+/// The pid of a running build's deployer (`job_id` is `pid:N`).
+fn pid_of(build: &Value) -> i32 {
+    build["job_id"]
+        .as_str()
+        .and_then(|j| j.strip_prefix("pid:"))
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("no job id in {build}"))
+}
+
+fn group_alive(pgid: i32) -> bool {
+    nix::sys::signal::killpg(nix::unistd::Pid::from_raw(pgid), None).is_ok()
+}
+
+async fn wait_gone(pgid: i32, limit: Duration) -> bool {
+    let deadline = Instant::now() + limit;
+    while group_alive(pgid) {
+        if Instant::now() > deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    true
+}
+
+/// A deployer whose deploy closes stdout and stderr at once (as `exec
+/// >logfile 2>&1` does) and then works for a long time in a child.
+fn silent_deployer(dir: &std::path::Path) -> std::path::PathBuf {
+    let body = format!(
+        "{SCRIPT_PRELUDE}\nexec >/dev/null 2>&1\nsleep 60 &\nwait\nprintf '%s' '{{\"nodes\":[]}}' > \"$BERTH_RESULT\"\n"
+    );
+    script(dir, "silent.sh", &body)
+}
+
+#[tokio::test]
+async fn a_cancel_stops_a_deployer_that_closed_its_pipes() {
+    let dir = temp_dir("cancel-silent");
+    let deployer = silent_deployer(&dir);
+    let s = Server::start(
+        Options::default()
+            .deployer(&deployer)
+            .arg("--cancel-grace")
+            .arg("1s"),
+    )
+    .await;
+    let b = s.submit_ok("quiet", json!({})).await;
+    let running = s.wait_build(&b, "running").await;
+    let pgid = pid_of(&s.build(&b).await);
+    // Past the point where its pipes closed.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(group_alive(pgid));
+    let r = s
+        .post(&format!("/v1/builds/{b}/cancel"), &json!({}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 202);
+    let done = s.wait_build(&b, "final").await;
+    assert_eq!(done["status"], "cancelled", "{done}\n{running}");
+    assert!(
+        wait_gone(pgid, Duration::from_secs(5)).await,
+        "the deployer outlived its cancel"
+    );
+}
+
+#[tokio::test]
+async fn shutdown_stops_what_still_runs_after_its_grace_and_records_it() {
+    let dir = temp_dir("shutdown-stop");
+    let deployer = silent_deployer(&dir);
+    let mut s = Server::start_in(
+        dir,
+        Options::default()
+            .deployer(&deployer)
+            .arg("--shutdown-grace")
+            .arg("1s")
+            .arg("--cancel-grace")
+            .arg("1s"),
+    )
+    .await;
+    let b = s.submit_ok("late", json!({})).await;
+    s.wait_build(&b, "running").await;
+    let pgid = pid_of(&s.build(&b).await);
+    let started = Instant::now();
+    let status = s.terminate();
+    assert!(status.success(), "{status:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "shutdown took {:?}",
+        started.elapsed()
+    );
+    // (A killed child may stay a zombie until init reaps it.)
+    assert!(
+        wait_gone(pgid, Duration::from_secs(3)).await,
+        "a deployer outlived berth's shutdown"
+    );
+    s.launch().await;
+    let b = s.build(&b).await;
+    assert_eq!(b["status"], "failed", "{b}");
+    assert_eq!(b["failure"]["reason"], "interrupted_by_shutdown", "{b}");
+}
