@@ -114,7 +114,7 @@ impl Engine {
             build.log_first_seq,
             build.seq_reserved,
         );
-        let spawned = match runner::spawn(&self.deployer, &inv) {
+        let mut spawned = match runner::spawn(&self.deployer, &inv) {
             Ok(s) => s,
             Err(e) => {
                 tracing::error!(error = %e, program = %self.deployer.program.display(), "cannot start the deployer");
@@ -127,18 +127,40 @@ impl Engine {
                 );
             }
         };
+        // The job record is committed before the deployer may do anything
+        // (it waits at its gate), so recovery never misses an orphan.
         let job = spawned.job;
         let build_id = build.id;
-        let _ = self
+        let recorded = self
             .store
             .write(move |tx| {
-                if let Some(mut b) = tx.build(build_id)? {
-                    b.job = Some(job);
-                    tx.put_build(&b)?;
-                }
-                Ok(())
+                let Some(mut b) = tx.build(build_id)? else {
+                    return Err(crate::store::StoreError::corrupt(
+                        "a running build without its record",
+                    ));
+                };
+                b.job = Some(job);
+                tx.put_build(&b)
             })
             .await;
+        let opened = match recorded {
+            Ok(()) => spawned
+                .start()
+                .map_err(|e| format!("cannot open the deployer's gate: {e}")),
+            Err(e) => Err(format!("cannot store the build's process record: {e}")),
+        };
+        if let Err(why) = opened {
+            tracing::error!(build = %id_text, error = %why, "the deployer is not run");
+            spawned.abandon();
+            runner::signal_group(job.pid, nix::sys::signal::Signal::SIGKILL);
+            let (lines_tx, _) = mpsc::channel(1);
+            let (_, never) = watch::channel(false);
+            let _ = runner::wait(spawned, None, std::time::Duration::ZERO, never, lines_tx).await;
+            log.push(
+                "[berth] the build's process record could not be stored; the deployer was not run",
+            );
+            return Outcome::failed(&root, "job_record_failed", why, log);
+        }
         let (lines_tx, mut lines_rx) = mpsc::channel::<Vec<String>>(LINE_QUEUE);
         let timeout =
             (!self.settings.build_timeout.is_zero()).then_some(self.settings.build_timeout);

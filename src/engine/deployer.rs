@@ -277,10 +277,16 @@ impl Engine {
             scratch_dir: dirs.scratch,
             result_path: dirs.result_path,
         };
-        let spawned = runner::spawn(&self.deployer, &inv).map_err(|e| {
+        let cannot_start = |e: std::io::Error| {
             tracing::error!(error = %e, program = %self.deployer.program.display(), "cannot start the deployer");
-            Refusal::eval_unavailable(EvalUnavailable::Crashed, "the deployer cannot be started; the server log has the detail")
-        })?;
+            Refusal::eval_unavailable(
+                EvalUnavailable::Crashed,
+                "the deployer cannot be started; the server log has the detail",
+            )
+        };
+        // describe and eval record no job: their gate opens at once.
+        let mut spawned = runner::spawn(&self.deployer, &inv).map_err(cannot_start)?;
+        spawned.start().map_err(cannot_start)?;
         let (lines_tx, mut lines_rx) = mpsc::channel(256);
         let (_cancel_tx, cancel_rx) = watch::channel(false);
         let collect = tokio::spawn(async move {

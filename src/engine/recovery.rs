@@ -30,7 +30,7 @@ impl Engine {
                 .write(move |tx| recover_tx(tx, &hub, build_id))
                 .await?;
             tracing::warn!(build = %format_build_id(build_id), %deployment, "build interrupted by restart: marked failed");
-            if let Some(job) = orphan.filter(runner::is_same_process) {
+            if let Some(job) = orphan.filter(runner::group_may_be_ours) {
                 tracing::warn!(pid = job.pid, %deployment, "stopping the deployer that outlived the last run");
                 self.block_deployment(&deployment);
                 let engine = self.clone();

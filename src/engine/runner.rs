@@ -72,10 +72,40 @@ pub struct Invocation {
     pub result_path: PathBuf,
 }
 
+/// A started deployer, held at its gate until `start` (see `spawn`).
 pub struct Spawned {
     child: Child,
     pub job: Job,
+    /// The write end of the gate pipe; dropping it without `start` makes
+    /// the gate exit without running the deployer.
+    gate: Option<std::fs::File>,
 }
+
+impl Spawned {
+    /// Lets the deployer run: called once its job record is committed.
+    pub fn start(&mut self) -> std::io::Result<()> {
+        use std::io::Write;
+        match self.gate.take() {
+            Some(mut gate) => gate.write_all(GATE_OPEN),
+            None => Ok(()),
+        }
+    }
+
+    /// Keeps the deployer from ever running (its job could not be stored).
+    pub fn abandon(&mut self) {
+        self.gate = None;
+    }
+}
+
+/// What the gate waits for on fd 3.
+const GATE_OPEN: &[u8] = b"go\n";
+/// Exit status of a gate that was closed without `go` (berth died, or the
+/// job record could not be stored): the deployer never ran.
+pub const GATE_CLOSED_EXIT: i32 = 97;
+/// The gate: `/bin/sh` waits for `go` on fd 3, closes it and becomes the
+/// deployer (`exec`: same pid, same process group, same start time).
+const GATE_SCRIPT: &str =
+    "IFS= read -r go <&3 && [ \"$go\" = go ] || exit 97; exec 3<&-; exec \"$0\" \"$@\"";
 
 /// The environment a deployer sees: berth's own minus every `BERTH_*`
 /// variable (flag values may hold secrets), except the `local` deployer's
@@ -89,8 +119,36 @@ fn deployer_env() -> Vec<(OsString, OsString)> {
         .collect()
 }
 
+/// Starts the deployer behind a gate: the process exists (its pid, start
+/// time and group are known and can be committed as the build's job) but
+/// runs nothing of the deployer until `Spawned::start`. A crash of berth in
+/// between closes the gate and the process exits: recovery never meets a
+/// deployer whose job was not stored.
 pub fn spawn(cmd: &DeployerCommand, inv: &Invocation) -> std::io::Result<Spawned> {
-    let mut command = Command::new(&cmd.program);
+    use std::os::fd::AsRawFd;
+    // The gate's shell would start even when the deployer cannot: say so
+    // here, as a spawn error, rather than as the shell's exit status.
+    nix::unistd::access(&cmd.program, nix::unistd::AccessFlags::X_OK).map_err(|e| {
+        std::io::Error::new(
+            std::io::Error::from(e).kind(),
+            format!("{} is not an executable file", cmd.program.display()),
+        )
+    })?;
+    let (gate_read, gate_write) =
+        nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(std::io::Error::from)?;
+    let mut command = Command::new(GATE_SHELL);
+    command.arg("-c").arg(GATE_SCRIPT).arg(&cmd.program);
+    let gate_fd = gate_read.as_raw_fd();
+    // SAFETY: between fork and exec only async-signal-safe calls: dup2 and
+    // fcntl put the gate's read end at fd 3 without close-on-exec.
+    unsafe {
+        command.pre_exec(move || {
+            if nix::libc::dup2(gate_fd, 3) < 0 || nix::libc::fcntl(3, nix::libc::F_SETFD, 0) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
     if let Some((uid, gid)) = cmd.run_as {
         // The deployer owns its own dirs and nothing else of the data dir.
         // The result file's own directory (never the call's root: a
@@ -120,6 +178,8 @@ pub fn spawn(cmd: &DeployerCommand, inv: &Invocation) -> std::io::Result<Spawned
         .process_group(0)
         .kill_on_drop(false);
     let mut child = command.spawn()?;
+    drop(gate_read);
+    let gate = Some(std::fs::File::from(gate_write));
     let pid = child.id().and_then(|p| i32::try_from(p).ok()).unwrap_or(0);
     let job = Job {
         pid,
@@ -133,8 +193,12 @@ pub fn spawn(cmd: &DeployerCommand, inv: &Invocation) -> std::io::Result<Spawned
             let _ = stdin.shutdown().await;
         });
     }
-    Ok(Spawned { child, job })
+    Ok(Spawned { child, job, gate })
 }
+
+/// The shell that runs the gate (POSIX `sh`; present on every Linux,
+/// NixOS included).
+const GATE_SHELL: &str = "/bin/sh";
 
 /// Field 22 of /proc/<pid>/stat (start time in clock ticks since boot).
 pub fn process_start_ticks(pid: i32) -> Option<u64> {
@@ -143,9 +207,20 @@ pub fn process_start_ticks(pid: i32) -> Option<u64> {
     after_name.split_whitespace().nth(19)?.parse().ok()
 }
 
-/// True when a process with this pid exists and started at `job.start_ticks`.
-pub fn is_same_process(job: &Job) -> bool {
-    job.pid > 0 && process_start_ticks(job.pid) == Some(job.start_ticks)
+/// Whether `job`'s process group may still hold a deployer of ours: its
+/// leader is the same process (pid and start time), or no process has the
+/// leader's pid any more and the group still has members (a group outlives
+/// its leader, and its id cannot be given to a new process while any
+/// member lives). A pid that now belongs to another process means the old
+/// group is empty.
+pub fn group_may_be_ours(job: &Job) -> bool {
+    if job.pid <= 0 {
+        return false;
+    }
+    match process_start_ticks(job.pid) {
+        Some(ticks) => ticks == job.start_ticks,
+        None => group_alive(job.pid),
+    }
 }
 
 pub fn signal_group(pgid: i32, signal: Signal) {
@@ -528,6 +603,97 @@ mod tests {
         let got = lines_of(&s).await;
         assert_eq!(got.len(), 2);
         assert_eq!(got[1], "é");
+    }
+
+    /// The deployer does nothing until its gate opens; a closed gate means
+    /// it never runs, and the process exits with `GATE_CLOSED_EXIT`.
+    #[tokio::test]
+    async fn a_deployer_waits_at_its_gate() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("berth-gate-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let marker = dir.join("ran");
+        let program = dir.join("deployer.sh");
+        std::fs::write(
+            &program,
+            format!("#!/bin/sh\necho \"$1\" > {}\n", marker.display()),
+        )
+        .unwrap();
+        std::fs::set_permissions(&program, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let cmd = DeployerCommand::from_setting(Some(&program), None).unwrap();
+        let dirs = CallDirs::create(dir.join("call")).unwrap();
+        let inv = Invocation {
+            verb: "deploy",
+            request: b"{}".to_vec(),
+            work_dir: dirs.scratch.clone(),
+            scratch_dir: dirs.scratch.clone(),
+            result_path: dirs.result_path.clone(),
+        };
+        let run = |mut spawned: Spawned, open: bool| {
+            let marker = marker.clone();
+            async move {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                let before = marker.exists();
+                if open {
+                    spawned.start().unwrap();
+                } else {
+                    spawned.abandon();
+                }
+                let (lines, _rx) = mpsc::channel(8);
+                let (_stop, stop) = watch::channel(false);
+                let ended = wait(
+                    spawned,
+                    Some(Duration::from_secs(5)),
+                    Duration::from_secs(1),
+                    stop,
+                    lines,
+                )
+                .await;
+                (before, ended)
+            }
+        };
+        let (ran_before_gate, ended) = run(spawn(&cmd, &inv).unwrap(), true).await;
+        assert!(!ran_before_gate, "the deployer ran before its gate opened");
+        assert_eq!(ended, Ended::Exit(0));
+        assert_eq!(std::fs::read_to_string(&marker).unwrap(), "deploy\n");
+        std::fs::remove_file(&marker).unwrap();
+        let (_, ended) = run(spawn(&cmd, &inv).unwrap(), false).await;
+        assert_eq!(ended, Ended::Exit(GATE_CLOSED_EXIT));
+        assert!(!marker.exists(), "a deployer ran through a closed gate");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A group whose leader exited (and was reaped) but left a child is
+    /// still ours to stop; once empty, it is not.
+    #[test]
+    fn a_group_outlives_its_leader() {
+        use std::os::unix::process::CommandExt;
+        let mut leader = std::process::Command::new("/bin/sh")
+            .arg("-c")
+            .arg("sleep 30 & exit 0")
+            .process_group(0)
+            .spawn()
+            .unwrap();
+        let pid = leader.id() as i32;
+        let job = Job {
+            pid,
+            start_ticks: process_start_ticks(pid).unwrap(),
+        };
+        leader.wait().unwrap();
+        assert_eq!(process_start_ticks(pid), None, "the leader is reaped");
+        assert!(group_alive(pid), "its child lives on in the group");
+        assert!(group_may_be_ours(&job));
+        signal_group(pid, Signal::SIGKILL);
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while group_alive(pid) && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        // A killed child no parent reaps may linger as a zombie here; the
+        // rule itself is what this checks.
+        if !group_alive(pid) {
+            assert!(!group_may_be_ours(&job));
+        }
     }
 
     #[test]

@@ -107,3 +107,56 @@ async fn shutdown_stops_what_still_runs_after_its_grace_and_records_it() {
     assert_eq!(b["status"], "failed", "{b}");
     assert_eq!(b["failure"]["reason"], "interrupted_by_shutdown", "{b}");
 }
+
+/// berth dies; the deployer's leader exits afterwards but leaves a child in
+/// its group. Recovery stops the group, not only a leader that is gone.
+#[tokio::test]
+async fn recovery_stops_an_orphaned_group_whose_leader_is_gone() {
+    let dir = temp_dir("orphan-group");
+    let child_pid = dir.join("child.pid");
+    let body = format!(
+        "{SCRIPT_PRELUDE}\nsleep 60 &\necho $! > {pidfile}\nsleep 1.5\nexit 0\n",
+        pidfile = child_pid.display()
+    );
+    let deployer = script(&dir, "leaves-a-child.sh", &body);
+    let mut s = Server::start_in(dir.clone(), Options::default().deployer(&deployer)).await;
+    let b = s.submit_ok("orphan", json!({})).await;
+    s.wait_build(&b, "running").await;
+    let pgid = pid_of(&s.build(&b).await);
+    eventually("the child started", || async { child_pid.exists() }).await;
+    s.kill();
+    // The leader exits while berth is down; its child lives on.
+    let leader_gone = wait_gone_pid(pgid, Duration::from_secs(10)).await;
+    assert!(leader_gone, "the leader did not exit");
+    assert!(group_alive(pgid), "the child should still be alive");
+    s.launch().await;
+    assert!(
+        wait_gone(pgid, Duration::from_secs(10)).await,
+        "recovery left the orphaned group alive"
+    );
+    let b = s.build(&b).await;
+    assert_eq!(b["failure"]["reason"], "interrupted_by_restart", "{b}");
+}
+
+async fn wait_gone_pid(pid: i32, limit: Duration) -> bool {
+    let deadline = Instant::now() + limit;
+    // A zombie still has /proc/<pid>; its state is Z.
+    let alive = |pid: i32| {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .map(|s| {
+                !s.rsplit(')')
+                    .next()
+                    .unwrap_or("")
+                    .trim_start()
+                    .starts_with('Z')
+            })
+            .unwrap_or(false)
+    };
+    while alive(pid) {
+        if Instant::now() > deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    true
+}
