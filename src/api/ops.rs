@@ -63,15 +63,10 @@ pub fn metrics(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
             );
         }
     }
-    let mut counts = *e
-        .metrics
-        .builds_by_status
-        .lock()
-        .unwrap_or_else(|p| p.into_inner());
-    let (queued, running) = e.store.read()?.pending_counts()?;
-    counts[BuildStatus::Queued as usize] = queued;
-    counts[BuildStatus::Running as usize] = running;
-    out.push_str("# HELP berth_builds Stored builds by status (finished ones as of the last sweep).\n# TYPE berth_builds gauge\n");
+    // Kept in the store by every status change: exact at every scrape, and
+    // one read however many builds there are.
+    let counts = e.store.read()?.build_status_counts()?;
+    out.push_str("# HELP berth_builds Stored builds by status.\n# TYPE berth_builds gauge\n");
     for status in [
         BuildStatus::Queued,
         BuildStatus::Running,

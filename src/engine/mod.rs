@@ -42,10 +42,6 @@ use runner::DeployerCommand;
 pub struct Metrics {
     pub requests: Mutex<HashMap<(String, u16), u64>>,
     pub log_bytes: AtomicU64,
-    /// Stored builds by status (index = `BuildStatus as usize`), counted by
-    /// a full scan at start and at every sweep: a scrape must stay cheap
-    /// with millions of builds, so finished counts may be a sweep old.
-    pub builds_by_status: Mutex<[u64; 5]>,
 }
 
 #[derive(Default)]

@@ -42,24 +42,7 @@ impl Engine {
                 Ok(_) => {}
                 Err(e) => tracing::error!(error = %e, "build sweep"),
             }
-            self.refresh_build_counts().await;
             tokio::time::sleep(self.settings.sweep_interval).await;
-        }
-    }
-
-    /// Recounts stored builds by status for /metrics (off the runtime threads).
-    pub async fn refresh_build_counts(&self) {
-        let store = self.store.clone();
-        match tokio::task::spawn_blocking(move || store.read()?.build_status_counts()).await {
-            Ok(Ok(counts)) => {
-                *self
-                    .metrics
-                    .builds_by_status
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner()) = counts
-            }
-            Ok(Err(e)) => tracing::error!(error = %e, "counting builds"),
-            Err(e) => tracing::error!(error = %e, "counting builds"),
         }
     }
 

@@ -12,7 +12,8 @@
 //!   `build` and `deployment` events in the same transaction (published
 //!   after the commit by `events`);
 //! - stores both records itself, last, so no caller can forget one or store
-//!   it before its events are numbered.
+//!   it before its events are numbered;
+//! - keeps the builds-by-status counts of `/metrics` in the same transaction.
 //!
 //! Callers check the domain rules first (a refusal writes nothing) and set
 //! what is theirs to set (the configuration of a submit, a build's log
@@ -126,6 +127,7 @@ impl<'t, 'a> Change<'t, 'a> {
     /// build. Stores the build, its snapshot and the deployment.
     pub fn enqueue(&self, d: &mut DeploymentRecord, new: NewBuild) -> StoreResult<BuildRecord> {
         guard(None, BuildStatus::Queued)?;
+        self.tx.shift_build_count(None, Some(BuildStatus::Queued))?;
         let mut b = BuildRecord {
             id: new_build_id(),
             deployment: d.id.clone(),
@@ -172,6 +174,8 @@ impl<'t, 'a> Change<'t, 'a> {
         b: &mut BuildRecord,
     ) -> StoreResult<BuildSnapshots> {
         guard(Some(b.status), BuildStatus::Running)?;
+        self.tx
+            .shift_build_count(Some(b.status), Some(BuildStatus::Running))?;
         debug_assert!(d.running.is_none(), "a deployment runs two builds at once");
         let mut snaps = self
             .tx
@@ -204,6 +208,8 @@ impl<'t, 'a> Change<'t, 'a> {
         nodes: &[NodeOutcome],
     ) -> StoreResult<()> {
         guard(Some(b.status), end.status)?;
+        self.tx
+            .shift_build_count(Some(b.status), Some(end.status))?;
         // lifecycle.md: a build cancelled while queued never ran, and the
         // deployment's state ignores it.
         let ran = b.status == BuildStatus::Running;

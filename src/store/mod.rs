@@ -167,6 +167,12 @@ fn init_schema(db: &Database) -> StoreResult<()> {
                 // Version 1 is the first layout: nothing to migrate yet.
             }
         }
+        // Builds by status (for /metrics), kept by every status change; a
+        // store from before it is counted once here.
+        if meta.get(BUILD_COUNTS_KEY)?.is_none() {
+            let counts = count_builds(&txn)?;
+            meta.insert(BUILD_COUNTS_KEY, encode_counts(&counts).as_slice())?;
+        }
         // Create every table so readers never meet a missing one.
         txn.open_table(DEPLOYMENTS)?;
         txn.open_table(BUILDS)?;
@@ -201,6 +207,36 @@ fn put_record<'k, K: redb::Key + 'static, T: Serialize>(
 ) -> StoreResult<()> {
     table.insert(key, codec::encode(value).as_slice())?;
     Ok(())
+}
+
+/// `meta` key of the builds-by-status counts (5 x u64 LE, by `BuildStatus`).
+const BUILD_COUNTS_KEY: &str = "build_counts";
+
+fn encode_counts(counts: &[u64; 5]) -> Vec<u8> {
+    counts.iter().flat_map(|c| c.to_le_bytes()).collect()
+}
+
+fn decode_counts(bytes: &[u8]) -> StoreResult<[u64; 5]> {
+    if bytes.len() != 40 {
+        return Err(StoreError::corrupt("meta.build_counts is not 5 counts"));
+    }
+    let mut counts = [0u64; 5];
+    for (i, c) in bytes.chunks_exact(8).enumerate() {
+        counts[i] = u64::from_le_bytes(c.try_into().map_err(|_| StoreError::corrupt("a count"))?);
+    }
+    Ok(counts)
+}
+
+/// Every build by status: a full scan (a store from before the counts).
+fn count_builds(txn: &WriteTransaction) -> StoreResult<[u64; 5]> {
+    let t = txn.open_table(BUILDS)?;
+    let mut counts = [0u64; 5];
+    for entry in t.iter()? {
+        let (_, v) = entry?;
+        let b: crate::model::BuildRecord = decode(v.value())?;
+        counts[b.status as usize] += 1;
+    }
+    Ok(counts)
 }
 
 /// A component row: its reference count (u32 LE: four bytes, not eight,

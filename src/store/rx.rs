@@ -4,7 +4,10 @@
 use redb::{ReadTransaction, ReadableTable, ReadableTableMetadata};
 
 use super::tables::*;
-use super::{decode, split_component_row, PendingCallback, StoreError, StoreResult, StoredEvent};
+use super::{
+    decode, decode_counts, split_component_row, PendingCallback, StoreError, StoreResult,
+    StoredEvent, BUILD_COUNTS_KEY,
+};
 use crate::model::{BuildId, BuildRecord, DeploymentRecord, NodeSbom};
 
 /// Typed access inside a read transaction (a consistent snapshot).
@@ -101,25 +104,12 @@ impl Rx {
         Ok(out)
     }
 
-    /// Counts of builds by status (for /metrics).
-    /// Queued and running builds (table lengths; nothing decoded).
-    pub fn pending_counts(&self) -> StoreResult<(u64, u64)> {
-        Ok((
-            self.txn.open_table(QUEUED)?.len()?,
-            self.txn.open_table(RUNNING)?.len()?,
-        ))
-    }
-
-    /// Every build by status: a full scan, for the periodic refresh only.
+    /// Every build by status, as kept by each status change.
     pub fn build_status_counts(&self) -> StoreResult<[u64; 5]> {
-        let t = self.txn.open_table(BUILDS)?;
-        let mut counts = [0u64; 5];
-        for entry in t.iter()? {
-            let (_, v) = entry?;
-            let b: BuildRecord = decode(v.value())?;
-            counts[b.status as usize] += 1;
+        match self.txn.open_table(META)?.get(BUILD_COUNTS_KEY)? {
+            Some(v) => decode_counts(v.value()),
+            None => Ok([0; 5]),
         }
-        Ok(counts)
     }
 
     /// The compressed log chunks of a build, in order, each with the index

@@ -6,11 +6,13 @@ use redb::{ReadableTable, WriteTransaction};
 use super::tables::*;
 use super::writer::Hook;
 use super::{
-    codec, component_row, decode, get_record, put_record, split_component_row, IdempotencyRecord,
-    PendingCallback, StoreError, StoreResult, StoredEvent,
+    codec, component_row, decode, decode_counts, encode_counts, get_record, put_record,
+    split_component_row, IdempotencyRecord, PendingCallback, StoreError, StoreResult, StoredEvent,
+    BUILD_COUNTS_KEY,
 };
 use crate::model::{
-    BuildId, BuildRecord, BuildSnapshots, DeploymentRecord, Millis, NodeSbom, Source, UpdateTry,
+    BuildId, BuildRecord, BuildSnapshots, BuildStatus, DeploymentRecord, Millis, NodeSbom, Source,
+    UpdateTry,
 };
 
 /// Typed access inside a write transaction.
@@ -261,8 +263,40 @@ impl Tx<'_> {
     }
 
     /// Removes a finished build with its snapshots, log chunks and events.
+    /// Moves one build from `from` to `to` in the builds-by-status counts
+    /// (`None`: created, or deleted).
+    pub fn shift_build_count(
+        &self,
+        from: Option<BuildStatus>,
+        to: Option<BuildStatus>,
+    ) -> StoreResult<()> {
+        let mut meta = self.txn.open_table(META)?;
+        let mut counts = match meta.get(BUILD_COUNTS_KEY)? {
+            Some(v) => decode_counts(v.value())?,
+            None => [0; 5],
+        };
+        if let Some(from) = from {
+            let c = &mut counts[from as usize];
+            *c = c
+                .checked_sub(1)
+                .ok_or_else(|| StoreError::corrupt("a build count below zero"))?;
+        }
+        if let Some(to) = to {
+            counts[to as usize] += 1;
+        }
+        meta.insert(BUILD_COUNTS_KEY, encode_counts(&counts).as_slice())?;
+        Ok(())
+    }
+
     pub fn delete_build(&self, deployment: &str, id: BuildId) -> StoreResult<()> {
-        self.txn.open_table(BUILDS)?.remove(id)?;
+        let removed: Option<BuildRecord> = {
+            let mut builds = self.txn.open_table(BUILDS)?;
+            let old = builds.remove(id)?;
+            old.map(|v| decode(v.value())).transpose()?
+        };
+        if let Some(b) = removed {
+            self.shift_build_count(Some(b.status), None)?;
+        }
         self.txn.open_table(BUILD_SNAPSHOTS)?.remove(id)?;
         self.txn
             .open_table(DEPLOYMENT_BUILDS)?
@@ -296,6 +330,9 @@ impl Tx<'_> {
             SBOM_NODES,
             SBOM_COMPONENTS
         );
+        self.txn
+            .open_table(META)?
+            .insert(BUILD_COUNTS_KEY, encode_counts(&[0; 5]).as_slice())?;
         Ok(())
     }
 }

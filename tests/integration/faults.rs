@@ -160,3 +160,56 @@ async fn wait_gone_pid(pid: i32, limit: Duration) -> bool {
     }
     true
 }
+
+fn builds_metric(metrics: &str, status: &str) -> u64 {
+    let prefix = format!("berth_builds{{status=\"{status}\"}} ");
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .unwrap_or_else(|| panic!("no {prefix} in\n{metrics}"))
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+/// `/metrics` counts builds by status as they are, at every scrape, and
+/// keeps them across a restart.
+#[tokio::test]
+async fn metrics_count_builds_by_status_as_they_are() {
+    let mut s = Server::start(Options::default()).await;
+    let b = s.submit_ok("counted", mastodon("counted.org")).await;
+    let m = s.metrics().await;
+    assert_eq!(
+        builds_metric(&m, "queued") + builds_metric(&m, "running"),
+        1,
+        "{m}"
+    );
+    s.wait_build(&b, "succeeded").await;
+    let m = s.metrics().await;
+    assert_eq!(
+        builds_metric(&m, "succeeded"),
+        1,
+        "a scrape right after a success"
+    );
+    assert_eq!(
+        builds_metric(&m, "queued") + builds_metric(&m, "running"),
+        0
+    );
+    let queued = s.submit_ok("counted", mastodon("counted.org")).await;
+    let r = s
+        .post(&format!("/v1/builds/{queued}/cancel"), &json!({}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 202);
+    s.wait_build(&queued, "final").await;
+    s.kill();
+    s.launch().await;
+    let m = s.metrics().await;
+    assert_eq!(builds_metric(&m, "succeeded"), 1, "{m}");
+    assert_eq!(
+        builds_metric(&m, "cancelled") + builds_metric(&m, "failed"),
+        1,
+        "{m}"
+    );
+}

@@ -376,6 +376,12 @@ proptest! {
         let hub = Arc::new(Hub::default());
         let builds = rt.block_on(run_ops(&t.store, &hub, &ops));
         let rx = t.store.read().unwrap();
+        // The builds-by-status counts follow every change.
+        let mut expected = [0u64; 5];
+        for id in &builds {
+            expected[rx.build(*id).unwrap().unwrap().status as usize] += 1;
+        }
+        prop_assert_eq!(rx.build_status_counts().unwrap(), expected);
         for id in &builds {
             let record = rx.build(*id).unwrap().unwrap();
             let mut previous = None;
