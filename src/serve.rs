@@ -16,14 +16,28 @@ use crate::store::Store;
 /// Random bytes in a generated secret (256 bits).
 const SECRET_BYTES: usize = 32;
 
-fn init_tracing() {
+/// The server log on stderr: `BERTH_LOG` filters it; `BERTH_LOG_FORMAT`
+/// is `text` (the default; colours only when stderr is a terminal, so
+/// journald and files get plain text) or `json` (one object per line, for
+/// log shippers).
+fn init_tracing() -> Result<(), String> {
+    use std::io::IsTerminal;
     let filter = tracing_subscriber::EnvFilter::try_from_env("BERTH_LOG").unwrap_or_else(|_| {
         tracing_subscriber::EnvFilter::new("info,warp=warn,hyper=warn,hyper_util=warn")
     });
-    let _ = tracing_subscriber::fmt()
+    let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .try_init();
+        .with_writer(std::io::stderr);
+    let format = std::env::var("BERTH_LOG_FORMAT").unwrap_or_default();
+    // A second init (tests running serve twice) is not an error.
+    let _ = match format.as_str() {
+        "" | "text" => builder
+            .with_ansi(std::io::stderr().is_terminal())
+            .try_init(),
+        "json" => builder.json().try_init(),
+        _ => return Err("BERTH_LOG_FORMAT must be text or json".into()),
+    };
+    Ok(())
 }
 
 /// Reads a secret file, or creates it (0600) with fresh random bytes as hex.
@@ -63,7 +77,10 @@ fn read_secret_file(path: &Path) -> Result<String, String> {
 }
 
 pub fn run(settings: Settings) -> i32 {
-    init_tracing();
+    if let Err(e) = init_tracing() {
+        eprintln!("berth: {e}");
+        return 2;
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

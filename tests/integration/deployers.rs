@@ -336,7 +336,10 @@ async fn a_deployer_that_cannot_start_fails_the_build() {
 async fn deployers_run_as_the_deployer_user_and_cannot_read_secrets() {
     let nobody = nix::unistd::User::from_name("nobody").ok().flatten();
     let (true, Some(nobody)) = (nix::unistd::Uid::effective().is_root(), nobody) else {
-        eprintln!("skipped: needs root and a `nobody` user");
+        skip(
+            "deployers_run_as_the_deployer_user_and_cannot_read_secrets",
+            "needs root and a `nobody` user",
+        );
         return;
     };
     let dir = temp_dir("user");

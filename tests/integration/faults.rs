@@ -213,3 +213,29 @@ async fn metrics_count_builds_by_status_as_they_are() {
         "{m}"
     );
 }
+
+/// The server log is plain text when stderr is a file, and one JSON object
+/// per line with `BERTH_LOG_FORMAT=json`.
+#[tokio::test]
+async fn logs_are_plain_in_files_and_json_on_request() {
+    let s = Server::start(Options::default()).await;
+    let log = s.log();
+    assert!(log.contains("berth listening"), "{log}");
+    assert!(!log.contains('\u{1b}'), "colour codes in a file:\n{log}");
+    drop(s);
+    let s = Server::start(Options::default().env("BERTH_LOG_FORMAT", "json")).await;
+    let log = s.log();
+    let lines: Vec<&str> = log.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert!(!lines.is_empty());
+    for line in lines {
+        let v: Value = serde_json::from_str(line).unwrap_or_else(|_| panic!("not JSON: {line}"));
+        assert!(v.get("level").is_some(), "{v}");
+    }
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_berth"))
+        .arg("serve")
+        .env("BERTH_LOG_FORMAT", "xml")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("BERTH_LOG_FORMAT must be text or json"));
+}

@@ -419,3 +419,22 @@ impl Sse {
         out
     }
 }
+
+/// A test that cannot run here says so where a person sees it (straight to
+/// stderr, past the test harness's capture) and in the file named by
+/// `BERTH_SKIPPED_FILE`, which `.ci/run` counts in its summary. It never
+/// passes silently.
+pub fn skip(test: &str, why: &str) {
+    use std::io::Write;
+    let line = format!("skipped: {test}: {why}\n");
+    let _ = std::io::stderr().write_all(line.as_bytes());
+    if let Ok(path) = std::env::var("BERTH_SKIPPED_FILE") {
+        if let Ok(mut f) = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+        {
+            let _ = f.write_all(line.as_bytes());
+        }
+    }
+}

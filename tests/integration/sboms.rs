@@ -381,7 +381,10 @@ async fn bad_sboms_give_a_reason_while_the_deploy_succeeds() {
 async fn a_deployer_cannot_swap_its_scratch_dir_for_a_symlink() {
     let nobody = nix::unistd::User::from_name("nobody").ok().flatten();
     let (true, Some(_)) = (nix::unistd::Uid::effective().is_root(), nobody) else {
-        eprintln!("skipped: a_deployer_cannot_swap_its_scratch_dir_for_a_symlink needs root and a `nobody` user");
+        skip(
+            "a_deployer_cannot_swap_its_scratch_dir_for_a_symlink",
+            "needs root and a `nobody` user",
+        );
         return;
     };
     let dir = temp_dir("sbom-swap");
