@@ -4,11 +4,11 @@ use super::auth::Caller;
 use super::deployments::{deployment_id, page_limit};
 use super::errors::{ApiError, Code};
 use super::idempotency::IdemWrite;
-use super::{cursor, Ctx, Reply, Request};
+use super::{cursor, Answer, Ctx, Reply, Request};
 use crate::engine::CancelTaken;
 use crate::model::*;
-use crate::store::logs::decompress_chunks;
-use crate::store::Lookup;
+use crate::store::logs::{decompress_chunk, decompress_chunks};
+use crate::store::{ChunkPlace, Lookup, Store, StoreError};
 
 fn build_id(req: &Request) -> Result<BuildId, ApiError> {
     parse_build_id(req.param("build")).ok_or_else(|| ApiError::not_found("build"))
@@ -106,21 +106,135 @@ pub fn resolve_range(r: &ByteRange, len: u64) -> Option<(u64, u64)> {
     (start <= end && start < len && !matches!(r, ByteRange::Last(0))).then_some((start, end))
 }
 
-pub async fn log(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
+/// Log chunks read ahead of a slow client while streaming a full log: at
+/// most this many (each at most `LOG_CHUNK_BYTES` raw) are held in memory.
+const LOG_STREAM_AHEAD: usize = 2;
+
+const TEXT: &str = "text/plain; charset=utf-8";
+
+/// What the store says about a build's log, read in one snapshot.
+struct LogFacts {
+    len: u64,
+    places: Option<Vec<ChunkPlace>>,
+}
+
+/// `GET /v1/builds/{build}/log`: with `Range`, only the chunks the range
+/// touches are read; without, the log is streamed chunk by chunk. Either
+/// way memory is bounded by a few chunks, not the log (a build stored
+/// before the chunk index is read whole, as before).
+pub async fn log(ctx: &Ctx, req: &Request) -> Result<Answer, ApiError> {
     let id = build_id(req)?;
     let range = req.header("range").map(parse_range).transpose()?;
     let store = ctx.engine.store.clone();
-    let text = tokio::task::spawn_blocking(move || -> Result<Option<Vec<u8>>, ApiError> {
+    let facts = {
+        let store = store.clone();
+        tokio::task::spawn_blocking(move || -> Result<Option<LogFacts>, ApiError> {
+            let rx = store.read()?;
+            let Some(b) = rx.build(id)? else {
+                return Ok(None);
+            };
+            Ok(Some(LogFacts {
+                len: b.log_bytes,
+                places: rx.log_index(id, b.log_chunks)?,
+            }))
+        })
+        .await
+        .map_err(|_| ApiError::internal())??
+        .ok_or_else(|| ApiError::not_found("build"))?
+    };
+    let Some(places) = facts.places else {
+        return whole_log(store, id, range).await.map(Answer::Reply);
+    };
+    let len = facts.len;
+    let Some(range) = range else {
+        return Ok(Answer::Stream(stream_log(store, id, places)));
+    };
+    let Some((start, end)) = resolve_range(&range, len) else {
+        return Err(range_not_satisfiable(len));
+    };
+    let needed: Vec<ChunkPlace> = places
+        .into_iter()
+        .filter(|p| p.first_byte <= end && p.first_byte + p.raw_len > start)
+        .collect();
+    let text = tokio::task::spawn_blocking(move || -> Result<Vec<u8>, ApiError> {
         let rx = store.read()?;
-        if rx.build(id)?.is_none() {
-            return Ok(None);
+        let mut out = Vec::with_capacity((end - start + 1) as usize);
+        for p in needed {
+            let compressed = rx.log_chunk(id, p.number)?.ok_or_else(|| {
+                ApiError::from(StoreError::corrupt("an indexed log chunk is missing"))
+            })?;
+            let raw = decompress_chunk(&compressed)?;
+            // The part of this chunk inside [start, end].
+            let from = start.saturating_sub(p.first_byte) as usize;
+            let to = ((end + 1).min(p.first_byte + p.raw_len) - p.first_byte) as usize;
+            let part = raw.get(from..to).ok_or_else(|| {
+                ApiError::from(StoreError::corrupt(
+                    "a log chunk shorter than its index says",
+                ))
+            })?;
+            out.extend_from_slice(part);
         }
-        Ok(Some(decompress_chunks(&rx.log_chunks(id)?)?))
+        Ok(out)
     })
     .await
-    .map_err(|_| ApiError::internal())??
-    .ok_or_else(|| ApiError::not_found("build"))?;
-    const TEXT: &str = "text/plain; charset=utf-8";
+    .map_err(|_| ApiError::internal())??;
+    Ok(Answer::Reply(
+        Reply::text(206, TEXT, text)
+            .header("Content-Range", format!("bytes {start}-{end}/{len}"))
+            .header("Accept-Ranges", "bytes"),
+    ))
+}
+
+/// The whole log, chunk by chunk, from one snapshot of the store.
+fn stream_log(store: Store, id: BuildId, places: Vec<ChunkPlace>) -> warp::reply::Response {
+    use warp::Reply as _;
+    let (tx, rx) =
+        tokio::sync::mpsc::channel::<Result<bytes::Bytes, std::io::Error>>(LOG_STREAM_AHEAD);
+    tokio::task::spawn_blocking(move || {
+        let fail = |e: String| std::io::Error::other(e);
+        let snapshot = match store.read() {
+            Ok(s) => s,
+            Err(e) => {
+                let _ = tx.blocking_send(Err(fail(e.to_string())));
+                return;
+            }
+        };
+        for p in places {
+            let chunk = snapshot
+                .log_chunk(id, p.number)
+                .map_err(|e| e.to_string())
+                .and_then(|c| c.ok_or_else(|| "an indexed log chunk is missing".to_string()))
+                .and_then(|c| decompress_chunk(&c).map_err(|e| e.to_string()));
+            let item = chunk.map(bytes::Bytes::from).map_err(|e| {
+                tracing::error!(build = %format_build_id(id), error = %e, "a log stream stopped");
+                fail(e)
+            });
+            let failed = item.is_err();
+            // A client that left closes the channel: stop reading.
+            if tx.blocking_send(item).is_err() || failed {
+                return;
+            }
+        }
+    });
+    let body = tokio_stream::wrappers::ReceiverStream::new(rx);
+    let mut response = warp::reply::stream(body).into_response();
+    let h = response.headers_mut();
+    h.insert("content-type", warp::http::HeaderValue::from_static(TEXT));
+    h.insert(
+        "accept-ranges",
+        warp::http::HeaderValue::from_static("bytes"),
+    );
+    response
+}
+
+/// A build stored before the chunk index: its log read whole.
+async fn whole_log(store: Store, id: BuildId, range: Option<ByteRange>) -> Result<Reply, ApiError> {
+    let text = tokio::task::spawn_blocking(move || -> Result<Vec<u8>, ApiError> {
+        let rx = store.read()?;
+        Ok(decompress_chunks(&rx.log_chunks(id)?)?)
+    })
+    .await
+    .map_err(|_| ApiError::internal())??;
     let len = text.len() as u64;
     let Some(range) = range else {
         return Ok(Reply::text(200, TEXT, text).header("Accept-Ranges", "bytes"));
@@ -133,16 +247,18 @@ pub async fn log(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
                     .header("Accept-Ranges", "bytes"),
             )
         }
-        None => {
-            let mut e = ApiError::new(
-                Code::RangeNotSatisfiable,
-                "the range starts at or after the end of the log so far",
-            );
-            e.reason = Some("range_not_satisfiable".into());
-            e.content_range = Some(format!("bytes */{len}"));
-            Err(e)
-        }
+        None => Err(range_not_satisfiable(len)),
     }
+}
+
+fn range_not_satisfiable(len: u64) -> ApiError {
+    let mut e = ApiError::new(
+        Code::RangeNotSatisfiable,
+        "the range starts at or after the end of the log so far",
+    );
+    e.reason = Some("range_not_satisfiable".into());
+    e.content_range = Some(format!("bytes */{len}"));
+    e
 }
 
 pub async fn cancel(ctx: &Ctx, req: &Request, idem: Option<IdemWrite>) -> Result<Reply, ApiError> {

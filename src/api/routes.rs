@@ -150,7 +150,7 @@ pub async fn call(ctx: &Arc<Ctx>, route: &Route, req: &Request) -> Result<Answer
         Call::ListSboms => sboms::list(ctx, req),
         Call::ReadSbom => sboms::node(ctx, req).await,
         Call::ReadBuild => builds::read(ctx, req),
-        Call::BuildLog => builds::log(ctx, req).await,
+        Call::BuildLog => return builds::log(ctx, req).await,
         Call::CancelBuild => {
             idempotency::mutation(ctx, req, caller()?, |w| builds::cancel(ctx, req, w)).await
         }

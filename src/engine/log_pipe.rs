@@ -12,7 +12,7 @@ use super::Engine;
 use crate::events::{self, Frame, SEQ_BLOCK};
 use crate::model::*;
 use crate::store::Lookup;
-use crate::store::{logs, StoreError, StoreErrorKind, StoreResult};
+use crate::store::{logs, ChunkPlace, StoreError, StoreErrorKind, StoreResult};
 
 /// A log chunk is committed at least this often while lines arrive.
 pub const LOG_FLUSH_INTERVAL: Duration = Duration::from_millis(100);
@@ -285,7 +285,13 @@ impl Chunk {
         tx: &crate::store::Tx,
         b: &mut BuildRecord,
     ) -> crate::store::StoreResult<()> {
-        tx.put_log_chunk(b.id, self.number, self.first_line, &self.compressed)?;
+        let place = ChunkPlace {
+            number: self.number,
+            first_line: self.first_line,
+            first_byte: b.log_bytes,
+            raw_len: self.bytes,
+        };
+        tx.put_log_chunk(b.id, &place, &self.compressed)?;
         b.log_bytes += self.bytes;
         b.log_lines += self.lines;
         b.log_chunks = self.number + 1;

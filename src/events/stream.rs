@@ -263,6 +263,12 @@ async fn end(w: &mut Writer, final_status: &Frame) -> Result<(), Stop> {
     w.flush().await
 }
 
+/// A log chunk a replay needs: to read by number, or read already.
+enum Planned {
+    Fetch(u32, u64),
+    Loaded(u64, Vec<u8>),
+}
+
 /// Sends every stored event of the build after `last`, merged by seq;
 /// returns the final status frame if the build has finished.
 async fn replay_build(
@@ -271,15 +277,41 @@ async fn replay_build(
     last: &mut u64,
     w: &mut Writer,
 ) -> Result<Option<Arc<Frame>>, Stop> {
+    // The build, its status events and where each log chunk sits: small.
+    // Chunks are then read one at a time, and only those after the cursor,
+    // so a replay or a catch-up holds one chunk in memory, not the log.
     let loaded = read_store(store, move |rx| {
         let Some(b) = rx.build(id)? else {
             return Ok(None);
         };
-        Ok(Some((b, rx.build_events(id)?, rx.log_chunks(id)?)))
+        let index = rx.log_index(id, b.log_chunks)?;
+        // A build stored before the index: its chunks are read whole.
+        let unindexed = match index {
+            Some(_) => None,
+            None => Some(rx.log_chunks(id)?),
+        };
+        Ok(Some((b, rx.build_events(id)?, index, unindexed)))
     })
     .await?;
-    let Some((build, statuses, chunks)) = loaded else {
+    let Some((build, statuses, index, unindexed)) = loaded else {
         return Ok(None);
+    };
+    let plan: Vec<Planned> = match (index, unindexed) {
+        (Some(places), _) => places
+            .iter()
+            .enumerate()
+            .filter_map(|(i, p)| {
+                let next = places.get(i + 1).map_or(build.log_lines, |n| n.first_line);
+                let lines = next.saturating_sub(p.first_line);
+                let last_seq = build.log_first_seq + p.first_line + lines.saturating_sub(1);
+                (lines > 0 && last_seq > *last).then_some(Planned::Fetch(p.number, p.first_line))
+            })
+            .collect(),
+        (None, Some(chunks)) => chunks
+            .into_iter()
+            .map(|(first_line, c)| Planned::Loaded(first_line, c))
+            .collect(),
+        (None, None) => Vec::new(),
     };
     let mut statuses = statuses.into_iter().peekable();
     let mut final_frame = None;
@@ -300,7 +332,18 @@ async fn replay_build(
             }
         }
     };
-    for (first_line, compressed) in chunks {
+    for planned in plan {
+        let (first_line, compressed) = match planned {
+            Planned::Loaded(first_line, compressed) => (first_line, compressed),
+            Planned::Fetch(number, first_line) => {
+                let compressed = read_store(store, move |rx| {
+                    rx.log_chunk(id, number)?
+                        .ok_or_else(|| StoreError::corrupt("an indexed log chunk is missing"))
+                })
+                .await?;
+                (first_line, compressed)
+            }
+        };
         let text = logs::decompress_chunk(&compressed).map_err(store_failed)?;
         // Every stored line ends with a newline.
         let body = text.strip_suffix(b"\n").unwrap_or(&text);
@@ -462,7 +505,13 @@ mod tests {
                         at: 2,
                     },
                 )?;
-                tx.put_log_chunk(id, 0, 0, b"these bytes are not zstd")
+                let place = crate::store::ChunkPlace {
+                    number: 0,
+                    first_line: 0,
+                    first_byte: 0,
+                    raw_len: 10,
+                };
+                tx.put_log_chunk(id, &place, b"these bytes are not zstd")
             })
             .await
             .unwrap();

@@ -22,7 +22,7 @@ mod writer;
 
 pub use error::{StoreError, StoreErrorKind, StoreResult};
 pub use lookup::Lookup;
-pub use records::{IdempotencyRecord, PendingCallback, StoredEvent};
+pub use records::{ChunkPlace, IdempotencyRecord, PendingCallback, StoredEvent};
 pub use rx::Rx;
 pub use tx::Tx;
 pub use writer::Hook;
@@ -180,6 +180,7 @@ fn init_schema(db: &Database) -> StoreResult<()> {
         txn.open_table(QUEUED)?;
         txn.open_table(RUNNING)?;
         txn.open_table(LOG_CHUNKS)?;
+        txn.open_table(LOG_INDEX)?;
         txn.open_table(IDEMPOTENCY)?;
         txn.open_table(SOURCES)?;
         txn.open_table(DESCRIBE_CACHE)?;

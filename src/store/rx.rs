@@ -5,8 +5,8 @@ use redb::{ReadTransaction, ReadableTable, ReadableTableMetadata};
 
 use super::tables::*;
 use super::{
-    decode, decode_counts, split_component_row, PendingCallback, StoreError, StoreResult,
-    StoredEvent, BUILD_COUNTS_KEY,
+    decode, decode_counts, split_component_row, ChunkPlace, PendingCallback, StoreError,
+    StoreResult, StoredEvent, BUILD_COUNTS_KEY,
 };
 use crate::model::{BuildId, BuildRecord, DeploymentRecord, NodeSbom};
 
@@ -130,6 +130,35 @@ impl Rx {
             out.push((first, body.to_vec()));
         }
         Ok(out)
+    }
+
+    /// Where each of a build's `chunks` log chunks sits, in order; `None`
+    /// when the index does not have them all (a build stored before it).
+    pub fn log_index(&self, build: BuildId, chunks: u32) -> StoreResult<Option<Vec<ChunkPlace>>> {
+        let t = self.txn.open_table(LOG_INDEX)?;
+        let mut out = Vec::with_capacity(chunks as usize);
+        for entry in t.range((build, 0u32)..=(build, u32::MAX))? {
+            let (k, v) = entry?;
+            let place = ChunkPlace::decode(k.value().1, v.value())
+                .ok_or_else(|| StoreError::corrupt("a log index row"))?;
+            out.push(place);
+        }
+        let complete = out.len() == chunks as usize
+            && out.iter().enumerate().all(|(i, p)| p.number as usize == i);
+        Ok(complete.then_some(out))
+    }
+
+    /// One compressed log chunk (without its header).
+    pub fn log_chunk(&self, build: BuildId, number: u32) -> StoreResult<Option<Vec<u8>>> {
+        let t = self.txn.open_table(LOG_CHUNKS)?;
+        let Some(v) = t.get((build, number))? else {
+            return Ok(None);
+        };
+        let body = v
+            .value()
+            .get(8..)
+            .ok_or_else(|| StoreError::corrupt("a log chunk without its header"))?;
+        Ok(Some(body.to_vec()))
     }
 
     /// A build's stored status events, in seq order.

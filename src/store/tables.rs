@@ -65,3 +65,9 @@ pub const SBOM_NODES: TableDefinition<(&str, &str), &[u8]> = TableDefinition::ne
 /// per occurrence in any node's list) then the zstd of that text. A row
 /// goes in the transaction that drops its last reference.
 pub const SBOM_COMPONENTS: TableDefinition<&[u8], &[u8]> = TableDefinition::new("sbom_components");
+
+/// (build id, chunk number) -> the chunk's place in its log: first line
+/// index, first byte offset and raw length (3 x u64 LE). Lets a `Range`
+/// read, a replay after a cursor and a catch-up decompress only the chunks
+/// they need (builds stored before this table have no rows: read whole).
+pub const LOG_INDEX: TableDefinition<(u128, u32), &[u8]> = TableDefinition::new("log_index");

@@ -7,8 +7,8 @@ use super::tables::*;
 use super::writer::Hook;
 use super::{
     codec, component_row, decode, decode_counts, encode_counts, get_record, put_record,
-    split_component_row, IdempotencyRecord, PendingCallback, StoreError, StoreResult, StoredEvent,
-    BUILD_COUNTS_KEY,
+    split_component_row, ChunkPlace, IdempotencyRecord, PendingCallback, StoreError, StoreResult,
+    StoredEvent, BUILD_COUNTS_KEY,
 };
 use crate::model::{
     BuildId, BuildRecord, BuildSnapshots, BuildStatus, DeploymentRecord, Millis, NodeSbom, Source,
@@ -100,19 +100,22 @@ impl Tx<'_> {
         Ok(())
     }
 
+    /// A log chunk and its place in the log.
     pub fn put_log_chunk(
         &self,
         build: BuildId,
-        chunk: u32,
-        first_line: u64,
+        place: &ChunkPlace,
         compressed: &[u8],
     ) -> StoreResult<()> {
         let mut value = Vec::with_capacity(8 + compressed.len());
-        value.extend_from_slice(&first_line.to_le_bytes());
+        value.extend_from_slice(&place.first_line.to_le_bytes());
         value.extend_from_slice(compressed);
         self.txn
             .open_table(LOG_CHUNKS)?
-            .insert((build, chunk), value.as_slice())?;
+            .insert((build, place.number), value.as_slice())?;
+        self.txn
+            .open_table(LOG_INDEX)?
+            .insert((build, place.number), place.encode().as_slice())?;
         Ok(())
     }
 
@@ -304,6 +307,8 @@ impl Tx<'_> {
         self.txn.open_table(CALLBACKS)?.remove(id)?;
         let mut chunks = self.txn.open_table(LOG_CHUNKS)?;
         chunks.retain_in((id, 0u32)..=(id, u32::MAX), |_, _| false)?;
+        let mut index = self.txn.open_table(LOG_INDEX)?;
+        index.retain_in((id, 0u32)..=(id, u32::MAX), |_, _| false)?;
         let mut events = self.txn.open_table(BUILD_EVENTS)?;
         events.retain_in((id, 0u64)..=(id, u64::MAX), |_, _| false)?;
         Ok(())
@@ -321,6 +326,7 @@ impl Tx<'_> {
             QUEUED,
             RUNNING,
             LOG_CHUNKS,
+            LOG_INDEX,
             IDEMPOTENCY,
             CALLBACKS,
             DEPLOYMENT_EVENTS,

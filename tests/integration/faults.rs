@@ -239,3 +239,67 @@ async fn logs_are_plain_in_files_and_json_on_request() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("BERTH_LOG_FORMAT must be text or json"));
 }
+
+/// A log of several chunks: the full log streams chunk by chunk, a Range
+/// anywhere (across chunk boundaries, the tail) equals that slice of it,
+/// and a replay from a cursor deep in the log gives exactly the lines after.
+#[tokio::test]
+async fn a_multi_chunk_log_is_read_by_range_and_replayed_from_a_cursor() {
+    let dir = temp_dir("chunks");
+    // ~2.7 MB in 40,000 numbered lines: at least three chunks of at most 1 MiB.
+    let body = format!(
+        "{SCRIPT_PRELUDE}\ni=0\nwhile [ $i -lt 40000 ]; do echo \"line $i of a long build log with some padding to make it longer\"; i=$((i+1)); done\nprintf '%s' '{{\"nodes\":[]}}' > \"$BERTH_RESULT\"\n"
+    );
+    let deployer = script(&dir, "chatty.sh", &body);
+    let s = Server::start(Options::default().deployer(&deployer)).await;
+    let b = s.submit_ok("chatty", json!({})).await;
+    let build = s.wait_build(&b, "succeeded").await;
+    let full = s.log_text(&b).await.into_bytes();
+    assert_eq!(full.len() as u64, build["log_bytes"].as_u64().unwrap());
+    assert!(full.len() > (2 << 20) + 100_000, "{} bytes", full.len());
+    let lines: Vec<&[u8]> = full.split(|&c| c == b'\n').collect();
+    assert!(lines[0].starts_with(b"line 0 "));
+    let mib = 1 << 20;
+    for (spec, from, to) in [
+        (
+            format!("bytes={}-{}", mib - 10, mib + 10),
+            mib - 10,
+            mib + 11,
+        ),
+        (format!("bytes={}-{}", 100, 2 * mib + 5), 100, 2 * mib + 6),
+        ("bytes=-100".to_string(), full.len() - 100, full.len()),
+        (
+            format!("bytes={}-", full.len() - 5),
+            full.len() - 5,
+            full.len(),
+        ),
+    ] {
+        let r = s
+            .get(&format!("/v1/builds/{b}/log"))
+            .header("range", spec.clone())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 206, "{spec}");
+        assert_eq!(
+            r.bytes().await.unwrap().to_vec(),
+            full[from..to].to_vec(),
+            "{spec}"
+        );
+    }
+    // Replay from a cursor in the third chunk: exactly the lines after it.
+    let first_seq = 3; // `queued` is seq 1, `running` seq 2, then the lines
+    let cursor = first_seq + 30_000 - 1;
+    let mut events = Sse::open(
+        s.get(&format!("/v1/builds/{b}/events"))
+            .header("last-event-id", cursor.to_string()),
+    )
+    .await;
+    let all = events.until_end().await;
+    let logs: Vec<&SseEvent> = all.iter().filter(|e| e.event == "log").collect();
+    let total = build["log_lines"].as_u64().unwrap() as usize;
+    assert_eq!(logs.len(), total - 30_000, "lines after the cursor");
+    assert_eq!(logs[0].id, Some(cursor + 1));
+    assert_eq!(logs[0].data.as_bytes(), lines[30_000]);
+    assert!(all.iter().any(|e| e.event == "status"));
+}
