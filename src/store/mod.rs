@@ -33,7 +33,7 @@ use writer::{
 use std::path::Path;
 use std::sync::Arc;
 
-use redb::{Database, ReadableDatabase, ReadableTable, WriteTransaction};
+use redb::{Database, ReadableDatabase, ReadableTable, ReadableTableMetadata, WriteTransaction};
 use serde::Serialize;
 use tokio::sync::{mpsc, oneshot};
 
@@ -173,6 +173,18 @@ fn init_schema(db: &Database) -> StoreResult<()> {
             let counts = count_builds(&txn)?;
             meta.insert(BUILD_COUNTS_KEY, encode_counts(&counts).as_slice())?;
         }
+        // Idempotency records from before the expiry index are indexed once.
+        {
+            let records = txn.open_table(IDEMPOTENCY)?;
+            let mut expiry = txn.open_table(IDEMPOTENCY_EXPIRY)?;
+            if expiry.is_empty()? && !records.is_empty()? {
+                for entry in records.iter()? {
+                    let (k, v) = entry?;
+                    let r: IdempotencyRecord = decode(v.value())?;
+                    expiry.insert((r.expires_at, k.value()), ())?;
+                }
+            }
+        }
         // Create every table so readers never meet a missing one.
         txn.open_table(DEPLOYMENTS)?;
         txn.open_table(BUILDS)?;
@@ -279,6 +291,40 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         (Store::open(&dir.join("berth.redb")).unwrap(), dir)
+    }
+
+    #[tokio::test]
+    async fn the_idempotency_sweep_uses_its_index_and_spares_a_reused_key() {
+        let (store, dir) = temp_store("idem-sweep");
+        let record = |expires_at| IdempotencyRecord {
+            fingerprint: vec![1],
+            status: 202,
+            content_type: "application/json".into(),
+            body: b"{}".to_vec(),
+            headers: vec![],
+            expires_at,
+        };
+        store
+            .write(move |tx| {
+                for i in 0..10 {
+                    tx.put_idempotency(&format!("old-{i}"), &record(1_000 + i))?;
+                }
+                tx.put_idempotency("fresh", &record(50_000))?;
+                // Expired once, then written again with a later expiry.
+                tx.put_idempotency("reused", &record(1_000))?;
+                tx.put_idempotency("reused", &record(60_000))
+            })
+            .await
+            .unwrap();
+        let first = store.write(|tx| tx.sweep_idempotency(10_000, 4)).await.unwrap();
+        assert!(first <= 4, "bounded batches: {first}");
+        let rest = store.write(|tx| tx.sweep_idempotency(10_000, 100)).await.unwrap();
+        assert_eq!(first + rest, 10, "exactly the expired records");
+        let rx = store.read().unwrap();
+        assert!(rx.idempotency("fresh").unwrap().is_some());
+        assert_eq!(rx.idempotency("reused").unwrap().unwrap().expires_at, 60_000);
+        assert!(rx.idempotency("old-3").unwrap().is_none());
+        let _ = std::fs::remove_dir_all(dir);
     }
 
     #[tokio::test]

@@ -71,3 +71,8 @@ pub const SBOM_COMPONENTS: TableDefinition<&[u8], &[u8]> = TableDefinition::new(
 /// read, a replay after a cursor and a catch-up decompress only the chunks
 /// they need (builds stored before this table have no rows: read whole).
 pub const LOG_INDEX: TableDefinition<(u128, u32), &[u8]> = TableDefinition::new("log_index");
+
+/// (expires_at ms, identity) -> (): idempotency records by expiry, so the
+/// sweep reads only what expired, in bounded batches, decoding nothing.
+pub const IDEMPOTENCY_EXPIRY: TableDefinition<(i64, &str), ()> =
+    TableDefinition::new("idempotency_expiry");

@@ -203,27 +203,41 @@ impl Tx<'_> {
     }
 
     pub fn put_idempotency(&self, key: &str, r: &IdempotencyRecord) -> StoreResult<()> {
+        self.txn
+            .open_table(IDEMPOTENCY_EXPIRY)?
+            .insert((r.expires_at, key), ())?;
         put_record(self.txn.open_table(IDEMPOTENCY)?, key, r)
     }
 
-    /// Removes idempotency records that expired before `now`; returns how many.
+    /// Removes at most `max` idempotency records that expired before `now`,
+    /// found through the expiry index; returns how many. A record written
+    /// again since (a key reused after it expired) has a later expiry and
+    /// stays.
     pub fn sweep_idempotency(&self, now: Millis, max: usize) -> StoreResult<usize> {
-        let mut t = self.txn.open_table(IDEMPOTENCY)?;
-        let mut expired = Vec::new();
-        for entry in t.iter()? {
-            let (k, v) = entry?;
-            let r: IdempotencyRecord = decode(v.value())?;
-            if r.expires_at <= now {
-                expired.push(k.value().to_string());
-                if expired.len() >= max {
-                    break;
-                }
+        let mut expiry = self.txn.open_table(IDEMPOTENCY_EXPIRY)?;
+        let mut records = self.txn.open_table(IDEMPOTENCY)?;
+        let mut due: Vec<(i64, String)> = Vec::new();
+        for entry in expiry.range((i64::MIN, "")..(now, ""))? {
+            let (k, _) = entry?;
+            let (at, key) = k.value();
+            due.push((at, key.to_string()));
+            if due.len() >= max {
+                break;
             }
         }
-        for k in &expired {
-            t.remove(k.as_str())?;
+        let mut removed = 0;
+        for (at, key) in &due {
+            expiry.remove((*at, key.as_str()))?;
+            let still_expired = match records.get(key.as_str())? {
+                Some(v) => decode::<IdempotencyRecord>(v.value())?.expires_at <= now,
+                None => false,
+            };
+            if still_expired {
+                records.remove(key.as_str())?;
+                removed += 1;
+            }
         }
-        Ok(expired.len())
+        Ok(removed)
     }
 
     pub fn callback(&self, build: BuildId) -> StoreResult<Option<PendingCallback>> {
@@ -328,6 +342,7 @@ impl Tx<'_> {
             LOG_CHUNKS,
             LOG_INDEX,
             IDEMPOTENCY,
+            IDEMPOTENCY_EXPIRY,
             CALLBACKS,
             DEPLOYMENT_EVENTS,
             BUILD_EVENTS,
