@@ -57,8 +57,12 @@ impl Engine {
             }
         };
         let outcome = self.execute(&build, &snaps, cancel_rx).await;
-        self.finish(build, outcome).await;
-        self.release_slot(build_id);
+        if self.finish(build, outcome).await {
+            self.release_slot(build_id);
+        }
+        // Otherwise the build is still `running` in the store: its slot
+        // stays taken, so nothing of its deployment starts on top of it,
+        // until a restart's recovery fails it.
     }
 
     /// Runs the deployer and captures the log; returns how it ended.
@@ -235,8 +239,9 @@ impl Engine {
     }
 
     /// The final transaction: status, last log chunk, the deployment's
-    /// deployed snapshot and pending counters, the destroy callback.
-    async fn finish(self: &Arc<Self>, build: BuildRecord, mut outcome: Outcome) {
+    /// deployed snapshot and pending counters, the destroy callback. Returns
+    /// whether the final status is stored.
+    async fn finish(self: &Arc<Self>, build: BuildRecord, mut outcome: Outcome) -> bool {
         let end = outcome.verdict(self.settings.build_timeout);
         let nodes = match outcome.result.take() {
             Some(Ok(nodes)) => nodes,
@@ -301,16 +306,43 @@ impl Engine {
                 other => break other,
             }
         };
-        if let Err(e) = result {
-            // The build stays `running` in the store; the next start's
-            // recovery fails it with `interrupted_by_restart`.
-            tracing::error!(error = %e, build = %format_build_id(build_id), "cannot store the final status of a build");
-        }
+        // (stored at all, stored with the verdict as judged)
+        let (stored, as_judged) = match result {
+            Ok(()) => (true, true),
+            Err(e) => {
+                // What failed may be this build's own records (its chunk,
+                // its SBOMs): store the bare final status instead, failed.
+                tracing::error!(error = %e, build = %format_build_id(build_id), "cannot store the final status of a build; storing it as failed without its last log lines and SBOMs");
+                let bare = Arc::new(Finished {
+                    end: End::failed(
+                        "final_commit_failed",
+                        "the build's last log lines and results could not be stored",
+                    ),
+                    nodes: vec![],
+                    last_chunk: None,
+                    late_frames: vec![],
+                    last_seq_used: finished.last_seq_used,
+                });
+                let hub = self.hub.clone();
+                match self
+                    .store
+                    .write(move |tx| finish_tx(tx, &hub, build_id, &bare))
+                    .await
+                {
+                    Ok(()) => (true, false),
+                    Err(e) => {
+                        tracing::error!(error = %e, build = %format_build_id(build_id), "cannot store any final status of a build; it stays running until recovery, and its slot stays taken");
+                        (false, false)
+                    }
+                }
+            }
+        };
         let _ = std::fs::remove_dir_all(&outcome.root);
-        if kind == BuildKind::Destroy && status == BuildStatus::Succeeded {
+        if as_judged && kind == BuildKind::Destroy && status == BuildStatus::Succeeded {
             let _ = std::fs::remove_dir_all(self.settings.work_dir(&build.deployment));
             self.callbacks_wake.notify_one();
         }
+        stored
     }
 }
 
