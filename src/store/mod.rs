@@ -316,13 +316,22 @@ mod tests {
             })
             .await
             .unwrap();
-        let first = store.write(|tx| tx.sweep_idempotency(10_000, 4)).await.unwrap();
+        let first = store
+            .write(|tx| tx.sweep_idempotency(10_000, 4))
+            .await
+            .unwrap();
         assert!(first <= 4, "bounded batches: {first}");
-        let rest = store.write(|tx| tx.sweep_idempotency(10_000, 100)).await.unwrap();
+        let rest = store
+            .write(|tx| tx.sweep_idempotency(10_000, 100))
+            .await
+            .unwrap();
         assert_eq!(first + rest, 10, "exactly the expired records");
         let rx = store.read().unwrap();
         assert!(rx.idempotency("fresh").unwrap().is_some());
-        assert_eq!(rx.idempotency("reused").unwrap().unwrap().expires_at, 60_000);
+        assert_eq!(
+            rx.idempotency("reused").unwrap().unwrap().expires_at,
+            60_000
+        );
         assert!(rx.idempotency("old-3").unwrap().is_none());
         let _ = std::fs::remove_dir_all(dir);
     }

@@ -14,3 +14,4 @@ mod queue;
 mod restart;
 mod routes;
 mod sboms;
+mod torture;
