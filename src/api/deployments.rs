@@ -337,14 +337,7 @@ pub async fn set_update_policy(
     if req.body.is_empty() {
         return Err(ApiError::bad_request("a policy body is required").field("", "required"));
     }
-    let body: Value = serde_json::from_slice(&req.body).map_err(|e| {
-        ApiError::bad_request(format!(
-            "the body is not valid JSON (line {}, column {})",
-            e.line(),
-            e.column()
-        ))
-        .field("", "malformed_json")
-    })?;
+    let body = super::parse_json(&req.body)?;
     let policy = parse_policy(&body, "")?;
     // The answer is rendered inside the change's transaction (an idempotent
     // replay must be the same bytes), from describes read before it.

@@ -396,13 +396,10 @@ fn into_http(reply: Reply, request_id: &str) -> warp::reply::Response {
     response
 }
 
-/// Parses a JSON body into an object, with the errors of the contract:
-/// not JSON, not an object, nested too deep, keys not in `allowed`.
-pub fn json_object(
-    body: &[u8],
-    allowed: &[&str],
-) -> Result<serde_json::Map<String, serde_json::Value>, ApiError> {
-    let value: serde_json::Value = serde_json::from_slice(body).map_err(|e| {
+/// Parses a JSON body at most `MAX_JSON_DEPTH` deep; the error says where,
+/// never what.
+pub fn parse_json(body: &[u8]) -> Result<serde_json::Value, ApiError> {
+    let value = serde_json::from_slice(body).map_err(|e| {
         ApiError::bad_request(format!(
             "the body is not valid JSON (line {}, column {})",
             e.line(),
@@ -415,6 +412,16 @@ pub fn json_object(
             ApiError::bad_request("the body nests deeper than 64 levels").field("", "too_deep"),
         );
     }
+    Ok(value)
+}
+
+/// Parses a JSON body into an object, with the errors of the contract:
+/// not JSON, not an object, nested too deep, keys not in `allowed`.
+pub fn json_object(
+    body: &[u8],
+    allowed: &[&str],
+) -> Result<serde_json::Map<String, serde_json::Value>, ApiError> {
+    let value = parse_json(body)?;
     let serde_json::Value::Object(map) = value else {
         return Err(ApiError::bad_request("the body must be a JSON object").field("", "type"));
     };

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use super::verdict::{NodeOutcome, SbomOutcome};
 use crate::events::{self, Hub};
 use crate::model::*;
-use crate::store::{StoreResult, Tx};
+use crate::store::{Lookup, StoreResult, Tx};
 
 /// The reason of a node no deploy has given an SBOM yet.
 pub const NO_SBOM_YET: &str = "no deploy gave an SBOM yet";

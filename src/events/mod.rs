@@ -73,51 +73,23 @@ pub fn deployment_changed(
     changed: Option<&BuildRecord>,
     now: Millis,
 ) -> StoreResult<()> {
-    let mut frames = Vec::with_capacity(2);
     if let Some(b) = changed {
-        d.event_seq += 1;
-        frames.push((
-            d.event_seq,
-            "build",
-            serde_json::to_string(&b.summary()).unwrap_or_default(),
-        ));
+        let data = serde_json::to_string(&b.summary()).unwrap_or_default();
+        deployment_event(tx, hub, d, "build", data, now)?;
     }
     let last_build = match (d.last_build, changed) {
         (Some(id), Some(b)) if id == b.id => Some(b.clone()),
         (Some(id), _) => tx.build(id)?,
         (None, _) => None,
     };
-    d.event_seq += 1;
-    let summary = d.summary(last_build.as_ref());
-    frames.push((
-        d.event_seq,
-        "deployment",
-        serde_json::to_string(&summary).unwrap_or_default(),
-    ));
-    for (seq, event, data) in &frames {
-        tx.put_deployment_event(
-            &d.id,
-            *seq,
-            &StoredEvent {
-                event: event.to_string(),
-                data: data.clone(),
-                at: now,
-            },
-        )?;
-    }
-    let (hub, id) = (hub.clone(), d.id.clone());
-    tx.after_commit(move || {
-        let channel = Channel::Deployment(id);
-        for (seq, event, data) in frames {
-            hub.publish(&channel, Frame::new(seq, event, data, false));
-        }
-    });
-    Ok(())
+    let data = serde_json::to_string(&d.summary(last_build.as_ref())).unwrap_or_default();
+    deployment_event(tx, hub, d, "deployment", data, now)
 }
 
-/// Stores one more event of the deployment channel (`sbom`) and publishes
-/// it after the commit. Only `engine::transition` (and what it calls) does
-/// this; the caller stores the deployment record with its new `event_seq`.
+/// Stores one more event of the deployment channel and publishes it after
+/// the commit (hooks run in commit order). Only `engine::transition` (and
+/// what it calls) does this; the caller stores the deployment record with
+/// its new `event_seq`.
 pub fn deployment_event(
     tx: &Tx,
     hub: &Arc<Hub>,

@@ -5,8 +5,10 @@
 use redb::{ReadableTable, TableDefinition};
 
 use super::tables::*;
-use super::{get_record, IdempotencyRecord, StoreResult};
-use crate::model::{BuildId, BuildRecord, BuildSnapshots, DeploymentRecord, Source, UpdateTry};
+use super::{decode, get_record, IdempotencyRecord, StoreResult};
+use crate::model::{
+    BuildId, BuildRecord, BuildSnapshots, DeploymentRecord, NodeSbom, Source, UpdateTry,
+};
 
 /// A table of encoded records.
 type RecordTable<K> = TableDefinition<'static, K, &'static [u8]>;
@@ -37,6 +39,21 @@ pub trait Lookup {
 
     fn update_try(&self, deployment: &str) -> StoreResult<Option<UpdateTry>> {
         get_record(&self.open(UPDATE_TRIES)?, deployment)
+    }
+
+    /// A deployment's SBOM nodes, by node name.
+    fn sbom_nodes(&self, deployment: &str) -> StoreResult<Vec<(String, NodeSbom)>> {
+        let t = self.open(SBOM_NODES)?;
+        let mut out = Vec::new();
+        for entry in t.range((deployment, "")..)? {
+            let (k, v) = entry?;
+            let (dep, node) = k.value();
+            if dep != deployment {
+                break;
+            }
+            out.push((node.to_string(), decode(v.value())?));
+        }
+        Ok(out)
     }
 
     fn idempotency(&self, key: &str) -> StoreResult<Option<IdempotencyRecord>> {

@@ -227,21 +227,6 @@ impl Rx {
         Ok(out)
     }
 
-    /// A deployment's SBOM nodes, by node name.
-    pub fn sbom_nodes(&self, deployment: &str) -> StoreResult<Vec<(String, NodeSbom)>> {
-        let t = self.txn.open_table(SBOM_NODES)?;
-        let mut out = Vec::new();
-        for entry in t.range((deployment, "")..)? {
-            let (k, v) = entry?;
-            let (dep, node) = k.value();
-            if dep != deployment {
-                break;
-            }
-            out.push((node.to_string(), decode(v.value())?));
-        }
-        Ok(out)
-    }
-
     pub fn sbom_node(&self, deployment: &str, node: &str) -> StoreResult<Option<NodeSbom>> {
         self.txn
             .open_table(SBOM_NODES)?

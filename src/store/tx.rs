@@ -123,21 +123,6 @@ impl Tx<'_> {
         put_record(self.txn.open_table(UPDATE_TRIES)?, deployment, t)
     }
 
-    /// A deployment's SBOM nodes, by node name.
-    pub fn sbom_nodes(&self, deployment: &str) -> StoreResult<Vec<(String, NodeSbom)>> {
-        let t = self.txn.open_table(SBOM_NODES)?;
-        let mut out = Vec::new();
-        for entry in t.range((deployment, "")..)? {
-            let (k, v) = entry?;
-            let (dep, node) = k.value();
-            if dep != deployment {
-                break;
-            }
-            out.push((node.to_string(), decode(v.value())?));
-        }
-        Ok(out)
-    }
-
     pub fn put_sbom_node(&self, deployment: &str, node: &str, s: &NodeSbom) -> StoreResult<()> {
         put_record(self.txn.open_table(SBOM_NODES)?, (deployment, node), s)
     }
