@@ -17,9 +17,9 @@ use std::time::Instant;
 use serde_json::{json, Value};
 
 use berth::engine::build::{finish_tx, start_tx, Finished};
+use berth::engine::outcome::End;
+use berth::engine::outcome::{ComponentBytes, NodeOutcome, PreparedSbom, SbomOutcome};
 use berth::engine::requests::{submit_tx, Mode, SubmitRecord};
-use berth::engine::transition::End;
-use berth::engine::verdict::{ComponentBytes, NodeOutcome, PreparedSbom, SbomOutcome};
 use berth::events::Hub;
 use berth::model::*;
 use berth::store::{compress, Store};

@@ -11,8 +11,8 @@ use time::macros::datetime;
 use time_tz::TimeZone;
 
 use berth::engine::build::{finish_tx, start_tx, Finished};
+use berth::engine::outcome::End;
 use berth::engine::requests::{submit_tx, Mode, SubmitRecord};
-use berth::engine::transition::End;
 use berth::engine::Engine;
 use berth::model::*;
 use berth::settings::{Cli, Command};

@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use super::refusal::{Missing, Refusal};
+use super::refusal::{ActionReason as Reason, Missing, Refusal};
 use super::requests::Recorder;
 use super::transition::{Change, NewBuild};
 use super::Engine;
@@ -41,30 +41,6 @@ impl Toggle {
     /// The `suspended` flag after the action.
     fn suspends(self) -> bool {
         self == Toggle::Suspend
-    }
-}
-
-/// Why an action is disabled (lifecycle.md's codes).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Reason {
-    Suspended,
-    NotDeployed,
-    BuildPending,
-    AlreadySuspended,
-    NotSuspended,
-    UnsupportedByRevision,
-}
-
-impl Reason {
-    pub fn code(self) -> &'static str {
-        match self {
-            Reason::Suspended => "suspended",
-            Reason::NotDeployed => "not_deployed",
-            Reason::BuildPending => "build_pending",
-            Reason::AlreadySuspended => "already_suspended",
-            Reason::NotSuspended => "not_suspended",
-            Reason::UnsupportedByRevision => "unsupported_by_revision",
-        }
     }
 }
 

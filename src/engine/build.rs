@@ -11,10 +11,11 @@ use serde_json::json;
 use tokio::sync::{mpsc, watch};
 
 use super::log_pipe::{Chunk, LogBuffer, LogPipe, LINE_QUEUE, LOG_FLUSH_INTERVAL};
+use super::outcome::{End, Halt, NodeOutcome, SbomOutcome};
 use super::queue::QUEUE_POLL;
 use super::runner::{self, CallDirs, Ended, Invocation};
-use super::transition::{Change, End};
-use super::verdict::{read_deploy_result, NodeOutcome, Outcome, SbomOutcome};
+use super::transition::Change;
+use super::verdict::{read_deploy_result, Outcome};
 use super::{lock, Engine};
 use crate::events::{Channel, Frame, Hub};
 use crate::model::*;
@@ -24,19 +25,6 @@ use crate::store::{StoreResult, Tx};
 /// Pauses between attempts of a build's final commit (a full disk).
 const FINAL_COMMIT_FIRST_PAUSE: Duration = Duration::from_millis(100);
 const FINAL_COMMIT_MAX_PAUSE: Duration = Duration::from_secs(30);
-
-/// Why a running build is asked to stop (the deployer's group gets
-/// SIGTERM, then SIGKILL after `--cancel-grace`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Halt {
-    /// Nobody asked.
-    No,
-    /// `POST /v1/builds/{build}/cancel`: the build ends `cancelled`.
-    Cancel,
-    /// berth is stopping and `--shutdown-grace` is over: the build ends
-    /// `failed` with `interrupted_by_shutdown`.
-    Shutdown,
-}
 
 impl Engine {
     pub(super) async fn run_build(self: Arc<Self>, build_id: BuildId) {

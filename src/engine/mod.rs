@@ -11,6 +11,7 @@ pub mod build;
 pub mod callbacks;
 pub mod deployer;
 pub mod log_pipe;
+pub mod outcome;
 pub mod queue;
 pub mod recovery;
 pub mod refusal;
@@ -69,7 +70,7 @@ pub struct Engine {
     pub callbacks_wake: Notify,
     /// Wakes the automatic update loop (a policy changed).
     updates_wake: Notify,
-    cancels: Mutex<HashMap<BuildId, watch::Sender<build::Halt>>>,
+    cancels: Mutex<HashMap<BuildId, watch::Sender<outcome::Halt>>>,
     pub ready: AtomicBool,
     pub stopping: AtomicBool,
     pub metrics: Metrics,
@@ -173,7 +174,7 @@ impl Engine {
     /// `interrupted_by_shutdown`.
     pub fn stop_running_builds(&self) {
         for halt in lock(&self.cancels).values() {
-            let _ = halt.send(build::Halt::Shutdown);
+            let _ = halt.send(outcome::Halt::Shutdown);
         }
     }
 

@@ -9,7 +9,8 @@ use std::time::Duration;
 
 use nix::sys::signal::Signal;
 
-use super::transition::{Change, End};
+use super::outcome::End;
+use super::transition::Change;
 use super::{runner, Engine};
 use crate::events::Hub;
 use crate::model::*;

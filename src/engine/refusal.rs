@@ -112,7 +112,7 @@ pub enum Refusal {
     Conflict(Conflict),
     /// An action the deployment's `actions` list shows disabled (409
     /// `conflict` with the list's reason code).
-    ActionRefused(super::actions::Reason),
+    ActionRefused(ActionReason),
     /// `If-Match` names another revision than the current one (412).
     PreconditionFailed,
     QueueFull(QueueFull),
@@ -153,6 +153,31 @@ impl Refusal {
             Refusal::EvalUnavailable { message, .. } => message.to_string(),
             Refusal::Store(e) => e.to_string(),
             other => format!("{other:?}"),
+        }
+    }
+}
+
+/// Why an action is disabled (lifecycle.md's codes): the `actions` list
+/// shows it, and the actions route refuses with it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ActionReason {
+    Suspended,
+    NotDeployed,
+    BuildPending,
+    AlreadySuspended,
+    NotSuspended,
+    UnsupportedByRevision,
+}
+
+impl ActionReason {
+    pub fn code(self) -> &'static str {
+        match self {
+            ActionReason::Suspended => "suspended",
+            ActionReason::NotDeployed => "not_deployed",
+            ActionReason::BuildPending => "build_pending",
+            ActionReason::AlreadySuspended => "already_suspended",
+            ActionReason::NotSuspended => "not_suspended",
+            ActionReason::UnsupportedByRevision => "unsupported_by_revision",
         }
     }
 }

@@ -13,10 +13,11 @@ use std::sync::Arc;
 use serde_json::{json, Value};
 
 use super::deployer::EvalVerdict;
+use super::outcome::End;
 use super::refusal::{
     Conflict, EvalUnavailable, FieldError, InvalidSource, Missing, QueueFull, Refusal,
 };
-use super::transition::{Change, End, NewBuild};
+use super::transition::{Change, NewBuild};
 use super::{lock, origin_allowed, Engine};
 use crate::events::Hub;
 use crate::model::*;
@@ -290,7 +291,7 @@ impl Engine {
             .await??;
         if taken.was_running {
             if let Some(cancel) = lock(&self.cancels).get(&build_id) {
-                let _ = cancel.send(super::build::Halt::Cancel);
+                let _ = cancel.send(super::outcome::Halt::Cancel);
             }
         }
         Ok(taken)

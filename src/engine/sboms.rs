@@ -7,7 +7,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use super::verdict::{NodeOutcome, SbomOutcome};
+use super::outcome::{NodeOutcome, SbomOutcome};
 use crate::events::{self, Hub};
 use crate::model::*;
 use crate::store::{Lookup, StoreResult, Tx};

@@ -23,8 +23,8 @@
 
 use std::sync::Arc;
 
+use super::outcome::{End, NodeOutcome};
 use super::sboms;
-use super::verdict::NodeOutcome;
 use crate::events::{self, Hub, SEQ_BLOCK};
 use crate::model::*;
 use crate::store::{Lookup, StoreError, StoreResult, Tx};
@@ -60,38 +60,6 @@ fn guard(from: Option<BuildStatus>, to: BuildStatus) -> StoreResult<()> {
         debug_assert!(false, "illegal build status change: {illegal:?}");
         StoreError::other(format!("illegal build status change: {illegal:?}"))
     })
-}
-
-/// How a build ended.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct End {
-    pub status: BuildStatus,
-    pub failure: Option<Failure>,
-    pub exit_code: Option<i32>,
-}
-
-impl End {
-    pub fn failed(reason: &str, detail: &str) -> End {
-        End {
-            status: BuildStatus::Failed,
-            failure: Some(Failure {
-                reason: reason.into(),
-                detail: detail.into(),
-            }),
-            exit_code: None,
-        }
-    }
-
-    pub fn cancelled(detail: &str) -> End {
-        End {
-            status: BuildStatus::Cancelled,
-            failure: Some(Failure {
-                reason: "cancelled".into(),
-                detail: detail.into(),
-            }),
-            exit_code: None,
-        }
-    }
 }
 
 /// A new build before it is queued.

@@ -6,10 +6,9 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use super::build::Halt;
 use super::log_pipe::LogBuffer;
+use super::outcome::{ComponentBytes, End, Halt, NodeOutcome, PreparedSbom, SbomOutcome};
 use super::runner::{self, Ended, OpenError};
-use super::transition::End;
 use crate::model::*;
 use crate::sbom;
 use crate::store::compress;
@@ -156,53 +155,6 @@ struct DeployResultNode {
 enum SbomRef {
     Ready { path: String },
     Unavailable { reason: String },
-}
-
-/// A node of a deploy result, with its SBOM read, checked and prepared for
-/// the store (split, canonical, compressed) off the async runtime.
-#[derive(Debug)]
-pub struct NodeOutcome {
-    pub name: String,
-    pub changed: bool,
-    pub sbom: SbomOutcome,
-}
-
-#[derive(Debug)]
-pub enum SbomOutcome {
-    Ready(PreparedSbom),
-    /// Why the node has no SBOM from this deploy (a person reads it).
-    Unavailable(String),
-    /// `changed: false` without an SBOM: the node keeps the one it has.
-    Kept,
-}
-
-/// A document split for the store.
-#[derive(Debug)]
-pub struct PreparedSbom {
-    /// zstd of the skeleton's JSON text.
-    pub skeleton: Vec<u8>,
-    pub had_components: bool,
-    /// In the document's order.
-    pub components: Vec<(sbom::Hash, ComponentBytes)>,
-}
-
-/// A component's bytes for the store: compressed when it was new when read;
-/// a component already stored keeps only its text (compressed in the
-/// transaction only if it was collected meanwhile). With 90% of components
-/// shared, this spares most of the compression.
-#[derive(Debug)]
-pub enum ComponentBytes {
-    Compressed(Vec<u8>),
-    Known(String),
-}
-
-impl ComponentBytes {
-    pub fn compressed(&self) -> crate::store::StoreResult<Vec<u8>> {
-        match self {
-            ComponentBytes::Compressed(c) => Ok(c.clone()),
-            ComponentBytes::Known(text) => compress::compress(text.as_bytes()),
-        }
-    }
 }
 
 /// Checks a deploy or destroy result against the protocol and the SBOM

@@ -17,6 +17,20 @@ fn pid_of(build: &Value) -> i32 {
         .unwrap_or_else(|| panic!("no job id in {build}"))
 }
 
+/// The pid of a running build's deployer once its job record is stored
+/// (a build is `running` a moment before its job record lands).
+async fn running_pid(s: &Server, build: &str) -> i32 {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let b = s.build(build).await;
+        if b["job_id"].is_string() {
+            return pid_of(&b);
+        }
+        assert!(Instant::now() < deadline, "no job record: {b}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
 fn group_alive(pgid: i32) -> bool {
     nix::sys::signal::killpg(nix::unistd::Pid::from_raw(pgid), None).is_ok()
 }
@@ -54,7 +68,7 @@ async fn a_cancel_stops_a_deployer_that_closed_its_pipes() {
     .await;
     let b = s.submit_ok("quiet", json!({})).await;
     let running = s.wait_build(&b, "running").await;
-    let pgid = pid_of(&s.build(&b).await);
+    let pgid = running_pid(&s, &b).await;
     // Past the point where its pipes closed.
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(group_alive(pgid));
@@ -88,7 +102,7 @@ async fn shutdown_stops_what_still_runs_after_its_grace_and_records_it() {
     .await;
     let b = s.submit_ok("late", json!({})).await;
     s.wait_build(&b, "running").await;
-    let pgid = pid_of(&s.build(&b).await);
+    let pgid = running_pid(&s, &b).await;
     let started = Instant::now();
     let status = s.terminate();
     assert!(status.success(), "{status:?}");
@@ -122,7 +136,7 @@ async fn recovery_stops_an_orphaned_group_whose_leader_is_gone() {
     let mut s = Server::start_in(dir.clone(), Options::default().deployer(&deployer)).await;
     let b = s.submit_ok("orphan", json!({})).await;
     s.wait_build(&b, "running").await;
-    let pgid = pid_of(&s.build(&b).await);
+    let pgid = running_pid(&s, &b).await;
     eventually("the child started", || async { child_pid.exists() }).await;
     s.kill();
     // The leader exits while berth is down; its child lives on.

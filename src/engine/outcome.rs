@@ -1,0 +1,100 @@
+//! What a build run produced, as plain values shared by the modules that
+//! judge it (`verdict`), store it (`transition`, `sboms`) and run it
+//! (`build`): how it ended, who stopped it, and each node's SBOM prepared
+//! for the store. Data only, so none of those modules imports another for it.
+
+use crate::model::*;
+use crate::sbom;
+use crate::store::compress;
+
+/// Why a running build is asked to stop (the deployer's group gets
+/// SIGTERM, then SIGKILL after `--cancel-grace`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Halt {
+    /// Nobody asked.
+    No,
+    /// `POST /v1/builds/{build}/cancel`: the build ends `cancelled`.
+    Cancel,
+    /// berth is stopping and `--shutdown-grace` is over: the build ends
+    /// `failed` with `interrupted_by_shutdown`.
+    Shutdown,
+}
+
+/// How a build ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct End {
+    pub status: BuildStatus,
+    pub failure: Option<Failure>,
+    pub exit_code: Option<i32>,
+}
+
+impl End {
+    pub fn failed(reason: &str, detail: &str) -> End {
+        End {
+            status: BuildStatus::Failed,
+            failure: Some(Failure {
+                reason: reason.into(),
+                detail: detail.into(),
+            }),
+            exit_code: None,
+        }
+    }
+
+    pub fn cancelled(detail: &str) -> End {
+        End {
+            status: BuildStatus::Cancelled,
+            failure: Some(Failure {
+                reason: "cancelled".into(),
+                detail: detail.into(),
+            }),
+            exit_code: None,
+        }
+    }
+}
+
+/// A node of a deploy result, with its SBOM read, checked and prepared for
+/// the store (split, canonical, compressed) off the async runtime.
+#[derive(Debug)]
+pub struct NodeOutcome {
+    pub name: String,
+    pub changed: bool,
+    pub sbom: SbomOutcome,
+}
+
+#[derive(Debug)]
+pub enum SbomOutcome {
+    Ready(PreparedSbom),
+    /// Why the node has no SBOM from this deploy (a person reads it).
+    Unavailable(String),
+    /// `changed: false` without an SBOM: the node keeps the one it has.
+    Kept,
+}
+
+/// A document split for the store.
+#[derive(Debug)]
+pub struct PreparedSbom {
+    /// zstd of the skeleton's JSON text.
+    pub skeleton: Vec<u8>,
+    pub had_components: bool,
+    /// In the document's order.
+    pub components: Vec<(sbom::Hash, ComponentBytes)>,
+}
+
+/// A component's bytes for the store: compressed when it was new when read;
+/// a component already stored keeps only its text (compressed in the
+/// transaction only if it was collected meanwhile). With 90% of components
+/// shared, this spares most of the compression.
+#[derive(Debug)]
+pub enum ComponentBytes {
+    Compressed(Vec<u8>),
+    Known(String),
+}
+
+impl ComponentBytes {
+    pub fn compressed(&self) -> crate::store::StoreResult<Vec<u8>> {
+        match self {
+            ComponentBytes::Compressed(c) => Ok(c.clone()),
+            ComponentBytes::Known(text) => compress::compress(text.as_bytes()),
+        }
+    }
+}
