@@ -31,6 +31,8 @@ pub struct DeployerCommand {
     pub prefix: Vec<OsString>,
     /// (uid, gid) to run as, from `--deployer-user`.
     pub run_as: Option<(u32, u32)>,
+    /// berth's own `local` deployer (no `--deployer`).
+    pub embedded: bool,
 }
 
 impl DeployerCommand {
@@ -59,6 +61,7 @@ impl DeployerCommand {
             program,
             prefix,
             run_as,
+            embedded: deployer.is_none(),
         })
     }
 }
@@ -108,13 +111,13 @@ const GATE_SCRIPT: &str =
     "IFS= read -r go <&3 && [ \"$go\" = go ] || exit 97; exec 3<&-; exec \"$0\" \"$@\"";
 
 /// The environment a deployer sees: berth's own minus every `BERTH_*`
-/// variable (flag values may hold secrets), except the `local` deployer's
-/// own `BERTH_LOCAL_*` knobs.
-fn deployer_env() -> Vec<(OsString, OsString)> {
+/// variable (flag values may hold secrets; deployer.md). Only the embedded
+/// `local` deployer also gets its own `BERTH_LOCAL_*` knobs.
+fn deployer_env(embedded: bool) -> Vec<(OsString, OsString)> {
     std::env::vars_os()
         .filter(|(k, _)| {
             let k = k.to_string_lossy();
-            !k.starts_with("BERTH_") || k.starts_with("BERTH_LOCAL_")
+            !k.starts_with("BERTH_") || (embedded && k.starts_with("BERTH_LOCAL_"))
         })
         .collect()
 }
@@ -167,7 +170,7 @@ pub fn spawn(cmd: &DeployerCommand, inv: &Invocation) -> std::io::Result<Spawned
         .args(&cmd.prefix)
         .arg(inv.verb)
         .env_clear()
-        .envs(deployer_env())
+        .envs(deployer_env(cmd.embedded))
         .env("BERTH_RESULT", &inv.result_path)
         .env("BERTH_WORK_DIR", &inv.work_dir)
         .env("BERTH_SCRATCH_DIR", &inv.scratch_dir)
