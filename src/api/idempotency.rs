@@ -28,6 +28,58 @@ pub const IDEMPOTENCY_TTL: Millis = 24 * 3600 * 1000;
 #[derive(Default)]
 pub struct KeyLocks(Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>);
 
+impl KeyLocks {
+    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<tokio::sync::Mutex<()>>>> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Waits for, then holds, the lock of one identity. The entry leaves the
+    /// map when its last holder's guard is dropped, also when the request
+    /// that held it is dropped mid-way (a client that left).
+    pub async fn lock(&self, identity: String) -> KeyGuard<'_> {
+        let entry = self.map().entry(identity.clone()).or_default().clone();
+        let mut guard = KeyGuard {
+            locks: self,
+            identity,
+            entry,
+            held: None,
+        };
+        guard.held = Some(guard.entry.clone().lock_owned().await);
+        guard
+    }
+
+    /// Identities with a lock in memory.
+    pub fn len(&self) -> usize {
+        self.map().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// One identity's lock, held; see `KeyLocks::lock`.
+pub struct KeyGuard<'a> {
+    locks: &'a KeyLocks,
+    identity: String,
+    entry: Arc<tokio::sync::Mutex<()>>,
+    held: Option<tokio::sync::OwnedMutexGuard<()>>,
+}
+
+impl Drop for KeyGuard<'_> {
+    fn drop(&mut self) {
+        self.held = None;
+        let mut map = self.locks.map();
+        // The map's reference and ours: nobody else holds or waits.
+        if map
+            .get(&self.identity)
+            .is_some_and(|l| Arc::ptr_eq(l, &self.entry) && Arc::strong_count(l) == 2)
+        {
+            map.remove(&self.identity);
+        }
+    }
+}
+
 /// What a mutation stores with itself.
 #[derive(Debug, Clone)]
 pub struct IdemWrite {
@@ -109,24 +161,8 @@ where
         );
     }
     let identity = format!("{}\u{0}{}\u{0}{}", caller.subject, req.route, key);
-    let lock = {
-        let mut map = ctx.idempotency.0.lock().unwrap_or_else(|p| p.into_inner());
-        map.entry(identity.clone()).or_default().clone()
-    };
-    let guard = lock.lock().await;
-    let result = run_locked(ctx, req, identity.clone(), run).await;
-    drop(guard);
-    // Forget the lock when nobody else holds or waits for it.
-    let mut map = ctx.idempotency.0.lock().unwrap_or_else(|p| p.into_inner());
-    if map
-        .get(&identity)
-        .is_some_and(|l| Arc::strong_count(l) == 2)
-    {
-        map.remove(&identity);
-    }
-    drop(map);
-    drop(lock);
-    result
+    let _guard = ctx.idempotency.lock(identity.clone()).await;
+    run_locked(ctx, req, identity, run).await
 }
 
 async fn run_locked<'a, F, Fut>(
@@ -175,5 +211,39 @@ where
             Err(e)
         }
         Err(e) => Err(e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_dropped_request_leaves_no_lock_behind() {
+        let locks = KeyLocks::default();
+        // Held, then the request is dropped mid-way.
+        let held = async {
+            let _g = locks.lock("a".into()).await;
+            std::future::pending::<()>().await;
+        };
+        assert!(
+            tokio::time::timeout(std::time::Duration::from_millis(20), held)
+                .await
+                .is_err()
+        );
+        assert_eq!(locks.len(), 0, "the holder's entry leaked");
+        // A holder and a waiter; the waiter is dropped while it waits, then
+        // the holder finishes.
+        let first = locks.lock("b".into()).await;
+        let waiter = async {
+            let _g = locks.lock("b".into()).await;
+        };
+        assert!(
+            tokio::time::timeout(std::time::Duration::from_millis(20), waiter)
+                .await
+                .is_err()
+        );
+        drop(first);
+        assert!(locks.is_empty(), "an entry leaked after its waiter left");
     }
 }
