@@ -59,12 +59,20 @@ pub async fn list(ctx: &Ctx, req: &Request, caller: &Caller) -> Result<Reply, Ap
             ApiError::bad_request("at most 200 id parameters").field("/query/id", "too_many")
         );
     }
+    if ids.iter().any(|id| !is_valid_deployment_id(id)) {
+        return Err(ApiError::bad_request(
+            "each id is a deployment id: a DNS label of at most 40 characters",
+        )
+        .field("/query/id", "deployment_id"));
+    }
     ids.sort_unstable();
     ids.dedup();
+    // The cursor is bound to the filter: an unambiguous encoding of it (a
+    // JSON list), so one filter's cursor never passes for another's.
     let filter = if ids.is_empty() {
         String::new()
     } else {
-        format!("ids={}", ids.join(","))
+        serde_json::to_string(&ids).map_err(|_| ApiError::internal())?
     };
     let after = match req.query_one("cursor") {
         Some(c) => Some(cursor::decode(

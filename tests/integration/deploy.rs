@@ -219,6 +219,31 @@ async fn preview_list_log_range_and_failed_deploy() {
     assert_eq!(ids, ["d1", "d3"]);
     let (status, _) = s.json("/v1/deployments?limit=0").await;
     assert_eq!(status, 400);
+    // `id` values are deployment ids (so `id=a,b` is not two ids), and a
+    // cursor of one filter is refused for another.
+    let (status, p) = s.json("/v1/deployments?id=d1,d3").await;
+    assert_eq!(
+        (status, p["fields"][0]["pointer"].clone()),
+        (400, json!("/query/id")),
+        "{p}"
+    );
+    let (_, page) = s.json("/v1/deployments?id=d1&id=d2&id=d3&limit=1").await;
+    let filtered_cursor = page["next_cursor"].as_str().unwrap().to_string();
+    let (status, _) = s
+        .json(&format!(
+            "/v1/deployments?id=d1&id=d2&id=d3&limit=1&cursor={filtered_cursor}"
+        ))
+        .await;
+    assert_eq!(status, 200);
+    let (status, p) = s
+        .json(&format!(
+            "/v1/deployments?id=d1&id=d2&limit=1&cursor={filtered_cursor}"
+        ))
+        .await;
+    assert_eq!(
+        (status, p["fields"][0]["code"].clone()),
+        (400, json!("cursor_invalid"))
+    );
 
     // Builds newest first, paged.
     let second = s.submit_ok("d1", json!({"domain": null})).await;
