@@ -160,7 +160,7 @@ impl Engine {
                 let request = serde_json::json!({"source": source})
                     .to_string()
                     .into_bytes();
-                let (ended, result, output) = self.call("describe", request, None).await?;
+                let (ended, result, output) = self.call("describe", request, None, None).await?;
                 let text = match (ended, result) {
                     (Ended::Exit(0), Ok(Some(bytes))) => {
                         String::from_utf8_lossy(&bytes).into_owned()
@@ -205,11 +205,11 @@ impl Engine {
 
     /// Runs `eval`. `Ok(None)` when no eval slot is free.
     pub async fn eval(&self, request: Value) -> Result<Option<EvalVerdict>, Refusal> {
-        let Ok(_permit) = self.eval_slots.clone().try_acquire_owned() else {
+        let Ok(permit) = self.eval_slots.clone().try_acquire_owned() else {
             return Ok(None);
         };
         let (ended, result, output) = self
-            .call("eval", request.to_string().into_bytes(), None)
+            .call("eval", request.to_string().into_bytes(), None, Some(permit))
             .await?;
         let parsed = result
             .ok()
@@ -257,12 +257,17 @@ impl Engine {
     }
 
     /// One short call (describe, eval) with the eval timeout, in a fresh
-    /// scratch dir that is removed afterwards.
+    /// scratch dir that is removed afterwards. The call runs in its own task,
+    /// which owns the process, the eval slot (`permit`) and the dir: a caller
+    /// that goes away (a dropped request) leaves nothing behind; the timeout
+    /// still holds, the slot is freed when the process group is dead, and
+    /// the dir is removed.
     async fn call(
         &self,
         verb: &'static str,
         request: Vec<u8>,
         work_dir: Option<std::path::PathBuf>,
+        permit: Option<tokio::sync::OwnedSemaphorePermit>,
     ) -> Result<(Ended, Result<Option<Vec<u8>>, String>, Vec<String>), Refusal> {
         let call_id = crate::hex::encode(&uuid::Uuid::now_v7().as_u128().to_be_bytes());
         let root = self.settings.scratch_root().join(format!("call-{call_id}"));
@@ -285,34 +290,57 @@ impl Engine {
             )
         };
         // describe and eval record no job: their gate opens at once.
-        let mut spawned = runner::spawn(&self.deployer, &inv).map_err(cannot_start)?;
-        spawned.start().map_err(cannot_start)?;
-        let (lines_tx, mut lines_rx) = mpsc::channel(256);
-        let (_cancel_tx, cancel_rx) = watch::channel(false);
-        let collect = tokio::spawn(async move {
-            let mut kept = Vec::new();
-            while let Some(batch) = lines_rx.recv().await {
-                for line in batch {
-                    if kept.len() < MAX_CALL_OUTPUT_LINES {
-                        kept.push(line);
-                    }
+        let spawned = runner::spawn(&self.deployer, &inv).and_then(|mut spawned| {
+            spawned.start()?;
+            Ok(spawned)
+        });
+        let spawned = match spawned {
+            Ok(spawned) => spawned,
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&root);
+                return Err(cannot_start(e));
+            }
+        };
+        let timeout = self.settings.eval_timeout;
+        let grace = self
+            .settings
+            .cancel_grace
+            .min(std::time::Duration::from_secs(5));
+        let task = tokio::spawn(async move {
+            let _slot = permit;
+            run_call(spawned, timeout, grace, root).await
+        });
+        task.await.map_err(|e| {
+            tracing::error!(error = %e, "a deployer call's task stopped");
+            Refusal::Internal
+        })
+    }
+}
+
+/// Waits for a describe or eval call: its output (a few lines kept for the
+/// server log), its end, its result; then removes its dir.
+async fn run_call(
+    spawned: runner::Spawned,
+    timeout: std::time::Duration,
+    grace: std::time::Duration,
+    root: std::path::PathBuf,
+) -> (Ended, Result<Option<Vec<u8>>, String>, Vec<String>) {
+    let (lines_tx, mut lines_rx) = mpsc::channel(256);
+    let (_cancel_tx, cancel_rx) = watch::channel(false);
+    let collect = tokio::spawn(async move {
+        let mut kept = Vec::new();
+        while let Some(batch) = lines_rx.recv().await {
+            for line in batch {
+                if kept.len() < MAX_CALL_OUTPUT_LINES {
+                    kept.push(line);
                 }
             }
-            kept
-        });
-        let ended = runner::wait(
-            spawned,
-            Some(self.settings.eval_timeout),
-            self.settings
-                .cancel_grace
-                .min(std::time::Duration::from_secs(5)),
-            cancel_rx,
-            lines_tx,
-        )
-        .await;
-        let output = collect.await.unwrap_or_default();
-        let result = runner::read_result(&root);
-        let _ = std::fs::remove_dir_all(&root);
-        Ok((ended, result, output))
-    }
+        }
+        kept
+    });
+    let ended = runner::wait(spawned, Some(timeout), grace, cancel_rx, lines_tx).await;
+    let output = collect.await.unwrap_or_default();
+    let result = runner::read_result(&root);
+    let _ = std::fs::remove_dir_all(&root);
+    (ended, result, output)
 }

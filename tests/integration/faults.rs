@@ -317,3 +317,84 @@ async fn a_multi_chunk_log_is_read_by_range_and_replayed_from_a_cursor() {
     assert_eq!(logs[0].data.as_bytes(), lines[30_000]);
     assert!(all.iter().any(|e| e.event == "status"));
 }
+
+/// A preview whose client leaves mid-eval leaves nothing behind: the eval
+/// keeps its slot until its process is dead, the timeout still stops it,
+/// and its scratch dir goes.
+#[tokio::test]
+async fn an_abandoned_preview_leaves_no_process_slot_or_dir() {
+    let dir = temp_dir("abandoned-eval");
+    let pidfile = dir.join("eval.pid");
+    let body = format!(
+        r#"
+verb="$1"
+case "$verb" in
+describe) cat >/dev/null; printf '%s' '{{"methods":["local"],"default_method":"local","actions":{{}},"catalog":[],"schema":null}}' > "$BERTH_RESULT"; exit 0;;
+eval) cat >/dev/null; echo $$ > {pid}; sleep 30; exit 0;;
+esac
+cat >/dev/null
+"#,
+        pid = pidfile.display()
+    );
+    let deployer = script(&dir, "slow-eval.sh", &body);
+    let s = Server::start(
+        Options::default()
+            .deployer(&deployer)
+            .arg("--eval-timeout")
+            .arg("2s")
+            .arg("--cancel-grace")
+            .arg("1s"),
+    )
+    .await;
+    let slots = |m: &str| -> u64 {
+        m.lines()
+            .find_map(|l| l.strip_prefix("berth_eval_slots_in_use "))
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap()
+    };
+    // The client gives up after 300 ms.
+    let gave_up = s
+        .post(
+            "/v1/deployments/leaver/preview",
+            &json!({"configuration": {}}),
+        )
+        .timeout(Duration::from_millis(300))
+        .send()
+        .await;
+    assert!(
+        gave_up.is_err(),
+        "the preview answered before the client left"
+    );
+    eventually("the eval started", || async { pidfile.exists() }).await;
+    let pid: i32 = std::fs::read_to_string(&pidfile)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert_eq!(
+        slots(&s.metrics().await),
+        1,
+        "the slot is held while the eval runs"
+    );
+    // The eval timeout (2 s) and the grace (1 s) end it.
+    let calls = s.dir.join("data/scratch");
+    let leftovers = || {
+        std::fs::read_dir(&calls)
+            .map(|d| {
+                d.filter_map(|e| e.ok())
+                    .filter(|e| e.file_name().to_string_lossy().starts_with("call-"))
+                    .count()
+            })
+            .unwrap_or(0)
+    };
+    assert!(
+        wait_gone(pid, Duration::from_secs(10)).await,
+        "the abandoned eval's process lives on"
+    );
+    eventually("the slot and the dir are released", || async {
+        slots(&s.metrics().await) == 0 && leftovers() == 0
+    })
+    .await;
+}
