@@ -1,8 +1,8 @@
 //! Calls of `describe` and `eval`: the deployer's answers about a source and
 //! a configuration, with their caches, slots and timeouts.
 
-use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
 
 use serde::Deserialize;
 use serde_json::Value;
@@ -142,17 +142,118 @@ pub enum EvalVerdict {
     Refused(String),
 }
 
+/// Describe calls running at once at most (each is a deployer process; the
+/// public derive routes can ask for one).
+const MAX_DESCRIBES: usize = 4;
+/// How long a failed describe answers for its source without a new call.
+const DESCRIBE_FAILURE_TTL: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Describes in flight and recent failures: one call per source digest at a
+/// time (the others wait for its answer), at most `MAX_DESCRIBES` at once,
+/// and a failure remembered for `DESCRIBE_FAILURE_TTL`.
+pub struct Describing {
+    in_flight: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    failed: Mutex<HashMap<String, (std::time::Instant, Refusal)>>,
+    slots: tokio::sync::Semaphore,
+}
+
+impl Default for Describing {
+    fn default() -> Self {
+        Describing {
+            in_flight: Mutex::new(HashMap::new()),
+            failed: Mutex::new(HashMap::new()),
+            slots: tokio::sync::Semaphore::new(MAX_DESCRIBES),
+        }
+    }
+}
+
+impl Describing {
+    fn recent_failure(&self, digest: &str) -> Option<Refusal> {
+        let mut failed = self.failed.lock().unwrap_or_else(|p| p.into_inner());
+        match failed.get(digest) {
+            Some((at, refusal)) if at.elapsed() < DESCRIBE_FAILURE_TTL => Some(refusal.clone()),
+            Some(_) => {
+                failed.remove(digest);
+                None
+            }
+            None => None,
+        }
+    }
+
+    fn remember_failure(&self, digest: &str, refusal: &Refusal) {
+        let mut failed = self.failed.lock().unwrap_or_else(|p| p.into_inner());
+        // Bounded: expired entries go first; the map holds at most one entry
+        // per source a caller named in the last `DESCRIBE_FAILURE_TTL`.
+        failed.retain(|_, (at, _)| at.elapsed() < DESCRIBE_FAILURE_TTL);
+        failed.insert(
+            digest.to_string(),
+            (std::time::Instant::now(), refusal.clone()),
+        );
+    }
+}
+
 impl Engine {
-    /// `describe` of a source: memory, then the store, then the deployer.
-    pub async fn describe(&self, source: &Source) -> Result<Arc<Described>, Refusal> {
-        if let Some(d) = self
-            .described
+    fn described_in_memory(&self, digest: &str) -> Option<Arc<Described>> {
+        self.described
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .get(&source.digest)
-        {
-            return Ok(d.clone());
+            .get(digest)
+            .cloned()
+    }
+
+    /// `describe` of a source: memory, then the store, then the deployer
+    /// (one call per digest at a time; a failure is remembered briefly).
+    pub async fn describe(&self, source: &Source) -> Result<Arc<Described>, Refusal> {
+        if let Some(d) = self.described_in_memory(&source.digest) {
+            return Ok(d);
         }
+        if let Some(refusal) = self.describing.recent_failure(&source.digest) {
+            return Err(refusal);
+        }
+        let lock = self
+            .describing
+            .in_flight
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(source.digest.clone())
+            .or_default()
+            .clone();
+        let held = lock.lock().await;
+        // Whoever held it before may have answered for us.
+        let answer = match self.described_in_memory(&source.digest) {
+            Some(d) => Ok(d),
+            None => match self.describing.recent_failure(&source.digest) {
+                Some(refusal) => Err(refusal),
+                None => {
+                    let answer = self.describe_now(source).await;
+                    if let Err(refusal) = &answer {
+                        if !matches!(refusal, Refusal::Store(_)) {
+                            self.describing.remember_failure(&source.digest, refusal);
+                        }
+                    }
+                    answer
+                }
+            },
+        };
+        drop(held);
+        let mut in_flight = self
+            .describing
+            .in_flight
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if in_flight
+            .get(&source.digest)
+            .is_some_and(|l| Arc::strong_count(l) == 2)
+        {
+            in_flight.remove(&source.digest);
+        }
+        drop(in_flight);
+        drop(lock);
+        answer
+    }
+
+    /// The store's cached describe, else the deployer's (in a describe slot).
+    async fn describe_now(&self, source: &Source) -> Result<Arc<Described>, Refusal> {
         let cached = self.store.read()?.describe(&source.digest)?;
         let text = match cached {
             Some(text) => text,
@@ -160,6 +261,12 @@ impl Engine {
                 let request = serde_json::json!({"source": source})
                     .to_string()
                     .into_bytes();
+                let _slot = self
+                    .describing
+                    .slots
+                    .acquire()
+                    .await
+                    .map_err(|_| Refusal::Internal)?;
                 let (ended, result, output) = self.call("describe", request, None, None).await?;
                 let text = match (ended, result) {
                     (Ended::Exit(0), Ok(Some(bytes))) => {

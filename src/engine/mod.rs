@@ -65,6 +65,8 @@ pub struct Engine {
     pub has_self_pin: bool,
     eval_slots: Arc<Semaphore>,
     described: Mutex<HashMap<String, Arc<Described>>>,
+    /// Describes in flight and recent failures, per source digest.
+    describing: deployer::Describing,
     sched: Mutex<Sched>,
     wake: Notify,
     pub callbacks_wake: Notify,
@@ -136,6 +138,7 @@ impl Engine {
             default_source,
             has_self_pin,
             described: Mutex::new(HashMap::new()),
+            describing: deployer::Describing::default(),
             sched: Mutex::new(Sched::default()),
             wake: Notify::new(),
             callbacks_wake: Notify::new(),

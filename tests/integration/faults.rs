@@ -398,3 +398,40 @@ cat >/dev/null
     })
     .await;
 }
+
+/// Forty public derive requests at once against a source whose describe
+/// fails start one describe, not forty: one call per source at a time, and
+/// its failure is remembered briefly.
+#[tokio::test]
+async fn concurrent_describes_of_one_source_share_one_call() {
+    let dir = temp_dir("describe-shared");
+    let count = dir.join("describes");
+    let body = format!(
+        "cat >/dev/null\ncase \"$1\" in\ndescribe) echo x >> {count}; sleep 0.3; exit 1;;\nesac\nexit 2\n",
+        count = count.display()
+    );
+    let deployer = script(&dir, "broken-describe.sh", &body);
+    let s = Server::start(Options::default().deployer(&deployer)).await;
+    let requests: Vec<_> = (0..40)
+        .map(|_| {
+            let http = s.http.clone();
+            let url = s.url("/v1/derive/instances");
+            tokio::spawn(async move {
+                http.post(url)
+                    .json(&json!({"configuration": {"domain": "a.org"}}))
+                    .send()
+                    .await
+                    .map(|r| r.status().as_u16())
+            })
+        })
+        .collect();
+    for r in requests {
+        let status = r.await.unwrap().unwrap();
+        assert!(status >= 500, "a describe failure answers 5xx: {status}");
+    }
+    let calls = std::fs::read_to_string(&count)
+        .unwrap_or_default()
+        .lines()
+        .count();
+    assert_eq!(calls, 1, "{calls} describe processes for one source");
+}
