@@ -244,6 +244,9 @@ async fn accept_loop(
     ctx: Arc<api::Ctx>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
+    let connections = Arc::new(tokio::sync::Semaphore::new(
+        ctx.engine.settings.max_connections as usize,
+    ));
     let service = hyper_util::service::TowerToHyperService::new(warp::service(api::filter(ctx)));
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     loop {
@@ -257,6 +260,13 @@ async fn accept_loop(
                 }
             },
             () = async { let _ = stop.wait_for(|s| *s).await; } => break,
+        };
+        // Past --max-connections a connection is closed at once: open ones
+        // (and their buffers) stay bounded whatever clients do.
+        let Ok(slot) = connections.clone().try_acquire_owned() else {
+            tracing::debug!("--max-connections reached: closing a new connection");
+            drop(stream);
+            continue;
         };
         let conn = crate::wire::Conn::new(stream);
         let wire = conn.handle();
@@ -276,6 +286,7 @@ async fn accept_loop(
             .serve_connection(hyper_util::rt::TokioIo::new(conn), per_request);
         let connection = graceful.watch(connection);
         tokio::spawn(async move {
+            let _slot = slot;
             if let Err(e) = connection.await {
                 tracing::debug!(error = %e, "connection ended with an error");
             }

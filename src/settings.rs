@@ -86,6 +86,15 @@ pub struct Settings {
     #[arg(long, env = "BERTH_CALLBACK_SECRET_FILE")]
     pub callback_secret_file: Option<PathBuf>,
 
+    /// Open connections at most; a connection past it is closed at accept.
+    #[arg(long, env = "BERTH_MAX_CONNECTIONS", default_value_t = 4096, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_connections: u32,
+
+    /// Time a request body may take to arrive (a body that trickles in
+    /// forever would hold memory and a connection).
+    #[arg(long, env = "BERTH_BODY_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
+    pub body_timeout: Duration,
+
     /// Largest request body in bytes.
     #[arg(long, env = "BERTH_MAX_BODY", default_value_t = 1024 * 1024)]
     pub max_body: usize,

@@ -4,6 +4,7 @@
 
 use super::errors::{ApiError, Code};
 use super::{Ctx, Request};
+use warp::http::HeaderMap;
 
 /// Longest `X-Actor-Subject` / `X-Actor-Issuer`.
 pub const MAX_ACTOR_CHARS: usize = 256;
@@ -24,14 +25,20 @@ pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-pub fn bearer(req: &Request) -> Option<&str> {
-    let value = req.header("authorization")?;
+pub fn bearer(headers: &HeaderMap) -> Option<&str> {
+    let value = headers.get("authorization")?.to_str().ok()?;
     let (scheme, token) = value.split_once(' ')?;
     scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
 }
 
+/// The service token, from the request's headers alone (usable before the
+/// body is read).
+pub fn has_service_token(ctx: &Ctx, headers: &HeaderMap) -> bool {
+    bearer(headers).is_some_and(|t| constant_time_eq(t.as_bytes(), ctx.service_token.as_bytes()))
+}
+
 pub fn is_service_token(ctx: &Ctx, req: &Request) -> bool {
-    bearer(req).is_some_and(|t| constant_time_eq(t.as_bytes(), ctx.service_token.as_bytes()))
+    has_service_token(ctx, &req.headers)
 }
 
 pub fn authenticate(ctx: &Ctx, req: &Request) -> Result<Caller, ApiError> {

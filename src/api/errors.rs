@@ -72,6 +72,8 @@ pub struct Problem {
     /// A read that raced the store's reopen: the same request may simply
     /// run again.
     pub retry_read: bool,
+    /// Answer with `Connection: close` (the body was not read).
+    pub close: bool,
 }
 
 /// The deployer's own explanation is cut to this many characters.
@@ -102,6 +104,7 @@ impl ApiError {
             allow: None,
             content_range: None,
             retry_read: false,
+            close: false,
         }))
     }
     pub fn reason(mut self, reason: &str) -> Self {

@@ -86,6 +86,9 @@ impl Reply {
         if let Some(range) = &e.content_range {
             r = r.header("Content-Range", range.clone());
         }
+        if e.close {
+            r = r.header("Connection", "close");
+        }
         r
     }
 }
@@ -289,6 +292,14 @@ where
                 .field("/headers", "too_large"),
         );
     }
+    // A route that needs the token refuses without it before reading a byte
+    // of the body, and closes: an unauthenticated client cannot make berth
+    // hold its upload.
+    if matched.access == routes::Access::Token && !auth::has_service_token(ctx, &headers) {
+        let mut e = ApiError::new(Code::Unauthenticated, "a valid bearer token is required");
+        e.close = true;
+        return fail(e);
+    }
     let max_body = ctx.engine.settings.max_body;
     let declared = headers
         .get("content-length")
@@ -297,10 +308,19 @@ where
     if declared.is_some_and(|n| n > max_body as u64) {
         return fail(too_large(max_body));
     }
-    let body = match read_body(body, max_body).await {
-        Ok(b) => b,
-        Err(e) => return fail(e),
-    };
+    let body =
+        match tokio::time::timeout(ctx.engine.settings.body_timeout, read_body(body, max_body))
+            .await
+        {
+            Ok(Ok(b)) => b,
+            Ok(Err(e)) => return fail(e),
+            Err(_) => {
+                let mut e = ApiError::bad_request("the body did not arrive within --body-timeout")
+                    .field("", "body_timeout");
+                e.close = true;
+                return fail(e);
+            }
+        };
     if !body.is_empty() && method != Method::GET {
         let ct = headers
             .get("content-type")

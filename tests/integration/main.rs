@@ -9,6 +9,7 @@ mod deployers;
 mod disk;
 mod events;
 mod faults;
+mod hostile;
 mod lifecycle;
 mod queue;
 mod restart;
