@@ -179,6 +179,7 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
         cursor_key,
         idempotency: Default::default(),
         tickets: Default::default(),
+        derivations: Default::default(),
     });
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);

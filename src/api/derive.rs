@@ -3,12 +3,49 @@
 
 use serde_json::{json, Value};
 
-use super::errors::ApiError;
+use super::errors::{ApiError, Code};
 use super::{json_object, Ctx, Reply, Request};
 use crate::derive::{self, DeriveError, Rename};
 
 /// Most renames one request may carry.
 pub const MAX_RENAMES: usize = 1000;
+/// Derivations running at once at most: a 1 MB body is up to tens of
+/// milliseconds of CPU, run on the blocking pool so health checks and event
+/// streams never wait behind it, and bounded so a few public requests
+/// cannot take every core.
+pub const MAX_DERIVATIONS: usize = 2;
+/// How long a derivation waits for a free slot before answering 503.
+const DERIVATION_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// The slots of `MAX_DERIVATIONS`.
+pub struct Derivations(std::sync::Arc<tokio::sync::Semaphore>);
+
+impl Default for Derivations {
+    fn default() -> Self {
+        Derivations(std::sync::Arc::new(tokio::sync::Semaphore::new(
+            MAX_DERIVATIONS,
+        )))
+    }
+}
+
+/// Runs a derivation off the async workers, in a slot that stays taken
+/// until the work ends (also when the caller has left).
+async fn off_runtime<T: Send + 'static>(
+    ctx: &Ctx,
+    work: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    let busy = || ApiError::new(Code::Unavailable, "every derivation slot is busy").retry_after(1);
+    let slot = tokio::time::timeout(DERIVATION_WAIT, ctx.derivations.0.clone().acquire_owned())
+        .await
+        .map_err(|_| busy())?
+        .map_err(|_| busy())?;
+    tokio::task::spawn_blocking(move || {
+        let _slot = slot;
+        work()
+    })
+    .await
+    .map_err(|_| ApiError::internal())?
+}
 
 fn shape_error(e: DeriveError) -> ApiError {
     ApiError::bad_request(e.message).field(e.pointer, e.rule)
@@ -54,32 +91,45 @@ async fn default_catalog(ctx: &Ctx) -> Result<Vec<derive::CatalogEntry>, ApiErro
 }
 
 pub async fn instances(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
-    let map = json_object(&req.body, &["configuration"])?;
-    let config = object_member(&map, "configuration", false)?.unwrap_or(&Value::Null);
     let catalog = default_catalog(ctx).await?;
-    let (domain, instances) =
-        derive::instances(config, &catalog).map_err(|e| shape_error(e.under("/configuration")))?;
-    Ok(Reply::json(
-        200,
-        &json!({"domain": domain, "instances": instances}),
-    ))
+    let body = req.body.clone();
+    off_runtime(ctx, move || {
+        let map = json_object(&body, &["configuration"])?;
+        let config = object_member(&map, "configuration", false)?.unwrap_or(&Value::Null);
+        let (domain, instances) = derive::instances(config, &catalog)
+            .map_err(|e| shape_error(e.under("/configuration")))?;
+        Ok(Reply::json(
+            200,
+            &json!({"domain": domain, "instances": instances}),
+        ))
+    })
+    .await
 }
 
-pub fn applications(req: &Request) -> Result<Reply, ApiError> {
-    let map = json_object(&req.body, &["draft", "deployed", "renames"])?;
-    let draft = object_member(&map, "draft", false)?.unwrap_or(&Value::Null);
-    let deployed = object_member(&map, "deployed", true)?;
-    let renames = renames(&map)?;
-    let result = derive::applications(draft, deployed, &renames).map_err(shape_error)?;
-    Ok(Reply::json(200, &result))
+pub async fn applications(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
+    let body = req.body.clone();
+    off_runtime(ctx, move || {
+        let map = json_object(&body, &["draft", "deployed", "renames"])?;
+        let draft = object_member(&map, "draft", false)?.unwrap_or(&Value::Null);
+        let deployed = object_member(&map, "deployed", true)?;
+        let renames = renames(&map)?;
+        let result = derive::applications(draft, deployed, &renames).map_err(shape_error)?;
+        Ok(Reply::json(200, &result))
+    })
+    .await
 }
 
 pub async fn sections(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
-    let map = json_object(&req.body, &["configuration", "deployed", "renames"])?;
-    let config = object_member(&map, "configuration", false)?.unwrap_or(&Value::Null);
-    let deployed = object_member(&map, "deployed", true)?;
-    let renames = renames(&map)?;
     let catalog = default_catalog(ctx).await?;
-    let sections = derive::sections(config, deployed, &renames, &catalog).map_err(shape_error)?;
-    Ok(Reply::json(200, &json!({"sections": sections})))
+    let body = req.body.clone();
+    off_runtime(ctx, move || {
+        let map = json_object(&body, &["configuration", "deployed", "renames"])?;
+        let config = object_member(&map, "configuration", false)?.unwrap_or(&Value::Null);
+        let deployed = object_member(&map, "deployed", true)?;
+        let renames = renames(&map)?;
+        let sections =
+            derive::sections(config, deployed, &renames, &catalog).map_err(shape_error)?;
+        Ok(Reply::json(200, &json!({"sections": sections})))
+    })
+    .await
 }

@@ -100,6 +100,8 @@ pub struct Ctx {
     pub cursor_key: Vec<u8>,
     pub idempotency: idempotency::KeyLocks,
     pub tickets: events::Tickets,
+    /// Derivations running at once (see `derive::MAX_DERIVATIONS`).
+    pub derivations: derive::Derivations,
 }
 
 /// One parsed request.

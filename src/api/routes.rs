@@ -124,7 +124,7 @@ pub async fn call(ctx: &Arc<Ctx>, route: &Route, req: &Request) -> Result<Answer
         Call::Metrics => ops::metrics(ctx, req),
         Call::OpenApi => Ok(ops::openapi()),
         Call::DeriveInstances => derive::instances(ctx, req).await,
-        Call::DeriveApplications => derive::applications(req),
+        Call::DeriveApplications => derive::applications(ctx, req).await,
         Call::DeriveSections => derive::sections(ctx, req).await,
         Call::DeploymentEvents => return events::deployment_events(ctx, req).map(Answer::Stream),
         Call::BuildEvents => return events::build_events(ctx, req).map(Answer::Stream),

@@ -291,19 +291,26 @@ pub fn apply_renames<'a>(
             }
             continue;
         }
-        // A setting moved: work on owned copies of the applications involved.
-        let mut root = Value::Object(Map::new());
+        // A setting moved. The applications involved become owned at most
+        // once (the first rename that touches one copies it; later ones move
+        // it), so the cost is linear in the input however many renames.
+        if !map.contains_key(from.token(0)) {
+            continue;
+        }
+        let mut root = Map::new();
         for app in [from.token(0), to.token(0)] {
-            if let Some(v) = map.get(app) {
-                root.as_object_mut()
-                    .expect("object")
-                    .insert(app.to_string(), v.clone().into_owned());
+            if let Some((k, v)) = map.remove_entry(app) {
+                root.insert(k.into_owned(), v.into_owned());
             }
         }
-        if pointer::move_value(&mut root, from, to) {
-            for (k, v) in root.as_object_mut().expect("object") {
-                map.insert(Cow::Owned(k.clone()), Cow::Owned(std::mem::take(v)));
+        let mut root = Value::Object(root);
+        let moved = pointer::move_value(&mut root, from, to);
+        if let Value::Object(apps_back) = root {
+            for (k, v) in apps_back {
+                map.insert(Cow::Owned(k), Cow::Owned(v));
             }
+        }
+        if moved {
             if from.len() == 1 {
                 map.remove(from.token(0));
                 origin.remove(from.token(0));
