@@ -180,6 +180,7 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
         idempotency: Default::default(),
         tickets: Default::default(),
         derivations: Default::default(),
+        body_budget: api::BodyBudget::new(engine.settings.max_body_bytes_in_flight),
     });
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);

@@ -95,6 +95,11 @@ pub struct Settings {
     #[arg(long, env = "BERTH_BODY_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
     pub body_timeout: Duration,
 
+    /// Bytes of request bodies in memory at once, across all requests; past
+    /// it a request gets 503 (it bounds what many slow uploads can hold).
+    #[arg(long, env = "BERTH_MAX_BODY_BYTES_IN_FLIGHT", default_value_t = 64 * 1024 * 1024)]
+    pub max_body_bytes_in_flight: usize,
+
     /// Largest request body in bytes.
     #[arg(long, env = "BERTH_MAX_BODY", default_value_t = 1024 * 1024)]
     pub max_body: usize,

@@ -102,6 +102,8 @@ pub struct Ctx {
     pub tickets: events::Tickets,
     /// Derivations running at once (see `derive::MAX_DERIVATIONS`).
     pub derivations: derive::Derivations,
+    /// Bytes of request bodies in memory at once.
+    pub body_budget: BodyBudget,
 }
 
 /// One parsed request.
@@ -310,10 +312,11 @@ where
     if declared.is_some_and(|n| n > max_body as u64) {
         return fail(too_large(max_body));
     }
-    let body =
-        match tokio::time::timeout(ctx.engine.settings.body_timeout, read_body(body, max_body))
-            .await
-        {
+    let read = read_body(body, max_body, &ctx.body_budget);
+    // The body's share of --max-body-bytes-in-flight is held until the
+    // request is answered.
+    let (body, _body_share) =
+        match tokio::time::timeout(ctx.engine.settings.body_timeout, read).await {
             Ok(Ok(b)) => b,
             Ok(Err(e)) => return fail(e),
             Err(_) => {
@@ -375,16 +378,47 @@ fn too_large(max: usize) -> ApiError {
     )
 }
 
-async fn read_body<S, B>(mut body: S, limit: usize) -> Result<Bytes, ApiError>
+/// The bytes of request bodies in memory at once, across every request
+/// (`--max-body-bytes-in-flight`); a body holds its share until its request
+/// is answered.
+pub struct BodyBudget(Arc<tokio::sync::Semaphore>);
+
+impl BodyBudget {
+    pub fn new(bytes: usize) -> BodyBudget {
+        BodyBudget(Arc::new(tokio::sync::Semaphore::new(bytes)))
+    }
+}
+
+async fn read_body<S, B>(
+    mut body: S,
+    limit: usize,
+    budget: &BodyBudget,
+) -> Result<(Bytes, Option<tokio::sync::OwnedSemaphorePermit>), ApiError>
 where
     S: futures_util::Stream<Item = Result<B, warp::Error>> + Unpin,
     B: bytes::Buf,
 {
     let mut out = BytesMut::new();
+    let mut share: Option<tokio::sync::OwnedSemaphorePermit> = None;
     while let Some(chunk) = body.next().await {
         let mut chunk = chunk.map_err(|_| ApiError::bad_request("the body could not be read"))?;
         if out.len() + chunk.remaining() > limit {
             return Err(too_large(limit));
+        }
+        // Refused, not waited for: a full budget means many bodies at once.
+        let more = u32::try_from(chunk.remaining()).map_err(|_| too_large(limit))?;
+        let permit = budget.0.clone().try_acquire_many_owned(more).map_err(|_| {
+            let mut e = ApiError::new(
+                Code::Unavailable,
+                "too many request bodies are in memory; try again shortly",
+            )
+            .retry_after(1);
+            e.close = true;
+            e
+        })?;
+        match share.as_mut() {
+            Some(s) => s.merge(permit),
+            None => share = Some(permit),
         }
         while chunk.has_remaining() {
             let part = chunk.chunk();
@@ -393,7 +427,7 @@ where
             chunk.advance(n);
         }
     }
-    Ok(out.freeze())
+    Ok((out.freeze(), share))
 }
 
 fn into_http(reply: Reply, request_id: &str) -> warp::reply::Response {

@@ -117,3 +117,38 @@ async fn connections_past_the_limit_are_closed_at_accept() {
     })
     .await;
 }
+
+/// Bodies in memory are bounded across requests: past the budget a request
+/// gets 503, within it the same route answers.
+#[tokio::test]
+async fn bodies_in_flight_are_bounded() {
+    let s = Server::start(
+        Options::default()
+            .arg("--max-body-bytes-in-flight")
+            .arg("1000"),
+    )
+    .await;
+    let padded = serde_json::json!({"draft": {"applications": {"a": {"pad": "x".repeat(1500)}}}});
+    let r = s
+        .http
+        .post(s.url("/v1/derive/applications"))
+        .json(&padded)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 503);
+    assert!(r.headers().contains_key("retry-after"));
+    let small = serde_json::json!({"draft": {"applications": {"a": {}}}});
+    let r = s
+        .http
+        .post(s.url("/v1/derive/applications"))
+        .json(&small)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        r.status(),
+        200,
+        "the budget is given back after each request"
+    );
+}
