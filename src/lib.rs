@@ -8,6 +8,7 @@ pub mod engine;
 pub mod events;
 pub mod hex;
 pub mod local_deployer;
+pub mod locks;
 pub mod model;
 pub mod sbom;
 pub mod serve;

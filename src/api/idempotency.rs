@@ -6,9 +6,7 @@
 //! never. A second request with the same identity waits for the first (a
 //! per-identity lock) and then replays it.
 
-use std::collections::HashMap;
 use std::future::Future;
-use std::sync::{Arc, Mutex};
 
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
@@ -23,62 +21,6 @@ use crate::store::{IdempotencyRecord, StoreResult, Tx};
 
 /// How long a stored response is replayed.
 pub const IDEMPOTENCY_TTL: Millis = 24 * 3600 * 1000;
-
-/// In-process locks, one per identity in flight.
-#[derive(Default)]
-pub struct KeyLocks(Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>);
-
-impl KeyLocks {
-    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<tokio::sync::Mutex<()>>>> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Waits for, then holds, the lock of one identity. The entry leaves the
-    /// map when its last holder's guard is dropped, also when the request
-    /// that held it is dropped mid-way (a client that left).
-    pub async fn lock(&self, identity: String) -> KeyGuard<'_> {
-        let entry = self.map().entry(identity.clone()).or_default().clone();
-        let mut guard = KeyGuard {
-            locks: self,
-            identity,
-            entry,
-            held: None,
-        };
-        guard.held = Some(guard.entry.clone().lock_owned().await);
-        guard
-    }
-
-    /// Identities with a lock in memory.
-    pub fn len(&self) -> usize {
-        self.map().len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-}
-
-/// One identity's lock, held; see `KeyLocks::lock`.
-pub struct KeyGuard<'a> {
-    locks: &'a KeyLocks,
-    identity: String,
-    entry: Arc<tokio::sync::Mutex<()>>,
-    held: Option<tokio::sync::OwnedMutexGuard<()>>,
-}
-
-impl Drop for KeyGuard<'_> {
-    fn drop(&mut self) {
-        self.held = None;
-        let mut map = self.locks.map();
-        // The map's reference and ours: nobody else holds or waits.
-        if map
-            .get(&self.identity)
-            .is_some_and(|l| Arc::ptr_eq(l, &self.entry) && Arc::strong_count(l) == 2)
-        {
-            map.remove(&self.identity);
-        }
-    }
-}
 
 /// What a mutation stores with itself.
 #[derive(Debug, Clone)]
@@ -211,39 +153,5 @@ where
             Err(e)
         }
         Err(e) => Err(e),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[tokio::test]
-    async fn a_dropped_request_leaves_no_lock_behind() {
-        let locks = KeyLocks::default();
-        // Held, then the request is dropped mid-way.
-        let held = async {
-            let _g = locks.lock("a".into()).await;
-            std::future::pending::<()>().await;
-        };
-        assert!(
-            tokio::time::timeout(std::time::Duration::from_millis(20), held)
-                .await
-                .is_err()
-        );
-        assert_eq!(locks.len(), 0, "the holder's entry leaked");
-        // A holder and a waiter; the waiter is dropped while it waits, then
-        // the holder finishes.
-        let first = locks.lock("b".into()).await;
-        let waiter = async {
-            let _g = locks.lock("b".into()).await;
-        };
-        assert!(
-            tokio::time::timeout(std::time::Duration::from_millis(20), waiter)
-                .await
-                .is_err()
-        );
-        drop(first);
-        assert!(locks.is_empty(), "an entry leaked after its waiter left");
     }
 }

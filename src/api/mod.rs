@@ -98,7 +98,8 @@ pub struct Ctx {
     pub engine: Arc<Engine>,
     pub service_token: String,
     pub cursor_key: Vec<u8>,
-    pub idempotency: idempotency::KeyLocks,
+    /// One request at a time per idempotency identity.
+    pub idempotency: crate::locks::KeyLocks,
     pub tickets: events::Tickets,
     /// Derivations running at once (see `derive::MAX_DERIVATIONS`).
     pub derivations: derive::Derivations,

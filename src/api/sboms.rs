@@ -54,8 +54,9 @@ pub async fn node(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
         unpacker.unpack_into(&sbom.skeleton, max, &mut skeleton)?;
         let skeleton = String::from_utf8(skeleton)
             .map_err(|_| corrupt("a stored SBOM skeleton is not text"))?;
-        // Stored components are typically a few hundred bytes each.
-        let hint = sbom.hashes.len() * 512;
+        // Stored components are typically a few hundred bytes each; the
+        // guess never reserves more than the largest document berth takes.
+        let hint = sbom.hashes.len().saturating_mul(512).min(max);
         let components = &sbom.hashes;
         crate::sbom::rebuild_text(
             &skeleton,

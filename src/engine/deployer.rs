@@ -152,7 +152,7 @@ const DESCRIBE_FAILURE_TTL: std::time::Duration = std::time::Duration::from_secs
 /// time (the others wait for its answer), at most `MAX_DESCRIBES` at once,
 /// and a failure remembered for `DESCRIBE_FAILURE_TTL`.
 pub struct Describing {
-    in_flight: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    in_flight: crate::locks::KeyLocks,
     failed: Mutex<HashMap<String, (std::time::Instant, Refusal)>>,
     slots: tokio::sync::Semaphore,
 }
@@ -160,7 +160,7 @@ pub struct Describing {
 impl Default for Describing {
     fn default() -> Self {
         Describing {
-            in_flight: Mutex::new(HashMap::new()),
+            in_flight: crate::locks::KeyLocks::default(),
             failed: Mutex::new(HashMap::new()),
             slots: tokio::sync::Semaphore::new(MAX_DESCRIBES),
         }
@@ -210,15 +210,8 @@ impl Engine {
         if let Some(refusal) = self.describing.recent_failure(&source.digest) {
             return Err(refusal);
         }
-        let lock = self
-            .describing
-            .in_flight
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .entry(source.digest.clone())
-            .or_default()
-            .clone();
-        let held = lock.lock().await;
+        // A dropped caller frees the digest's entry too (the guard's drop).
+        let _one_at_a_time = self.describing.in_flight.lock(source.digest.clone()).await;
         // Whoever held it before may have answered for us.
         let answer = match self.described_in_memory(&source.digest) {
             Some(d) => Ok(d),
@@ -235,20 +228,6 @@ impl Engine {
                 }
             },
         };
-        drop(held);
-        let mut in_flight = self
-            .describing
-            .in_flight
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        if in_flight
-            .get(&source.digest)
-            .is_some_and(|l| Arc::strong_count(l) == 2)
-        {
-            in_flight.remove(&source.digest);
-        }
-        drop(in_flight);
-        drop(lock);
         answer
     }
 
