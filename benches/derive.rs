@@ -80,11 +80,7 @@ fn hostile_derivation() {
     let big: Vec<u32> = (0..470_000).map(|i| i % 10).collect();
     let body = json!({"draft": {"applications": {"a": {"big": big}}}, "deployed": {"applications": {"a": {}}}, "renames": renames});
     let body = serde_json::to_vec(&body).unwrap();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = common::runtime();
     rt.block_on(async {
         let _ = rustls::crypto::ring::default_provider().install_default();
         let exe = std::path::PathBuf::from(env!("CARGO_BIN_EXE_berth"));
@@ -132,8 +128,6 @@ fn hostile_derivation() {
             median(during),
             median(idle)
         );
-        // The public routes need no token.
-        let _ = &started.token;
         let _ = started.child.kill();
         let _ = started.child.wait();
     });

@@ -39,33 +39,14 @@ fn main() {
         }
         std::fs::write(&file, text).unwrap();
     }
-    let deployer = dir.join("deployer.sh");
-    std::fs::write(
-        &deployer,
-        format!(
-            r#"#!/bin/sh
-verb="$1"; cat >/dev/null
-case "$verb" in
-describe) printf '%s' '{{"methods":["local"],"default_method":"local","actions":{{}},"catalog":[],"schema":null}}' > "$BERTH_RESULT";;
-eval) printf '%s' '{{"nodes":[]}}' > "$BERTH_RESULT";;
-deploy) cat {file}; printf '%s' '{{"nodes":[]}}' > "$BERTH_RESULT";;
-destroy) printf '{{}}' > "$BERTH_RESULT";;
-esac
-"#,
-            file = file.display()
+    let deployer = common::deployer_script(
+        &dir,
+        &format!(
+            "cat {}; printf '%s' '{{\"nodes\":[]}}' > \"$BERTH_RESULT\"",
+            file.display()
         ),
-    )
-    .unwrap();
-    std::fs::set_permissions(
-        &deployer,
-        std::os::unix::fs::PermissionsExt::from_mode(0o755),
-    )
-    .unwrap();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    );
+    let rt = common::runtime();
     rt.block_on(async {
         let _ = rustls::crypto::ring::default_provider().install_default();
         let mut started = common::start_berth(&dir, &deployer, &[], &[]).await;

@@ -177,28 +177,13 @@ fn serving(rt: &tokio::runtime::Runtime) {
     let big = dir.join("big.cdx.json");
     std::fs::write(&big, serde_json::to_vec(&doc).unwrap()).unwrap();
     let size = std::fs::metadata(&big).unwrap().len();
-    let deployer = dir.join("deployer.sh");
-    std::fs::write(
-        &deployer,
-        format!(
-            r#"#!/bin/sh
-verb="$1"; cat >/dev/null
-case "$verb" in
-describe) printf '%s' '{{"methods":["local"],"default_method":"local","actions":{{}},"catalog":[],"schema":null}}' > "$BERTH_RESULT";;
-eval) printf '%s' '{{"nodes":[]}}' > "$BERTH_RESULT";;
-deploy) cp {big} "$BERTH_SCRATCH_DIR/big.json"; printf '%s' '{{"nodes":[{{"name":"big","changed":true,"sbom":{{"status":"ready","path":"big.json"}}}}]}}' > "$BERTH_RESULT";;
-destroy) printf '{{}}' > "$BERTH_RESULT";;
-esac
-"#,
-            big = big.display()
+    let deployer = common::deployer_script(
+        &dir,
+        &format!(
+            "cp {} \"$BERTH_SCRATCH_DIR/big.json\"; printf '%s' '{{\"nodes\":[{{\"name\":\"big\",\"changed\":true,\"sbom\":{{\"status\":\"ready\",\"path\":\"big.json\"}}}}]}}' > \"$BERTH_RESULT\"",
+            big.display()
         ),
-    )
-    .unwrap();
-    std::fs::set_permissions(
-        &deployer,
-        std::os::unix::fs::PermissionsExt::from_mode(0o755),
-    )
-    .unwrap();
+    );
     rt.block_on(async {
         let _ = rustls::crypto::ring::default_provider().install_default();
         let mut started = common::start_berth(&dir, &deployer, &[], &[]).await;
@@ -244,11 +229,7 @@ esac
 }
 
 fn main() {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = common::runtime();
     serving(&rt);
     storage(&rt);
 }

@@ -3,6 +3,8 @@
 //! next to a plain scan of the deployments table in the same store.
 //! Run: `cargo bench --bench updates`.
 
+mod common;
+
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -82,11 +84,7 @@ fn main() {
     let Command::Serve(settings) = cli.command else {
         unreachable!("serve")
     };
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = common::runtime();
     rt.block_on(async move {
         let store = Store::open(&dir.join("berth.redb")).unwrap();
         let engine = Engine::new(Arc::new(*settings), store.clone(), vec![0; 32]).unwrap();

@@ -1,5 +1,8 @@
 //! The one way every benchmark starts berth: the real binary on a free
-//! loopback port, waited for until `/readyz` answers 200.
+//! loopback port, waited for until `/readyz` answers 200; and the pieces
+//! several benchmarks share (a scripted deployer, the runtime).
+// Each benchmark compiles this module on its own and uses part of it.
+#![allow(dead_code)]
 
 use std::path::Path;
 use std::process::{Child, Command};
@@ -50,4 +53,33 @@ pub async fn start_berth(
     }
     let token = std::fs::read_to_string(dir.join("data/service-token")).unwrap();
     Started { child, base, token }
+}
+
+/// The runtime of a benchmark's client side: two workers, as the machine.
+pub fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// A deployer script in `dir`: describe, eval and destroy answer at once;
+/// `deploy` runs the shell lines given (which write `$BERTH_RESULT`).
+pub fn deployer_script(dir: &Path, deploy: &str) -> std::path::PathBuf {
+    let path = dir.join("deployer.sh");
+    let body = format!(
+        r#"#!/bin/sh
+verb="$1"; cat >/dev/null
+case "$verb" in
+describe) printf '%s' '{{"methods":["local"],"default_method":"local","actions":{{}},"catalog":[],"schema":null}}' > "$BERTH_RESULT";;
+eval) printf '%s' '{{"nodes":[]}}' > "$BERTH_RESULT";;
+deploy) {deploy};;
+destroy) printf '{{}}' > "$BERTH_RESULT";;
+esac
+"#
+    );
+    std::fs::write(&path, body).unwrap();
+    std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    path
 }
