@@ -59,6 +59,11 @@ async fn replace_enqueue_and_fifo() {
     let fourth = s.submit_ok("alice", json!({"n": 4})).await;
     s.wait_build(&fourth, "running").await;
     let fifth = s.submit_ok("alice", json!({"n": 5})).await; // queued behind the running one
+                                                             // The running build's deployer notes its start once it passes its gate.
+    eventually("the fourth deployer started", || async {
+        std::fs::read_to_string(gates.join("alice.log")).is_ok_and(|o| o.lines().count() >= 5)
+    })
+    .await;
     let order = std::fs::read_to_string(gates.join("alice.log")).unwrap();
     assert_eq!(
         order.lines().collect::<Vec<_>>(),
@@ -154,6 +159,12 @@ async fn cancel_queued_and_running() {
     let (status, b) = read(r).await;
     assert_eq!(status, 202);
     assert_eq!(b["status"], "cancelled");
+    // Cancel it once its deployer is at work (a build is `running` a moment
+    // before its deployer starts: it waits for its job record to commit).
+    eventually("the deployer started", || async {
+        s.log_text(&running).await.contains("start deploy alice")
+    })
+    .await;
     let r = s
         .post(&format!("/v1/builds/{running}/cancel"), &json!({}))
         .send()
