@@ -114,7 +114,15 @@ fn storage(rt: &tokio::runtime::Runtime) {
                 update_policy: None,
                 max_queued: 100,
             };
-            let submitted = submit_tx(tx, &hub, record, None)?.expect("stored");
+            let audit =
+                berth::engine::audit::system_draft("submit", None, berth::audit::Outcome::Ok);
+            let submitted = submit_tx(
+                tx,
+                &hub,
+                record,
+                berth::engine::audit::Record::audit_only(audit),
+            )?
+            .expect("stored");
             start_tx(tx, &hub, submitted.build.id)?.expect("started");
             let done = Arc::new(Finished {
                 end: End {

@@ -4,6 +4,7 @@
 
 pub mod api;
 pub mod audit;
+pub mod audit_cli;
 pub mod derive;
 pub mod engine;
 pub mod events;

@@ -2,12 +2,26 @@
 
 use clap::Parser;
 
-use berth::settings::{Cli, Command, DeployerCommand};
+use berth::settings::{AuditCommand, Cli, Command, DeployerCommand};
 
 fn main() {
     let cli = Cli::parse();
     let code = match cli.command {
         Command::Serve(settings) => berth::serve::run(*settings),
+        Command::Audit { audit } => match audit {
+            AuditCommand::Verify { data_dir, json } => {
+                berth::audit_cli::run_verify(&data_dir, json)
+            }
+            AuditCommand::PushHead {
+                data_dir,
+                sink,
+                audit_origin,
+            } => berth::audit_cli::run_push_head(&data_dir, &sink, audit_origin.as_deref()),
+            AuditCommand::PublicKey {
+                data_dir,
+                audit_origin,
+            } => berth::audit_cli::run_public_key(&data_dir, audit_origin.as_deref()),
+        },
         Command::Deployer {
             deployer: DeployerCommand::Local { verb },
         } => berth::local_deployer::run(&verb),

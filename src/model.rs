@@ -38,6 +38,13 @@ pub fn format_time(ms: Millis) -> String {
     }
 }
 
+/// The inverse of `format_time` (any RFC 3339 time, to the millisecond).
+pub fn parse_time(text: &str) -> Option<Millis> {
+    let t =
+        time::OffsetDateTime::parse(text, &time::format_description::well_known::Rfc3339).ok()?;
+    i64::try_from(t.unix_timestamp_nanos() / 1_000_000).ok()
+}
+
 pub fn new_build_id() -> BuildId {
     uuid::Uuid::now_v7().as_u128()
 }

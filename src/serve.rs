@@ -137,6 +137,11 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
         None => load_or_create_secret(&settings.data_dir.join("callback-secret"))?,
     }
     .into_bytes();
+    let audit_key = crate::audit_cli::ensure_signing_key(&settings.data_dir)?;
+    tracing::info!(
+        key = %crate::audit_cli::verifier_key(&crate::audit_cli::origin(settings.audit_origin.as_deref()), &audit_key),
+        "audit checkpoint verifier key (berth audit public-key prints it)"
+    );
     // With --deployer-user the deployer must traverse the data dir to its
     // own work and scratch dirs (0711), but read nothing else.
     if settings.deployer_user.is_some() {
@@ -181,6 +186,7 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
         tickets: Default::default(),
         derivations: Default::default(),
         body_budget: api::BodyBudget::new(engine.settings.max_body_bytes_in_flight),
+        authz: api::auth::Authz::new(engine.settings.authz_url.clone()),
     });
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
@@ -195,6 +201,7 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
     tokio::spawn(engine.clone().run_queue());
     tokio::spawn(engine.clone().run_callbacks());
     tokio::spawn(engine.clone().run_sweeps());
+    tokio::spawn(engine.clone().run_denial_flush());
     tokio::spawn(engine.clone().run_updates());
 
     wait_for_signal().await;

@@ -26,10 +26,47 @@ pub struct Cli {
 pub enum Command {
     /// Run the HTTP server, the build queue and the deployers.
     Serve(Box<Settings>),
+    /// Check and publish the audit chain (spec audit.md); works while the
+    /// server runs, reading the store only.
+    Audit {
+        #[command(subcommand)]
+        audit: AuditCommand,
+    },
     /// Run a built-in deployer (berth calls this itself; see spec deployer.md).
     Deployer {
         #[command(subcommand)]
         deployer: DeployerCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum AuditCommand {
+    /// Walk the chain from its anchor and report every problem; exits
+    /// non-zero on any. Needs no token and reads no secret.
+    Verify {
+        #[arg(long, env = "BERTH_DATA_DIR", default_value = "./berth-data")]
+        data_dir: PathBuf,
+        /// Print one JSON object (also when the chain is broken).
+        #[arg(long)]
+        json: bool,
+    },
+    /// Verify, then POST a signed checkpoint and the verify report to a
+    /// witness sink; exits non-zero on a problem or a refusal.
+    PushHead {
+        #[arg(long, env = "BERTH_DATA_DIR", default_value = "./berth-data")]
+        data_dir: PathBuf,
+        /// The sink's URL.
+        #[arg(long, env = "BERTH_AUDIT_SINK")]
+        sink: String,
+        #[arg(long, env = "BERTH_AUDIT_ORIGIN")]
+        audit_origin: Option<String>,
+    },
+    /// Print the checkpoint verifier key (C2SP note form), one line.
+    PublicKey {
+        #[arg(long, env = "BERTH_DATA_DIR", default_value = "./berth-data")]
+        data_dir: PathBuf,
+        #[arg(long, env = "BERTH_AUDIT_ORIGIN")]
+        audit_origin: Option<String>,
     },
 }
 
@@ -166,6 +203,27 @@ pub struct Settings {
     /// Serve /metrics without the service token.
     #[arg(long, env = "BERTH_METRICS_PUBLIC")]
     pub metrics_public: bool,
+
+    /// The authorization callback: any bearer token other than the service
+    /// token is POSTed here (spec api.md "Authentication"); without it only
+    /// the service token is accepted.
+    #[arg(long, env = "BERTH_AUTHZ_URL")]
+    pub authz_url: Option<String>,
+
+    /// Anonymous denials (no actor, no service token) are recorded once per
+    /// interval, then folded into one `denied_anonymous` event with a count.
+    #[arg(long, env = "BERTH_AUDIT_DENIAL_INTERVAL", default_value = "60s", value_parser = parse_duration)]
+    pub audit_denial_interval: Duration,
+
+    /// Audit events older than this many days are removed (the removal keeps
+    /// an anchor and is itself audited); 0 keeps every event.
+    #[arg(long, env = "BERTH_AUDIT_RETENTION_DAYS", default_value_t = 365)]
+    pub audit_retention_days: u32,
+
+    /// The checkpoint origin line and signing key name (default
+    /// `berth/<hostname>/audit`).
+    #[arg(long, env = "BERTH_AUDIT_ORIGIN")]
+    pub audit_origin: Option<String>,
 
     /// Development mode (allows --reset-dev-state).
     #[arg(long, env = "BERTH_DEV")]

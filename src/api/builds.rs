@@ -3,7 +3,7 @@
 use super::auth::Caller;
 use super::deployments::{deployment_id, page_limit};
 use super::errors::{ApiError, Code};
-use super::idempotency::IdemWrite;
+use super::idempotency::Write;
 use super::{cursor, Answer, Ctx, Reply, Request};
 use crate::engine::CancelTaken;
 use crate::model::*;
@@ -20,7 +20,7 @@ pub fn list(ctx: &Ctx, req: &Request, caller: &Caller) -> Result<Reply, ApiError
     let filter = format!("deployment={id}");
     let before = match req.query_one("cursor") {
         Some(c) => {
-            let position = cursor::decode(&ctx.cursor_key, &caller.subject, &filter, c)?;
+            let position = cursor::decode(&ctx.cursor_key, &caller.identity(), &filter, c)?;
             Some(parse_build_id(&position).ok_or_else(ApiError::internal)?)
         }
         None => None,
@@ -35,7 +35,7 @@ pub fn list(ctx: &Ctx, req: &Request, caller: &Caller) -> Result<Reply, ApiError
         builds.last().map(|b| {
             cursor::encode(
                 &ctx.cursor_key,
-                &caller.subject,
+                &caller.identity(),
                 &filter,
                 &format_build_id(b.id),
             )
@@ -261,9 +261,9 @@ fn range_not_satisfiable(len: u64) -> ApiError {
     e
 }
 
-pub async fn cancel(ctx: &Ctx, req: &Request, idem: Option<IdemWrite>) -> Result<Reply, ApiError> {
+pub async fn cancel(ctx: &Ctx, req: &Request, w: Write) -> Result<Reply, ApiError> {
     let id = build_id(req)?;
-    let record = idem.map(|w| w.recorder(cancel_reply));
+    let record = w.record(cancel_reply);
     let taken = ctx.engine.cancel(id, record).await?;
     Ok(cancel_reply(&taken))
 }

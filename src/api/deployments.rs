@@ -9,7 +9,7 @@ use serde_json::Value;
 
 use super::auth::Caller;
 use super::errors::ApiError;
-use super::idempotency::IdemWrite;
+use super::idempotency::Write;
 use super::{cursor, json_object, Ctx, Reply, Request};
 use crate::derive::{CatalogEntry, Instance};
 use crate::engine::actions::ActionQueued;
@@ -77,7 +77,7 @@ pub async fn list(ctx: &Ctx, req: &Request, caller: &Caller) -> Result<Reply, Ap
     let after = match req.query_one("cursor") {
         Some(c) => Some(cursor::decode(
             &ctx.cursor_key,
-            &caller.subject,
+            &caller.identity(),
             &filter,
             c,
         )?),
@@ -105,10 +105,20 @@ pub async fn list(ctx: &Ctx, req: &Request, caller: &Caller) -> Result<Reply, Ap
         records.truncate(limit);
         records
             .last()
-            .map(|d| cursor::encode(&ctx.cursor_key, &caller.subject, &filter, &d.id))
+            .map(|d| cursor::encode(&ctx.cursor_key, &caller.identity(), &filter, &d.id))
     } else {
         None
     };
+    // A callback caller sees only what `read` allows (a page may so hold
+    // fewer than `limit`; `next_cursor` still moves past the hidden ones).
+    let mut allowed = Vec::with_capacity(records.len());
+    for d in records {
+        let path = format!("/v1/deployments/{}", d.id);
+        if super::routes::may_read(ctx, caller, &d.id, &path).await {
+            allowed.push(d);
+        }
+    }
+    let records = allowed;
     let mut items = Vec::with_capacity(records.len());
     for d in &records {
         let last = d.last_build.map(|b| rx.build(b)).transpose()?.flatten();
@@ -212,6 +222,7 @@ pub fn render_view(
     d: &DeploymentRecord,
     last_build: Option<&BuildRecord>,
     last_try: Option<&UpdateTry>,
+    audit: &[crate::audit::Event],
 ) -> Reply {
     let instances = instances_of(&d.snapshot.configuration, facts.catalog(&d.snapshot.source));
     let deployed_instances = d.deployed.as_ref().map_or_else(Vec::new, |dep| {
@@ -265,7 +276,7 @@ pub fn render_view(
             "last_automatic": last_try.map(UpdateTry::view),
         }),
         last_build: last_build.map(BuildRecord::summary),
-        audit: vec![],
+        audit: audit.iter().map(super::audit::view).collect(),
         event_cursor: d.event_seq.to_string(),
         created_at: format_time(d.created_at),
         updated_at: format_time(d.updated_at),
@@ -275,13 +286,14 @@ pub fn render_view(
 
 pub async fn read(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
     let id = deployment_id(req)?;
-    let (d, last_build, last_try) = {
+    let (d, last_build, last_try, audit) = {
         let rx = ctx.engine.store.read()?;
         let d = rx
             .deployment(&id)?
             .ok_or_else(|| ApiError::not_found("deployment"))?;
         let last_build = d.last_build.map(|b| rx.build(b)).transpose()?.flatten();
-        (d, last_build, rx.update_try(&id)?)
+        let audit = crate::engine::audit::of_deployment(&rx, &id)?;
+        (d, last_build, rx.update_try(&id)?, audit)
     };
     let facts = SourceFacts::of(ctx, &d).await;
     Ok(render_view(
@@ -289,6 +301,7 @@ pub async fn read(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
         &d,
         last_build.as_ref(),
         last_try.as_ref(),
+        &audit,
     ))
 }
 
@@ -315,10 +328,10 @@ pub fn if_match(req: &Request) -> Result<Option<u64>, ApiError> {
 }
 
 /// `POST /v1/deployments/{id}/actions/{name}`.
-pub async fn act(ctx: &Ctx, req: &Request, idem: Option<IdemWrite>) -> Result<Reply, ApiError> {
+pub async fn act(ctx: &Ctx, req: &Request, w: Write) -> Result<Reply, ApiError> {
     let id = deployment_id(req)?;
     let expected = if_match(req)?;
-    let record = idem.map(|w| w.recorder(action_reply));
+    let record = w.record(action_reply);
     let queued = ctx
         .engine
         .act(&id, req.param("name"), expected, record)
@@ -335,11 +348,7 @@ fn action_reply(q: &ActionQueued) -> Reply {
 }
 
 /// `PUT /v1/deployments/{id}/update-policy`: 200 with the deployment.
-pub async fn set_update_policy(
-    ctx: &Ctx,
-    req: &Request,
-    idem: Option<IdemWrite>,
-) -> Result<Reply, ApiError> {
+pub async fn set_update_policy(ctx: &Ctx, req: &Request, w: Write) -> Result<Reply, ApiError> {
     let id = deployment_id(req)?;
     let expected = if_match(req)?;
     if req.body.is_empty() {
@@ -362,13 +371,14 @@ pub async fn set_update_policy(
             &set.deployment,
             set.last_build.as_ref(),
             set.last_try.as_ref(),
+            &set.audit,
         )
     };
     let render = Arc::new(render);
-    let record = idem.map(|w| {
+    let record = {
         let render = render.clone();
-        w.recorder(move |set: &PolicySet| render(set))
-    });
+        w.record(move |set: &PolicySet| render(set))
+    };
     let set = ctx
         .engine
         .set_update_policy(&id, policy, expected, record)
@@ -490,10 +500,10 @@ pub fn parse_policy(v: &Value, at: &str) -> Result<UpdatePolicy, ApiError> {
     Ok(policy)
 }
 
-pub async fn submit(ctx: &Ctx, req: &Request, idem: Option<IdemWrite>) -> Result<Reply, ApiError> {
+pub async fn submit(ctx: &Ctx, req: &Request, w: Write) -> Result<Reply, ApiError> {
     let id = deployment_id(req)?;
     let input = parse_submit(req, SUBMIT_FIELDS)?;
-    let record = idem.map(|w| w.recorder(submitted_reply));
+    let record = w.record(submitted_reply);
     let submitted = ctx.engine.submit(&id, input, record).await?;
     Ok(submitted_reply(&submitted))
 }
@@ -521,7 +531,7 @@ pub async fn preview(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
     Ok(Reply::json(200, &serde_json::json!({"nodes": nodes})))
 }
 
-pub async fn delete(ctx: &Ctx, req: &Request, idem: Option<IdemWrite>) -> Result<Reply, ApiError> {
+pub async fn delete(ctx: &Ctx, req: &Request, w: Write) -> Result<Reply, ApiError> {
     let id = deployment_id(req)?;
     let callback = if req.body.is_empty() {
         None
@@ -552,7 +562,7 @@ pub async fn delete(ctx: &Ctx, req: &Request, idem: Option<IdemWrite>) -> Result
             }
         }
     };
-    let record = idem.map(|w| w.recorder(destroy_queued_reply));
+    let record = w.record(destroy_queued_reply);
     let queued = ctx.engine.delete(&id, callback, record).await?;
     Ok(destroy_queued_reply(&queued))
 }

@@ -36,6 +36,28 @@ pub enum Code {
 }
 
 impl Code {
+    /// The code as the error body spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Code::InvalidRequest => "invalid_request",
+            Code::InvalidConfiguration => "invalid_configuration",
+            Code::Unauthenticated => "unauthenticated",
+            Code::Forbidden => "forbidden",
+            Code::NotFound => "not_found",
+            Code::MethodNotAllowed => "method_not_allowed",
+            Code::Conflict => "conflict",
+            Code::QueueFull => "queue_full",
+            Code::IdempotencyConflict => "idempotency_conflict",
+            Code::PreconditionFailed => "precondition_failed",
+            Code::PayloadTooLarge => "payload_too_large",
+            Code::UnsupportedMediaType => "unsupported_media_type",
+            Code::RangeNotSatisfiable => "range_not_satisfiable",
+            Code::EvalUnavailable => "eval_unavailable",
+            Code::Unavailable => "unavailable",
+            Code::Internal => "internal",
+        }
+    }
+
     pub fn status(self) -> u16 {
         match self {
             Code::InvalidRequest => 400,

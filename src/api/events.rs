@@ -25,8 +25,11 @@ pub const MAX_TICKETS: usize = 100_000;
 
 struct Ticket {
     channel: String,
-    #[allow(dead_code)] // kept for the audit issue: who opened the stream
-    subject: String,
+    /// A callback token's holder: the stream is re-checked through the
+    /// callback (`None` for the service token).
+    token: Option<String>,
+    /// The deployment the channel belongs to, for those re-checks.
+    deployment: Option<String>,
     expires_at: Millis,
 }
 
@@ -38,11 +41,41 @@ impl Tickets {
         self.0.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn valid_for(&self, ticket: &str, channel: &str) -> bool {
+    /// The ticket's holder (token, deployment), if it is valid for `channel`.
+    #[allow(clippy::type_complexity)]
+    fn valid_for(&self, ticket: &str, channel: &str) -> Option<(Option<String>, Option<String>)> {
         self.lock()
             .get(ticket)
-            .is_some_and(|t| t.channel == channel && t.expires_at > now_millis())
+            .filter(|t| t.channel == channel && t.expires_at > now_millis())
+            .map(|t| (t.token.clone(), t.deployment.clone()))
     }
+}
+
+/// The deployment a channel belongs to (a build's, for a build channel).
+fn channel_deployment(ctx: &Ctx, channel: &Channel) -> Option<String> {
+    match channel {
+        Channel::Deployment(id) => Some(id.clone()),
+        Channel::Build(b) => ctx
+            .engine
+            .store
+            .read()
+            .ok()?
+            .build(*b)
+            .ok()?
+            .map(|b| b.deployment),
+    }
+}
+
+/// Whether a callback token may stream `deployment` now.
+async fn may_stream(ctx: &Ctx, token: &str, deployment: Option<&str>, path: &str) -> bool {
+    let q = auth::Question {
+        procedure: auth::Procedure::Stream,
+        deployment,
+        target_actor: None,
+        method: "GET",
+        path,
+    };
+    ctx.authz.decide(token, &q).await.allow
 }
 
 /// The channel a path names, if it is one of the two event routes.
@@ -58,14 +91,23 @@ fn parse_channel(path: &str) -> Option<Channel> {
 }
 
 /// `POST /v1/stream-tickets {"channel": "/v1/builds/<id>/events"}`.
-pub fn ticket(ctx: &Ctx, req: &Request, caller: &Caller) -> Result<Reply, ApiError> {
+pub async fn ticket(ctx: &Ctx, req: &Request, caller: &Caller) -> Result<Reply, ApiError> {
     let map = json_object(&req.body, &["channel"])?;
     let channel = map.get("channel").and_then(|v| v.as_str()).unwrap_or("");
-    if parse_channel(channel).is_none() {
+    let Some(parsed) = parse_channel(channel) else {
         return Err(ApiError::bad_request(
             "channel must be /v1/builds/<build>/events or /v1/deployments/<id>/events",
         )
         .field("/channel", "channel"));
+    };
+    let deployment = channel_deployment(ctx, &parsed);
+    if let Some(token) = &caller.token {
+        if !may_stream(ctx, token, deployment.as_deref(), channel).await {
+            return Err(ApiError::new(
+                Code::Forbidden,
+                "the authorization callback denied this stream",
+            ));
+        }
     }
     let mut bytes = [0u8; 32];
     getrandom::fill(&mut bytes).map_err(|_| ApiError::internal())?;
@@ -88,7 +130,8 @@ pub fn ticket(ctx: &Ctx, req: &Request, caller: &Caller) -> Result<Reply, ApiErr
         value.clone(),
         Ticket {
             channel: channel.to_string(),
-            subject: caller.subject.clone(),
+            token: caller.token.clone(),
+            deployment,
             expires_at,
         },
     );
@@ -98,8 +141,14 @@ pub fn ticket(ctx: &Ctx, req: &Request, caller: &Caller) -> Result<Reply, ApiErr
     ))
 }
 
-/// The stream's credential now, and a check of it for later.
-fn authorize_stream(ctx: &Arc<Ctx>, req: &Request, path: &str) -> Result<Reauthorize, ApiError> {
+/// The stream's credential now, and a check of it for later (every
+/// `REAUTHORIZE_EVERY`, through the callback for a callback token).
+async fn authorize_stream(
+    ctx: &Arc<Ctx>,
+    req: &Request,
+    path: &str,
+    deployment: Option<String>,
+) -> Result<Reauthorize, ApiError> {
     let plain_401 = || {
         ApiError::new(
             Code::Unauthenticated,
@@ -107,15 +156,42 @@ fn authorize_stream(ctx: &Arc<Ctx>, req: &Request, path: &str) -> Result<Reautho
         )
     };
     if let Some(ticket) = req.query_one("ticket") {
-        if !ctx.tickets.valid_for(ticket, path) {
+        let Some((token, _)) = ctx.tickets.valid_for(ticket, path) else {
             return Err(plain_401());
+        };
+        if let Some(token) = &token {
+            if !may_stream(ctx, token, deployment.as_deref(), path).await {
+                return Err(plain_401());
+            }
         }
         let (ctx, ticket, path) = (ctx.clone(), ticket.to_string(), path.to_string());
-        return Ok(Box::new(move || ctx.tickets.valid_for(&ticket, &path)));
+        return Ok(Box::new(move || {
+            let (ctx, ticket, path) = (ctx.clone(), ticket.clone(), path.clone());
+            Box::pin(async move {
+                match ctx.tickets.valid_for(&ticket, &path) {
+                    None => false,
+                    Some((None, _)) => true,
+                    Some((Some(token), deployment)) => {
+                        may_stream(&ctx, &token, deployment.as_deref(), &path).await
+                    }
+                }
+            })
+        }));
     }
-    if auth::is_service_token(ctx, req) {
+    if auth::has_service_token(&ctx.service_token, &req.headers) {
         // The service token cannot change while berth runs.
-        return Ok(Box::new(|| true));
+        return Ok(Box::new(|| Box::pin(async { true })));
+    }
+    if let (Some(token), true) = (auth::bearer(&req.headers), ctx.authz.configured()) {
+        if !may_stream(ctx, token, deployment.as_deref(), path).await {
+            return Err(plain_401());
+        }
+        let (ctx, token, path) = (ctx.clone(), token.to_string(), path.to_string());
+        return Ok(Box::new(move || {
+            let (ctx, token, path, deployment) =
+                (ctx.clone(), token.clone(), path.clone(), deployment.clone());
+            Box::pin(async move { may_stream(&ctx, &token, deployment.as_deref(), &path).await })
+        }));
     }
     Err(plain_401())
 }
@@ -160,21 +236,29 @@ fn open(
 }
 
 /// `GET /v1/builds/{build}/events`.
-pub fn build_events(ctx: &Arc<Ctx>, req: &Request) -> Result<warp::reply::Response, ApiError> {
+pub async fn build_events(
+    ctx: &Arc<Ctx>,
+    req: &Request,
+) -> Result<warp::reply::Response, ApiError> {
     let path = format!("/v1/builds/{}/events", req.param("build"));
-    let reauthorize = authorize_stream(ctx, req, &path)?;
-    let id = parse_build_id(req.param("build")).ok_or_else(|| ApiError::not_found("build"))?;
-    if ctx.engine.store.read()?.build(id)?.is_none() {
+    let id = parse_build_id(req.param("build"));
+    let deployment = id.and_then(|b| channel_deployment(ctx, &Channel::Build(b)));
+    let reauthorize = authorize_stream(ctx, req, &path, deployment.clone()).await?;
+    let id = id.ok_or_else(|| ApiError::not_found("build"))?;
+    if deployment.is_none() {
         return Err(ApiError::not_found("build"));
     }
     open(ctx, req, Channel::Build(id), reauthorize)
 }
 
 /// `GET /v1/deployments/{id}/events`: allowed before the deployment exists.
-pub fn deployment_events(ctx: &Arc<Ctx>, req: &Request) -> Result<warp::reply::Response, ApiError> {
+pub async fn deployment_events(
+    ctx: &Arc<Ctx>,
+    req: &Request,
+) -> Result<warp::reply::Response, ApiError> {
     let id = super::deployments::deployment_id(req)?;
     let path = format!("/v1/deployments/{id}/events");
-    let reauthorize = authorize_stream(ctx, req, &path)?;
+    let reauthorize = authorize_stream(ctx, req, &path, Some(id.clone())).await?;
     if !ctx.engine.ready.load(std::sync::atomic::Ordering::SeqCst) {
         return Err(ApiError::new(Code::Unavailable, "the store is not ready yet").retry_after(1));
     }

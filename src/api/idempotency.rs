@@ -14,6 +14,8 @@ use sha2::{Digest, Sha256};
 use super::auth::Caller;
 use super::errors::{ApiError, Code};
 use super::{Ctx, Reply, Request};
+use crate::audit::Draft;
+use crate::engine::audit::{Audited, Record};
 use crate::engine::Recorder;
 use crate::model::{format_time, now_millis, Millis};
 use crate::store::Lookup;
@@ -57,6 +59,27 @@ impl IdemWrite {
     }
 }
 
+/// What a mutation stores with its change: its audit event, and its
+/// answer when it came with an `Idempotency-Key`.
+pub struct Write {
+    pub idem: Option<IdemWrite>,
+    pub audit: Draft,
+}
+
+impl Write {
+    /// The engine's record of this mutation; `render` makes the answer
+    /// (stored for a replay, and sent).
+    pub fn record<O: Audited + 'static>(
+        self,
+        render: impl Fn(&O) -> Reply + Send + 'static,
+    ) -> Record<O> {
+        Record {
+            audit: self.audit,
+            reply: self.idem.map(|w| w.recorder(render)),
+        }
+    }
+}
+
 pub fn valid_key(key: &str) -> bool {
     (16..=128).contains(&key.len())
         && key
@@ -87,14 +110,15 @@ pub async fn mutation<'a, F, Fut>(
     ctx: &'a Ctx,
     req: &'a Request,
     caller: &Caller,
+    audit: Draft,
     run: F,
 ) -> Result<Reply, ApiError>
 where
-    F: FnOnce(Option<IdemWrite>) -> Fut,
+    F: FnOnce(Write) -> Fut,
     Fut: Future<Output = Result<Reply, ApiError>> + 'a,
 {
     let Some(key) = req.header("idempotency-key") else {
-        return run(None).await;
+        return run(Write { idem: None, audit }).await;
     };
     if !valid_key(key) {
         return Err(
@@ -102,19 +126,20 @@ where
                 .field("/headers/idempotency-key", "format"),
         );
     }
-    let identity = format!("{}\u{0}{}\u{0}{}", caller.subject, req.route, key);
+    let identity = format!("{}\u{0}{}\u{0}{}", caller.identity(), req.route, key);
     let _guard = ctx.idempotency.lock(identity.clone()).await;
-    run_locked(ctx, req, identity, run).await
+    run_locked(ctx, req, identity, audit, run).await
 }
 
 async fn run_locked<'a, F, Fut>(
     ctx: &'a Ctx,
     req: &'a Request,
     identity: String,
+    audit: Draft,
     run: F,
 ) -> Result<Reply, ApiError>
 where
-    F: FnOnce(Option<IdemWrite>) -> Fut,
+    F: FnOnce(Write) -> Fut,
     Fut: Future<Output = Result<Reply, ApiError>> + 'a,
 {
     let fp = fingerprint(req);
@@ -140,7 +165,12 @@ where
         expires_at: now + IDEMPOTENCY_TTL,
     };
     let expires = format_time(write.expires_at);
-    match run(Some(write.clone())).await {
+    match run(Write {
+        idem: Some(write.clone()),
+        audit,
+    })
+    .await
+    {
         Ok(reply) => Ok(reply.header("Idempotency-Expires-At", expires)),
         Err(e) if (400..500).contains(&e.code.status()) => {
             let reply = Reply::from_error(&e, &req.request_id);

@@ -7,6 +7,7 @@
 //! every error carries the request id, all in one place; `routes::call`
 //! authenticates by the route's access class and runs its handler.
 
+pub mod audit;
 pub mod auth;
 pub mod builds;
 pub mod cursor;
@@ -105,6 +106,8 @@ pub struct Ctx {
     pub derivations: derive::Derivations,
     /// Bytes of request bodies in memory at once.
     pub body_budget: BodyBudget,
+    /// The authorization callback and its answer cache.
+    pub authz: auth::Authz,
 }
 
 /// One parsed request.
@@ -118,6 +121,8 @@ pub struct Request {
     pub request_id: String,
     /// The connection, when an event stream may take it over (HTTP/1.1).
     pub wire: Option<Arc<crate::wire::Wire>>,
+    /// Who calls a token route (authenticated before the body was read).
+    pub caller: Option<auth::Caller>,
 }
 
 /// The connection a request came on, put in its extensions by `serve`.
@@ -297,14 +302,34 @@ where
                 .field("/headers", "too_large"),
         );
     }
-    // A route that needs the token refuses without it before reading a byte
-    // of the body, and closes: an unauthenticated client cannot make berth
-    // hold its upload.
-    if matched.access == routes::Access::Token && !auth::has_service_token(ctx, &headers) {
-        let mut e = ApiError::new(Code::Unauthenticated, "a valid bearer token is required");
-        e.close = true;
-        return fail(e);
-    }
+    let query: Vec<(String, String)> = form_urlencoded::parse(query.as_bytes())
+        .into_owned()
+        .collect();
+    // A token route authenticates (and asks the callback) before reading a
+    // byte of the body, and a refusal closes: an unauthenticated client
+    // cannot make berth hold its upload.
+    let caller = if matched.access == routes::Access::Token {
+        match routes::authorize(
+            ctx,
+            matched,
+            &params,
+            &query,
+            &headers,
+            method.as_str(),
+            &path,
+            request_id,
+        )
+        .await
+        {
+            Ok(c) => Some(c),
+            Err(mut e) => {
+                e.close = true;
+                return fail(e);
+            }
+        }
+    } else {
+        None
+    };
     let max_body = ctx.engine.settings.max_body;
     let declared = headers
         .get("content-length")
@@ -345,9 +370,6 @@ where
             ));
         }
     }
-    let query = form_urlencoded::parse(query.as_bytes())
-        .into_owned()
-        .collect();
     let req = Request {
         method,
         route,
@@ -357,6 +379,7 @@ where
         body,
         request_id: request_id.to_string(),
         wire,
+        caller,
     };
     // A read that raced a store reopen (after an I/O error) runs again.
     let mut attempts = 0;

@@ -42,7 +42,9 @@ pub fn count_request(ctx: &Ctx, route: &'static str, status: u16) {
 }
 
 pub fn metrics(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
-    if !ctx.engine.settings.metrics_public && !auth::is_service_token(ctx, req) {
+    if !ctx.engine.settings.metrics_public
+        && !auth::has_service_token(&ctx.service_token, &req.headers)
+    {
         return Err(ApiError::new(
             Code::Unauthenticated,
             "/metrics needs the service token (or --metrics-public)",
@@ -115,7 +117,12 @@ pub fn metrics(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
         (
             "berth_audit_events_total",
             "Audit events written since start.",
-            0,
+            crate::engine::audit::EVENTS_WRITTEN.load(Ordering::Relaxed),
+        ),
+        (
+            "berth_audit_write_failures_total",
+            "Audit events of refused calls that could not be written (the call was answered).",
+            crate::engine::audit::WRITE_FAILURES.load(Ordering::Relaxed),
         ),
         (
             "berth_sbom_components",

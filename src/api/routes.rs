@@ -7,18 +7,24 @@
 
 use std::sync::Arc;
 
+use super::auth::{self, Caller, Procedure, Question, Refused};
 use super::errors::{ApiError, Code};
 use super::{
-    auth, builds, deployments, derive, events, idempotency, ops, sboms, Answer, Ctx, Request,
+    audit, builds, deployments, derive, events, idempotency, ops, sboms, Answer, Ctx, Reply,
+    Request,
 };
+use crate::audit::Draft;
+use crate::model::parse_build_id;
+use crate::store::Lookup;
 
 /// Who may call a route.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Access {
     /// Anyone: probes, the contract, the pure derive routes.
     Public,
-    /// The service token (actor headers name who acts); the store must be
-    /// ready (recovery done).
+    /// The service token (actor headers name who acts) or a token the
+    /// authorization callback allows; the store must be ready (recovery
+    /// done).
     Token,
     /// The service token or a stream ticket for this path; the handler
     /// checks which (a browser's `EventSource` cannot send a header).
@@ -54,6 +60,9 @@ pub enum Call {
     DeriveInstances,
     DeriveApplications,
     DeriveSections,
+    AuditList,
+    AuditProof,
+    AuditConsistency,
 }
 
 /// One route: method, template (`{x}` matches one segment), access, handler.
@@ -100,24 +109,139 @@ pub const ROUTES: &[Route] = &[
     route("POST", "/v1/derive/instances", Access::Public, Call::DeriveInstances),
     route("POST", "/v1/derive/applications", Access::Public, Call::DeriveApplications),
     route("POST", "/v1/derive/sections", Access::Public, Call::DeriveSections),
+    route("GET", "/v1/audit", Access::Token, Call::AuditList),
+    route("GET", "/v1/audit/proof", Access::Token, Call::AuditProof),
+    route("GET", "/v1/audit/consistency", Access::Token, Call::AuditConsistency),
 ];
 
-/// Authenticates by the route's access class, then runs its handler.
-pub async fn call(ctx: &Arc<Ctx>, route: &Route, req: &Request) -> Result<Answer, ApiError> {
-    let caller = match route.access {
-        Access::Token => {
-            let caller = auth::authenticate(ctx, req)?;
-            if !ctx.engine.ready.load(std::sync::atomic::Ordering::SeqCst) {
-                return Err(
-                    ApiError::new(Code::Unavailable, "the store is not ready yet").retry_after(1),
-                );
-            }
-            Some(caller)
-        }
-        Access::Public | Access::StreamCredential | Access::Metrics => None,
+type Params = std::collections::HashMap<&'static str, String>;
+
+/// The question a token route asks the callback, and whether a denial is
+/// hidden as 404 (a read of a deployment: nobody can probe which exist).
+fn question_of(ctx: &Ctx, call: Call, params: &Params) -> (Procedure, Option<String>, bool) {
+    let param = |n: &str| params.get(n).cloned();
+    // The deployment a build route acts on: its build's.
+    let of_build = || {
+        parse_build_id(params.get("build").map(String::as_str).unwrap_or(""))
+            .and_then(|b| ctx.engine.store.read().ok()?.build(b).ok()?)
+            .map(|b| b.deployment)
     };
-    // Only `Access::Token` routes read `caller`; the table guarantees it.
-    let caller = || caller.as_ref().ok_or_else(ApiError::internal);
+    match call {
+        Call::ListDeployments => (Procedure::Read, None, false),
+        Call::ReadDeployment | Call::ListBuilds | Call::ListSboms | Call::ReadSbom => {
+            (Procedure::Read, param("id"), true)
+        }
+        Call::ReadBuild | Call::BuildLog => (Procedure::Read, of_build(), true),
+        Call::CancelBuild => (Procedure::Cancel, of_build(), false),
+        Call::Submit => (Procedure::Submit, param("id"), false),
+        Call::Preview => (Procedure::Preview, param("id"), false),
+        Call::Act => (Procedure::Action, param("id"), false),
+        Call::SetUpdatePolicy => (Procedure::UpdatePolicy, param("id"), false),
+        Call::DeleteDeployment => (Procedure::Delete, param("id"), false),
+        Call::StreamTicket => (Procedure::Stream, None, false),
+        Call::AuditList | Call::AuditProof | Call::AuditConsistency => {
+            (Procedure::AuditRead, None, false)
+        }
+        _ => (Procedure::Read, None, false),
+    }
+}
+
+/// Authenticates a token route before its body is read: the service
+/// token, or the callback's decision on this route's procedure. A refused
+/// audited call leaves its event.
+#[allow(clippy::too_many_arguments)]
+pub async fn authorize(
+    ctx: &Ctx,
+    route: &Route,
+    params: &Params,
+    query: &[(String, String)],
+    headers: &warp::http::HeaderMap,
+    method: &str,
+    path: &str,
+    request_id: &str,
+) -> Result<Caller, ApiError> {
+    let target = match route.call {
+        Call::AuditList if !auth::has_service_token(&ctx.service_token, headers) => {
+            // The callback is asked about this target: check it first.
+            Some(audit::target_actor(query)?)
+        }
+        _ => None,
+    };
+    let (procedure, deployment, hide) = question_of(ctx, route.call, params);
+    let q = Question {
+        procedure,
+        deployment: deployment.as_deref(),
+        target_actor: target.as_ref(),
+        method,
+        path,
+    };
+    let result = if route.call == Call::ListDeployments {
+        list_caller(ctx, headers, &q).await
+    } else {
+        auth::authenticate(&ctx.service_token, &ctx.authz, headers, &q, hide).await
+    };
+    match result {
+        Ok(caller) => Ok(caller),
+        Err(refused) => {
+            if let Some(draft) = audit::draft(ctx, route.call, params, request_id) {
+                audit::refused(ctx, draft, &refused).await;
+            }
+            Err(refused.error)
+        }
+    }
+}
+
+/// A list needs only a known caller: each item is filtered through `read`.
+async fn list_caller(
+    ctx: &Ctx,
+    headers: &warp::http::HeaderMap,
+    q: &Question<'_>,
+) -> Result<Caller, Refused> {
+    match auth::authenticate(&ctx.service_token, &ctx.authz, headers, q, false).await {
+        Ok(c) => Ok(c),
+        Err(Refused {
+            actor: Some(actor),
+            trusted_backend: false,
+            ..
+        }) => Ok(Caller {
+            actor: Some(actor),
+            trusted_backend: false,
+            token: auth::bearer(headers).map(str::to_string),
+        }),
+        Err(r) => Err(r),
+    }
+}
+
+/// Whether `caller` may read deployment `id` (always, for the service
+/// token).
+pub async fn may_read(ctx: &Ctx, caller: &Caller, id: &str, path: &str) -> bool {
+    let Some(token) = &caller.token else {
+        return true;
+    };
+    let q = Question {
+        procedure: Procedure::Read,
+        deployment: Some(id),
+        target_actor: None,
+        method: "GET",
+        path,
+    };
+    ctx.authz.decide(token, &q).await.allow
+}
+
+/// Runs a route's handler (the caller of a token route was authenticated
+/// by `authorize` before the body was read).
+pub async fn call(ctx: &Arc<Ctx>, route: &Route, req: &Request) -> Result<Answer, ApiError> {
+    if route.access == Access::Token && !ctx.engine.ready.load(std::sync::atomic::Ordering::SeqCst)
+    {
+        return Err(ApiError::new(Code::Unavailable, "the store is not ready yet").retry_after(1));
+    }
+    // Only `Access::Token` routes read `caller`; `dispatch` sets it for them.
+    let caller = || req.caller.as_ref().ok_or_else(ApiError::internal);
+    if let Some(draft) = audit::draft(ctx, route.call, &req.params, &req.request_id) {
+        return audited(ctx, route, req, audit::by(draft, caller()?))
+            .await
+            .map(Answer::Reply);
+    }
     let reply = match route.call {
         Call::Healthz => Ok(ops::healthz()),
         Call::Readyz => Ok(ops::readyz(ctx)),
@@ -126,37 +250,64 @@ pub async fn call(ctx: &Arc<Ctx>, route: &Route, req: &Request) -> Result<Answer
         Call::DeriveInstances => derive::instances(ctx, req).await,
         Call::DeriveApplications => derive::applications(ctx, req).await,
         Call::DeriveSections => derive::sections(ctx, req).await,
-        Call::DeploymentEvents => return events::deployment_events(ctx, req).map(Answer::Stream),
-        Call::BuildEvents => return events::build_events(ctx, req).map(Answer::Stream),
+        Call::DeploymentEvents => {
+            return events::deployment_events(ctx, req)
+                .await
+                .map(Answer::Stream)
+        }
+        Call::BuildEvents => return events::build_events(ctx, req).await.map(Answer::Stream),
         Call::ListDeployments => deployments::list(ctx, req, caller()?).await,
         Call::ReadDeployment => deployments::read(ctx, req).await,
         Call::Preview => deployments::preview(ctx, req).await,
-        Call::Submit => {
-            idempotency::mutation(ctx, req, caller()?, |w| deployments::submit(ctx, req, w)).await
-        }
-        Call::Act => {
-            idempotency::mutation(ctx, req, caller()?, |w| deployments::act(ctx, req, w)).await
-        }
-        Call::SetUpdatePolicy => {
-            idempotency::mutation(ctx, req, caller()?, |w| {
-                deployments::set_update_policy(ctx, req, w)
-            })
-            .await
-        }
-        Call::DeleteDeployment => {
-            idempotency::mutation(ctx, req, caller()?, |w| deployments::delete(ctx, req, w)).await
-        }
         Call::ListBuilds => builds::list(ctx, req, caller()?),
         Call::ListSboms => sboms::list(ctx, req),
         Call::ReadSbom => sboms::node(ctx, req).await,
         Call::ReadBuild => builds::read(ctx, req),
         Call::BuildLog => return builds::log(ctx, req).await,
-        Call::CancelBuild => {
-            idempotency::mutation(ctx, req, caller()?, |w| builds::cancel(ctx, req, w)).await
-        }
-        Call::StreamTicket => events::ticket(ctx, req, caller()?),
+        Call::StreamTicket => events::ticket(ctx, req, caller()?).await,
+        Call::AuditList => audit::list(ctx, req, caller()?),
+        Call::AuditProof => audit::proof(ctx, req),
+        Call::AuditConsistency => audit::consistency(ctx, req),
+        Call::Submit
+        | Call::Act
+        | Call::SetUpdatePolicy
+        | Call::DeleteDeployment
+        | Call::CancelBuild => Err(ApiError::internal()),
     };
     reply.map(Answer::Reply)
+}
+
+/// An audited mutation: its event is written with the change (inside the
+/// engine's transaction) or, when it changed nothing, here on its own. An
+/// idempotent replay is not a new call and writes none.
+async fn audited(ctx: &Ctx, route: &Route, req: &Request, draft: Draft) -> Result<Reply, ApiError> {
+    let caller = req.caller.as_ref().ok_or_else(ApiError::internal)?;
+    let w = draft.clone();
+    let result = match route.call {
+        Call::Submit => {
+            idempotency::mutation(ctx, req, caller, w, |w| deployments::submit(ctx, req, w)).await
+        }
+        Call::Act => {
+            idempotency::mutation(ctx, req, caller, w, |w| deployments::act(ctx, req, w)).await
+        }
+        Call::SetUpdatePolicy => {
+            idempotency::mutation(ctx, req, caller, w, |w| {
+                deployments::set_update_policy(ctx, req, w)
+            })
+            .await
+        }
+        Call::DeleteDeployment => {
+            idempotency::mutation(ctx, req, caller, w, |w| deployments::delete(ctx, req, w)).await
+        }
+        Call::CancelBuild => {
+            idempotency::mutation(ctx, req, caller, w, |w| builds::cancel(ctx, req, w)).await
+        }
+        _ => Err(ApiError::internal()),
+    };
+    if let Err(e) = &result {
+        audit::failed(ctx, draft, e).await;
+    }
+    result
 }
 
 /// The params of `template` in `segments`, if it matches.
@@ -220,6 +371,7 @@ mod tests {
             // other route under /v1 that is not derive needs the token.
             let expected = match r.template {
                 t if t.ends_with("/events") => Access::StreamCredential,
+                t if t.starts_with("/v1/audit") => Access::Token,
                 "/metrics" => Access::Metrics,
                 t if t.starts_with("/v1/derive/") => Access::Public,
                 "/healthz" | "/readyz" | "/v1/openapi.json" => Access::Public,

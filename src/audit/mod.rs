@@ -79,7 +79,7 @@ pub struct Draft {
     pub request_id: String,
     pub result: Outcome,
     /// An error code or rule name, never a value of the request.
-    pub reason: Option<&'static str>,
+    pub reason: Option<String>,
     pub count: u64,
 }
 
@@ -132,7 +132,7 @@ pub fn seal(draft: &Draft, seq: u64, prev: &Hash) -> Sealed {
         build: draft.build.clone(),
         request_id: draft.request_id.clone(),
         result: draft.result,
-        reason: draft.reason.map(str::to_string),
+        reason: draft.reason.clone(),
         count: draft.count,
         prev_hash: crate::hex::encode(prev),
         hash: None,
@@ -290,7 +290,10 @@ fn claimed(body: &[u8]) -> Option<(&[u8], u64)> {
     let prev = body.get(at..at + 64)?;
     let s = p.seq.rfind(body)? + 6;
     let digits = body[s..].iter().take_while(|c| c.is_ascii_digit()).count();
-    let seq = std::str::from_utf8(&body[s..s + digits]).ok()?.parse().ok()?;
+    let seq = std::str::from_utf8(&body[s..s + digits])
+        .ok()?
+        .parse()
+        .ok()?;
     Some((prev, seq))
 }
 
@@ -308,7 +311,10 @@ impl Walk {
             .collect();
         let removed = anchor.first_seq.saturating_sub(1);
         let (compact, anchor_ok) = match hashes.map(|h| CompactRange::from_parts(removed, h)) {
-            Some(Ok(c)) => (c, anchor.removed_count == removed && decode_hash(&anchor.prev_hash).is_some()),
+            Some(Ok(c)) => (
+                c,
+                anchor.removed_count == removed && decode_hash(&anchor.prev_hash).is_some(),
+            ),
             _ => (CompactRange::new(), false),
         };
         let mut walk = Walk {

@@ -47,7 +47,10 @@ fn a_sealed_event_hashes_as_the_spec_says() {
     let s = seal(&draft(1), 1, &GENESIS);
     let body = &s.row[32..];
     let text = std::str::from_utf8(body).unwrap();
-    assert!(text.starts_with("{\"action\":\"submit\",\"actor\":{"), "{text}");
+    assert!(
+        text.starts_with("{\"action\":\"submit\",\"actor\":{"),
+        "{text}"
+    );
     assert!(!text.contains("\"hash\""));
     let mut h = Sha256::new();
     h.update(b"berth-audit-v1\n");
@@ -157,7 +160,10 @@ fn a_pruned_chain_verifies_through_its_anchor_and_a_forged_anchor_does_not() {
     };
     let r = run(anchor.clone());
     assert!(r.ok, "{:?}", r.problems);
-    assert_eq!(r.merkle_root, full_root, "the root covers the pruned events");
+    assert_eq!(
+        r.merkle_root, full_root,
+        "the root covers the pruned events"
+    );
     assert_eq!(r.size, 30);
 
     let mut forged = anchor.clone();
@@ -165,7 +171,10 @@ fn a_pruned_chain_verifies_through_its_anchor_and_a_forged_anchor_does_not() {
     assert_eq!(kinds(&run(forged)), vec![(12, ProblemKind::AnchorMismatch)]);
     let mut forged = anchor;
     forged.compact_range.pop();
-    assert_eq!(kinds(&run(forged)).first(), Some(&(12, ProblemKind::AnchorMismatch)));
+    assert_eq!(
+        kinds(&run(forged)).first(),
+        Some(&(12, ProblemKind::AnchorMismatch))
+    );
 }
 
 #[test]

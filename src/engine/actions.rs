@@ -6,8 +6,8 @@
 
 use std::sync::Arc;
 
+use super::audit::{Audited, Record};
 use super::refusal::{ActionReason as Reason, Missing, Refusal};
-use super::requests::Recorder;
 use super::transition::{Change, NewBuild};
 use super::Engine;
 use crate::events::Hub;
@@ -99,6 +99,12 @@ pub struct ActionQueued {
     pub build_id: BuildId,
 }
 
+impl Audited for ActionQueued {
+    fn audited_build(&self) -> Option<BuildId> {
+        Some(self.build_id)
+    }
+}
+
 /// What the action's write job found.
 pub enum Acted {
     Done(ActionQueued),
@@ -117,12 +123,12 @@ impl Engine {
         id: &str,
         name: &str,
         if_match: Option<u64>,
-        record: Option<Recorder<ActionQueued>>,
+        record: Record<ActionQueued>,
     ) -> Result<ActionQueued, Refusal> {
         let Some(toggle) = Toggle::from_name(name) else {
             return Err(Refusal::NotFound(Missing::Action));
         };
-        let mut record = record;
+        let mut record = Some(record);
         // The deployed source can change between its describe and the
         // write job only when a build finishes in between; twice is plenty.
         for _ in 0..2 {
@@ -141,7 +147,9 @@ impl Engine {
             };
             let hub = self.hub.clone();
             let id = id.to_string();
-            let attempt_record = record.take();
+            let Some(attempt_record) = record.take() else {
+                return Err(Refusal::Internal);
+            };
             let (acted, unused_record) = self
                 .store
                 .write(move |tx| {
@@ -181,38 +189,39 @@ pub fn act_tx(
     if_match: Option<u64>,
     described_digest: Option<String>,
     supported: bool,
-    record: Option<Recorder<ActionQueued>>,
-) -> StoreResult<(Acted, Option<Recorder<ActionQueued>>)> {
+    record: Record<ActionQueued>,
+) -> StoreResult<(Acted, Option<Record<ActionQueued>>)> {
     let Some(mut d) = tx.deployment(id)? else {
         return Ok((
             Acted::Refused(Refusal::NotFound(Missing::Deployment)),
-            record,
+            Some(record),
         ));
     };
     if if_match.is_some_and(|r| r != d.revision) {
-        return Ok((Acted::Refused(Refusal::PreconditionFailed), record));
+        return Ok((Acted::Refused(Refusal::PreconditionFailed), Some(record)));
     }
     let deployed_digest = d
         .deployed
         .as_ref()
         .map(|x| x.snapshot.source.digest.clone());
     if deployed_digest != described_digest {
-        return Ok((Acted::DescribeAgain, record));
+        return Ok((Acted::DescribeAgain, Some(record)));
     }
     let action = list(&d, |name| name == toggle.name() && supported)
         .into_iter()
         .find(|a| a.name == toggle.name());
     if let Some(reason) = action.and_then(|a| a.reason) {
-        return Ok((Acted::Refused(Refusal::ActionRefused(reason)), record));
+        return Ok((Acted::Refused(Refusal::ActionRefused(reason)), Some(record)));
     }
     let Some(deployed) = d.deployed.clone() else {
         return Ok((
             Acted::Refused(Refusal::ActionRefused(Reason::NotDeployed)),
-            record,
+            Some(record),
         ));
     };
     d.suspended = toggle.suspends();
-    let build = Change::new(tx, hub).enqueue(
+    let change = Change::new(tx, hub);
+    let build = change.enqueue(
         &mut d,
         NewBuild {
             kind: BuildKind::Deploy,
@@ -223,9 +232,7 @@ pub fn act_tx(
         },
     )?;
     let queued = ActionQueued { build_id: build.id };
-    if let Some(record) = record {
-        record(tx, &queued)?;
-    }
+    record.store(&change, &queued)?;
     Ok((Acted::Done(queued), None))
 }
 

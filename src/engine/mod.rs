@@ -7,6 +7,7 @@
 //! the events of the change, together.
 
 pub mod actions;
+pub mod audit;
 pub mod build;
 pub mod callbacks;
 pub mod deployer;
@@ -78,6 +79,8 @@ pub struct Engine {
     pub metrics: Metrics,
     pub callback_secret: Vec<u8>,
     pub hub: Arc<crate::events::Hub>,
+    /// Anonymous denials folded per `--audit-denial-interval`.
+    pub denials: audit::Denials,
     stop: watch::Sender<bool>,
 }
 
@@ -149,6 +152,7 @@ impl Engine {
             metrics: Metrics::default(),
             callback_secret,
             hub: Arc::new(crate::events::Hub::default()),
+            denials: audit::Denials::default(),
             stop: watch::channel(false).0,
         }))
     }

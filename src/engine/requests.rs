@@ -12,6 +12,7 @@ use std::sync::Arc;
 
 use serde_json::{json, Value};
 
+use super::audit::{Audited, Record};
 use super::deployer::EvalVerdict;
 use super::outcome::End;
 use super::refusal::{
@@ -60,10 +61,28 @@ pub struct Submitted {
     pub deployment: DeploymentSummary,
 }
 
+impl Audited for Submitted {
+    fn audited_build(&self) -> Option<BuildId> {
+        Some(self.build.id)
+    }
+}
+
 /// A delete that was stored: the queued destroy.
 #[derive(Debug)]
 pub struct DestroyQueued {
     pub build_id: BuildId,
+}
+
+impl Audited for DestroyQueued {
+    fn audited_build(&self) -> Option<BuildId> {
+        Some(self.build_id)
+    }
+}
+
+impl Audited for CancelTaken {
+    fn audited_build(&self) -> Option<BuildId> {
+        parse_build_id(&self.build.summary.id)
+    }
 }
 
 /// A cancel that was taken: the build as it is now (still running when the
@@ -230,7 +249,7 @@ impl Engine {
         self: &Arc<Self>,
         id: &str,
         input: SubmitInput,
-        record: Option<Recorder<Submitted>>,
+        record: Record<Submitted>,
     ) -> Result<Submitted, Refusal> {
         let existing = self.store.read()?.deployment(id)?;
         if existing.as_ref().is_some_and(|d| d.suspended) {
@@ -265,7 +284,7 @@ impl Engine {
         self: &Arc<Self>,
         id: &str,
         callback: Option<String>,
-        record: Option<Recorder<DestroyQueued>>,
+        record: Record<DestroyQueued>,
     ) -> Result<DestroyQueued, Refusal> {
         let id = id.to_string();
         let hub = self.hub.clone();
@@ -282,7 +301,7 @@ impl Engine {
     pub async fn cancel(
         self: &Arc<Self>,
         build_id: BuildId,
-        record: Option<Recorder<CancelTaken>>,
+        record: Record<CancelTaken>,
     ) -> Result<CancelTaken, Refusal> {
         let hub = self.hub.clone();
         let taken = self
@@ -304,7 +323,7 @@ pub fn submit_tx(
     tx: &Tx,
     hub: &Arc<Hub>,
     s: SubmitRecord,
-    record: Option<Recorder<Submitted>>,
+    record: Record<Submitted>,
 ) -> StoreResult<Result<Submitted, Refusal>> {
     let change = Change::new(tx, hub);
     let existing = tx.deployment(&s.id)?;
@@ -364,9 +383,7 @@ pub fn submit_tx(
         deployment: d.summary(Some(&build)),
         build,
     };
-    if let Some(record) = record {
-        record(tx, &submitted)?;
-    }
+    record.store(&change, &submitted)?;
     Ok(Ok(submitted))
 }
 
@@ -377,7 +394,7 @@ pub fn delete_tx(
     hub: &Arc<Hub>,
     id: &str,
     callback: Option<String>,
-    record: Option<Recorder<DestroyQueued>>,
+    record: Record<DestroyQueued>,
 ) -> StoreResult<Result<DestroyQueued, Refusal>> {
     let change = Change::new(tx, hub);
     let Some(mut d) = tx.deployment(id)? else {
@@ -413,9 +430,7 @@ pub fn delete_tx(
         tx.put_callback(build.id, &pending)?;
     }
     let queued = DestroyQueued { build_id: build.id };
-    if let Some(record) = record {
-        record(tx, &queued)?;
-    }
+    record.store(&change, &queued)?;
     Ok(Ok(queued))
 }
 
@@ -425,8 +440,9 @@ pub fn cancel_tx(
     tx: &Tx,
     hub: &Arc<Hub>,
     build_id: BuildId,
-    record: Option<Recorder<CancelTaken>>,
+    record: Record<CancelTaken>,
 ) -> StoreResult<Result<CancelTaken, Refusal>> {
+    let change = Change::new(tx, hub);
     let Some(mut b) = tx.build(build_id)? else {
         return Ok(Err(Refusal::NotFound(Missing::Build)));
     };
@@ -437,7 +453,7 @@ pub fn cancel_tx(
             let mut d = tx
                 .deployment(&b.deployment)?
                 .ok_or_else(|| StoreError::corrupt("a build without its deployment"))?;
-            Change::new(tx, hub).finish(
+            change.finish(
                 Some(&mut d),
                 &mut b,
                 End::cancelled("cancelled while queued"),
@@ -453,9 +469,7 @@ pub fn cancel_tx(
         build: b.view(&snaps),
         was_running,
     };
-    if let Some(record) = record {
-        record(tx, &taken)?;
-    }
+    record.store(&change, &taken)?;
     Ok(Ok(taken))
 }
 

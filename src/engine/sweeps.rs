@@ -3,7 +3,8 @@
 //! the last 10,000 events or 7 days per deployment, whichever is more), and
 //! old builds (storage.md: beyond the newest `--keep-builds` and older than
 //! `--keep-build-days`, never the last successful deploy nor anything queued
-//! or running), with their logs and events.
+//! or running), with their logs and events; audit events older than
+//! `--audit-retention-days` (engine/audit.rs).
 
 use std::sync::Arc;
 
@@ -36,6 +37,13 @@ impl Engine {
             }
             if let Err(e) = self.sweep_events().await {
                 tracing::error!(error = %e, "event sweep");
+            }
+            match self.prune_audit().await {
+                Ok(n) if n > 0 => {
+                    tracing::info!(removed = n, "old audit events removed (anchor moved)")
+                }
+                Ok(_) => {}
+                Err(e) => tracing::error!(error = %e, "audit retention"),
             }
             match self.sweep_builds().await {
                 Ok(n) if n > 0 => tracing::info!(removed = n, "old builds removed with their logs"),

@@ -91,6 +91,16 @@ impl<'t, 'a> Change<'t, 'a> {
         self.now
     }
 
+    pub fn tx(&self) -> &'t Tx<'a> {
+        self.tx
+    }
+
+    /// Appends the audit event of this change to the chain, in this
+    /// transaction: the change and its event commit together or not at all.
+    pub fn audit(&self, draft: &crate::audit::Draft) -> StoreResult<()> {
+        super::audit::append(self.tx, draft)
+    }
+
     /// Queues a new build of `d`: counted as pending, the deployment's last
     /// build. Stores the build, its snapshot and the deployment.
     pub fn enqueue(&self, d: &mut DeploymentRecord, new: NewBuild) -> StoreResult<BuildRecord> {

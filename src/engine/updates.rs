@@ -14,10 +14,12 @@ use std::sync::Arc;
 
 use time::OffsetDateTime;
 
+use super::audit::{system_draft, Audited, Record};
 use super::refusal::{Missing, Refusal};
-use super::requests::{Mode, Recorder, SubmitInput};
+use super::requests::{Mode, SubmitInput};
 use super::transition::{Change, NewBuild};
 use super::Engine;
+use crate::audit::Outcome;
 use crate::events::Hub;
 use crate::model::*;
 use crate::store::{Lookup, StoreError, StoreResult, Tx};
@@ -66,6 +68,14 @@ pub struct PolicySet {
     pub deployment: DeploymentRecord,
     pub last_build: Option<BuildRecord>,
     pub last_try: Option<UpdateTry>,
+    /// The deployment's last audit events, this change's included.
+    pub audit: Vec<crate::audit::Event>,
+}
+
+impl Audited for PolicySet {
+    fn audited_build(&self) -> Option<BuildId> {
+        None
+    }
 }
 
 /// What one pass did.
@@ -88,7 +98,7 @@ impl Engine {
         id: &str,
         policy: UpdatePolicy,
         if_match: Option<u64>,
-        record: Option<Recorder<PolicySet>>,
+        record: Record<PolicySet>,
     ) -> Result<PolicySet, Refusal> {
         let hub = self.hub.clone();
         let id = id.to_string();
@@ -218,6 +228,10 @@ impl Engine {
         let (id, default) = (id.to_string(), default.clone());
         self.store
             .write(move |tx| {
+                let mut audit =
+                    system_draft("automatic_update", Some(id.clone()), Outcome::Refused);
+                audit.reason = Some(reason.to_string());
+                super::audit::append(tx, &audit)?;
                 tx.put_update_try(
                     &id,
                     &UpdateTry {
@@ -254,7 +268,7 @@ pub fn set_policy_tx(
     id: &str,
     policy: UpdatePolicy,
     if_match: Option<u64>,
-    record: Option<Recorder<PolicySet>>,
+    record: Record<PolicySet>,
 ) -> StoreResult<Result<PolicySet, Refusal>> {
     let Some(mut d) = tx.deployment(id)? else {
         return Ok(Err(Refusal::NotFound(Missing::Deployment)));
@@ -266,13 +280,17 @@ pub fn set_policy_tx(
     if change.set_policy(&mut d, policy)? {
         change.update(&mut d)?;
     }
+    // The event first, so the answer (rendered here, stored for a replay)
+    // shows it.
+    change.audit(&record.audit)?;
     let set = PolicySet {
         last_build: d.last_build.map(|b| tx.build(b)).transpose()?.flatten(),
         last_try: tx.update_try(id)?,
+        audit: super::audit::of_deployment(tx, id)?,
         deployment: d,
     };
-    if let Some(record) = record {
-        record(tx, &set)?;
+    if let Some(reply) = record.reply {
+        reply(tx, &set)?;
     }
     Ok(Ok(set))
 }
@@ -313,6 +331,9 @@ pub fn automatic_update_tx(
             snapshot,
         },
     )?;
+    let mut audit = system_draft("automatic_update", Some(id.to_string()), Outcome::Ok);
+    audit.build = Some(format_build_id(build.id));
+    change.audit(&audit)?;
     tx.put_update_try(
         id,
         &UpdateTry {

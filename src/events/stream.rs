@@ -32,7 +32,9 @@ const BODY_QUEUE: usize = 8;
 const REPLAY_PAGE: usize = 1000;
 
 /// Checks, again and again, that the stream's credential is still good.
-pub type Reauthorize = Box<dyn Fn() -> bool + Send + Sync>;
+pub type Reauthorize = Box<
+    dyn Fn() -> std::pin::Pin<Box<dyn std::future::Future<Output = bool> + Send>> + Send + Sync,
+>;
 
 /// Holds one `--max-sse-clients` slot until dropped.
 pub struct ClientSlot(Arc<Hub>);
@@ -207,7 +209,7 @@ async fn go_live(
                 timers.keep_alive.as_mut().reset(Instant::now() + KEEP_ALIVE);
             }
             _ = timers.recheck.as_mut() => {
-                if !reauthorize() {
+                if !reauthorize().await {
                     return Err(Stop::Closed);
                 }
                 timers.recheck.as_mut().reset(Instant::now() + REAUTHORIZE_EVERY);
@@ -527,7 +529,7 @@ mod tests {
             sources,
             Channel::Build(id),
             None,
-            Box::new(|| true),
+            Box::new(|| Box::pin(async { true })),
             slot,
             None,
         );

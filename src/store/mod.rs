@@ -9,6 +9,7 @@
 //!
 //! Reads use redb read transactions on the caller's thread (MVCC snapshots).
 
+mod audit;
 pub mod codec;
 pub mod compress;
 mod error;
@@ -20,6 +21,7 @@ pub mod tables;
 mod tx;
 mod writer;
 
+pub use audit::{AuditLookup, Pruned, ReadOnlyStore, StoredNodes};
 pub use error::{StoreError, StoreErrorKind, StoreResult};
 pub use lookup::Lookup;
 pub use records::{ChunkPlace, IdempotencyRecord, PendingCallback, StoredEvent};
@@ -203,6 +205,10 @@ fn init_schema(db: &Database) -> StoreResult<()> {
         txn.open_table(UPDATE_TRIES)?;
         txn.open_table(SBOM_NODES)?;
         txn.open_table(SBOM_COMPONENTS)?;
+        txn.open_table(AUDIT_EVENTS)?;
+        txn.open_table(AUDIT_BY_DEPLOYMENT)?;
+        txn.open_table(AUDIT_BY_ACTOR)?;
+        txn.open_table(MERKLE_NODES)?;
     }
     txn.commit()?;
     Ok(())

@@ -76,3 +76,25 @@ pub const LOG_INDEX: TableDefinition<(u128, u32), &[u8]> = TableDefinition::new(
 /// sweep reads only what expired, in bounded batches, decoding nothing.
 pub const IDEMPOTENCY_EXPIRY: TableDefinition<(i64, &str), ()> =
     TableDefinition::new("idempotency_expiry");
+
+/// Audit seq -> the sealed event: its 32-byte chain hash, then its RFC 8785
+/// text without the hash (`audit::seal`). Rows are never rewritten; the
+/// oldest are removed by retention, which moves the anchor (`META`).
+pub const AUDIT_EVENTS: TableDefinition<u64, &[u8]> = TableDefinition::new("audit_events");
+
+/// (deployment id, audit seq) -> empty: a deployment's events other than
+/// denied calls, for the deployment read's last 20.
+pub const AUDIT_BY_DEPLOYMENT: TableDefinition<(&str, u64), &[u8]> =
+    TableDefinition::new("audit_by_deployment");
+
+/// ("subject\0issuer", audit seq) -> empty: one actor's events, denied
+/// calls included (`GET /v1/audit`).
+pub const AUDIT_BY_ACTOR: TableDefinition<(&str, u64), &[u8]> =
+    TableDefinition::new("audit_by_actor");
+
+/// (level, index) -> 32-byte hash: every perfect subtree of the RFC 6962
+/// tree over the audit events (leaf `seq - 1` at level 0), written as each
+/// event completes it, so a proof at any size reads O(log^2 n) rows.
+/// Retention removes the subtrees inside the pruned prefix except its
+/// compact range.
+pub const MERKLE_NODES: TableDefinition<(u8, u64), &[u8]> = TableDefinition::new("merkle_nodes");

@@ -103,7 +103,13 @@ fn inclusion_proofs_match_the_published_vectors() {
         let want: Vec<Hash> = want.iter().map(|x| h(x)).collect();
         assert_eq!(inclusion_path(&tree, index, size).unwrap(), want);
         let r = h(CT_ROOTS[size as usize]);
-        assert!(verify_inclusion(index, size, &leaves[index as usize], &want, &r));
+        assert!(verify_inclusion(
+            index,
+            size,
+            &leaves[index as usize],
+            &want,
+            &r
+        ));
     }
 }
 
@@ -154,20 +160,41 @@ fn every_proof_in_trees_up_to_70_verifies_and_a_changed_one_does_not() {
     for n in 1..=70u64 {
         for i in 0..n {
             let mut path = inclusion_path(&tree, i, n).unwrap();
-            assert!(verify_inclusion(i, n, &leaves[i as usize], &path, &roots[n as usize]));
+            assert!(verify_inclusion(
+                i,
+                n,
+                &leaves[i as usize],
+                &path,
+                &roots[n as usize]
+            ));
             let other = leaves[(i as usize + 1) % 70];
             assert!(!verify_inclusion(i, n, &other, &path, &roots[n as usize]));
             if let Some(first) = path.first_mut() {
                 first[0] ^= 1;
-                assert!(!verify_inclusion(i, n, &leaves[i as usize], &path, &roots[n as usize]));
+                assert!(!verify_inclusion(
+                    i,
+                    n,
+                    &leaves[i as usize],
+                    &path,
+                    &roots[n as usize]
+                ));
             }
         }
         for m in 1..=n {
             let mut path = consistency_path(&tree, m, n).unwrap();
-            assert!(verify_consistency(m, n, &roots[m as usize], &roots[n as usize], &path), "{m} -> {n}");
+            assert!(
+                verify_consistency(m, n, &roots[m as usize], &roots[n as usize], &path),
+                "{m} -> {n}"
+            );
             if let Some(first) = path.first_mut() {
                 first[0] ^= 1;
-                assert!(!verify_consistency(m, n, &roots[m as usize], &roots[n as usize], &path));
+                assert!(!verify_consistency(
+                    m,
+                    n,
+                    &roots[m as usize],
+                    &roots[n as usize],
+                    &path
+                ));
             }
         }
     }
@@ -208,11 +235,23 @@ fn a_proof_past_a_pruned_prefix_needs_only_the_compact_range() {
         assert_eq!(root(&tree, n).unwrap(), full[n as usize]);
         for i in pruned..n {
             let path = inclusion_path(&tree, i, n).unwrap();
-            assert!(verify_inclusion(i, n, &leaves[i as usize], &path, &full[n as usize]));
+            assert!(verify_inclusion(
+                i,
+                n,
+                &leaves[i as usize],
+                &path,
+                &full[n as usize]
+            ));
         }
         for m in pruned + 1..=n {
             let path = consistency_path(&tree, m, n).unwrap();
-            assert!(verify_consistency(m, n, &full[m as usize], &full[n as usize], &path));
+            assert!(verify_consistency(
+                m,
+                n,
+                &full[m as usize],
+                &full[n as usize],
+                &path
+            ));
         }
     }
 }

@@ -16,6 +16,15 @@ use crate::engine::requests::{cancel_tx, delete_tx, submit_tx, Mode, SubmitRecor
 use crate::store::Lookup;
 use crate::store::Store;
 
+/// An audit record as the engine's own callers make it.
+fn rec<O: crate::engine::audit::Audited>() -> crate::engine::audit::Record<O> {
+    crate::engine::audit::Record::audit_only(crate::engine::audit::system_draft(
+        "submit",
+        None,
+        crate::audit::Outcome::Ok,
+    ))
+}
+
 const ALL: [BuildStatus; 5] = [
     BuildStatus::Queued,
     BuildStatus::Running,
@@ -147,7 +156,7 @@ fn each_change_keeps_the_deployment_in_step() {
         let store = &t.store;
         let h = hub.clone();
         let first = store
-            .write(move |tx| submit_tx(tx, &h, submit_record("d", Mode::Replace), None))
+            .write(move |tx| submit_tx(tx, &h, submit_record("d", Mode::Replace), rec()))
             .await
             .unwrap()
             .unwrap();
@@ -162,13 +171,13 @@ fn each_change_keeps_the_deployment_in_step() {
         // never ran, so the deployment's state ignores it.
         let h = hub.clone();
         let second = store
-            .write(move |tx| submit_tx(tx, &h, submit_record("d", Mode::Enqueue), None))
+            .write(move |tx| submit_tx(tx, &h, submit_record("d", Mode::Enqueue), rec()))
             .await
             .unwrap()
             .unwrap();
         let h = hub.clone();
         let taken = store
-            .write(move |tx| cancel_tx(tx, &h, second.build.id, None))
+            .write(move |tx| cancel_tx(tx, &h, second.build.id, rec()))
             .await
             .unwrap()
             .unwrap();
@@ -207,7 +216,7 @@ fn each_change_keeps_the_deployment_in_step() {
         // is no longer deployed nor suspended.
         let h = hub.clone();
         let destroy = store
-            .write(move |tx| delete_tx(tx, &h, "d", Some("http://127.0.0.1:1/cb".into()), None))
+            .write(move |tx| delete_tx(tx, &h, "d", Some("http://127.0.0.1:1/cb".into()), rec()))
             .await
             .unwrap()
             .unwrap();
@@ -236,7 +245,7 @@ fn each_change_keeps_the_deployment_in_step() {
         // A finished build cannot be cancelled; nothing is written.
         let h = hub.clone();
         let refused = store
-            .write(move |tx| cancel_tx(tx, &h, id, None))
+            .write(move |tx| cancel_tx(tx, &h, id, rec()))
             .await
             .unwrap();
         assert!(matches!(refused, Err(Refusal::Conflict(_))));
@@ -295,7 +304,7 @@ async fn run_ops(store: &Store, hub: &Arc<Hub>, ops: &[Op]) -> Vec<BuildId> {
                 };
                 let id = DEPLOYMENTS[deployment as usize];
                 let r = store
-                    .write(move |tx| submit_tx(tx, &h, submit_record(id, mode), None))
+                    .write(move |tx| submit_tx(tx, &h, submit_record(id, mode), rec()))
                     .await
                     .unwrap();
                 if let Ok(s) = r {
@@ -305,7 +314,7 @@ async fn run_ops(store: &Store, hub: &Arc<Hub>, ops: &[Op]) -> Vec<BuildId> {
             Op::Delete { deployment } => {
                 let id = DEPLOYMENTS[deployment as usize];
                 let r = store
-                    .write(move |tx| delete_tx(tx, &h, id, None, None))
+                    .write(move |tx| delete_tx(tx, &h, id, None, rec()))
                     .await
                     .unwrap();
                 if let Ok(q) = r {
@@ -318,7 +327,7 @@ async fn run_ops(store: &Store, hub: &Arc<Hub>, ops: &[Op]) -> Vec<BuildId> {
                 }
                 let id = builds[pick as usize % builds.len()];
                 let _ = store
-                    .write(move |tx| cancel_tx(tx, &h, id, None))
+                    .write(move |tx| cancel_tx(tx, &h, id, rec()))
                     .await
                     .unwrap();
             }

@@ -1,0 +1,238 @@
+//! Audit events from the engine's side (spec audit.md): the record a
+//! mutation carries into its transaction, the event of a call that changed
+//! nothing (its own transaction, never failing the call), the folding of
+//! anonymous denials, and retention. The chain itself is `crate::audit`;
+//! its rows are appended by `transition::Change::audit`.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use super::requests::Recorder;
+use super::transition::Change;
+use super::Engine;
+use crate::audit::{Draft, Event, Outcome};
+use crate::model::{format_build_id, now_millis, BuildId};
+use crate::store::{AuditLookup, StoreResult, Tx};
+
+/// Events written since start (`berth_audit_events_total`).
+pub static EVENTS_WRITTEN: AtomicU64 = AtomicU64::new(0);
+/// Events of refused, denied or invalid calls that could not be written
+/// (`berth_audit_write_failures_total`): the call was still answered.
+pub static WRITE_FAILURES: AtomicU64 = AtomicU64::new(0);
+/// Events removed by retention per transaction at most.
+pub const PRUNE_BATCH: usize = 10_000;
+
+/// What a mutation stores with its change: its audit event (completed with
+/// the build the outcome names) and, with an `Idempotency-Key`, its answer.
+pub struct Record<O> {
+    pub audit: Draft,
+    pub reply: Option<Recorder<O>>,
+}
+
+/// The build an outcome names, for its audit event.
+pub trait Audited {
+    fn audited_build(&self) -> Option<BuildId>;
+}
+
+impl<O: Audited> Record<O> {
+    /// A record without an answer to store (engine-side callers, tests).
+    pub fn audit_only(audit: Draft) -> Self {
+        Record { audit, reply: None }
+    }
+
+    /// Writes the event (through the change) and the answer in the
+    /// change's transaction.
+    pub fn store(self, change: &Change, outcome: &O) -> StoreResult<()> {
+        let mut audit = self.audit;
+        audit.build = outcome.audited_build().map(format_build_id);
+        change.audit(&audit)?;
+        if let Some(reply) = self.reply {
+            reply(change.tx(), outcome)?;
+        }
+        Ok(())
+    }
+}
+
+/// The last events of a deployment, denied calls left out (the read's
+/// `audit` field).
+pub fn of_deployment(rx: &impl AuditLookup, id: &str) -> StoreResult<Vec<Event>> {
+    rx.audit_indexed(
+        crate::store::tables::AUDIT_BY_DEPLOYMENT,
+        id,
+        None,
+        crate::audit::DEPLOYMENT_READ_EVENTS,
+    )
+}
+
+/// Appends `draft` in `tx`; its log line and count follow the commit.
+pub fn append(tx: &Tx, draft: &Draft) -> StoreResult<()> {
+    let sealed = tx.append_audit(draft)?;
+    let event = sealed.event;
+    tx.after_commit(move || {
+        EVENTS_WRITTEN.fetch_add(1, Ordering::Relaxed);
+        log_line(&event);
+    });
+    Ok(())
+}
+
+/// The event as one structured log line, `audit=true`, for a log shipper
+/// to route to an audit tenant.
+fn log_line(e: &Event) {
+    let actor = e.actor.as_ref();
+    tracing::info!(
+        audit = true,
+        seq = e.seq,
+        action = %e.action,
+        result = e.result.as_str(),
+        reason = e.reason.as_deref().unwrap_or(""),
+        actor_subject = actor.map(|a| a.subject.as_str()).unwrap_or(""),
+        actor_issuer = actor.and_then(|a| a.issuer.as_deref()).unwrap_or(""),
+        trusted_backend = e.trusted_backend,
+        deployment = e.deployment.as_deref().unwrap_or(""),
+        build = e.build.as_deref().unwrap_or(""),
+        request_id = %e.request_id,
+        count = e.count,
+        hash = e.hash.as_deref().unwrap_or(""),
+        "audit event"
+    );
+}
+
+/// Anonymous denials in the current interval (audit.md): the first is
+/// recorded, the rest counted into one `denied_anonymous` event.
+#[derive(Default)]
+pub struct Denials {
+    state: Mutex<DenialWindow>,
+}
+
+#[derive(Default)]
+struct DenialWindow {
+    started: Option<Instant>,
+    folded: u64,
+}
+
+impl Engine {
+    /// Writes the event of a call that changed nothing, in its own
+    /// transaction. A failure is logged and counted, never returned: the
+    /// caller's answer does not depend on it (FR-010).
+    pub async fn audit_alone(&self, draft: Draft) {
+        let written = self.store.write(move |tx| append(tx, &draft)).await;
+        if let Err(e) = written {
+            WRITE_FAILURES.fetch_add(1, Ordering::Relaxed);
+            tracing::error!(error = %e, "cannot write the audit event of a refused call");
+        }
+    }
+
+    /// An anonymous denial: recorded when it opens an interval, else
+    /// counted. The interval's count is written when the next one opens
+    /// (or by `flush_denials`).
+    pub async fn audit_anonymous_denial(&self, draft: Draft) {
+        let interval = self.settings.audit_denial_interval;
+        let (record, folded) = {
+            let mut w = self.denials.state.lock().unwrap_or_else(|p| p.into_inner());
+            let now = Instant::now();
+            match w.started {
+                Some(t) if now.duration_since(t) < interval => {
+                    w.folded += 1;
+                    (false, 0)
+                }
+                _ => {
+                    w.started = Some(now);
+                    (true, std::mem::take(&mut w.folded))
+                }
+            }
+        };
+        if folded > 0 {
+            self.audit_alone(folded_event(folded)).await;
+        }
+        if record {
+            self.audit_alone(draft).await;
+        }
+    }
+
+    /// Writes the count of an interval that has ended with no denial since.
+    pub async fn flush_denials(&self) {
+        let folded = {
+            let mut w = self.denials.state.lock().unwrap_or_else(|p| p.into_inner());
+            match w.started {
+                Some(t) if t.elapsed() >= self.settings.audit_denial_interval && w.folded > 0 => {
+                    w.started = None;
+                    std::mem::take(&mut w.folded)
+                }
+                _ => 0,
+            }
+        };
+        if folded > 0 {
+            self.audit_alone(folded_event(folded)).await;
+        }
+    }
+
+    /// Folds anonymous denials on time even when no new one arrives.
+    pub async fn run_denial_flush(self: Arc<Self>) {
+        let every = self
+            .settings
+            .audit_denial_interval
+            .max(Duration::from_millis(100));
+        loop {
+            tokio::time::sleep(every).await;
+            self.flush_denials().await;
+        }
+    }
+
+    /// Removes events older than `--audit-retention-days`, a batch per
+    /// transaction, each removal audited in its own transaction.
+    pub async fn prune_audit(&self) -> StoreResult<u64> {
+        let days = self.settings.audit_retention_days;
+        if days == 0 {
+            return Ok(0);
+        }
+        let cutoff = now_millis() - i64::from(days) * 24 * 3600 * 1000;
+        let mut total = 0;
+        loop {
+            let pruned = self
+                .store
+                .write(move |tx| {
+                    let Some(p) = tx.prune_audit(cutoff, PRUNE_BATCH)? else {
+                        return Ok(None);
+                    };
+                    let mut draft = system_draft("audit_prune", None, Outcome::Ok);
+                    draft.count = p.removed;
+                    append(tx, &draft)?;
+                    Ok(Some(p))
+                })
+                .await?;
+            match pruned {
+                Some(p) => {
+                    total += p.removed;
+                    if (p.removed as usize) < PRUNE_BATCH {
+                        return Ok(total);
+                    }
+                }
+                None => return Ok(total),
+            }
+        }
+    }
+}
+
+/// The event of berth acting by itself (an automatic update, retention).
+pub fn system_draft(action: &'static str, deployment: Option<String>, result: Outcome) -> Draft {
+    Draft {
+        at: now_millis(),
+        actor: None,
+        trusted_backend: false,
+        action,
+        deployment,
+        build: None,
+        request_id: uuid::Uuid::now_v7().simple().to_string(),
+        result,
+        reason: None,
+        count: 1,
+    }
+}
+
+fn folded_event(count: u64) -> Draft {
+    let mut d = system_draft("denied_anonymous", None, Outcome::Denied);
+    d.reason = Some("unauthenticated".into());
+    d.count = count;
+    d
+}

@@ -1,0 +1,283 @@
+//! The audit tables: appending a sealed event with its index entries and
+//! Merkle subtrees, retention with its anchor, and the reads of the audit
+//! routes, the proofs and `berth audit verify`. The chain and tree math are
+//! the pure `crate::audit`; this file only moves rows.
+
+use std::path::Path;
+
+use redb::{ReadableDatabase, ReadableTable};
+
+use super::tables::*;
+use super::{Lookup, Rx, StoreError, StoreResult, Tx};
+use crate::audit::merkle::{self, Hash, MissingNode, Nodes};
+use crate::audit::{self as chain, Anchor, Draft, Event, Outcome, Sealed, Walk};
+use crate::model::Millis;
+
+/// `meta` key of the retention anchor (JSON `audit::Anchor`); absent until
+/// the first removal.
+const ANCHOR_KEY: &str = "audit_anchor";
+
+/// An empty index value.
+const EMPTY: &[u8] = &[];
+
+impl From<MissingNode> for StoreError {
+    fn from(m: MissingNode) -> Self {
+        StoreError::corrupt(format!(
+            "the audit Merkle tree lacks the subtree at level {} index {}",
+            m.level, m.index
+        ))
+    }
+}
+
+/// Audit reads in a read or a write transaction.
+pub trait AuditLookup: Lookup {
+    /// The retention anchor (genesis before any removal).
+    fn audit_anchor(&self) -> StoreResult<Anchor> {
+        let meta = self.open(META)?;
+        let Some(v) = meta.get(ANCHOR_KEY)? else {
+            return Ok(Anchor::genesis());
+        };
+        serde_json::from_slice(v.value())
+            .map_err(|_| StoreError::corrupt("meta.audit_anchor is not an anchor"))
+    }
+
+    /// The newest event's seq and hash, or the anchor's when none is kept.
+    fn audit_tail(&self) -> StoreResult<(u64, Hash)> {
+        let events = self.open(AUDIT_EVENTS)?;
+        if let Some((k, v)) = events.last()? {
+            let hash: Hash = v
+                .value()
+                .get(..32)
+                .and_then(|h| h.try_into().ok())
+                .ok_or_else(|| StoreError::corrupt("an audit row without its hash"))?;
+            return Ok((k.value(), hash));
+        }
+        let anchor = self.audit_anchor()?;
+        let prev = chain::decode_hash(&anchor.prev_hash)
+            .ok_or_else(|| StoreError::corrupt("the audit anchor's hash is not hex"))?;
+        Ok((anchor.first_seq.saturating_sub(1), prev))
+    }
+
+    /// The Merkle tree's size: every event since the first, pruned included.
+    fn audit_size(&self) -> StoreResult<u64> {
+        Ok(self.audit_tail()?.0)
+    }
+
+    fn audit_event(&self, seq: u64) -> StoreResult<Option<Event>> {
+        let events = self.open(AUDIT_EVENTS)?;
+        let Some(v) = events.get(seq)? else {
+            return Ok(None);
+        };
+        chain::decode_row(v.value())
+            .map(Some)
+            .map_err(|_| StoreError::corrupt("an audit row is not an event"))
+    }
+
+    fn merkle_node(&self, level: u8, index: u64) -> StoreResult<Option<Hash>> {
+        let nodes = self.open(MERKLE_NODES)?;
+        let found = nodes.get((level, index))?;
+        found
+            .map(|v| {
+                v.value()
+                    .try_into()
+                    .map_err(|_| StoreError::corrupt("a Merkle node is not 32 bytes"))
+            })
+            .transpose()
+    }
+
+    /// The newest `limit` events of an index (`AUDIT_BY_DEPLOYMENT` or
+    /// `AUDIT_BY_ACTOR`) under `key`, below seq `before`, newest first.
+    fn audit_indexed(
+        &self,
+        index: redb::TableDefinition<'static, (&'static str, u64), &'static [u8]>,
+        key: &str,
+        before: Option<u64>,
+        limit: usize,
+    ) -> StoreResult<Vec<Event>> {
+        let table = self.open(index)?;
+        let end = before.unwrap_or(u64::MAX);
+        let mut seqs = Vec::new();
+        for entry in table.range((key, 0u64)..(key, end))?.rev() {
+            let (k, _) = entry?;
+            seqs.push(k.value().1);
+            if seqs.len() >= limit {
+                break;
+            }
+        }
+        let mut out = Vec::with_capacity(seqs.len());
+        for seq in seqs {
+            if let Some(e) = self.audit_event(seq)? {
+                out.push(e);
+            }
+        }
+        Ok(out)
+    }
+}
+
+impl<T: Lookup> AuditLookup for T {}
+
+/// The stored subtrees, for the proof math.
+pub struct StoredNodes<'l, L: AuditLookup>(pub &'l L);
+
+impl<L: AuditLookup> Nodes for StoredNodes<'_, L> {
+    type Error = StoreError;
+    fn node(&self, level: u8, index: u64) -> StoreResult<Option<Hash>> {
+        self.0.merkle_node(level, index)
+    }
+}
+
+/// What one retention pass removed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pruned {
+    pub removed: u64,
+    pub first_seq: u64,
+}
+
+impl Tx<'_> {
+    /// Appends `draft` to the chain: the row, its index entries and the
+    /// Merkle subtrees it completes, all in this transaction.
+    pub fn append_audit(&self, draft: &Draft) -> StoreResult<Sealed> {
+        let (last, prev) = self.audit_tail()?;
+        let seq = last + 1;
+        let sealed = chain::seal(draft, seq, &prev);
+        self.txn
+            .open_table(AUDIT_EVENTS)?
+            .insert(seq, sealed.row.as_slice())?;
+        if let (Some(d), false) = (&draft.deployment, draft.result == Outcome::Denied) {
+            self.txn
+                .open_table(AUDIT_BY_DEPLOYMENT)?
+                .insert((d.as_str(), seq), EMPTY)?;
+        }
+        if let Some(actor) = &draft.actor {
+            self.txn
+                .open_table(AUDIT_BY_ACTOR)?
+                .insert((actor.key().as_str(), seq), EMPTY)?;
+        }
+        let mut nodes = self.txn.open_table(MERKLE_NODES)?;
+        let leaf_index = seq - 1;
+        let mut below = merkle::leaf_hash(&sealed.hash);
+        for (level, index) in merkle::completed_by(leaf_index) {
+            if level > 0 {
+                let left: Hash = nodes
+                    .get((level - 1, index * 2))?
+                    .and_then(|v| v.value().try_into().ok())
+                    .ok_or(MissingNode {
+                        level: level - 1,
+                        index: index * 2,
+                    })?;
+                below = merkle::node_hash(&left, &below);
+            }
+            nodes.insert((level, index), below.as_slice())?;
+        }
+        Ok(sealed)
+    }
+
+    /// Removes up to `max` of the oldest events written before `cutoff`,
+    /// moving the anchor (with the compact range of the removed prefix) in
+    /// the same transaction. `None` when nothing was old enough.
+    pub fn prune_audit(&self, cutoff: Millis, max: usize) -> StoreResult<Option<Pruned>> {
+        let mut events = self.txn.open_table(AUDIT_EVENTS)?;
+        let mut removed: Vec<(u64, Event)> = Vec::new();
+        for entry in events.iter()? {
+            let (k, v) = entry?;
+            let e = chain::decode_row(v.value())
+                .map_err(|_| StoreError::corrupt("an audit row is not an event"))?;
+            let at = crate::model::parse_time(&e.at)
+                .ok_or_else(|| StoreError::corrupt("an audit event's time is not RFC 3339"))?;
+            if at >= cutoff || removed.len() >= max {
+                break;
+            }
+            removed.push((k.value(), e));
+        }
+        let Some((last_seq, last)) = removed.last() else {
+            return Ok(None);
+        };
+        let (last_seq, last_hash, last_at) = (
+            *last_seq,
+            last.hash.clone().unwrap_or_default(),
+            last.at.clone(),
+        );
+        let mut by_deployment = self.txn.open_table(AUDIT_BY_DEPLOYMENT)?;
+        let mut by_actor = self.txn.open_table(AUDIT_BY_ACTOR)?;
+        for (seq, e) in &removed {
+            events.remove(*seq)?;
+            if let Some(d) = &e.deployment {
+                by_deployment.remove((d.as_str(), *seq))?;
+            }
+            if let Some(a) = &e.actor {
+                by_actor.remove((a.key().as_str(), *seq))?;
+            }
+        }
+        // The anchor keeps the compact range of [0, last_seq); the other
+        // subtrees inside it are no longer needed by any proof.
+        let prefix = last_seq;
+        let mut nodes = self.txn.open_table(MERKLE_NODES)?;
+        let mut compact_range = Vec::new();
+        for (level, index) in merkle::compact_nodes(prefix) {
+            let h: Hash = nodes
+                .get((level, index))?
+                .and_then(|v| v.value().try_into().ok())
+                .ok_or(MissingNode { level, index })?;
+            compact_range.push(crate::hex::encode(&h));
+        }
+        for level in 0..64u8 {
+            let inside = prefix >> level;
+            if inside == 0 {
+                break;
+            }
+            // The compact node of this level (if any) is the last inside.
+            let keep_last = prefix & (1u64 << level) != 0;
+            let end = if keep_last { inside - 1 } else { inside };
+            nodes.retain_in((level, 0u64)..(level, end), |_, _| false)?;
+        }
+        let anchor = Anchor {
+            first_seq: last_seq + 1,
+            prev_hash: last_hash,
+            removed_count: last_seq,
+            removed_until: Some(last_at),
+            compact_range,
+        };
+        let json = serde_json::to_vec(&anchor).map_err(|e| StoreError::other(e.to_string()))?;
+        self.txn
+            .open_table(META)?
+            .insert(ANCHOR_KEY, json.as_slice())?;
+        Ok(Some(Pruned {
+            removed: removed.len() as u64,
+            first_seq: last_seq + 1,
+        }))
+    }
+}
+
+impl Rx {
+    /// Feeds every kept event, in seq order, to `walk`.
+    pub fn walk_audit(&self, walk: &mut Walk) -> StoreResult<()> {
+        let events = self.txn.open_table(AUDIT_EVENTS)?;
+        for entry in events.iter()? {
+            let (k, v) = entry?;
+            walk.feed(k.value(), v.value());
+        }
+        Ok(())
+    }
+}
+
+/// The store opened read-only beside a running server (`berth audit
+/// verify`, `push-head`): the server opens redb in `SingleWriter` mode, so
+/// other processes may read and follow its commits.
+pub struct ReadOnlyStore {
+    db: redb::ReadOnlyDatabase,
+}
+
+impl ReadOnlyStore {
+    pub fn open(path: &Path) -> StoreResult<ReadOnlyStore> {
+        let db = redb::Database::builder()
+            .set_concurrency_mode(redb::ConcurrencyMode::SingleWriter)
+            .open_read_only(path)?;
+        Ok(ReadOnlyStore { db })
+    }
+
+    pub fn read(&self) -> StoreResult<Rx> {
+        Ok(Rx {
+            txn: self.db.begin_read()?,
+        })
+    }
+}
