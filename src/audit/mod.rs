@@ -266,6 +266,10 @@ pub struct Walk {
     problems: Vec<Problem>,
     not_listed: u64,
     pushed_checked: bool,
+    /// A problem was found before the pushed size: the recomputed tree
+    /// differs from the pushed one because of it, and that problem (not a
+    /// rollback) is what is reported.
+    gap: bool,
 }
 
 /// Fast field lookups in a canonical row: a key's quote cannot occur
@@ -329,6 +333,7 @@ impl Walk {
             problems: Vec::new(),
             not_listed: 0,
             pushed_checked: false,
+            gap: false,
         };
         if !anchor_ok {
             let seq = walk.next_seq;
@@ -339,6 +344,9 @@ impl Walk {
     }
 
     fn report(&mut self, seq: u64, kind: ProblemKind) {
+        if kind != ProblemKind::Rollback {
+            self.gap = true;
+        }
         if self.problems.len() < MAX_LISTED_PROBLEMS {
             self.problems.push(Problem { seq, kind });
         } else {
@@ -356,6 +364,7 @@ impl Walk {
         // A head inside the pruned prefix cannot be recomputed: the anchor
         // vouches for it.
         if self.compact.size() == pushed.size
+            && !self.gap
             && crate::hex::encode(&self.compact.root()) != pushed.root
         {
             let seq = pushed.size;
@@ -376,6 +385,7 @@ impl Walk {
                 }
             }
             gap_reported = true;
+            self.gap = true;
         }
         let parsed = split_row(row).and_then(|(hash, body)| Some((*hash, body, claimed(body)?)));
         let (stored_hash, changed, linked) = match parsed {

@@ -271,7 +271,13 @@ impl ReadOnlyStore {
     pub fn open(path: &Path) -> StoreResult<ReadOnlyStore> {
         let db = redb::Database::builder()
             .set_concurrency_mode(redb::ConcurrencyMode::SingleWriter)
-            .open_read_only(path)?;
+            .open_read_only(path)
+            .map_err(|e| match e {
+                redb::DatabaseError::RepairAborted => StoreError::other(
+                    "the store was not closed cleanly (berth was killed?) and no berth runs to repair it: start `berth serve` on it once, then verify (also while it runs)",
+                ),
+                other => StoreError::from(other),
+            })?;
         Ok(ReadOnlyStore { db })
     }
 
@@ -279,5 +285,161 @@ impl ReadOnlyStore {
         Ok(Rx {
             txn: self.db.begin_read()?,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::audit::merkle::{verify_consistency, verify_inclusion};
+    use crate::audit::{Actor, ProblemKind};
+
+    fn draft(at: Millis, i: u64) -> Draft {
+        Draft {
+            at,
+            actor: Some(Actor {
+                subject: format!("user{}", i % 3),
+                issuer: None,
+            }),
+            trusted_backend: true,
+            action: "submit",
+            deployment: Some(format!("d{}", i % 5)),
+            build: None,
+            request_id: format!("r{i}"),
+            result: Outcome::Ok,
+            reason: None,
+            count: 1,
+        }
+    }
+
+    #[tokio::test]
+    async fn retention_keeps_the_root_the_proofs_and_a_clean_verify() {
+        let dir = std::env::temp_dir().join(format!("berth-audit-store-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("berth.redb");
+        let store = crate::store::Store::open(&path).unwrap();
+        let old = crate::model::now_millis() - 400 * 24 * 3600 * 1000;
+        let new = crate::model::now_millis();
+        store
+            .write(move |tx| {
+                for i in 0..37u64 {
+                    tx.append_audit(&draft(if i < 23 { old } else { new }, i))?;
+                }
+                Ok(())
+            })
+            .await
+            .unwrap();
+        let roots: Vec<Hash> = {
+            let rx = store.read().unwrap();
+            (1..=37)
+                .map(|n| merkle::root(&StoredNodes(&rx), n).unwrap())
+                .collect()
+        };
+        // Two batches: 10, then the other 13 old ones.
+        let cutoff = new - 1000;
+        let first = store
+            .write(move |tx| tx.prune_audit(cutoff, 10))
+            .await
+            .unwrap();
+        assert_eq!(
+            first,
+            Some(Pruned {
+                removed: 10,
+                first_seq: 11
+            })
+        );
+        let second = store
+            .write(move |tx| tx.prune_audit(cutoff, 100))
+            .await
+            .unwrap();
+        assert_eq!(
+            second,
+            Some(Pruned {
+                removed: 13,
+                first_seq: 24
+            })
+        );
+        assert_eq!(
+            store
+                .write(move |tx| tx.prune_audit(cutoff, 100))
+                .await
+                .unwrap(),
+            None
+        );
+
+        let rx = store.read().unwrap();
+        let anchor = rx.audit_anchor().unwrap();
+        assert_eq!((anchor.first_seq, anchor.removed_count), (24, 23));
+        assert_eq!(anchor.compact_range.len(), 23u64.count_ones() as usize);
+        let mut walk = Walk::new(anchor, None);
+        rx.walk_audit(&mut walk).unwrap();
+        let report = walk.finish();
+        assert!(report.ok, "{:?}", report.problems);
+        assert_eq!(report.size, 37);
+        assert_eq!(
+            report.merkle_root,
+            crate::hex::encode(&roots[36]),
+            "the root survives pruning"
+        );
+        // Proofs of kept events, at every size past the anchor, still verify.
+        let nodes = StoredNodes(&rx);
+        for size in 24..=37u64 {
+            assert_eq!(
+                merkle::root(&nodes, size).unwrap(),
+                roots[size as usize - 1]
+            );
+            for seq in 24..=size {
+                let e = rx.audit_event(seq).unwrap().unwrap();
+                let leaf =
+                    merkle::leaf_hash(&chain::decode_hash(e.hash.as_deref().unwrap()).unwrap());
+                let path = merkle::inclusion_path(&nodes, seq - 1, size).unwrap();
+                assert!(verify_inclusion(
+                    seq - 1,
+                    size,
+                    &leaf,
+                    &path,
+                    &roots[size as usize - 1]
+                ));
+            }
+            for from in 24..=size {
+                let path = merkle::consistency_path(&nodes, from, size).unwrap();
+                let (r1, r2) = (&roots[from as usize - 1], &roots[size as usize - 1]);
+                assert!(verify_consistency(from, size, r1, r2, &path));
+            }
+        }
+        // Index entries of removed events are gone with them.
+        let kept = rx
+            .audit_indexed(
+                AUDIT_BY_ACTOR,
+                &Actor {
+                    subject: "user0".into(),
+                    issuer: None,
+                }
+                .key(),
+                None,
+                100,
+            )
+            .unwrap();
+        assert!(kept.iter().all(|e| e.seq >= 24) && !kept.is_empty());
+        // The next event follows the kept chain.
+        drop(rx);
+        store
+            .write(move |tx| tx.append_audit(&draft(new, 99)).map(|_| ()))
+            .await
+            .unwrap();
+        let rx = store.read().unwrap();
+        let mut walk = Walk::new(rx.audit_anchor().unwrap(), None);
+        rx.walk_audit(&mut walk).unwrap();
+        let report = walk.finish();
+        assert!(report.ok && report.size == 38, "{:?}", report.problems);
+        // A forged anchor is caught.
+        let mut forged = rx.audit_anchor().unwrap();
+        forged.prev_hash = "00".repeat(32);
+        let mut walk = Walk::new(forged, None);
+        rx.walk_audit(&mut walk).unwrap();
+        let kinds: Vec<ProblemKind> = walk.finish().problems.iter().map(|p| p.kind).collect();
+        assert_eq!(kinds, [ProblemKind::AnchorMismatch]);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -41,6 +41,9 @@ use tokio::sync::{mpsc, oneshot};
 
 use tables::*;
 
+/// How long `close` waits for the last holder of the handle.
+const CLOSE_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// The on-disk layout version in `meta`; an older file is migrated at open.
 pub const SCHEMA_VERSION: u32 = 1;
 /// Write jobs waiting for the writer thread before `write` waits for room.
@@ -63,6 +66,7 @@ impl Store {
             path: path.to_path_buf(),
             db: std::sync::RwLock::new(Some(Arc::new(db))),
             read_only: std::sync::RwLock::new(None),
+            closed: std::sync::atomic::AtomicBool::new(false),
         });
         let (tx, rx) = mpsc::channel::<WriteJob>(WRITE_QUEUE_DEPTH);
         let writer_shared = shared.clone();
@@ -140,6 +144,34 @@ impl Store {
             pause_for_reopen();
         }
         Err(StoreError::reopening())
+    }
+
+    /// Closes the file cleanly at shutdown, so a reader (`berth audit
+    /// verify`) can open it afterwards without a repair. Waits up to
+    /// `CLOSE_WAIT` for a commit or read still holding the handle; every
+    /// write after this fails with a closed-store error.
+    pub fn close(&self) -> StoreResult<()> {
+        self.shared
+            .closed
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        let mut db = self
+            .shared
+            .db
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        let deadline = std::time::Instant::now() + CLOSE_WAIT;
+        while let Some(handle) = db {
+            match Arc::try_unwrap(handle) {
+                Ok(database) => return database.close().map_err(StoreError::from),
+                Err(shared) if std::time::Instant::now() < deadline => {
+                    db = Some(shared);
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                }
+                Err(_) => return Err(StoreError::other("the store is still in use at shutdown")),
+            }
+        }
+        Ok(())
     }
 
     /// Bytes the store file takes on disk.

@@ -35,6 +35,8 @@ pub(super) struct Shared {
     /// While the file cannot be opened for writing (a full disk), reads go
     /// through a read-only handle.
     pub(super) read_only: std::sync::RwLock<Option<Arc<redb::ReadOnlyDatabase>>>,
+    /// Set by `Store::close`: no write reopens the file after it.
+    pub(super) closed: std::sync::atomic::AtomicBool,
 }
 
 impl Shared {
@@ -119,6 +121,13 @@ pub(super) fn writer_loop(shared: Arc<Shared>, mut rx: mpsc::Receiver<WriteJob>)
         }
         let db = match shared.current() {
             Some(db) => db,
+            None if shared.closed.load(std::sync::atomic::Ordering::SeqCst) => {
+                for job in batch {
+                    let (completion, _, _) = job(Err(StoreError::closed()));
+                    completion(None);
+                }
+                continue;
+            }
             None => {
                 shared.reopen();
                 match shared.current() {

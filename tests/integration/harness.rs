@@ -438,3 +438,83 @@ pub fn skip(test: &str, why: &str) {
         }
     }
 }
+
+/// What a `json_server` answers a request body with: a status and a body.
+pub type JsonHandler = std::sync::Arc<dyn Fn(Value) -> (u16, Value) + Send + Sync>;
+
+/// A tiny HTTP/1.1 JSON endpoint on a free loopback port (a test's
+/// authorization callback or witness sink): each POST body goes to
+/// `handler`. Returns its URL; aborting the handle takes it down.
+pub async fn json_server(handler: JsonHandler) -> (String, tokio::task::JoinHandle<()>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/", listener.local_addr().unwrap());
+    let task = tokio::spawn(async move {
+        loop {
+            let Ok((mut sock, _)) = listener.accept().await else {
+                return;
+            };
+            let handler = handler.clone();
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 8192];
+                let (head_end, length) = loop {
+                    let Ok(n) = sock.read(&mut chunk).await else {
+                        return;
+                    };
+                    if n == 0 {
+                        return;
+                    }
+                    buf.extend_from_slice(&chunk[..n]);
+                    if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                        let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+                        let length = head
+                            .lines()
+                            .find_map(|l| l.strip_prefix("content-length:"))
+                            .and_then(|v| v.trim().parse::<usize>().ok())
+                            .unwrap_or(0);
+                        break (end + 4, length);
+                    }
+                };
+                while buf.len() < head_end + length {
+                    let Ok(n) = sock.read(&mut chunk).await else {
+                        return;
+                    };
+                    if n == 0 {
+                        return;
+                    }
+                    buf.extend_from_slice(&chunk[..n]);
+                }
+                let body: Value = serde_json::from_slice(&buf[head_end..head_end + length])
+                    .unwrap_or(Value::Null);
+                let (status, answer) = handler(body);
+                let text = answer.to_string();
+                let response = format!(
+                    "HTTP/1.1 {status} X\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{text}",
+                    text.len()
+                );
+                let _ = sock.write_all(response.as_bytes()).await;
+                let _ = sock.shutdown().await;
+            });
+        }
+    });
+    (url, task)
+}
+
+/// Runs `berth <args>` and returns (exit code, stdout).
+pub fn berth(args: &[&str]) -> (i32, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_berth"))
+        .args(args)
+        .output()
+        .expect("run berth");
+    // Shown with a failing test's output.
+    eprintln!(
+        "berth {}: {}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+    )
+}

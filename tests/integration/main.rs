@@ -3,6 +3,7 @@
 
 mod harness;
 
+mod audit;
 mod bad_input;
 mod deploy;
 mod deployers;
