@@ -183,3 +183,22 @@ fn a_garbage_row_is_changed_and_not_a_panic() {
     rows[1].1 = b"short".to_vec();
     assert_eq!(kinds(&walk(&rows, None)), vec![(2, ProblemKind::Changed)]);
 }
+
+proptest::proptest! {
+    #[test]
+    fn the_fast_canonical_form_is_rfc_8785(
+        subject in "\\PC{0,40}|[\\x00-\\x1f\"\\\\/\u{7f}\u{2028}\u{e9}\u{1f600}]{0,12}",
+        id in proptest::option::of("[\\x00-\\x7f]{0,20}"),
+        seq in 0u64..(1u64 << 53),
+    ) {
+        let mut d = draft(1);
+        d.actor = Some(Actor { subject: subject.clone(), issuer: id.clone() });
+        d.request_id = subject;
+        d.reason = id;
+        let sealed = seal(&d, seq, &GENESIS);
+        let mut e = sealed.event.clone();
+        e.hash = None;
+        let jcs = serde_jcs::to_vec(&e).unwrap();
+        proptest::prop_assert_eq!(&sealed.row[32..], jcs.as_slice());
+    }
+}

@@ -17,6 +17,18 @@ use crate::model::Millis;
 /// the first removal.
 const ANCHOR_KEY: &str = "audit_anchor";
 
+/// The chain hash a stored row starts with.
+fn row_hash(row: &[u8]) -> StoreResult<Hash> {
+    row.get(..32)
+        .and_then(|h| h.try_into().ok())
+        .ok_or_else(|| StoreError::corrupt("an audit row without its hash"))
+}
+
+/// Rows per batch handed from the reading thread to the walking one, and
+/// batches in flight (a bound on memory: about 4 MB of rows).
+const WALK_BATCH: usize = 1024;
+const WALK_BATCHES_IN_FLIGHT: usize = 8;
+
 /// An empty index value.
 const EMPTY: &[u8] = &[];
 
@@ -45,12 +57,7 @@ pub trait AuditLookup: Lookup {
     fn audit_tail(&self) -> StoreResult<(u64, Hash)> {
         let events = self.open(AUDIT_EVENTS)?;
         if let Some((k, v)) = events.last()? {
-            let hash: Hash = v
-                .value()
-                .get(..32)
-                .and_then(|h| h.try_into().ok())
-                .ok_or_else(|| StoreError::corrupt("an audit row without its hash"))?;
-            return Ok((k.value(), hash));
+            return Ok((k.value(), row_hash(v.value())?));
         }
         let anchor = self.audit_anchor()?;
         let prev = chain::decode_hash(&anchor.prev_hash)
@@ -137,12 +144,25 @@ impl Tx<'_> {
     /// Appends `draft` to the chain: the row, its index entries and the
     /// Merkle subtrees it completes, all in this transaction.
     pub fn append_audit(&self, draft: &Draft) -> StoreResult<Sealed> {
-        let (last, prev) = self.audit_tail()?;
+        let mut events = self.txn.open_table(AUDIT_EVENTS)?;
+        let tail = match events.last()? {
+            Some((k, v)) => Some((k.value(), row_hash(v.value())?)),
+            None => None,
+        };
+        let (last, prev) = match tail {
+            Some(t) => t,
+            // Nothing kept: the chain goes on from the anchor.
+            None => {
+                let anchor = self.audit_anchor()?;
+                let prev = chain::decode_hash(&anchor.prev_hash)
+                    .ok_or_else(|| StoreError::corrupt("the audit anchor's hash is not hex"))?;
+                (anchor.first_seq.saturating_sub(1), prev)
+            }
+        };
         let seq = last + 1;
         let sealed = chain::seal(draft, seq, &prev);
-        self.txn
-            .open_table(AUDIT_EVENTS)?
-            .insert(seq, sealed.row.as_slice())?;
+        events.insert(seq, sealed.row.as_slice())?;
+        drop(events);
         if let (Some(d), false) = (&draft.deployment, draft.result == Outcome::Denied) {
             self.txn
                 .open_table(AUDIT_BY_DEPLOYMENT)?
@@ -249,14 +269,63 @@ impl Tx<'_> {
 }
 
 impl Rx {
-    /// Feeds every kept event, in seq order, to `walk`.
+    /// Rows and bytes of the kept events (a baseline for verify: reading
+    /// without checking).
+    pub fn count_audit_rows(&self) -> StoreResult<(u64, u64)> {
+        let events = self.txn.open_table(AUDIT_EVENTS)?;
+        let (mut rows, mut bytes) = (0u64, 0u64);
+        for entry in events.iter()? {
+            let (_, v) = entry?;
+            rows += 1;
+            bytes += v.value().len() as u64;
+        }
+        Ok((rows, bytes))
+    }
+
+    /// Feeds every kept event, in seq order, to `walk`: this thread reads
+    /// rows from redb while another hashes them, in batches, so reading
+    /// and hashing overlap on two cores.
     pub fn walk_audit(&self, walk: &mut Walk) -> StoreResult<()> {
         let events = self.txn.open_table(AUDIT_EVENTS)?;
-        for entry in events.iter()? {
-            let (k, v) = entry?;
-            walk.feed(k.value(), v.value());
+        /// Rows in one buffer: (seq, end offset) per row.
+        #[derive(Default)]
+        struct Batch {
+            rows: Vec<(u64, usize)>,
+            bytes: Vec<u8>,
         }
-        Ok(())
+        let (to_walker, batches) = std::sync::mpsc::sync_channel::<Batch>(WALK_BATCHES_IN_FLIGHT);
+        std::thread::scope(|scope| {
+            let walker = scope.spawn(move || {
+                for batch in batches {
+                    let mut start = 0;
+                    for (seq, end) in batch.rows {
+                        walk.feed(seq, &batch.bytes[start..end]);
+                        start = end;
+                    }
+                }
+            });
+            let mut batch = Batch::default();
+            let mut read = || -> StoreResult<()> {
+                for entry in events.iter()? {
+                    let (k, v) = entry?;
+                    batch.bytes.extend_from_slice(v.value());
+                    batch.rows.push((k.value(), batch.bytes.len()));
+                    if batch.rows.len() == WALK_BATCH
+                        && to_walker.send(std::mem::take(&mut batch)).is_err()
+                    {
+                        break;
+                    }
+                }
+                let _ = to_walker.send(std::mem::take(&mut batch));
+                Ok(())
+            };
+            let read = read();
+            drop(to_walker);
+            walker
+                .join()
+                .map_err(|_| StoreError::other("the verify walker panicked"))?;
+            read
+        })
     }
 }
 
