@@ -39,7 +39,7 @@ impl IdemWrite {
     /// first answer.
     pub fn recorder<O: 'static>(
         self,
-        render: impl Fn(&O) -> Reply + Send + 'static,
+        render: impl Fn(&O) -> Reply + Send + Sync + 'static,
     ) -> Recorder<O> {
         Box::new(move |tx, outcome| self.store(tx, &render(outcome)))
     }
@@ -71,7 +71,7 @@ impl Write {
     /// (stored for a replay, and sent).
     pub fn record<O: Audited + 'static>(
         self,
-        render: impl Fn(&O) -> Reply + Send + 'static,
+        render: impl Fn(&O) -> Reply + Send + Sync + 'static,
     ) -> Record<O> {
         Record {
             audit: self.audit,

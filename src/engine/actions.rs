@@ -128,9 +128,9 @@ impl Engine {
         let Some(toggle) = Toggle::from_name(name) else {
             return Err(Refusal::NotFound(Missing::Action));
         };
-        let mut record = Some(record);
         // The deployed source can change between its describe and the
         // write job only when a build finishes in between; twice is plenty.
+        let record = Arc::new(record);
         for _ in 0..2 {
             let d = self
                 .store
@@ -147,10 +147,8 @@ impl Engine {
             };
             let hub = self.hub.clone();
             let id = id.to_string();
-            let Some(attempt_record) = record.take() else {
-                return Err(Refusal::Internal);
-            };
-            let (acted, unused_record) = self
+            let record = record.clone();
+            let acted = self
                 .store
                 .write(move |tx| {
                     act_tx(
@@ -159,9 +157,9 @@ impl Engine {
                         &id,
                         toggle,
                         if_match,
-                        digest,
+                        digest.clone(),
                         supported,
-                        attempt_record,
+                        &record,
                     )
                 })
                 .await?;
@@ -171,14 +169,14 @@ impl Engine {
                     return Ok(queued);
                 }
                 Acted::Refused(refusal) => return Err(refusal),
-                Acted::DescribeAgain => record = unused_record,
+                Acted::DescribeAgain => {}
             }
         }
         Err(Refusal::Internal)
     }
 }
 
-/// The action's write job. Returns the recorder when it did not use it (a
+/// The action's write job (it may run again alone; see `Store::write`).
 /// retry needs it).
 #[allow(clippy::too_many_arguments)]
 pub fn act_tx(
@@ -189,35 +187,29 @@ pub fn act_tx(
     if_match: Option<u64>,
     described_digest: Option<String>,
     supported: bool,
-    record: Record<ActionQueued>,
-) -> StoreResult<(Acted, Option<Record<ActionQueued>>)> {
+    record: &Record<ActionQueued>,
+) -> StoreResult<Acted> {
     let Some(mut d) = tx.deployment(id)? else {
-        return Ok((
-            Acted::Refused(Refusal::NotFound(Missing::Deployment)),
-            Some(record),
-        ));
+        return Ok(Acted::Refused(Refusal::NotFound(Missing::Deployment)));
     };
     if if_match.is_some_and(|r| r != d.revision) {
-        return Ok((Acted::Refused(Refusal::PreconditionFailed), Some(record)));
+        return Ok(Acted::Refused(Refusal::PreconditionFailed));
     }
     let deployed_digest = d
         .deployed
         .as_ref()
         .map(|x| x.snapshot.source.digest.clone());
     if deployed_digest != described_digest {
-        return Ok((Acted::DescribeAgain, Some(record)));
+        return Ok(Acted::DescribeAgain);
     }
     let action = list(&d, |name| name == toggle.name() && supported)
         .into_iter()
         .find(|a| a.name == toggle.name());
     if let Some(reason) = action.and_then(|a| a.reason) {
-        return Ok((Acted::Refused(Refusal::ActionRefused(reason)), Some(record)));
+        return Ok(Acted::Refused(Refusal::ActionRefused(reason)));
     }
     let Some(deployed) = d.deployed.clone() else {
-        return Ok((
-            Acted::Refused(Refusal::ActionRefused(Reason::NotDeployed)),
-            Some(record),
-        ));
+        return Ok(Acted::Refused(Refusal::ActionRefused(Reason::NotDeployed)));
     };
     d.suspended = toggle.suspends();
     let change = Change::new(tx, hub);
@@ -233,7 +225,7 @@ pub fn act_tx(
     )?;
     let queued = ActionQueued { build_id: build.id };
     record.store(&change, &queued)?;
-    Ok((Acted::Done(queued), None))
+    Ok(Acted::Done(queued))
 }
 
 #[cfg(test)]

@@ -43,11 +43,11 @@ impl<O: Audited> Record<O> {
 
     /// Writes the event (through the change) and the answer in the
     /// change's transaction.
-    pub fn store(self, change: &Change, outcome: &O) -> StoreResult<()> {
-        let mut audit = self.audit;
+    pub fn store(&self, change: &Change, outcome: &O) -> StoreResult<()> {
+        let mut audit = self.audit.clone();
         audit.build = outcome.audited_build().map(format_build_id);
         change.audit(&audit)?;
-        if let Some(reply) = self.reply {
+        if let Some(reply) = &self.reply {
             reply(change.tx(), outcome)?;
         }
         Ok(())

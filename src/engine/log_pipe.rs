@@ -142,6 +142,7 @@ impl LogPipe {
                         chunk.store(tx, &mut b)?;
                         b.event_seq = chunk.last_seq;
                         let last = chunk.last_seq;
+                        let hub = hub.clone();
                         tx.after_commit(move || hub.committed(build_id, last));
                     }
                     b.seq_reserved = b.seq_reserved.max(reserve);

@@ -27,7 +27,7 @@ use crate::store::{PendingCallback, StoreError, StoreResult, Tx};
 
 /// Stores the caller's record of a mutation's outcome (its idempotent
 /// answer) in the mutation's own transaction.
-pub type Recorder<O> = Box<dyn FnOnce(&Tx, &O) -> StoreResult<()> + Send>;
+pub type Recorder<O> = Box<dyn Fn(&Tx, &O) -> StoreResult<()> + Send + Sync>;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mode {
@@ -273,7 +273,7 @@ impl Engine {
         let hub = self.hub.clone();
         let submitted = self
             .store
-            .write(move |tx| submit_tx(tx, &hub, submit, record))
+            .write(move |tx| submit_tx(tx, &hub, &submit, &record))
             .await??;
         self.wake_queue();
         Ok(submitted)
@@ -290,7 +290,7 @@ impl Engine {
         let hub = self.hub.clone();
         let queued = self
             .store
-            .write(move |tx| delete_tx(tx, &hub, &id, callback, record))
+            .write(move |tx| delete_tx(tx, &hub, &id, callback.clone(), &record))
             .await??;
         self.wake_queue();
         Ok(queued)
@@ -306,7 +306,7 @@ impl Engine {
         let hub = self.hub.clone();
         let taken = self
             .store
-            .write(move |tx| cancel_tx(tx, &hub, build_id, record))
+            .write(move |tx| cancel_tx(tx, &hub, build_id, &record))
             .await??;
         if taken.was_running {
             if let Some(cancel) = lock(&self.cancels).get(&build_id) {
@@ -322,8 +322,8 @@ impl Engine {
 pub fn submit_tx(
     tx: &Tx,
     hub: &Arc<Hub>,
-    s: SubmitRecord,
-    record: Record<Submitted>,
+    s: &SubmitRecord,
+    record: &Record<Submitted>,
 ) -> StoreResult<Result<Submitted, Refusal>> {
     let change = Change::new(tx, hub);
     let existing = tx.deployment(&s.id)?;
@@ -365,8 +365,8 @@ pub fn submit_tx(
     tx.put_source(&s.snapshot.source)?;
     d.snapshot = s.snapshot.clone();
     d.method = s.method.clone();
-    d.domain = s.domain;
-    if let Some(p) = s.update_policy {
+    d.domain = s.domain.clone();
+    if let Some(p) = s.update_policy.clone() {
         change.set_policy(&mut d, p)?;
     }
     let build = change.enqueue(
@@ -375,8 +375,8 @@ pub fn submit_tx(
             kind: BuildKind::Deploy,
             trigger: Trigger::Submit,
             suspended: false,
-            method: s.method,
-            snapshot: s.snapshot,
+            method: s.method.clone(),
+            snapshot: s.snapshot.clone(),
         },
     )?;
     let submitted = Submitted {
@@ -394,7 +394,7 @@ pub fn delete_tx(
     hub: &Arc<Hub>,
     id: &str,
     callback: Option<String>,
-    record: Record<DestroyQueued>,
+    record: &Record<DestroyQueued>,
 ) -> StoreResult<Result<DestroyQueued, Refusal>> {
     let change = Change::new(tx, hub);
     let Some(mut d) = tx.deployment(id)? else {
@@ -440,7 +440,7 @@ pub fn cancel_tx(
     tx: &Tx,
     hub: &Arc<Hub>,
     build_id: BuildId,
-    record: Record<CancelTaken>,
+    record: &Record<CancelTaken>,
 ) -> StoreResult<Result<CancelTaken, Refusal>> {
     let change = Change::new(tx, hub);
     let Some(mut b) = tx.build(build_id)? else {

@@ -104,7 +104,7 @@ impl Engine {
         let id = id.to_string();
         let set = self
             .store
-            .write(move |tx| set_policy_tx(tx, &hub, &id, policy, if_match, record))
+            .write(move |tx| set_policy_tx(tx, &hub, &id, policy.clone(), if_match, &record))
             .await??;
         // A new policy may make an update due at once.
         self.updates_wake.notify_one();
@@ -210,7 +210,17 @@ impl Engine {
         );
         let started = self
             .store
-            .write(move |tx| automatic_update_tx(tx, &hub, &id, &default, v.method, v.domain, now))
+            .write(move |tx| {
+                automatic_update_tx(
+                    tx,
+                    &hub,
+                    &id,
+                    &default,
+                    v.method.clone(),
+                    v.domain.clone(),
+                    now,
+                )
+            })
             .await?;
         if started {
             self.wake_queue();
@@ -236,7 +246,7 @@ impl Engine {
                     &id,
                     &UpdateTry {
                         at: now_millis(),
-                        source: default,
+                        source: default.clone(),
                         build_id: None,
                         result: TryResult::Refused,
                         reason: Some(reason.to_string()),
@@ -268,7 +278,7 @@ pub fn set_policy_tx(
     id: &str,
     policy: UpdatePolicy,
     if_match: Option<u64>,
-    record: Record<PolicySet>,
+    record: &Record<PolicySet>,
 ) -> StoreResult<Result<PolicySet, Refusal>> {
     let Some(mut d) = tx.deployment(id)? else {
         return Ok(Err(Refusal::NotFound(Missing::Deployment)));
@@ -289,7 +299,7 @@ pub fn set_policy_tx(
         audit: super::audit::of_deployment(tx, id)?,
         deployment: d,
     };
-    if let Some(reply) = record.reply {
+    if let Some(reply) = &record.reply {
         reply(tx, &set)?;
     }
     Ok(Ok(set))

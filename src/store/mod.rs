@@ -5,7 +5,8 @@
 //! transaction, which commits (fsync) once. Concurrent requests so share the
 //! cost of an fsync, and each job still sees the writes of the jobs before it.
 //! A job must check before it writes: a job that returns a domain refusal
-//! must not have written anything. A storage error aborts the whole batch.
+//! must not have written anything. A storage error aborts the whole batch;
+//! the batch's other jobs then run again, each alone.
 //!
 //! Reads use redb read transactions on the caller's thread (MVCC snapshots).
 
@@ -28,9 +29,7 @@ pub use records::{ChunkPlace, IdempotencyRecord, PendingCallback, StoredEvent};
 pub use rx::Rx;
 pub use tx::Tx;
 pub use writer::Hook;
-use writer::{
-    open_database, pause_for_reopen, writer_loop, Completion, Shared, WriteJob, READ_WAIT_ATTEMPTS,
-};
+use writer::{open_database, pause_for_reopen, writer_loop, Shared, WriteJob, READ_WAIT_ATTEMPTS};
 
 use std::path::Path;
 use std::sync::Arc;
@@ -82,22 +81,17 @@ impl Store {
 
     /// Runs `job` inside the next group commit and returns its value once the
     /// commit is durable. The job must not write when it returns a refusal.
-    pub async fn write<T, F>(&self, job: F) -> StoreResult<T>
+    /// It may run twice (a second time alone, when its batch failed because
+    /// of another job), so it captures what it needs by clone or reference.
+    pub async fn write<T, F>(&self, mut job: F) -> StoreResult<T>
     where
         T: Send + 'static,
-        F: FnOnce(&Tx) -> StoreResult<T> + Send + 'static,
+        F: FnMut(&Tx) -> StoreResult<T> + Send + 'static,
     {
         let (done_tx, done_rx) = oneshot::channel::<StoreResult<T>>();
-        let wrapped: WriteJob = Box::new(move |txn: Result<&WriteTransaction, StoreError>| {
-            let txn = match txn {
-                Ok(t) => t,
-                Err(e) => {
-                    let completion: Completion = Box::new(move |_| {
-                        let _ = done_tx.send(Err(e));
-                    });
-                    return (completion, None, Vec::new());
-                }
-            };
+        let kept: Arc<std::sync::Mutex<Option<StoreResult<T>>>> = Arc::default();
+        let keep = kept.clone();
+        let run = Box::new(move |txn: &WriteTransaction| {
             let tx = Tx {
                 txn,
                 hooks: std::cell::RefCell::new(Vec::new()),
@@ -105,17 +99,24 @@ impl Store {
             let result = job(&tx);
             let failed = result.as_ref().err().cloned();
             let hooks = tx.hooks.into_inner();
-            let completion: Completion = Box::new(move |commit_error| {
-                let outcome = match commit_error {
-                    Some(e) => Err(e),
-                    None => result,
-                };
-                let _ = done_tx.send(outcome);
-            });
-            (completion, failed, hooks)
+            *keep.lock().unwrap_or_else(|p| p.into_inner()) = Some(result);
+            (failed, hooks)
+        });
+        let finish = Box::new(move |error: Option<StoreError>| {
+            let outcome = match error {
+                Some(e) => Err(e),
+                None => kept
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .take()
+                    .unwrap_or_else(|| {
+                        Err(StoreError::other("a write job finished without running"))
+                    }),
+            };
+            let _ = done_tx.send(outcome);
         });
         self.writer
-            .send(wrapped)
+            .send(WriteJob { run, finish })
             .await
             .map_err(|_| StoreError::closed())?;
         done_rx.await.map_err(|_| StoreError::closed())?
@@ -438,6 +439,7 @@ mod tests {
         let flag = ran.clone();
         store
             .write(move |tx| {
+                let flag = flag.clone();
                 tx.after_commit(move || flag.store(true, std::sync::atomic::Ordering::SeqCst));
                 tx.put_source(&Source {
                     url: "u".into(),
@@ -452,6 +454,7 @@ mod tests {
         let flag = ran.clone();
         let r = store
             .write(move |tx| -> StoreResult<()> {
+                let flag = flag.clone();
                 tx.after_commit(move || flag.store(true, std::sync::atomic::Ordering::SeqCst));
                 tx.put_source(&Source {
                     url: "u2".into(),
@@ -469,6 +472,77 @@ mod tests {
         assert!(
             store.read().unwrap().source("d2").unwrap().is_none(),
             "an aborted batch left a write behind"
+        );
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    /// One job's error fails that job only: its batch-mates, which ran in
+    /// the same aborted transaction, run again alone and commit, each
+    /// with its hooks run once.
+    // Multi-threaded: the test waits on a std channel for the writer.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_failing_job_does_not_fail_its_batch_mates() {
+        let (store, dir) = temp_store("batch-mates");
+        // Hold the writer so the next jobs queue up and share one batch.
+        let (started_tx, started_rx) = std::sync::mpsc::channel::<()>();
+        let holding = store.clone();
+        let holder = tokio::spawn(async move {
+            holding
+                .write(move |_| {
+                    let _ = started_tx.send(());
+                    std::thread::sleep(std::time::Duration::from_millis(300));
+                    Ok(())
+                })
+                .await
+        });
+        started_rx.recv().unwrap();
+        let hooks = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let mut jobs = tokio::task::JoinSet::new();
+        for n in 0..6u32 {
+            let (store, hooks) = (store.clone(), hooks.clone());
+            jobs.spawn(async move {
+                let r = store
+                    .write(move |tx| -> StoreResult<()> {
+                        tx.put_source(&Source {
+                            url: format!("u{n}"),
+                            rev: "r".into(),
+                            digest: format!("d{n}"),
+                        })?;
+                        let hooks = hooks.clone();
+                        tx.after_commit(move || {
+                            hooks.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                        });
+                        if n == 3 {
+                            return Err(StoreError::corrupt("job 3 fails after a write"));
+                        }
+                        Ok(())
+                    })
+                    .await;
+                (n, r.is_ok())
+            });
+            // Let each job reach the queue in order.
+            tokio::task::yield_now().await;
+        }
+        holder.await.unwrap().unwrap();
+        let mut results = Vec::new();
+        while let Some(r) = jobs.join_next().await {
+            results.push(r.unwrap());
+        }
+        results.sort();
+        let ok: Vec<bool> = results.iter().map(|(_, ok)| *ok).collect();
+        assert_eq!(ok, [true, true, true, false, true, true]);
+        let rx = store.read().unwrap();
+        for n in 0..6 {
+            assert_eq!(
+                rx.source(&format!("d{n}")).unwrap().is_some(),
+                n != 3,
+                "job {n}"
+            );
+        }
+        assert_eq!(
+            hooks.load(std::sync::atomic::Ordering::SeqCst),
+            5,
+            "each committed job's hooks ran once"
         );
         let _ = std::fs::remove_dir_all(dir);
     }

@@ -15,16 +15,21 @@ use tokio::sync::mpsc;
 
 use super::{StoreError, StoreResult, MAX_JOBS_PER_COMMIT};
 
-pub(super) type Completion = Box<dyn FnOnce(Option<StoreError>) + Send>;
 /// Work to run after the transaction that queued it is durable (publishing
 /// events to live subscribers), in commit order.
 pub type Hook = Box<dyn FnOnce() + Send>;
-/// Runs one job; returns its completion, the store error it failed with (if
-/// any: the batch then aborts), and its after-commit hooks.
-pub(super) type WriteJob = Box<
-    dyn FnOnce(Result<&WriteTransaction, StoreError>) -> (Completion, Option<StoreError>, Vec<Hook>)
-        + Send,
->;
+/// A job's body in a transaction: the error it failed with (the batch then
+/// aborts) and its after-commit hooks.
+pub(super) type RunJob = dyn FnMut(&WriteTransaction) -> (Option<StoreError>, Vec<Hook>) + Send;
+
+/// One write job. `run` executes its body in a transaction and keeps the
+/// result; it may run twice: when its batch fails because of another job
+/// (or a commit error), it runs again alone. `finish` answers the caller:
+/// with the kept result, or with the error that kept it from landing.
+pub(super) struct WriteJob {
+    pub(super) run: Box<RunJob>,
+    pub(super) finish: Box<dyn FnOnce(Option<StoreError>) + Send>,
+}
 
 /// The open database, swapped for a fresh handle after an I/O error: redb
 /// refuses every call after one ("close and re-open the database"), and a
@@ -119,38 +124,21 @@ pub(super) fn writer_loop(shared: Arc<Shared>, mut rx: mpsc::Receiver<WriteJob>)
                 Err(_) => break,
             }
         }
-        let db = match shared.current() {
-            Some(db) => db,
-            None if shared.closed.load(std::sync::atomic::Ordering::SeqCst) => {
-                for job in batch {
-                    let (completion, _, _) = job(Err(StoreError::closed()));
-                    completion(None);
-                }
-                continue;
-            }
-            None => {
-                shared.reopen();
-                match shared.current() {
-                    Some(db) => db,
-                    None => {
-                        for job in batch {
-                            let (completion, _, _) = job(Err(StoreError::reopening()));
-                            completion(None);
-                        }
-                        continue;
-                    }
-                }
-            }
+        let Some(db) = handle(&shared, &batch) else {
+            let e = closed_or_reopening(&shared);
+            batch
+                .into_iter()
+                .for_each(|job| (job.finish)(Some(e.clone())));
+            continue;
         };
         let txn = match db.begin_write() {
             Ok(t) => t,
             Err(e) => {
                 let err = StoreError::from(e);
                 tracing::error!(error = %err, "store write transaction could not start");
-                for job in batch {
-                    let (completion, _, _) = job(Err(err.clone()));
-                    completion(None);
-                }
+                batch
+                    .into_iter()
+                    .for_each(|job| (job.finish)(Some(err.clone())));
                 if err.is_transient() {
                     drop(db);
                     shared.reopen();
@@ -158,36 +146,110 @@ pub(super) fn writer_loop(shared: Arc<Shared>, mut rx: mpsc::Receiver<WriteJob>)
                 continue;
             }
         };
-        let mut completions = Vec::with_capacity(batch.len());
+        let mut failed = Vec::with_capacity(batch.len());
         let mut hooks = Vec::new();
-        let mut failure: Option<StoreError> = None;
-        for job in batch {
-            let (completion, failed, job_hooks) = job(Ok(&txn));
-            if failure.is_none() {
-                failure = failed;
-            }
-            completions.push(completion);
+        for job in batch.iter_mut() {
+            let (failure, job_hooks) = (job.run)(&txn);
+            failed.push(failure);
             hooks.extend(job_hooks);
         }
-        let commit_error = match failure {
-            Some(f) => {
-                // A job failed part-way: nothing of this batch may land.
-                let _ = txn.abort();
-                Some(f)
-            }
-            None => txn.commit().err().map(StoreError::from),
+        let job_failed = failed.iter().any(Option::is_some);
+        let commit_error = if job_failed {
+            // A job failed part-way: nothing of this batch may land.
+            let _ = txn.abort();
+            None
+        } else {
+            txn.commit().err().map(StoreError::from)
         };
-        match &commit_error {
-            Some(e) => tracing::error!(error = %e, "store commit failed"),
-            None => hooks.into_iter().for_each(|hook| hook()),
+        if !job_failed && commit_error.is_none() {
+            hooks.into_iter().for_each(|hook| hook());
+            batch.into_iter().for_each(|job| (job.finish)(None));
+            continue;
         }
-        let poisoned = commit_error.as_ref().is_some_and(StoreError::is_transient);
-        for completion in completions {
-            completion(commit_error.clone());
+        drop(hooks);
+        if let Some(e) = &commit_error {
+            tracing::error!(error = %e, jobs = batch.len(), "store commit failed");
         }
-        if poisoned {
-            drop(db);
+        let mut db = Some(db);
+        if commit_error.as_ref().is_some_and(StoreError::is_transient) {
+            drop(db.take());
             shared.reopen();
+            db = shared.current();
+        }
+        // The batch did not land. A job that failed by itself gets its own
+        // error; every other job runs again, alone, so one job's error (or
+        // one too large for the disk) never fails its batch-mates.
+        for (job, failure) in batch.into_iter().zip(failed) {
+            match (failure, &db, &commit_error) {
+                (Some(e), _, _) => (job.finish)(Some(e)),
+                (None, _, Some(e)) if !e.is_transient() && !job_failed => {
+                    (job.finish)(Some(e.clone()))
+                }
+                (None, Some(db), _) => {
+                    if let Some(poisoned) = run_alone(db, job) {
+                        if poisoned {
+                            shared.reopen();
+                        }
+                    }
+                }
+                (None, None, _) => (job.finish)(Some(closed_or_reopening(&shared))),
+            }
+        }
+    }
+}
+
+/// The handle to write with, reopening it when an I/O error dropped it.
+fn handle(shared: &Shared, batch: &[WriteJob]) -> Option<Arc<Database>> {
+    debug_assert!(!batch.is_empty());
+    if let Some(db) = shared.current() {
+        return Some(db);
+    }
+    if shared.closed.load(std::sync::atomic::Ordering::SeqCst) {
+        return None;
+    }
+    shared.reopen();
+    shared.current()
+}
+
+fn closed_or_reopening(shared: &Shared) -> StoreError {
+    if shared.closed.load(std::sync::atomic::Ordering::SeqCst) {
+        StoreError::closed()
+    } else {
+        StoreError::reopening()
+    }
+}
+
+/// Runs one job in its own transaction. Returns `Some(true)` when the
+/// handle must be reopened (an I/O error), `Some(false)` on another
+/// failure, `None` when it committed.
+fn run_alone(db: &Database, mut job: WriteJob) -> Option<bool> {
+    let txn = match db.begin_write() {
+        Ok(t) => t,
+        Err(e) => {
+            let err = StoreError::from(e);
+            let transient = err.is_transient();
+            (job.finish)(Some(err));
+            return Some(transient);
+        }
+    };
+    let (failure, hooks) = (job.run)(&txn);
+    if let Some(e) = failure {
+        let _ = txn.abort();
+        (job.finish)(Some(e));
+        return Some(false);
+    }
+    match txn.commit() {
+        Ok(()) => {
+            hooks.into_iter().for_each(|hook| hook());
+            (job.finish)(None);
+            None
+        }
+        Err(e) => {
+            let err = StoreError::from(e);
+            tracing::error!(error = %err, "store commit of a re-run job failed");
+            let transient = err.is_transient();
+            (job.finish)(Some(err));
+            Some(transient)
         }
     }
 }

@@ -156,7 +156,7 @@ fn each_change_keeps_the_deployment_in_step() {
         let store = &t.store;
         let h = hub.clone();
         let first = store
-            .write(move |tx| submit_tx(tx, &h, submit_record("d", Mode::Replace), rec()))
+            .write(move |tx| submit_tx(tx, &h, &submit_record("d", Mode::Replace), &rec()))
             .await
             .unwrap()
             .unwrap();
@@ -171,13 +171,13 @@ fn each_change_keeps_the_deployment_in_step() {
         // never ran, so the deployment's state ignores it.
         let h = hub.clone();
         let second = store
-            .write(move |tx| submit_tx(tx, &h, submit_record("d", Mode::Enqueue), rec()))
+            .write(move |tx| submit_tx(tx, &h, &submit_record("d", Mode::Enqueue), &rec()))
             .await
             .unwrap()
             .unwrap();
         let h = hub.clone();
         let taken = store
-            .write(move |tx| cancel_tx(tx, &h, second.build.id, rec()))
+            .write(move |tx| cancel_tx(tx, &h, second.build.id, &rec()))
             .await
             .unwrap()
             .unwrap();
@@ -216,7 +216,7 @@ fn each_change_keeps_the_deployment_in_step() {
         // is no longer deployed nor suspended.
         let h = hub.clone();
         let destroy = store
-            .write(move |tx| delete_tx(tx, &h, "d", Some("http://127.0.0.1:1/cb".into()), rec()))
+            .write(move |tx| delete_tx(tx, &h, "d", Some("http://127.0.0.1:1/cb".into()), &rec()))
             .await
             .unwrap()
             .unwrap();
@@ -245,7 +245,7 @@ fn each_change_keeps_the_deployment_in_step() {
         // A finished build cannot be cancelled; nothing is written.
         let h = hub.clone();
         let refused = store
-            .write(move |tx| cancel_tx(tx, &h, id, rec()))
+            .write(move |tx| cancel_tx(tx, &h, id, &rec()))
             .await
             .unwrap();
         assert!(matches!(refused, Err(Refusal::Conflict(_))));
@@ -304,7 +304,7 @@ async fn run_ops(store: &Store, hub: &Arc<Hub>, ops: &[Op]) -> Vec<BuildId> {
                 };
                 let id = DEPLOYMENTS[deployment as usize];
                 let r = store
-                    .write(move |tx| submit_tx(tx, &h, submit_record(id, mode), rec()))
+                    .write(move |tx| submit_tx(tx, &h, &submit_record(id, mode), &rec()))
                     .await
                     .unwrap();
                 if let Ok(s) = r {
@@ -314,7 +314,7 @@ async fn run_ops(store: &Store, hub: &Arc<Hub>, ops: &[Op]) -> Vec<BuildId> {
             Op::Delete { deployment } => {
                 let id = DEPLOYMENTS[deployment as usize];
                 let r = store
-                    .write(move |tx| delete_tx(tx, &h, id, None, rec()))
+                    .write(move |tx| delete_tx(tx, &h, id, None, &rec()))
                     .await
                     .unwrap();
                 if let Ok(q) = r {
@@ -327,7 +327,7 @@ async fn run_ops(store: &Store, hub: &Arc<Hub>, ops: &[Op]) -> Vec<BuildId> {
                 }
                 let id = builds[pick as usize % builds.len()];
                 let _ = store
-                    .write(move |tx| cancel_tx(tx, &h, id, rec()))
+                    .write(move |tx| cancel_tx(tx, &h, id, &rec()))
                     .await
                     .unwrap();
             }
