@@ -80,7 +80,7 @@ fn submit_jobs(rt: &tokio::runtime::Runtime, dir: &Path, extra: u64) -> f64 {
                 store
                     .write(move |tx| {
                         let record = Record::audit_only(system_draft("submit", None, Outcome::Ok));
-                        let out = submit_tx(tx, &hub, submit_record(n), record)?;
+                        let out = submit_tx(tx, &hub, &submit_record(n), &record)?;
                         for i in 0..extra {
                             tx.append_audit(&draft(i))?;
                         }
