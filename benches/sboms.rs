@@ -119,8 +119,8 @@ fn storage(rt: &tokio::runtime::Runtime) {
             let submitted = submit_tx(
                 tx,
                 &hub,
-                record,
-                berth::engine::audit::Record::audit_only(audit),
+                &record,
+                &berth::engine::audit::Record::audit_only(audit),
             )?
             .expect("stored");
             start_tx(tx, &hub, submitted.build.id)?.expect("started");
