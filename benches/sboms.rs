@@ -101,12 +101,23 @@ fn storage(rt: &tokio::runtime::Runtime) {
             });
         }
         let (hub, source) = (hub.clone(), source.clone());
+        let done = Arc::new(Finished {
+            end: End {
+                status: BuildStatus::Succeeded,
+                failure: None,
+                exit_code: Some(0),
+            },
+            nodes,
+            last_chunk: None,
+            late_frames: vec![],
+            last_seq_used: 0,
+        });
         rt.block_on(store.write(move |tx| {
             let record = SubmitRecord {
                 id: format!("d{deployment:04}"),
                 snapshot: Snapshot {
                     configuration: "{}".into(),
-                    source,
+                    source: source.clone(),
                 },
                 method: "local".into(),
                 domain: None,
@@ -124,17 +135,6 @@ fn storage(rt: &tokio::runtime::Runtime) {
             )?
             .expect("stored");
             start_tx(tx, &hub, submitted.build.id)?.expect("started");
-            let done = Arc::new(Finished {
-                end: End {
-                    status: BuildStatus::Succeeded,
-                    failure: None,
-                    exit_code: Some(0),
-                },
-                nodes,
-                last_chunk: None,
-                late_frames: vec![],
-                last_seq_used: 0,
-            });
             finish_tx(tx, &hub, submitted.build.id, &done)
         }))
         .unwrap();
