@@ -467,6 +467,36 @@ pub fn parse_policy(v: &Value, at: &str) -> Result<UpdatePolicy, ApiError> {
     let bad = |field: &str, code: &str, message: &str| {
         ApiError::bad_request(message.to_string()).field(format!("{at}{field}"), code)
     };
+    // serde ignores extra fields of a unit variant (`manual`, `automatic`)
+    // even with deny_unknown_fields: refuse them here, as every unknown
+    // field is refused.
+    if let Value::Object(map) = v {
+        let allowed: &[&str] = match map.get("kind").and_then(Value::as_str) {
+            Some("manual" | "automatic") => &["kind"],
+            _ => &[
+                "kind",
+                "frequency",
+                "day",
+                "start",
+                "duration_minutes",
+                "time_zone",
+            ],
+        };
+        let unknown = map
+            .keys()
+            .filter(|k| !allowed.contains(&k.as_str()))
+            .count();
+        if unknown > 0 {
+            return Err(bad(
+                "",
+                "unknown_field",
+                &format!(
+                    "the policy has {unknown} field(s) its kind does not take; it takes: {}",
+                    allowed.join(", ")
+                ),
+            ));
+        }
+    }
     let policy: UpdatePolicy = serde_json::from_value(v.clone())
         .map_err(|_| bad("", "invalid", "update_policy must be manual, automatic, or a window with frequency, start, duration_minutes and time_zone"))?;
     use crate::window::{InvalidPolicy, Window};

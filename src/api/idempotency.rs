@@ -87,7 +87,9 @@ pub fn valid_key(key: &str) -> bool {
             .all(|c| c.is_ascii_alphanumeric() || b"._~-".contains(&c))
 }
 
-/// SHA-256 of the RFC 8785 form of {path params, query, body}.
+/// SHA-256 of the RFC 8785 form of {path params, query, body, If-Match}:
+/// a retry with another precondition is another request (a conflict), not
+/// a replay of the first one's answer.
 pub fn fingerprint(req: &Request) -> Vec<u8> {
     let params: serde_json::Map<String, Value> = req
         .params
@@ -101,7 +103,11 @@ pub fn fingerprint(req: &Request) -> Vec<u8> {
         Err(_) if req.body.is_empty() => Value::Null,
         Err(_) => json!({"sha256": crate::hex::encode(&Sha256::digest(&req.body))}),
     };
-    let doc = json!({"params": params, "query": query, "body": body});
+    let if_match = req
+        .headers
+        .get("if-match")
+        .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
+    let doc = json!({"params": params, "query": query, "body": body, "if_match": if_match});
     Sha256::digest(crate::derive::canonical(&doc).as_bytes()).to_vec()
 }
 

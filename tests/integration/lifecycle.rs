@@ -263,6 +263,9 @@ async fn update_policies_are_checked_and_honour_if_match() {
             "/duration_minutes",
         ),
         (json!({"kind": "sometimes"}), ""),
+        // A kind without settings takes none (serde alone would ignore them).
+        (json!({"kind": "manual", "day": 3}), ""),
+        (json!({"kind": "automatic", "time_zone": "UTC"}), ""),
     ];
     let (before, _) = read_with_etag(&s, "carol").await;
     for (policy, pointer) in bad {
