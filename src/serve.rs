@@ -242,6 +242,10 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
 /// `--cancel-grace`.
 const SHUTDOWN_FINAL_COMMIT: Duration = Duration::from_secs(10);
 
+/// Bytes hyper buffers per connection at most (headers and body read-ahead):
+/// the 16 KiB of headers api.md allows, and a little of the body.
+const CONNECTION_READ_BUFFER: usize = 24 * 1024;
+
 /// Pause after a failed accept (out of file descriptors, say), so a
 /// persistent failure does not spin.
 const ACCEPT_RETRY: Duration = Duration::from_millis(100);
@@ -295,6 +299,10 @@ async fn accept_loop(
         // that sends its request head slowly cannot hold a connection.
         let connection = hyper::server::conn::http1::Builder::new()
             .timer(hyper_util::rt::TokioTimer::new())
+            // hyper reads ahead up to this much per connection; its default
+            // (~400 KB) let 1,000 stalled uploads hold 600 MB before berth
+            // saw a byte. Room for the 16 KiB of headers berth accepts.
+            .max_buf_size(CONNECTION_READ_BUFFER)
             .serve_connection(hyper_util::rt::TokioIo::new(conn), per_request);
         let connection = graceful.watch(connection);
         tokio::spawn(async move {

@@ -338,7 +338,7 @@ where
     if declared.is_some_and(|n| n > max_body as u64) {
         return fail(too_large(max_body));
     }
-    let read = read_body(body, max_body, &ctx.body_budget);
+    let read = read_body(body, max_body, declared, &ctx.body_budget);
     // The body's share of --max-body-bytes-in-flight is held until the
     // request is answered.
     let (body, _body_share) =
@@ -416,22 +416,17 @@ impl BodyBudget {
 async fn read_body<S, B>(
     mut body: S,
     limit: usize,
+    declared: Option<u64>,
     budget: &BodyBudget,
 ) -> Result<(Bytes, Option<tokio::sync::OwnedSemaphorePermit>), ApiError>
 where
     S: futures_util::Stream<Item = Result<B, warp::Error>> + Unpin,
     B: bytes::Buf,
 {
-    let mut out = BytesMut::new();
-    let mut share: Option<tokio::sync::OwnedSemaphorePermit> = None;
-    while let Some(chunk) = body.next().await {
-        let mut chunk = chunk.map_err(|_| ApiError::bad_request("the body could not be read"))?;
-        if out.len() + chunk.remaining() > limit {
-            return Err(too_large(limit));
-        }
-        // Refused, not waited for: a full budget means many bodies at once.
-        let more = u32::try_from(chunk.remaining()).map_err(|_| too_large(limit))?;
-        let permit = budget.0.clone().try_acquire_many_owned(more).map_err(|_| {
+    // Refused, not waited for: a full budget means many bodies at once.
+    let take = |bytes: usize| {
+        let n = u32::try_from(bytes).map_err(|_| too_large(limit))?;
+        budget.0.clone().try_acquire_many_owned(n).map_err(|_| {
             let mut e = ApiError::new(
                 Code::Unavailable,
                 "too many request bodies are in memory; try again shortly",
@@ -439,10 +434,35 @@ where
             .retry_after(1);
             e.close = true;
             e
-        })?;
-        match share.as_mut() {
-            Some(s) => s.merge(permit),
-            None => share = Some(permit),
+        })
+    };
+    // A declared length takes its whole share (and its buffer) before the
+    // first byte: the buffer never doubles past it, and a body that cannot
+    // fit the budget is refused at once instead of after it trickled in.
+    let mut share: Option<tokio::sync::OwnedSemaphorePermit> = None;
+    let mut reserved = 0usize;
+    let mut out = match declared {
+        Some(n) if n > 0 => {
+            let n = usize::try_from(n).map_err(|_| too_large(limit))?.min(limit);
+            share = Some(take(n)?);
+            reserved = n;
+            BytesMut::with_capacity(n)
+        }
+        _ => BytesMut::new(),
+    };
+    while let Some(chunk) = body.next().await {
+        let mut chunk = chunk.map_err(|_| ApiError::bad_request("the body could not be read"))?;
+        if out.len() + chunk.remaining() > limit {
+            return Err(too_large(limit));
+        }
+        let beyond = (out.len() + chunk.remaining()).saturating_sub(reserved);
+        if beyond > 0 {
+            let permit = take(beyond)?;
+            reserved += beyond;
+            match share.as_mut() {
+                Some(s) => s.merge(permit),
+                None => share = Some(permit),
+            }
         }
         while chunk.has_remaining() {
             let part = chunk.chunk();

@@ -151,4 +151,20 @@ async fn bodies_in_flight_are_bounded() {
         200,
         "the budget is given back after each request"
     );
+    // A declared length takes its share before the first byte: a body
+    // that cannot fit is refused at once, not after it trickled in.
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut sock = tokio::net::TcpStream::connect(s.base.trim_start_matches("http://"))
+        .await
+        .unwrap();
+    sock.write_all(b"POST /v1/derive/applications HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 5000\r\n\r\n{")
+        .await
+        .unwrap();
+    let mut answer = vec![0u8; 512];
+    let n = tokio::time::timeout(std::time::Duration::from_secs(5), sock.read(&mut answer))
+        .await
+        .expect("refused without waiting for the body")
+        .unwrap();
+    let head = String::from_utf8_lossy(&answer[..n]).to_string();
+    assert!(head.starts_with("HTTP/1.1 503"), "{head}");
 }
