@@ -7,7 +7,6 @@ use serde_json::json;
 
 use super::auth::{Caller, Refused};
 use super::errors::{ApiError, Code};
-use super::routes::Call;
 use super::{cursor, Ctx, Reply, Request};
 use crate::audit::merkle;
 use crate::audit::{Actor, Draft, Event, Outcome};
@@ -18,35 +17,16 @@ use crate::store::{AuditLookup, Lookup, StoredNodes};
 pub const MAX_AUDIT_PAGE: usize = 200;
 const DEFAULT_AUDIT_PAGE: usize = 50;
 
-/// The audit action of a call, `None` when the call is not audited.
-pub fn action_of(call: Call, action_name: &str) -> Option<&'static str> {
-    Some(match call {
-        Call::Submit => "submit",
-        Call::CancelBuild => "cancel",
-        Call::DeleteDeployment => "delete",
-        Call::SetUpdatePolicy => "update_policy",
-        // An unknown action name is recorded as plain `action`: the name
-        // is a value of the request.
-        Call::Act => match action_name {
-            "suspend" => "action:suspend",
-            "resume" => "action:resume",
-            _ => "action",
-        },
-        _ => return None,
-    })
-}
-
 /// The event of an audited call, before its caller and result are known.
 /// Only ids that are valid are recorded (an invalid one is a request value
 /// that may be anything); a cancel names its build's deployment.
 pub fn draft(
     ctx: &Ctx,
-    call: Call,
+    action: &'static str,
     params: &std::collections::HashMap<&'static str, String>,
     request_id: &str,
-) -> Option<Draft> {
+) -> Draft {
     let param = |name: &str| params.get(name).map(String::as_str).unwrap_or("");
-    let action = action_of(call, param("name"))?;
     let mut deployment = Some(param("id"))
         .filter(|id| is_valid_deployment_id(id))
         .map(str::to_string);
@@ -60,7 +40,7 @@ pub fn draft(
             .and_then(|rx| rx.build(b).ok().flatten())
             .map(|b| b.deployment);
     }
-    Some(Draft {
+    Draft {
         at: now_millis(),
         actor: None,
         trusted_backend: false,
@@ -71,7 +51,7 @@ pub fn draft(
         result: Outcome::Ok,
         reason: None,
         count: 1,
-    })
+    }
 }
 
 /// The draft with the caller filled in.

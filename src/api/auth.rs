@@ -398,6 +398,22 @@ pub async fn authenticate(
     }
 }
 
+/// Whether `caller` may read deployment `id` (always, for the service
+/// token): lists filter each item through this.
+pub async fn may_read(authz: &Authz, caller: &Caller, id: &str, path: &str) -> bool {
+    let Some(token) = &caller.token else {
+        return true;
+    };
+    let q = Question {
+        procedure: Procedure::Read,
+        deployment: Some(id),
+        target_actor: None,
+        method: "GET",
+        path,
+    };
+    authz.decide(token, &q).await.allow
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -114,7 +114,7 @@ pub async fn list(ctx: &Ctx, req: &Request, caller: &Caller) -> Result<Reply, Ap
     let mut allowed = Vec::with_capacity(records.len());
     for d in records {
         let path = format!("/v1/deployments/{}", d.id);
-        if super::routes::may_read(ctx, caller, &d.id, &path).await {
+        if super::auth::may_read(&ctx.authz, caller, &d.id, &path).await {
             allowed.push(d);
         }
     }

@@ -116,6 +116,25 @@ pub const ROUTES: &[Route] = &[
 
 type Params = std::collections::HashMap<&'static str, String>;
 
+/// The audit action of a call, `None` when the call is not audited.
+fn audited_action(call: Call, params: &Params) -> Option<&'static str> {
+    let action_name = params.get("name").map(String::as_str).unwrap_or("");
+    Some(match call {
+        Call::Submit => "submit",
+        Call::CancelBuild => "cancel",
+        Call::DeleteDeployment => "delete",
+        Call::SetUpdatePolicy => "update_policy",
+        // An unknown action name is recorded as plain `action`: the name
+        // is a value of the request.
+        Call::Act => match action_name {
+            "suspend" => "action:suspend",
+            "resume" => "action:resume",
+            _ => "action",
+        },
+        _ => return None,
+    })
+}
+
 /// The question a token route asks the callback, and whether a denial is
 /// hidden as 404 (a read of a deployment: nobody can probe which exist).
 fn question_of(ctx: &Ctx, call: Call, params: &Params) -> (Procedure, Option<String>, bool) {
@@ -183,7 +202,9 @@ pub async fn authorize(
     match result {
         Ok(caller) => Ok(caller),
         Err(refused) => {
-            if let Some(draft) = audit::draft(ctx, route.call, params, request_id) {
+            if let Some(draft) =
+                audited_action(route.call, params).map(|a| audit::draft(ctx, a, params, request_id))
+            {
                 audit::refused(ctx, draft, &refused).await;
             }
             Err(refused.error)
@@ -212,22 +233,6 @@ async fn list_caller(
     }
 }
 
-/// Whether `caller` may read deployment `id` (always, for the service
-/// token).
-pub async fn may_read(ctx: &Ctx, caller: &Caller, id: &str, path: &str) -> bool {
-    let Some(token) = &caller.token else {
-        return true;
-    };
-    let q = Question {
-        procedure: Procedure::Read,
-        deployment: Some(id),
-        target_actor: None,
-        method: "GET",
-        path,
-    };
-    ctx.authz.decide(token, &q).await.allow
-}
-
 /// Runs a route's handler (the caller of a token route was authenticated
 /// by `authorize` before the body was read).
 pub async fn call(ctx: &Arc<Ctx>, route: &Route, req: &Request) -> Result<Answer, ApiError> {
@@ -237,7 +242,9 @@ pub async fn call(ctx: &Arc<Ctx>, route: &Route, req: &Request) -> Result<Answer
     }
     // Only `Access::Token` routes read `caller`; `dispatch` sets it for them.
     let caller = || req.caller.as_ref().ok_or_else(ApiError::internal);
-    if let Some(draft) = audit::draft(ctx, route.call, &req.params, &req.request_id) {
+    if let Some(draft) = audited_action(route.call, &req.params)
+        .map(|a| audit::draft(ctx, a, &req.params, &req.request_id))
+    {
         return audited(ctx, route, req, audit::by(draft, caller()?))
             .await
             .map(Answer::Reply);

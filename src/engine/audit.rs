@@ -4,24 +4,25 @@
 //! anonymous denials, and retention. The chain itself is `crate::audit`;
 //! its rows are appended by `transition::Change::audit`.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use super::requests::Recorder;
+use super::audit_events::append;
+pub use super::audit_events::{EVENTS_WRITTEN, WRITE_FAILURES};
 use super::transition::Change;
 use super::Engine;
 use crate::audit::{Draft, Event, Outcome};
 use crate::model::{format_build_id, now_millis, BuildId};
 use crate::store::{AuditLookup, StoreResult, Tx};
 
-/// Events written since start (`berth_audit_events_total`).
-pub static EVENTS_WRITTEN: AtomicU64 = AtomicU64::new(0);
-/// Events of refused, denied or invalid calls that could not be written
-/// (`berth_audit_write_failures_total`): the call was still answered.
-pub static WRITE_FAILURES: AtomicU64 = AtomicU64::new(0);
 /// Events removed by retention per transaction at most.
 pub const PRUNE_BATCH: usize = 10_000;
+
+/// Stores the caller's record of a mutation's outcome (its idempotent
+/// answer) in the mutation's own transaction; it may run again when the
+/// job is re-run alone (see `Store::write`).
+pub type Recorder<O> = Box<dyn Fn(&Tx, &O) -> StoreResult<()> + Send + Sync>;
 
 /// What a mutation stores with its change: its audit event (completed with
 /// the build the outcome names) and, with an `Idempotency-Key`, its answer.
@@ -63,39 +64,6 @@ pub fn of_deployment(rx: &impl AuditLookup, id: &str) -> StoreResult<Vec<Event>>
         None,
         crate::audit::DEPLOYMENT_READ_EVENTS,
     )
-}
-
-/// Appends `draft` in `tx`; its log line and count follow the commit.
-pub fn append(tx: &Tx, draft: &Draft) -> StoreResult<()> {
-    let sealed = tx.append_audit(draft)?;
-    let event = sealed.event;
-    tx.after_commit(move || {
-        EVENTS_WRITTEN.fetch_add(1, Ordering::Relaxed);
-        log_line(&event);
-    });
-    Ok(())
-}
-
-/// The event as one structured log line, `audit=true`, for a log shipper
-/// to route to an audit tenant.
-fn log_line(e: &Event) {
-    let actor = e.actor.as_ref();
-    tracing::info!(
-        audit = true,
-        seq = e.seq,
-        action = %e.action,
-        result = e.result.as_str(),
-        reason = e.reason.as_deref().unwrap_or(""),
-        actor_subject = actor.map(|a| a.subject.as_str()).unwrap_or(""),
-        actor_issuer = actor.and_then(|a| a.issuer.as_deref()).unwrap_or(""),
-        trusted_backend = e.trusted_backend,
-        deployment = e.deployment.as_deref().unwrap_or(""),
-        build = e.build.as_deref().unwrap_or(""),
-        request_id = %e.request_id,
-        count = e.count,
-        hash = e.hash.as_deref().unwrap_or(""),
-        "audit event"
-    );
 }
 
 /// Anonymous denials in the current interval (audit.md): the first is

@@ -8,6 +8,7 @@
 
 pub mod actions;
 pub mod audit;
+pub mod audit_events;
 pub mod build;
 pub mod callbacks;
 pub mod deployer;
@@ -24,7 +25,8 @@ pub mod transition;
 pub mod updates;
 pub mod verdict;
 
-pub use requests::{CancelTaken, DestroyQueued, Mode, Recorder, SubmitInput, Submitted};
+pub use audit::Recorder;
+pub use requests::{CancelTaken, DestroyQueued, Mode, SubmitInput, Submitted};
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64};

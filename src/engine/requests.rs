@@ -25,10 +25,6 @@ use crate::model::*;
 use crate::store::Lookup;
 use crate::store::{PendingCallback, StoreError, StoreResult, Tx};
 
-/// Stores the caller's record of a mutation's outcome (its idempotent
-/// answer) in the mutation's own transaction.
-pub type Recorder<O> = Box<dyn Fn(&Tx, &O) -> StoreResult<()> + Send + Sync>;
-
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mode {
     Replace,

@@ -98,7 +98,7 @@ impl<'t, 'a> Change<'t, 'a> {
     /// Appends the audit event of this change to the chain, in this
     /// transaction: the change and its event commit together or not at all.
     pub fn audit(&self, draft: &crate::audit::Draft) -> StoreResult<()> {
-        super::audit::append(self.tx, draft)
+        super::audit_events::append(self.tx, draft)
     }
 
     /// Queues a new build of `d`: counted as pending, the deployment's last

@@ -241,7 +241,7 @@ impl Engine {
                 let mut audit =
                     system_draft("automatic_update", Some(id.clone()), Outcome::Refused);
                 audit.reason = Some(reason.to_string());
-                super::audit::append(tx, &audit)?;
+                super::audit_events::append(tx, &audit)?;
                 tx.put_update_try(
                     &id,
                     &UpdateTry {

@@ -161,7 +161,15 @@ async fn kill_9_at_random_instants_loses_nothing_acknowledged() {
                 ))
             })
             .collect();
-        tokio::time::sleep(Duration::from_millis(50 + rng.below(400))).await;
+        // The kill lands at a random instant once work is flowing: on a
+        // loaded machine the first answer can take longer than the window.
+        let flowing = std::time::Instant::now();
+        while flowing.elapsed() < Duration::from_secs(5)
+            && !log.lock().unwrap().iter().any(|m| m.answer.is_some())
+        {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(rng.below(400))).await;
         s.kill();
         for c in clients {
             let _ = c.await;
