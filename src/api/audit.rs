@@ -10,7 +10,7 @@ use super::errors::{ApiError, Code};
 use super::{cursor, Ctx, Reply, Request};
 use crate::audit::merkle;
 use crate::audit::{Actor, Draft, Event, Outcome};
-use crate::model::{format_build_id, is_valid_deployment_id, now_millis, parse_build_id};
+use crate::model::{format_build_id, is_valid_deployment_id, parse_build_id};
 use crate::store::{AuditLookup, Lookup, StoredNodes};
 
 /// Events one page of `GET /v1/audit` holds at most.
@@ -40,18 +40,11 @@ pub fn draft(
             .and_then(|rx| rx.build(b).ok().flatten())
             .map(|b| b.deployment);
     }
-    Draft {
-        at: now_millis(),
-        actor: None,
-        trusted_backend: false,
-        action,
-        deployment,
-        build: build.map(format_build_id),
-        request_id: request_id.to_string(),
-        result: Outcome::Ok,
-        reason: None,
-        count: 1,
-    }
+    // The same event as berth's own, then the request's id and build.
+    let mut draft = crate::engine::audit::system_draft(action, deployment, Outcome::Ok);
+    draft.build = build.map(format_build_id);
+    draft.request_id = request_id.to_string();
+    draft
 }
 
 /// The draft with the caller filled in.
