@@ -8,6 +8,7 @@ pub mod audit_cli;
 pub mod derive;
 pub mod engine;
 pub mod events;
+pub mod export;
 pub mod hex;
 pub mod local_deployer;
 pub mod locks;

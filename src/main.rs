@@ -22,6 +22,16 @@ fn main() {
                 audit_origin,
             } => berth::audit_cli::run_public_key(&data_dir, audit_origin.as_deref()),
         },
+        Command::Export {
+            data_dir,
+            to,
+            replace,
+        } => berth::export::run_export(&data_dir, &to, replace),
+        Command::Import {
+            data_dir,
+            from,
+            replace,
+        } => berth::export::run_import(&data_dir, &from, replace),
         Command::Deployer {
             deployer: DeployerCommand::Local { verb },
         } => berth::local_deployer::run(&verb),

@@ -157,6 +157,15 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
                 .map_err(|e| format!("cannot set the mode of {}: {e}", dir.display()))?;
         }
     }
+    if let Some(source) = &settings.import_from {
+        let from =
+            crate::export::Endpoint::parse(source).map_err(|e| format!("--import-from: {e}"))?;
+        let data_dir = settings.data_dir.clone();
+        // The import drives its own PostgreSQL client: off the async workers.
+        tokio::task::spawn_blocking(move || crate::export::import_at_start(&data_dir, &from))
+            .await
+            .map_err(|e| format!("--import-from: {e}"))??;
+    }
     let store = Store::open(&settings.db_path())
         .map_err(|e| format!("cannot open {}: {e}", settings.db_path().display()))?;
     {

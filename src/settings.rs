@@ -32,6 +32,31 @@ pub enum Command {
         #[command(subcommand)]
         audit: AuditCommand,
     },
+    /// Copy the whole store into PostgreSQL or a SQLite file (one
+    /// consistent snapshot, one target transaction); works while the server
+    /// runs. Secrets are not exported: copy the key files to keep them.
+    Export {
+        #[arg(long, env = "BERTH_DATA_DIR", default_value = "./berth-data")]
+        data_dir: PathBuf,
+        /// sqlite:PATH or postgres://user@host:port/database
+        #[arg(long)]
+        to: String,
+        /// Overwrite an earlier berth export in the target.
+        #[arg(long)]
+        replace: bool,
+    },
+    /// Load the whole store from an export; the server must be stopped.
+    /// Refuses a store holding state unless --replace.
+    Import {
+        #[arg(long, env = "BERTH_DATA_DIR", default_value = "./berth-data")]
+        data_dir: PathBuf,
+        /// sqlite:PATH or postgres://user@host:port/database
+        #[arg(long)]
+        from: String,
+        /// Replace a store that holds state.
+        #[arg(long)]
+        replace: bool,
+    },
     /// Run a built-in deployer (berth calls this itself; see spec deployer.md).
     Deployer {
         #[command(subcommand)]
@@ -89,6 +114,12 @@ pub struct Settings {
     /// Directory holding berth.redb, secrets, work/ and scratch/.
     #[arg(long, env = "BERTH_DATA_DIR", default_value = "./berth-data")]
     pub data_dir: PathBuf,
+
+    /// Import an export (sqlite:PATH or postgres://...) into a new store at
+    /// start, once: the store records the source (no password) and the
+    /// time, and a later start with the flag still set imports nothing.
+    #[arg(long, env = "BERTH_IMPORT_FROM")]
+    pub import_from: Option<String>,
 
     /// File holding the service token; when absent berth generates
     /// <data-dir>/service-token (0600) on first start.

@@ -13,6 +13,7 @@
 mod audit;
 pub mod codec;
 pub mod compress;
+pub mod dump;
 mod error;
 pub mod logs;
 mod lookup;
@@ -242,6 +243,7 @@ fn init_schema(db: &Database) -> StoreResult<()> {
         txn.open_table(AUDIT_BY_DEPLOYMENT)?;
         txn.open_table(AUDIT_BY_ACTOR)?;
         txn.open_table(MERKLE_NODES)?;
+        txn.open_table(IDEMPOTENCY_EXPIRY)?;
     }
     txn.commit()?;
     Ok(())

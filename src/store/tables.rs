@@ -98,3 +98,32 @@ pub const AUDIT_BY_ACTOR: TableDefinition<(&str, u64), &[u8]> =
 /// Retention removes the subtrees inside the pruned prefix except its
 /// compact range.
 pub const MERKLE_NODES: TableDefinition<(u8, u64), &[u8]> = TableDefinition::new("merkle_nodes");
+
+/// Every table above by name: the store's table list. A test checks that a
+/// new store's file holds exactly these, and that the export carries or
+/// rebuilds each (`dump`).
+pub const ALL: &[&str] = &[
+    "meta",
+    "deployments",
+    "builds",
+    "deployment_builds",
+    "queued",
+    "running",
+    "log_chunks",
+    "idempotency",
+    "sources",
+    "describe_cache",
+    "callbacks",
+    "deployment_events",
+    "build_events",
+    "build_snapshots",
+    "update_tries",
+    "sbom_nodes",
+    "sbom_components",
+    "log_index",
+    "idempotency_expiry",
+    "audit_events",
+    "audit_by_deployment",
+    "audit_by_actor",
+    "merkle_nodes",
+];

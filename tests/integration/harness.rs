@@ -83,6 +83,7 @@ impl Server {
     }
 
     pub async fn start_in(dir: PathBuf, opts: Options) -> Server {
+        std::fs::create_dir_all(&dir).unwrap();
         let mut s = Server {
             dir,
             base: String::new(),

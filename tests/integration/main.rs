@@ -9,6 +9,7 @@ mod deploy;
 mod deployers;
 mod disk;
 mod events;
+mod export;
 mod faults;
 mod hostile;
 mod lifecycle;

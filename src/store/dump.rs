@@ -1,0 +1,630 @@
+//! The whole store as rows, and a new store file from rows: what `berth
+//! export` reads and `berth import` writes (storage.md "Export and import").
+//!
+//! It lives in the store because it is the one module that knows every
+//! table. A table is either *carried* (its rows go out one by one, decoded)
+//! or *rebuilt* (an index of a carried table, written again by the import
+//! from the rows it indexes). `tables::ALL` lists them all, and a test fails
+//! when one is neither, so a new table cannot be forgotten by the export.
+
+use std::path::Path;
+
+use redb::{Database, ReadableTable, ReadableTableMetadata, WriteTransaction};
+
+use super::compress::{compress, decompress};
+use super::tables::*;
+use super::tx::Tx;
+use super::{
+    component_row, decode, split_component_row, ChunkPlace, IdempotencyRecord, PendingCallback, Rx,
+    StoreError, StoreResult, StoredEvent,
+};
+use crate::audit::{self as chain, Outcome};
+use crate::model::{
+    BuildId, BuildRecord, BuildSnapshots, DeploymentRecord, NodeSbom, Source, UpdateTry,
+};
+
+/// The carried tables, in the order an import writes them (a row's parent
+/// before the row: builds before their logs).
+pub const CARRIED: &[&str] = &[
+    "meta",
+    "sources",
+    "describe_cache",
+    "deployments",
+    "builds",
+    "build_snapshots",
+    "log_chunks",
+    "build_events",
+    "deployment_events",
+    "callbacks",
+    "idempotency",
+    "update_tries",
+    "sbom_components",
+    "sbom_nodes",
+    "audit_events",
+    "merkle_nodes",
+];
+
+/// The indexes an import rebuilds, each with the carried table it indexes.
+pub const REBUILT: &[(&str, &str)] = &[
+    ("deployment_builds", "builds"),
+    ("queued", "builds"),
+    ("running", "builds"),
+    ("log_index", "log_chunks"),
+    ("idempotency_expiry", "idempotency"),
+    ("audit_by_deployment", "audit_events"),
+    ("audit_by_actor", "audit_events"),
+];
+
+/// One row of a carried table, decoded (compressed text decompressed).
+#[derive(Debug, Clone)]
+pub enum Row {
+    Meta {
+        key: String,
+        value: Vec<u8>,
+    },
+    Source(Source),
+    Describe {
+        digest: String,
+        json: String,
+    },
+    Deployment(Box<DeploymentRecord>),
+    Build(Box<BuildRecord>),
+    Snapshots {
+        build: BuildId,
+        snapshots: Box<BuildSnapshots>,
+    },
+    LogChunk {
+        build: BuildId,
+        number: u32,
+        first_line: u64,
+        /// The chunk's text (whole lines), decompressed.
+        text: Vec<u8>,
+    },
+    BuildEvent {
+        build: BuildId,
+        seq: u64,
+        event: StoredEvent,
+    },
+    DeploymentEvent {
+        deployment: String,
+        seq: u64,
+        event: StoredEvent,
+    },
+    Callback {
+        build: BuildId,
+        callback: PendingCallback,
+    },
+    Idempotency {
+        /// "subject\0route\0key".
+        identity: String,
+        record: IdempotencyRecord,
+    },
+    UpdateTry {
+        deployment: String,
+        record: UpdateTry,
+    },
+    Component {
+        hash: [u8; 32],
+        refs: u32,
+        /// The component's RFC 8785 text, decompressed.
+        text: Vec<u8>,
+    },
+    SbomNode {
+        deployment: String,
+        node: String,
+        /// Its `skeleton` holds the skeleton's JSON text, decompressed.
+        sbom: NodeSbom,
+    },
+    Audit {
+        seq: u64,
+        hash: [u8; 32],
+        /// The event's RFC 8785 text, exactly as chained.
+        canonical: Vec<u8>,
+    },
+    MerkleNode {
+        level: u8,
+        index: u64,
+        hash: [u8; 32],
+    },
+}
+
+impl Row {
+    /// The carried table this row belongs to.
+    pub fn table(&self) -> &'static str {
+        match self {
+            Row::Meta { .. } => "meta",
+            Row::Source(_) => "sources",
+            Row::Describe { .. } => "describe_cache",
+            Row::Deployment(_) => "deployments",
+            Row::Build(_) => "builds",
+            Row::Snapshots { .. } => "build_snapshots",
+            Row::LogChunk { .. } => "log_chunks",
+            Row::BuildEvent { .. } => "build_events",
+            Row::DeploymentEvent { .. } => "deployment_events",
+            Row::Callback { .. } => "callbacks",
+            Row::Idempotency { .. } => "idempotency",
+            Row::UpdateTry { .. } => "update_tries",
+            Row::Component { .. } => "sbom_components",
+            Row::SbomNode { .. } => "sbom_nodes",
+            Row::Audit { .. } => "audit_events",
+            Row::MerkleNode { .. } => "merkle_nodes",
+        }
+    }
+}
+
+fn hash32(bytes: &[u8], what: &str) -> StoreResult<[u8; 32]> {
+    bytes
+        .try_into()
+        .map_err(|_| StoreError::corrupt(format!("{what} is not a 32-byte hash")))
+}
+
+fn utf8(bytes: Vec<u8>, what: &str) -> StoreResult<String> {
+    String::from_utf8(bytes).map_err(|_| StoreError::corrupt(format!("{what} is not UTF-8")))
+}
+
+/// Calls `each` for every row of `table` in key order.
+type Sink<'a> = &'a mut dyn FnMut(Row) -> StoreResult<()>;
+
+impl Rx {
+    /// How many rows a carried table holds (for progress).
+    pub fn carried_rows(&self, table: &str) -> StoreResult<u64> {
+        if !self.has_table(table)? {
+            return Ok(0);
+        }
+        let txn = &self.txn;
+        Ok(match table {
+            "meta" => txn.open_table(META)?.len()?,
+            "sources" => txn.open_table(SOURCES)?.len()?,
+            "describe_cache" => txn.open_table(DESCRIBE_CACHE)?.len()?,
+            "deployments" => txn.open_table(DEPLOYMENTS)?.len()?,
+            "builds" => txn.open_table(BUILDS)?.len()?,
+            "build_snapshots" => txn.open_table(BUILD_SNAPSHOTS)?.len()?,
+            "log_chunks" => txn.open_table(LOG_CHUNKS)?.len()?,
+            "build_events" => txn.open_table(BUILD_EVENTS)?.len()?,
+            "deployment_events" => txn.open_table(DEPLOYMENT_EVENTS)?.len()?,
+            "callbacks" => txn.open_table(CALLBACKS)?.len()?,
+            "idempotency" => txn.open_table(IDEMPOTENCY)?.len()?,
+            "update_tries" => txn.open_table(UPDATE_TRIES)?.len()?,
+            "sbom_components" => txn.open_table(SBOM_COMPONENTS)?.len()?,
+            "sbom_nodes" => txn.open_table(SBOM_NODES)?.len()?,
+            "audit_events" => txn.open_table(AUDIT_EVENTS)?.len()?,
+            "merkle_nodes" => txn.open_table(MERKLE_NODES)?.len()?,
+            other => return Err(StoreError::other(format!("no carried table {other}"))),
+        })
+    }
+
+    /// Whether the file has `table` (a store from before it has not, and
+    /// a file only `berth serve` opened creates every table).
+    fn has_table(&self, table: &str) -> StoreResult<bool> {
+        use redb::TableHandle;
+        Ok(self.txn.list_tables()?.any(|t| t.name() == table))
+    }
+
+    /// Every row of the carried `table`, in key order, to `each`.
+    pub fn dump(&self, table: &str, each: Sink<'_>) -> StoreResult<()> {
+        if !self.has_table(table)? {
+            return Ok(());
+        }
+        let txn = &self.txn;
+        match table {
+            "meta" => {
+                for entry in txn.open_table(META)?.iter()? {
+                    let (k, v) = entry?;
+                    each(Row::Meta {
+                        key: k.value().to_string(),
+                        value: v.value().to_vec(),
+                    })?;
+                }
+            }
+            "sources" => {
+                for entry in txn.open_table(SOURCES)?.iter()? {
+                    each(Row::Source(decode(entry?.1.value())?))?;
+                }
+            }
+            "describe_cache" => {
+                for entry in txn.open_table(DESCRIBE_CACHE)?.iter()? {
+                    let (k, v) = entry?;
+                    each(Row::Describe {
+                        digest: k.value().to_string(),
+                        json: utf8(v.value().to_vec(), "a cached describe")?,
+                    })?;
+                }
+            }
+            "deployments" => {
+                for entry in txn.open_table(DEPLOYMENTS)?.iter()? {
+                    each(Row::Deployment(Box::new(decode(entry?.1.value())?)))?;
+                }
+            }
+            "builds" => {
+                for entry in txn.open_table(BUILDS)?.iter()? {
+                    each(Row::Build(Box::new(decode(entry?.1.value())?)))?;
+                }
+            }
+            "build_snapshots" => {
+                for entry in txn.open_table(BUILD_SNAPSHOTS)?.iter()? {
+                    let (k, v) = entry?;
+                    each(Row::Snapshots {
+                        build: k.value(),
+                        snapshots: Box::new(decode(v.value())?),
+                    })?;
+                }
+            }
+            "log_chunks" => {
+                for entry in txn.open_table(LOG_CHUNKS)?.iter()? {
+                    let (k, v) = entry?;
+                    let (build, number) = k.value();
+                    let (head, compressed) = v
+                        .value()
+                        .split_at_checked(8)
+                        .ok_or_else(|| StoreError::corrupt("a log chunk without its header"))?;
+                    let first_line = u64::from_le_bytes(
+                        head.try_into()
+                            .map_err(|_| StoreError::corrupt("a log chunk header"))?,
+                    );
+                    each(Row::LogChunk {
+                        build,
+                        number,
+                        first_line,
+                        text: decompress(compressed)?,
+                    })?;
+                }
+            }
+            "build_events" => {
+                for entry in txn.open_table(BUILD_EVENTS)?.iter()? {
+                    let (k, v) = entry?;
+                    let (build, seq) = k.value();
+                    each(Row::BuildEvent {
+                        build,
+                        seq,
+                        event: decode(v.value())?,
+                    })?;
+                }
+            }
+            "deployment_events" => {
+                for entry in txn.open_table(DEPLOYMENT_EVENTS)?.iter()? {
+                    let (k, v) = entry?;
+                    let (deployment, seq) = k.value();
+                    each(Row::DeploymentEvent {
+                        deployment: deployment.to_string(),
+                        seq,
+                        event: decode(v.value())?,
+                    })?;
+                }
+            }
+            "callbacks" => {
+                for entry in txn.open_table(CALLBACKS)?.iter()? {
+                    let (k, v) = entry?;
+                    each(Row::Callback {
+                        build: k.value(),
+                        callback: decode(v.value())?,
+                    })?;
+                }
+            }
+            "idempotency" => {
+                for entry in txn.open_table(IDEMPOTENCY)?.iter()? {
+                    let (k, v) = entry?;
+                    each(Row::Idempotency {
+                        identity: k.value().to_string(),
+                        record: decode(v.value())?,
+                    })?;
+                }
+            }
+            "update_tries" => {
+                for entry in txn.open_table(UPDATE_TRIES)?.iter()? {
+                    let (k, v) = entry?;
+                    each(Row::UpdateTry {
+                        deployment: k.value().to_string(),
+                        record: decode(v.value())?,
+                    })?;
+                }
+            }
+            "sbom_components" => {
+                for entry in txn.open_table(SBOM_COMPONENTS)?.iter()? {
+                    let (k, v) = entry?;
+                    let (refs, compressed) = split_component_row(v.value())?;
+                    each(Row::Component {
+                        hash: hash32(k.value(), "a component key")?,
+                        refs,
+                        text: decompress(compressed)?,
+                    })?;
+                }
+            }
+            "sbom_nodes" => {
+                for entry in txn.open_table(SBOM_NODES)?.iter()? {
+                    let (k, v) = entry?;
+                    let (deployment, node) = k.value();
+                    let mut sbom: NodeSbom = decode(v.value())?;
+                    if !sbom.skeleton.is_empty() {
+                        sbom.skeleton = decompress(&sbom.skeleton)?;
+                    }
+                    each(Row::SbomNode {
+                        deployment: deployment.to_string(),
+                        node: node.to_string(),
+                        sbom,
+                    })?;
+                }
+            }
+            "audit_events" => {
+                for entry in txn.open_table(AUDIT_EVENTS)?.iter()? {
+                    let (k, v) = entry?;
+                    let (hash, canonical) = v
+                        .value()
+                        .split_at_checked(32)
+                        .ok_or_else(|| StoreError::corrupt("an audit row without its hash"))?;
+                    each(Row::Audit {
+                        seq: k.value(),
+                        hash: hash32(hash, "an audit row's hash")?,
+                        canonical: canonical.to_vec(),
+                    })?;
+                }
+            }
+            "merkle_nodes" => {
+                for entry in txn.open_table(MERKLE_NODES)?.iter()? {
+                    let (k, v) = entry?;
+                    let (level, index) = k.value();
+                    each(Row::MerkleNode {
+                        level,
+                        index,
+                        hash: hash32(v.value(), "a Merkle node")?,
+                    })?;
+                }
+            }
+            other => return Err(StoreError::other(format!("no carried table {other}"))),
+        }
+        Ok(())
+    }
+}
+
+/// A new store file filled from rows in one write transaction. Nothing is
+/// visible under the store's name until the caller moves the finished file
+/// there (`finish` makes it durable first).
+pub struct Loader {
+    db: Database,
+    txn: WriteTransaction,
+    /// The build whose log chunks are being loaded, and the byte offset its
+    /// next chunk starts at (for the rebuilt `log_index`).
+    log_position: Option<(BuildId, u64)>,
+}
+
+impl Loader {
+    /// Creates the file at `path`, which must not exist.
+    pub fn create(path: &Path) -> StoreResult<Loader> {
+        if path.exists() {
+            return Err(StoreError::other(format!(
+                "{} already exists; remove it (an interrupted import leaves it behind)",
+                path.display()
+            )));
+        }
+        let db = super::writer::open_database(path)?;
+        // Every table exists, as in a store `berth serve` made; the rows'
+        // `meta` (schema version, build counts) then replaces the fresh one.
+        super::init_schema(&db)?;
+        let txn = db.begin_write()?;
+        Ok(Loader {
+            db,
+            txn,
+            log_position: None,
+        })
+    }
+
+    /// Writes one row and the index entries it implies.
+    pub fn load(&mut self, row: Row) -> StoreResult<()> {
+        let tx = Tx {
+            txn: &self.txn,
+            hooks: std::cell::RefCell::new(Vec::new()),
+        };
+        match row {
+            Row::Meta { key, value } => {
+                self.txn
+                    .open_table(META)?
+                    .insert(key.as_str(), value.as_slice())?;
+            }
+            Row::Source(s) => tx.put_source(&s)?,
+            Row::Describe { digest, json } => tx.put_describe(&digest, &json)?,
+            Row::Deployment(d) => tx.put_deployment(&d)?,
+            Row::Build(b) => tx.put_build(&b)?,
+            Row::Snapshots { build, snapshots } => tx.put_build_snapshots(build, &snapshots)?,
+            Row::LogChunk {
+                build,
+                number,
+                first_line,
+                text,
+            } => {
+                let first_byte = match self.log_position {
+                    Some((b, offset)) if b == build => offset,
+                    _ => 0,
+                };
+                let raw_len = text.len() as u64;
+                let place = ChunkPlace {
+                    number,
+                    first_line,
+                    first_byte,
+                    raw_len,
+                };
+                tx.put_log_chunk(build, &place, &compress(&text)?)?;
+                self.log_position = Some((build, first_byte + raw_len));
+            }
+            Row::BuildEvent { build, seq, event } => tx.put_build_event(build, seq, &event)?,
+            Row::DeploymentEvent {
+                deployment,
+                seq,
+                event,
+            } => tx.put_deployment_event(&deployment, seq, &event)?,
+            Row::Callback { build, callback } => tx.put_callback(build, &callback)?,
+            Row::Idempotency { identity, record } => tx.put_idempotency(&identity, &record)?,
+            Row::UpdateTry { deployment, record } => tx.put_update_try(&deployment, &record)?,
+            Row::Component { hash, refs, text } => {
+                let row = component_row(refs, &compress(&text)?);
+                self.txn
+                    .open_table(SBOM_COMPONENTS)?
+                    .insert(hash.as_slice(), row.as_slice())?;
+            }
+            Row::SbomNode {
+                deployment,
+                node,
+                mut sbom,
+            } => {
+                if !sbom.skeleton.is_empty() {
+                    sbom.skeleton = compress(&sbom.skeleton)?;
+                }
+                tx.put_sbom_node(&deployment, &node, &sbom)?;
+            }
+            Row::Audit {
+                seq,
+                hash,
+                canonical,
+            } => {
+                let mut row = Vec::with_capacity(32 + canonical.len());
+                row.extend_from_slice(&hash);
+                row.extend_from_slice(&canonical);
+                let event = chain::decode_row(&row)
+                    .map_err(|_| StoreError::corrupt("an audit row is not an event"))?;
+                if event.seq != seq {
+                    return Err(StoreError::corrupt(
+                        "an audit row's seq differs from its event's",
+                    ));
+                }
+                self.txn
+                    .open_table(AUDIT_EVENTS)?
+                    .insert(seq, row.as_slice())?;
+                // The same entries `Tx::append_audit` writes.
+                if let (Some(d), false) = (&event.deployment, event.result == Outcome::Denied) {
+                    self.txn
+                        .open_table(AUDIT_BY_DEPLOYMENT)?
+                        .insert((d.as_str(), seq), [].as_slice())?;
+                }
+                if let Some(actor) = &event.actor {
+                    self.txn
+                        .open_table(AUDIT_BY_ACTOR)?
+                        .insert((actor.key().as_str(), seq), [].as_slice())?;
+                }
+            }
+            Row::MerkleNode { level, index, hash } => {
+                self.txn
+                    .open_table(MERKLE_NODES)?
+                    .insert((level, index), hash.as_slice())?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes `meta` entries last (over any the rows carried), commits
+    /// durably and closes the file.
+    pub fn finish(self, meta: &[(&str, Vec<u8>)]) -> StoreResult<()> {
+        {
+            let mut table = self.txn.open_table(META)?;
+            for (key, value) in meta {
+                table.insert(*key, value.as_slice())?;
+            }
+        }
+        self.txn.commit()?;
+        self.db.close()?;
+        Ok(())
+    }
+}
+
+/// `meta` keys of a store made by an import: where from (never with a
+/// password) and when. `serve --import-from` reads them to import once.
+pub const IMPORTED_FROM_KEY: &str = "imported_from";
+pub const IMPORTED_AT_KEY: &str = "imported_at";
+
+/// What an import needs to know of an existing store before replacing it.
+#[derive(Debug, Clone, Default)]
+pub struct Inspection {
+    /// Any deployment, build or audit event.
+    pub holds_state: bool,
+    /// Where an earlier import came from (`meta`), if the store was made by one.
+    pub imported_from: Option<String>,
+    pub imported_at: Option<String>,
+}
+
+/// Opens the store at `path` for writing, which fails while a `berth serve`
+/// holds it (an import must not swap a file from under a running server),
+/// and reads what an import decides on.
+pub fn inspect(path: &Path) -> StoreResult<Inspection> {
+    let db = Database::builder()
+        .set_concurrency_mode(redb::ConcurrencyMode::SingleWriter)
+        .create(path)
+        .map_err(|e| match e {
+            redb::DatabaseError::DatabaseAlreadyOpen => StoreError::other(format!(
+                "{} is in use: stop berth serve on this data dir first",
+                path.display()
+            )),
+            other => StoreError::from(other),
+        })?;
+    let rx = Rx {
+        txn: redb::ReadableDatabase::begin_read(&db)?,
+    };
+    let non_empty = |name: &str| -> StoreResult<bool> {
+        let count = match name {
+            "deployments" => rx.txn.open_table(DEPLOYMENTS).map(|t| t.len()),
+            "builds" => rx.txn.open_table(BUILDS).map(|t| t.len()),
+            _ => rx.txn.open_table(AUDIT_EVENTS).map(|t| t.len()),
+        };
+        match count {
+            Ok(n) => Ok(n? > 0),
+            Err(redb::TableError::TableDoesNotExist(_)) => Ok(false),
+            Err(e) => Err(e.into()),
+        }
+    };
+    let holds_state =
+        non_empty("deployments")? || non_empty("builds")? || non_empty("audit_events")?;
+    let text = |key: &str| -> StoreResult<Option<String>> {
+        match rx.txn.open_table(META) {
+            Ok(meta) => Ok(meta
+                .get(key)?
+                .map(|v| String::from_utf8_lossy(v.value()).into_owned())),
+            Err(redb::TableError::TableDoesNotExist(_)) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    };
+    Ok(Inspection {
+        holds_state,
+        imported_from: text(IMPORTED_FROM_KEY)?,
+        imported_at: text(IMPORTED_AT_KEY)?,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use redb::TableHandle as _;
+
+    /// Every table of the store is carried or rebuilt, never both, never
+    /// neither; and a new store's file holds exactly the tables listed.
+    #[test]
+    fn every_table_is_carried_or_rebuilt() {
+        for name in ALL {
+            let carried = CARRIED.contains(name);
+            let rebuilt = REBUILT.iter().any(|(t, _)| t == name);
+            assert!(
+                carried ^ rebuilt,
+                "table {name}: add it to dump::CARRIED (with an export mapping) or dump::REBUILT"
+            );
+        }
+        for (index, from) in REBUILT {
+            assert!(CARRIED.contains(from), "{index} is rebuilt from {from}");
+        }
+        assert_eq!(CARRIED.len() + REBUILT.len(), ALL.len());
+
+        let dir = std::env::temp_dir().join(format!("berth-dump-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("berth.redb");
+        let store = super::super::Store::open(&path).unwrap();
+        store.close().unwrap();
+        drop(store);
+        let db = Database::open(&path).unwrap();
+        let rx = redb::ReadableDatabase::begin_read(&db).unwrap();
+        let mut on_disk: Vec<String> = rx
+            .list_tables()
+            .unwrap()
+            .map(|t| t.name().to_string())
+            .collect();
+        on_disk.sort();
+        let mut listed: Vec<String> = ALL.iter().map(|s| s.to_string()).collect();
+        listed.sort();
+        assert_eq!(on_disk, listed, "tables::ALL and the file disagree");
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}

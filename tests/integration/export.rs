@@ -1,0 +1,800 @@
+//! Export and import (storage.md "Export and import"): a store built
+//! through the HTTP API goes to the real PostgreSQL and to real SQLite files
+//! and comes back with every API read, log byte, SBOM and the audit verify
+//! report equal; an export is one snapshot of a live store; a failed export
+//! (its connection killed midway) leaves the target as it was; refusals
+//! change nothing; `serve --import-from` imports once.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use crate::harness::*;
+
+const PG_ADMIN: &str = "host=127.0.0.1 port=5432 user=postgres dbname=test";
+
+/// A database of its own on the real PostgreSQL, dropped at the end.
+struct PgDb {
+    name: String,
+}
+
+impl PgDb {
+    /// None (and a visible skip) when no PostgreSQL answers here.
+    async fn create(test: &str) -> Option<PgDb> {
+        let admin = match pg(PG_ADMIN).await {
+            Ok(c) => c,
+            Err(e) => {
+                skip(test, &format!("no PostgreSQL on 127.0.0.1:5432 ({e})"));
+                return None;
+            }
+        };
+        static NEXT_DB: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let name = format!(
+            "berth_it_{}_{}",
+            std::process::id(),
+            NEXT_DB.fetch_add(1, std::sync::atomic::Ordering::SeqCst)
+        );
+        // One statement per call: CREATE DATABASE refuses a transaction block.
+        for sql in [
+            format!("DROP DATABASE IF EXISTS {name}"),
+            format!("CREATE DATABASE {name}"),
+        ] {
+            admin.batch_execute(&sql).await.unwrap();
+        }
+        Some(PgDb { name })
+    }
+
+    fn url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:5432/{}", self.name)
+    }
+
+    async fn client(&self) -> tokio_postgres::Client {
+        pg(&format!(
+            "host=127.0.0.1 port=5432 user=postgres dbname={}",
+            self.name
+        ))
+        .await
+        .unwrap()
+    }
+}
+
+impl Drop for PgDb {
+    fn drop(&mut self) {
+        let _ = Command::new("psql")
+            .args(["-h", "127.0.0.1", "-U", "postgres", "-d", "test", "-qc"])
+            .arg(format!(
+                "DROP DATABASE IF EXISTS {} WITH (FORCE)",
+                self.name
+            ))
+            .output();
+    }
+}
+
+async fn pg(conn: &str) -> Result<tokio_postgres::Client, tokio_postgres::Error> {
+    let (client, connection) = tokio_postgres::connect(conn, tokio_postgres::NoTls).await?;
+    tokio::spawn(async move {
+        let _ = connection.await;
+    });
+    Ok(client)
+}
+
+/// `berth <args>`: exit code and stderr (where export and import report).
+fn berth_cli(args: &[&str]) -> (i32, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_berth"))
+        .args(args)
+        .output()
+        .expect("run berth");
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    eprintln!("berth {}: {stderr}", args.join(" "));
+    (out.status.code().unwrap_or(-1), stderr)
+}
+
+fn data(dir: &Path) -> String {
+    dir.join("data").display().to_string()
+}
+
+/// A deployer that writes `<plans>/<dep>/lines` log lines (20 by default),
+/// copies `<plans>/<dep>/scratch/` and `result.json`, and fails when
+/// `<plans>/<dep>/fail` exists.
+fn export_deployer(dir: &Path) -> (PathBuf, PathBuf) {
+    let plans = dir.join("plans");
+    std::fs::create_dir_all(&plans).unwrap();
+    let body = format!(
+        r#"{SCRIPT_PRELUDE}
+p="{plans}/$dep"
+case "$verb" in
+deploy)
+  n=20; [ -e "$p/lines" ] && n=$(cat "$p/lines")
+  seq 1 "$n" | sed "s/^/$dep line /"
+  [ -d "$p/scratch" ] && cp -r "$p/scratch/." "$BERTH_SCRATCH_DIR/"
+  if [ -e "$p/result.json" ]; then cp "$p/result.json" "$BERTH_RESULT"; else printf '{{"nodes":[]}}' > "$BERTH_RESULT"; fi
+  [ -e "$p/fail" ] && exit 1
+  exit 0;;
+destroy) echo "destroying $dep"; printf '{{}}' > "$BERTH_RESULT"; exit 0;;
+esac
+exit 2
+"#,
+        plans = plans.display()
+    );
+    (script(dir, "export-deployer.sh", &body), plans)
+}
+
+fn sbom_files() -> Vec<PathBuf> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/testdata/sbom");
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("the SBOM test data is missing at {}: {e}", dir.display()))
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "json"))
+        .collect();
+    files.sort();
+    files
+}
+
+/// Deploys `id` once and returns the build (whatever its end).
+async fn deploy(s: &Server, id: &str, n: u32) -> Value {
+    let b = s
+        .submit_ok(id, json!({"domain": format!("{id}.example.org"), "n": n}))
+        .await;
+    s.wait_build(&b, "final").await
+}
+
+/// A store with many deployments, a multi-MB log, SBOMs from real files, a
+/// failed build, a destroyed deployment and audit events.
+async fn populate(s: &Server, plans: &Path) -> Vec<String> {
+    let files = sbom_files();
+    let ids: Vec<String> = (0..8).map(|i| format!("d{i}")).collect();
+    for id in &ids {
+        std::fs::create_dir_all(plans.join(id)).unwrap();
+    }
+    // d0: a log of several MB.
+    std::fs::write(plans.join("d0/lines"), "250000").unwrap();
+    // d1: two nodes with real SBOMs.
+    let scratch = plans.join("d1/scratch");
+    std::fs::create_dir_all(&scratch).unwrap();
+    std::fs::copy(&files[0], scratch.join("a.json")).unwrap();
+    std::fs::copy(&files[1], scratch.join("b.json")).unwrap();
+    std::fs::write(
+        plans.join("d1/result.json"),
+        json!({"nodes": [
+            {"name": "web", "changed": true, "sbom": {"status": "ready", "path": "a.json"}},
+            {"name": "db", "changed": true, "sbom": {"status": "ready", "path": "b.json"}},
+        ]})
+        .to_string(),
+    )
+    .unwrap();
+    for (n, id) in ids.iter().enumerate() {
+        let b = deploy(s, id, 1).await;
+        assert_eq!(b["status"], "succeeded", "{b}\n{}", s.log());
+        if n % 2 == 0 {
+            deploy(s, id, 2).await;
+        }
+    }
+    // d2: a failed build; d3: destroyed.
+    std::fs::write(plans.join("d2/fail"), "").unwrap();
+    assert_eq!(deploy(s, "d2", 3).await["status"], "failed");
+    let r = s.delete("/v1/deployments/d3").send().await.unwrap();
+    assert!(r.status().is_success(), "{}", r.status());
+    eventually("d3 destroyed", || async {
+        let (status, d) = s.json("/v1/deployments/d3").await;
+        status == 404 || d["state"] == "idle"
+    })
+    .await;
+    // A denied call is audited too.
+    let r = s
+        .http
+        .get(s.url("/v1/deployments"))
+        .bearer_auth("wrong-token")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401);
+    ids
+}
+
+/// Every read a user can make of this store, by path.
+async fn reads(s: &Server, ids: &[String], audit_size: u64) -> BTreeMap<String, Value> {
+    let mut out = BTreeMap::new();
+    let mut get = |path: String, value: Value| {
+        out.insert(path, value);
+    };
+    let (_, list) = s.json("/v1/deployments?limit=100").await;
+    get("/v1/deployments".into(), list);
+    let mut builds = Vec::new();
+    for id in ids {
+        for path in [
+            format!("/v1/deployments/{id}"),
+            format!("/v1/deployments/{id}/sboms"),
+        ] {
+            let (status, v) = s.json(&path).await;
+            get(path, json!({"status": status, "body": v}));
+        }
+        let (_, sboms) = s.json(&format!("/v1/deployments/{id}/sboms")).await;
+        for node in sboms["nodes"].as_array().into_iter().flatten() {
+            let path = format!(
+                "/v1/deployments/{id}/sboms/{}",
+                node["node"].as_str().unwrap()
+            );
+            let (status, v) = s.json(&path).await;
+            get(path, json!({"status": status, "body": v}));
+        }
+        let (_, list) = s
+            .json(&format!("/v1/deployments/{id}/builds?limit=100"))
+            .await;
+        for b in list["items"].as_array().into_iter().flatten() {
+            builds.push(b["id"].as_str().unwrap().to_string());
+        }
+        get(format!("/v1/deployments/{id}/builds"), list);
+    }
+    for b in &builds {
+        get(format!("/v1/builds/{b}"), s.build(b).await);
+        get(
+            format!("/v1/builds/{b}/log"),
+            Value::String(s.log_text(b).await),
+        );
+        let mut sse = Sse::open(s.get(&format!("/v1/builds/{b}/events"))).await;
+        let events: Vec<Value> = sse
+            .until_end()
+            .await
+            .into_iter()
+            .map(|e| json!([e.id, e.event, e.data]))
+            .collect();
+        get(format!("/v1/builds/{b}/events"), Value::Array(events));
+    }
+    // Proofs come from the Merkle nodes (the first 3 events are pruned).
+    for path in [
+        format!("/v1/audit/consistency?from=5&to={audit_size}"),
+        format!("/v1/audit/proof?seq=6&size={audit_size}"),
+    ] {
+        let (status, v) = s.json(&path).await;
+        assert_eq!(status, 200, "{path}: {v}");
+        get(path, v);
+    }
+    out
+}
+
+/// The audit chain's size as `berth audit verify --json` reports it, and the report.
+fn verify(data_dir: &str) -> Value {
+    let (code, out) = berth(&["audit", "verify", "--json", "--data-dir", data_dir]);
+    assert_eq!(code, 0, "{out}");
+    serde_json::from_str(&out).unwrap()
+}
+
+/// Removes the oldest audit events (as retention does) so the chain has an
+/// anchor; the server must be stopped.
+async fn prune_first_audit_events(data_dir: &str, count: usize) {
+    let store = berth::store::Store::open(&Path::new(data_dir).join("berth.redb")).unwrap();
+    let pruned = store
+        .write(move |tx| tx.prune_audit(i64::MAX, count))
+        .await
+        .unwrap();
+    assert!(pruned.is_some(), "nothing pruned");
+    store.close().unwrap();
+}
+
+/// Every row of every export table on PostgreSQL, as JSON text, without
+/// the facts that differ by design (when, and an import's own record).
+async fn pg_rows(db: &PgDb) -> BTreeMap<String, Vec<String>> {
+    let c = db.client().await;
+    let mut out = BTreeMap::new();
+    for t in berth::export::schema::TABLES {
+        let key: Vec<String> = t.primary_key.iter().map(|k| format!("\"{k}\"")).collect();
+        let rows = c
+            .query(
+                &format!(
+                    "SELECT to_jsonb(t)::text FROM \"{}\" t ORDER BY {}",
+                    t.name,
+                    key.join(", ")
+                ),
+                &[],
+            )
+            .await
+            .unwrap();
+        let texts: Vec<String> = rows
+            .iter()
+            .map(|r| r.get::<_, String>(0))
+            .filter(|row| !row.contains("\"key\": \"imported_"))
+            .collect();
+        out.insert(t.name.to_string(), texts);
+    }
+    out
+}
+
+/// The SQL blocks of docs/export-schema.md for one database: (title, query).
+fn doc_queries(flavour: &str) -> Vec<(String, String)> {
+    let doc = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/export-schema.md"),
+    )
+    .expect("docs/export-schema.md");
+    let mut out = Vec::new();
+    for block in doc.split("```sql\n").skip(1) {
+        let body = block.split("```").next().unwrap();
+        let first = body.lines().next().unwrap_or("");
+        if let Some(title) = first.strip_prefix(&format!("-- {flavour}: ")) {
+            out.push((title.to_string(), body.to_string()));
+        }
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_comes_back_equal_from_postgres_and_sqlite() {
+    let test = "export::a_store_comes_back_equal_from_postgres_and_sqlite";
+    let Some(db1) = PgDb::create(test).await else {
+        return;
+    };
+    let db2 = PgDb::create(test).await.unwrap();
+    let dir = temp_dir("export-roundtrip");
+    let (deployer, plans) = export_deployer(&dir);
+    let opts = Options::default().deployer(&deployer);
+    let mut original = Server::start_in(dir.join("original"), opts).await;
+    let ids = populate(&original, &plans).await;
+    let original_data = data(&original.dir);
+    original.terminate();
+    prune_first_audit_events(&original_data, 3).await;
+    original.launch().await;
+    let report = verify(&original_data);
+    let audit_size = report["head"]["seq"].as_u64().unwrap();
+    let before = reads(&original, &ids, audit_size).await;
+    assert_eq!(report["anchor"]["removed_count"], 3, "{report}");
+    let big_id = before["/v1/deployments/d0/builds"]["items"][0]["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let big_log = before[&format!("/v1/builds/{big_id}/log")]
+        .as_str()
+        .unwrap()
+        .len();
+    assert!(big_log > 3_000_000, "the big log has {big_log} bytes");
+
+    // Export while the server runs.
+    let (code, err) = berth_cli(&["export", "--data-dir", &original_data, "--to", &db1.url()]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        err.contains("exported log_chunks:"),
+        "one line per table: {err}"
+    );
+
+    // A second export into the same database is refused without --replace.
+    let (code, err) = berth_cli(&["export", "--data-dir", &original_data, "--to", &db1.url()]);
+    assert_eq!(code, 1);
+    assert!(err.contains("--replace"), "{err}");
+
+    // An export whose connection is killed midway leaves the target as it was.
+    let exported_rows = pg_rows(&db1).await;
+    killed_export_changes_nothing(&db1, &original_data, &exported_rows).await;
+    original.terminate();
+
+    // PostgreSQL -> a new store: every read equal.
+    let a = temp_dir("export-a");
+    let a_data = data(&a);
+    let (code, err) = berth_cli(&["import", "--data-dir", &a_data, "--from", &db1.url()]);
+    assert_eq!(code, 0, "{err}");
+    let mut imported_verify = verify(&a_data);
+    let mut original_verify = report.clone();
+    for r in [&mut imported_verify, &mut original_verify] {
+        r.as_object_mut().unwrap().remove("checked_at");
+    }
+    assert_eq!(imported_verify, original_verify, "audit verify differs");
+    // On to SQLite before a server opens the copy (its dir goes with it).
+    let sqlite = dir.join("export.sqlite");
+    let to = format!("sqlite:{}", sqlite.display());
+    let (code, err) = berth_cli(&["export", "--data-dir", &a_data, "--to", &to]);
+    assert_eq!(code, 0, "{err}");
+    let copy = Server::start_in(a.clone(), Options::default().deployer(&deployer)).await;
+    let after = reads(&copy, &ids, audit_size).await;
+    assert_eq!(before.len(), after.len());
+    for (path, value) in &before {
+        assert_eq!(Some(value), after.get(path), "{path} differs after import");
+    }
+    // An idempotency key replays its stored answer on the copy.
+    let replay = copy
+        .post(
+            "/v1/deployments/d5/submit",
+            &json!({"configuration": {"domain": "d5.example.org", "n": 1}, "mode": "enqueue"}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(replay.status(), 202);
+    drop(copy);
+
+    // The documented queries on the PostgreSQL export.
+    let failed = before["/v1/deployments/d2/builds"]["items"][0]["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let big = before["/v1/deployments/d0/builds"]["items"][0]["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let c = db1.client().await;
+    let queries = doc_queries("postgres");
+    assert_eq!(queries.len(), 3, "three PostgreSQL queries in the doc");
+    for (title, sql) in &queries {
+        let sql = sql.replace("$BUILD", &big);
+        let rows = c
+            .query(sql.as_str(), &[])
+            .await
+            .unwrap_or_else(|e| panic!("{title}: {e}"));
+        check_doc_query(title, &rows_as_text(&rows), &before, &failed, &big);
+    }
+
+    // PostgreSQL -> SQLite -> redb -> PostgreSQL: equal rows.
+    let conn = rusqlite::Connection::open(&sqlite).unwrap();
+    let queries = doc_queries("sqlite");
+    assert_eq!(queries.len(), 3, "three SQLite queries in the doc");
+    for (title, sql) in &queries {
+        let sql = sql.replace("$BUILD", &big);
+        let mut stmt = conn
+            .prepare(&sql)
+            .unwrap_or_else(|e| panic!("{title}: {e}"));
+        let n = stmt.column_count();
+        let rows: Vec<Vec<String>> = stmt
+            .query_map([], |r| {
+                (0..n)
+                    .map(|i| {
+                        r.get::<_, rusqlite::types::Value>(i).map(|v| match v {
+                            rusqlite::types::Value::Text(t) => t,
+                            rusqlite::types::Value::Integer(n) => n.to_string(),
+                            other => format!("{other:?}"),
+                        })
+                    })
+                    .collect()
+            })
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap();
+        check_doc_query(title, &rows, &before, &failed, &big);
+    }
+    drop(conn);
+    let b = temp_dir("export-b");
+    let b_data = data(&b);
+    let (code, err) = berth_cli(&["import", "--data-dir", &b_data, "--from", &to]);
+    assert_eq!(code, 0, "{err}");
+    let (code, err) = berth_cli(&["export", "--data-dir", &b_data, "--to", &db2.url()]);
+    assert_eq!(code, 0, "{err}");
+    let round_trip = pg_rows(&db2).await;
+    for (table, rows) in &exported_rows {
+        assert_eq!(rows.len(), round_trip[table].len(), "rows of {table}");
+        for (x, y) in rows.iter().zip(&round_trip[table]) {
+            assert_eq!(x, y, "a row of {table} changed on the round trip");
+        }
+    }
+    let _ = std::fs::remove_dir_all(&a);
+    let _ = std::fs::remove_dir_all(&b);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+fn rows_as_text(rows: &[tokio_postgres::Row]) -> Vec<Vec<String>> {
+    rows.iter()
+        .map(|r| {
+            (0..r.len())
+                .map(|i| {
+                    r.try_get::<_, String>(i)
+                        .or_else(|_| r.try_get::<_, i64>(i).map(|n| n.to_string()))
+                        .or_else(|_| r.try_get::<_, uuid::Uuid>(i).map(|u| u.to_string()))
+                        .unwrap_or_else(|_| "?".into())
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// What each documented query must answer on this store.
+fn check_doc_query(
+    title: &str,
+    rows: &[Vec<String>],
+    before: &BTreeMap<String, Value>,
+    failed: &str,
+    big: &str,
+) {
+    if title.starts_with("failed builds") {
+        assert!(
+            rows.iter().any(|r| r.iter().any(|c| c == failed)),
+            "{title}: {rows:?} lacks {failed}"
+        );
+        assert_eq!(rows.len(), 1, "{title}: {rows:?}");
+    } else if title.starts_with("deployments by state") {
+        let mut expected: BTreeMap<String, i64> = BTreeMap::new();
+        for d in before["/v1/deployments"]["items"].as_array().unwrap() {
+            *expected
+                .entry(d["state"].as_str().unwrap().to_string())
+                .or_default() += 1;
+        }
+        let got: BTreeMap<String, i64> = rows
+            .iter()
+            .map(|r| (r[0].clone(), r[1].parse().unwrap()))
+            .collect();
+        assert_eq!(got, expected, "{title}");
+    } else if title.starts_with("a build's log") {
+        let log = before[&format!("/v1/builds/{big}/log")].as_str().unwrap();
+        assert_eq!(rows.len(), 1, "{title}");
+        assert!(
+            rows[0][0] == log,
+            "{title}: the log differs from GET .../log"
+        );
+    } else {
+        panic!("a query the test does not know: {title}");
+    }
+}
+
+/// Runs an export with --replace and terminates its PostgreSQL backend
+/// while it copies rows; the database must hold the earlier export.
+async fn killed_export_changes_nothing(
+    db: &PgDb,
+    data_dir: &str,
+    before: &BTreeMap<String, Vec<String>>,
+) {
+    let admin = pg(PG_ADMIN).await.unwrap();
+    let url = format!("{}?application_name=berth-export-kill", db.url());
+    for _attempt in 0..5 {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_berth"))
+            .args(["export", "--replace", "--data-dir", data_dir, "--to", &url])
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut killed = false;
+        while child.try_wait().unwrap().is_none() {
+            let rows = admin
+                .query(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+                     WHERE application_name = 'berth-export-kill' AND query LIKE 'COPY \"log_chunks\"%'",
+                    &[],
+                )
+                .await
+                .unwrap();
+            if !rows.is_empty() {
+                killed = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let out = child.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        if !killed {
+            // Finished before it was caught: that export replaced the rows
+            // with equal ones; try again.
+            assert!(out.status.success(), "{stderr}");
+            continue;
+        }
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        assert!(stderr.contains("nothing was changed"), "{stderr}");
+        let now = pg_rows(db).await;
+        assert_eq!(&now, before, "a killed export changed the target");
+        return;
+    }
+    panic!("five exports finished before their connection could be killed");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_export_is_one_snapshot_of_a_build_writing_its_log() {
+    let dir = temp_dir("export-live");
+    let deployer = script(
+        &dir,
+        "slow.sh",
+        &format!(
+            "{SCRIPT_PRELUDE}\ni=0\nwhile [ $i -lt 4000 ]; do i=$((i+1)); echo \"line $i\"; [ $((i % 50)) -eq 0 ] && sleep 0.01; done\nprintf '{{\"nodes\":[]}}' > \"$BERTH_RESULT\"\n"
+        ),
+    );
+    let s = Server::start(Options::default().deployer(&deployer)).await;
+    let build = s.submit_ok("live", json!({"domain": "live.org"})).await;
+    s.wait_build(&build, "running").await;
+    let data_dir = data(&s.dir);
+    let mut exports = Vec::new();
+    for n in 0..3 {
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        let file = dir.join(format!("live-{n}.sqlite"));
+        let (code, err) = berth_cli(&[
+            "export",
+            "--data-dir",
+            &data_dir,
+            "--to",
+            &format!("sqlite:{}", file.display()),
+        ]);
+        assert_eq!(code, 0, "{err}");
+        exports.push(file);
+    }
+    s.wait_build(&build, "final").await;
+    let mut seen_lines = Vec::new();
+    for file in &exports {
+        let conn = rusqlite::Connection::open(file).unwrap();
+        // The build record and its log chunks are of one instant.
+        let (lines, bytes): (i64, i64) = conn
+            .query_row(
+                "SELECT log_lines, log_bytes FROM builds WHERE build_id = ?1",
+                [&build],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .unwrap();
+        let text: String = conn
+            .query_row(
+                "SELECT coalesce(group_concat(text, ''), '') FROM \
+                 (SELECT text FROM log_chunks WHERE build_id = ?1 ORDER BY chunk)",
+                [&build],
+                |r| r.get(0),
+            )
+            .unwrap();
+        assert_eq!(text.len() as i64, bytes, "log bytes vs the build record");
+        assert_eq!(
+            text.lines().count() as i64,
+            lines,
+            "log lines vs the build record"
+        );
+        for (i, line) in text.lines().enumerate() {
+            assert_eq!(line, format!("line {}", i + 1));
+        }
+        seen_lines.push(lines);
+    }
+    assert!(
+        seen_lines.iter().any(|&n| n > 0 && n < 4000),
+        "no export caught the build midway: {seen_lines:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_exports_and_imports_change_nothing() {
+    let dir = temp_dir("export-refusals");
+    let mut s = Server::start(Options::default()).await;
+    s.submit_ok("r1", mastodon("r1.org")).await;
+    let data_dir = data(&s.dir);
+    s.terminate();
+
+    // A SQLite file that is not ours, and a file that is not SQLite.
+    let foreign = dir.join("foreign.sqlite");
+    {
+        let c = rusqlite::Connection::open(&foreign).unwrap();
+        c.execute_batch("CREATE TABLE customers (id INTEGER); INSERT INTO customers VALUES (1)")
+            .unwrap();
+    }
+    let text = dir.join("notes.txt");
+    std::fs::write(&text, "not a database, just notes ".repeat(200)).unwrap();
+    for (file, expected) in [
+        (&foreign, "not a berth export"),
+        (&text, "is not a SQLite database"),
+    ] {
+        let before = std::fs::read(file).unwrap();
+        for replace in [false, true] {
+            let to = format!("sqlite:{}", file.display());
+            let mut args = vec!["export", "--data-dir", &data_dir, "--to", &to];
+            if replace {
+                args.push("--replace");
+            }
+            let (code, err) = berth_cli(&args);
+            assert_eq!(code, 1);
+            assert!(err.contains(expected), "{err}");
+            assert_eq!(
+                std::fs::read(file).unwrap(),
+                before,
+                "{} changed",
+                file.display()
+            );
+        }
+    }
+
+    // An export of a newer schema version is neither replaced nor imported.
+    let newer = dir.join("newer.sqlite");
+    let to = format!("sqlite:{}", newer.display());
+    assert_eq!(
+        berth_cli(&["export", "--data-dir", &data_dir, "--to", &to]).0,
+        0
+    );
+    {
+        let c = rusqlite::Connection::open(&newer).unwrap();
+        c.execute(
+            "UPDATE berth_meta SET value = '99' WHERE key = 'schema_version'",
+            [],
+        )
+        .unwrap();
+    }
+    let (code, err) = berth_cli(&["export", "--replace", "--data-dir", &data_dir, "--to", &to]);
+    assert_eq!(code, 1);
+    assert!(err.contains("newer"), "{err}");
+    let fresh = dir.join("fresh");
+    let (code, err) = berth_cli(&["import", "--data-dir", &data(&fresh), "--from", &to]);
+    assert_eq!(code, 1);
+    assert!(err.contains("newer"), "{err}");
+    assert!(
+        !fresh.join("data/berth.redb").exists(),
+        "a refused import left a store"
+    );
+
+    // A missing file, an unreachable database, a foreign SQLite file as source.
+    for (from, expected) in [
+        (
+            format!("sqlite:{}", dir.join("missing.sqlite").display()),
+            "does not exist",
+        ),
+        (
+            "postgres://postgres:hunter2@127.0.0.1:1/x".to_string(),
+            "cannot connect",
+        ),
+        (
+            format!("sqlite:{}", foreign.display()),
+            "not a berth export",
+        ),
+    ] {
+        let (code, err) = berth_cli(&["import", "--data-dir", &data(&fresh), "--from", &from]);
+        assert_eq!(code, 1);
+        assert!(err.contains(expected), "{err}");
+        assert!(!err.contains("hunter2"), "a password was echoed: {err}");
+    }
+
+    // A store holding state is not replaced unless asked, and never while
+    // a server holds it.
+    let mut other = Server::start(Options::default()).await;
+    other.submit_ok("x1", mastodon("x1.org")).await;
+    let other_data = data(&other.dir);
+    other.terminate();
+    let other_export = dir.join("other.sqlite");
+    let from = format!("sqlite:{}", other_export.display());
+    assert_eq!(
+        berth_cli(&["export", "--data-dir", &other_data, "--to", &from]).0,
+        0
+    );
+    let (code, err) = berth_cli(&["import", "--data-dir", &data_dir, "--from", &from]);
+    assert_eq!(code, 1);
+    assert!(err.contains("--replace"), "{err}");
+    s.launch().await;
+    assert_eq!(s.json("/v1/deployments/r1").await.0, 200);
+    assert_eq!(s.json("/v1/deployments/x1").await.0, 404);
+    let (code, err) = berth_cli(&[
+        "import",
+        "--replace",
+        "--data-dir",
+        &data_dir,
+        "--from",
+        &from,
+    ]);
+    assert_eq!(code, 1);
+    assert!(err.contains("in use"), "{err}");
+    assert_eq!(s.json("/v1/deployments/r1").await.0, 200);
+    s.terminate();
+    let (code, err) = berth_cli(&[
+        "import",
+        "--replace",
+        "--data-dir",
+        &data_dir,
+        "--from",
+        &from,
+    ]);
+    assert_eq!(code, 0, "{err}");
+    s.launch().await;
+    assert_eq!(s.json("/v1/deployments/x1").await.0, 200);
+    assert_eq!(s.json("/v1/deployments/r1").await.0, 404);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_imports_from_an_export_exactly_once() {
+    let dir = temp_dir("import-at-start");
+    let mut s = Server::start(Options::default()).await;
+    let build = s.submit_ok("old", mastodon("old.org")).await;
+    s.wait_build(&build, "final").await;
+    let old_log = s.log_text(&build).await;
+    let data_dir = data(&s.dir);
+    s.terminate();
+    let file = dir.join("old-service.sqlite");
+    let from = format!("sqlite:{}", file.display());
+    assert_eq!(
+        berth_cli(&["export", "--data-dir", &data_dir, "--to", &from]).0,
+        0
+    );
+
+    let opts = Options::default().arg("--import-from").arg(&from);
+    let mut fresh = Server::start_in(dir.join("new"), opts).await;
+    assert_eq!(fresh.log_text(&build).await, old_log);
+    // Work done after the import survives a restart with the flag still set.
+    let newer = fresh.submit_ok("new", mastodon("new.org")).await;
+    fresh.wait_build(&newer, "final").await;
+    fresh.terminate();
+    fresh.launch().await;
+    let (status, _) = fresh.json("/v1/deployments/new").await;
+    assert_eq!(status, 200, "a restart imported again over newer work");
+    assert!(fresh.log().contains("imported already"), "{}", fresh.log());
+    let imported = fresh.log().matches("imported the store").count();
+    assert_eq!(imported, 1, "{}", fresh.log());
+    let _ = std::fs::remove_dir_all(&dir);
+}
