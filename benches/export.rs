@@ -44,8 +44,7 @@ fn run(cmd: &mut Command) -> f64 {
 }
 
 fn psql(db: &str, sql: &str) {
-    run(Command::new("psql")
-        .args(["-h", "127.0.0.1", "-U", "postgres", "-qd", db, "-c", sql]));
+    run(Command::new("psql").args(["-h", "127.0.0.1", "-U", "postgres", "-qd", db, "-c", sql]));
 }
 
 /// Fills a store through the import path (the same rows an export carries).
@@ -177,7 +176,16 @@ fn main() {
         return;
     }
     let probe = Command::new("psql")
-        .args(["-h", "127.0.0.1", "-U", "postgres", "-qd", "test", "-c", "SELECT 1"])
+        .args([
+            "-h",
+            "127.0.0.1",
+            "-U",
+            "postgres",
+            "-qd",
+            "test",
+            "-c",
+            "SELECT 1",
+        ])
         .output();
     if !probe.is_ok_and(|o| o.status.success()) {
         eprintln!("skipped: benches/export: no PostgreSQL on 127.0.0.1:5432");
@@ -228,7 +236,17 @@ fn main() {
         dump_file.display()
     )));
     let restore = run(Command::new("psql")
-        .args(["-h", "127.0.0.1", "-U", "postgres", "-q", "-o", "/dev/null", "-d", &restored])
+        .args([
+            "-h",
+            "127.0.0.1",
+            "-U",
+            "postgres",
+            "-q",
+            "-o",
+            "/dev/null",
+            "-d",
+            &restored,
+        ])
         .arg("-f")
         .arg(&dump_file));
     let import_pg = run(Command::new(berth)
@@ -248,13 +266,36 @@ fn main() {
             base / ours
         );
     };
-    line("export to SQLite", export_sqlite, "sqlite3 .backup of the export", backup);
-    line("import from SQLite", import_sqlite, "sqlite3 .backup of the export", backup);
-    line("export to PostgreSQL", export_pg, "pg_dump of the export", dump);
-    line("import from PostgreSQL", import_pg, "psql restore of that dump", restore);
+    line(
+        "export to SQLite",
+        export_sqlite,
+        "sqlite3 .backup of the export",
+        backup,
+    );
+    line(
+        "import from SQLite",
+        import_sqlite,
+        "sqlite3 .backup of the export",
+        backup,
+    );
+    line(
+        "export to PostgreSQL",
+        export_pg,
+        "pg_dump of the export",
+        dump,
+    );
+    line(
+        "import from PostgreSQL",
+        import_pg,
+        "psql restore of that dump",
+        restore,
+    );
 
     for name in [&db, &restored] {
-        psql("test", &format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"));
+        psql(
+            "test",
+            &format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"),
+        );
     }
     let _ = std::fs::remove_dir_all(&dir);
 }

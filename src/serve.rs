@@ -102,6 +102,7 @@ pub fn run(settings: Settings) -> i32 {
 
 async fn serve(mut settings: Settings) -> Result<(), String> {
     let _ = rustls::crypto::ring::default_provider().install_default();
+    crate::api::cors::check_origins(&settings.cors_origin)?;
     if settings.reset_dev_state && !settings.dev {
         return Err("--reset-dev-state deletes every stored deployment; it needs --dev too".into());
     }

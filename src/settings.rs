@@ -231,6 +231,13 @@ pub struct Settings {
     #[arg(long, env = "BERTH_MAX_SSE_CLIENTS", default_value_t = 10_000)]
     pub max_sse_clients: usize,
 
+    /// Origins of browser front-ends allowed to call berth (exact
+    /// `scheme://host[:port]`, comma-separated; default none). Answers
+    /// their CORS preflights and adds `Access-Control-Allow-Origin` to every
+    /// answer for them, event streams included; never `*`.
+    #[arg(long, env = "BERTH_CORS_ORIGIN", value_delimiter = ',')]
+    pub cors_origin: Vec<String>,
+
     /// Serve /metrics without the service token.
     #[arg(long, env = "BERTH_METRICS_PUBLIC")]
     pub metrics_public: bool,

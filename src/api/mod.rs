@@ -10,6 +10,7 @@
 pub mod audit;
 pub mod auth;
 pub mod builds;
+pub mod cors;
 pub mod cursor;
 pub mod deployments;
 pub mod derive;
@@ -220,6 +221,14 @@ where
         .filter(|v| valid_request_id(v))
         .map(str::to_string)
         .unwrap_or_else(|| uuid::Uuid::now_v7().simple().to_string());
+    let origins = &ctx.engine.settings.cors_origin;
+    let origin = cors::allowed_origin(origins, &head.headers);
+    if origin.is_some() {
+        if let Some(mut response) = cors::preflight(&head.method, &head.headers, &head.path) {
+            cors::decorate(origins, origin, &mut response);
+            return response;
+        }
+    }
     let (route, reply) = match dispatch(&ctx, head, body, &request_id).await {
         Ok((route, Answer::Reply(r))) => (route, r),
         Ok((route, Answer::Stream(mut response))) => {
@@ -227,6 +236,7 @@ where
             if let Ok(v) = HeaderValue::from_str(&request_id) {
                 response.headers_mut().insert("x-request-id", v);
             }
+            cors::decorate(origins, origin, &mut response);
             return response;
         }
         Err((route, e)) => (route, Reply::from_error(&e, &request_id)),
@@ -235,7 +245,9 @@ where
         tracing::warn!(%request_id, route, status = reply.status, "request failed");
     }
     ops::count_request(&ctx, route, reply.status);
-    into_http(reply, &request_id)
+    let mut response = into_http(reply, &request_id);
+    cors::decorate(origins, origin, &mut response);
+    response
 }
 
 /// A handler's answer: a stored-able reply, or a live event stream.

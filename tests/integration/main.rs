@@ -5,6 +5,7 @@ mod harness;
 
 mod audit;
 mod bad_input;
+mod cors;
 mod deploy;
 mod deployers;
 mod disk;
