@@ -6,7 +6,7 @@
 
 use warp::http::{HeaderMap, HeaderValue, Method, StatusCode};
 
-use super::routes::{match_template, ROUTES};
+use super::routes::{match_template, path_segments, ROUTES};
 
 /// Headers a cross-origin page may send.
 const ALLOW_HEADERS: &str = "Authorization, Content-Type, Idempotency-Key, If-Match, Last-Event-ID";
@@ -62,15 +62,7 @@ pub fn preflight(
     if method != Method::OPTIONS || !headers.contains_key("access-control-request-method") {
         return None;
     }
-    let segments: Vec<String> = path
-        .trim_start_matches('/')
-        .split('/')
-        .map(|s| {
-            percent_encoding::percent_decode_str(s)
-                .decode_utf8_lossy()
-                .into_owned()
-        })
-        .collect();
+    let segments = path_segments(path);
     let methods: Vec<&str> = ROUTES
         .iter()
         .filter(|r| match_template(r.template, &segments).is_some())

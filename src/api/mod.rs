@@ -271,15 +271,7 @@ where
         headers,
         wire,
     } = head;
-    let segments: Vec<String> = path
-        .trim_start_matches('/')
-        .split('/')
-        .map(|s| {
-            percent_encoding::percent_decode_str(s)
-                .decode_utf8_lossy()
-                .into_owned()
-        })
-        .collect();
+    let segments = routes::path_segments(&path);
     let mut allowed = Vec::new();
     let mut found = None;
     for r in ROUTES {

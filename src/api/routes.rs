@@ -318,6 +318,19 @@ async fn audited(ctx: &Ctx, route: &Route, req: &Request, draft: Draft) -> Resul
 }
 
 /// The params of `template` in `segments`, if it matches.
+/// A request path as the route table matches it: its segments, each
+/// percent-decoded.
+pub fn path_segments(path: &str) -> Vec<String> {
+    path.trim_start_matches('/')
+        .split('/')
+        .map(|s| {
+            percent_encoding::percent_decode_str(s)
+                .decode_utf8_lossy()
+                .into_owned()
+        })
+        .collect()
+}
+
 pub fn match_template(
     template: &'static str,
     segments: &[String],

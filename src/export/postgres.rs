@@ -152,6 +152,37 @@ async fn schema_version(client: &Client) -> Result<Option<u32>, tokio_postgres::
     Ok(row.and_then(|r| r.get::<_, String>(0).parse().ok()))
 }
 
+/// A connection inside its transaction, with what the database holds.
+struct Opened {
+    rt: tokio::runtime::Runtime,
+    client: Client,
+    /// Tables of the current schema.
+    names: Vec<String>,
+    /// `berth_meta`'s schema version, when there is one.
+    version: Option<u32>,
+}
+
+impl Opened {
+    fn begin(url: &str, identity: &str, begin: &str) -> Result<Opened, String> {
+        let rt = runtime()?;
+        let (client, _driver) = connect(&rt, url, identity)?;
+        let fail = |e| pg_error(identity, e);
+        rt.block_on(client.batch_execute(begin)).map_err(fail)?;
+        let names = rt.block_on(table_names(&client)).map_err(fail)?;
+        let version = if names.iter().any(|n| n == META_TABLE) {
+            rt.block_on(schema_version(&client)).map_err(fail)?
+        } else {
+            None
+        };
+        Ok(Opened {
+            rt,
+            client,
+            names,
+            version,
+        })
+    }
+}
+
 /// A cell in the binary COPY stream.
 #[derive(Debug)]
 enum Cell<'a> {
@@ -220,17 +251,13 @@ pub struct PgTarget {
 
 impl PgTarget {
     pub fn open(url: &str, identity: &str, replace: bool) -> Result<PgTarget, String> {
-        let rt = runtime()?;
-        let (client, _driver) = connect(&rt, url, identity)?;
+        let Opened {
+            rt,
+            client,
+            names,
+            version,
+        } = Opened::begin(url, identity, "BEGIN ISOLATION LEVEL SERIALIZABLE")?;
         let fail = |e| pg_error(identity, e);
-        rt.block_on(client.batch_execute("BEGIN ISOLATION LEVEL SERIALIZABLE"))
-            .map_err(fail)?;
-        let names = rt.block_on(table_names(&client)).map_err(fail)?;
-        let version = if names.iter().any(|n| n == META_TABLE) {
-            rt.block_on(schema_version(&client)).map_err(fail)?
-        } else {
-            None
-        };
         let drop_ours = judge_target(&names, version, replace, identity)?;
         let mut ddl = String::new();
         if drop_ours {
@@ -334,18 +361,17 @@ pub struct PgOrigin {
 
 impl PgOrigin {
     pub fn open(url: &str, identity: &str) -> Result<PgOrigin, String> {
-        let rt = runtime()?;
-        let (client, _driver) = connect(&rt, url, identity)?;
-        let fail = |e| pg_error(identity, e);
         // One snapshot for every table read.
-        rt.block_on(client.batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY"))
-            .map_err(fail)?;
-        let names = rt.block_on(table_names(&client)).map_err(fail)?;
-        let version = if names.iter().any(|n| n == META_TABLE) {
-            rt.block_on(schema_version(&client)).map_err(fail)?
-        } else {
-            None
-        };
+        let Opened {
+            rt,
+            client,
+            names,
+            version,
+        } = Opened::begin(
+            url,
+            identity,
+            "BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY",
+        )?;
         judge_origin(&names, version, identity)?;
         Ok(PgOrigin {
             rt,
