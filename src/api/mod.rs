@@ -18,6 +18,7 @@ pub mod errors;
 pub mod events;
 pub mod idempotency;
 pub mod ops;
+pub mod page;
 pub mod routes;
 pub mod sboms;
 

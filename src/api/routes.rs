@@ -10,7 +10,7 @@ use std::sync::Arc;
 use super::auth::{self, Caller, Procedure, Question, Refused};
 use super::errors::{ApiError, Code};
 use super::{
-    audit, builds, deployments, derive, events, idempotency, ops, sboms, Answer, Ctx, Reply,
+    audit, builds, deployments, derive, events, idempotency, ops, page, sboms, Answer, Ctx, Reply,
     Request,
 };
 use crate::audit::Draft;
@@ -37,6 +37,8 @@ pub enum Access {
 /// The handler of a route.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Call {
+    Page,
+    PageAsset,
     Healthz,
     Readyz,
     Metrics,
@@ -86,6 +88,8 @@ const fn route(method: &'static str, template: &'static str, access: Access, cal
 /// Every route berth serves.
 #[rustfmt::skip]
 pub const ROUTES: &[Route] = &[
+    route("GET", "/", Access::Public, Call::Page),
+    route("GET", "/ui/{file}", Access::Public, Call::PageAsset),
     route("GET", "/healthz", Access::Public, Call::Healthz),
     route("GET", "/readyz", Access::Public, Call::Readyz),
     route("GET", "/metrics", Access::Metrics, Call::Metrics),
@@ -254,6 +258,8 @@ pub async fn call(ctx: &Arc<Ctx>, route: &Route, req: &Request) -> Result<Answer
         Call::Readyz => Ok(ops::readyz(ctx)),
         Call::Metrics => ops::metrics(ctx, req),
         Call::OpenApi => Ok(ops::openapi()),
+        Call::Page => Ok(page::index(req)),
+        Call::PageAsset => page::asset(req),
         Call::DeriveInstances => derive::instances(ctx, req).await,
         Call::DeriveApplications => derive::applications(ctx, req).await,
         Call::DeriveSections => derive::sections(ctx, req).await,

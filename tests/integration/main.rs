@@ -14,6 +14,7 @@ mod export;
 mod faults;
 mod hostile;
 mod lifecycle;
+mod page;
 mod queue;
 mod restart;
 mod routes;

@@ -1,0 +1,528 @@
+// berth's operator page: what berth knows, and a build followed live.
+// Plain ES module, no build step. The service token lives in sessionStorage
+// only (never in a URL or a cookie); event streams use short-lived stream
+// tickets, so no token appears in any URL.
+
+const TOKEN_KEY = 'berth.token';
+/** Lines appended to the log view per animation frame at most. */
+const MAX_LINES_PER_FRAME = 5000;
+/** Deployments shown on the list (the API's page limit). */
+const LIST_LIMIT = 100;
+
+const main = document.getElementById('main');
+const nav = document.getElementById('nav');
+
+/** Work to undo when the view changes (open event streams). */
+let cleanup = [];
+
+class Unauthorized extends Error {}
+
+function token() {
+  return sessionStorage.getItem(TOKEN_KEY);
+}
+
+/** An idempotency key; works outside secure contexts too (plain http on a LAN). */
+function newKey() {
+  const bytes = crypto.getRandomValues(new Uint8Array(16));
+  return 'page-' + Array.from(bytes, (b) => b.toString(16).padStart(2, '0')).join('');
+}
+
+async function api(method, path, { body, headers = {} } = {}) {
+  const h = { Authorization: `Bearer ${token()}`, ...headers };
+  if (body !== undefined) h['Content-Type'] = 'application/json';
+  const r = await fetch(path, {
+    method,
+    headers: h,
+    body: body === undefined ? undefined : JSON.stringify(body),
+  });
+  if (r.status === 401) throw new Unauthorized();
+  const text = await r.text();
+  let data = text;
+  try {
+    data = text ? JSON.parse(text) : null;
+  } catch {
+    // Not JSON (a log): keep the text.
+  }
+  return { status: r.status, ok: r.ok, data, etag: r.headers.get('ETag') };
+}
+
+/** Creates an element: el('a', {href: '#/'}, 'text', child, ...). */
+function el(tag, attrs = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) {
+    if (v === undefined || v === null || v === false) continue;
+    if (k.startsWith('on')) node.addEventListener(k.slice(2), v);
+    else if (k === 'class') node.className = v;
+    else node.setAttribute(k, v === true ? '' : v);
+  }
+  for (const c of children.flat()) {
+    if (c === null || c === undefined) continue;
+    node.append(c instanceof Node ? c : String(c));
+  }
+  return node;
+}
+
+function show(...nodes) {
+  main.replaceChildren(...nodes);
+}
+
+function when(t) {
+  return t ? new Date(t).toLocaleString() : '';
+}
+
+function badge(state) {
+  return el('span', { class: `state ${state}` }, state);
+}
+
+function problem(res) {
+  const d = res.data || {};
+  return el(
+    'div',
+    { class: 'errors', role: 'alert' },
+    el('strong', {}, `${res.status} ${d.code || ''}`),
+    ' ',
+    d.message || '',
+    d.deployer_message ? el('pre', { class: 'json' }, d.deployer_message) : null,
+    fieldList(d.fields),
+  );
+}
+
+/** A 422's field errors, each next to its JSON pointer. */
+function fieldList(fields) {
+  if (!fields || fields.length === 0) return null;
+  return el(
+    'ul',
+    { class: 'fields' },
+    fields.map((f) =>
+      el('li', { 'data-pointer': f.pointer }, el('code', {}, f.pointer || '(the whole document)'), ': ', f.message || f.code),
+    ),
+  );
+}
+
+// ---- routing ----------------------------------------------------------
+
+window.addEventListener('hashchange', route);
+route();
+
+async function route() {
+  cleanup.forEach((f) => f());
+  cleanup = [];
+  if (!token()) return signIn();
+  nav.replaceChildren(
+    el('a', { href: '#/' }, 'Deployments'),
+    el('a', { href: '#/new' }, 'Submit'),
+    el('button', { type: 'button', onclick: signOut }, 'Sign out'),
+  );
+  const hash = location.hash.slice(1) || '/';
+  const [path, query] = hash.split('?');
+  try {
+    if (path === '/') await listView();
+    else if (path.startsWith('/d/')) await deploymentView(decodeURIComponent(path.slice(3)));
+    else if (path.startsWith('/b/')) await buildView(path.slice(3));
+    else if (path === '/new') await submitView(new URLSearchParams(query).get('id') || '');
+    else show(el('h1', {}, 'Not found'), el('a', { href: '#/' }, 'Back to the deployments'));
+  } catch (e) {
+    if (e instanceof Unauthorized) return refused();
+    show(el('h1', {}, 'Something went wrong'), el('p', { class: 'errors', role: 'alert' }, String(e)));
+  }
+  main.focus();
+}
+
+function signOut() {
+  sessionStorage.removeItem(TOKEN_KEY);
+  location.hash = '#/';
+  route();
+}
+
+function signIn(message) {
+  nav.replaceChildren();
+  const input = el('input', { id: 'token', type: 'password', autocomplete: 'current-password', required: true });
+  const form = el(
+    'form',
+    {
+      onsubmit: async (e) => {
+        e.preventDefault();
+        sessionStorage.setItem(TOKEN_KEY, input.value.trim());
+        route();
+      },
+    },
+    el('h1', {}, 'Sign in'),
+    message ? el('p', { class: 'errors', role: 'alert' }, message) : null,
+    el('label', { for: 'token' }, 'Service token'),
+    input,
+    el('p', { class: 'muted' }, 'In berth-data/service-token on the machine. Kept in this tab only.'),
+    el('div', { class: 'row' }, el('button', { class: 'primary', type: 'submit' }, 'Sign in')),
+  );
+  show(form);
+  input.focus();
+}
+
+/** The 401 screen: the token was refused (wrong, or changed since). */
+function refused() {
+  sessionStorage.removeItem(TOKEN_KEY);
+  cleanup.forEach((f) => f());
+  cleanup = [];
+  signIn('berth refused this token (401). Sign in again with the current service token.');
+  document.body.dataset.screen = 'unauthorized';
+}
+
+// ---- event streams ----------------------------------------------------
+
+/**
+ * Follows one channel with EventSource and a stream ticket. The browser
+ * reconnects by itself with Last-Event-ID; when the ticket is gone (berth
+ * restarted), a new ticket resumes at the last id seen.
+ */
+function follow(channel, handlers) {
+  let source = null;
+  let lastId = null;
+  let closed = false;
+  const open = async () => {
+    if (closed) return;
+    let res;
+    try {
+      res = await api('POST', '/v1/stream-tickets', { body: { channel } });
+    } catch (e) {
+      if (e instanceof Unauthorized) return refused();
+      setTimeout(open, 1000);
+      return;
+    }
+    if (!res.ok) {
+      setTimeout(open, 1000);
+      return;
+    }
+    const params = new URLSearchParams({ ticket: res.data.ticket });
+    if (lastId !== null) params.set('cursor', lastId);
+    source = new EventSource(`${channel}?${params}`);
+    for (const [name, fn] of Object.entries(handlers)) {
+      source.addEventListener(name, (ev) => {
+        if (ev.lastEventId) lastId = ev.lastEventId;
+        fn(ev, stop);
+      });
+    }
+    source.onerror = () => {
+      // CLOSED: the browser gave up (the ticket is no longer valid).
+      if (source.readyState === EventSource.CLOSED && !closed) setTimeout(open, 500);
+    };
+  };
+  const stop = () => {
+    closed = true;
+    if (source) source.close();
+  };
+  cleanup.push(stop);
+  open();
+  return { stop };
+}
+
+// ---- views --------------------------------------------------------------
+
+async function listView() {
+  const res = await api('GET', `/v1/deployments?limit=${LIST_LIMIT}`);
+  if (!res.ok) return show(problem(res));
+  const items = [...res.data.items].sort((a, b) => (a.updated_at < b.updated_at ? 1 : -1));
+  // Instances come with each deployment's read.
+  const reads = await Promise.all(items.map((d) => api('GET', `/v1/deployments/${encodeURIComponent(d.id)}`)));
+  const rows = items.map((d, i) => {
+    const instances = (reads[i].ok && reads[i].data.instances) || [];
+    return el(
+      'tr',
+      { 'data-deployment': d.id },
+      el('td', {}, el('a', { href: `#/d/${encodeURIComponent(d.id)}` }, d.id)),
+      el('td', {}, badge(d.state), d.suspended ? el('span', { class: 'muted' }, ' suspended') : null),
+      el('td', { class: 'hide-narrow' }, d.domain || ''),
+      el(
+        'td',
+        { class: 'hide-narrow' },
+        instances
+          .filter((x) => x.enabled)
+          .map((x) => (x.url ? el('a', { href: x.url, rel: 'noreferrer' }, x.name) : x.name))
+          .flatMap((n, j) => (j ? [', ', n] : [n])),
+      ),
+      el(
+        'td',
+        {},
+        d.last_build
+          ? el('a', { href: `#/b/${d.last_build.id}` }, badge(d.last_build.status))
+          : el('span', { class: 'muted' }, 'none'),
+      ),
+      el('td', { class: 'hide-narrow muted' }, when(d.updated_at)),
+    );
+  });
+  show(
+    el('h1', {}, 'Deployments'),
+    items.length === 0
+      ? el('p', {}, 'No deployments yet. ', el('a', { href: '#/new' }, 'Submit a configuration'), '.')
+      : el(
+          'div',
+          { class: 'scroll' },
+          el(
+            'table',
+            {},
+            el(
+              'thead',
+              {},
+              el(
+                'tr',
+                {},
+                el('th', {}, 'Deployment'),
+                el('th', {}, 'State'),
+                el('th', { class: 'hide-narrow' }, 'Domain'),
+                el('th', { class: 'hide-narrow' }, 'Instances'),
+                el('th', {}, 'Last build'),
+                el('th', { class: 'hide-narrow' }, 'Updated'),
+              ),
+            ),
+            el('tbody', {}, rows),
+          ),
+        ),
+  );
+}
+
+async function deploymentView(id) {
+  const path = `/v1/deployments/${encodeURIComponent(id)}`;
+  let pending = null;
+  const render = async () => {
+    const [res, builds] = await Promise.all([api('GET', path), api('GET', `${path}/builds?limit=20`)]);
+    if (res.status === 404) return show(el('h1', {}, id), el('p', {}, 'No such deployment (deleted?).'));
+    if (!res.ok) return show(problem(res));
+    const d = res.data;
+    const message = el('div', { 'aria-live': 'polite' });
+    const act = async (name) => {
+      const r = await api('POST', `${path}/actions/${name}`, {
+        headers: { 'If-Match': res.etag, 'Idempotency-Key': newKey() },
+      });
+      if (!r.ok) message.replaceChildren(problem(r));
+      else render();
+    };
+    const remove = async () => {
+      if (!confirm(`Delete ${id}? Its resources are destroyed.`)) return;
+      const r = await api('DELETE', path, { headers: { 'Idempotency-Key': newKey() } });
+      if (!r.ok) message.replaceChildren(problem(r));
+      else render();
+    };
+    show(
+      el('h1', {}, id, ' ', badge(d.state)),
+      message,
+      el(
+        'div',
+        { class: 'row' },
+        // `deploy` is a submit and `delete` the DELETE route; the rest are
+        // actions. Each says why when it is not possible now.
+        el('a', { href: `#/new?id=${encodeURIComponent(id)}` }, 'Change configuration'),
+        d.actions
+          .filter((a) => a.name !== 'deploy' && a.name !== 'delete')
+          .map((a) =>
+            el('button', { type: 'button', disabled: !a.enabled, title: a.reason || `run ${a.name}`, 'data-action': a.name, onclick: () => act(a.name) }, a.name),
+          ),
+        ((del) =>
+          el('button', { type: 'button', class: 'danger', disabled: del && !del.enabled, title: (del && del.reason) || 'destroy and delete', onclick: remove }, 'Delete'))(
+          d.actions.find((a) => a.name === 'delete'),
+        ),
+      ),
+      el(
+        'dl',
+        {},
+        el('dt', {}, 'Domain'),
+        el('dd', {}, d.domain || '—'),
+        el('dt', {}, 'Instances'),
+        el('dd', {}, d.instances.filter((x) => x.enabled).map((x) => el('div', {}, x.url ? el('a', { href: x.url, rel: 'noreferrer' }, x.url) : x.name))),
+        el('dt', {}, 'Source'),
+        el('dd', {}, `${d.source.url} @ ${d.source.rev}`),
+        el('dt', {}, 'Update policy'),
+        el('dd', {}, d.update_policy.kind, d.update?.last_automatic ? ` (last automatic: ${d.update.last_automatic.result})` : ''),
+        el('dt', {}, 'Revision'),
+        el('dd', {}, String(d.revision)),
+      ),
+      el('h2', {}, 'Builds'),
+      el(
+        'div',
+        { class: 'scroll' },
+        el(
+          'table',
+          {},
+          el('thead', {}, el('tr', {}, el('th', {}, 'Build'), el('th', {}, 'Status'), el('th', { class: 'hide-narrow' }, 'Kind'), el('th', { class: 'hide-narrow' }, 'Created'))),
+          el(
+            'tbody',
+            {},
+            (builds.ok ? builds.data.items : []).map((b) =>
+              el(
+                'tr',
+                {},
+                el('td', {}, el('a', { href: `#/b/${b.id}` }, b.id.slice(0, 13) + '…')),
+                el('td', {}, badge(b.status)),
+                el('td', { class: 'hide-narrow' }, b.kind),
+                el('td', { class: 'hide-narrow muted' }, when(b.created_at)),
+              ),
+            ),
+          ),
+        ),
+      ),
+      el('h2', {}, 'Audit'),
+      d.audit.length === 0
+        ? el('p', { class: 'muted' }, 'No events.')
+        : el(
+            'div',
+            { class: 'scroll' },
+            el(
+              'table',
+              {},
+              el('tbody', {}, d.audit.map((e) => el('tr', {}, el('td', { class: 'muted' }, when(e.at)), el('td', {}, e.action), el('td', {}, e.result), el('td', { class: 'hide-narrow' }, e.actor ? e.actor.subject : 'berth')))),
+            ),
+          ),
+      el('h2', {}, 'Configuration'),
+      el('pre', { class: 'json' }, JSON.stringify(d.configuration, null, 2)),
+    );
+  };
+  await render();
+  // Changes appear without a reload; bursts are read once.
+  const again = () => {
+    if (pending) return;
+    pending = setTimeout(() => {
+      pending = null;
+      render().catch((e) => (e instanceof Unauthorized ? refused() : null));
+    }, 100);
+  };
+  follow(`${path}/events`, { deployment: again, build: again, sbom: again, resync_required: again });
+}
+
+async function buildView(id) {
+  const res = await api('GET', `/v1/builds/${encodeURIComponent(id)}`);
+  if (!res.ok) return show(problem(res));
+  const b = res.data;
+  const status = el('span', {}, badge(b.status));
+  const note = el('div', { 'aria-live': 'polite' });
+  const log = el('pre', { class: 'log', id: 'log', tabindex: '0', 'aria-label': 'build log' });
+  const cancel = el(
+    'button',
+    {
+      type: 'button',
+      class: 'danger',
+      disabled: ['succeeded', 'failed', 'cancelled'].includes(b.status),
+      onclick: async () => {
+        const r = await api('POST', `/v1/builds/${id}/cancel`, { headers: { 'Idempotency-Key': newKey() } });
+        if (!r.ok) note.replaceChildren(problem(r));
+      },
+    },
+    'Cancel',
+  );
+  show(
+    el('h1', {}, 'Build ', el('code', {}, id)),
+    el('p', {}, el('a', { href: `#/d/${encodeURIComponent(b.deployment)}` }, b.deployment), ' · ', b.kind, ' · ', status, ' ', cancel),
+    note,
+    log,
+  );
+  // Lines are batched per frame: a 100,000-line log stays responsive.
+  let buffer = [];
+  let scheduled = false;
+  let lastSeq = 0;
+  const flush = () => {
+    scheduled = false;
+    const take = buffer.splice(0, MAX_LINES_PER_FRAME);
+    if (take.length === 0) return;
+    const atBottom = log.scrollHeight - log.scrollTop - log.clientHeight < 40;
+    // One block per batch: the browser lays out and paints only the
+    // blocks in view (content-visibility), however long the log grows.
+    log.append(el('span', { class: 'chunk' }, take.join('\n') + '\n'));
+    log.dataset.lines = String(Number(log.dataset.lines || 0) + take.length);
+    if (atBottom) log.scrollTop = log.scrollHeight;
+    if (buffer.length) schedule();
+  };
+  const schedule = () => {
+    if (!scheduled) {
+      scheduled = true;
+      requestAnimationFrame(flush);
+    }
+  };
+  follow(`/v1/builds/${id}/events`, {
+    log: (ev) => {
+      // At least once on the wire, exactly once on the page.
+      const seq = Number(ev.lastEventId);
+      if (seq <= lastSeq) return;
+      lastSeq = seq;
+      buffer.push(ev.data);
+      schedule();
+    },
+    status: (ev) => {
+      lastSeq = Math.max(lastSeq, Number(ev.lastEventId));
+      status.replaceChildren(badge(JSON.parse(ev.data).status));
+    },
+    resync_required: () => {
+      // The build channel then starts again from its first event: the
+      // view starts again with it.
+      note.replaceChildren(el('p', { class: 'notice' }, 'Resynchronised: the log is read again from its start.'));
+      buffer = [];
+      log.replaceChildren();
+      log.dataset.lines = '0';
+      lastSeq = 0;
+    },
+    end: (ev, stop) => {
+      stop();
+      flush();
+      const summary = JSON.parse(ev.data);
+      status.replaceChildren(badge(summary.status));
+      cancel.disabled = true;
+      log.dataset.ended = 'true';
+    },
+  });
+}
+
+async function submitView(id) {
+  let current = null;
+  if (id) {
+    const r = await api('GET', `/v1/deployments/${encodeURIComponent(id)}`);
+    if (r.ok) current = r.data.configuration;
+  }
+  const idInput = el('input', { id: 'deployment', value: id, required: true, pattern: '[a-z0-9]([a-z0-9\\-]{0,38}[a-z0-9])?', autocomplete: 'off' });
+  const editor = el('textarea', { id: 'configuration', spellcheck: 'false' });
+  editor.value = JSON.stringify(current || { domain: 'example.org', applications: {} }, null, 2);
+  const out = el('div', { id: 'result', 'aria-live': 'polite' });
+  // One key per configuration text: a retried submit is not a second build.
+  let key = newKey();
+  let keyFor = null;
+  const body = () => {
+    try {
+      return { configuration: JSON.parse(editor.value) };
+    } catch (e) {
+      out.replaceChildren(el('div', { class: 'errors', role: 'alert' }, 'Not JSON: ', e.message));
+      return null;
+    }
+  };
+  const send = async (what) => {
+    const b = body();
+    if (!b) return;
+    const name = idInput.value.trim();
+    if (!idInput.checkValidity()) {
+      out.replaceChildren(el('div', { class: 'errors', role: 'alert' }, 'A deployment id is a lower-case DNS label (a-z, 0-9, -; up to 40).'));
+      return;
+    }
+    if (keyFor !== name + editor.value) {
+      key = newKey();
+      keyFor = name + editor.value;
+    }
+    const headers = what === 'submit' ? { 'Idempotency-Key': key } : {};
+    const r = await api('POST', `/v1/deployments/${encodeURIComponent(name)}/${what}`, { body: b, headers });
+    if (!r.ok) return out.replaceChildren(problem(r));
+    if (what === 'preview') {
+      return out.replaceChildren(el('h2', {}, 'Preview'), el('pre', { class: 'json' }, JSON.stringify(r.data, null, 2)));
+    }
+    location.hash = `#/b/${r.data.build_id}`;
+  };
+  show(
+    el('h1', {}, id ? `Change ${id}` : 'Submit a configuration'),
+    el(
+      'form',
+      { onsubmit: (e) => (e.preventDefault(), send('submit')) },
+      el('label', { for: 'deployment' }, 'Deployment id'),
+      idInput,
+      el('label', { for: 'configuration' }, 'Configuration (JSON)'),
+      editor,
+      el(
+        'div',
+        { class: 'row' },
+        el('button', { type: 'button', onclick: () => send('preview') }, 'Preview'),
+        el('button', { type: 'submit', class: 'primary' }, 'Submit'),
+      ),
+    ),
+    out,
+  );
+}
