@@ -400,7 +400,8 @@ mod tests {
                 t if t.starts_with("/v1/audit") => Access::Token,
                 "/metrics" => Access::Metrics,
                 t if t.starts_with("/v1/derive/") => Access::Public,
-                "/healthz" | "/readyz" | "/v1/openapi.json" => Access::Public,
+                // The page is public; what it shows needs the token.
+                "/healthz" | "/readyz" | "/v1/openapi.json" | "/" | "/ui/{file}" => Access::Public,
                 _ => Access::Token,
             };
             assert_eq!(r.access, expected, "{} {}", r.method, r.template);
