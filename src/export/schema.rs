@@ -571,8 +571,16 @@ pub fn from_values(table: &RelTable, values: Vec<Value>) -> Result<Row, String> 
             digest: c.text("digest")?,
             json: c.json_text("describe")?,
         },
-        "deployments" => Row::Deployment(Box::new(c.record()?)),
-        "builds" => Row::Build(Box::new(c.record()?)),
+        "deployments" => {
+            let d: DeploymentRecord = c.record()?;
+            valid_id(&d.id, table)?;
+            Row::Deployment(Box::new(d))
+        }
+        "builds" => {
+            let b: crate::model::BuildRecord = c.record()?;
+            valid_id(&b.deployment, table)?;
+            Row::Build(Box::new(b))
+        }
         "build_snapshots" => Row::Snapshots {
             build: c.uuid("build_id")?,
             snapshots: Box::new(c.record::<BuildSnapshots>()?),
@@ -697,6 +705,20 @@ pub fn from_values(table: &RelTable, values: Vec<Value>) -> Result<Row, String> 
         },
         other => return Err(format!("no mapping for store table {other}")),
     })
+}
+
+/// A deployment id read back must be one berth could have made: it names
+/// directories and is matched by routes.
+fn valid_id(id: &str, table: &RelTable) -> Result<(), String> {
+    if crate::model::is_valid_deployment_id(id) {
+        Ok(())
+    } else {
+        Err(format!(
+            "table {}: a deployment id is not a DNS label of at most {} characters",
+            table.name,
+            crate::model::MAX_DEPLOYMENT_ID_LEN
+        ))
+    }
 }
 
 /// The values of one relational row, taken by column name.
@@ -944,6 +966,34 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn a_deployment_id_berth_could_not_have_made_is_refused() {
+        let table = table_for("builds").unwrap();
+        let row = Row::Build(Box::new(crate::model::BuildRecord {
+            id: 1,
+            deployment: "../../etc".into(),
+            kind: crate::model::BuildKind::Deploy,
+            trigger: crate::model::Trigger::Submit,
+            status: crate::model::BuildStatus::Queued,
+            suspended: false,
+            method: "local".into(),
+            created_at: 0,
+            started_at: None,
+            finished_at: None,
+            exit_code: None,
+            failure: None,
+            job: None,
+            log_bytes: 0,
+            log_lines: 0,
+            log_chunks: 0,
+            event_seq: 0,
+            seq_reserved: 0,
+            log_first_seq: 1,
+        }));
+        let err = from_values(table, to_values(&row).unwrap()).unwrap_err();
+        assert!(err.contains("DNS label") && !err.contains("etc"), "{err}");
     }
 
     #[test]
