@@ -13,6 +13,7 @@ pub mod hex;
 pub mod local_deployer;
 pub mod locks;
 pub mod model;
+pub mod nix_deployer;
 pub mod sbom;
 pub mod serve;
 pub mod settings;

@@ -35,6 +35,9 @@ fn main() {
         Command::Deployer {
             deployer: DeployerCommand::Local { verb },
         } => berth::local_deployer::run(&verb),
+        Command::Deployer {
+            deployer: DeployerCommand::Nix { verb },
+        } => berth::nix_deployer::run(&verb),
     };
     std::process::exit(code);
 }

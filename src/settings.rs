@@ -102,6 +102,12 @@ pub enum DeployerCommand {
         /// describe, eval, deploy or destroy
         verb: String,
     },
+    /// The Nix deployer: `berth deployer nix <verb>` (`--deployer
+    /// builtin:nix`); reads the source's Nix code, builds with Nix.
+    Nix {
+        /// describe, eval, deploy or destroy
+        verb: String,
+    },
 }
 
 /// Flags of `berth serve`.
@@ -126,8 +132,9 @@ pub struct Settings {
     #[arg(long, env = "BERTH_SERVICE_TOKEN_FILE")]
     pub service_token_file: Option<PathBuf>,
 
-    /// Deployer executable (run as `<deployer> <verb>`); default: this
-    /// binary's embedded `local` deployer.
+    /// Deployer executable (run as `<deployer> <verb>`), or a deployer
+    /// built into this binary: `builtin:local` (the default) or
+    /// `builtin:nix`.
     #[arg(long, env = "BERTH_DEPLOYER")]
     pub deployer: Option<PathBuf>,
 

@@ -31,12 +31,22 @@ pub struct DeployerCommand {
     pub prefix: Vec<OsString>,
     /// (uid, gid) to run as, from `--deployer-user`.
     pub run_as: Option<(u32, u32)>,
-    /// berth's own `local` deployer (no `--deployer`).
-    pub embedded: bool,
+    /// For a deployer built into this binary: the `BERTH_*` prefix of the
+    /// knobs it is given (`BERTH_LOCAL_`, `BERTH_NIX_`); every other
+    /// `BERTH_*` variable is withheld from every deployer.
+    pub knobs: Option<&'static str>,
 }
 
+/// `--deployer` values naming a deployer built into this binary:
+/// (value, `berth deployer <name>`, its knob prefix).
+const BUILT_IN: &[(&str, &str, &str)] = &[
+    ("builtin:local", "local", "BERTH_LOCAL_"),
+    ("builtin:nix", "nix", "BERTH_NIX_"),
+];
+
 impl DeployerCommand {
-    /// `--deployer` when given, else this binary's `deployer local`.
+    /// `--deployer` when given (an executable, or `builtin:local` /
+    /// `builtin:nix`), else this binary's `deployer local`.
     pub fn from_setting(deployer: Option<&Path>, user: Option<&str>) -> Result<Self, String> {
         let run_as = match user {
             None => None,
@@ -50,18 +60,29 @@ impl DeployerCommand {
                 Some((u.uid.as_raw(), u.gid.as_raw()))
             }
         };
-        let (program, prefix) = match deployer {
-            Some(p) => (p.to_path_buf(), vec![]),
-            None => (
-                std::env::current_exe().map_err(|e| format!("cannot find this executable: {e}"))?,
-                vec!["deployer".into(), "local".into()],
-            ),
+        let built_in = deployer.and_then(|p| {
+            BUILT_IN
+                .iter()
+                .find(|(value, _, _)| p.as_os_str() == *value)
+        });
+        let (program, prefix, knobs) = match (deployer, built_in) {
+            (Some(p), None) => (p.to_path_buf(), vec![], None),
+            // No --deployer: the built-in local one.
+            (_, built) => {
+                let (_, name, knobs) = built.copied().unwrap_or(BUILT_IN[0]);
+                (
+                    std::env::current_exe()
+                        .map_err(|e| format!("cannot find this executable: {e}"))?,
+                    vec!["deployer".into(), name.into()],
+                    Some(knobs),
+                )
+            }
         };
         Ok(Self {
             program,
             prefix,
             run_as,
-            embedded: deployer.is_none(),
+            knobs,
         })
     }
 }
@@ -111,13 +132,13 @@ const GATE_SCRIPT: &str =
     "IFS= read -r go <&3 && [ \"$go\" = go ] || exit 97; exec 3<&-; exec \"$0\" \"$@\"";
 
 /// The environment a deployer sees: berth's own minus every `BERTH_*`
-/// variable (flag values may hold secrets; deployer.md). Only the embedded
-/// `local` deployer also gets its own `BERTH_LOCAL_*` knobs.
-fn deployer_env(embedded: bool) -> Vec<(OsString, OsString)> {
+/// variable (flag values may hold secrets; deployer.md). A built-in
+/// deployer also gets its own knobs (`BERTH_LOCAL_*`, `BERTH_NIX_*`).
+fn deployer_env(knobs: Option<&str>) -> Vec<(OsString, OsString)> {
     std::env::vars_os()
         .filter(|(k, _)| {
             let k = k.to_string_lossy();
-            !k.starts_with("BERTH_") || (embedded && k.starts_with("BERTH_LOCAL_"))
+            !k.starts_with("BERTH_") || knobs.is_some_and(|prefix| k.starts_with(prefix))
         })
         .collect()
 }
@@ -170,7 +191,7 @@ pub fn spawn(cmd: &DeployerCommand, inv: &Invocation) -> std::io::Result<Spawned
         .args(&cmd.prefix)
         .arg(inv.verb)
         .env_clear()
-        .envs(deployer_env(cmd.embedded))
+        .envs(deployer_env(cmd.knobs))
         .env("BERTH_RESULT", &inv.result_path)
         .env("BERTH_WORK_DIR", &inv.work_dir)
         .env("BERTH_SCRATCH_DIR", &inv.scratch_dir)

@@ -14,6 +14,7 @@ mod export;
 mod faults;
 mod hostile;
 mod lifecycle;
+mod nix;
 mod page;
 mod queue;
 mod restart;

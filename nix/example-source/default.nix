@@ -1,0 +1,84 @@
+# A small berth source in pure Nix: no nixpkgs, derivations made with
+# `builtins.derivation` and /bin/sh, so describe, eval and deploy run on any
+# machine with Nix. It is what `berth deployer nix` expects of a source:
+# a function of { configuration, deployment, suspended } giving `describe`,
+# `nodes` (one per enabled application) and a `destroy` hook.
+{ configuration ? { }, deployment ? "example", suspended ? false }:
+let
+  catalog = [
+    { name = "mastodon"; subdomain = "social"; configurable = true; operator_toggled = false; }
+    { name = "forgejo"; subdomain = "git"; configurable = true; operator_toggled = false; }
+    { name = "matrix"; subdomain = "chat"; configurable = true; operator_toggled = false; }
+  ];
+  # An application that was called `fedi` is `mastodon` now.
+  renames = [ { from = "/fedi"; to = "/mastodon"; } ];
+  schema = {
+    "$schema" = "https://json-schema.org/draft/2020-12/schema";
+    type = "object";
+    properties = {
+      domain = { type = [ "string" "null" ]; maxLength = 253; };
+      applications = {
+        type = "object";
+        maxProperties = 16;
+        additionalProperties = {
+          type = "object";
+          properties = { enable = { type = "boolean"; }; };
+        };
+      };
+    };
+  };
+
+  domain = configuration.domain or null;
+  apps = configuration.applications or { };
+  known = map (entry: entry.name) catalog;
+  subdomainOf = name: (builtins.head (builtins.filter (entry: entry.name == name) catalog)).subdomain;
+  unknown = builtins.filter (name: !(builtins.elem name known)) (builtins.attrNames apps);
+  enabled = builtins.filter (name: (apps.${name} or { }).enable or false) known;
+
+  # The source's own rules, beyond the schema: Nix's message is what the
+  # user sees in the 422.
+  checked =
+    if unknown != [ ] then throw "unknown application `${builtins.head unknown}`; this source knows ${builtins.concatStringsSep ", " known}"
+    else if enabled != [ ] && domain == null then throw "an enabled application needs a domain"
+    else true;
+
+  # A derivation whose output is a file with `text`.
+  file = name: text: builtins.derivation {
+    inherit name text;
+    system = builtins.currentSystem;
+    builder = "/bin/sh";
+    args = [ "-c" "printf '%s' \"$text\" > $out" ];
+  };
+
+  node = name:
+    let
+      host = "${subdomainOf name}.${domain}";
+      settings = apps.${name};
+    in {
+      names = if suspended then [ ] else [ host ];
+      # Stands for `system.build.toplevel`: it changes exactly when this
+      # node's own settings do.
+      toplevel = file "${deployment}-${name}-system" (builtins.toJSON { inherit name host settings suspended; });
+      # Stands for `system.build.sbom`: a CycloneDX document.
+      sbom = file "${name}-sbom.cdx.json" (builtins.toJSON {
+        bomFormat = "CycloneDX";
+        specVersion = "1.5";
+        version = 1;
+        metadata.component = { type = "application"; name = name; version = "1.0.0"; };
+        components = [
+          { type = "application"; name = name; version = "1.0.0"; purl = "pkg:nix/${name}@1.0.0"; }
+          { type = "library"; name = "openssl"; version = "3.0.15"; purl = "pkg:nix/openssl@3.0.15"; }
+        ];
+      });
+    };
+in
+{
+  describe = {
+    methods = [ "nix" ];
+    default_method = "nix";
+    actions = { suspend = [ "nix" ]; resume = [ "nix" ]; };
+    inherit catalog renames schema;
+  };
+  nodes = assert checked; builtins.listToAttrs (map (name: { inherit name; value = node name; }) enabled);
+  destroy = file "${deployment}-destroy" "echo destroying ${deployment}";
+}

@@ -1,0 +1,248 @@
+//! The Nix deployer (`--deployer builtin:nix`) through berth's HTTP API with
+//! the pure-Nix example source (nix/example-source): a preview gives the
+//! nodes the Nix code computes, a configuration the Nix code rejects gets
+//! 422 with Nix's message, a submit builds real store paths and the node
+//! SBOMs come from the SBOM derivation, a second submit with one
+//! application changed reports `changed` for that node only, a delete runs
+//! the destroy hook. Offline: Nix's binary cache is turned off.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use serde_json::json;
+
+use crate::harness::*;
+
+fn example_source() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("nix/example-source")
+}
+
+/// The source's digest: its NAR hash, as the deployer checks it.
+fn digest(dir: &Path) -> String {
+    let out = Command::new("nix-hash")
+        .args(["--type", "sha256"])
+        .arg(dir)
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    format!("sha256:{}", String::from_utf8_lossy(&out.stdout).trim())
+}
+
+/// Whether Nix is here and can build into /nix/store; says why not.
+fn nix_can_build(test: &str) -> bool {
+    if Command::new("nix-instantiate")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
+        skip(
+            test,
+            "no nix-instantiate (Debian's nix-bin; .ci/run installs it)",
+        );
+        return false;
+    }
+    let built = Command::new("nix-build")
+        .args(["--no-out-link", "--option", "substituters", "", "-E"])
+        .arg("builtins.derivation { name = \"berth-probe\"; system = builtins.currentSystem; builder = \"/bin/sh\"; args = [ \"-c\" \"echo ok > $out\" ]; }")
+        .output();
+    match built {
+        Ok(o) if o.status.success() => true,
+        Ok(o) => {
+            skip(
+                test,
+                &format!(
+                    "Nix cannot build here (no /nix/store writes?): {}",
+                    String::from_utf8_lossy(&o.stderr)
+                        .lines()
+                        .last()
+                        .unwrap_or("")
+                ),
+            );
+            false
+        }
+        Err(e) => {
+            skip(test, &format!("cannot run nix-build: {e}"));
+            false
+        }
+    }
+}
+
+fn configuration(forgejo_theme: &str) -> serde_json::Value {
+    json!({"domain": "alice.example.org", "applications": {
+        "mastodon": {"enable": true},
+        "forgejo": {"enable": true, "theme": forgejo_theme},
+    }})
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_nix_deployer_evaluates_builds_and_changes_only_what_changed() {
+    let test = "nix::the_nix_deployer_evaluates_builds_and_changes_only_what_changed";
+    if !nix_can_build(test) {
+        return;
+    }
+    let dir = temp_dir("nix");
+    let source = example_source();
+    let activations = dir.join("activations.log");
+    let opts = Options::default()
+        .arg("--deployer")
+        .arg("builtin:nix")
+        .arg("--default-source")
+        .arg(&format!(
+            "url={},rev=v1,digest={}",
+            source.display(),
+            digest(&source)
+        ))
+        // Offline: nothing needs a binary cache.
+        .env("NIX_CONFIG", "substituters =")
+        .env(
+            "BERTH_NIX_ACTIVATE",
+            &format!("echo \"$NODE $TOPLEVEL\" >> {}", activations.display()),
+        );
+    let s = Server::start(opts).await;
+
+    // A preview gives the nodes the Nix code computes.
+    let started = Instant::now();
+    let r = s
+        .post(
+            "/v1/deployments/alice/preview",
+            &json!({"configuration": configuration("dark")}),
+        )
+        .send()
+        .await
+        .unwrap();
+    let (status, preview) = read(r).await;
+    let first_preview = started.elapsed();
+    assert_eq!(status, 200, "{preview}\n{}", s.log());
+    let text = preview.to_string();
+    assert!(
+        text.contains("git.alice.example.org") && text.contains("social.alice.example.org"),
+        "{preview}"
+    );
+
+    // A configuration the Nix code rejects: 422 with Nix's message.
+    let (status, refused) = s
+        .submit(
+            "alice",
+            json!({"configuration": {"applications": {"mastodon": {"enable": true}}}}),
+        )
+        .await;
+    assert_eq!(status, 422, "{refused}");
+    let message = refused["deployer_message"].as_str().unwrap_or("");
+    assert!(
+        message.contains("an enabled application needs a domain"),
+        "{refused}"
+    );
+    assert!(
+        !message.contains("/nix/store/") || message.contains("/nix/store/…"),
+        "{message}"
+    );
+
+    // A submit builds real store paths; the SBOMs come from the derivation.
+    let b1 = s.submit_ok("alice", configuration("dark")).await;
+    let build = s.wait_build(&b1, "final").await;
+    assert_eq!(
+        build["status"],
+        "succeeded",
+        "{build}\n{}",
+        s.log_text(&b1).await
+    );
+    let log = s.log_text(&b1).await;
+    assert!(
+        log.contains("building 2 node(s)") && log.contains("/nix/store/"),
+        "{log}"
+    );
+    let first: Vec<String> = std::fs::read_to_string(&activations)
+        .unwrap()
+        .lines()
+        .map(str::to_string)
+        .collect();
+    assert_eq!(first.len(), 2, "{first:?}");
+    for line in &first {
+        let path = line.split_whitespace().nth(1).unwrap();
+        assert!(Path::new(path).exists(), "{path} is not in the store");
+    }
+    let (_, sboms) = s.json("/v1/deployments/alice/sboms").await;
+    for node in ["mastodon", "forgejo"] {
+        let entry = sboms["nodes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|n| n["node"] == node)
+            .unwrap_or_else(|| panic!("{sboms}"));
+        assert_eq!(entry["status"], "ready", "{entry}");
+        let (status, doc) = s.json(&format!("/v1/deployments/alice/sboms/{node}")).await;
+        assert_eq!(status, 200);
+        assert!(
+            doc.to_string().contains(&format!("pkg:nix/{node}@1.0.0")),
+            "{doc}"
+        );
+    }
+
+    // One application changed: only its node changes.
+    let b2 = s.submit_ok("alice", configuration("light")).await;
+    assert_eq!(s.wait_build(&b2, "final").await["status"], "succeeded");
+    let all = std::fs::read_to_string(&activations).unwrap();
+    let second: Vec<&str> = all.lines().skip(first.len()).collect();
+    assert_eq!(second.len(), 1, "{second:?}");
+    assert!(second[0].starts_with("forgejo "), "{second:?}");
+    let (_, sboms) = s.json("/v1/deployments/alice/sboms").await;
+    let build_of = |node: &str| {
+        sboms["nodes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|n| n["node"] == node)
+            .unwrap()["build_id"]
+            .clone()
+    };
+    assert_eq!(build_of("forgejo"), json!(b2));
+    assert_eq!(
+        build_of("mastodon"),
+        json!(b1),
+        "an unchanged node keeps its SBOM"
+    );
+
+    // Describe/eval through berth against nix-instantiate alone.
+    let started = Instant::now();
+    let r = s
+        .post(
+            "/v1/deployments/alice/preview",
+            &json!({"configuration": configuration("dark")}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let cached_preview = started.elapsed();
+    let started = Instant::now();
+    let alone = Command::new("nix-instantiate")
+        .args(["--eval", "--strict", "--json", "-E"])
+        .arg(format!(
+            "builtins.mapAttrs (n: v: v.names) (import {} {{ configuration = builtins.fromJSON ''{}''; }}).nodes",
+            source.display(),
+            configuration("dark")
+        ))
+        .output()
+        .unwrap();
+    let nix_alone = started.elapsed();
+    assert!(
+        alone.status.success(),
+        "{}",
+        String::from_utf8_lossy(&alone.stderr)
+    );
+    eprintln!(
+        "nix figures: first preview (describe + eval) {first_preview:?}, preview (eval) {cached_preview:?}, nix-instantiate alone {nix_alone:?}"
+    );
+
+    // Delete runs the source's destroy hook.
+    let r = s.delete("/v1/deployments/alice").send().await.unwrap();
+    assert!(r.status().is_success(), "{}", r.status());
+    let (_, builds) = s.json("/v1/deployments/alice/builds").await;
+    let destroy = builds["items"][0]["id"].as_str().unwrap().to_string();
+    assert_eq!(s.wait_build(&destroy, "final").await["status"], "succeeded");
+    assert!(s
+        .log_text(&destroy)
+        .await
+        .contains("running the source's destroy hook"));
+}
