@@ -1,36 +1,220 @@
-# NixOS module for berth (sketch; the NixOS deployer and the audit units
-# come with later issues). Usage:
-#   imports = [ ./nix/module.nix ];
+# NixOS module for berth: a hardened service, the daily audit verify and the
+# periodic audit head push.
+#
+#   imports = [ berth.nixosModules.default ];   # or ./nix/module.nix
 #   services.berth.enable = true;
+#   services.berth.defaultSource = "url=/etc/berth/source,rev=v1,digest=sha256:...";
+#
+# Every option maps to a `berth serve` flag (`berth serve --help` has the
+# details); `extraArgs` takes any other.
 { config, lib, pkgs, ... }:
-let cfg = config.services.berth;
-in {
-  options.services.berth = {
-    enable = lib.mkEnableOption "berth deployment control plane";
-    package = lib.mkOption { type = lib.types.package; description = "The berth package."; };
-    listen = lib.mkOption { type = lib.types.str; default = "127.0.0.1:8080"; };
-    dataDir = lib.mkOption { type = lib.types.path; default = "/var/lib/berth"; };
-    extraArgs = lib.mkOption { type = lib.types.listOf lib.types.str; default = [ ]; };
+let
+  cfg = config.services.berth;
+  inherit (lib) mkOption mkEnableOption mkIf types optional optionals optionalAttrs;
+  dataDir = "/var/lib/berth";
+  # Who owns the store: the audit units read it as that user.
+  serviceUser = if cfg.deployerUser == null then "berth" else "root";
+  flag = name: value: optionals (value != null) [ "--${name}" (toString value) ];
+  list = name: values: optionals (values != [ ]) [ "--${name}" (lib.concatStringsSep "," values) ];
+  args =
+    [ "${cfg.package}/bin/berth" "serve" "--listen" cfg.listen "--data-dir" dataDir ]
+    ++ flag "deployer" cfg.deployer
+    ++ flag "deployer-user" cfg.deployerUser
+    ++ flag "default-source" cfg.defaultSource
+    ++ list "source-origin" cfg.sourceOrigins
+    ++ list "callback-origin" cfg.callbackOrigins
+    ++ list "cors-origin" cfg.corsOrigins
+    ++ flag "build-slots" cfg.buildSlots
+    ++ flag "eval-slots" cfg.evalSlots
+    ++ flag "build-timeout" cfg.buildTimeout
+    ++ flag "eval-timeout" cfg.evalTimeout
+    ++ flag "shutdown-grace" cfg.shutdownGrace
+    ++ flag "authz-url" cfg.authzUrl
+    ++ flag "audit-retention-days" cfg.audit.retentionDays
+    ++ flag "audit-denial-interval" cfg.audit.denialInterval
+    ++ flag "audit-origin" cfg.audit.origin
+    ++ optional cfg.metricsPublic "--metrics-public"
+    # Secrets come as systemd credentials, readable by this unit only.
+    ++ optionals (cfg.serviceTokenFile != null) [ "--service-token-file" "%d/service-token" ]
+    ++ optionals (cfg.callbackSecretFile != null) [ "--callback-secret-file" "%d/callback-secret" ]
+    ++ cfg.extraArgs;
+  # The audit units read the store and nothing secret.
+  secrets = [
+    "-/run/credentials/berth.service"
+    "-${dataDir}/service-token"
+    "-${dataDir}/cursor-key"
+    "-${dataDir}/callback-secret"
+  ];
+  auditUnit = { description, command, readWrite, hidden }: {
+    inherit description;
+    after = [ "berth.service" ];
+    serviceConfig = {
+      Type = "oneshot";
+      User = serviceUser;
+      Group = serviceUser;
+      ExecStart = lib.escapeShellArgs command;
+      # A problem in the chain fails the unit (exit 1): it shows in
+      # `systemctl --failed` and in monitoring of failed units.
+      SyslogIdentifier = "berth-audit";
+      LogExtraFields = "BERTH_AUDIT=1";
+      ProtectSystem = "strict";
+      ReadOnlyPaths = [ "${dataDir}/berth.redb" ];
+      ReadWritePaths = optionals readWrite [ dataDir ];
+      InaccessiblePaths = secrets ++ hidden;
+      ProtectHome = true;
+      PrivateTmp = true;
+      NoNewPrivileges = true;
+      PrivateDevices = true;
+      CapabilityBoundingSet = [ "" ];
+      RestrictAddressFamilies = [ "AF_UNIX" "AF_INET" "AF_INET6" ];
+      SystemCallFilter = [ "@system-service" ];
+    };
   };
-  config = lib.mkIf cfg.enable {
-    users.users.berth = { isSystemUser = true; group = "berth"; home = cfg.dataDir; };
+in
+{
+  options.services.berth = {
+    enable = mkEnableOption "berth, the deployment control plane";
+    package = mkOption {
+      type = types.package;
+      description = "The berth package (the flake sets its own).";
+    };
+    listen = mkOption { type = types.str; default = "127.0.0.1:8080"; description = "Address to listen on."; };
+    deployer = mkOption {
+      type = types.str;
+      default = "builtin:nix";
+      description = "builtin:nix (Nix code of the source), builtin:local, or an executable.";
+    };
+    deployerUser = mkOption {
+      type = types.nullOr types.str;
+      default = null;
+      description = ''
+        Run deployers as this user. berth then runs as root with exactly the
+        capabilities it needs for that (see CapabilityBoundingSet below);
+        without it berth runs as the `berth` user with none.
+      '';
+    };
+    defaultSource = mkOption {
+      type = types.nullOr types.str;
+      default = null;
+      example = "url=/etc/berth/source,rev=v1,digest=sha256:<nix-hash --type sha256 of the directory>";
+      description = "The source new deployments use, and automatic updates move to.";
+    };
+    sourceOrigins = mkOption { type = types.listOf types.str; default = [ ]; description = "Origins a submitted source may come from."; };
+    callbackOrigins = mkOption { type = types.listOf types.str; default = [ ]; description = "Origins destroy callbacks may go to."; };
+    corsOrigins = mkOption { type = types.listOf types.str; default = [ ]; description = "Browser front-ends on other origins allowed to call berth (exact origins)."; };
+    buildSlots = mkOption { type = types.nullOr types.int; default = null; description = "Builds running at once (berth's default: 4)."; };
+    evalSlots = mkOption { type = types.nullOr types.int; default = null; description = "Evaluations at once (default 2)."; };
+    buildTimeout = mkOption { type = types.nullOr types.str; default = null; example = "6h"; description = "Per build (default 24h; 0 turns it off)."; };
+    evalTimeout = mkOption { type = types.nullOr types.str; default = null; example = "2m"; description = "Per evaluation (default 60s)."; };
+    shutdownGrace = mkOption { type = types.str; default = "30s"; description = "How long a stop waits for running builds before ending them."; };
+    authzUrl = mkOption { type = types.nullOr types.str; default = null; description = "The authorization callback for tokens other than the service token."; };
+    metricsPublic = mkOption { type = types.bool; default = false; description = "Serve /metrics without the token."; };
+    serviceTokenFile = mkOption {
+      type = types.nullOr types.path;
+      default = null;
+      description = "The service token, passed as a systemd credential (else berth makes one in its state directory).";
+    };
+    callbackSecretFile = mkOption { type = types.nullOr types.path; default = null; description = "The callback signing secret, as a credential."; };
+    nix = {
+      builders = mkOption {
+        type = types.nullOr types.str;
+        default = null;
+        example = "ssh://builder x86_64-linux";
+        description = "Nix remote builders for the Nix deployer (Nix's own `builders` option).";
+      };
+      activateCommand = mkOption {
+        type = types.nullOr types.str;
+        default = null;
+        description = "Replaces nix-copy-closure + switch-to-configuration over SSH; sees NODE, TOPLEVEL, TARGET.";
+      };
+    };
+    audit = {
+      sink = mkOption { type = types.nullOr types.str; default = null; description = "Witness sink URL: when set, signed heads are pushed there."; };
+      verifyInterval = mkOption { type = types.str; default = "daily"; description = "OnCalendar of berth-audit-verify.timer."; };
+      pushInterval = mkOption { type = types.str; default = "hourly"; description = "OnCalendar of berth-audit-push-head.timer."; };
+      retentionDays = mkOption { type = types.nullOr types.int; default = null; description = "Audit events older than this are removed (default 365; 0 keeps all)."; };
+      denialInterval = mkOption { type = types.nullOr types.str; default = null; description = "Anonymous denials are recorded once per interval (default 60s)."; };
+      origin = mkOption { type = types.nullOr types.str; default = null; description = "Checkpoint origin line (default berth/<hostname>/audit)."; };
+    };
+    extraArgs = mkOption { type = types.listOf types.str; default = [ ]; description = "More `berth serve` flags."; };
+  };
+
+  config = mkIf cfg.enable {
+    users.users.berth = { isSystemUser = true; group = "berth"; home = dataDir; };
     users.groups.berth = { };
+
     systemd.services.berth = {
+      description = "berth deployment control plane";
       wantedBy = [ "multi-user.target" ];
-      after = [ "network.target" ];
+      after = [ "network-online.target" ];
+      wants = [ "network-online.target" ];
+      path = [ config.nix.package pkgs.openssh ];
+      environment = {
+        NIX_REMOTE = "daemon";
+      } // optionalAttrs (cfg.nix.builders != null) { BERTH_NIX_BUILDERS = cfg.nix.builders; }
+        // optionalAttrs (cfg.nix.activateCommand != null) { BERTH_NIX_ACTIVATE = cfg.nix.activateCommand; };
       serviceConfig = {
-        User = "berth";
-        Group = "berth";
+        ExecStart = lib.escapeShellArgs args;
+        LoadCredential =
+          optional (cfg.serviceTokenFile != null) "service-token:${cfg.serviceTokenFile}"
+          ++ optional (cfg.callbackSecretFile != null) "callback-secret:${cfg.callbackSecretFile}";
         StateDirectory = "berth";
         StateDirectoryMode = "0700";
-        ExecStart = lib.escapeShellArgs ([ "${cfg.package}/bin/berth" "serve" "--listen" cfg.listen "--data-dir" cfg.dataDir ] ++ cfg.extraArgs);
-        # berth waits up to --shutdown-grace for running builds on SIGTERM.
-        TimeoutStopSec = "60s";
-        # Deployers run in their own process groups and may outlive berth;
-        # the next start recovers (and stops) them.
-        KillMode = "process";
+        # berth ends its own deployers on SIGTERM (storage.md: it waits
+        # --shutdown-grace for running builds, then stops them and records
+        # them failed), so systemd signals berth only and kills what is
+        # left only after the timeout.
+        KillMode = "mixed";
+        TimeoutStopSec = "120s";
         Restart = "on-failure";
-      };
+        ProtectSystem = "strict";
+        ProtectHome = true;
+        PrivateTmp = true;
+        PrivateDevices = true;
+        NoNewPrivileges = true;
+        ProtectKernelTunables = true;
+        ProtectKernelModules = true;
+        ProtectControlGroups = true;
+        RestrictSUIDSGID = true;
+        LockPersonality = true;
+        RestrictAddressFamilies = [ "AF_UNIX" "AF_INET" "AF_INET6" ];
+        SystemCallFilter = [ "@system-service" ];
+      } // (if cfg.deployerUser == null then {
+        User = "berth";
+        Group = "berth";
+        CapabilityBoundingSet = [ "" ];
+      } else {
+        # Root, with exactly what running deployers as another user takes:
+        # SETUID/SETGID to become it, CHOWN to hand it its work and scratch
+        # dirs, KILL to signal its process group on cancel and timeout,
+        # DAC_OVERRIDE to read its results and remove its dirs after destroy.
+        CapabilityBoundingSet = [ "CAP_SETUID" "CAP_SETGID" "CAP_CHOWN" "CAP_KILL" "CAP_DAC_OVERRIDE" ];
+      });
+    };
+
+    systemd.services.berth-audit-verify = auditUnit {
+      description = "Verify berth's audit chain";
+      command = [ "${cfg.package}/bin/berth" "audit" "verify" "--data-dir" dataDir ];
+      readWrite = false;
+      # Verifying signs nothing.
+      hidden = [ "-${dataDir}/audit-signing.key" ];
+    };
+    systemd.timers.berth-audit-verify = {
+      wantedBy = [ "timers.target" ];
+      timerConfig = { OnCalendar = cfg.audit.verifyInterval; Persistent = true; };
+    };
+
+    systemd.services.berth-audit-push-head = mkIf (cfg.audit.sink != null) (auditUnit {
+      description = "Push berth's signed audit head to the witness sink";
+      command = [ "${cfg.package}/bin/berth" "audit" "push-head" "--data-dir" dataDir "--sink" cfg.audit.sink ]
+        ++ optionals (cfg.audit.origin != null) [ "--audit-origin" cfg.audit.origin ];
+      # It records the accepted head (audit-pushed-head.json) beside the store.
+      readWrite = true;
+      hidden = [ ];
+    });
+    systemd.timers.berth-audit-push-head = mkIf (cfg.audit.sink != null) {
+      wantedBy = [ "timers.target" ];
+      timerConfig = { OnCalendar = cfg.audit.pushInterval; Persistent = true; };
     };
   };
 }

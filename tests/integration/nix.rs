@@ -246,3 +246,193 @@ async fn the_nix_deployer_evaluates_builds_and_changes_only_what_changed() {
         .await
         .contains("running the source's destroy hook"));
 }
+
+/// The module, evaluated with `overrides` (JSON) against the stub lib.
+fn module_config(overrides: &serde_json::Value) -> serde_json::Value {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let out = Command::new("nix-instantiate")
+        .args(["--eval", "--strict", "--json"])
+        .arg(root.join("tests/nix/eval-module.nix"))
+        .args(["--argstr", "overrides", &overrides.to_string()])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// Every .nix file of the repository.
+fn nix_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().to_string();
+        if path.is_dir() && !["target", "node_modules", ".git"].contains(&name.as_str()) {
+            nix_files(&path, out);
+        } else if name.ends_with(".nix") {
+            out.push(path);
+        }
+    }
+}
+
+#[tokio::test]
+async fn the_module_is_hardened_and_its_audit_units_verify_a_real_store() {
+    let test = "nix::the_module_is_hardened_and_its_audit_units_verify_a_real_store";
+    if Command::new("nix-instantiate")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
+        skip(
+            test,
+            "no nix-instantiate (Debian's nix-bin; .ci/run installs it)",
+        );
+        return;
+    }
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut files = Vec::new();
+    nix_files(root, &mut files);
+    assert!(files.len() >= 6, "{files:?}");
+    for f in &files {
+        let out = Command::new("nix-instantiate")
+            .arg("--parse")
+            .arg(f)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}: {}",
+            f.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    // Defaults: the berth user, no capability, hardening, the daily verify.
+    let config = module_config(&json!({}));
+    let services = &config["systemd"]["services"];
+    let service = &services["berth"]["serviceConfig"];
+    for (key, value) in [
+        ("User", json!("berth")),
+        ("CapabilityBoundingSet", json!([""])),
+        ("ProtectSystem", json!("strict")),
+        ("ProtectHome", json!(true)),
+        ("PrivateTmp", json!(true)),
+        ("NoNewPrivileges", json!(true)),
+        (
+            "RestrictAddressFamilies",
+            json!(["AF_UNIX", "AF_INET", "AF_INET6"]),
+        ),
+        ("SystemCallFilter", json!(["@system-service"])),
+        ("StateDirectory", json!("berth")),
+        ("KillMode", json!("mixed")),
+    ] {
+        assert_eq!(service[key], value, "{key}: {service}");
+    }
+    assert!(service["ExecStart"]
+        .as_str()
+        .unwrap()
+        .contains("'--deployer' 'builtin:nix'"));
+    assert_eq!(
+        config["systemd"]["timers"]["berth-audit-verify"]["timerConfig"]["OnCalendar"],
+        "daily"
+    );
+    assert_eq!(
+        services["berth-audit-push-head"],
+        json!({}),
+        "no sink, no push unit"
+    );
+    let verify = &services["berth-audit-verify"]["serviceConfig"];
+    assert_eq!(verify["SyslogIdentifier"], "berth-audit");
+    assert_eq!(verify["LogExtraFields"], "BERTH_AUDIT=1");
+    assert_eq!(verify["Type"], "oneshot");
+    let hidden = verify["InaccessiblePaths"].to_string();
+    for secret in [
+        "/run/credentials/berth.service",
+        "service-token",
+        "cursor-key",
+        "callback-secret",
+        "audit-signing.key",
+    ] {
+        assert!(
+            hidden.contains(secret),
+            "verify can read {secret}: {hidden}"
+        );
+    }
+    assert_eq!(
+        verify["ReadOnlyPaths"],
+        json!(["/var/lib/berth/berth.redb"])
+    );
+
+    // A token file, a deployer user and a sink.
+    let config = module_config(&json!({
+        "serviceTokenFile": "/run/keys/berth-token",
+        "deployerUser": "deploy",
+        "audit": {"sink": "https://witness.example.org/berth"},
+    }));
+    let services = &config["systemd"]["services"];
+    let service = &services["berth"]["serviceConfig"];
+    assert_eq!(
+        service["LoadCredential"],
+        json!(["service-token:/run/keys/berth-token"])
+    );
+    assert!(service["ExecStart"]
+        .as_str()
+        .unwrap()
+        .contains("'--service-token-file' '%d/service-token'"));
+    assert!(service["ExecStart"]
+        .as_str()
+        .unwrap()
+        .contains("'--deployer-user' 'deploy'"));
+    assert_eq!(
+        service["User"],
+        serde_json::Value::Null,
+        "root, to switch to the deployer user"
+    );
+    assert_eq!(
+        service["CapabilityBoundingSet"],
+        json!([
+            "CAP_SETUID",
+            "CAP_SETGID",
+            "CAP_CHOWN",
+            "CAP_KILL",
+            "CAP_DAC_OVERRIDE"
+        ])
+    );
+    let push = &services["berth-audit-push-head"]["serviceConfig"];
+    assert_eq!(push["SyslogIdentifier"], "berth-audit");
+    assert_eq!(push["User"], "root", "the store is root's then");
+    assert!(push["ExecStart"]
+        .as_str()
+        .unwrap()
+        .contains("'--sink' 'https://witness.example.org/berth'"));
+    assert!(push["InaccessiblePaths"]
+        .to_string()
+        .contains("/run/credentials/berth.service"));
+    assert_eq!(
+        config["systemd"]["timers"]["berth-audit-push-head"]["timerConfig"]["OnCalendar"],
+        "hourly"
+    );
+
+    // The verify unit's command, run against a real store, passes.
+    let mut s = Server::start(Options::default()).await;
+    s.submit_ok("unit", mastodon("unit.example.org")).await;
+    s.terminate();
+    let command = module_config(&json!({}))["systemd"]["services"]["berth-audit-verify"]
+        ["serviceConfig"]["ExecStart"]
+        .as_str()
+        .unwrap()
+        .replace("/nix/store/berth/bin/berth", env!("CARGO_BIN_EXE_berth"))
+        .replace("/var/lib/berth", &s.dir.join("data").display().to_string());
+    let out = Command::new("/bin/sh")
+        .arg("-c")
+        .arg(&command)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{command}: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+}
