@@ -139,8 +139,10 @@ async fn the_nix_deployer_evaluates_builds_and_changes_only_what_changed() {
     );
 
     // A submit builds real store paths; the SBOMs come from the derivation.
+    let started = Instant::now();
     let b1 = s.submit_ok("alice", configuration("dark")).await;
     let build = s.wait_build(&b1, "final").await;
+    let first_deploy = started.elapsed();
     assert_eq!(
         build["status"],
         "succeeded",
@@ -232,7 +234,7 @@ async fn the_nix_deployer_evaluates_builds_and_changes_only_what_changed() {
         String::from_utf8_lossy(&alone.stderr)
     );
     eprintln!(
-        "nix figures: first preview (describe + eval) {first_preview:?}, preview (eval) {cached_preview:?}, nix-instantiate alone {nix_alone:?}"
+        "nix figures: first preview (describe + eval) {first_preview:?}, preview (eval) {cached_preview:?}, nix-instantiate alone {nix_alone:?}, first deploy end to end (2 nodes, 2 SBOMs) {first_deploy:?}"
     );
 
     // Delete runs the source's destroy hook.
