@@ -6,6 +6,8 @@
 //! with trust auth, `sqlite3`, `pg_dump` and `psql`; says so and stops
 //! otherwise).
 
+mod common;
+
 use std::path::Path;
 use std::process::Command;
 use std::time::Instant;
@@ -257,6 +259,14 @@ fn main() {
     println!("| figure | berth | baseline, same run | ratio (baseline time / berth time) |");
     println!("|---|---|---|---|");
     let line = |what: &str, ours: f64, base_name: &str, base: f64| {
+        common::record(
+            &format!("{what} (10,000 builds, 100 MB of logs)"),
+            &format!("{:.0} rows/s, {:.0} MB/s", rows as f64 / ours, mb / ours),
+            &format!("{base_name}: {base:.2} s"),
+            base / ours,
+            None,
+            true,
+        );
         println!(
             "| {what} | {:.2} s: {:.0} rows/s, {:.1} MB/s | {base_name}: {:.2} s | {:.2}x |",
             ours,

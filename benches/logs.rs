@@ -128,6 +128,30 @@ fn main() {
             median(served),
             median(from_file)
         );
+        // The whole log, against reading the same bytes from the file.
+        let t = Instant::now();
+        let whole = http
+            .get(url.clone())
+            .bearer_auth(&token)
+            .send()
+            .await
+            .unwrap()
+            .bytes()
+            .await
+            .unwrap();
+        let served_s = t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        let read = std::fs::read(&file).unwrap();
+        let file_s = t.elapsed().as_secs_f64();
+        assert_eq!(whole.len(), read.len());
+        common::record(
+            "full 100 MB log read",
+            &format!("{:.0} MB/s", whole.len() as f64 / 1e6 / served_s),
+            &format!("the same bytes from a file: {:.0} MB/s", read.len() as f64 / 1e6 / file_s),
+            file_s / served_s,
+            Some(0.5),
+            true,
+        );
         let _ = started.child.kill();
         let _ = started.child.wait();
     });

@@ -1,6 +1,9 @@
-//! Submit throughput with 1 and 32 concurrent clients (idempotency keys, no
-//! eval: `--eval-slots 0`) against a plain fsync loop on the same disk in the
-//! same run; RSS of the idle server and with 10,000 deployments.
+//! Submit throughput with 1 and 32 connections from `wrk` (tools/submit.lua:
+//! a new deployment and idempotency key per request, no eval:
+//! `--eval-slots 0`, a deployer that blocks so builds do not compete)
+//! against a 128 B append + fdatasync loop and SQLite doing the same
+//! transaction (WAL, synchronous=FULL; 1 and 32 writers) on the same disk
+//! in the same run; RSS of the idle server and with 10,000 deployments.
 //!
 //! Run: `cargo bench --bench submit` (release build of berth).
 
@@ -36,38 +39,90 @@ fn rss_kib(pid: u32) -> u64 {
         .unwrap_or(0)
 }
 
-async fn submit_phase(base: &str, token: &str, clients: usize, ids: Arc<AtomicU64>) -> f64 {
+/// `wrk` with tools/submit.lua for `PHASE`: (submits/s, p99 in ms).
+fn wrk_phase(base: &str, token: &str, connections: usize) -> (f64, f64) {
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tools/submit.lua");
+    let threads = connections.min(2).to_string();
+    let out = Command::new("wrk")
+        .args(["-t", &threads, "-c", &connections.to_string()])
+        .args(["-d", &format!("{}s", PHASE.as_secs())])
+        .arg("-s")
+        .arg(&script)
+        .arg(base)
+        .env("BERTH_TOKEN", token.trim())
+        .output()
+        .expect("run wrk");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text
+        .lines()
+        .find(|l| l.starts_with('{'))
+        .unwrap_or_else(|| panic!("wrk printed no figures: {text}"));
+    let v: serde_json::Value = serde_json::from_str(line).unwrap();
+    assert_eq!(v["failed"], 0, "some submits failed: {v}");
+    let rate = v["requests"].as_f64().unwrap() / v["seconds"].as_f64().unwrap();
+    (rate, v["p99_us"].as_f64().unwrap() / 1000.0)
+}
+
+/// The same work in SQLite (WAL, synchronous=FULL), one transaction per
+/// submit: upsert the deployment, insert the build, its event and the
+/// idempotency record. `writers` threads, each its own connection.
+fn sqlite_rate(dir: &std::path::Path, writers: usize) -> f64 {
+    let path = dir.join(format!("baseline-{writers}.sqlite"));
+    let _ = std::fs::remove_file(&path);
+    {
+        let c = rusqlite::Connection::open(&path).unwrap();
+        c.execute_batch(
+            "PRAGMA journal_mode = WAL;
+             CREATE TABLE deployments (id TEXT PRIMARY KEY, revision INTEGER, record BLOB);
+             CREATE TABLE builds (id BLOB PRIMARY KEY, deployment TEXT, record BLOB);
+             CREATE TABLE events (deployment TEXT, seq INTEGER, data TEXT, PRIMARY KEY (deployment, seq));
+             CREATE TABLE idempotency (key TEXT PRIMARY KEY, response BLOB, expires INTEGER);",
+        )
+        .unwrap();
+    }
     let done = Arc::new(AtomicU64::new(0));
     let start = Instant::now();
-    let mut tasks = Vec::new();
-    for c in 0..clients {
-        let (base, token, done, ids) = (
-            base.to_string(),
-            token.to_string(),
-            done.clone(),
-            ids.clone(),
-        );
-        tasks.push(tokio::spawn(async move {
-            let http = reqwest::Client::new();
-            while start.elapsed() < PHASE {
-                let n = ids.fetch_add(1, Ordering::Relaxed);
-                let body = serde_json::json!({"configuration": {"domain": format!("d{n}.example.org")}, "mode": "enqueue"});
-                let r = http
-                    .post(format!("{base}/v1/deployments/d{n}/submit"))
-                    .bearer_auth(&token)
-                    .header("Idempotency-Key", format!("bench-key-{c:04}-{n:012}"))
-                    .json(&body)
-                    .send()
-                    .await
+    let record = vec![7u8; 600];
+    std::thread::scope(|scope| {
+        for w in 0..writers {
+            let (path, done, record) = (&path, done.clone(), &record);
+            scope.spawn(move || {
+                let mut c = rusqlite::Connection::open(path).unwrap();
+                c.execute_batch("PRAGMA synchronous = FULL; PRAGMA busy_timeout = 10000;")
                     .unwrap();
-                assert_eq!(r.status(), 202, "{}", r.text().await.unwrap_or_default());
-                done.fetch_add(1, Ordering::Relaxed);
-            }
-        }));
-    }
-    for t in tasks {
-        t.await.unwrap();
-    }
+                let mut n = 0u64;
+                while start.elapsed() < PHASE {
+                    n += 1;
+                    let id = format!("w{w}n{n}");
+                    let tx = c
+                        .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)
+                        .unwrap();
+                    tx.execute(
+                        "INSERT INTO deployments VALUES (?1, 1, ?2) ON CONFLICT (id) DO UPDATE SET revision = revision + 1, record = ?2",
+                        rusqlite::params![id, record],
+                    )
+                    .unwrap();
+                    tx.execute(
+                        "INSERT INTO builds VALUES (?1, ?2, ?3)",
+                        rusqlite::params![uuid::Uuid::now_v7().as_bytes().to_vec(), id, record],
+                    )
+                    .unwrap();
+                    tx.execute(
+                        "INSERT INTO events VALUES (?1, 1, ?2)",
+                        rusqlite::params![id, r#"{"state":"building"}"#],
+                    )
+                    .unwrap();
+                    tx.execute(
+                        "INSERT INTO idempotency VALUES (?1, ?2, 0)",
+                        rusqlite::params![format!("key-{id}"), record],
+                    )
+                    .unwrap();
+                    tx.commit().unwrap();
+                    done.fetch_add(1, Ordering::Relaxed);
+                }
+            });
+        }
+    });
     done.load(Ordering::Relaxed) as f64 / start.elapsed().as_secs_f64()
 }
 
@@ -117,14 +172,57 @@ fn main() {
     let _ = std::fs::remove_dir_all(&root);
     let rt = tokio::runtime::Runtime::new().unwrap();
 
-    // Throughput, against an fsync loop on the same disk.
+    // Throughput, against an fsync loop and SQLite on the same disk, with
+    // wrk as the load (a lean client: a heavy one on these 2 cores would
+    // measure itself).
     let dir = root.join("throughput");
     let (child, base, token) = start(&dir, &rt);
     let fsyncs = fsync_rate(&dir);
-    let ids = Arc::new(AtomicU64::new(0));
-    let one = rt.block_on(submit_phase(&base, &token, 1, ids.clone()));
-    let many = rt.block_on(submit_phase(&base, &token, 32, ids.clone()));
+    let sqlite_one = sqlite_rate(&dir, 1);
+    let sqlite_many = sqlite_rate(&dir, 32);
+    let wrk_here = Command::new("wrk").arg("--version").output().is_ok();
+    let (one, many) = if wrk_here {
+        (wrk_phase(&base, &token, 1), wrk_phase(&base, &token, 32))
+    } else {
+        println!("skipped: submit throughput: needs wrk (apt install wrk)");
+        ((0.0, 0.0), (0.0, 0.0))
+    };
     stop(child, &dir);
+    if wrk_here {
+        let fsync = format!("128 B append + fdatasync loop: {fsyncs:.0}/s");
+        common::record(
+            "submits/s, 1 connection",
+            &format!("{:.0}/s (p99 {:.1} ms)", one.0, one.1),
+            &fsync,
+            one.0 / fsyncs,
+            Some(0.4),
+            true,
+        );
+        common::record(
+            "submits/s, 32 connections",
+            &format!("{:.0}/s (p99 {:.1} ms)", many.0, many.1),
+            &fsync,
+            many.0 / fsyncs,
+            Some(5.0),
+            true,
+        );
+        common::record(
+            "submits/s, 1 writer",
+            &format!("{:.0}/s", one.0),
+            &format!("SQLite WAL synchronous=FULL, same transaction: {sqlite_one:.0}/s"),
+            one.0 / sqlite_one,
+            Some(0.6),
+            true,
+        );
+        common::record(
+            "submits/s, 32 writers",
+            &format!("{:.0}/s", many.0),
+            &format!("SQLite as above, 32 writers: {sqlite_many:.0}/s"),
+            many.0 / sqlite_many,
+            Some(3.0),
+            true,
+        );
+    }
 
     // Memory: a fresh server, idle, then with exactly 10,000 deployments.
     let dir = root.join("memory");
@@ -153,18 +251,16 @@ fn main() {
         .unwrap_or(0);
     stop(child, &dir);
 
-    println!("fsync loop (128 B append + fdatasync): {fsyncs:.0}/s");
-    println!(
-        "submit, 1 client:   {one:.0}/s = {:.2}x the fsync rate",
-        one / fsyncs
+    common::record(
+        "RSS idle",
+        &format!("{:.1} MiB", idle_rss as f64 / 1024.0),
+        "goal: under 30 MiB",
+        idle_rss as f64 / 1024.0 / 30.0,
+        Some(1.0),
+        false,
     );
     println!(
-        "submit, 32 clients: {many:.0}/s = {:.2}x the fsync rate",
-        many / fsyncs
-    );
-    println!(
-        "RSS idle: {:.1} MiB; with 10,000 deployments: {:.1} MiB; store file {:.1} MiB",
-        idle_rss as f64 / 1024.0,
+        "RSS with 10,000 deployments: {:.1} MiB; store file {:.1} MiB",
         full_rss as f64 / 1024.0,
         store_bytes as f64 / f64::from(1 << 20)
     );

@@ -304,6 +304,31 @@ fn realise(drvs: &[String]) -> Result<Vec<String>, String> {
     Ok(paths)
 }
 
+/// Registers a node's toplevel as a garbage-collector root in the work dir
+/// (`gcroots/<node>`), so a `nix-collect-garbage` on this host does not
+/// remove what is deployed; the next deploy of the node replaces it, a
+/// destroy removes the work dir and with it the root. A failure is logged:
+/// the deploy stands.
+fn keep(work: &Path, node: &str, toplevel: &str) {
+    let roots = work.join("gcroots");
+    let added = std::fs::create_dir_all(&roots)
+        .map_err(|e| e.to_string())
+        .and_then(|_| {
+            Command::new("nix-store")
+                .arg("--add-root")
+                .arg(roots.join(node))
+                .args(["--indirect", "--realise", toplevel])
+                .stdout(Stdio::null())
+                .status()
+                .map_err(|e| e.to_string())
+        });
+    match added {
+        Ok(s) if s.success() => {}
+        Ok(s) => println!("{node}: could not register a GC root ({s})"),
+        Err(e) => println!("{node}: could not register a GC root ({e})"),
+    }
+}
+
 fn read_state(work: &Path) -> serde_json::Map<String, Value> {
     std::fs::read(work.join(STATE_FILE))
         .ok()
@@ -390,6 +415,7 @@ fn deploy(request: &Value) -> Outcome {
     for ((name, node), toplevel) in nodes.iter().zip(&toplevels) {
         let changed = state.get(name).and_then(Value::as_str) != Some(toplevel.as_str());
         next.insert(name.clone(), Value::String(toplevel.clone()));
+        keep(&work, name, toplevel);
         if changed {
             activate(name, toplevel, node["target"].as_str()).map_err(Failure::Broken)?;
             changed_nodes.push((name.as_str(), node));

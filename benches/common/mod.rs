@@ -83,3 +83,43 @@ esac
     std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
     path
 }
+
+/// One row of the benchmark table: appended as a JSON line to the file in
+/// `BERTH_BENCH_FIGURES` (tools/bench sets it and prints the table), and
+/// printed either way. `higher_is_better` says which way `ratio` must go
+/// to meet `goal` (a ratio; None when the figure has no goal).
+pub fn record(
+    figure: &str,
+    berth: &str,
+    baseline: &str,
+    ratio: f64,
+    goal: Option<f64>,
+    higher_is_better: bool,
+) {
+    let met = goal.map(|g| {
+        if higher_is_better {
+            ratio >= g
+        } else {
+            ratio <= g
+        }
+    });
+    let goal_text = goal
+        .map(|g| format!("{} {g}x", if higher_is_better { ">=" } else { "<=" }))
+        .unwrap_or_default();
+    println!("{figure}: {berth} | {baseline} | {ratio:.2}x | goal {goal_text} | met {met:?}");
+    let Ok(path) = std::env::var("BERTH_BENCH_FIGURES") else {
+        return;
+    };
+    let line = serde_json::json!({
+        "figure": figure, "berth": berth, "baseline": baseline,
+        "ratio": (ratio * 100.0).round() / 100.0, "goal": goal_text, "met": met,
+    });
+    use std::io::Write;
+    if let Ok(mut f) = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+    {
+        let _ = writeln!(f, "{line}");
+    }
+}

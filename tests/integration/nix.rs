@@ -164,6 +164,10 @@ async fn the_nix_deployer_evaluates_builds_and_changes_only_what_changed() {
         let path = line.split_whitespace().nth(1).unwrap();
         assert!(Path::new(path).exists(), "{path} is not in the store");
     }
+    // What is deployed is a GC root on this host.
+    let root = s.dir.join("data/work/alice/gcroots/mastodon");
+    let target = std::fs::read_link(&root).unwrap_or_else(|e| panic!("{}: {e}", root.display()));
+    assert!(target.starts_with("/nix/store/"), "{}", target.display());
     let (_, sboms) = s.json("/v1/deployments/alice/sboms").await;
     for node in ["mastodon", "forgejo"] {
         let entry = sboms["nodes"]

@@ -1,0 +1,36 @@
+-- wrk script for the submit benchmark: every request submits a new
+-- deployment with its own idempotency key. BERTH_TOKEN comes from the
+-- environment. Prints one JSON line at the end.
+local token = os.getenv("BERTH_TOKEN")
+local threads = {}
+local counter = 0
+local prefix = ""
+
+function setup(thread)
+  thread:set("tid", #threads)
+  table.insert(threads, thread)
+end
+
+function init(args)
+  prefix = string.format("w%dr%d", tid, math.random(1, 99999999))
+end
+
+function request()
+  counter = counter + 1
+  local id = string.format("%sn%d", prefix, counter)
+  local body = '{"configuration":{"domain":"' .. id .. '.example.org"},"mode":"enqueue"}'
+  return wrk.format("POST", "/v1/deployments/" .. id .. "/submit", {
+    ["Authorization"] = "Bearer " .. token,
+    ["Content-Type"] = "application/json",
+    ["Idempotency-Key"] = "bench-" .. id,
+  }, body)
+end
+
+function done(summary, latency, requests)
+  local failed = summary.errors.status + summary.errors.connect + summary.errors.read
+    + summary.errors.write + summary.errors.timeout
+  io.write(string.format(
+    '{"requests":%d,"seconds":%.3f,"failed":%d,"p50_us":%d,"p99_us":%d}\n',
+    summary.requests, summary.duration / 1e6, failed,
+    latency:percentile(50), latency:percentile(99)))
+end
