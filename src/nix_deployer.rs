@@ -30,14 +30,12 @@
 //! - Cancel and timeouts: berth signals the whole process group, Nix
 //!   included; the state file is written only after a successful deploy.
 
-use std::io::{BufRead, Read};
+use std::io::BufRead;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use serde_json::{json, Value};
 
-/// The request on stdin at most.
-const MAX_REQUEST_BYTES: u64 = 4 << 20;
 /// Nix's answer on stdout at most.
 const MAX_NIX_OUTPUT_BYTES: u64 = 16 << 20;
 /// A refusal message at most (Nix's error, cut).
@@ -57,26 +55,9 @@ enum Failure {
 type Outcome = Result<Value, Failure>;
 
 pub fn run(verb: &str) -> i32 {
-    let Some(result_path) = std::env::var_os("BERTH_RESULT").map(PathBuf::from) else {
-        eprintln!(
-            "berth deployer nix: BERTH_RESULT is not set; this command is run by `berth serve`"
-        );
-        return 2;
-    };
-    let mut input = String::new();
-    if let Err(e) = std::io::stdin()
-        .take(MAX_REQUEST_BYTES)
-        .read_to_string(&mut input)
-    {
-        eprintln!("cannot read the request on stdin: {e}");
-        return 2;
-    }
-    let request: Value = match serde_json::from_str(&input) {
-        Ok(v) => v,
-        Err(e) => {
-            eprintln!("the request on stdin is not JSON: {e}");
-            return 2;
-        }
+    let (result_path, request) = match crate::deployer_side::read_request("nix") {
+        Ok(r) => r,
+        Err(code) => return code,
     };
     let outcome = match verb {
         "describe" => describe(&request),
@@ -96,7 +77,7 @@ pub fn run(verb: &str) -> i32 {
             return 2;
         }
     };
-    match std::fs::write(&result_path, result.to_string()) {
+    match crate::deployer_side::write_atomically(&result_path, result.to_string().as_bytes()) {
         Ok(()) => code,
         Err(e) => {
             eprintln!("cannot write the result: {e}");
@@ -338,10 +319,11 @@ fn read_state(work: &Path) -> serde_json::Map<String, Value> {
 }
 
 fn write_state(work: &Path, state: &serde_json::Map<String, Value>) -> Result<(), String> {
-    let tmp = work.join(format!("{STATE_FILE}.tmp"));
-    std::fs::write(&tmp, Value::Object(state.clone()).to_string())
-        .and_then(|_| std::fs::rename(&tmp, work.join(STATE_FILE)))
-        .map_err(|e| format!("cannot write the deploy state: {e}"))
+    crate::deployer_side::write_atomically(
+        &work.join(STATE_FILE),
+        Value::Object(state.clone()).to_string().as_bytes(),
+    )
+    .map_err(|e| format!("cannot write the deploy state: {e}"))
 }
 
 fn activate(node: &str, toplevel: &str, target: Option<&str>) -> Result<(), String> {

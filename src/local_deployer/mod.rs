@@ -8,7 +8,7 @@
 
 pub mod catalog;
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -16,8 +16,6 @@ use std::time::Duration;
 use serde_json::{json, Map, Value};
 use sha2::{Digest, Sha256};
 
-/// Largest request read from stdin.
-const MAX_REQUEST_BYTES: u64 = 4 * 1024 * 1024;
 /// Default of `BERTH_LOCAL_MAX_NODES`.
 const DEFAULT_MAX_NODES: usize = 32;
 /// Default of `BERTH_LOCAL_STEP_MS`.
@@ -54,26 +52,9 @@ pub struct Node {
 /// Runs one verb; returns the process exit status.
 pub fn run(verb: &str) -> i32 {
     install_sigterm_handler();
-    let Some(result_path) = std::env::var_os("BERTH_RESULT").map(PathBuf::from) else {
-        eprintln!(
-            "berth deployer local: BERTH_RESULT is not set; this command is run by `berth serve`"
-        );
-        return 2;
-    };
-    let mut input = String::new();
-    if let Err(e) = std::io::stdin()
-        .take(MAX_REQUEST_BYTES)
-        .read_to_string(&mut input)
-    {
-        eprintln!("cannot read the request on stdin: {e}");
-        return 2;
-    }
-    let request: Value = match serde_json::from_str(&input) {
-        Ok(v) => v,
-        Err(e) => {
-            eprintln!("the request on stdin is not JSON: {e}");
-            return 2;
-        }
+    let (result_path, request) = match crate::deployer_side::read_request("local") {
+        Ok(r) => r,
+        Err(code) => return code,
     };
     let outcome = match verb {
         "describe" => Ok(describe()),
@@ -393,18 +374,7 @@ fn write_state(
 }
 
 /// Write to a temporary file, fsync, rename over the target, fsync the directory.
-fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let dir = path.parent().unwrap_or(Path::new("."));
-    std::fs::create_dir_all(dir)?;
-    let tmp = path.with_extension("tmp");
-    {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-    }
-    std::fs::rename(&tmp, path)?;
-    std::fs::File::open(dir)?.sync_all()
-}
+use crate::deployer_side::write_atomically;
 
 fn hex(bytes: &[u8]) -> String {
     crate::hex::encode(bytes)

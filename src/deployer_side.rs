@@ -1,0 +1,54 @@
+//! The deployer's side of the protocol (deployer.md), shared by the
+//! deployers built into this binary (`local`, `nix`): read the request on
+//! stdin, write the result to `BERTH_RESULT` atomically. Why a module: both
+//! must bound the request, refuse a non-JSON one and never leave a torn
+//! result file, the same way.
+
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+/// The request on stdin at most.
+const MAX_REQUEST_BYTES: u64 = 4 << 20;
+
+/// `BERTH_RESULT` and the request, or the exit status to leave with (after
+/// saying why on stderr).
+pub fn read_request(deployer: &str) -> Result<(PathBuf, Value), i32> {
+    let Some(result_path) = std::env::var_os("BERTH_RESULT").map(PathBuf::from) else {
+        eprintln!(
+            "berth deployer {deployer}: BERTH_RESULT is not set; this command is run by `berth serve`"
+        );
+        return Err(2);
+    };
+    let mut input = String::new();
+    if let Err(e) = std::io::stdin()
+        .take(MAX_REQUEST_BYTES)
+        .read_to_string(&mut input)
+    {
+        eprintln!("cannot read the request on stdin: {e}");
+        return Err(2);
+    }
+    match serde_json::from_str(&input) {
+        Ok(request) => Ok((result_path, request)),
+        Err(e) => {
+            eprintln!("the request on stdin is not JSON: {e}");
+            Err(2)
+        }
+    }
+}
+
+/// Writes `bytes` to `path` through a temporary file and a rename, both
+/// made durable: berth never reads a half-written result or state.
+pub fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir)?;
+    let tmp = path.with_extension("tmp");
+    {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+    }
+    std::fs::rename(&tmp, path)?;
+    std::fs::File::open(dir)?.sync_all()
+}
