@@ -33,12 +33,22 @@ impl Progress {
     /// Starts a table of `total` rows (0 when unknown).
     pub fn table(&self, name: &'static str, total: u64) -> TableProgress {
         let bar = self.terminal.then(|| {
-            let bar = ProgressBar::new(total);
-            let style = ProgressStyle::with_template(
-                "{prefix:>18} [{bar:30}] {human_pos}/{human_len} rows {msg} {elapsed}",
-            )
-            .unwrap_or_else(|_| ProgressStyle::default_bar())
-            .progress_chars("=> ");
+            // An import does not know a table's size before reading it: a
+            // spinner with the count then, a bar when the total is known.
+            let (bar, template) = if total == 0 {
+                (
+                    ProgressBar::new_spinner(),
+                    "{prefix:>18} {spinner} {human_pos} rows {msg} {elapsed}",
+                )
+            } else {
+                (
+                    ProgressBar::new(total),
+                    "{prefix:>18} [{bar:30}] {human_pos}/{human_len} rows {msg} {elapsed}",
+                )
+            };
+            let style = ProgressStyle::with_template(template)
+                .unwrap_or_else(|_| ProgressStyle::default_bar())
+                .progress_chars("=> ");
             bar.set_style(style);
             bar.set_prefix(name);
             bar
