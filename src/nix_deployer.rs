@@ -30,7 +30,7 @@
 //! - Cancel and timeouts: berth signals the whole process group, Nix
 //!   included; the state file is written only after a successful deploy.
 
-use std::io::BufRead;
+use std::io::{BufRead, Read};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
@@ -38,6 +38,8 @@ use serde_json::{json, Value};
 
 /// Nix's answer on stdout at most.
 const MAX_NIX_OUTPUT_BYTES: u64 = 16 << 20;
+/// Nix's error output kept at most (a message is cut from its start).
+const MAX_NIX_STDERR_BYTES: u64 = 64 << 10;
 /// A refusal message at most (Nix's error, cut).
 const MAX_MESSAGE_CHARS: usize = 2_000;
 /// Nodes a source may define at most.
@@ -199,19 +201,42 @@ fn nix_eval(dir: &Path, request: &Value, body: &str, write: bool) -> Outcome {
             "cannot run nix-instantiate (is Nix installed?): {e}"
         ))
     })?;
-    let out = child
-        .wait_with_output()
-        .map_err(|e| Failure::Broken(format!("nix-instantiate: {e}")))?;
-    if !out.status.success() {
+    let (stdout, stderr, status) =
+        bounded_output(child).map_err(|e| Failure::Broken(format!("nix-instantiate: {e}")))?;
+    if !status.success() {
         return Err(Failure::Refused(cut_message(&String::from_utf8_lossy(
-            &out.stderr,
+            &stderr,
         ))));
     }
-    if out.stdout.len() as u64 > MAX_NIX_OUTPUT_BYTES {
+    if stdout.len() as u64 > MAX_NIX_OUTPUT_BYTES {
         return Err(Failure::Broken("Nix's answer is too large".into()));
     }
-    serde_json::from_slice(&out.stdout)
+    serde_json::from_slice(&stdout)
         .map_err(|e| Failure::Broken(format!("Nix's answer is not JSON: {e}")))
+}
+
+/// A child's stdout (at most one byte past `MAX_NIX_OUTPUT_BYTES`, so the
+/// caller can tell it was too large) and stderr (at most
+/// `MAX_NIX_STDERR_BYTES`; only its start becomes a message), read at once
+/// so neither pipe fills; the rest of each is drained, not kept.
+fn bounded_output(
+    mut child: std::process::Child,
+) -> std::io::Result<(Vec<u8>, Vec<u8>, std::process::ExitStatus)> {
+    fn keep_some(pipe: Option<impl Read>, limit: u64) -> std::io::Result<Vec<u8>> {
+        let mut kept = Vec::new();
+        if let Some(mut pipe) = pipe {
+            (&mut pipe).take(limit).read_to_end(&mut kept)?;
+            std::io::copy(&mut pipe, &mut std::io::sink())?;
+        }
+        Ok(kept)
+    }
+    let stderr = child.stderr.take();
+    let errors = std::thread::spawn(move || keep_some(stderr, MAX_NIX_STDERR_BYTES));
+    let stdout = keep_some(child.stdout.take(), MAX_NIX_OUTPUT_BYTES + 1)?;
+    let stderr = errors
+        .join()
+        .map_err(|_| std::io::Error::other("reading Nix's errors failed"))??;
+    Ok((stdout, stderr, child.wait()?))
 }
 
 fn describe(request: &Value) -> Outcome {

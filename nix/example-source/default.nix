@@ -38,7 +38,8 @@ let
   # The source's own rules, beyond the schema: Nix's message is what the
   # user sees in the 422.
   checked =
-    if unknown != [ ] then throw "unknown application `${builtins.head unknown}`; this source knows ${builtins.concatStringsSep ", " known}"
+    # Messages name no value of the request (berth's rule for errors).
+    if unknown != [ ] then throw "an application this source does not know is configured; it knows ${builtins.concatStringsSep ", " known}"
     else if enabled != [ ] && domain == null then throw "an enabled application needs a domain"
     else true;
 
