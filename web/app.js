@@ -115,6 +115,9 @@ async function route() {
   );
   const hash = location.hash.slice(1) || '/';
   const [path, query] = hash.split('?');
+  // The last view goes at once: one build's log is never on screen under
+  // another build's address while the new view loads.
+  show(el('p', { class: 'muted', 'aria-busy': 'true' }, 'Loading…'));
   try {
     if (path === '/') await listView();
     else if (path.startsWith('/d/')) await deploymentView(decodeURIComponent(path.slice(3)));
@@ -123,7 +126,13 @@ async function route() {
     else show(el('h1', {}, 'Not found'), el('a', { href: '#/' }, 'Back to the deployments'));
   } catch (e) {
     if (e instanceof Unauthorized) return refused();
-    show(el('h1', {}, 'Something went wrong'), el('p', { class: 'errors', role: 'alert' }, String(e)));
+    // fetch rejects only when berth could not be reached at all.
+    const why = e instanceof TypeError ? 'berth could not be reached (a network error).' : String(e);
+    show(
+      el('h1', {}, 'Something went wrong'),
+      el('p', { class: 'errors', role: 'alert' }, why),
+      el('div', { class: 'row' }, el('button', { type: 'button', onclick: route }, 'Try again')),
+    );
   }
   main.focus();
 }
@@ -391,7 +400,7 @@ async function buildView(id) {
   const b = res.data;
   const status = el('span', {}, badge(b.status));
   const note = el('div', { 'aria-live': 'polite' });
-  const log = el('pre', { class: 'log', id: 'log', tabindex: '0', 'aria-label': 'build log' });
+  const log = el('pre', { class: 'log', id: 'log', 'data-build': id, tabindex: '0', 'aria-label': 'build log' });
   const cancel = el(
     'button',
     {
