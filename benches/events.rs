@@ -182,16 +182,7 @@ async fn berth_latency(berth: &Berth, deployment: &str, n: usize) -> Vec<u64> {
     let client = std::thread::spawn(move || epoll_client(&addr, &request, n));
     // Start only when every subscriber is connected (berth_sse_clients).
     loop {
-        let m = berth
-            .http
-            .get(format!("{}/metrics", berth.base))
-            .bearer_auth(&berth.token)
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let m = common::metrics(&berth.http, &berth.base, &berth.token).await;
         let open: usize = m
             .lines()
             .find_map(|l| l.strip_prefix("berth_sse_clients "))

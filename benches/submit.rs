@@ -63,6 +63,22 @@ fn wrk_phase(base: &str, token: &str, connections: usize) -> (f64, f64) {
     (rate, v["p99_us"].as_f64().unwrap() / 1000.0)
 }
 
+/// `wrk` on `GET /healthz` for `PHASE`: the HTTP floor (requests/s) on
+/// these 2 cores, load generator included.
+fn healthz_rate(base: &str, connections: usize) -> f64 {
+    let out = Command::new("wrk")
+        .args(["-t", "2", "-c", &connections.to_string()])
+        .args(["-d", &format!("{}s", PHASE.as_secs())])
+        .arg(format!("{base}/healthz"))
+        .output()
+        .expect("run wrk");
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.lines()
+        .find_map(|l| l.strip_prefix("Requests/sec:"))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("wrk printed no rate: {text}"))
+}
+
 /// The same work in SQLite (WAL, synchronous=FULL), one transaction per
 /// submit: upsert the deployment, insert the build, its event and the
 /// idempotency record. `writers` threads, each its own connection.
@@ -126,10 +142,71 @@ fn sqlite_rate(dir: &std::path::Path, writers: usize) -> f64 {
     done.load(Ordering::Relaxed) as f64 / start.elapsed().as_secs_f64()
 }
 
+/// Tables one submit writes (a new deployment, the service token): meta,
+/// build snapshots, build events, deployment events, builds, deployment
+/// builds, queued, deployments, audit events, audit by deployment, Merkle
+/// nodes, idempotency, idempotency expiry.
+const TABLES_PER_SUBMIT: usize = 13;
+
+/// The floor under berth's submit: bare redb, one write transaction per
+/// submit inserting one ~300 B row into each of `TABLES_PER_SUBMIT` tables
+/// (string keys where berth's are strings), committed with
+/// `Durability::Immediate`, one writer, in redb `mode`. Nothing else: no
+/// HTTP, no JSON, no encoding, no thread hand-off.
+fn redb_floor(dir: &std::path::Path, mode: redb::ConcurrencyMode) -> f64 {
+    use redb::{TableDefinition, TableHandle};
+    let path = dir.join(format!("floor-{mode:?}.redb"));
+    let _ = std::fs::remove_file(&path);
+    let db = redb::Database::builder()
+        .set_concurrency_mode(mode)
+        .create(&path)
+        .unwrap();
+    let names: Vec<String> = (0..TABLES_PER_SUBMIT).map(|t| format!("t{t}")).collect();
+    let by_string: Vec<TableDefinition<&str, &[u8]>> = names[..3]
+        .iter()
+        .map(|n| TableDefinition::new(n.as_str()))
+        .collect();
+    let by_number: Vec<TableDefinition<u128, &[u8]>> = names[3..]
+        .iter()
+        .map(|n| TableDefinition::new(n.as_str()))
+        .collect();
+    let value = vec![7u8; 300];
+    let start = Instant::now();
+    let mut n = 0u64;
+    while start.elapsed() < PHASE {
+        n += 1;
+        let key = format!("w0r{:08x}n{n}", n.wrapping_mul(0x9e37_79b9) as u32);
+        let txn = db.begin_write().unwrap();
+        for t in &by_string {
+            txn.open_table(*t)
+                .unwrap()
+                .insert(key.as_str(), value.as_slice())
+                .unwrap();
+        }
+        for t in &by_number {
+            let id = (u128::from(n) << 64) | u128::from(t.name().len() as u64);
+            txn.open_table(*t)
+                .unwrap()
+                .insert(id, value.as_slice())
+                .unwrap();
+        }
+        txn.commit().unwrap();
+    }
+    n as f64 / start.elapsed().as_secs_f64()
+}
+
 /// Starts berth with a deployer whose builds never finish (submits only queue).
 fn start(
     dir: &std::path::Path,
     rt: &tokio::runtime::Runtime,
+) -> (std::process::Child, String, String) {
+    start_with(dir, rt, &[])
+}
+
+fn start_with(
+    dir: &std::path::Path,
+    rt: &tokio::runtime::Runtime,
+    extra: &[&str],
 ) -> (std::process::Child, String, String) {
     std::fs::create_dir_all(dir).unwrap();
     let deployer = dir.join("sleepy.sh");
@@ -139,25 +216,87 @@ fn start(
         .arg(&deployer)
         .status()
         .unwrap();
-    let started = rt.block_on(common::start_berth(
-        dir,
-        &deployer,
-        &[
-            "--eval-slots",
-            "0",
-            "--build-slots",
-            "1",
-            "--max-queued-builds",
-            "1000000",
-        ],
-        &[],
-    ));
+    let mut args = vec![
+        "--eval-slots",
+        "0",
+        "--build-slots",
+        "1",
+        "--max-queued-builds",
+        "1000000",
+        // A clean stop ends the one running (sleeping) build at once.
+        "--shutdown-grace",
+        "1s",
+        "--cancel-grace",
+        "1s",
+    ];
+    args.extend_from_slice(extra);
+    let started = rt.block_on(common::start_berth(dir, &deployer, &args, &[]));
     let (child, base, token) = (started.child, started.base, started.token);
     (child, base, token)
 }
 
+/// SSE clients held open for the memory figure.
+const SSE_CLIENTS: usize = 1_000;
+/// Builds in the store for the startup figure.
+const STARTUP_BUILDS: u64 = 100_000;
+
+/// `count` submits over 32 connections to deployments `d{first}..`, each
+/// a new deployment or a build queued behind the last.
+async fn submit_many(base: &str, token: &str, count: u64, first: u64) {
+    let http = reqwest::Client::new();
+    let mut set = tokio::task::JoinSet::new();
+    for n in 0..count {
+        let (http, base, token) = (http.clone(), base.to_string(), token.trim().to_string());
+        // Past the first 10,000, builds queue on the existing deployments.
+        let d = (first + n) % 10_000;
+        set.spawn(async move {
+            let body = serde_json::json!({"configuration": {"domain": format!("d{d}.example.org")}, "mode": "enqueue"});
+            let r = http.post(format!("{base}/v1/deployments/d{d}/submit")).bearer_auth(&token).json(&body).send().await.unwrap();
+            assert_eq!(r.status(), 202);
+        });
+        if set.len() >= 32 {
+            set.join_next().await;
+        }
+    }
+    while set.join_next().await.is_some() {}
+}
+
+/// Opens `count` event streams (one per deployment) on raw sockets: a lean
+/// client, so the figure is berth's memory and not the client's.
+async fn open_streams(base: &str, token: &str, count: usize) -> Vec<tokio::net::TcpStream> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let addr = base.trim_start_matches("http://").to_string();
+    let mut streams = Vec::with_capacity(count);
+    for n in 0..count {
+        let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        let request = format!(
+            "GET /v1/deployments/d{n}/events HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {}\r\n\r\n",
+            token.trim()
+        );
+        s.write_all(request.as_bytes()).await.unwrap();
+        let mut head = [0u8; 12];
+        s.read_exact(&mut head).await.unwrap();
+        assert_eq!(&head, b"HTTP/1.1 200", "an event stream was refused");
+        streams.push(s);
+    }
+    streams
+}
+
+/// SIGTERM and wait: the store is closed cleanly (the next start needs no
+/// repair).
+fn stop_gracefully(child: std::process::Child, dir: &std::path::Path) {
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    stop_after(child, dir)
+}
+
 fn stop(mut child: std::process::Child, dir: &std::path::Path) {
     let _ = child.kill();
+    stop_after(child, dir)
+}
+
+fn stop_after(mut child: std::process::Child, dir: &std::path::Path) {
     let _ = child.wait();
     // The one running build's deployer sleeps in its own process group.
     let _ = Command::new("pkill")
@@ -187,23 +326,73 @@ fn main() {
         println!("skipped: submit throughput: needs wrk (apt install wrk)");
         ((0.0, 0.0), (0.0, 0.0))
     };
+    let healthz = if wrk_here {
+        healthz_rate(&base, 32)
+    } else {
+        0.0
+    };
     stop(child, &dir);
+    // The same load on a store held alone (--exclusive-store: one
+    // fdatasync per commit), and the storage floor in both modes.
+    let dir = root.join("exclusive");
+    let (child, base, token) = start_with(&dir, &rt, &["--exclusive-store"]);
+    let exclusive = if wrk_here {
+        (wrk_phase(&base, &token, 1), wrk_phase(&base, &token, 32))
+    } else {
+        ((0.0, 0.0), (0.0, 0.0))
+    };
+    stop(child, &dir);
+    let floor_shared = redb_floor(&dir, redb::ConcurrencyMode::SingleWriter);
+    let floor_alone = redb_floor(&dir, redb::ConcurrencyMode::ExclusiveWriter);
     if wrk_here {
         let fsync = format!("128 B append + fdatasync loop: {fsyncs:.0}/s");
+        for (figure, (rate, p99), goal) in [
+            ("submits/s, 1 connection", one, 0.4),
+            ("submits/s, 32 connections", many, 5.0),
+            (
+                "submits/s, 1 connection, --exclusive-store",
+                exclusive.0,
+                0.4,
+            ),
+            (
+                "submits/s, 32 connections, --exclusive-store",
+                exclusive.1,
+                5.0,
+            ),
+        ] {
+            common::record(
+                figure,
+                &format!("{rate:.0}/s (p99 {p99:.1} ms)"),
+                &fsync,
+                rate / fsyncs,
+                Some(goal),
+                true,
+            );
+        }
         common::record(
-            "submits/s, 1 connection",
-            &format!("{:.0}/s (p99 {:.1} ms)", one.0, one.1),
-            &fsync,
-            one.0 / fsyncs,
-            Some(0.4),
+            "submit vs its storage floor, 1 connection",
+            &format!("{:.0}/s", one.0),
+            &format!(
+                "bare redb, {TABLES_PER_SUBMIT} one-row inserts per commit, SingleWriter: {floor_shared:.0}/s"
+            ),
+            one.0 / floor_shared,
+            None,
             true,
         );
         common::record(
-            "submits/s, 32 connections",
-            &format!("{:.0}/s (p99 {:.1} ms)", many.0, many.1),
-            &fsync,
-            many.0 / fsyncs,
-            Some(5.0),
+            "submit vs its storage floor, 1 connection, --exclusive-store",
+            &format!("{:.0}/s", exclusive.0 .0),
+            &format!("bare redb as above, ExclusiveWriter: {floor_alone:.0}/s"),
+            exclusive.0 .0 / floor_alone,
+            None,
+            true,
+        );
+        common::record(
+            "submit vs the HTTP floor, 32 connections",
+            &format!("{:.0}/s", many.0),
+            &format!("GET /healthz, same server and wrk: {healthz:.0}/s"),
+            many.0 / healthz,
+            None,
             true,
         );
         common::record(
@@ -224,33 +413,24 @@ fn main() {
         );
     }
 
-    // Memory: a fresh server, idle, then with exactly 10,000 deployments.
+    // Memory: a fresh server, idle, then with exactly 10,000 deployments,
+    // then with 1,000 SSE clients on top; then a restart with 100,000
+    // builds in the store.
     let dir = root.join("memory");
+    let spawned = Instant::now();
     let (child, base, token) = start(&dir, &rt);
+    let empty_start = spawned.elapsed();
     std::thread::sleep(Duration::from_millis(500));
     let idle_rss = rss_kib(child.id());
-    rt.block_on(async {
-        let http = reqwest::Client::new();
-        let mut set = tokio::task::JoinSet::new();
-        for n in 0..10_000u64 {
-            let (http, base, token) = (http.clone(), base.clone(), token.clone());
-            set.spawn(async move {
-                let body = serde_json::json!({"configuration": {"domain": format!("d{n}.example.org")}, "mode": "enqueue"});
-                let r = http.post(format!("{base}/v1/deployments/d{n}/submit")).bearer_auth(&token).json(&body).send().await.unwrap();
-                assert_eq!(r.status(), 202);
-            });
-            if set.len() >= 32 {
-                set.join_next().await;
-            }
-        }
-        while set.join_next().await.is_some() {}
-    });
+    rt.block_on(submit_many(&base, &token, 10_000, 0));
     let full_rss = rss_kib(child.id());
+    let streams = rt.block_on(open_streams(&base, &token, SSE_CLIENTS));
+    std::thread::sleep(Duration::from_millis(500));
+    let streams_rss = rss_kib(child.id());
+    drop(streams);
     let store_bytes = std::fs::metadata(dir.join("data/berth.redb"))
         .map(|m| m.len())
         .unwrap_or(0);
-    stop(child, &dir);
-
     common::record(
         "RSS idle",
         &format!("{:.1} MiB", idle_rss as f64 / 1024.0),
@@ -259,10 +439,51 @@ fn main() {
         Some(1.0),
         false,
     );
+    common::record(
+        "RSS, 10,000 deployments + 1,000 SSE clients",
+        &format!(
+            "{:.1} MiB ({:.1} MiB before the clients)",
+            streams_rss as f64 / 1024.0,
+            full_rss as f64 / 1024.0
+        ),
+        "goal: under 200 MiB",
+        streams_rss as f64 / 1024.0 / 200.0,
+        Some(1.0),
+        false,
+    );
     println!(
-        "RSS with 10,000 deployments: {:.1} MiB; store file {:.1} MiB",
-        full_rss as f64 / 1024.0,
+        "store file with 10,000 deployments: {:.1} MiB",
         store_bytes as f64 / f64::from(1 << 20)
+    );
+
+    // Startup: 100,000 builds (the 10,000 above and 90,000 more queued
+    // behind them), a clean stop, and the time from exec to /readyz.
+    rt.block_on(submit_many(&base, &token, STARTUP_BUILDS - 10_000, 10_000));
+    stop_gracefully(child, &dir);
+    let spawned = Instant::now();
+    let (child, base, token) = start(&dir, &rt);
+    let full_start = spawned.elapsed();
+    let builds = rt
+        .block_on(common::metrics(&reqwest::Client::new(), &base, &token))
+        .lines()
+        .filter(|l| l.starts_with("berth_builds{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>();
+    stop(child, &dir);
+    assert!(
+        builds >= STARTUP_BUILDS as f64,
+        "the store holds {builds} builds, not {STARTUP_BUILDS}"
+    );
+    common::record(
+        "startup, 100,000 builds",
+        &format!("{:.0} ms to ready", full_start.as_secs_f64() * 1000.0),
+        &format!(
+            "an empty store: {:.0} ms; goal under 1 s",
+            empty_start.as_secs_f64() * 1000.0
+        ),
+        full_start.as_secs_f64(),
+        Some(1.0),
+        false,
     );
     let _ = std::fs::remove_dir_all(&root);
 }

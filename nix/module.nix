@@ -136,7 +136,7 @@ in
       denialInterval = mkOption { type = types.nullOr types.str; default = null; description = "Anonymous denials are recorded once per interval (default 60s)."; };
       origin = mkOption { type = types.nullOr types.str; default = null; description = "Checkpoint origin line (default berth/<hostname>/audit)."; };
     };
-    extraArgs = mkOption { type = types.listOf types.str; default = [ ]; description = "More `berth serve` flags."; };
+    extraArgs = mkOption { type = types.listOf types.str; default = [ ]; description = "More `berth serve` flags (not --exclusive-store: the audit timers read the live store)."; };
   };
 
   config = mkIf cfg.enable {

@@ -167,7 +167,12 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
             .await
             .map_err(|e| format!("--import-from: {e}"))??;
     }
-    let store = Store::open(&settings.db_path())
+    let sharing = if settings.exclusive_store {
+        crate::store::Sharing::Exclusive
+    } else {
+        crate::store::Sharing::LiveReaders
+    };
+    let store = Store::open_shared(&settings.db_path(), sharing)
         .map_err(|e| format!("cannot open {}: {e}", settings.db_path().display()))?;
     {
         // The store holds every configuration: readable by berth only.

@@ -49,10 +49,22 @@ pub async fn start_berth(
         .map(|r| r.status() != 200)
         .unwrap_or(true)
     {
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let token = std::fs::read_to_string(dir.join("data/service-token")).unwrap();
     Started { child, base, token }
+}
+
+/// `GET /metrics` of a running berth, as text.
+pub async fn metrics(http: &reqwest::Client, base: &str, token: &str) -> String {
+    http.get(format!("{base}/metrics"))
+        .bearer_auth(token.trim())
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
 }
 
 /// The runtime of a benchmark's client side: two workers, as the machine.

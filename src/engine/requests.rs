@@ -334,10 +334,12 @@ pub fn submit_tx(
             return Ok(Err(refusal));
         }
     }
-    if let Some(registered) = tx.source(&s.snapshot.source.digest)? {
-        if registered != s.snapshot.source {
-            return Ok(Err(Refusal::Conflict(Conflict::SourceImmutable)));
-        }
+    let registered = tx.source(&s.snapshot.source.digest)?;
+    if registered
+        .as_ref()
+        .is_some_and(|registered| *registered != s.snapshot.source)
+    {
+        return Ok(Err(Refusal::Conflict(Conflict::SourceImmutable)));
     }
     let now = change.now();
     let mut d = existing.unwrap_or_else(|| DeploymentRecord {
@@ -358,7 +360,11 @@ pub fn submit_tx(
         created_at: now,
         updated_at: now,
     });
-    tx.put_source(&s.snapshot.source)?;
+    // A source is immutable: written once, when first seen (a rewrite of
+    // the same bytes would still cost the commit a B-tree page).
+    if registered.is_none() {
+        tx.put_source(&s.snapshot.source)?;
+    }
     d.snapshot = s.snapshot.clone();
     d.method = s.method.clone();
     d.domain = s.domain.clone();

@@ -42,8 +42,16 @@ impl Frame {
 /// CR and LF when captured); if one ever did, each part becomes its own
 /// `data:` line.
 fn encode(seq: u64, event: &str, data: &str) -> bytes::Bytes {
-    let mut out = Vec::with_capacity(data.len() + 32);
-    out.extend_from_slice(format!("id: {seq}\nevent: {event}\n").as_bytes());
+    use std::io::Write as _;
+    // Once per log line: written in place, without a temporary string.
+    let mut out = Vec::with_capacity(data.len() + event.len() + 36);
+    let _ = write!(out, "id: {seq}\nevent: {event}\n");
+    if memchr::memchr2(b'\n', b'\r', data.as_bytes()).is_none() {
+        out.extend_from_slice(b"data: ");
+        out.extend_from_slice(data.as_bytes());
+        out.extend_from_slice(b"\n\n");
+        return bytes::Bytes::from(out);
+    }
     for part in data.split(['\n', '\r']) {
         out.extend_from_slice(b"data: ");
         out.extend_from_slice(part.as_bytes());
@@ -161,4 +169,23 @@ pub(super) fn end_text(final_status: &Frame) -> String {
 
 pub(super) fn resync(reason: &str) -> String {
     format!("event: resync_required\ndata: {{\"reason\":\"{reason}\"}}\n\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_event_is_encoded_as_sse_text() {
+        assert_eq!(
+            &encode(7, "log", "make: ok")[..],
+            b"id: 7\nevent: log\ndata: make: ok\n\n"
+        );
+        // A break in the data (never in a captured line) becomes data lines.
+        assert_eq!(
+            &encode(18446744073709551615, "status", "a\nb\rc")[..],
+            b"id: 18446744073709551615\nevent: status\ndata: a\ndata: b\ndata: c\n\n"
+        );
+        assert_eq!(&encode(1, "log", "")[..], b"id: 1\nevent: log\ndata: \n\n");
+    }
 }

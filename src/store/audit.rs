@@ -330,8 +330,9 @@ impl Rx {
 }
 
 /// The store opened read-only beside a running server (`berth audit
-/// verify`, `push-head`): the server opens redb in `SingleWriter` mode, so
-/// other processes may read and follow its commits.
+/// verify`, `push-head`, `export`): the server opens redb in `SingleWriter`
+/// mode (unless `--exclusive-store`), so other processes may read and
+/// follow its commits.
 pub struct ReadOnlyStore {
     db: redb::ReadOnlyDatabase,
 }
@@ -342,6 +343,9 @@ impl ReadOnlyStore {
             .set_concurrency_mode(redb::ConcurrencyMode::SingleWriter)
             .open_read_only(path)
             .map_err(|e| match e {
+                redb::DatabaseError::DatabaseAlreadyOpen => StoreError::other(
+                    "berth serve holds the store alone (--exclusive-store): stop it to read the store from another process, or run it without that flag",
+                ),
                 redb::DatabaseError::RepairAborted => StoreError::other(
                     "the store was not closed cleanly (berth was killed?) and no berth runs to repair it: start `berth serve` on it once, then verify (also while it runs)",
                 ),

@@ -395,7 +395,7 @@ impl Loader {
                 path.display()
             )));
         }
-        let db = super::writer::open_database(path)?;
+        let db = super::writer::open_database(path, super::Sharing::LiveReaders)?;
         // Every table exists, as in a store `berth serve` made; the rows'
         // `meta` (schema version, build counts) then replaces the fresh one.
         super::init_schema(&db)?;

@@ -51,6 +51,28 @@ const WRITE_QUEUE_DEPTH: usize = 4096;
 /// Jobs folded into one transaction at most, to bound commit latency.
 pub(crate) const MAX_JOBS_PER_COMMIT: usize = 256;
 
+/// How the store file is shared with other processes while berth holds it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Sharing {
+    /// `berth audit verify`, `push-head` and `export` may read the live
+    /// file from their own processes (redb's `SingleWriter`). redb then
+    /// commits in two phases: two fdatasyncs per commit.
+    #[default]
+    LiveReaders,
+    /// This process alone (redb's `ExclusiveWriter`, a whole-file lock):
+    /// one fdatasync per commit; the readers above need berth stopped.
+    Exclusive,
+}
+
+impl Sharing {
+    pub(crate) fn mode(self) -> redb::ConcurrencyMode {
+        match self {
+            Sharing::LiveReaders => redb::ConcurrencyMode::SingleWriter,
+            Sharing::Exclusive => redb::ConcurrencyMode::ExclusiveWriter,
+        }
+    }
+}
+
 #[derive(Clone)]
 pub struct Store {
     shared: Arc<Shared>,
@@ -58,15 +80,22 @@ pub struct Store {
 }
 
 impl Store {
-    /// Opens (or creates) the store and starts its writer thread.
+    /// Opens (or creates) the store, readable live by other processes, and
+    /// starts its writer thread.
     pub fn open(path: &Path) -> StoreResult<Store> {
-        let db = open_database(path)?;
+        Store::open_shared(path, Sharing::LiveReaders)
+    }
+
+    /// As `open`, sharing the file as `sharing` says.
+    pub fn open_shared(path: &Path, sharing: Sharing) -> StoreResult<Store> {
+        let db = open_database(path, sharing)?;
         init_schema(&db)?;
         let shared = Arc::new(Shared {
             path: path.to_path_buf(),
             db: std::sync::RwLock::new(Some(Arc::new(db))),
             read_only: std::sync::RwLock::new(None),
             closed: std::sync::atomic::AtomicBool::new(false),
+            sharing,
         });
         let (tx, rx) = mpsc::channel::<WriteJob>(WRITE_QUEUE_DEPTH);
         let writer_shared = shared.clone();

@@ -42,6 +42,8 @@ pub(super) struct Shared {
     pub(super) read_only: std::sync::RwLock<Option<Arc<redb::ReadOnlyDatabase>>>,
     /// Set by `Store::close`: no write reopens the file after it.
     pub(super) closed: std::sync::atomic::AtomicBool,
+    /// How the file is shared with other processes (kept for reopens).
+    pub(super) sharing: super::Sharing,
 }
 
 impl Shared {
@@ -63,7 +65,7 @@ impl Shared {
             .take();
         drop(old_ro);
         for _ in 0..REOPEN_ATTEMPTS {
-            match open_database(&self.path) {
+            match open_database(&self.path, self.sharing) {
                 Ok(db) => {
                     tracing::warn!(path = %self.path.display(), "store reopened after an I/O error");
                     *self.db.write().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(db));
@@ -76,7 +78,7 @@ impl Shared {
             }
         }
         match Database::builder()
-            .set_concurrency_mode(redb::ConcurrencyMode::SingleWriter)
+            .set_concurrency_mode(self.sharing.mode())
             .open_read_only(&self.path)
         {
             Ok(ro) => {
@@ -109,9 +111,9 @@ pub(super) fn pause_for_reopen() {
     }
 }
 
-pub(super) fn open_database(path: &Path) -> StoreResult<Database> {
+pub(super) fn open_database(path: &Path, sharing: super::Sharing) -> StoreResult<Database> {
     Ok(Database::builder()
-        .set_concurrency_mode(redb::ConcurrencyMode::SingleWriter)
+        .set_concurrency_mode(sharing.mode())
         .create(path)?)
 }
 

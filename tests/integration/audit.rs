@@ -953,3 +953,34 @@ async fn proofs_verify_against_the_published_roots() {
     assert_eq!(s.json("/v1/audit/proof?seq=0&size=3").await.0, 400);
     assert_eq!(s.json("/v1/audit/consistency?from=5&to=3").await.0, 404);
 }
+
+/// `--exclusive-store` (one fdatasync per commit): another process cannot
+/// read the live store, and says why and what to do; stopped, the file
+/// verifies, and a server without the flag opens it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_exclusive_store_is_verified_after_berth_stops() {
+    let mut s = Server::start(Options::default().arg("--exclusive-store")).await;
+    let build = s.submit_ok("solo", mastodon("solo.example.org")).await;
+    s.wait_build(&build, "succeeded").await;
+    let data = s.dir.join("data");
+    let live = std::process::Command::new(env!("CARGO_BIN_EXE_berth"))
+        .args(["audit", "verify", "--data-dir", data.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let why = String::from_utf8_lossy(&live.stderr);
+    assert!(
+        !live.status.success(),
+        "verify read an exclusive live store"
+    );
+    assert!(why.contains("--exclusive-store"), "{why}");
+    assert!(s.terminate().success());
+    let (code, report) = verify_json(&data);
+    assert_eq!(code, 0, "{report}");
+    assert!(report["size"].as_u64().unwrap() >= 1, "{report}");
+    // The same file, shared again.
+    s.args.retain(|a| a != "--exclusive-store");
+    s.launch().await;
+    assert_eq!(s.build(&build).await["status"], "succeeded");
+    let (code, report) = verify_json(&data);
+    assert_eq!(code, 0, "{report}");
+}
