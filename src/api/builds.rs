@@ -7,7 +7,7 @@ use super::idempotency::Write;
 use super::{cursor, Answer, Ctx, Reply, Request};
 use crate::engine::CancelTaken;
 use crate::model::*;
-use crate::store::logs::{decompress_chunk, decompress_chunks};
+use crate::store::logs::{decompress_chunk_sized, decompress_chunks};
 use crate::store::{ChunkPlace, Lookup, Store, StoreError};
 
 fn build_id(req: &Request) -> Result<BuildId, ApiError> {
@@ -107,8 +107,11 @@ pub fn resolve_range(r: &ByteRange, len: u64) -> Option<(u64, u64)> {
 }
 
 /// Log chunks read ahead of a slow client while streaming a full log: at
-/// most this many (each at most `LOG_CHUNK_BYTES` raw) are held in memory.
+/// most this many (each at most `LOG_CHUNK_BYTES` raw) are held in memory,
+/// beside the `LOG_DECODE_AHEAD` being decoded.
 const LOG_STREAM_AHEAD: usize = 2;
+/// Chunks of one full-log read decoded at once (the machine's 2 cores).
+const LOG_DECODE_AHEAD: usize = 2;
 
 const TEXT: &str = "text/plain; charset=utf-8";
 
@@ -163,7 +166,7 @@ pub async fn log(ctx: &Ctx, req: &Request) -> Result<Answer, ApiError> {
             let compressed = rx.log_chunk(id, p.number)?.ok_or_else(|| {
                 ApiError::from(StoreError::corrupt("an indexed log chunk is missing"))
             })?;
-            let raw = decompress_chunk(&compressed)?;
+            let raw = decompress_chunk_sized(&compressed, p.raw_len)?;
             // The part of this chunk inside [start, end].
             let from = start.saturating_sub(p.first_byte) as usize;
             let to = ((end + 1).min(p.first_byte + p.raw_len) - p.first_byte) as usize;
@@ -187,31 +190,56 @@ pub async fn log(ctx: &Ctx, req: &Request) -> Result<Answer, ApiError> {
 
 /// The whole log, chunk by chunk, from one snapshot of the store.
 fn stream_log(store: Store, id: BuildId, places: Vec<ChunkPlace>) -> warp::reply::Response {
+    use futures_util::StreamExt as _;
     use warp::Reply as _;
     let (tx, rx) =
         tokio::sync::mpsc::channel::<Result<bytes::Bytes, std::io::Error>>(LOG_STREAM_AHEAD);
-    tokio::task::spawn_blocking(move || {
-        let fail = |e: String| std::io::Error::other(e);
+    tokio::spawn(async move {
+        let fail = |e: String| {
+            tracing::error!(build = %format_build_id(id), error = %e, "a log stream stopped");
+            std::io::Error::other(e)
+        };
+        // One snapshot for the whole read, shared by the decoders.
         let snapshot = match store.read() {
-            Ok(s) => s,
+            Ok(s) => std::sync::Arc::new(s),
             Err(e) => {
-                let _ = tx.blocking_send(Err(fail(e.to_string())));
+                let _ = tx.send(Err(fail(e.to_string()))).await;
                 return;
             }
         };
-        for p in places {
-            let chunk = snapshot
-                .log_chunk(id, p.number)
-                .map_err(|e| e.to_string())
-                .and_then(|c| c.ok_or_else(|| "an indexed log chunk is missing".to_string()))
-                .and_then(|c| decompress_chunk(&c).map_err(|e| e.to_string()));
-            let item = chunk.map(bytes::Bytes::from).map_err(|e| {
-                tracing::error!(build = %format_build_id(id), error = %e, "a log stream stopped");
-                fail(e)
-            });
+        // Chunks decode on the blocking pool, `LOG_DECODE_AHEAD` at once,
+        // and go out in order: decompression, not the socket, bounds a
+        // full read, and it parallelizes by chunk.
+        let mut places = places.into_iter();
+        let mut decoding = futures_util::stream::FuturesOrdered::new();
+        loop {
+            while decoding.len() < LOG_DECODE_AHEAD {
+                let Some(p) = places.next() else { break };
+                let snapshot = snapshot.clone();
+                decoding.push_back(tokio::task::spawn_blocking(move || {
+                    snapshot
+                        .log_chunk(id, p.number)
+                        .map_err(|e| e.to_string())
+                        .and_then(|c| {
+                            c.ok_or_else(|| "an indexed log chunk is missing".to_string())
+                        })
+                        .and_then(|c| {
+                            decompress_chunk_sized(&c, p.raw_len).map_err(|e| e.to_string())
+                        })
+                }));
+            }
+            let Some(decoded) = decoding.next().await else {
+                return;
+            };
+            let item = decoded
+                .map_err(|_| "a log decoding task stopped".to_string())
+                .and_then(|r| r)
+                .map(bytes::Bytes::from)
+                .map_err(fail);
             let failed = item.is_err();
-            // A client that left closes the channel: stop reading.
-            if tx.blocking_send(item).is_err() || failed {
+            // A client that left closes the channel: stop reading (the
+            // decoders in flight finish and are dropped).
+            if tx.send(item).await.is_err() || failed {
                 return;
             }
         }
