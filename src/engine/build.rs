@@ -189,13 +189,13 @@ impl Engine {
                 },
                 Some(result) = pipe.done_rx.recv() => pipe.flush_done(result),
                 _ = ticker.tick() => {
-                    if !pipe.log.pending.is_empty() && !pipe.in_flight {
+                    if !pipe.log.pending.is_empty() && pipe.in_flight == 0 {
                         pipe.start_flush();
                     }
                 }
             }
         }
-        pipe.wait_in_flight().await;
+        pipe.wait_all().await;
         let (log, disk_failure) = (pipe.log, pipe.disk_failure);
         let ended = waiter.await.unwrap_or(Ended::Exit(-1));
         forward.abort();

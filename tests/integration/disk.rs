@@ -106,3 +106,57 @@ async fn a_full_disk_refuses_writes_keeps_reads_and_recovers() {
     })
     .await;
 }
+
+/// A log that fills the disk mid-build: the build fails with `disk_full`,
+/// and what was stored of its log is a whole prefix, with no gap, even
+/// though chunks compress and commit two at a time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_log_that_fills_the_disk_fails_its_build_and_keeps_a_whole_prefix() {
+    let test = "disk::a_log_that_fills_the_disk_fails_its_build_and_keeps_a_whole_prefix";
+    let dir = temp_dir("disk-log");
+    let data = dir.join("data");
+    std::fs::create_dir_all(&data).unwrap();
+    let mounted = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=8m", "tmpfs"])
+        .arg(&data)
+        .status();
+    if !mounted.is_ok_and(|s| s.success()) {
+        skip(test, "cannot mount a tmpfs here (needs root)");
+        return;
+    }
+    let _mount = Mount(data.clone());
+    let filler = data.join("filler");
+    std::fs::write(&filler, vec![0u8; 3_000_000]).unwrap();
+    // ~42 MB of hex dump that compresses about 2.5x: far past the space
+    // left. Each line starts with its offset: 16 more than the line before.
+    let deployer = script(
+        &dir,
+        "noisy.sh",
+        &format!(
+            "{SCRIPT_PRELUDE}\nhead -c 12000000 /dev/urandom | od -Ad -tx1 -w16 -v\nprintf '%s' '{{\"nodes\":[]}}' > \"$BERTH_RESULT\"\n"
+        ),
+    );
+    let s = Server::start_in(dir.clone(), Options::default().deployer(&deployer)).await;
+    let b = s.submit_ok("noisy", json!({})).await;
+    let build = s.wait_build(&b, "failed").await;
+    assert_eq!(build["failure"]["reason"], "disk_full", "{build}");
+    std::fs::remove_file(&filler).unwrap();
+    let log = s.log_text(&b).await;
+    assert_eq!(log.len() as u64, build["log_bytes"].as_u64().unwrap());
+    let lines: Vec<&str> = log.lines().collect();
+    let dump: Vec<&str> = lines
+        .iter()
+        .copied()
+        .take_while(|l| !l.starts_with("[berth]"))
+        .collect();
+    assert!(
+        !dump.is_empty() && dump.len() < 750_000,
+        "{} lines",
+        dump.len()
+    );
+    for (i, line) in dump.iter().enumerate() {
+        let offset: u64 = line.split_whitespace().next().unwrap().parse().unwrap();
+        assert_eq!(offset, i as u64 * 16, "line {i} is not the next line");
+        assert_eq!(line.split_whitespace().count(), 17, "line {i} is cut");
+    }
+}
