@@ -153,7 +153,7 @@ impl Engine {
             );
             return Outcome::failed(&root, "job_record_failed", why, log);
         }
-        let (lines_tx, mut lines_rx) = mpsc::channel::<Vec<String>>(LINE_QUEUE);
+        let (lines_tx, mut lines_rx) = mpsc::channel::<runner::Lines>(LINE_QUEUE);
         let timeout =
             (!self.settings.build_timeout.is_zero()).then_some(self.settings.build_timeout);
         let (stop_tx, stop_rx) = watch::channel(false);

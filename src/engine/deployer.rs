@@ -411,14 +411,14 @@ async fn run_call(
     grace: std::time::Duration,
     root: std::path::PathBuf,
 ) -> (Ended, Result<Option<Vec<u8>>, String>, Vec<String>) {
-    let (lines_tx, mut lines_rx) = mpsc::channel(256);
+    let (lines_tx, mut lines_rx) = mpsc::channel::<runner::Lines>(256);
     let (_cancel_tx, cancel_rx) = watch::channel(false);
     let collect = tokio::spawn(async move {
         let mut kept = Vec::new();
         while let Some(batch) = lines_rx.recv().await {
-            for line in batch {
+            for line in batch.iter() {
                 if kept.len() < MAX_CALL_OUTPUT_LINES {
-                    kept.push(line);
+                    kept.push(line.to_string());
                 }
             }
         }

@@ -9,7 +9,7 @@ use std::time::Duration;
 use tokio::sync::{mpsc, watch};
 
 use super::Engine;
-use crate::events::{self, Frame, SEQ_BLOCK};
+use crate::events::{self, SEQ_BLOCK};
 use crate::model::*;
 use crate::store::Lookup;
 use crate::store::{logs, ChunkPlace, StoreError, StoreErrorKind, StoreResult};
@@ -36,8 +36,8 @@ pub(super) struct LogPipe {
     hub: Arc<events::Hub>,
     build_id: BuildId,
     pub(super) log: LogBuffer,
-    /// Lines of the current read, not yet published.
-    held: Vec<Arc<Frame>>,
+    /// Lines of the current read, encoded, not yet published.
+    held: events::LogLines,
     /// Chunk flushes started and not yet reported on `done_rx`.
     pub(super) in_flight: usize,
     /// Whether the last started flush landed: the next one commits only
@@ -62,7 +62,7 @@ impl LogPipe {
             hub: engine.hub.clone(),
             build_id,
             log,
-            held: Vec::new(),
+            held: events::LogLines::default(),
             in_flight: 0,
             last_landed: None,
             done_tx,
@@ -75,17 +75,17 @@ impl LogPipe {
     /// The lines of one read, published together as one batch. (A client
     /// that falls behind drains several batches per write by itself; holding
     /// lines back on a timer was measured to add latency and save nothing.)
-    pub(super) async fn lines(&mut self, batch: Vec<String>) {
-        for line in batch {
+    pub(super) async fn lines(&mut self, batch: super::runner::Lines) {
+        for line in batch.iter() {
             self.line(line).await;
         }
         self.publish_held();
     }
 
-    async fn line(&mut self, line: String) {
+    async fn line(&mut self, line: &str) {
         if self.disk_failure.is_some() {
             // Lines are still read (so the deployer is not blocked) and counted.
-            self.log.push(&line);
+            self.log.push(line);
             self.log.discard_pending();
             return;
         }
@@ -96,8 +96,8 @@ impl LogPipe {
             self.start_flush();
             self.wait_all().await;
         }
-        if let Some(seq) = self.log.push(&line) {
-            self.held.push(Frame::new(seq, "log", line, false));
+        if let Some(seq) = self.log.push(line) {
+            self.held.push(seq, line);
         }
         if self.log.pending.len() >= LOG_CHUNK_BYTES {
             self.publish_held();
@@ -109,8 +109,7 @@ impl LogPipe {
     }
 
     fn publish_held(&mut self) {
-        self.hub
-            .publish_lines(self.build_id, std::mem::take(&mut self.held));
+        self.hub.publish_log_lines(self.build_id, &mut self.held);
     }
 
     /// Starts committing the waiting lines (and a reservation ahead).

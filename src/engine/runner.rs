@@ -274,7 +274,7 @@ pub async fn wait(
     timeout: Option<Duration>,
     grace: Duration,
     mut cancel: watch::Receiver<bool>,
-    lines: mpsc::Sender<Vec<String>>,
+    lines: mpsc::Sender<Lines>,
 ) -> Ended {
     let pgid = spawned.job.pid;
     let readers = [
@@ -354,7 +354,7 @@ pub async fn wait(
 /// redraw becomes its own line, so every line is one SSE `data:` line), or
 /// at `MAX_LINE_BYTES` on a character boundary; replaces invalid UTF-8; a
 /// last line without newline is kept.
-pub async fn read_lines<R: AsyncRead + Unpin>(mut reader: R, out: mpsc::Sender<Vec<String>>) {
+pub async fn read_lines<R: AsyncRead + Unpin>(mut reader: R, out: mpsc::Sender<Lines>) {
     let mut buf = vec![0u8; 64 * 1024];
     let mut line: Vec<u8> = Vec::with_capacity(1024);
     // The previous line ended with CR: an LF right after it is the same break.
@@ -365,7 +365,7 @@ pub async fn read_lines<R: AsyncRead + Unpin>(mut reader: R, out: mpsc::Sender<V
             Ok(n) => n,
         };
         // All lines of one read go out together: one channel operation.
-        let mut batch = Vec::new();
+        let mut batch = Lines::default();
         let mut rest = &buf[..n];
         while !rest.is_empty() {
             if skip_lf {
@@ -382,7 +382,8 @@ pub async fn read_lines<R: AsyncRead + Unpin>(mut reader: R, out: mpsc::Sender<V
                     line.extend_from_slice(&window[..i]);
                     skip_lf = window[i] == b'\r';
                     rest = &rest[i + 1..];
-                    batch.push(take_line(&mut line));
+                    batch.push(&line);
+                    line.clear();
                 }
                 None => {
                     line.extend_from_slice(window);
@@ -390,7 +391,7 @@ pub async fn read_lines<R: AsyncRead + Unpin>(mut reader: R, out: mpsc::Sender<V
                     if line.len() >= MAX_LINE_BYTES {
                         let carry = incomplete_utf8_tail(&line);
                         let tail = line.split_off(line.len() - carry);
-                        batch.push(take_line(&mut line));
+                        batch.push(&line);
                         line = tail;
                     }
                 }
@@ -401,14 +402,43 @@ pub async fn read_lines<R: AsyncRead + Unpin>(mut reader: R, out: mpsc::Sender<V
         }
     }
     if !line.is_empty() {
-        let _ = out.send(vec![take_line(&mut line)]).await;
+        let mut last = Lines::default();
+        last.push(&line);
+        let _ = out.send(last).await;
     }
 }
 
-fn take_line(line: &mut Vec<u8>) -> String {
-    let text = String::from_utf8_lossy(line).into_owned();
-    line.clear();
-    text
+/// The lines of one read, in one buffer: no allocation per line.
+#[derive(Debug, Default)]
+pub struct Lines {
+    text: String,
+    /// Where each line ends in `text`.
+    ends: Vec<usize>,
+}
+
+impl Lines {
+    /// Adds a line; invalid UTF-8 is repaired with U+FFFD (valid text,
+    /// nearly every line, takes the fast check).
+    fn push(&mut self, line: &[u8]) {
+        match std::str::from_utf8(line) {
+            Ok(text) => self.text.push_str(text),
+            Err(_) => self.text.push_str(&String::from_utf8_lossy(line)),
+        }
+        self.ends.push(self.text.len());
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ends.is_empty()
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &str> {
+        let mut start = 0;
+        self.ends.iter().map(move |&end| {
+            let line = &self.text[start..end];
+            start = end;
+            line
+        })
+    }
 }
 
 /// How many bytes at the end of `bytes` start a UTF-8 character that is
@@ -602,7 +632,7 @@ mod tests {
         read_lines(input, tx).await;
         let mut out = vec![];
         while let Some(batch) = rx.recv().await {
-            out.extend(batch);
+            out.extend(batch.iter().map(str::to_string));
         }
         out
     }

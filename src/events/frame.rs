@@ -42,15 +42,20 @@ impl Frame {
 /// CR and LF when captured); if one ever did, each part becomes its own
 /// `data:` line.
 fn encode(seq: u64, event: &str, data: &str) -> bytes::Bytes {
-    use std::io::Write as _;
-    // Once per log line: written in place, without a temporary string.
     let mut out = Vec::with_capacity(data.len() + event.len() + 36);
+    encode_into(&mut out, seq, event, data);
+    bytes::Bytes::from(out)
+}
+
+/// Appends one event's SSE text to `out`, in place.
+fn encode_into(out: &mut Vec<u8>, seq: u64, event: &str, data: &str) {
+    use std::io::Write as _;
     let _ = write!(out, "id: {seq}\nevent: {event}\n");
     if memchr::memchr2(b'\n', b'\r', data.as_bytes()).is_none() {
         out.extend_from_slice(b"data: ");
         out.extend_from_slice(data.as_bytes());
         out.extend_from_slice(b"\n\n");
-        return bytes::Bytes::from(out);
+        return;
     }
     for part in data.split(['\n', '\r']) {
         out.extend_from_slice(b"data: ");
@@ -58,7 +63,60 @@ fn encode(seq: u64, event: &str, data: &str) -> bytes::Bytes {
         out.push(b'\n');
     }
     out.push(b'\n');
-    bytes::Bytes::from(out)
+}
+
+/// Consecutive log lines encoded into one buffer as they arrive: each frame
+/// is then a slice of it, and their batch is the buffer itself (no copy
+/// per line, none to join them). The line path of a busy build.
+#[derive(Default)]
+pub struct LogLines {
+    text: Vec<u8>,
+    /// (seq, end of the line's SSE text in `text`).
+    lines: Vec<(u64, usize)>,
+}
+
+impl LogLines {
+    pub fn push(&mut self, seq: u64, line: &str) {
+        debug_assert!(
+            self.lines.last().is_none_or(|&(last, _)| last < seq),
+            "log lines out of order"
+        );
+        encode_into(&mut self.text, seq, "log", line);
+        self.lines.push((seq, self.text.len()));
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.lines.is_empty()
+    }
+
+    /// The frames and their batch; leaves this empty.
+    pub fn take(&mut self) -> Option<(Vec<Arc<Frame>>, Arc<Batch>)> {
+        if self.lines.is_empty() {
+            return None;
+        }
+        let text = Bytes::from(std::mem::take(&mut self.text));
+        let mut start = 0;
+        let frames: Vec<Arc<Frame>> = self
+            .lines
+            .drain(..)
+            .map(|(seq, end)| {
+                let frame = Arc::new(Frame {
+                    seq,
+                    event: "log",
+                    data: String::new(),
+                    last: false,
+                    encoded: text.slice(start..end),
+                });
+                start = end;
+                frame
+            })
+            .collect();
+        let batch = Arc::new(Batch {
+            frames: frames.clone(),
+            encoded: text,
+        });
+        Some((frames, batch))
+    }
 }
 
 /// Consecutive events of one channel, sent to every subscriber as one item
@@ -187,5 +245,25 @@ mod tests {
             b"id: 18446744073709551615\nevent: status\ndata: a\ndata: b\ndata: c\n\n"
         );
         assert_eq!(&encode(1, "log", "")[..], b"id: 1\nevent: log\ndata: \n\n");
+    }
+
+    #[test]
+    fn log_lines_share_one_buffer_and_equal_frames_made_one_by_one() {
+        let mut lines = LogLines::default();
+        assert!(lines.take().is_none());
+        for (seq, text) in [(5, "one"), (6, ""), (7, "three\rwith a break")] {
+            lines.push(seq, text);
+        }
+        let (frames, batch) = lines.take().unwrap();
+        assert!(lines.is_empty() && lines.take().is_none());
+        let single: Vec<_> = [(5, "one"), (6, ""), (7, "three\rwith a break")]
+            .into_iter()
+            .map(|(seq, text)| Frame::new(seq, "log", text.to_string(), false))
+            .collect();
+        for (a, b) in frames.iter().zip(&single) {
+            assert_eq!((a.seq, a.event, a.encoded()), (b.seq, b.event, b.encoded()));
+        }
+        assert_eq!(batch.encoded(), Batch::new(single).encoded());
+        assert_eq!((batch.first_seq(), batch.last_seq()), (5, 7));
     }
 }

@@ -248,13 +248,26 @@ impl Hub {
         if frames.is_empty() {
             return;
         }
+        let batch = Batch::new(frames.clone());
+        self.publish_batch(build, frames, batch);
+    }
+
+    /// As `publish_lines`, with the lines already encoded as one batch
+    /// (`LogLines`: the line path of a running build).
+    pub fn publish_log_lines(&self, build: BuildId, lines: &mut super::LogLines) {
+        if let Some((frames, batch)) = lines.take() {
+            self.publish_batch(build, frames, batch);
+        }
+    }
+
+    fn publish_batch(&self, build: BuildId, frames: Vec<Arc<Frame>>, batch: Arc<Batch>) {
         let mut map = self.lock();
         let live = map.entry(Channel::Build(build)).or_default();
         let listened = Arc::strong_count(live) > 1;
         let mut state = live.lock();
-        state.pending.extend(frames.iter().cloned());
+        state.pending.extend(frames);
         if listened {
-            live.push(&mut state, Batch::new(frames));
+            live.push(&mut state, batch);
             drop(state);
             let notify = live.notify.clone();
             drop(map);

@@ -15,7 +15,7 @@ mod frame;
 mod hub;
 pub mod stream;
 
-pub use frame::{Batch, Frame};
+pub use frame::{Batch, Frame, LogLines};
 pub use hub::{Hub, Lagged, Peeked, Subscription};
 
 use std::sync::Arc;
