@@ -253,8 +253,38 @@ impl Server {
 impl Drop for Server {
     fn drop(&mut self) {
         self.kill();
+        // kill -9 leaves the deployers berth was running (each in its own
+        // process group, working in the data dir): a test must not leave
+        // them spinning on the machine.
+        kill_groups_working_in(&self.dir);
         if !std::thread::panicking() {
             let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}
+
+/// SIGKILL to the process group of every process whose working directory
+/// is under `dir`.
+pub fn kill_groups_working_in(dir: &Path) {
+    let Ok(procs) = std::fs::read_dir("/proc") else {
+        return;
+    };
+    for entry in procs.flatten() {
+        let inside =
+            std::fs::read_link(entry.path().join("cwd")).is_ok_and(|cwd| cwd.starts_with(dir));
+        if !inside {
+            continue;
+        }
+        // Field 5 of stat (the third after the parenthesised name).
+        let stat = std::fs::read_to_string(entry.path().join("stat")).unwrap_or_default();
+        let group = stat
+            .rfind(')')
+            .and_then(|i| stat[i + 1..].split_whitespace().nth(2))
+            .and_then(|g| g.parse::<i32>().ok());
+        if let Some(group) = group.filter(|&g| g > 1) {
+            let _ = Command::new("kill")
+                .args(["-9", "--", &format!("-{group}")])
+                .status();
         }
     }
 }
