@@ -241,9 +241,8 @@ impl Hub {
         self.fanout.kick();
     }
 
-    /// Log lines: published now, kept until their chunk commits. They are one
-    /// batch, encoded once: the cost per subscriber does not grow with the
-    /// number of lines.
+    /// Tests publish frames made one by one.
+    #[cfg(test)]
     pub fn publish_lines(&self, build: BuildId, frames: Vec<Arc<Frame>>) {
         if frames.is_empty() {
             return;
@@ -252,8 +251,9 @@ impl Hub {
         self.publish_batch(build, frames, batch);
     }
 
-    /// As `publish_lines`, with the lines already encoded as one batch
-    /// (`LogLines`: the line path of a running build).
+    /// Log lines (a running build's, encoded as they arrived): published
+    /// now, kept until their chunk commits. They are one batch, encoded
+    /// once: the cost per subscriber does not grow with the number of lines.
     pub fn publish_log_lines(&self, build: BuildId, lines: &mut super::LogLines) {
         if let Some((frames, batch)) = lines.take() {
             self.publish_batch(build, frames, batch);
