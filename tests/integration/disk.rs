@@ -16,24 +16,31 @@ impl Drop for Mount {
     }
 }
 
-#[tokio::test]
-async fn a_full_disk_refuses_writes_keeps_reads_and_recovers() {
-    let dir = temp_dir("disk");
-    // Only the data dir is small: the server's own log stays writable.
+/// `dir`/data as a tmpfs of `size`: only the data dir is small, the
+/// server's own log stays writable. `None` (the test says skipped) where
+/// a tmpfs cannot be mounted.
+fn small_data_dir(test: &str, dir: &std::path::Path, size: &str) -> Option<Mount> {
     let data = dir.join("data");
     std::fs::create_dir_all(&data).unwrap();
     let mounted = Command::new("mount")
-        .args(["-t", "tmpfs", "-o", "size=4m", "tmpfs"])
+        .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
         .arg(&data)
         .status();
     if !mounted.is_ok_and(|s| s.success()) {
-        skip(
-            "a_full_disk_refuses_writes_keeps_reads_and_recovers",
-            "cannot mount a tmpfs here (needs root)",
-        );
-        return;
+        skip(test, "cannot mount a tmpfs here (needs root)");
+        return None;
     }
-    let _mount = Mount(data.clone());
+    Some(Mount(data))
+}
+
+#[tokio::test]
+async fn a_full_disk_refuses_writes_keeps_reads_and_recovers() {
+    let dir = temp_dir("disk");
+    let test = "disk::a_full_disk_refuses_writes_keeps_reads_and_recovers";
+    let Some(_mount) = small_data_dir(test, &dir, "4m") else {
+        return;
+    };
+    let data = dir.join("data");
     let filler = data.join("filler");
     std::fs::write(&filler, vec![0u8; 1_500_000]).unwrap();
     let s = Server::start_in(
@@ -114,17 +121,10 @@ async fn a_full_disk_refuses_writes_keeps_reads_and_recovers() {
 async fn a_log_that_fills_the_disk_fails_its_build_and_keeps_a_whole_prefix() {
     let test = "disk::a_log_that_fills_the_disk_fails_its_build_and_keeps_a_whole_prefix";
     let dir = temp_dir("disk-log");
-    let data = dir.join("data");
-    std::fs::create_dir_all(&data).unwrap();
-    let mounted = Command::new("mount")
-        .args(["-t", "tmpfs", "-o", "size=8m", "tmpfs"])
-        .arg(&data)
-        .status();
-    if !mounted.is_ok_and(|s| s.success()) {
-        skip(test, "cannot mount a tmpfs here (needs root)");
+    let Some(_mount) = small_data_dir(test, &dir, "8m") else {
         return;
-    }
-    let _mount = Mount(data.clone());
+    };
+    let data = dir.join("data");
     let filler = data.join("filler");
     std::fs::write(&filler, vec![0u8; 3_000_000]).unwrap();
     // ~42 MB of hex dump that compresses about 2.5x: far past the space
