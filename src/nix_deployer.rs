@@ -57,35 +57,23 @@ enum Failure {
 type Outcome = Result<Value, Failure>;
 
 pub fn run(verb: &str) -> i32 {
-    let (result_path, request) = match crate::deployer_side::read_request("nix") {
-        Ok(r) => r,
-        Err(code) => return code,
-    };
-    let outcome = match verb {
-        "describe" => describe(&request),
-        "eval" => eval(&request),
-        "deploy" => deploy(&request),
-        "destroy" => destroy(&request),
-        other => {
-            eprintln!("unknown verb {other:?}; expected describe, eval, deploy or destroy");
-            return 2;
-        }
-    };
-    let (result, code) = match outcome {
-        Ok(v) => (v, 0),
-        Err(Failure::Refused(message)) => (json!({"error": {"message": message}}), 1),
-        Err(Failure::Broken(message)) => {
-            eprintln!("berth deployer nix: {message}");
-            return 2;
-        }
-    };
-    match crate::deployer_side::write_atomically(&result_path, result.to_string().as_bytes()) {
-        Ok(()) => code,
-        Err(e) => {
-            eprintln!("cannot write the result: {e}");
-            2
-        }
-    }
+    crate::deployer_side::run("nix", verb, |verb, request| {
+        let outcome = match verb {
+            "describe" => describe(request),
+            "eval" => eval(request),
+            "deploy" => deploy(request),
+            "destroy" => destroy(request),
+            _ => return None,
+        };
+        Some(match outcome {
+            Ok(v) => (Some(v), 0),
+            Err(Failure::Refused(message)) => (Some(json!({"error": {"message": message}})), 1),
+            Err(Failure::Broken(message)) => {
+                eprintln!("berth deployer nix: {message}");
+                (None, 2)
+            }
+        })
+    })
 }
 
 /// The source's directory, checked against its digest.

@@ -52,31 +52,19 @@ pub struct Node {
 /// Runs one verb; returns the process exit status.
 pub fn run(verb: &str) -> i32 {
     install_sigterm_handler();
-    let (result_path, request) = match crate::deployer_side::read_request("local") {
-        Ok(r) => r,
-        Err(code) => return code,
-    };
-    let outcome = match verb {
-        "describe" => Ok(describe()),
-        "eval" => eval_verb(&request),
-        "deploy" => deploy(&request),
-        "destroy" => destroy(&request),
-        other => {
-            eprintln!("unknown verb {other:?}; expected describe, eval, deploy or destroy");
-            return 2;
-        }
-    };
-    let (result, code) = match outcome {
-        Ok(v) => (v, 0),
-        Err((v, code)) => (v, code),
-    };
-    if let Some(result) = result {
-        if let Err(e) = write_atomically(&result_path, result.to_string().as_bytes()) {
-            eprintln!("cannot write the result: {e}");
-            return 2;
-        }
-    }
-    code
+    crate::deployer_side::run("local", verb, |verb, request| {
+        let outcome = match verb {
+            "describe" => Ok(describe()),
+            "eval" => eval_verb(request),
+            "deploy" => deploy(request),
+            "destroy" => destroy(request),
+            _ => return None,
+        };
+        Some(match outcome {
+            Ok(v) => (v, 0),
+            Err((v, code)) => (v, code),
+        })
+    })
 }
 
 type VerbResult = Result<Option<Value>, (Option<Value>, i32)>;
