@@ -105,29 +105,28 @@ fn make_store(dir: &Path) -> (u64, u64) {
         let d = b % DEPLOYMENTS;
         loader
             .load(Row::Build(Box::new(BuildRecord {
-                id,
-                deployment: format!("d{d}"),
-                kind: BuildKind::Deploy,
-                trigger: Trigger::Submit,
                 status: if b % 10 == 0 {
                     BuildStatus::Failed
                 } else {
                     BuildStatus::Succeeded
                 },
-                suspended: false,
-                method: "local".into(),
-                created_at: t0 + b as i64,
                 started_at: Some(t0 + b as i64),
                 finished_at: Some(t0 + b as i64 + 1_000),
                 exit_code: Some(0),
-                failure: None,
-                job: None,
                 log_bytes: log.len() as u64,
                 log_lines: lines.len() as u64,
                 log_chunks: lines.len().div_ceil(LINES_PER_CHUNK) as u32,
                 event_seq: 2,
                 seq_reserved: 2,
                 log_first_seq: 2,
+                ..BuildRecord::queued(
+                    id,
+                    format!("d{d}"),
+                    BuildKind::Deploy,
+                    Trigger::Submit,
+                    "local".into(),
+                    t0 + b as i64,
+                )
             })))
             .unwrap();
         loader

@@ -441,6 +441,38 @@ pub struct BuildSummary {
 }
 
 impl BuildRecord {
+    /// A build just queued: nothing run, nothing logged, no events yet.
+    pub fn queued(
+        id: BuildId,
+        deployment: String,
+        kind: BuildKind,
+        trigger: Trigger,
+        method: String,
+        created_at: Millis,
+    ) -> BuildRecord {
+        BuildRecord {
+            id,
+            deployment,
+            kind,
+            trigger,
+            status: BuildStatus::Queued,
+            suspended: false,
+            method,
+            created_at,
+            started_at: None,
+            finished_at: None,
+            exit_code: None,
+            failure: None,
+            job: None,
+            log_bytes: 0,
+            log_lines: 0,
+            log_chunks: 0,
+            event_seq: 0,
+            seq_reserved: 0,
+            log_first_seq: 0,
+        }
+    }
+
     pub fn summary(&self) -> BuildSummary {
         BuildSummary {
             id: format_build_id(self.id),

@@ -107,25 +107,15 @@ impl<'t, 'a> Change<'t, 'a> {
         guard(None, BuildStatus::Queued)?;
         self.tx.shift_build_count(None, Some(BuildStatus::Queued))?;
         let mut b = BuildRecord {
-            id: new_build_id(),
-            deployment: d.id.clone(),
-            kind: new.kind,
-            trigger: new.trigger,
-            status: BuildStatus::Queued,
             suspended: new.suspended,
-            method: new.method,
-            created_at: self.now,
-            started_at: None,
-            finished_at: None,
-            exit_code: None,
-            failure: None,
-            job: None,
-            log_bytes: 0,
-            log_lines: 0,
-            log_chunks: 0,
-            event_seq: 0,
-            seq_reserved: 0,
-            log_first_seq: 0,
+            ..BuildRecord::queued(
+                new_build_id(),
+                d.id.clone(),
+                new.kind,
+                new.trigger,
+                new.method,
+                self.now,
+            )
         };
         match b.kind {
             BuildKind::Deploy => d.pending_deploys += 1,

@@ -463,25 +463,22 @@ mod tests {
 
     fn build(id: BuildId) -> BuildRecord {
         BuildRecord {
-            id,
-            deployment: "d".into(),
-            kind: BuildKind::Deploy,
-            trigger: Trigger::Submit,
             status: BuildStatus::Running,
-            suspended: false,
-            method: "m".into(),
-            created_at: 1,
             started_at: Some(2),
-            finished_at: None,
-            exit_code: None,
-            failure: None,
-            job: None,
             log_bytes: 10,
             log_lines: 2,
             log_chunks: 1,
             event_seq: 3,
             seq_reserved: 3,
             log_first_seq: 2,
+            ..BuildRecord::queued(
+                id,
+                "d".into(),
+                BuildKind::Deploy,
+                Trigger::Submit,
+                "m".into(),
+                1,
+            )
         }
     }
 

@@ -972,25 +972,15 @@ mod tests {
     fn a_deployment_id_berth_could_not_have_made_is_refused() {
         let table = table_for("builds").unwrap();
         let row = Row::Build(Box::new(crate::model::BuildRecord {
-            id: 1,
-            deployment: "../../etc".into(),
-            kind: crate::model::BuildKind::Deploy,
-            trigger: crate::model::Trigger::Submit,
-            status: crate::model::BuildStatus::Queued,
-            suspended: false,
-            method: "local".into(),
-            created_at: 0,
-            started_at: None,
-            finished_at: None,
-            exit_code: None,
-            failure: None,
-            job: None,
-            log_bytes: 0,
-            log_lines: 0,
-            log_chunks: 0,
-            event_seq: 0,
-            seq_reserved: 0,
             log_first_seq: 1,
+            ..crate::model::BuildRecord::queued(
+                1,
+                "../../etc".into(),
+                crate::model::BuildKind::Deploy,
+                crate::model::Trigger::Submit,
+                "local".into(),
+                0,
+            )
         }));
         let err = from_values(table, to_values(&row).unwrap()).unwrap_err();
         assert!(err.contains("DNS label") && !err.contains("etc"), "{err}");
