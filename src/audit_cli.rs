@@ -281,7 +281,10 @@ fn push_head(data_dir: &Path, sink: &str, origin: &str) -> Result<i32, String> {
             .await
             .map_err(|e| format!("the sink is unreachable: {}", without_url(&e)))?;
         let status = response.status();
-        let bytes = response.bytes().await.unwrap_or_default();
+        let bytes = response
+            .bytes()
+            .await
+            .map_err(|e| format!("the sink's answer could not be read: {}", without_url(&e)))?;
         let text = String::from_utf8_lossy(&bytes[..bytes.len().min(MAX_SINK_ANSWER)]).to_string();
         Ok::<_, String>((status, text))
     })?;

@@ -77,6 +77,18 @@ pub fn run(verb: &str) -> i32 {
 }
 
 /// The source's directory, checked against its digest.
+/// A directory berth names in the deployer's environment. Run by hand
+/// without it, the deployer says so instead of working in the current
+/// directory.
+fn dir_from_env(name: &str) -> Result<PathBuf, Failure> {
+    match std::env::var_os(name) {
+        Some(dir) if !dir.is_empty() => Ok(PathBuf::from(dir)),
+        _ => Err(Failure::Broken(format!(
+            "{name} is not set: berth sets it when it runs the deployer"
+        ))),
+    }
+}
+
 fn source_dir(request: &Value) -> Result<PathBuf, Failure> {
     let source = &request["source"];
     let url = source["url"].as_str().unwrap_or("");
@@ -377,9 +389,9 @@ fn activate(node: &str, toplevel: &str, target: Option<&str>) -> Result<(), Stri
 }
 
 fn deploy(request: &Value) -> Outcome {
+    let work = dir_from_env("BERTH_WORK_DIR")?;
+    let scratch = dir_from_env("BERTH_SCRATCH_DIR")?;
     let dir = source_dir(request)?;
-    let work = PathBuf::from(std::env::var_os("BERTH_WORK_DIR").unwrap_or_default());
-    let scratch = PathBuf::from(std::env::var_os("BERTH_SCRATCH_DIR").unwrap_or_default());
     println!("evaluating the source");
     // One evaluation gives every node's derivations.
     let nodes = nix_eval(
@@ -472,8 +484,8 @@ fn sboms<'a>(nodes: &[(&'a str, &Value)], scratch: &Path) -> Vec<(&'a str, Value
 }
 
 fn destroy(request: &Value) -> Outcome {
+    let work = dir_from_env("BERTH_WORK_DIR")?;
     let dir = source_dir(request)?;
-    let work = PathBuf::from(std::env::var_os("BERTH_WORK_DIR").unwrap_or_default());
     let hook = nix_eval(
         &dir,
         request,

@@ -80,11 +80,33 @@ impl Engine {
             BuildKind::Deploy => "deploy",
             BuildKind::Destroy => "destroy",
         };
-        let configuration: serde_json::Value =
-            serde_json::from_str(&snaps.snapshot.configuration).unwrap_or_default();
-        let previous = snaps.previous.as_ref().map(|p| {
-            json!({"configuration": serde_json::from_str::<serde_json::Value>(&p.configuration).unwrap_or_default(), "source": p.source})
-        });
+        // The snapshots were validated JSON when stored; text that no longer
+        // parses is a damaged store, and the deployer must never be handed
+        // `null` in place of a configuration.
+        let parsed = serde_json::from_str::<serde_json::Value>(&snaps.snapshot.configuration)
+            .and_then(|configuration| {
+                let previous = match &snaps.previous {
+                    Some(p) => Some(json!({
+                        "configuration": serde_json::from_str::<serde_json::Value>(&p.configuration)?,
+                        "source": p.source,
+                    })),
+                    None => None,
+                };
+                Ok((configuration, previous))
+            });
+        let (configuration, previous) = match parsed {
+            Ok(parsed) => parsed,
+            Err(e) => {
+                tracing::error!(error = %e, build = %id_text, "a stored configuration snapshot is not JSON");
+                return Outcome::failed(
+                    &root,
+                    "spawn_failed",
+                    "the build's stored configuration is damaged; submit the configuration again"
+                        .into(),
+                    LogBuffer::new(0, build.log_first_seq, build.seq_reserved),
+                );
+            }
+        };
         let request = json!({
             "deployment": build.deployment,
             "build": id_text,

@@ -425,7 +425,15 @@ async fn run_call(
         kept
     });
     let ended = runner::wait(spawned, Some(timeout), grace, cancel_rx, lines_tx).await;
-    let output = collect.await.unwrap_or_default();
+    let output = match collect.await {
+        Ok(kept) => kept,
+        Err(e) => {
+            // Only a panic in the collector gets here; the call's result
+            // file still decides how it ended.
+            tracing::error!(error = %e, "the deployer call's output collector failed");
+            vec!["[berth] the deployer's output was lost (see berth's log)".to_string()]
+        }
+    };
     let result = runner::read_result(&root);
     let _ = std::fs::remove_dir_all(&root);
     (ended, result, output)

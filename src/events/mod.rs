@@ -46,7 +46,7 @@ pub fn build_status(tx: &Tx, hub: &Arc<Hub>, b: &mut BuildRecord, now: Millis) -
     let seq = b.event_seq + 1;
     b.event_seq = seq;
     b.seq_reserved = b.seq_reserved.max(seq);
-    let data = serde_json::to_string(&b.summary()).unwrap_or_default();
+    let data = event_json(&b.summary())?;
     tx.put_build_event(
         b.id,
         seq,
@@ -63,6 +63,14 @@ pub fn build_status(tx: &Tx, hub: &Arc<Hub>, b: &mut BuildRecord, now: Millis) -
     Ok(())
 }
 
+/// An event's data. A summary always serializes (string keys, no
+/// non-finite numbers); if it ever did not, the change fails rather than
+/// storing an event without data.
+fn event_json(summary: &impl serde::Serialize) -> StoreResult<String> {
+    serde_json::to_string(summary)
+        .map_err(|e| crate::store::StoreError::other(format!("cannot encode an event: {e}")))
+}
+
 /// Only `engine::transition` calls this. Stores the deployment-channel
 /// events of a change: `build` (when a build
 /// changed) then `deployment` with the summary after the change.
@@ -74,7 +82,7 @@ pub fn deployment_changed(
     now: Millis,
 ) -> StoreResult<()> {
     if let Some(b) = changed {
-        let data = serde_json::to_string(&b.summary()).unwrap_or_default();
+        let data = event_json(&b.summary())?;
         deployment_event(tx, hub, d, "build", data, now)?;
     }
     let last_build = match (d.last_build, changed) {
@@ -82,7 +90,7 @@ pub fn deployment_changed(
         (Some(id), _) => tx.build(id)?,
         (None, _) => None,
     };
-    let data = serde_json::to_string(&d.summary(last_build.as_ref())).unwrap_or_default();
+    let data = event_json(&d.summary(last_build.as_ref()))?;
     deployment_event(tx, hub, d, "deployment", data, now)
 }
 

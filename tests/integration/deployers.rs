@@ -369,3 +369,43 @@ async fn deployers_run_as_the_deployer_user_and_cannot_read_secrets() {
     );
     assert!(log.contains("work-writable"), "{log}");
 }
+
+/// The nix deployer run by hand (outside `berth serve`) says which variable
+/// berth would have set, and writes no result, instead of building in the
+/// current directory.
+#[test]
+fn the_nix_deployer_without_its_directories_says_which_is_missing() {
+    let dir = crate::harness::temp_dir("nix-by-hand");
+    let result = dir.join("result.json");
+    let request = serde_json::json!({
+        "deployment": "d",
+        "build": "b",
+        "method": "nix",
+        "configuration": {},
+        "source": {"url": dir.display().to_string(), "digest": "sha256:00"},
+        "suspended": false,
+        "previous": null,
+    });
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_berth"))
+        .args(["deployer", "nix", "deploy"])
+        .env("BERTH_RESULT", &result)
+        .env_remove("BERTH_WORK_DIR")
+        .env_remove("BERTH_SCRATCH_DIR")
+        .current_dir(&dir)
+        .stdin(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    use std::io::Write;
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(request.to_string().as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("BERTH_WORK_DIR is not set"), "{stderr}");
+    assert!(!result.exists(), "no result is written");
+}
