@@ -118,6 +118,19 @@ pub fn record(
     let goal_text = goal
         .map(|g| format!("{} {g}x", if higher_is_better { ">=" } else { "<=" }))
         .unwrap_or_default();
+    record_with_goal(figure, berth, baseline, ratio, &goal_text, met);
+}
+
+/// A figure whose goal is not a ratio to its baseline (a latency bound):
+/// the table shows `goal_text` and whether it was `met`.
+pub fn record_with_goal(
+    figure: &str,
+    berth: &str,
+    baseline: &str,
+    ratio: f64,
+    goal_text: &str,
+    met: Option<bool>,
+) {
     println!("{figure}: {berth} | {baseline} | {ratio:.2}x | goal {goal_text} | met {met:?}");
     let Ok(path) = std::env::var("BERTH_BENCH_FIGURES") else {
         return;
