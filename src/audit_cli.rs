@@ -160,7 +160,10 @@ pub fn verify(data_dir: &Path) -> Result<Report, String> {
 
 fn print_report(report: &Report, json: bool) {
     if json {
-        println!("{}", serde_json::to_string(report).unwrap_or_default());
+        match serde_json::to_string(report) {
+            Ok(text) => println!("{text}"),
+            Err(e) => eprintln!("berth audit verify: cannot encode the report as JSON: {e}"),
+        }
         return;
     }
     let head = report

@@ -416,10 +416,11 @@ fn parse_submit(req: &Request, allowed: &[&str]) -> Result<SubmitInput, ApiError
     };
     let raw: HashMap<String, Box<RawValue>> =
         serde_json::from_slice(&req.body).map_err(|_| ApiError::internal())?;
+    // Present: the parsed body above has it.
     let configuration_text = raw
         .get("configuration")
         .map(|r| r.get().to_string())
-        .unwrap_or_default();
+        .ok_or_else(ApiError::internal)?;
     let source = match map.get("source") {
         None | Some(Value::Null) => None,
         Some(s) => Some(serde_json::from_value::<Source>(s.clone()).map_err(|_| {

@@ -181,7 +181,13 @@ impl ApiError {
             fields: &self.fields,
             deployer_message: &self.deployer_message,
         })
-        .unwrap_or_default()
+        .unwrap_or_else(|e| {
+            // Cannot happen with these field types; if it did, the client
+            // still gets a body of the documented shape.
+            tracing::error!(error = %e, "cannot encode an error body");
+            br#"{"code":"internal","message":"internal error; the server log has the detail"}"#
+                .to_vec()
+        })
     }
 }
 

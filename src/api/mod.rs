@@ -54,12 +54,21 @@ pub struct Reply {
 }
 
 impl Reply {
+    /// A JSON answer. Encoding berth's own answer types does not fail (string
+    /// keys, finite numbers); if one ever did, the client gets a 500, never
+    /// a success with an empty body.
     pub fn json<T: Serialize + ?Sized>(status: u16, value: &T) -> Reply {
-        Reply {
-            status,
-            content_type: "application/json".into(),
-            headers: vec![],
-            body: serde_json::to_vec(value).unwrap_or_default(),
+        match serde_json::to_vec(value) {
+            Ok(body) => Reply {
+                status,
+                content_type: "application/json".into(),
+                headers: vec![],
+                body,
+            },
+            Err(e) => {
+                tracing::error!(error = %e, status, "cannot encode an answer");
+                Reply::from_error(&ApiError::internal(), "")
+            }
         }
     }
     pub fn text(status: u16, content_type: &str, body: Vec<u8>) -> Reply {

@@ -399,12 +399,8 @@ async fn deployment_stream(
     match cursor {
         None => {
             if let Some(s) = summary {
-                w.push(&Frame::new(
-                    current,
-                    "deployment",
-                    serde_json::to_string(&s).unwrap_or_default(),
-                    false,
-                ));
+                let data = super::event_json(&s).map_err(store_failed)?;
+                w.push(&Frame::new(current, "deployment", data, false));
             }
         }
         Some(text) => match text.trim().parse::<u64>() {

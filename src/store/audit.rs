@@ -214,7 +214,9 @@ impl Tx<'_> {
         };
         let (last_seq, last_hash, last_at) = (
             *last_seq,
-            last.hash.clone().unwrap_or_default(),
+            last.hash.clone().ok_or_else(|| {
+                StoreError::corrupt("a stored audit event has no hash; run `berth audit verify`")
+            })?,
             last.at.clone(),
         );
         let mut by_deployment = self.txn.open_table(AUDIT_BY_DEPLOYMENT)?;
