@@ -76,7 +76,6 @@ pub fn run(verb: &str) -> i32 {
     })
 }
 
-/// The source's directory, checked against its digest.
 /// A directory berth names in the deployer's environment. Run by hand
 /// without it, the deployer says so instead of working in the current
 /// directory.
@@ -89,6 +88,7 @@ fn dir_from_env(name: &str) -> Result<PathBuf, Failure> {
     }
 }
 
+/// The source's directory, checked against its digest.
 fn source_dir(request: &Value) -> Result<PathBuf, Failure> {
     let source = &request["source"];
     let url = source["url"].as_str().unwrap_or("");

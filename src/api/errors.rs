@@ -114,6 +114,10 @@ impl std::ops::DerefMut for ApiError {
     }
 }
 
+/// The body of an error whose own body could not be encoded: the same
+/// members as every error body (a unit test holds them equal).
+const UNENCODABLE_ERROR_BODY: &[u8] = br#"{"code":"internal","reason":null,"message":"internal error; the server log has the detail","request_id":"","fields":[],"deployer_message":null}"#;
+
 impl ApiError {
     pub fn new(code: Code, message: impl Into<String>) -> Self {
         Self(Box::new(Problem {
@@ -185,8 +189,7 @@ impl ApiError {
             // Cannot happen with these field types; if it did, the client
             // still gets a body of the documented shape.
             tracing::error!(error = %e, "cannot encode an error body");
-            br#"{"code":"internal","message":"internal error; the server log has the detail"}"#
-                .to_vec()
+            UNENCODABLE_ERROR_BODY.to_vec()
         })
     }
 }
@@ -294,5 +297,24 @@ fn conflict_message(c: Conflict) -> &'static str {
         Conflict::SourceImmutable => "this digest is already registered with another url or rev",
         Conflict::PolicyNotManual => "an explicit source needs the manual update policy",
         Conflict::BuildFinished => "the build has already finished",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_fallback_error_body_has_every_member_of_an_error_body() {
+        let keys = |bytes: &[u8]| -> Vec<String> {
+            let v: serde_json::Value = serde_json::from_slice(bytes).expect("a JSON body");
+            let mut keys: Vec<String> = v.as_object().expect("an object").keys().cloned().collect();
+            keys.sort();
+            keys
+        };
+        assert_eq!(
+            keys(UNENCODABLE_ERROR_BODY),
+            keys(&ApiError::internal().body("req"))
+        );
     }
 }
