@@ -154,12 +154,15 @@ const TABLES_PER_SUBMIT: usize = 13;
 /// The floor under berth's submit: bare redb, one write transaction per
 /// Bytes a process has caused to be written to storage so far
 /// (`/proc/<pid>/io`, counted when it dirties page-cache pages).
+/// A figure built on an unreadable count would be wrong, so it stops the
+/// bench instead.
 fn storage_write_bytes(pid: u32) -> u64 {
-    let io = std::fs::read_to_string(format!("/proc/{pid}/io")).unwrap_or_default();
+    let io = std::fs::read_to_string(format!("/proc/{pid}/io"))
+        .expect("read /proc/<berth>/io (the disk-floor row needs it)");
     io.lines()
         .find_map(|l| l.strip_prefix("write_bytes:"))
         .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0)
+        .expect("/proc/<berth>/io has a write_bytes line")
 }
 
 /// The disk's own floor for a commit that writes `pages` 4 KiB pages at
