@@ -149,8 +149,109 @@ impl Trigger {
 /// Why a build failed or was cancelled; `reason` is a stable code.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Failure {
-    pub reason: String,
+    pub reason: FailureReason,
+    /// What happened, for a person; never a value of the request.
     pub detail: String,
+}
+
+impl Failure {
+    pub fn new(reason: FailureReason, detail: impl Into<String>) -> Failure {
+        Failure {
+            reason,
+            detail: detail.into(),
+        }
+    }
+}
+
+/// Every reason a build can fail or be cancelled with (api.md, build
+/// `failure.reason`). Stored and shown as its code (`as_str`), so records
+/// written before it was an enum read back unchanged; the one place a code
+/// is spelled is `as_str`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(into = "String", try_from = "String")]
+pub enum FailureReason {
+    /// The build's directories or the deployer's process could not be made,
+    /// or its stored snapshot is damaged.
+    SpawnFailed,
+    /// The deployer's process record could not be stored; it was not run.
+    JobRecordFailed,
+    /// The deployer exited non-zero or was killed by a signal.
+    ExitStatus,
+    /// The deployer's result broke the protocol.
+    DeployerProtocol,
+    /// `--build-timeout` passed.
+    Timeout,
+    /// Cancelled by a caller.
+    Cancelled,
+    /// berth was stopping and `--shutdown-grace` was over.
+    InterruptedByShutdown,
+    /// berth stopped (crash, kill -9) while the build ran.
+    InterruptedByRestart,
+    /// The log could not be stored: the disk is full.
+    DiskFull,
+    /// The log could not be stored: another storage error.
+    LogWriteFailed,
+    /// The build's last log lines and results could not be stored.
+    FinalCommitFailed,
+    /// berth itself failed while running the build (a bug: the task
+    /// waiting on the deployer ended without an answer).
+    Internal,
+}
+
+impl FailureReason {
+    pub const ALL: [FailureReason; 12] = [
+        FailureReason::SpawnFailed,
+        FailureReason::JobRecordFailed,
+        FailureReason::ExitStatus,
+        FailureReason::DeployerProtocol,
+        FailureReason::Timeout,
+        FailureReason::Cancelled,
+        FailureReason::InterruptedByShutdown,
+        FailureReason::InterruptedByRestart,
+        FailureReason::DiskFull,
+        FailureReason::LogWriteFailed,
+        FailureReason::FinalCommitFailed,
+        FailureReason::Internal,
+    ];
+
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            FailureReason::SpawnFailed => "spawn_failed",
+            FailureReason::JobRecordFailed => "job_record_failed",
+            FailureReason::ExitStatus => "exit_status",
+            FailureReason::DeployerProtocol => "deployer_protocol",
+            FailureReason::Timeout => "timeout",
+            FailureReason::Cancelled => "cancelled",
+            FailureReason::InterruptedByShutdown => "interrupted_by_shutdown",
+            FailureReason::InterruptedByRestart => "interrupted_by_restart",
+            FailureReason::DiskFull => "disk_full",
+            FailureReason::LogWriteFailed => "log_write_failed",
+            FailureReason::FinalCommitFailed => "final_commit_failed",
+            FailureReason::Internal => "internal",
+        }
+    }
+}
+
+impl std::fmt::Display for FailureReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl From<FailureReason> for String {
+    fn from(r: FailureReason) -> String {
+        r.as_str().to_string()
+    }
+}
+
+impl TryFrom<String> for FailureReason {
+    type Error = String;
+    fn try_from(code: String) -> Result<FailureReason, String> {
+        FailureReason::ALL
+            .into_iter()
+            .find(|r| r.as_str() == code)
+            .ok_or_else(|| "a failure reason this berth does not know".to_string())
+    }
 }
 
 /// The process group of a running build, enough to recognise it after a

@@ -190,6 +190,9 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
         )
     })?;
     let local = listener.local_addr().map_err(|e| e.to_string())?;
+    if let Some(file) = &settings.address_file {
+        write_address_file(file, local)?;
+    }
     let settings = Arc::new(settings);
     let engine = Engine::new(settings.clone(), store, callback_secret)
         .map_err(|e| format!("deployer: {e}"))?;
@@ -337,6 +340,17 @@ const LISTEN_BACKLOG: u32 = 1024;
 /// The listening socket, with TCP_NODELAY (Linux passes it on to accepted
 /// connections): an event stream writes small frames, and Nagle's algorithm
 /// with the client's delayed ACK would hold some of them back for ~40 ms.
+/// `--address-file`: the bound address, written whole (a temporary file
+/// renamed over it), so a reader never sees half of it.
+fn write_address_file(file: &Path, address: std::net::SocketAddr) -> Result<(), String> {
+    let fail = |e: std::io::Error| format!("cannot write --address-file {}: {e}", file.display());
+    let mut partial = file.as_os_str().to_owned();
+    partial.push(".partial");
+    let partial = std::path::PathBuf::from(partial);
+    std::fs::write(&partial, format!("{address}\n")).map_err(fail)?;
+    std::fs::rename(&partial, file).map_err(fail)
+}
+
 fn listen(addr: std::net::SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
     let socket = if addr.is_ipv4() {
         tokio::net::TcpSocket::new_v4()?

@@ -242,6 +242,17 @@ pub struct Settings {
     #[arg(long, env = "BERTH_TICKET_TTL", default_value = "1h", value_parser = parse_duration)]
     pub ticket_ttl: Duration,
 
+    /// How often an idle event stream gets a `: keep-alive` comment, so
+    /// proxies and clients see that it lives (100ms to 5m).
+    #[arg(long, env = "BERTH_SSE_KEEP_ALIVE", default_value = "15s", value_parser = parse_keep_alive)]
+    pub sse_keep_alive: Duration,
+
+    /// Write the address berth listens on (`127.0.0.1:PORT`) to this file,
+    /// atomically, once it listens: with `--listen 127.0.0.1:0` the kernel
+    /// picks a free port and scripts read it here.
+    #[arg(long, env = "BERTH_ADDRESS_FILE")]
+    pub address_file: Option<PathBuf>,
+
     /// Open event streams at most; past it a stream request gets 503.
     #[arg(long, env = "BERTH_MAX_SSE_CLIENTS", default_value_t = 10_000)]
     pub max_sse_clients: usize,
@@ -329,6 +340,19 @@ pub fn parse_source(text: &str) -> Result<Source, String> {
 pub const MAX_UPDATE_INTERVAL: Duration = Duration::from_secs(300);
 
 /// `--update-interval`: 1 s to 5 minutes.
+/// The shortest and longest keep-alive interval: shorter only costs writes,
+/// longer than most proxies' idle timeouts would let them cut the stream.
+const KEEP_ALIVE_RANGE: (Duration, Duration) =
+    (Duration::from_millis(100), Duration::from_secs(300));
+
+fn parse_keep_alive(text: &str) -> Result<Duration, String> {
+    let d = parse_duration(text)?;
+    if d < KEEP_ALIVE_RANGE.0 || d > KEEP_ALIVE_RANGE.1 {
+        return Err("the keep-alive interval is 100ms to 5m".into());
+    }
+    Ok(d)
+}
+
 fn parse_update_interval(text: &str) -> Result<Duration, String> {
     let d = parse_duration(text)?;
     if d < Duration::from_secs(1) || d > MAX_UPDATE_INTERVAL {

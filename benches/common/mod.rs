@@ -22,15 +22,15 @@ pub async fn start_berth(
     args: &[&str],
     envs: &[(&str, String)],
 ) -> Started {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    // The kernel picks the port; berth writes what it bound.
+    let address_file = dir.join("address");
+    let _ = std::fs::remove_file(&address_file);
     let child = Command::new(env!("CARGO_BIN_EXE_berth"))
         .arg("serve")
         .arg("--listen")
-        .arg(format!("127.0.0.1:{port}"))
+        .arg("127.0.0.1:0")
+        .arg("--address-file")
+        .arg(&address_file)
         .arg("--data-dir")
         .arg(dir.join("data"))
         .arg("--deployer")
@@ -40,7 +40,13 @@ pub async fn start_berth(
         .env("BERTH_LOG", "warn")
         .spawn()
         .unwrap();
-    let base = format!("http://127.0.0.1:{port}");
+    let address = loop {
+        match std::fs::read_to_string(&address_file) {
+            Ok(text) => break text.trim().to_string(),
+            Err(_) => std::thread::sleep(std::time::Duration::from_millis(20)),
+        }
+    };
+    let base = format!("http://{address}");
     let http = reqwest::Client::new();
     while http
         .get(format!("{base}/readyz"))

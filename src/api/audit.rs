@@ -11,7 +11,7 @@ use super::{cursor, Ctx, Reply, Request};
 use crate::audit::merkle;
 use crate::audit::{Actor, Draft, Event, Outcome};
 use crate::model::{format_build_id, is_valid_deployment_id, parse_build_id};
-use crate::store::{AuditLookup, Lookup, StoredNodes};
+use crate::store::{AuditLookup, StoredNodes};
 
 /// Events one page of `GET /v1/audit` holds at most.
 pub const MAX_AUDIT_PAGE: usize = 200;
@@ -19,27 +19,18 @@ const DEFAULT_AUDIT_PAGE: usize = 50;
 
 /// The event of an audited call, before its caller and result are known.
 /// Only ids that are valid are recorded (an invalid one is a request value
-/// that may be anything); a cancel names its build's deployment.
+/// that may be anything); a cancel names its build's deployment, which the
+/// authorization already read (`routes::Scope::BuildsDeployment`).
 pub fn draft(
-    ctx: &Ctx,
     action: &'static str,
+    deployment: Option<&str>,
     params: &std::collections::HashMap<&'static str, String>,
     request_id: &str,
 ) -> Draft {
-    let param = |name: &str| params.get(name).map(String::as_str).unwrap_or("");
-    let mut deployment = Some(param("id"))
+    let build = parse_build_id(params.get("build").map(String::as_str).unwrap_or(""));
+    let deployment = deployment
         .filter(|id| is_valid_deployment_id(id))
         .map(str::to_string);
-    let build = parse_build_id(param("build"));
-    if let Some(b) = build {
-        deployment = ctx
-            .engine
-            .store
-            .read()
-            .ok()
-            .and_then(|rx| rx.build(b).ok().flatten())
-            .map(|b| b.deployment);
-    }
     // The same event as berth's own, then the request's id and build.
     let mut draft = crate::engine::audit::system_draft(action, deployment, Outcome::Ok);
     draft.build = build.map(format_build_id);

@@ -7,7 +7,7 @@ use super::idempotency::Write;
 use super::{cursor, Answer, Ctx, Reply, Request};
 use crate::engine::CancelTaken;
 use crate::model::*;
-use crate::store::logs::{decompress_chunk_sized, decompress_chunks};
+use crate::store::logs::decompress_chunk_sized;
 use crate::store::{ChunkPlace, Lookup, Store, StoreError};
 
 fn build_id(req: &Request) -> Result<BuildId, ApiError> {
@@ -118,7 +118,7 @@ const TEXT: &str = "text/plain; charset=utf-8";
 /// What the store says about a build's log, read in one snapshot.
 struct LogFacts {
     len: u64,
-    places: Option<Vec<ChunkPlace>>,
+    places: Vec<ChunkPlace>,
 }
 
 /// `GET /v1/builds/{build}/log`: with `Range`, only the chunks the range
@@ -145,9 +145,7 @@ pub async fn log(ctx: &Ctx, req: &Request) -> Result<Answer, ApiError> {
         .map_err(|_| ApiError::internal())??
         .ok_or_else(|| ApiError::not_found("build"))?
     };
-    let Some(places) = facts.places else {
-        return whole_log(store, id, range).await.map(Answer::Reply);
-    };
+    let places = facts.places;
     let len = facts.len;
     let Some(range) = range else {
         return Ok(Answer::Stream(stream_log(store, id, places)));
@@ -256,29 +254,6 @@ fn stream_log(store: Store, id: BuildId, places: Vec<ChunkPlace>) -> warp::reply
 }
 
 /// A build stored before the chunk index: its log read whole.
-async fn whole_log(store: Store, id: BuildId, range: Option<ByteRange>) -> Result<Reply, ApiError> {
-    let text = tokio::task::spawn_blocking(move || -> Result<Vec<u8>, ApiError> {
-        let rx = store.read()?;
-        Ok(decompress_chunks(&rx.log_chunks(id)?)?)
-    })
-    .await
-    .map_err(|_| ApiError::internal())??;
-    let len = text.len() as u64;
-    let Some(range) = range else {
-        return Ok(Reply::text(200, TEXT, text).header("Accept-Ranges", "bytes"));
-    };
-    match resolve_range(&range, len) {
-        Some((start, end)) => {
-            Ok(
-                Reply::text(206, TEXT, text[start as usize..=end as usize].to_vec())
-                    .header("Content-Range", format!("bytes {start}-{end}/{len}"))
-                    .header("Accept-Ranges", "bytes"),
-            )
-        }
-        None => Err(range_not_satisfiable(len)),
-    }
-}
-
 fn range_not_satisfiable(len: u64) -> ApiError {
     let mut e = ApiError::new(
         Code::RangeNotSatisfiable,

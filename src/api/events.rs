@@ -215,6 +215,7 @@ fn open(
         store: ctx.engine.store.clone(),
         hub: ctx.engine.hub.clone(),
         stopping: ctx.engine.stop_signal(),
+        keep_alive: ctx.engine.settings.sse_keep_alive,
     };
     let body = stream::spawn(
         sources,

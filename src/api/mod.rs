@@ -4,8 +4,9 @@
 //! One warp filter takes every request; `dispatch` matches it against
 //! `routes::ROUTES` (the same table `GET /v1/openapi.json` is checked
 //! against), so unknown routes get 404, wrong methods 405 with `Allow`, and
-//! every error carries the request id, all in one place; `routes::call`
-//! authenticates by the route's access class and runs its handler.
+//! every error carries the request id, all in one place; a token route is
+//! authenticated (`routes::authorize`) before its body is read, and its
+//! handler gets the authenticated caller.
 
 pub mod audit;
 pub mod auth;
@@ -132,8 +133,6 @@ pub struct Request {
     pub request_id: String,
     /// The connection, when an event stream may take it over (HTTP/1.1).
     pub wire: Option<Arc<crate::wire::Wire>>,
-    /// Who calls a token route (authenticated before the body was read).
-    pub caller: Option<auth::Caller>,
 }
 
 /// The connection a request came on, put in its extensions by `serve`.
@@ -266,6 +265,16 @@ pub enum Answer {
     Stream(warp::reply::Response),
 }
 
+/// A matched route with the credential its class needs: a token route's
+/// handler can only be reached with its caller authenticated.
+enum Bound {
+    Public(routes::PublicCall),
+    Metrics,
+    Stream(routes::StreamCall),
+    Token(routes::TokenCall, routes::Authorized),
+    Mutation(routes::MutationCall, routes::Audit, routes::Authorized),
+}
+
 type Dispatched = Result<(&'static str, Answer), (&'static str, ApiError)>;
 
 /// Finds the route; answers 404/405/413/415 itself; calls the handler.
@@ -322,10 +331,11 @@ where
     // A token route authenticates (and asks the callback) before reading a
     // byte of the body, and a refusal closes: an unauthenticated client
     // cannot make berth hold its upload.
-    let caller = if matched.access == routes::Access::Token {
-        match routes::authorize(
+    let authorize = |ask, audit| {
+        routes::authorize(
             ctx,
-            matched,
+            ask,
+            audit,
             &params,
             &query,
             &headers,
@@ -333,16 +343,24 @@ where
             &path,
             request_id,
         )
-        .await
-        {
-            Ok(c) => Some(c),
-            Err(mut e) => {
-                e.close = true;
-                return fail(e);
-            }
+    };
+    let authorized = match matched.handler {
+        routes::Handler::Public(call) => Ok(Bound::Public(call)),
+        routes::Handler::Metrics => Ok(Bound::Metrics),
+        routes::Handler::Stream(call) => Ok(Bound::Stream(call)),
+        routes::Handler::Token(call, ask) => authorize(ask, None)
+            .await
+            .map(|who| Bound::Token(call, who)),
+        routes::Handler::Mutation(call, ask, audit) => authorize(ask, Some(audit))
+            .await
+            .map(|who| Bound::Mutation(call, audit, who)),
+    };
+    let bound = match authorized {
+        Ok(bound) => bound,
+        Err(mut e) => {
+            e.close = true;
+            return fail(e);
         }
-    } else {
-        None
     };
     let max_body = ctx.engine.settings.max_body;
     let declared = headers
@@ -393,12 +411,20 @@ where
         body,
         request_id: request_id.to_string(),
         wire,
-        caller,
     };
     // A read that raced a store reopen (after an I/O error) runs again.
     let mut attempts = 0;
     loop {
-        match routes::call(ctx, matched, &req).await {
+        let answer = match &bound {
+            Bound::Public(call) => routes::public(ctx, *call, &req).await,
+            Bound::Metrics => routes::metrics(ctx, &req),
+            Bound::Stream(call) => routes::stream(ctx, *call, &req).await,
+            Bound::Token(call, who) => routes::token(ctx, *call, &req, &who.caller).await,
+            Bound::Mutation(call, audit, who) => {
+                routes::mutation(ctx, *call, *audit, &req, who).await
+            }
+        };
+        match answer {
             Ok(r) => return Ok((route, r)),
             Err(e) if e.retry_read && req.method == Method::GET && attempts < READ_RETRIES => {
                 attempts += 1;

@@ -1,214 +1,382 @@
-//! The route table: every route berth serves, with who may call it and the
-//! handler that answers it. This one table drives matching (404, 405 with
-//! `Allow`), authentication, the metric label (the template), and the test
-//! that compares it with `openapi.json`. Each route names a `Call`, and
-//! `call` matches every `Call` exhaustively: a route cannot be listed and
-//! not served, nor served and not listed.
+//! The route table: every route berth serves, one row each, saying
+//! everything the request path needs to know about it: method and path
+//! template, who may call it, what the authorization callback is asked,
+//! whether a denied read answers 404, whether and as what it is audited,
+//! and the handler.
+//!
+//! Why it is shaped so: what a route needs used to be spread over four
+//! matches with wildcard arms, so a new mutation could be authorized as a
+//! read or answer 500 at run time. Here the access class *is* the variant of
+//! `Handler`, and each variant carries exactly what its class needs (a
+//! token route its `Ask`, a mutation also its `Audit`) as struct fields with
+//! no defaults; every match over `PublicCall`, `TokenCall`, `MutationCall`,
+//! `StreamCall` and `Scope` is exhaustive with no `_` arm. Adding a route
+//! without deciding each of these does not compile.
+//!
+//! The same rows drive matching (404, 405 with `Allow`), the metric label
+//! (the template), and the test that compares them with `openapi.json`.
+//! A token route is authenticated before a byte of its body is read
+//! (`authorize`), and its handler receives the authenticated `Caller`, never
+//! an `Option`.
 
 use std::sync::Arc;
 
 use super::auth::{self, Caller, Procedure, Question, Refused};
 use super::errors::{ApiError, Code};
 use super::{
-    audit, builds, deployments, derive, events, idempotency, ops, page, sboms, Answer, Ctx, Reply,
-    Request,
+    audit, builds, deployments, derive, events, idempotency, ops, page, sboms, Answer, Ctx, Request,
 };
-use crate::audit::Draft;
 use crate::model::parse_build_id;
 use crate::store::Lookup;
 
-/// Who may call a route.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Access {
-    /// Anyone: probes, the contract, the pure derive routes.
-    Public,
-    /// The service token (actor headers name who acts) or a token the
-    /// authorization callback allows; the store must be ready (recovery
-    /// done).
-    Token,
-    /// The service token or a stream ticket for this path; the handler
-    /// checks which (a browser's `EventSource` cannot send a header).
-    StreamCredential,
-    /// Public with `--metrics-public`, else the service token; the handler
-    /// checks.
-    Metrics,
-}
-
-/// The handler of a route.
+/// A route anyone may call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Call {
+pub enum PublicCall {
     Page,
     PageAsset,
     Healthz,
     Readyz,
-    Metrics,
     OpenApi,
+    DeriveInstances,
+    DeriveApplications,
+    DeriveSections,
+}
+
+/// A route that needs the service token or a token the callback allows,
+/// and changes nothing (or, like a stream ticket, nothing a retry could
+/// duplicate harmfully).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TokenCall {
     ListDeployments,
     ReadDeployment,
-    DeleteDeployment,
-    Submit,
-    Act,
-    SetUpdatePolicy,
     Preview,
     ListSboms,
     ReadSbom,
     ListBuilds,
     ReadBuild,
     BuildLog,
-    CancelBuild,
-    DeploymentEvents,
-    BuildEvents,
     StreamTicket,
-    DeriveInstances,
-    DeriveApplications,
-    DeriveSections,
     AuditList,
     AuditProof,
     AuditConsistency,
 }
 
-/// One route: method, template (`{x}` matches one segment), access, handler.
+/// A route that changes state: token-authenticated, audited, and run under
+/// its idempotency key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum MutationCall {
+    Submit,
+    Act,
+    SetUpdatePolicy,
+    DeleteDeployment,
+    CancelBuild,
+}
+
+/// An event stream: the service token or a stream ticket for its path (a
+/// browser's `EventSource` cannot send a header); the handler checks which.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum StreamCall {
+    DeploymentEvents,
+    BuildEvents,
+}
+
+/// What the authorization callback is asked about a token route.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ask {
+    pub procedure: Procedure,
+    /// Which deployment (or actor) the question names.
+    pub scope: Scope,
+    /// What a callback caller who is denied gets.
+    pub denial: Denial,
+}
+
+/// What a token route's question is about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scope {
+    /// The server as a whole (no deployment named).
+    Server,
+    /// The deployment in the path's `{id}`.
+    PathDeployment,
+    /// The deployment of the build in the path's `{build}` (read from the
+    /// store; a store error answers 503).
+    BuildsDeployment,
+    /// The actor named in the query (`GET /v1/audit`): the callback is
+    /// asked about that target.
+    QueryActor,
+    /// A list: a known caller suffices, and each item is filtered through
+    /// `read` by the handler.
+    EachItem,
+}
+
+/// What a denied callback caller is answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Denial {
+    /// 403 `forbidden`.
+    Forbidden,
+    /// 404, as for a deployment that does not exist: nobody can probe which
+    /// deployments exist by reading them.
+    NotFound,
+}
+
+/// As what a mutation is recorded in the audit chain.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Audit {
+    /// Always this action.
+    Action(&'static str),
+    /// `action:<name>` for the known action names in `{name}`, plain
+    /// `action` for any other (the name is a value of the request).
+    ActionByName,
+}
+
+/// Who may call a route and the handler that answers it. The access class
+/// is the variant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Handler {
+    Public(PublicCall),
+    /// Public with `--metrics-public`, else the service token; the handler
+    /// checks.
+    Metrics,
+    Stream(StreamCall),
+    Token(TokenCall, Ask),
+    Mutation(MutationCall, Ask, Audit),
+}
+
+/// Who may call a route, as the route-table test and the docs name it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    Public,
+    Metrics,
+    StreamCredential,
+    Token,
+}
+
+impl Handler {
+    pub fn access(self) -> Access {
+        match self {
+            Handler::Public(_) => Access::Public,
+            Handler::Metrics => Access::Metrics,
+            Handler::Stream(_) => Access::StreamCredential,
+            Handler::Token(..) | Handler::Mutation(..) => Access::Token,
+        }
+    }
+}
+
+/// One route: method, template (`{x}` matches one segment), handler.
 #[derive(Debug, Clone, Copy)]
 pub struct Route {
     pub method: &'static str,
     pub template: &'static str,
-    pub access: Access,
-    pub call: Call,
+    pub handler: Handler,
 }
 
-const fn route(method: &'static str, template: &'static str, access: Access, call: Call) -> Route {
+impl Route {
+    pub fn access(&self) -> Access {
+        self.handler.access()
+    }
+}
+
+const fn public_row(method: &'static str, template: &'static str, call: PublicCall) -> Route {
     Route {
         method,
         template,
-        access,
-        call,
+        handler: Handler::Public(call),
     }
 }
+
+const fn stream_row(template: &'static str, call: StreamCall) -> Route {
+    Route {
+        method: "GET",
+        template,
+        handler: Handler::Stream(call),
+    }
+}
+
+const fn token_row(
+    method: &'static str,
+    template: &'static str,
+    call: TokenCall,
+    procedure: Procedure,
+    scope: Scope,
+    denial: Denial,
+) -> Route {
+    Route {
+        method,
+        template,
+        handler: Handler::Token(
+            call,
+            Ask {
+                procedure,
+                scope,
+                denial,
+            },
+        ),
+    }
+}
+
+const fn mutation_row(
+    method: &'static str,
+    template: &'static str,
+    call: MutationCall,
+    procedure: Procedure,
+    scope: Scope,
+    audit: Audit,
+) -> Route {
+    Route {
+        method,
+        template,
+        // A denied mutation is a 403: it is not a read to hide.
+        handler: Handler::Mutation(
+            call,
+            Ask {
+                procedure,
+                scope,
+                denial: Denial::Forbidden,
+            },
+            audit,
+        ),
+    }
+}
+
+use Denial::{Forbidden, NotFound};
+use Procedure as P;
+use Scope::{BuildsDeployment, EachItem, PathDeployment, QueryActor, Server};
 
 /// Every route berth serves.
 #[rustfmt::skip]
 pub const ROUTES: &[Route] = &[
-    route("GET", "/", Access::Public, Call::Page),
-    route("GET", "/ui/{file}", Access::Public, Call::PageAsset),
-    route("GET", "/healthz", Access::Public, Call::Healthz),
-    route("GET", "/readyz", Access::Public, Call::Readyz),
-    route("GET", "/metrics", Access::Metrics, Call::Metrics),
-    route("GET", "/v1/openapi.json", Access::Public, Call::OpenApi),
-    route("GET", "/v1/deployments", Access::Token, Call::ListDeployments),
-    route("GET", "/v1/deployments/{id}", Access::Token, Call::ReadDeployment),
-    route("DELETE", "/v1/deployments/{id}", Access::Token, Call::DeleteDeployment),
-    route("POST", "/v1/deployments/{id}/submit", Access::Token, Call::Submit),
-    route("POST", "/v1/deployments/{id}/preview", Access::Token, Call::Preview),
-    route("POST", "/v1/deployments/{id}/actions/{name}", Access::Token, Call::Act),
-    route("PUT", "/v1/deployments/{id}/update-policy", Access::Token, Call::SetUpdatePolicy),
-    route("GET", "/v1/deployments/{id}/builds", Access::Token, Call::ListBuilds),
-    route("GET", "/v1/deployments/{id}/sboms", Access::Token, Call::ListSboms),
-    route("GET", "/v1/deployments/{id}/sboms/{node}", Access::Token, Call::ReadSbom),
-    route("GET", "/v1/builds/{build}", Access::Token, Call::ReadBuild),
-    route("GET", "/v1/builds/{build}/log", Access::Token, Call::BuildLog),
-    route("POST", "/v1/builds/{build}/cancel", Access::Token, Call::CancelBuild),
-    route("GET", "/v1/deployments/{id}/events", Access::StreamCredential, Call::DeploymentEvents),
-    route("GET", "/v1/builds/{build}/events", Access::StreamCredential, Call::BuildEvents),
-    route("POST", "/v1/stream-tickets", Access::Token, Call::StreamTicket),
-    route("POST", "/v1/derive/instances", Access::Public, Call::DeriveInstances),
-    route("POST", "/v1/derive/applications", Access::Public, Call::DeriveApplications),
-    route("POST", "/v1/derive/sections", Access::Public, Call::DeriveSections),
-    route("GET", "/v1/audit", Access::Token, Call::AuditList),
-    route("GET", "/v1/audit/proof", Access::Token, Call::AuditProof),
-    route("GET", "/v1/audit/consistency", Access::Token, Call::AuditConsistency),
+    public_row("GET", "/", PublicCall::Page),
+    public_row("GET", "/ui/{file}", PublicCall::PageAsset),
+    public_row("GET", "/healthz", PublicCall::Healthz),
+    public_row("GET", "/readyz", PublicCall::Readyz),
+    Route { method: "GET", template: "/metrics", handler: Handler::Metrics },
+    public_row("GET", "/v1/openapi.json", PublicCall::OpenApi),
+    token_row("GET", "/v1/deployments", TokenCall::ListDeployments, P::Read, EachItem, Forbidden),
+    token_row("GET", "/v1/deployments/{id}", TokenCall::ReadDeployment, P::Read, PathDeployment, NotFound),
+    mutation_row("DELETE", "/v1/deployments/{id}", MutationCall::DeleteDeployment, P::Delete, PathDeployment, Audit::Action("delete")),
+    mutation_row("POST", "/v1/deployments/{id}/submit", MutationCall::Submit, P::Submit, PathDeployment, Audit::Action("submit")),
+    token_row("POST", "/v1/deployments/{id}/preview", TokenCall::Preview, P::Preview, PathDeployment, Forbidden),
+    mutation_row("POST", "/v1/deployments/{id}/actions/{name}", MutationCall::Act, P::Action, PathDeployment, Audit::ActionByName),
+    mutation_row("PUT", "/v1/deployments/{id}/update-policy", MutationCall::SetUpdatePolicy, P::UpdatePolicy, PathDeployment, Audit::Action("update_policy")),
+    token_row("GET", "/v1/deployments/{id}/builds", TokenCall::ListBuilds, P::Read, PathDeployment, NotFound),
+    token_row("GET", "/v1/deployments/{id}/sboms", TokenCall::ListSboms, P::Read, PathDeployment, NotFound),
+    token_row("GET", "/v1/deployments/{id}/sboms/{node}", TokenCall::ReadSbom, P::Read, PathDeployment, NotFound),
+    token_row("GET", "/v1/builds/{build}", TokenCall::ReadBuild, P::Read, BuildsDeployment, NotFound),
+    token_row("GET", "/v1/builds/{build}/log", TokenCall::BuildLog, P::Read, BuildsDeployment, NotFound),
+    mutation_row("POST", "/v1/builds/{build}/cancel", MutationCall::CancelBuild, P::Cancel, BuildsDeployment, Audit::Action("cancel")),
+    stream_row("/v1/deployments/{id}/events", StreamCall::DeploymentEvents),
+    stream_row("/v1/builds/{build}/events", StreamCall::BuildEvents),
+    token_row("POST", "/v1/stream-tickets", TokenCall::StreamTicket, P::Stream, Server, Forbidden),
+    public_row("POST", "/v1/derive/instances", PublicCall::DeriveInstances),
+    public_row("POST", "/v1/derive/applications", PublicCall::DeriveApplications),
+    public_row("POST", "/v1/derive/sections", PublicCall::DeriveSections),
+    token_row("GET", "/v1/audit", TokenCall::AuditList, P::AuditRead, QueryActor, Forbidden),
+    token_row("GET", "/v1/audit/proof", TokenCall::AuditProof, P::AuditRead, Server, Forbidden),
+    token_row("GET", "/v1/audit/consistency", TokenCall::AuditConsistency, P::AuditRead, Server, Forbidden),
 ];
 
-type Params = std::collections::HashMap<&'static str, String>;
+/// A matched route's path parameters.
+pub type Params = std::collections::HashMap<&'static str, String>;
 
-/// The audit action of a call, `None` when the call is not audited.
-fn audited_action(call: Call, params: &Params) -> Option<&'static str> {
-    let action_name = params.get("name").map(String::as_str).unwrap_or("");
-    Some(match call {
-        Call::Submit => "submit",
-        Call::CancelBuild => "cancel",
-        Call::DeleteDeployment => "delete",
-        Call::SetUpdatePolicy => "update_policy",
-        // An unknown action name is recorded as plain `action`: the name
-        // is a value of the request.
-        Call::Act => match action_name {
-            "suspend" => "action:suspend",
-            "resume" => "action:resume",
-            _ => "action",
-        },
-        _ => return None,
-    })
+impl Audit {
+    /// The audit action of one call.
+    pub fn action(self, params: &Params) -> &'static str {
+        match self {
+            Audit::Action(action) => action,
+            Audit::ActionByName => match params.get("name").map(String::as_str) {
+                Some("suspend") => "action:suspend",
+                Some("resume") => "action:resume",
+                Some(_) | None => "action",
+            },
+        }
+    }
 }
 
-/// The question a token route asks the callback, and whether a denial is
-/// hidden as 404 (a read of a deployment: nobody can probe which exist).
-fn question_of(ctx: &Ctx, call: Call, params: &Params) -> (Procedure, Option<String>, bool) {
-    let param = |n: &str| params.get(n).cloned();
-    // The deployment a build route acts on: its build's.
-    let of_build = || {
-        parse_build_id(params.get("build").map(String::as_str).unwrap_or(""))
-            .and_then(|b| ctx.engine.store.read().ok()?.build(b).ok()?)
-            .map(|b| b.deployment)
-    };
-    match call {
-        Call::ListDeployments => (Procedure::Read, None, false),
-        Call::ReadDeployment | Call::ListBuilds | Call::ListSboms | Call::ReadSbom => {
-            (Procedure::Read, param("id"), true)
+/// A token route's caller, authenticated, and the deployment its question
+/// named (for the audit event).
+pub struct Authorized {
+    pub caller: Caller,
+    pub deployment: Option<String>,
+}
+
+/// The deployment a question names, by the route's scope.
+fn scope_deployment(ctx: &Ctx, scope: Scope, params: &Params) -> Result<Option<String>, ApiError> {
+    let param = |name: &str| params.get(name).map(String::as_str).unwrap_or("");
+    match scope {
+        Scope::Server | Scope::QueryActor | Scope::EachItem => Ok(None),
+        Scope::PathDeployment => Ok(Some(param("id").to_string())),
+        Scope::BuildsDeployment => {
+            // An id that does not parse names no build: the handler answers
+            // it. A store that cannot be read is not "no deployment".
+            let Some(build) = parse_build_id(param("build")) else {
+                return Ok(None);
+            };
+            let record = ctx.engine.store.read().and_then(|rx| rx.build(build));
+            match record {
+                Ok(found) => Ok(found.map(|b| b.deployment)),
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot read a build to authorize a call");
+                    Err(ApiError::new(
+                        Code::Unavailable,
+                        "the store could not be read to authorize this call",
+                    )
+                    .retry_after(1))
+                }
+            }
         }
-        Call::ReadBuild | Call::BuildLog => (Procedure::Read, of_build(), true),
-        Call::CancelBuild => (Procedure::Cancel, of_build(), false),
-        Call::Submit => (Procedure::Submit, param("id"), false),
-        Call::Preview => (Procedure::Preview, param("id"), false),
-        Call::Act => (Procedure::Action, param("id"), false),
-        Call::SetUpdatePolicy => (Procedure::UpdatePolicy, param("id"), false),
-        Call::DeleteDeployment => (Procedure::Delete, param("id"), false),
-        Call::StreamTicket => (Procedure::Stream, None, false),
-        Call::AuditList | Call::AuditProof | Call::AuditConsistency => {
-            (Procedure::AuditRead, None, false)
-        }
-        _ => (Procedure::Read, None, false),
     }
 }
 
 /// Authenticates a token route before its body is read: the service
-/// token, or the callback's decision on this route's procedure. A refused
+/// token, or the callback's decision on this route's question. A refused
 /// audited call leaves its event.
 #[allow(clippy::too_many_arguments)]
 pub async fn authorize(
     ctx: &Ctx,
-    route: &Route,
+    ask: Ask,
+    audit: Option<Audit>,
     params: &Params,
     query: &[(String, String)],
     headers: &warp::http::HeaderMap,
     method: &str,
     path: &str,
     request_id: &str,
-) -> Result<Caller, ApiError> {
-    let target = match route.call {
-        Call::AuditList if !auth::has_service_token(&ctx.service_token, headers) => {
-            // The callback is asked about this target: check it first.
+) -> Result<Authorized, ApiError> {
+    let deployment = scope_deployment(ctx, ask.scope, params)?;
+    let draft = |deployment: &Option<String>| {
+        audit.map(|a| audit::draft(a.action(params), deployment.as_deref(), params, request_id))
+    };
+    let target = match ask.scope {
+        // The callback is asked about this target: check it first.
+        Scope::QueryActor if !auth::has_service_token(&ctx.service_token, headers) => {
             Some(audit::target_actor(query)?)
         }
-        _ => None,
+        Scope::QueryActor
+        | Scope::Server
+        | Scope::PathDeployment
+        | Scope::BuildsDeployment
+        | Scope::EachItem => None,
     };
-    let (procedure, deployment, hide) = question_of(ctx, route.call, params);
     let q = Question {
-        procedure,
+        procedure: ask.procedure,
         deployment: deployment.as_deref(),
         target_actor: target.as_ref(),
         method,
         path,
     };
-    let result = if route.call == Call::ListDeployments {
-        list_caller(ctx, headers, &q).await
-    } else {
-        auth::authenticate(&ctx.service_token, &ctx.authz, headers, &q, hide).await
+    let hide = match ask.denial {
+        Denial::NotFound => true,
+        Denial::Forbidden => false,
+    };
+    let result = match ask.scope {
+        Scope::EachItem => list_caller(ctx, headers, &q).await,
+        Scope::Server | Scope::PathDeployment | Scope::BuildsDeployment | Scope::QueryActor => {
+            auth::authenticate(&ctx.service_token, &ctx.authz, headers, &q, hide).await
+        }
     };
     match result {
-        Ok(caller) => Ok(caller),
+        Ok(caller) => Ok(Authorized { caller, deployment }),
         Err(refused) => {
-            if let Some(draft) =
-                audited_action(route.call, params).map(|a| audit::draft(ctx, a, params, request_id))
-            {
+            if let Some(draft) = draft(&deployment) {
                 audit::refused(ctx, draft, &refused).await;
             }
             Err(refused.error)
@@ -237,93 +405,118 @@ async fn list_caller(
     }
 }
 
-/// Runs a route's handler (the caller of a token route was authenticated
-/// by `authorize` before the body was read).
-pub async fn call(ctx: &Arc<Ctx>, route: &Route, req: &Request) -> Result<Answer, ApiError> {
-    if route.access == Access::Token && !ctx.engine.ready.load(std::sync::atomic::Ordering::SeqCst)
-    {
-        return Err(ApiError::new(Code::Unavailable, "the store is not ready yet").retry_after(1));
+/// A token route answers only once the store is ready (recovery done).
+fn ready(ctx: &Ctx) -> Result<(), ApiError> {
+    if ctx.engine.ready.load(std::sync::atomic::Ordering::SeqCst) {
+        Ok(())
+    } else {
+        Err(ApiError::new(Code::Unavailable, "the store is not ready yet").retry_after(1))
     }
-    // Only `Access::Token` routes read `caller`; `dispatch` sets it for them.
-    let caller = || req.caller.as_ref().ok_or_else(ApiError::internal);
-    if let Some(draft) = audited_action(route.call, &req.params)
-        .map(|a| audit::draft(ctx, a, &req.params, &req.request_id))
-    {
-        return audited(ctx, route, req, audit::by(draft, caller()?))
-            .await
-            .map(Answer::Reply);
-    }
-    let reply = match route.call {
-        Call::Healthz => Ok(ops::healthz()),
-        Call::Readyz => Ok(ops::readyz(ctx)),
-        Call::Metrics => ops::metrics(ctx, req),
-        Call::OpenApi => Ok(ops::openapi()),
-        Call::Page => Ok(page::index(req)),
-        Call::PageAsset => page::asset(req),
-        Call::DeriveInstances => derive::instances(ctx, req).await,
-        Call::DeriveApplications => derive::applications(ctx, req).await,
-        Call::DeriveSections => derive::sections(ctx, req).await,
-        Call::DeploymentEvents => {
-            return events::deployment_events(ctx, req)
-                .await
-                .map(Answer::Stream)
-        }
-        Call::BuildEvents => return events::build_events(ctx, req).await.map(Answer::Stream),
-        Call::ListDeployments => deployments::list(ctx, req, caller()?).await,
-        Call::ReadDeployment => deployments::read(ctx, req).await,
-        Call::Preview => deployments::preview(ctx, req).await,
-        Call::ListBuilds => builds::list(ctx, req, caller()?),
-        Call::ListSboms => sboms::list(ctx, req),
-        Call::ReadSbom => sboms::node(ctx, req).await,
-        Call::ReadBuild => builds::read(ctx, req),
-        Call::BuildLog => return builds::log(ctx, req).await,
-        Call::StreamTicket => events::ticket(ctx, req, caller()?).await,
-        Call::AuditList => audit::list(ctx, req, caller()?),
-        Call::AuditProof => audit::proof(ctx, req),
-        Call::AuditConsistency => audit::consistency(ctx, req),
-        Call::Submit
-        | Call::Act
-        | Call::SetUpdatePolicy
-        | Call::DeleteDeployment
-        | Call::CancelBuild => Err(ApiError::internal()),
+}
+
+/// Runs a public route.
+pub async fn public(ctx: &Arc<Ctx>, call: PublicCall, req: &Request) -> Result<Answer, ApiError> {
+    let reply = match call {
+        PublicCall::Healthz => Ok(ops::healthz()),
+        PublicCall::Readyz => Ok(ops::readyz(ctx)),
+        PublicCall::OpenApi => Ok(ops::openapi()),
+        PublicCall::Page => Ok(page::index(req)),
+        PublicCall::PageAsset => page::asset(req),
+        PublicCall::DeriveInstances => derive::instances(ctx, req).await,
+        PublicCall::DeriveApplications => derive::applications(ctx, req).await,
+        PublicCall::DeriveSections => derive::sections(ctx, req).await,
     };
     reply.map(Answer::Reply)
 }
 
-/// An audited mutation: its event is written with the change (inside the
-/// engine's transaction) or, when it changed nothing, here on its own. An
+/// Runs `/metrics` (the handler checks `--metrics-public`).
+pub fn metrics(ctx: &Ctx, req: &Request) -> Result<Answer, ApiError> {
+    ops::metrics(ctx, req).map(Answer::Reply)
+}
+
+/// Runs an event stream (the handler checks its credential).
+pub async fn stream(ctx: &Arc<Ctx>, call: StreamCall, req: &Request) -> Result<Answer, ApiError> {
+    match call {
+        StreamCall::DeploymentEvents => events::deployment_events(ctx, req).await,
+        StreamCall::BuildEvents => events::build_events(ctx, req).await,
+    }
+    .map(Answer::Stream)
+}
+
+/// Runs a token route that changes nothing, for its authenticated caller.
+pub async fn token(
+    ctx: &Arc<Ctx>,
+    call: TokenCall,
+    req: &Request,
+    caller: &Caller,
+) -> Result<Answer, ApiError> {
+    ready(ctx)?;
+    let reply = match call {
+        TokenCall::ListDeployments => deployments::list(ctx, req, caller).await,
+        TokenCall::ReadDeployment => deployments::read(ctx, req).await,
+        TokenCall::Preview => deployments::preview(ctx, req).await,
+        TokenCall::ListBuilds => builds::list(ctx, req, caller),
+        TokenCall::ListSboms => sboms::list(ctx, req),
+        TokenCall::ReadSbom => sboms::node(ctx, req).await,
+        TokenCall::ReadBuild => builds::read(ctx, req),
+        TokenCall::BuildLog => return builds::log(ctx, req).await,
+        TokenCall::StreamTicket => events::ticket(ctx, req, caller).await,
+        TokenCall::AuditList => audit::list(ctx, req, caller),
+        TokenCall::AuditProof => audit::proof(ctx, req),
+        TokenCall::AuditConsistency => audit::consistency(ctx, req),
+    };
+    reply.map(Answer::Reply)
+}
+
+/// Runs a mutation for its authenticated caller, under its idempotency
+/// key. Its audit event is written with the change (inside the engine's
+/// transaction) or, when it changed nothing, here on its own. An
 /// idempotent replay is not a new call and writes none.
-async fn audited(ctx: &Ctx, route: &Route, req: &Request, draft: Draft) -> Result<Reply, ApiError> {
-    let caller = req.caller.as_ref().ok_or_else(ApiError::internal)?;
+pub async fn mutation(
+    ctx: &Arc<Ctx>,
+    call: MutationCall,
+    audit_as: Audit,
+    req: &Request,
+    who: &Authorized,
+) -> Result<Answer, ApiError> {
+    ready(ctx)?;
+    let caller = &who.caller;
+    let draft = audit::by(
+        audit::draft(
+            audit_as.action(&req.params),
+            who.deployment.as_deref(),
+            &req.params,
+            &req.request_id,
+        ),
+        caller,
+    );
     let w = draft.clone();
-    let result = match route.call {
-        Call::Submit => {
+    let result = match call {
+        MutationCall::Submit => {
             idempotency::mutation(ctx, req, caller, w, |w| deployments::submit(ctx, req, w)).await
         }
-        Call::Act => {
+        MutationCall::Act => {
             idempotency::mutation(ctx, req, caller, w, |w| deployments::act(ctx, req, w)).await
         }
-        Call::SetUpdatePolicy => {
+        MutationCall::SetUpdatePolicy => {
             idempotency::mutation(ctx, req, caller, w, |w| {
                 deployments::set_update_policy(ctx, req, w)
             })
             .await
         }
-        Call::DeleteDeployment => {
+        MutationCall::DeleteDeployment => {
             idempotency::mutation(ctx, req, caller, w, |w| deployments::delete(ctx, req, w)).await
         }
-        Call::CancelBuild => {
+        MutationCall::CancelBuild => {
             idempotency::mutation(ctx, req, caller, w, |w| builds::cancel(ctx, req, w)).await
         }
-        _ => Err(ApiError::internal()),
     };
     if let Err(e) = &result {
         audit::failed(ctx, draft, e).await;
     }
-    result
+    result.map(Answer::Reply)
 }
 
-/// The params of `template` in `segments`, if it matches.
 /// A request path as the route table matches it: its segments, each
 /// percent-decoded.
 pub fn path_segments(path: &str) -> Vec<String> {
@@ -337,15 +530,13 @@ pub fn path_segments(path: &str) -> Vec<String> {
         .collect()
 }
 
-pub fn match_template(
-    template: &'static str,
-    segments: &[String],
-) -> Option<std::collections::HashMap<&'static str, String>> {
+/// The params of `template` in `segments`, if it matches.
+pub fn match_template(template: &'static str, segments: &[String]) -> Option<Params> {
     let parts: Vec<&'static str> = template.trim_start_matches('/').split('/').collect();
     if parts.len() != segments.len() {
         return None;
     }
-    let mut params = std::collections::HashMap::new();
+    let mut params = Params::new();
     for (part, seg) in parts.iter().zip(segments) {
         if let Some(name) = part.strip_prefix('{').and_then(|p| p.strip_suffix('}')) {
             if seg.is_empty() {
@@ -384,7 +575,7 @@ mod tests {
     #[test]
     fn every_route_is_listed_once_with_its_own_handler() {
         let mut seen = std::collections::HashSet::new();
-        let mut calls = std::collections::HashSet::new();
+        let mut handlers = std::collections::HashSet::new();
         for r in ROUTES {
             assert!(
                 seen.insert((r.method, r.template)),
@@ -392,7 +583,11 @@ mod tests {
                 r.method,
                 r.template
             );
-            assert!(calls.insert(r.call), "{:?} serves two routes", r.call);
+            assert!(
+                handlers.insert(format!("{:?}", r.handler)),
+                "{:?} serves two routes",
+                r.handler
+            );
             // Event streams check their own credential (a ticket); every
             // other route under /v1 that is not derive needs the token.
             let expected = match r.template {
@@ -404,7 +599,43 @@ mod tests {
                 "/healthz" | "/readyz" | "/v1/openapi.json" | "/" | "/ui/{file}" => Access::Public,
                 _ => Access::Token,
             };
-            assert_eq!(r.access, expected, "{} {}", r.method, r.template);
+            assert_eq!(r.access(), expected, "{} {}", r.method, r.template);
+            // Every route that is not a GET (and not a derivation or a
+            // ticket) changes state, so it must be a mutation: audited
+            // and idempotent.
+            let changes_state = r.method != "GET"
+                && !r.template.starts_with("/v1/derive/")
+                && !r.template.ends_with("/preview")
+                && r.template != "/v1/stream-tickets";
+            assert_eq!(
+                changes_state,
+                matches!(r.handler, Handler::Mutation(..)),
+                "{} {}",
+                r.method,
+                r.template
+            );
+        }
+    }
+
+    #[test]
+    fn a_read_of_a_deployment_hides_a_denial_and_a_mutation_never_does() {
+        for r in ROUTES {
+            match r.handler {
+                Handler::Token(_, ask) => {
+                    let names_a_deployment =
+                        matches!(ask.scope, Scope::PathDeployment | Scope::BuildsDeployment);
+                    let is_read = ask.procedure == Procedure::Read;
+                    assert_eq!(
+                        ask.denial == Denial::NotFound,
+                        names_a_deployment && is_read,
+                        "{} {}",
+                        r.method,
+                        r.template
+                    );
+                }
+                Handler::Mutation(_, ask, _) => assert_eq!(ask.denial, Denial::Forbidden),
+                Handler::Public(_) | Handler::Metrics | Handler::Stream(_) => {}
+            }
         }
     }
 }

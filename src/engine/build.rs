@@ -53,29 +53,87 @@ impl Engine {
         // until a restart's recovery fails it.
     }
 
-    /// Runs the deployer and captures the log; returns how it ended.
+    /// Runs the deployer and captures the log; returns how it ended. Each
+    /// step is its own function; the loop that moves log lines to the
+    /// store while the deployer runs stays here, where every source it
+    /// waits on is visible.
     async fn execute(
         self: &Arc<Self>,
         build: &BuildRecord,
         snaps: &BuildSnapshots,
         cancel: watch::Receiver<Halt>,
     ) -> Outcome {
+        let (inv, root) = match self.prepare_call(build, snaps) {
+            Ok(call) => call,
+            Err(outcome) => return *outcome,
+        };
+        let mut log = LogBuffer::new(
+            self.settings.max_log_bytes,
+            build.log_first_seq,
+            build.seq_reserved,
+        );
+        let spawned = match self.spawn_and_record(build.id, &inv, &mut log).await {
+            Ok(spawned) => spawned,
+            Err(failure) => return Outcome::failed(&root, failure, log),
+        };
+        // The runner waits on the deployer and sends its lines; a cancel, a
+        // shutdown or a log that cannot be stored stops it (`stop_tx`).
+        let (lines_tx, mut lines_rx) = mpsc::channel::<runner::Lines>(LINE_QUEUE);
+        let timeout =
+            (!self.settings.build_timeout.is_zero()).then_some(self.settings.build_timeout);
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let grace = self.settings.cancel_grace;
+        let pgid = spawned.job.pid;
+        let waiter = tokio::spawn(runner::wait(spawned, timeout, grace, stop_rx, lines_tx));
+        let halt = cancel.clone();
+        let forward = tokio::spawn(forward_halt(cancel, stop_tx.clone()));
+        // Pump the log: each read's lines go out live and into chunks that
+        // commit while the next ones fill.
+        let mut pipe = LogPipe::new(self, build.id, log, stop_tx);
+        let mut ticker = tokio::time::interval(LOG_FLUSH_INTERVAL);
+        loop {
+            tokio::select! {
+                line = lines_rx.recv() => match line {
+                    Some(batch) => pipe.lines(batch).await,
+                    None => break,
+                },
+                Some(result) = pipe.done_rx.recv() => pipe.flush_done(result),
+                _ = ticker.tick() => {
+                    if !pipe.log.pending.is_empty() && pipe.in_flight == 0 {
+                        pipe.start_flush();
+                    }
+                }
+            }
+        }
+        pipe.wait_all().await;
+        let ended = waiter.await;
+        forward.abort();
+        let halted = *halt.borrow();
+        self.collect_verdict(build, root, ended, pgid, halted, pipe)
+            .await
+    }
+
+    /// The deployer's request and directories. `Err` is the outcome of a
+    /// build that cannot run: its directories cannot be made, or its
+    /// stored snapshot is damaged.
+    fn prepare_call(
+        &self,
+        build: &BuildRecord,
+        snaps: &BuildSnapshots,
+    ) -> Result<(Invocation, std::path::PathBuf), Box<Outcome>> {
         let id_text = format_build_id(build.id);
         let work_dir = self.settings.work_dir(&build.deployment);
         let root = self.settings.scratch_root().join(&id_text);
-        let dirs = match CallDirs::create(root.clone())
-            .and_then(|dirs| std::fs::create_dir_all(&work_dir).map(|_| dirs))
-        {
-            Ok(dirs) => dirs,
-            Err(e) => {
-                return Outcome::failed(
-                    &root,
-                    "spawn_failed",
-                    format!("cannot create the build's directories: {e}"),
-                    LogBuffer::new(0, build.log_first_seq, build.seq_reserved),
-                )
-            }
+        let not_run = |detail: String| {
+            Box::new(Outcome::failed(
+                &root,
+                Failure::new(FailureReason::SpawnFailed, detail),
+                LogBuffer::new(0, build.log_first_seq, build.seq_reserved),
+            ))
         };
+        let dirs = CallDirs::create(root.clone())
+            .and_then(|dirs| std::fs::create_dir_all(&work_dir).map(|_| dirs))
+            .map_err(|e| not_run(format!("cannot create the build's directories: {e}")))?;
         let verb = match build.kind {
             BuildKind::Deploy => "deploy",
             BuildKind::Destroy => "destroy",
@@ -94,19 +152,13 @@ impl Engine {
                 };
                 Ok((configuration, previous))
             });
-        let (configuration, previous) = match parsed {
-            Ok(parsed) => parsed,
-            Err(e) => {
-                tracing::error!(error = %e, build = %id_text, "a stored configuration snapshot is not JSON");
-                return Outcome::failed(
-                    &root,
-                    "spawn_failed",
-                    "the build's stored configuration is damaged; submit the configuration again"
-                        .into(),
-                    LogBuffer::new(0, build.log_first_seq, build.seq_reserved),
-                );
-            }
-        };
+        let (configuration, previous) = parsed.map_err(|e| {
+            tracing::error!(error = %e, build = %id_text, "a stored configuration snapshot is not JSON");
+            not_run(
+                "the build's stored configuration is damaged; submit the configuration again"
+                    .into(),
+            )
+        })?;
         let request = json!({
             "deployment": build.deployment,
             "build": id_text,
@@ -123,28 +175,29 @@ impl Engine {
             scratch_dir: dirs.scratch,
             result_path: dirs.result_path,
         };
-        let mut log = LogBuffer::new(
-            self.settings.max_log_bytes,
-            build.log_first_seq,
-            build.seq_reserved,
-        );
-        let mut spawned = match runner::spawn(&self.deployer, &inv) {
-            Ok(s) => s,
-            Err(e) => {
-                tracing::error!(error = %e, program = %self.deployer.program.display(), "cannot start the deployer");
-                log.push(&format!("[berth] cannot start the deployer: {e}"));
-                return Outcome::failed(
-                    &root,
-                    "spawn_failed",
-                    "the deployer could not be started".into(),
-                    log,
-                );
-            }
-        };
-        // The job record is committed before the deployer may do anything
-        // (it waits at its gate), so recovery never misses an orphan.
+        Ok((inv, root))
+    }
+
+    /// Starts the deployer behind its gate, commits its process record,
+    /// then opens the gate: recovery never misses an orphan, because the
+    /// deployer can do nothing before its record is durable. On `Err` the
+    /// deployer did not run (a process that was started is killed and
+    /// reaped) and the log says why.
+    async fn spawn_and_record(
+        self: &Arc<Self>,
+        build_id: BuildId,
+        inv: &Invocation,
+        log: &mut LogBuffer,
+    ) -> Result<runner::Spawned, Failure> {
+        let mut spawned = runner::spawn(&self.deployer, inv).map_err(|e| {
+            tracing::error!(error = %e, program = %self.deployer.program.display(), "cannot start the deployer");
+            log.push(&format!("[berth] cannot start the deployer: {e}"));
+            Failure::new(
+                FailureReason::SpawnFailed,
+                "the deployer could not be started",
+            )
+        })?;
         let job = spawned.job;
-        let build_id = build.id;
         let recorded = self
             .store
             .write(move |tx| {
@@ -163,87 +216,69 @@ impl Engine {
                 .map_err(|e| format!("cannot open the deployer's gate: {e}")),
             Err(e) => Err(format!("cannot store the build's process record: {e}")),
         };
-        if let Err(why) = opened {
-            tracing::error!(build = %id_text, error = %why, "the deployer is not run");
-            spawned.abandon();
-            runner::signal_group(job.pid, nix::sys::signal::Signal::SIGKILL);
-            let (lines_tx, _) = mpsc::channel(1);
-            let (_, never) = watch::channel(false);
-            let _ = runner::wait(spawned, None, std::time::Duration::ZERO, never, lines_tx).await;
-            log.push(
-                "[berth] the build's process record could not be stored; the deployer was not run",
-            );
-            return Outcome::failed(&root, "job_record_failed", why, log);
+        match opened {
+            Ok(()) => Ok(spawned),
+            Err(why) => {
+                tracing::error!(build = %format_build_id(build_id), error = %why, "the deployer is not run");
+                spawned.abandon();
+                runner::signal_group(job.pid, nix::sys::signal::Signal::SIGKILL);
+                let (lines_tx, _) = mpsc::channel(1);
+                let (_, never) = watch::channel(false);
+                let _ = runner::wait(spawned, None, Duration::ZERO, never, lines_tx).await;
+                log.push(
+                    "[berth] the build's process record could not be stored; the deployer was not run",
+                );
+                Err(Failure::new(FailureReason::JobRecordFailed, why))
+            }
         }
-        let (lines_tx, mut lines_rx) = mpsc::channel::<runner::Lines>(LINE_QUEUE);
-        let timeout =
-            (!self.settings.build_timeout.is_zero()).then_some(self.settings.build_timeout);
-        let (stop_tx, stop_rx) = watch::channel(false);
-        let mut cancel = cancel;
-        let grace = self.settings.cancel_grace;
-        // Forward the user's cancel into the runner; a log failure stops it too.
-        let waiter = {
-            let stop_rx = stop_rx.clone();
-            tokio::spawn(
-                async move { runner::wait(spawned, timeout, grace, stop_rx, lines_tx).await },
+    }
+
+    /// How the run ended, with a deploy's result read and checked. A runner
+    /// task that ended without an answer (a panic) is a failure of berth's
+    /// own (`internal`), never an exit code.
+    async fn collect_verdict(
+        &self,
+        build: &BuildRecord,
+        root: std::path::PathBuf,
+        ended: Result<Ended, tokio::task::JoinError>,
+        pgid: i32,
+        halted: Halt,
+        pipe: LogPipe,
+    ) -> Outcome {
+        let internal = |what: &str, e: tokio::task::JoinError| {
+            tracing::error!(error = %e, build = %format_build_id(build.id), "{what}");
+            Failure::new(
+                FailureReason::Internal,
+                "berth failed while running this build (an internal error); see its log",
             )
         };
-        // Forward a cancel or a shutdown to the runner for as long as the
-        // deployer lives, whatever its pipes do (one that closed its stdout
-        // and stderr is still stopped).
-        let forward_stop = stop_tx.clone();
-        let halt = cancel.clone();
-        let forward = tokio::spawn(async move {
-            while cancel.changed().await.is_ok() {
-                if *cancel.borrow() != Halt::No {
-                    let _ = forward_stop.send(true);
-                    return;
-                }
-            }
+        let ended = ended.map_err(|e| {
+            // The runner kills the group when it ends; a runner that died
+            // did not, so it is done here.
+            runner::signal_group(pgid, nix::sys::signal::Signal::SIGKILL);
+            internal("the task waiting on a deployer failed", e)
         });
-        let mut pipe = LogPipe::new(self, build_id, log, stop_tx.clone());
-        let mut ticker = tokio::time::interval(LOG_FLUSH_INTERVAL);
-        loop {
-            tokio::select! {
-                line = lines_rx.recv() => match line {
-                    Some(batch) => pipe.lines(batch).await,
-                    None => break,
-                },
-                Some(result) = pipe.done_rx.recv() => pipe.flush_done(result),
-                _ = ticker.tick() => {
-                    if !pipe.log.pending.is_empty() && pipe.in_flight == 0 {
-                        pipe.start_flush();
-                    }
-                }
-            }
-        }
-        pipe.wait_all().await;
-        let (log, disk_failure) = (pipe.log, pipe.disk_failure);
-        let ended = waiter.await.unwrap_or(Ended::Exit(-1));
-        forward.abort();
-        let halted = *halt.borrow();
+        let halted = match ended {
+            Ok(Ended::Cancelled) => halted,
+            Ok(_) | Err(_) => Halt::No,
+        };
         let mut outcome = Outcome {
             root,
             ended,
             result: None,
-            log,
-            disk_failure,
-            halted: if ended == Ended::Cancelled {
-                halted
-            } else {
-                Halt::No
-            },
-            not_started: None,
+            log: pipe.log,
+            disk_failure: pipe.disk_failure,
+            halted,
         };
-        if ended == Ended::Exit(0) {
+        if outcome.ended == Ok(Ended::Exit(0)) {
             // SBOMs may be large: read, check, split and compress them on
             // the blocking pool.
             let (root, kind, store) = (outcome.root.clone(), build.kind, self.store.clone());
-            outcome.result = Some(
-                tokio::task::spawn_blocking(move || read_deploy_result(&root, kind, &store))
-                    .await
-                    .unwrap_or_else(|_| Err("reading the deploy result stopped".into())),
-            );
+            match tokio::task::spawn_blocking(move || read_deploy_result(&root, kind, &store)).await
+            {
+                Ok(result) => outcome.result = Some(result),
+                Err(e) => outcome.ended = Err(internal("reading a deploy result failed", e)),
+            }
         }
         outcome
     }
@@ -325,7 +360,7 @@ impl Engine {
                 tracing::error!(error = %e, build = %format_build_id(build_id), "cannot store the final status of a build; storing it as failed without its last log lines and SBOMs");
                 let bare = Arc::new(Finished {
                     end: End::failed(
-                        "final_commit_failed",
+                        FailureReason::FinalCommitFailed,
                         "the build's last log lines and results could not be stored",
                     ),
                     nodes: vec![],
@@ -353,6 +388,18 @@ impl Engine {
             self.callbacks_wake.notify_one();
         }
         stored
+    }
+}
+
+/// Forwards a cancel or a shutdown to the runner for as long as the
+/// deployer lives, whatever its pipes do (one that closed its stdout and
+/// stderr is still stopped).
+async fn forward_halt(mut cancel: watch::Receiver<Halt>, stop: watch::Sender<bool>) {
+    while cancel.changed().await.is_ok() {
+        if *cancel.borrow() != Halt::No {
+            let _ = stop.send(true);
+            return;
+        }
     }
 }
 

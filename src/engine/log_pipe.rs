@@ -45,7 +45,7 @@ pub(super) struct LogPipe {
     last_landed: Option<tokio::sync::oneshot::Receiver<bool>>,
     done_tx: mpsc::Sender<Result<u64, crate::store::StoreError>>,
     pub(super) done_rx: mpsc::Receiver<Result<u64, crate::store::StoreError>>,
-    pub(super) disk_failure: Option<String>,
+    pub(super) disk_failure: Option<FailureReason>,
     stop: watch::Sender<bool>,
 }
 
@@ -188,12 +188,12 @@ impl LogPipe {
             Err(_) if self.disk_failure.is_some() => {}
             Err(e) => {
                 let reason = if e.kind == StoreErrorKind::DiskFull {
-                    "disk_full"
+                    FailureReason::DiskFull
                 } else {
-                    "log_write_failed"
+                    FailureReason::LogWriteFailed
                 };
                 tracing::error!(error = %e, build = %format_build_id(self.build_id), "cannot store the build log; stopping the build");
-                self.disk_failure = Some(reason.to_string());
+                self.disk_failure = Some(reason);
                 self.log.discard_pending();
                 let _ = self.stop.send(true);
             }

@@ -29,13 +29,10 @@ pub struct End {
 }
 
 impl End {
-    pub fn failed(reason: &str, detail: &str) -> End {
+    pub fn failed(reason: FailureReason, detail: &str) -> End {
         End {
             status: BuildStatus::Failed,
-            failure: Some(Failure {
-                reason: reason.into(),
-                detail: detail.into(),
-            }),
+            failure: Some(Failure::new(reason, detail)),
             exit_code: None,
         }
     }
@@ -43,10 +40,7 @@ impl End {
     pub fn cancelled(detail: &str) -> End {
         End {
             status: BuildStatus::Cancelled,
-            failure: Some(Failure {
-                reason: "cancelled".into(),
-                detail: detail.into(),
-            }),
+            failure: Some(Failure::new(FailureReason::Cancelled, detail)),
             exit_code: None,
         }
     }

@@ -58,7 +58,7 @@ pub fn recover_tx(tx: &Tx, hub: &Arc<Hub>, build_id: BuildId) -> StoreResult<Opt
         d.as_mut(),
         &mut b,
         End::failed(
-            "interrupted_by_restart",
+            FailureReason::InterruptedByRestart,
             "berth stopped while this build ran",
         ),
         &[],

@@ -204,11 +204,20 @@ pub fn spawn(cmd: &DeployerCommand, inv: &Invocation) -> std::io::Result<Spawned
     let mut child = command.spawn()?;
     drop(gate_read);
     let gate = Some(std::fs::File::from(gate_write));
-    let pid = child.id().and_then(|p| i32::try_from(p).ok()).unwrap_or(0);
-    let job = Job {
-        pid,
-        start_ticks: process_start_ticks(pid).unwrap_or(0),
+    // The deployer waits at its gate, so it is alive here: a missing pid or
+    // start time is an error, never a 0 stored as if it were one (recovery
+    // would then not recognise the group).
+    let Some(pid) = child.id().and_then(|p| i32::try_from(p).ok()) else {
+        let _ = child.start_kill();
+        return Err(std::io::Error::other("the deployer has no process id"));
     };
+    let Some(start_ticks) = process_start_ticks(pid) else {
+        signal_group(pid, Signal::SIGKILL);
+        return Err(std::io::Error::other(
+            "the deployer's start time could not be read from /proc",
+        ));
+    };
+    let job = Job { pid, start_ticks };
     if let Some(mut stdin) = child.stdin.take() {
         let request = inv.request.clone();
         // A deployer may write before it reads: feed stdin on its own task.
@@ -262,6 +271,9 @@ pub fn group_alive(pgid: i32) -> bool {
 pub enum Ended {
     Exit(i32),
     Signal(i32),
+    /// The process ended but its status could not be read (the wait
+    /// failed, or neither a code nor a signal).
+    StatusUnknown,
     Timeout,
     Cancelled,
 }
@@ -344,9 +356,9 @@ pub async fn wait(
         Some(s) => match (s.code(), s.signal()) {
             (Some(code), _) => Ended::Exit(code),
             (None, Some(sig)) => Ended::Signal(sig),
-            _ => Ended::Exit(-1),
+            (None, None) => Ended::StatusUnknown,
         },
-        None => Ended::Exit(-1),
+        None => Ended::StatusUnknown,
     }
 }
 

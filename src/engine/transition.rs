@@ -289,7 +289,7 @@ impl<'t, 'a> Change<'t, 'a> {
         } else {
             TryResult::Failed
         };
-        last.reason = b.failure.as_ref().map(|f| f.reason.clone());
+        last.reason = b.failure.as_ref().map(|f| f.reason.to_string());
         self.tx.put_update_try(&b.deployment, &last)
     }
 

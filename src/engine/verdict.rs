@@ -16,36 +16,29 @@ use crate::store::compress;
 /// How a build's deployer run ended, before it is stored.
 pub(super) struct Outcome {
     pub(super) root: std::path::PathBuf,
-    pub(super) ended: Ended,
+    /// How the deployer's process ended; `Err` when it never ran (its
+    /// directories or process could not be made, its record not stored)
+    /// or berth lost track of it (the task waiting on it failed).
+    pub(super) ended: Result<Ended, Failure>,
     /// For exit 0: the checked result (nodes and their SBOM verdicts).
     pub(super) result: Option<Result<Vec<NodeOutcome>, String>>,
     pub(super) log: LogBuffer,
-    pub(super) disk_failure: Option<String>,
+    /// Why the log could not be stored, when it could not.
+    pub(super) disk_failure: Option<FailureReason>,
     /// Who stopped the deployer, when it was stopped.
     pub(super) halted: Halt,
-    /// Why the deployer could not even be started.
-    pub(super) not_started: Option<Failure>,
 }
 
 impl Outcome {
-    /// The deployer never ran (its directories or its process could not be made).
-    pub(super) fn failed(
-        root: &std::path::Path,
-        reason: &str,
-        detail: String,
-        log: LogBuffer,
-    ) -> Outcome {
+    /// The deployer did not run to an end berth saw.
+    pub(super) fn failed(root: &std::path::Path, failure: Failure, log: LogBuffer) -> Outcome {
         Outcome {
             root: root.to_path_buf(),
-            ended: Ended::Exit(-1),
+            ended: Err(failure),
             result: None,
             log,
             disk_failure: None,
             halted: Halt::No,
-            not_started: Some(Failure {
-                reason: reason.into(),
-                detail,
-            }),
         }
     }
 
@@ -60,45 +53,46 @@ impl Outcome {
     }
 
     fn judge(&self, timeout: Duration) -> (BuildStatus, Option<Failure>, Option<i32>) {
-        let fail = |reason: &str, detail: String| {
-            Some(Failure {
-                reason: reason.into(),
-                detail,
-            })
+        use FailureReason as R;
+        let fail = |reason: FailureReason, detail: String| Some(Failure::new(reason, detail));
+        let ended = match &self.ended {
+            Ok(ended) => *ended,
+            Err(f) => return (BuildStatus::Failed, Some(f.clone()), None),
         };
-        if let Some(f) = &self.not_started {
-            return (BuildStatus::Failed, Some(f.clone()), None);
-        }
-        if let Some(reason) = &self.disk_failure {
+        if let Some(reason) = self.disk_failure {
             return (
                 BuildStatus::Failed,
                 fail(reason, "the build log could not be stored".into()),
                 None,
             );
         }
-        match self.ended {
-            Ended::Cancelled if self.halted == Halt::Cancel => (
-                BuildStatus::Cancelled,
-                fail("cancelled", "cancelled while running".into()),
-                None,
-            ),
-            Ended::Cancelled if self.halted == Halt::Shutdown => (
-                BuildStatus::Failed,
-                fail(
-                    "interrupted_by_shutdown",
-                    "berth was stopping and --shutdown-grace was over".into(),
+        match ended {
+            Ended::Cancelled => match self.halted {
+                Halt::Cancel => (
+                    BuildStatus::Cancelled,
+                    fail(R::Cancelled, "cancelled while running".into()),
+                    None,
                 ),
-                None,
-            ),
-            Ended::Cancelled => (
-                BuildStatus::Failed,
-                fail("cancelled", "stopped".into()),
-                None,
-            ),
+                Halt::Shutdown => (
+                    BuildStatus::Failed,
+                    fail(
+                        R::InterruptedByShutdown,
+                        "berth was stopping and --shutdown-grace was over".into(),
+                    ),
+                    None,
+                ),
+                // Stopped by berth itself: the log could not be stored
+                // (`disk_failure`, judged above) is the only other cause.
+                Halt::No => (
+                    BuildStatus::Failed,
+                    fail(R::Cancelled, "stopped".into()),
+                    None,
+                ),
+            },
             Ended::Timeout => (
                 BuildStatus::Failed,
                 fail(
-                    "timeout",
+                    R::Timeout,
                     format!("the build ran longer than {}s", timeout.as_secs()),
                 ),
                 None,
@@ -106,8 +100,16 @@ impl Outcome {
             Ended::Signal(sig) => (
                 BuildStatus::Failed,
                 fail(
-                    "exit_status",
+                    R::ExitStatus,
                     format!("the deployer was killed by signal {sig}"),
+                ),
+                None,
+            ),
+            Ended::StatusUnknown => (
+                BuildStatus::Failed,
+                fail(
+                    R::ExitStatus,
+                    "the deployer's exit status could not be read".into(),
                 ),
                 None,
             ),
@@ -115,24 +117,19 @@ impl Outcome {
                 Some(Ok(_)) => (BuildStatus::Succeeded, None, Some(0)),
                 Some(Err(e)) => (
                     BuildStatus::Failed,
-                    fail("deployer_protocol", e.clone()),
+                    fail(R::DeployerProtocol, e.clone()),
                     Some(0),
                 ),
                 None => (
                     BuildStatus::Failed,
-                    fail("deployer_protocol", "no result was read".into()),
+                    fail(R::DeployerProtocol, "no result was read".into()),
                     Some(0),
                 ),
             },
-            Ended::Exit(-1) => (
-                BuildStatus::Failed,
-                fail("exit_status", "the deployer ended abnormally".into()),
-                None,
-            ),
             Ended::Exit(code) => (
                 BuildStatus::Failed,
                 fail(
-                    "exit_status",
+                    R::ExitStatus,
                     format!("the deployer exited with status {code}"),
                 ),
                 Some(code),

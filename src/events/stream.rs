@@ -22,8 +22,6 @@ use crate::store::Lookup;
 use crate::store::{logs, Store, StoreError};
 use crate::wire::Wire;
 
-/// Silence after which a `: keep-alive` comment is sent.
-pub const KEEP_ALIVE: Duration = Duration::from_secs(15);
 /// How often an open stream's credential is checked again.
 pub const REAUTHORIZE_EVERY: Duration = Duration::from_secs(30);
 /// Writes queued towards the client before the producer waits.
@@ -72,6 +70,8 @@ pub struct Sources {
     pub store: Store,
     pub hub: Arc<Hub>,
     pub stopping: tokio::sync::watch::Receiver<bool>,
+    /// `--sse-keep-alive`.
+    pub keep_alive: Duration,
 }
 
 /// Logs a store failure of a stream and ends it.
@@ -166,6 +166,7 @@ pub fn spawn(
 /// would cost more than the write itself when a thousand streams tail a build.
 struct Timers {
     keep_alive: std::pin::Pin<Box<tokio::time::Sleep>>,
+    keep_alive_every: Duration,
     recheck: std::pin::Pin<Box<tokio::time::Sleep>>,
     stopping: tokio::sync::watch::Receiver<bool>,
 }
@@ -173,7 +174,8 @@ struct Timers {
 impl Timers {
     fn new(sources: &Sources) -> Timers {
         Timers {
-            keep_alive: Box::pin(tokio::time::sleep(KEEP_ALIVE)),
+            keep_alive: Box::pin(tokio::time::sleep(sources.keep_alive)),
+            keep_alive_every: sources.keep_alive,
             recheck: Box::pin(tokio::time::sleep(REAUTHORIZE_EVERY)),
             stopping: sources.stopping.clone(),
         }
@@ -206,7 +208,8 @@ async fn go_live(
                 // interval is harmless, and tells proxies the stream lives.
                 w.raw(": keep-alive\n\n");
                 w.flush().await?;
-                timers.keep_alive.as_mut().reset(Instant::now() + KEEP_ALIVE);
+                let every = timers.keep_alive_every;
+                timers.keep_alive.as_mut().reset(Instant::now() + every);
             }
             _ = timers.recheck.as_mut() => {
                 if !reauthorize().await {
@@ -265,12 +268,6 @@ async fn end(w: &mut Writer, final_status: &Frame) -> Result<(), Stop> {
     w.flush().await
 }
 
-/// A log chunk a replay needs: to read by number, or read already.
-enum Planned {
-    Fetch(u32, u64),
-    Loaded(u64, Vec<u8>),
-}
-
 /// Sends every stored event of the build after `last`, merged by seq;
 /// returns the final status frame if the build has finished.
 async fn replay_build(
@@ -287,34 +284,22 @@ async fn replay_build(
             return Ok(None);
         };
         let index = rx.log_index(id, b.log_chunks)?;
-        // A build stored before the index: its chunks are read whole.
-        let unindexed = match index {
-            Some(_) => None,
-            None => Some(rx.log_chunks(id)?),
-        };
-        Ok(Some((b, rx.build_events(id)?, index, unindexed)))
+        Ok(Some((b, rx.build_events(id)?, index)))
     })
     .await?;
-    let Some((build, statuses, index, unindexed)) = loaded else {
+    let Some((build, statuses, places)) = loaded else {
         return Ok(None);
     };
-    let plan: Vec<Planned> = match (index, unindexed) {
-        (Some(places), _) => places
-            .iter()
-            .enumerate()
-            .filter_map(|(i, p)| {
-                let next = places.get(i + 1).map_or(build.log_lines, |n| n.first_line);
-                let lines = next.saturating_sub(p.first_line);
-                let last_seq = build.log_first_seq + p.first_line + lines.saturating_sub(1);
-                (lines > 0 && last_seq > *last).then_some(Planned::Fetch(p.number, p.first_line))
-            })
-            .collect(),
-        (None, Some(chunks)) => chunks
-            .into_iter()
-            .map(|(first_line, c)| Planned::Loaded(first_line, c))
-            .collect(),
-        (None, None) => Vec::new(),
-    };
+    let plan: Vec<(u32, u64)> = places
+        .iter()
+        .enumerate()
+        .filter_map(|(i, p)| {
+            let next = places.get(i + 1).map_or(build.log_lines, |n| n.first_line);
+            let lines = next.saturating_sub(p.first_line);
+            let last_seq = build.log_first_seq + p.first_line + lines.saturating_sub(1);
+            (lines > 0 && last_seq > *last).then_some((p.number, p.first_line))
+        })
+        .collect();
     let mut statuses = statuses.into_iter().peekable();
     let mut final_frame = None;
     let mut emit_status_before = |seq_limit: u64, w: &mut Writer, last: &mut u64| {
@@ -334,18 +319,13 @@ async fn replay_build(
             }
         }
     };
-    for planned in plan {
-        let (first_line, compressed) = match planned {
-            Planned::Loaded(first_line, compressed) => (first_line, compressed),
-            Planned::Fetch(number, first_line) => {
-                let compressed = read_store(store, move |rx| {
-                    rx.log_chunk(id, number)?
-                        .ok_or_else(|| StoreError::corrupt("an indexed log chunk is missing"))
-                })
-                .await?;
-                (first_line, compressed)
-            }
-        };
+    // (chunk number, its first line) of each chunk after the cursor.
+    for (number, first_line) in plan {
+        let compressed = read_store(store, move |rx| {
+            rx.log_chunk(id, number)?
+                .ok_or_else(|| StoreError::corrupt("an indexed log chunk is missing"))
+        })
+        .await?;
         let text = logs::decompress_chunk(&compressed).map_err(store_failed)?;
         // Every stored line ends with a newline.
         let body = text.strip_suffix(b"\n").unwrap_or(&text);
@@ -516,6 +496,7 @@ mod tests {
             store,
             hub: hub.clone(),
             stopping,
+            keep_alive: Duration::from_secs(15), // the default of --sse-keep-alive
         };
         let slot = ClientSlot::take(&hub, 10).unwrap();
         let mut body = spawn(

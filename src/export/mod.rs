@@ -19,7 +19,8 @@ pub mod sqlite;
 use std::path::{Path, PathBuf};
 
 use crate::model::{format_time, now_millis};
-use crate::store::dump::{self, Loader, CARRIED, IMPORTED_AT_KEY, IMPORTED_FROM_KEY};
+use crate::store::dump::{self, Loader, IMPORTED_AT_KEY, IMPORTED_FROM_KEY};
+use crate::store::tables::Table;
 use crate::store::{ReadOnlyStore, StoreError};
 use progress::Progress;
 use schema::{from_values, to_values, RelTable, Value, EXPORT_SCHEMA_VERSION, META_TABLE, TABLES};
@@ -258,9 +259,9 @@ fn load_into(partial: &Path, origin: &mut dyn Origin, identity: &str) -> Result<
     let mut loader = Loader::create(partial).map_err(store_error)?;
     let progress = Progress::new("imported");
     let mut totals = Totals::default();
-    for store_table in CARRIED {
+    for store_table in Table::carried() {
         let table = schema::table_for(store_table)
-            .ok_or_else(|| format!("no relational table for {store_table}"))?;
+            .ok_or_else(|| format!("no relational table for {}", store_table.name()))?;
         let mut bar = progress.table(table.name, 0);
         origin.rows(table, &mut |values| {
             bar.row(values.iter().map(Value::size).sum());

@@ -13,6 +13,7 @@ use serde::Serialize;
 
 use crate::model::{BuildId, BuildSnapshots, DeploymentRecord, Millis, NodeSbom, SbomStatus};
 use crate::store::dump::Row;
+use crate::store::tables::Table;
 use crate::store::{IdempotencyRecord, PendingCallback, StoredEvent};
 
 /// The version of this relational layout, in `berth_meta`. A target holding
@@ -72,7 +73,7 @@ pub struct Column {
 pub struct RelTable {
     pub name: &'static str,
     /// The carried store table it holds.
-    pub store_table: &'static str,
+    pub store_table: Table,
     pub columns: &'static [Column],
     pub primary_key: &'static [&'static str],
     /// (column, table it references by its `build_id`).
@@ -101,28 +102,28 @@ use Ty::*;
 pub const TABLES: &[RelTable] = &[
     RelTable {
         name: "store_meta",
-        store_table: "meta",
+        store_table: Table::Meta,
         columns: &[col("key", Text), col("value", Bytes)],
         primary_key: &["key"],
         references: &[],
     },
     RelTable {
         name: "sources",
-        store_table: "sources",
+        store_table: Table::Sources,
         columns: &[col("digest", Text), col("url", Text), col("rev", Text)],
         primary_key: &["digest"],
         references: &[],
     },
     RelTable {
         name: "describe_cache",
-        store_table: "describe_cache",
+        store_table: Table::DescribeCache,
         columns: &[col("digest", Text), col("describe", Json)],
         primary_key: &["digest"],
         references: &[],
     },
     RelTable {
         name: "deployments",
-        store_table: "deployments",
+        store_table: Table::Deployments,
         columns: &[
             col("id", Text),
             col("state", Text),
@@ -144,7 +145,7 @@ pub const TABLES: &[RelTable] = &[
     },
     RelTable {
         name: "builds",
-        store_table: "builds",
+        store_table: Table::Builds,
         columns: &[
             col("build_id", Uuid),
             col("deployment_id", Text),
@@ -165,7 +166,7 @@ pub const TABLES: &[RelTable] = &[
     },
     RelTable {
         name: "build_snapshots",
-        store_table: "build_snapshots",
+        store_table: Table::BuildSnapshots,
         columns: &[
             col("build_id", Uuid),
             col("configuration", Json),
@@ -177,7 +178,7 @@ pub const TABLES: &[RelTable] = &[
     },
     RelTable {
         name: "log_chunks",
-        store_table: "log_chunks",
+        store_table: Table::LogChunks,
         columns: &[
             col("build_id", Uuid),
             col("chunk", Int),
@@ -192,7 +193,7 @@ pub const TABLES: &[RelTable] = &[
     },
     RelTable {
         name: "build_events",
-        store_table: "build_events",
+        store_table: Table::BuildEvents,
         columns: &[
             col("build_id", Uuid),
             col("seq", Int),
@@ -205,7 +206,7 @@ pub const TABLES: &[RelTable] = &[
     },
     RelTable {
         name: "deployment_events",
-        store_table: "deployment_events",
+        store_table: Table::DeploymentEvents,
         columns: &[
             col("deployment_id", Text),
             col("seq", Int),
@@ -218,7 +219,7 @@ pub const TABLES: &[RelTable] = &[
     },
     RelTable {
         name: "callbacks",
-        store_table: "callbacks",
+        store_table: Table::Callbacks,
         columns: &[
             col("build_id", Uuid),
             col("deployment_id", Text),
@@ -233,7 +234,7 @@ pub const TABLES: &[RelTable] = &[
     },
     RelTable {
         name: "idempotency",
-        store_table: "idempotency",
+        store_table: Table::Idempotency,
         columns: &[
             col("subject", Text),
             col("route", Text),
@@ -250,7 +251,7 @@ pub const TABLES: &[RelTable] = &[
     },
     RelTable {
         name: "update_tries",
-        store_table: "update_tries",
+        store_table: Table::UpdateTries,
         columns: &[
             col("deployment_id", Text),
             col("at", Time),
@@ -262,14 +263,14 @@ pub const TABLES: &[RelTable] = &[
     },
     RelTable {
         name: "sbom_components",
-        store_table: "sbom_components",
+        store_table: Table::SbomComponents,
         columns: &[col("hash", Text), col("refs", Int), col("component", Json)],
         primary_key: &["hash"],
         references: &[],
     },
     RelTable {
         name: "sbom_nodes",
-        store_table: "sbom_nodes",
+        store_table: Table::SbomNodes,
         columns: &[
             col("deployment_id", Text),
             col("node", Text),
@@ -287,7 +288,7 @@ pub const TABLES: &[RelTable] = &[
     },
     RelTable {
         name: "audit_events",
-        store_table: "audit_events",
+        store_table: Table::AuditEvents,
         columns: &[
             col("seq", Int),
             col("hash", Text),
@@ -304,7 +305,7 @@ pub const TABLES: &[RelTable] = &[
     },
     RelTable {
         name: "merkle_nodes",
-        store_table: "merkle_nodes",
+        store_table: Table::MerkleNodes,
         columns: &[col("level", Int), col("position", Int), col("hash", Text)],
         primary_key: &["level", "position"],
         references: &[],
@@ -312,7 +313,7 @@ pub const TABLES: &[RelTable] = &[
 ];
 
 /// The relational table holding a carried store table.
-pub fn table_for(store_table: &str) -> Option<&'static RelTable> {
+pub fn table_for(store_table: Table) -> Option<&'static RelTable> {
     TABLES.iter().find(|t| t.store_table == store_table)
 }
 
@@ -364,7 +365,7 @@ pub fn to_values(row: &Row) -> Result<Vec<Value>, String> {
             b.exit_code.map(|c| V::Int(c.into())).unwrap_or(V::Null),
             b.failure
                 .as_ref()
-                .map(|f| V::Text(f.reason.clone()))
+                .map(|f| V::Text(f.reason.to_string()))
                 .unwrap_or(V::Null),
             int(b.log_lines, "a log's line count")?,
             int(b.log_bytes, "a log's size")?,
@@ -558,34 +559,34 @@ pub fn from_values(table: &RelTable, values: Vec<Value>) -> Result<Row, String> 
     };
     let c = &mut cells;
     Ok(match table.store_table {
-        "meta" => Row::Meta {
+        Table::Meta => Row::Meta {
             key: c.text("key")?,
             value: c.bytes("value")?,
         },
-        "sources" => Row::Source(crate::model::Source {
+        Table::Sources => Row::Source(crate::model::Source {
             digest: c.text("digest")?,
             url: c.text("url")?,
             rev: c.text("rev")?,
         }),
-        "describe_cache" => Row::Describe {
+        Table::DescribeCache => Row::Describe {
             digest: c.text("digest")?,
             json: c.json_text("describe")?,
         },
-        "deployments" => {
+        Table::Deployments => {
             let d: DeploymentRecord = c.record()?;
             valid_id(&d.id, table)?;
             Row::Deployment(Box::new(d))
         }
-        "builds" => {
+        Table::Builds => {
             let b: crate::model::BuildRecord = c.record()?;
             valid_id(&b.deployment, table)?;
             Row::Build(Box::new(b))
         }
-        "build_snapshots" => Row::Snapshots {
+        Table::BuildSnapshots => Row::Snapshots {
             build: c.uuid("build_id")?,
             snapshots: Box::new(c.record::<BuildSnapshots>()?),
         },
-        "log_chunks" => {
+        Table::LogChunks => {
             let build = c.uuid("build_id")?;
             let number = u32::try_from(c.int("chunk")?).map_err(|_| c.bad("chunk"))?;
             let first_line = c.u64("first_line")?;
@@ -601,7 +602,7 @@ pub fn from_values(table: &RelTable, values: Vec<Value>) -> Result<Row, String> 
                 text,
             }
         }
-        "build_events" => Row::BuildEvent {
+        Table::BuildEvents => Row::BuildEvent {
             build: c.uuid("build_id")?,
             seq: c.u64("seq")?,
             event: StoredEvent {
@@ -610,7 +611,7 @@ pub fn from_values(table: &RelTable, values: Vec<Value>) -> Result<Row, String> 
                 at: c.time("at")?,
             },
         },
-        "deployment_events" => Row::DeploymentEvent {
+        Table::DeploymentEvents => Row::DeploymentEvent {
             deployment: c.text("deployment_id")?,
             seq: c.u64("seq")?,
             event: StoredEvent {
@@ -619,7 +620,7 @@ pub fn from_values(table: &RelTable, values: Vec<Value>) -> Result<Row, String> 
                 at: c.time("at")?,
             },
         },
-        "callbacks" => Row::Callback {
+        Table::Callbacks => Row::Callback {
             build: c.uuid("build_id")?,
             callback: PendingCallback {
                 deployment: c.text("deployment_id")?,
@@ -630,7 +631,7 @@ pub fn from_values(table: &RelTable, values: Vec<Value>) -> Result<Row, String> 
                 first_at: c.time("first_at")?,
             },
         },
-        "idempotency" => {
+        Table::Idempotency => {
             let identity = format!(
                 "{}\0{}\0{}",
                 c.text("subject")?,
@@ -647,16 +648,16 @@ pub fn from_values(table: &RelTable, values: Vec<Value>) -> Result<Row, String> 
             };
             Row::Idempotency { identity, record }
         }
-        "update_tries" => Row::UpdateTry {
+        Table::UpdateTries => Row::UpdateTry {
             deployment: c.text("deployment_id")?,
             record: c.record()?,
         },
-        "sbom_components" => Row::Component {
+        Table::SbomComponents => Row::Component {
             hash: c.hash("hash")?,
             refs: u32::try_from(c.int("refs")?).map_err(|_| c.bad("refs"))?,
             text: c.json_text("component")?.into_bytes(),
         },
-        "sbom_nodes" => {
+        Table::SbomNodes => {
             let deployment = c.text("deployment_id")?;
             let node = c.text("node")?;
             let status: SbomStatus =
@@ -693,17 +694,29 @@ pub fn from_values(table: &RelTable, values: Vec<Value>) -> Result<Row, String> 
                 },
             }
         }
-        "audit_events" => Row::Audit {
+        Table::AuditEvents => Row::Audit {
             seq: c.u64("seq")?,
             hash: c.hash("hash")?,
             canonical: c.json_text("event")?.into_bytes(),
         },
-        "merkle_nodes" => Row::MerkleNode {
+        Table::MerkleNodes => Row::MerkleNode {
             level: u8::try_from(c.int("level")?).map_err(|_| c.bad("level"))?,
             index: c.u64("position")?,
             hash: c.hash("hash")?,
         },
-        other => return Err(format!("no mapping for store table {other}")),
+        Table::DeploymentBuilds
+        | Table::Queued
+        | Table::Running
+        | Table::LogIndex
+        | Table::IdempotencyExpiry
+        | Table::AuditByDeployment
+        | Table::AuditByActor => {
+            return Err(format!(
+                "table {}: {} is an index the import rebuilds, not a table of rows",
+                table.name,
+                table.store_table.name()
+            ))
+        }
     })
 }
 
@@ -825,26 +838,21 @@ impl Cells {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::dump::{CARRIED, REBUILT};
-    use crate::store::tables::ALL;
+    use crate::store::tables::ExportKind;
 
-    /// The test that makes forgetting a table impossible: every table in
-    /// the store's list is either carried into a relational table here or
-    /// rebuilt by the import from one that is.
+    /// Every carried store table has one relational table, in import
+    /// order; an index has none (the import rebuilds it).
     #[test]
     fn every_store_table_has_an_export_mapping() {
-        for name in ALL {
-            let mapped = table_for(name).is_some();
-            let rebuilt = REBUILT.iter().any(|(t, _)| t == name);
-            assert!(
-                mapped || rebuilt,
-                "store table {name} has no export mapping: add a RelTable in export/schema.rs"
-            );
+        for t in Table::ALL {
+            let mapped = TABLES.iter().filter(|r| r.store_table == t).count();
+            match t.export() {
+                ExportKind::Carried => assert_eq!(mapped, 1, "{t:?}: add a RelTable here"),
+                ExportKind::Rebuilt { .. } => assert_eq!(mapped, 0, "{t:?} is rebuilt"),
+            }
         }
-        for name in CARRIED {
-            assert!(table_for(name).is_some(), "carried table {name} unmapped");
-        }
-        assert_eq!(TABLES.len(), CARRIED.len());
+        let order: Vec<Table> = TABLES.iter().map(|r| r.store_table).collect();
+        assert_eq!(order, Table::carried().collect::<Vec<_>>());
         for t in TABLES {
             assert!(t
                 .primary_key
@@ -970,7 +978,7 @@ mod tests {
 
     #[test]
     fn a_deployment_id_berth_could_not_have_made_is_refused() {
-        let table = table_for("builds").unwrap();
+        let table = table_for(Table::Builds).unwrap();
         let row = Row::Build(Box::new(crate::model::BuildRecord {
             log_first_seq: 1,
             ..crate::model::BuildRecord::queued(
@@ -988,7 +996,7 @@ mod tests {
 
     #[test]
     fn a_malformed_row_is_an_error_not_a_default() {
-        let table = table_for("sources").unwrap();
+        let table = table_for(Table::Sources).unwrap();
         let err = from_values(
             table,
             vec![Value::Text("d".into()), Value::Null, Value::Null],

@@ -15,6 +15,7 @@ pub mod codec;
 pub mod compress;
 pub mod dump;
 mod error;
+pub(crate) mod layout;
 pub mod logs;
 mod lookup;
 mod records;
@@ -35,7 +36,7 @@ use writer::{open_database, pause_for_reopen, writer_loop, Shared, WriteJob, REA
 use std::path::Path;
 use std::sync::Arc;
 
-use redb::{Database, ReadableDatabase, ReadableTable, ReadableTableMetadata, WriteTransaction};
+use redb::{Database, ReadableDatabase, ReadableTable, WriteTransaction};
 use serde::Serialize;
 use tokio::sync::{mpsc, oneshot};
 
@@ -44,8 +45,7 @@ use tables::*;
 /// How long `close` waits for the last holder of the handle.
 const CLOSE_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
-/// The on-disk layout version in `meta`; an older file is migrated at open.
-pub const SCHEMA_VERSION: u32 = 1;
+pub use layout::LAYOUT_VERSION;
 /// Write jobs waiting for the writer thread before `write` waits for room.
 const WRITE_QUEUE_DEPTH: usize = 4096;
 /// Jobs folded into one transaction at most, to bound commit latency.
@@ -212,70 +212,7 @@ impl Store {
 }
 
 fn init_schema(db: &Database) -> StoreResult<()> {
-    let txn = db.begin_write()?;
-    {
-        let mut meta = txn.open_table(META)?;
-        let found = meta.get("schema_version")?.map(|v| v.value().to_vec());
-        match found {
-            None => {
-                meta.insert("schema_version", SCHEMA_VERSION.to_le_bytes().as_slice())?;
-            }
-            Some(bytes) => {
-                let version = <[u8; 4]>::try_from(bytes.as_slice())
-                    .map(u32::from_le_bytes)
-                    .map_err(|_| StoreError::corrupt("meta.schema_version is not a u32"))?;
-                if version > SCHEMA_VERSION {
-                    return Err(StoreError::corrupt(format!(
-                        "the store has schema version {version}, newer than this berth ({SCHEMA_VERSION}); use a newer berth"
-                    )));
-                }
-                // Version 1 is the first layout: nothing to migrate yet.
-            }
-        }
-        // Builds by status (for /metrics), kept by every status change; a
-        // store from before it is counted once here.
-        if meta.get(BUILD_COUNTS_KEY)?.is_none() {
-            let counts = count_builds(&txn)?;
-            meta.insert(BUILD_COUNTS_KEY, encode_counts(&counts).as_slice())?;
-        }
-        // Idempotency records from before the expiry index are indexed once.
-        {
-            let records = txn.open_table(IDEMPOTENCY)?;
-            let mut expiry = txn.open_table(IDEMPOTENCY_EXPIRY)?;
-            if expiry.is_empty()? && !records.is_empty()? {
-                for entry in records.iter()? {
-                    let (k, v) = entry?;
-                    let r: IdempotencyRecord = decode(v.value())?;
-                    expiry.insert((r.expires_at, k.value()), ())?;
-                }
-            }
-        }
-        // Create every table so readers never meet a missing one.
-        txn.open_table(DEPLOYMENTS)?;
-        txn.open_table(BUILDS)?;
-        txn.open_table(DEPLOYMENT_BUILDS)?;
-        txn.open_table(QUEUED)?;
-        txn.open_table(RUNNING)?;
-        txn.open_table(LOG_CHUNKS)?;
-        txn.open_table(LOG_INDEX)?;
-        txn.open_table(IDEMPOTENCY)?;
-        txn.open_table(SOURCES)?;
-        txn.open_table(DESCRIBE_CACHE)?;
-        txn.open_table(CALLBACKS)?;
-        txn.open_table(DEPLOYMENT_EVENTS)?;
-        txn.open_table(BUILD_EVENTS)?;
-        txn.open_table(BUILD_SNAPSHOTS)?;
-        txn.open_table(UPDATE_TRIES)?;
-        txn.open_table(SBOM_NODES)?;
-        txn.open_table(SBOM_COMPONENTS)?;
-        txn.open_table(AUDIT_EVENTS)?;
-        txn.open_table(AUDIT_BY_DEPLOYMENT)?;
-        txn.open_table(AUDIT_BY_ACTOR)?;
-        txn.open_table(MERKLE_NODES)?;
-        txn.open_table(IDEMPOTENCY_EXPIRY)?;
-    }
-    txn.commit()?;
-    Ok(())
+    layout::open_layout(db)
 }
 
 fn decode<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> StoreResult<T> {
@@ -310,7 +247,7 @@ fn decode_counts(bytes: &[u8]) -> StoreResult<[u64; 5]> {
     Ok(counts)
 }
 
-/// Every build by status: a full scan (a store from before the counts).
+/// Every build by status: a full scan (the layout migration to version 4).
 fn count_builds(txn: &WriteTransaction) -> StoreResult<[u64; 5]> {
     let t = txn.open_table(BUILDS)?;
     let mut counts = [0u64; 5];
@@ -320,6 +257,19 @@ fn count_builds(txn: &WriteTransaction) -> StoreResult<[u64; 5]> {
         counts[b.status as usize] += 1;
     }
     Ok(counts)
+}
+
+/// A log chunk row: the index of its first line (u64 LE), then the
+/// compressed text.
+fn split_chunk_row(row: &[u8]) -> StoreResult<(u64, &[u8])> {
+    let (head, compressed) = row
+        .split_at_checked(8)
+        .ok_or_else(|| StoreError::corrupt("a log chunk without its header"))?;
+    let first_line = u64::from_le_bytes(
+        head.try_into()
+            .map_err(|_| StoreError::corrupt("a log chunk header"))?,
+    );
+    Ok((first_line, compressed))
 }
 
 /// A component row: its reference count (u32 LE: four bytes, not eight,

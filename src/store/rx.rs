@@ -108,33 +108,15 @@ impl Rx {
     pub fn build_status_counts(&self) -> StoreResult<[u64; 5]> {
         match self.txn.open_table(META)?.get(BUILD_COUNTS_KEY)? {
             Some(v) => decode_counts(v.value()),
-            None => Ok([0; 5]),
+            // Every layout since version 4 has them (`layout`).
+            None => Err(StoreError::corrupt("meta.build_counts is missing")),
         }
     }
 
-    /// The compressed log chunks of a build, in order, each with the index
-    /// of its first line.
-    pub fn log_chunks(&self, build: BuildId) -> StoreResult<Vec<(u64, Vec<u8>)>> {
-        let t = self.txn.open_table(LOG_CHUNKS)?;
-        let mut out = Vec::new();
-        for entry in t.range((build, 0u32)..=(build, u32::MAX))? {
-            let (_, v) = entry?;
-            let bytes = v.value();
-            let (head, body) = bytes
-                .split_at_checked(8)
-                .ok_or_else(|| StoreError::corrupt("a log chunk without its header"))?;
-            let first = u64::from_le_bytes(
-                head.try_into()
-                    .map_err(|_| StoreError::corrupt("log chunk header"))?,
-            );
-            out.push((first, body.to_vec()));
-        }
-        Ok(out)
-    }
-
-    /// Where each of a build's `chunks` log chunks sits, in order; `None`
-    /// when the index does not have them all (a build stored before it).
-    pub fn log_index(&self, build: BuildId, chunks: u32) -> StoreResult<Option<Vec<ChunkPlace>>> {
+    /// Where each of a build's `chunks` log chunks sits, in order. Every
+    /// chunk is indexed (the layout migration to version 2 indexed the
+    /// older ones), so an index that disagrees with the build is damage.
+    pub fn log_index(&self, build: BuildId, chunks: u32) -> StoreResult<Vec<ChunkPlace>> {
         let t = self.txn.open_table(LOG_INDEX)?;
         let mut out = Vec::with_capacity(chunks as usize);
         for entry in t.range((build, 0u32)..=(build, u32::MAX))? {
@@ -145,7 +127,13 @@ impl Rx {
         }
         let complete = out.len() == chunks as usize
             && out.iter().enumerate().all(|(i, p)| p.number as usize == i);
-        Ok(complete.then_some(out))
+        if !complete {
+            return Err(StoreError::corrupt(format!(
+                "the log index of a build holds {} of its {chunks} chunks",
+                out.len()
+            )));
+        }
+        Ok(out)
     }
 
     /// One compressed log chunk (without its header).

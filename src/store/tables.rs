@@ -6,124 +6,308 @@
 use redb::TableDefinition;
 
 /// Schema version and other single facts (`schema_version` -> u32 LE).
-pub const META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
+pub const META: TableDefinition<&str, &[u8]> = TableDefinition::new(Table::Meta.name());
 
 /// Deployment id -> `DeploymentRecord`.
-pub const DEPLOYMENTS: TableDefinition<&str, &[u8]> = TableDefinition::new("deployments");
+pub const DEPLOYMENTS: TableDefinition<&str, &[u8]> =
+    TableDefinition::new(Table::Deployments.name());
 
 /// Build id (UUIDv7 as u128, so time-ordered) -> `BuildRecord`.
-pub const BUILDS: TableDefinition<u128, &[u8]> = TableDefinition::new("builds");
+pub const BUILDS: TableDefinition<u128, &[u8]> = TableDefinition::new(Table::Builds.name());
 
 /// (deployment id, build id) -> (): the builds of one deployment, in order.
 pub const DEPLOYMENT_BUILDS: TableDefinition<(&str, u128), ()> =
-    TableDefinition::new("deployment_builds");
+    TableDefinition::new(Table::DeploymentBuilds.name());
 
 /// Build id -> deployment id for every queued build; key order is queue order.
-pub const QUEUED: TableDefinition<u128, &str> = TableDefinition::new("queued");
+pub const QUEUED: TableDefinition<u128, &str> = TableDefinition::new(Table::Queued.name());
 
 /// Build id -> deployment id for every running build (recovery reads this).
-pub const RUNNING: TableDefinition<u128, &str> = TableDefinition::new("running");
+pub const RUNNING: TableDefinition<u128, &str> = TableDefinition::new(Table::Running.name());
 
 /// (build id, chunk number) -> first line index (u64 LE) then the
 /// zstd-compressed log text of whole lines.
-pub const LOG_CHUNKS: TableDefinition<(u128, u32), &[u8]> = TableDefinition::new("log_chunks");
+pub const LOG_CHUNKS: TableDefinition<(u128, u32), &[u8]> =
+    TableDefinition::new(Table::LogChunks.name());
 
 /// "subject\u{0}route\u{0}key" -> `IdempotencyRecord`.
-pub const IDEMPOTENCY: TableDefinition<&str, &[u8]> = TableDefinition::new("idempotency");
+pub const IDEMPOTENCY: TableDefinition<&str, &[u8]> =
+    TableDefinition::new(Table::Idempotency.name());
 
 /// Source digest -> `Source`: a digest names one (url, rev) forever.
-pub const SOURCES: TableDefinition<&str, &[u8]> = TableDefinition::new("sources");
+pub const SOURCES: TableDefinition<&str, &[u8]> = TableDefinition::new(Table::Sources.name());
 
 /// Source digest -> the deployer's `describe` result (JSON text).
-pub const DESCRIBE_CACHE: TableDefinition<&str, &[u8]> = TableDefinition::new("describe_cache");
+pub const DESCRIBE_CACHE: TableDefinition<&str, &[u8]> =
+    TableDefinition::new(Table::DescribeCache.name());
 
 /// Destroy build id -> `PendingCallback`.
-pub const CALLBACKS: TableDefinition<u128, &[u8]> = TableDefinition::new("callbacks");
+pub const CALLBACKS: TableDefinition<u128, &[u8]> = TableDefinition::new(Table::Callbacks.name());
 
 /// (deployment id, event seq) -> `StoredEvent`: the deployment channel.
 pub const DEPLOYMENT_EVENTS: TableDefinition<(&str, u64), &[u8]> =
-    TableDefinition::new("deployment_events");
+    TableDefinition::new(Table::DeploymentEvents.name());
 
 /// (build id, event seq) -> `StoredEvent`: a build's status events (its log
 /// lines live in `LOG_CHUNKS`, their seqs follow from the build record).
-pub const BUILD_EVENTS: TableDefinition<(u128, u64), &[u8]> = TableDefinition::new("build_events");
+pub const BUILD_EVENTS: TableDefinition<(u128, u64), &[u8]> =
+    TableDefinition::new(Table::BuildEvents.name());
 
 /// Build id -> `BuildSnapshots`: the configuration and source a build runs
 /// (written when queued, `previous` added when it starts).
-pub const BUILD_SNAPSHOTS: TableDefinition<u128, &[u8]> = TableDefinition::new("build_snapshots");
+pub const BUILD_SNAPSHOTS: TableDefinition<u128, &[u8]> =
+    TableDefinition::new(Table::BuildSnapshots.name());
 
 /// Deployment id -> `UpdateTry`: the last automatic update tried, written in
 /// the transaction of its build (or of its refusal), so a restart never
 /// tries the same default source twice under one policy.
-pub const UPDATE_TRIES: TableDefinition<&str, &[u8]> = TableDefinition::new("update_tries");
+pub const UPDATE_TRIES: TableDefinition<&str, &[u8]> =
+    TableDefinition::new(Table::UpdateTries.name());
 
 /// (deployment id, node) -> `NodeSbom`: each node's SBOM status, skeleton
 /// and ordered component hashes (sbom.md).
-pub const SBOM_NODES: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("sbom_nodes");
+pub const SBOM_NODES: TableDefinition<(&str, &str), &[u8]> =
+    TableDefinition::new(Table::SbomNodes.name());
 
 /// SHA-256 of a component's RFC 8785 text -> reference count (u32 LE, one
 /// per occurrence in any node's list) then the zstd of that text. A row
 /// goes in the transaction that drops its last reference.
-pub const SBOM_COMPONENTS: TableDefinition<&[u8], &[u8]> = TableDefinition::new("sbom_components");
+pub const SBOM_COMPONENTS: TableDefinition<&[u8], &[u8]> =
+    TableDefinition::new(Table::SbomComponents.name());
 
 /// (build id, chunk number) -> the chunk's place in its log: first line
 /// index, first byte offset and raw length (3 x u64 LE). Lets a `Range`
 /// read, a replay after a cursor and a catch-up decompress only the chunks
 /// they need (builds stored before this table have no rows: read whole).
-pub const LOG_INDEX: TableDefinition<(u128, u32), &[u8]> = TableDefinition::new("log_index");
+pub const LOG_INDEX: TableDefinition<(u128, u32), &[u8]> =
+    TableDefinition::new(Table::LogIndex.name());
 
 /// (expires_at ms, identity) -> (): idempotency records by expiry, so the
 /// sweep reads only what expired, in bounded batches, decoding nothing.
 pub const IDEMPOTENCY_EXPIRY: TableDefinition<(i64, &str), ()> =
-    TableDefinition::new("idempotency_expiry");
+    TableDefinition::new(Table::IdempotencyExpiry.name());
 
 /// Audit seq -> the sealed event: its 32-byte chain hash, then its RFC 8785
 /// text without the hash (`audit::seal`). Rows are never rewritten; the
 /// oldest are removed by retention, which moves the anchor (`META`).
-pub const AUDIT_EVENTS: TableDefinition<u64, &[u8]> = TableDefinition::new("audit_events");
+pub const AUDIT_EVENTS: TableDefinition<u64, &[u8]> =
+    TableDefinition::new(Table::AuditEvents.name());
 
 /// (deployment id, audit seq) -> empty: a deployment's events other than
 /// denied calls, for the deployment read's last 20.
 pub const AUDIT_BY_DEPLOYMENT: TableDefinition<(&str, u64), &[u8]> =
-    TableDefinition::new("audit_by_deployment");
+    TableDefinition::new(Table::AuditByDeployment.name());
 
 /// ("subject\0issuer", audit seq) -> empty: one actor's events, denied
 /// calls included (`GET /v1/audit`).
 pub const AUDIT_BY_ACTOR: TableDefinition<(&str, u64), &[u8]> =
-    TableDefinition::new("audit_by_actor");
+    TableDefinition::new(Table::AuditByActor.name());
 
 /// (level, index) -> 32-byte hash: every perfect subtree of the RFC 6962
 /// tree over the audit events (leaf `seq - 1` at level 0), written as each
 /// event completes it, so a proof at any size reads O(log^2 n) rows.
 /// Retention removes the subtrees inside the pruned prefix except its
 /// compact range.
-pub const MERKLE_NODES: TableDefinition<(u8, u64), &[u8]> = TableDefinition::new("merkle_nodes");
+pub const MERKLE_NODES: TableDefinition<(u8, u64), &[u8]> =
+    TableDefinition::new(Table::MerkleNodes.name());
 
-/// Every table above by name: the store's table list. A test checks that a
-/// new store's file holds exactly these, and that the export carries or
-/// rebuilds each (`dump`).
-pub const ALL: &[&str] = &[
-    "meta",
-    "deployments",
-    "builds",
-    "deployment_builds",
-    "queued",
-    "running",
-    "log_chunks",
-    "idempotency",
-    "sources",
-    "describe_cache",
-    "callbacks",
-    "deployment_events",
-    "build_events",
-    "build_snapshots",
-    "update_tries",
-    "sbom_nodes",
-    "sbom_components",
-    "log_index",
-    "idempotency_expiry",
-    "audit_events",
-    "audit_by_deployment",
-    "audit_by_actor",
-    "merkle_nodes",
-];
+/// Every redb table, one variant each: its name, whether an export carries
+/// its rows or an import rebuilds it from another table, and the store's
+/// open creating it. Every decision about a table is an exhaustive `match`
+/// on this enum (here, in `dump` and in `export::schema`), so a new table
+/// does not compile until each of them says what happens to it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Table {
+    Meta,
+    Sources,
+    DescribeCache,
+    Deployments,
+    Builds,
+    BuildSnapshots,
+    LogChunks,
+    BuildEvents,
+    DeploymentEvents,
+    Callbacks,
+    Idempotency,
+    UpdateTries,
+    SbomComponents,
+    SbomNodes,
+    AuditEvents,
+    MerkleNodes,
+    DeploymentBuilds,
+    Queued,
+    Running,
+    LogIndex,
+    IdempotencyExpiry,
+    AuditByDeployment,
+    AuditByActor,
+}
+
+/// What an export does with a table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExportKind {
+    /// Its rows go out one by one, decoded, and come back in an import.
+    Carried,
+    /// An index: an import writes it again from the rows of `from`.
+    Rebuilt { from: Table },
+}
+
+impl Table {
+    /// Every table. The carried ones come first, in the order an import
+    /// writes them (a row's parent before the row: builds before their
+    /// logs), then the rebuilt indexes.
+    pub const ALL: [Table; 23] = [
+        Table::Meta,
+        Table::Sources,
+        Table::DescribeCache,
+        Table::Deployments,
+        Table::Builds,
+        Table::BuildSnapshots,
+        Table::LogChunks,
+        Table::BuildEvents,
+        Table::DeploymentEvents,
+        Table::Callbacks,
+        Table::Idempotency,
+        Table::UpdateTries,
+        Table::SbomComponents,
+        Table::SbomNodes,
+        Table::AuditEvents,
+        Table::MerkleNodes,
+        Table::DeploymentBuilds,
+        Table::Queued,
+        Table::Running,
+        Table::LogIndex,
+        Table::IdempotencyExpiry,
+        Table::AuditByDeployment,
+        Table::AuditByActor,
+    ];
+
+    /// Its name in the redb file: the one place each name is spelled (the
+    /// `TableDefinition`s above read it from here).
+    pub const fn name(self) -> &'static str {
+        match self {
+            Table::Meta => "meta",
+            Table::Deployments => "deployments",
+            Table::Builds => "builds",
+            Table::DeploymentBuilds => "deployment_builds",
+            Table::Queued => "queued",
+            Table::Running => "running",
+            Table::LogChunks => "log_chunks",
+            Table::Idempotency => "idempotency",
+            Table::Sources => "sources",
+            Table::DescribeCache => "describe_cache",
+            Table::Callbacks => "callbacks",
+            Table::DeploymentEvents => "deployment_events",
+            Table::BuildEvents => "build_events",
+            Table::BuildSnapshots => "build_snapshots",
+            Table::UpdateTries => "update_tries",
+            Table::SbomNodes => "sbom_nodes",
+            Table::SbomComponents => "sbom_components",
+            Table::LogIndex => "log_index",
+            Table::IdempotencyExpiry => "idempotency_expiry",
+            Table::AuditEvents => "audit_events",
+            Table::AuditByDeployment => "audit_by_deployment",
+            Table::AuditByActor => "audit_by_actor",
+            Table::MerkleNodes => "merkle_nodes",
+        }
+    }
+
+    /// What an export does with it.
+    pub fn export(self) -> ExportKind {
+        use ExportKind::{Carried, Rebuilt};
+        match self {
+            Table::Meta
+            | Table::Sources
+            | Table::DescribeCache
+            | Table::Deployments
+            | Table::Builds
+            | Table::BuildSnapshots
+            | Table::LogChunks
+            | Table::BuildEvents
+            | Table::DeploymentEvents
+            | Table::Callbacks
+            | Table::Idempotency
+            | Table::UpdateTries
+            | Table::SbomComponents
+            | Table::SbomNodes
+            | Table::AuditEvents
+            | Table::MerkleNodes => Carried,
+            Table::DeploymentBuilds | Table::Queued | Table::Running => Rebuilt {
+                from: Table::Builds,
+            },
+            Table::LogIndex => Rebuilt {
+                from: Table::LogChunks,
+            },
+            Table::IdempotencyExpiry => Rebuilt {
+                from: Table::Idempotency,
+            },
+            Table::AuditByDeployment | Table::AuditByActor => Rebuilt {
+                from: Table::AuditEvents,
+            },
+        }
+    }
+
+    /// The carried tables, in import order.
+    pub fn carried() -> impl Iterator<Item = Table> {
+        Table::ALL
+            .into_iter()
+            .filter(|t| t.export() == ExportKind::Carried)
+    }
+
+    /// The table of this name in a redb file, if berth has one.
+    pub fn named(name: &str) -> Option<Table> {
+        Table::ALL.into_iter().find(|t| t.name() == name)
+    }
+
+    /// Creates the table in `txn` if the file does not have it yet, so
+    /// readers never meet a missing one.
+    pub fn create(self, txn: &redb::WriteTransaction) -> Result<(), redb::TableError> {
+        match self {
+            Table::Meta => txn.open_table(META).map(drop),
+            Table::Sources => txn.open_table(SOURCES).map(drop),
+            Table::DescribeCache => txn.open_table(DESCRIBE_CACHE).map(drop),
+            Table::Deployments => txn.open_table(DEPLOYMENTS).map(drop),
+            Table::Builds => txn.open_table(BUILDS).map(drop),
+            Table::BuildSnapshots => txn.open_table(BUILD_SNAPSHOTS).map(drop),
+            Table::LogChunks => txn.open_table(LOG_CHUNKS).map(drop),
+            Table::BuildEvents => txn.open_table(BUILD_EVENTS).map(drop),
+            Table::DeploymentEvents => txn.open_table(DEPLOYMENT_EVENTS).map(drop),
+            Table::Callbacks => txn.open_table(CALLBACKS).map(drop),
+            Table::Idempotency => txn.open_table(IDEMPOTENCY).map(drop),
+            Table::UpdateTries => txn.open_table(UPDATE_TRIES).map(drop),
+            Table::SbomComponents => txn.open_table(SBOM_COMPONENTS).map(drop),
+            Table::SbomNodes => txn.open_table(SBOM_NODES).map(drop),
+            Table::AuditEvents => txn.open_table(AUDIT_EVENTS).map(drop),
+            Table::MerkleNodes => txn.open_table(MERKLE_NODES).map(drop),
+            Table::DeploymentBuilds => txn.open_table(DEPLOYMENT_BUILDS).map(drop),
+            Table::Queued => txn.open_table(QUEUED).map(drop),
+            Table::Running => txn.open_table(RUNNING).map(drop),
+            Table::LogIndex => txn.open_table(LOG_INDEX).map(drop),
+            Table::IdempotencyExpiry => txn.open_table(IDEMPOTENCY_EXPIRY).map(drop),
+            Table::AuditByDeployment => txn.open_table(AUDIT_BY_DEPLOYMENT).map(drop),
+            Table::AuditByActor => txn.open_table(AUDIT_BY_ACTOR).map(drop),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_table_is_listed_once_and_each_index_is_rebuilt_from_a_carried_table() {
+        let names: std::collections::HashSet<&str> = Table::ALL.iter().map(|t| t.name()).collect();
+        assert_eq!(names.len(), Table::ALL.len(), "two tables share a name");
+        let mut seen_rebuilt = false;
+        for t in Table::ALL {
+            match t.export() {
+                ExportKind::Carried => assert!(!seen_rebuilt, "{t:?}: carried after an index"),
+                ExportKind::Rebuilt { from } => {
+                    seen_rebuilt = true;
+                    assert_eq!(from.export(), ExportKind::Carried, "{t:?} from {from:?}");
+                }
+            }
+            assert_eq!(Table::named(t.name()), Some(t));
+        }
+    }
+}

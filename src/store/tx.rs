@@ -264,7 +264,6 @@ impl Tx<'_> {
         put_record(self.txn.open_table(BUILD_SNAPSHOTS)?, id, s)
     }
 
-    /// Removes a finished build with its snapshots, log chunks and events.
     /// Moves one build from `from` to `to` in the builds-by-status counts
     /// (`None`: created, or deleted).
     pub fn shift_build_count(
@@ -275,7 +274,8 @@ impl Tx<'_> {
         let mut meta = self.txn.open_table(META)?;
         let mut counts = match meta.get(BUILD_COUNTS_KEY)? {
             Some(v) => decode_counts(v.value())?,
-            None => [0; 5],
+            // Every layout since version 4 has them (`layout`).
+            None => return Err(StoreError::corrupt("meta.build_counts is missing")),
         };
         if let Some(from) = from {
             let c = &mut counts[from as usize];
@@ -290,6 +290,7 @@ impl Tx<'_> {
         Ok(())
     }
 
+    /// Removes a finished build with its snapshots, log chunks and events.
     pub fn delete_build(&self, deployment: &str, id: BuildId) -> StoreResult<()> {
         let removed: Option<BuildRecord> = {
             let mut builds = self.txn.open_table(BUILDS)?;

@@ -25,27 +25,30 @@ async fn refused_submits_store_nothing_and_never_echo_values() {
     let s = Server::start(Options::default()).await;
     let secret = "s3cr3t-value-XYZ";
     let long_id = "a".repeat(41);
-    let cases: Vec<(&str, Vec<u8>, u16, &str)> = vec![
-        ("alice", b"[1,2]".to_vec(), 400, "invalid_request"),
-        ("alice", b"{\"configuration\": {\"domain\": ".to_vec(), 400, "invalid_request"),
-        ("alice", json!({"configuration": {}, secret: 1}).to_string().into_bytes(), 400, "invalid_request"),
-        ("alice", json!({"configuration": secret}).to_string().into_bytes(), 400, "invalid_request"),
-        ("alice", json!({"configuration": {}, "mode": secret}).to_string().into_bytes(), 400, "invalid_request"),
-        ("Alice", json!({"configuration": {}}).to_string().into_bytes(), 400, "invalid_request"),
-        (&long_id, json!({"configuration": {}}).to_string().into_bytes(), 400, "invalid_request"),
-        ("-alice", json!({"configuration": {}}).to_string().into_bytes(), 400, "invalid_request"),
+    // (id, body, status, code, the field it names: pointer and rule; an eval's
+    // refusal names none, its text is in `deployer_message`).
+    type Case<'a> = (&'a str, Vec<u8>, u16, &'a str, Option<(&'a str, &'a str)>);
+    let cases: Vec<Case> = vec![
+        ("alice", b"[1,2]".to_vec(), 400, "invalid_request", Some(("", "type"))),
+        ("alice", b"{\"configuration\": {\"domain\": ".to_vec(), 400, "invalid_request", Some(("", "malformed_json"))),
+        ("alice", json!({"configuration": {}, secret: 1}).to_string().into_bytes(), 400, "invalid_request", Some(("", "unknown_field"))),
+        ("alice", json!({"configuration": secret}).to_string().into_bytes(), 400, "invalid_request", Some(("/configuration", "type"))),
+        ("alice", json!({"configuration": {}, "mode": secret}).to_string().into_bytes(), 400, "invalid_request", Some(("/mode", "enum"))),
+        ("Alice", json!({"configuration": {}}).to_string().into_bytes(), 400, "invalid_request", Some(("/path/id", "deployment_id"))),
+        (&long_id, json!({"configuration": {}}).to_string().into_bytes(), 400, "invalid_request", Some(("/path/id", "deployment_id"))),
+        ("-alice", json!({"configuration": {}}).to_string().into_bytes(), 400, "invalid_request", Some(("/path/id", "deployment_id"))),
         // Schema: enable must be a boolean.
-        ("alice", json!({"configuration": {"domain": "a.org", "applications": {"mastodon": {"enable": secret}}}}).to_string().into_bytes(), 422, "invalid_configuration"),
+        ("alice", json!({"configuration": {"domain": "a.org", "applications": {"mastodon": {"enable": secret}}}}).to_string().into_bytes(), 422, "invalid_configuration", Some(("/configuration/applications/mastodon/enable", "type"))),
         // Eval: an enabled application needs a domain.
-        ("alice", json!({"configuration": {"applications": {"mastodon": {"enable": true}}}}).to_string().into_bytes(), 422, "invalid_configuration"),
+        ("alice", json!({"configuration": {"applications": {"mastodon": {"enable": true}}}}).to_string().into_bytes(), 422, "invalid_configuration", None),
         // A method the source does not give.
-        ("alice", json!({"configuration": {"method": "nixos", "domain": "a.org"}}).to_string().into_bytes(), 422, "invalid_configuration"),
-        ("alice", json!({"configuration": {"deployment": {"tofu": {"domain": secret}}}}).to_string().into_bytes(), 422, "invalid_configuration"),
+        ("alice", json!({"configuration": {"method": "nixos", "domain": "a.org"}}).to_string().into_bytes(), 422, "invalid_configuration", Some(("/configuration/method", "method"))),
+        ("alice", json!({"configuration": {"deployment": {"tofu": {"domain": secret}}}}).to_string().into_bytes(), 422, "invalid_configuration", Some(("/configuration/deployment/tofu", "method"))),
         // Shape: domain must be a string.
-        ("alice", json!({"configuration": {"domain": 7}}).to_string().into_bytes(), 422, "invalid_configuration"),
-        ("alice", json!({"configuration": {"domain": "a.org", "x": "nul\u{0}here"}}).to_string().into_bytes(), 422, "invalid_configuration"),
+        ("alice", json!({"configuration": {"domain": 7}}).to_string().into_bytes(), 422, "invalid_configuration", Some(("/configuration/domain", "type"))),
+        ("alice", json!({"configuration": {"domain": "a.org", "x": "nul\u{0}here"}}).to_string().into_bytes(), 422, "invalid_configuration", Some(("/configuration", "nul_character"))),
     ];
-    for (id, body, status, code) in cases {
+    for (id, body, status, code, field) in cases {
         let r = s
             .http
             .post(s.url(&format!("/v1/deployments/{id}/submit")))
@@ -63,6 +66,18 @@ async fn refused_submits_store_nothing_and_never_echo_values() {
             String::from_utf8_lossy(&body)
         );
         assert_problem(&problem, code);
+        let fields = problem["fields"].as_array().cloned().unwrap_or_default();
+        match field {
+            Some((pointer, rule)) => {
+                assert_eq!(fields.len(), 1, "{problem}");
+                assert_eq!(fields[0]["pointer"], pointer, "{problem}");
+                assert_eq!(fields[0]["code"], rule, "{problem}");
+            }
+            None => {
+                assert!(fields.is_empty(), "{problem}");
+                assert!(problem["deployer_message"].is_string(), "{problem}");
+            }
+        }
         assert!(
             !problem.to_string().contains(secret),
             "the error echoes a request value: {problem}"
@@ -208,7 +223,8 @@ async fn delete_errors() {
         .unwrap();
     let (status, p) = read(bad).await;
     assert_eq!(status, 400);
-    assert_eq!(p["fields"][0]["code"], "callback_origin_not_allowed");
+    assert_eq!(p["fields"][0]["code"], "callback_origin_not_allowed", "{p}");
+    assert_eq!(p["fields"][0]["pointer"], "/callback", "{p}");
     let (_, builds) = s.json("/v1/deployments/alice/builds").await;
     assert_eq!(
         builds["items"].as_array().unwrap().len(),
@@ -271,6 +287,8 @@ async fn idempotency_keys_replay_and_conflict() {
     let (_, builds) = s.json("/v1/deployments/alice/builds").await;
     assert_eq!(builds["items"].as_array().unwrap().len(), 2);
     // A malformed key is refused.
-    let (status, _) = read(send(&fresh, "short").await.unwrap()).await;
+    let (status, p) = read(send(&fresh, "short").await.unwrap()).await;
     assert_eq!(status, 400);
+    assert_eq!(p["fields"][0]["pointer"], "/headers/idempotency-key", "{p}");
+    assert_eq!(p["fields"][0]["code"], "format", "{p}");
 }

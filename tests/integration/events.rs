@@ -353,12 +353,15 @@ async fn deployment_channel_across_a_deploy_and_a_destroy() {
 
 #[tokio::test]
 async fn an_idle_stream_gets_keep_alive_comments() {
-    let s = Server::start(Options::default()).await;
+    let s = Server::start(Options::default().arg("--sse-keep-alive").arg("200ms")).await;
     let mut sse = Sse::open(stream(&s, "/v1/deployments/quiet/events")).await;
-    assert!(
-        sse.wait_comment(Duration::from_secs(20)).await,
-        "no `: keep-alive` after 15 s of silence"
-    );
+    // Two comments, each within a few intervals of silence.
+    for _ in 0..2 {
+        assert!(
+            sse.wait_comment(Duration::from_secs(2)).await,
+            "no `: keep-alive` after 2 s of silence with --sse-keep-alive 200ms"
+        );
+    }
 }
 
 /// One unlabelled metric from /metrics.

@@ -28,14 +28,6 @@ pub fn client() -> reqwest::Client {
     reqwest::Client::new()
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 pub struct Server {
     pub dir: PathBuf,
     pub base: String,
@@ -97,9 +89,13 @@ impl Server {
         s
     }
 
-    /// Starts the binary (again) on a new port with the same data dir.
+    /// Starts the binary (again) with the same data dir, on a port the
+    /// kernel picks (`--listen 127.0.0.1:0`): berth writes the address it
+    /// bound to `--address-file`, so no other process can take the port
+    /// between choosing it and binding it.
     pub async fn launch(&mut self) {
-        let port = free_port();
+        let address_file = self.dir.join("address");
+        let _ = std::fs::remove_file(&address_file);
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -108,7 +104,9 @@ impl Server {
         let child = Command::new(env!("CARGO_BIN_EXE_berth"))
             .arg("serve")
             .arg("--listen")
-            .arg(format!("127.0.0.1:{port}"))
+            .arg("127.0.0.1:0")
+            .arg("--address-file")
+            .arg(&address_file)
             .arg("--data-dir")
             .arg(self.dir.join("data"))
             .args(&self.args)
@@ -119,8 +117,29 @@ impl Server {
             .spawn()
             .expect("start berth");
         self.child = Some(child);
-        self.base = format!("http://127.0.0.1:{port}");
         let deadline = Instant::now() + Duration::from_secs(30);
+        let address = loop {
+            if let Ok(text) = std::fs::read_to_string(&address_file) {
+                break text.trim().to_string();
+            }
+            if let Some(status) = self
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten())
+            {
+                panic!(
+                    "berth exited ({status}) before listening; log:\n{}",
+                    self.log()
+                );
+            }
+            assert!(
+                Instant::now() < deadline,
+                "berth did not listen; log:\n{}",
+                self.log()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        self.base = format!("http://{address}");
         loop {
             if let Ok(r) = self.http.get(format!("{}/readyz", self.base)).send().await {
                 if r.status() == 200 {
@@ -421,11 +440,14 @@ impl Sse {
         }
     }
 
-    /// Waits (up to `limit`) for a comment line such as `: keep-alive`.
+    /// Waits (up to `limit`) for a `: keep-alive` comment, and consumes
+    /// the stream up to its end (a second call waits for the next one).
     pub async fn wait_comment(&mut self, limit: Duration) -> bool {
+        const COMMENT: &str = ": keep-alive\n\n";
         let deadline = Instant::now() + limit;
         while Instant::now() < deadline {
-            if self.buf.contains("\n:") || self.buf.starts_with(':') {
+            if let Some(at) = self.buf.find(COMMENT) {
+                self.buf.drain(..at + COMMENT.len());
                 return true;
             }
             match tokio::time::timeout(Duration::from_millis(500), self.resp.chunk()).await {

@@ -42,6 +42,11 @@ async fn openapi_lists_exactly_the_routes_and_each_answers() {
             .await
             .unwrap();
         assert_ne!(r.status(), 405, "{method} {path}");
+        assert!(
+            r.status().as_u16() < 500,
+            "{method} {path} answered {}",
+            r.status()
+        );
         if r.status() == 404 {
             let p: Value = r.json().await.unwrap();
             assert_ne!(p["message"], "no such route", "{method} {path}");

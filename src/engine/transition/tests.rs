@@ -138,7 +138,10 @@ fn end(status: BuildStatus) -> Arc<Finished> {
                 exit_code: Some(0),
             },
             BuildStatus::Cancelled => End::cancelled("cancelled while running"),
-            _ => End::failed("exit_status", "the deployer exited with status 1"),
+            _ => End::failed(
+                FailureReason::ExitStatus,
+                "the deployer exited with status 1",
+            ),
         },
         nodes: vec![],
         last_chunk: None,
