@@ -353,7 +353,19 @@ impl ReadOnlyStore {
                 ),
                 other => StoreError::from(other),
             })?;
-        Ok(ReadOnlyStore { db })
+        let store = ReadOnlyStore { db };
+        // A file of a newer layout may hold what this berth would misread.
+        let newer = store
+            .read()?
+            .layout_version()?
+            .filter(|v| *v > super::LAYOUT_VERSION);
+        if let Some(version) = newer {
+            return Err(StoreError::other(format!(
+                "the store has layout version {version}, newer than this berth's {}; read it with the berth that wrote it",
+                super::LAYOUT_VERSION
+            )));
+        }
+        Ok(store)
     }
 
     pub fn read(&self) -> StoreResult<Rx> {

@@ -231,6 +231,139 @@ fn count_builds_by_status(txn: &WriteTransaction) -> StoreResult<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::{codec, compress::compress};
+
+    fn temp_db(tag: &str) -> (Database, std::path::PathBuf) {
+        let dir = std::env::temp_dir().join(format!("berth-layout-{}-{tag}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        (Database::create(dir.join("berth.redb")).unwrap(), dir)
+    }
+
+    fn version(db: &Database) -> u32 {
+        let txn = db.begin_write().unwrap();
+        let v = recorded_version(&txn).unwrap().unwrap();
+        txn.abort().unwrap();
+        v
+    }
+
+    /// A version-1 file whose indexes are missing, partial or wrong gets
+    /// each rebuilt from its rows, one transaction per step, and ends at
+    /// the current version.
+    #[test]
+    fn each_migration_rebuilds_its_index_from_the_rows() {
+        let (db, dir) = temp_db("rebuild");
+        open_layout(&db).unwrap();
+        assert_eq!(version(&db), LAYOUT_VERSION);
+        let (a, b) = (1u128 << 80, 2u128 << 80);
+        let text = |n: usize| "a line of log\n".repeat(n).into_bytes();
+        {
+            let txn = db.begin_write().unwrap();
+            let mut chunks = txn.open_table(LOG_CHUNKS).unwrap();
+            // Build a: three chunks; build b: one.
+            for (build, number, first_line, lines) in
+                [(a, 0u32, 0u64, 3), (a, 1, 3, 5), (a, 2, 8, 1), (b, 0, 0, 2)]
+            {
+                let mut row = first_line.to_le_bytes().to_vec();
+                row.extend(compress(&text(lines)).unwrap());
+                chunks.insert((build, number), row.as_slice()).unwrap();
+            }
+            drop(chunks);
+            let mut index = txn.open_table(LOG_INDEX).unwrap();
+            // a: a wrong row; b: none at all.
+            let wrong = ChunkPlace {
+                number: 1,
+                first_line: 9,
+                first_byte: 9,
+                raw_len: 9,
+            };
+            index.insert((a, 1), wrong.encode().as_slice()).unwrap();
+            drop(index);
+            let record = IdempotencyRecord {
+                fingerprint: vec![1],
+                status: 202,
+                content_type: "application/json".into(),
+                body: b"{}".to_vec(),
+                headers: vec![],
+                expires_at: 5_000,
+            };
+            txn.open_table(IDEMPOTENCY)
+                .unwrap()
+                .insert("service\u{0}/r\u{0}key", codec::encode(&record).as_slice())
+                .unwrap();
+            txn.open_table(META)
+                .unwrap()
+                .remove(BUILD_COUNTS_KEY)
+                .unwrap();
+            record_version(&txn, 1).unwrap();
+            txn.commit().unwrap();
+        }
+        open_layout(&db).unwrap();
+        assert_eq!(version(&db), LAYOUT_VERSION);
+        let txn = db.begin_write().unwrap();
+        let index = txn.open_table(LOG_INDEX).unwrap();
+        let places: Vec<(u128, ChunkPlace)> = index
+            .iter()
+            .unwrap()
+            .map(|e| {
+                let (k, v) = e.unwrap();
+                let (build, number) = k.value();
+                (build, ChunkPlace::decode(number, v.value()).unwrap())
+            })
+            .collect();
+        let line = "a line of log\n".len() as u64;
+        let place = |number, first_line: u64, first_byte: u64, lines: u64| ChunkPlace {
+            number,
+            first_line,
+            first_byte,
+            raw_len: lines * line,
+        };
+        assert_eq!(
+            places,
+            vec![
+                (a, place(0, 0, 0, 3)),
+                (a, place(1, 3, 3 * line, 5)),
+                (a, place(2, 8, 8 * line, 1)),
+                (b, place(0, 0, 0, 2)),
+            ]
+        );
+        let expiry: Vec<i64> = txn
+            .open_table(IDEMPOTENCY_EXPIRY)
+            .unwrap()
+            .iter()
+            .unwrap()
+            .map(|e| e.unwrap().0.value().0)
+            .collect();
+        assert_eq!(expiry, vec![5_000]);
+        assert!(txn
+            .open_table(META)
+            .unwrap()
+            .get(BUILD_COUNTS_KEY)
+            .unwrap()
+            .is_some());
+        drop(index);
+        drop(txn);
+        drop(db);
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[test]
+    fn a_newer_file_is_refused_naming_both_versions_and_left_as_it_is() {
+        let (db, dir) = temp_db("newer");
+        open_layout(&db).unwrap();
+        let txn = db.begin_write().unwrap();
+        record_version(&txn, LAYOUT_VERSION + 1).unwrap();
+        txn.commit().unwrap();
+        let e = open_layout(&db).unwrap_err().to_string();
+        assert!(
+            e.contains(&format!("layout version {}", LAYOUT_VERSION + 1)),
+            "{e}"
+        );
+        assert!(e.contains(&format!("this berth's {LAYOUT_VERSION}")), "{e}");
+        assert_eq!(version(&db), LAYOUT_VERSION + 1);
+        drop(db);
+        let _ = std::fs::remove_dir_all(dir);
+    }
 
     #[test]
     fn the_migrations_are_listed_in_order_and_reach_the_current_layout() {

@@ -104,6 +104,21 @@ impl Rx {
         Ok(out)
     }
 
+    /// The layout version the file records (`None`: never opened by berth).
+    pub fn layout_version(&self) -> StoreResult<Option<u32>> {
+        let meta = match self.txn.open_table(META) {
+            Ok(meta) => meta,
+            Err(redb::TableError::TableDoesNotExist(_)) => return Ok(None),
+            Err(e) => return Err(e.into()),
+        };
+        let Some(v) = meta.get(super::layout::VERSION_KEY)? else {
+            return Ok(None);
+        };
+        <[u8; 4]>::try_from(v.value())
+            .map(|b| Some(u32::from_le_bytes(b)))
+            .map_err(|_| StoreError::corrupt("meta.schema_version is not a u32"))
+    }
+
     /// Every build by status, as kept by each status change.
     pub fn build_status_counts(&self) -> StoreResult<[u64; 5]> {
         match self.txn.open_table(META)?.get(BUILD_COUNTS_KEY)? {

@@ -13,6 +13,7 @@ mod events;
 mod export;
 mod faults;
 mod hostile;
+mod layout;
 mod lifecycle;
 mod nix;
 mod page;

@@ -1,0 +1,131 @@
+//! Layout versions (storage.md): a store written by the release before the
+//! current layout opens with this binary, migrates, and reads back exactly
+//! as that release read it; a store newer than the binary is refused with
+//! both versions named.
+//!
+//! `tests/data/store-v1` holds a store written by the last release of
+//! layout version 1 and that release's answers to every read below
+//! (`reads.json`); `tools/make-store-fixture` is the command that made
+//! both, and says how.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use serde_json::Value;
+
+use crate::harness::*;
+
+fn fixture() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/store-v1")
+}
+
+/// A data dir holding a copy of the fixture store (never the file itself:
+/// opening it migrates it).
+fn data_dir_with_fixture(tag: &str) -> PathBuf {
+    let dir = temp_dir(tag);
+    std::fs::create_dir_all(dir.join("data")).unwrap();
+    std::fs::copy(fixture().join("berth.redb"), dir.join("data/berth.redb")).unwrap();
+    dir
+}
+
+#[tokio::test]
+async fn a_store_of_the_previous_layout_migrates_and_reads_back_equal() {
+    let reads: Vec<Value> = serde_json::from_str(
+        &std::fs::read_to_string(fixture().join("reads.json")).expect("tests/data/store-v1"),
+    )
+    .unwrap();
+    assert!(reads.len() > 20, "the fixture records its reads");
+    let dir = data_dir_with_fixture("layout");
+    let mut s = Server::start_in(dir.clone(), Options::default()).await;
+    let log = s.log();
+    for step in [
+        "index every build's log chunks",
+        "index idempotency records by expiry",
+        "count builds by status",
+    ] {
+        assert!(
+            log.contains(step),
+            "no migration step {step:?} at open:\n{log}"
+        );
+    }
+    let mut compared = 0;
+    for read in &reads {
+        let path = read["path"].as_str().unwrap();
+        let r = s.get(path).send().await.unwrap();
+        let status = r.status().as_u16();
+        let text = r.text().await.unwrap();
+        assert_eq!(Some(status as u64), read["status"].as_u64(), "GET {path}");
+        let body = match read["kind"].as_str() {
+            Some("json") => serde_json::from_str(&text).unwrap(),
+            _ => Value::String(text),
+        };
+        assert_eq!(body, read["body"], "GET {path} reads back differently");
+        compared += 1;
+    }
+    assert_eq!(compared, reads.len());
+    // The migrated store is whole: the chain verifies, and a restart
+    // migrates nothing again.
+    let status = s.terminate();
+    assert!(status.success(), "{}", s.log());
+    let verify = Command::new(env!("CARGO_BIN_EXE_berth"))
+        .args(["audit", "verify", "--data-dir"])
+        .arg(dir.join("data"))
+        .output()
+        .unwrap();
+    assert!(
+        verify.status.success(),
+        "{}",
+        String::from_utf8_lossy(&verify.stdout)
+    );
+    std::fs::write(dir.join("server.log"), "").unwrap();
+    s.launch().await;
+    assert!(
+        !s.log().contains("migrating the store"),
+        "a migrated store was migrated again:\n{}",
+        s.log()
+    );
+    let first = &reads[1];
+    let (status, body) = s.json(first["path"].as_str().unwrap()).await;
+    assert_eq!((status, &body), (200, &first["body"]));
+}
+
+#[tokio::test]
+async fn a_store_newer_than_this_berth_is_refused_with_both_versions() {
+    let dir = data_dir_with_fixture("layout-newer");
+    let path = dir.join("data/berth.redb");
+    const META: redb::TableDefinition<&str, &[u8]> = redb::TableDefinition::new("meta");
+    let version = |path: &Path| {
+        let db = redb::Database::create(path).unwrap();
+        let txn = redb::ReadableDatabase::begin_read(&db).unwrap();
+        let meta = txn.open_table(META).unwrap();
+        let v = meta
+            .get("schema_version")
+            .unwrap()
+            .unwrap()
+            .value()
+            .to_vec();
+        u32::from_le_bytes(v.try_into().unwrap())
+    };
+    {
+        let db = redb::Database::create(&path).unwrap();
+        let txn = db.begin_write().unwrap();
+        txn.open_table(META)
+            .unwrap()
+            .insert("schema_version", 99u32.to_le_bytes().as_slice())
+            .unwrap();
+        txn.commit().unwrap();
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_berth"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
+        .arg(dir.join("data"))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let current = berth::store::LAYOUT_VERSION.to_string();
+    assert!(
+        stderr.contains("layout version 99") && stderr.contains(&current),
+        "{stderr}"
+    );
+    assert_eq!(version(&path), 99, "a refused store was migrated");
+}
