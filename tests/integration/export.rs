@@ -123,7 +123,7 @@ exit 2
 }
 
 fn sbom_files() -> Vec<PathBuf> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/testdata/sbom");
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/sbom");
     let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
         .unwrap_or_else(|e| panic!("the SBOM test data is missing at {}: {e}", dir.display()))
         .map(|e| e.unwrap().path())

@@ -253,21 +253,72 @@ async fn the_nix_deployer_evaluates_builds_and_changes_only_what_changed() {
         .contains("running the source's destroy hook"));
 }
 
-/// The module, evaluated with `overrides` (JSON) against the stub lib.
-fn module_config(overrides: &serde_json::Value) -> serde_json::Value {
+/// Which lib the module is evaluated with.
+#[derive(Clone, Debug)]
+enum ModuleLib {
+    /// tests/nix/stub-lib.nix: the few functions the module uses.
+    Stub,
+    /// nixpkgs' own lib (`NIXPKGS_LIB`): `lib.evalModules`, real option
+    /// types, `mkIf`, `escapeShellArgs`.
+    Nixpkgs(PathBuf),
+}
+
+/// The module's `config`, evaluated with `overrides` (JSON) on top of
+/// `enable = true`; `Err` is Nix's message.
+fn try_module_config(
+    lib: &ModuleLib,
+    overrides: &serde_json::Value,
+) -> Result<serde_json::Value, String> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let out = Command::new("nix-instantiate")
-        .args(["--eval", "--strict", "--json"])
-        .arg(root.join("tests/nix/eval-module.nix"))
+    let mut command = Command::new("nix-instantiate");
+    command.args(["--eval", "--strict", "--json"]);
+    match lib {
+        ModuleLib::Stub => command.arg(root.join("tests/nix/eval-module.nix")),
+        ModuleLib::Nixpkgs(path) => command
+            .arg(root.join("tests/nix/eval-module-nixpkgs.nix"))
+            .arg("--arg")
+            .arg("nixpkgsLib")
+            .arg(path),
+    };
+    let out = command
         .args(["--argstr", "overrides", &overrides.to_string()])
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
+    if !out.status.success() {
+        return Err(String::from_utf8_lossy(&out.stderr).into_owned());
+    }
+    Ok(serde_json::from_slice(&out.stdout).unwrap())
+}
+
+fn module_config(lib: &ModuleLib, overrides: &serde_json::Value) -> serde_json::Value {
+    try_module_config(lib, overrides).unwrap_or_else(|e| panic!("{lib:?}: {e}"))
+}
+
+/// The words of a unit's `ExecStart` as a shell splits them (either lib's
+/// quoting).
+fn exec_words(unit: &serde_json::Value) -> Vec<String> {
+    let command = unit["serviceConfig"]["ExecStart"].as_str().unwrap();
+    let out = Command::new("/bin/sh")
+        .arg("-c")
+        .arg(format!("printf '%s\\n' {command}"))
+        .output()
+        .unwrap();
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(str::to_string)
+        .collect()
+}
+
+/// `flag` followed by `value` in `words`.
+fn has_flag(words: &[String], flag: &str, value: &str) -> bool {
+    words.windows(2).any(|w| w[0] == flag && w[1] == value)
+}
+
+/// A unit the module does not make: absent (nixpkgs' `mkIf false`) or
+/// empty (the stub's).
+fn absent(unit: &serde_json::Value) -> bool {
+    unit.is_null() || *unit == json!({})
 }
 
 /// Every .nix file of the repository.
@@ -315,118 +366,132 @@ async fn the_module_is_hardened_and_its_audit_units_verify_a_real_store() {
         );
     }
 
-    // Defaults: the berth user, no capability, hardening, the daily verify.
-    let config = module_config(&json!({}));
-    let services = &config["systemd"]["services"];
-    let service = &services["berth"]["serviceConfig"];
-    for (key, value) in [
-        ("User", json!("berth")),
-        ("CapabilityBoundingSet", json!([""])),
-        ("ProtectSystem", json!("strict")),
-        ("ProtectHome", json!(true)),
-        ("PrivateTmp", json!(true)),
-        ("NoNewPrivileges", json!(true)),
-        (
-            "RestrictAddressFamilies",
-            json!(["AF_UNIX", "AF_INET", "AF_INET6"]),
+    // The units, with the stub lib and (when NIXPKGS_LIB names one)
+    // with nixpkgs' own.
+    let mut libs = vec![ModuleLib::Stub];
+    match std::env::var_os("NIXPKGS_LIB") {
+        Some(path) => libs.push(ModuleLib::Nixpkgs(PathBuf::from(path))),
+        None => skip(
+            &format!("{test} (nixpkgs' lib)"),
+            "NIXPKGS_LIB is not set (.ci/run sets it to ../shared/nixpkgs-lib/lib; point it at the lib/ of any nixpkgs checkout)",
         ),
-        ("SystemCallFilter", json!(["@system-service"])),
-        ("StateDirectory", json!("berth")),
-        ("KillMode", json!("mixed")),
-    ] {
-        assert_eq!(service[key], value, "{key}: {service}");
     }
-    assert!(service["ExecStart"]
-        .as_str()
-        .unwrap()
-        .contains("'--deployer' 'builtin:nix'"));
-    assert_eq!(
-        config["systemd"]["timers"]["berth-audit-verify"]["timerConfig"]["OnCalendar"],
-        "daily"
-    );
-    assert_eq!(
-        services["berth-audit-push-head"],
-        json!({}),
-        "no sink, no push unit"
-    );
-    let verify = &services["berth-audit-verify"]["serviceConfig"];
-    assert_eq!(verify["SyslogIdentifier"], "berth-audit");
-    assert_eq!(verify["LogExtraFields"], "BERTH_AUDIT=1");
-    assert_eq!(verify["Type"], "oneshot");
-    let hidden = verify["InaccessiblePaths"].to_string();
-    for secret in [
-        "/run/credentials/berth.service",
-        "service-token",
-        "cursor-key",
-        "callback-secret",
-        "audit-signing.key",
-    ] {
+    for lib in &libs {
+        // Defaults: the berth user, no capability, hardening, the daily verify.
+        let config = module_config(lib, &json!({}));
+        let services = &config["systemd"]["services"];
+        let service = &services["berth"]["serviceConfig"];
+        for (key, value) in [
+            ("User", json!("berth")),
+            ("CapabilityBoundingSet", json!([""])),
+            ("ProtectSystem", json!("strict")),
+            ("ProtectHome", json!(true)),
+            ("PrivateTmp", json!(true)),
+            ("NoNewPrivileges", json!(true)),
+            (
+                "RestrictAddressFamilies",
+                json!(["AF_UNIX", "AF_INET", "AF_INET6"]),
+            ),
+            ("SystemCallFilter", json!(["@system-service"])),
+            ("StateDirectory", json!("berth")),
+            ("KillMode", json!("mixed")),
+        ] {
+            assert_eq!(service[key], value, "{key}: {service}");
+        }
+        assert!(has_flag(
+            &exec_words(&services["berth"]),
+            "--deployer",
+            "builtin:nix"
+        ));
+        assert_eq!(
+            config["systemd"]["timers"]["berth-audit-verify"]["timerConfig"]["OnCalendar"],
+            "daily"
+        );
         assert!(
-            hidden.contains(secret),
-            "verify can read {secret}: {hidden}"
+            absent(&services["berth-audit-push-head"]),
+            "no sink, no push unit"
+        );
+        let verify = &services["berth-audit-verify"]["serviceConfig"];
+        assert_eq!(verify["SyslogIdentifier"], "berth-audit");
+        assert_eq!(verify["LogExtraFields"], "BERTH_AUDIT=1");
+        assert_eq!(verify["Type"], "oneshot");
+        let hidden = verify["InaccessiblePaths"].to_string();
+        for secret in [
+            "/run/credentials/berth.service",
+            "service-token",
+            "cursor-key",
+            "callback-secret",
+            "audit-signing.key",
+        ] {
+            assert!(
+                hidden.contains(secret),
+                "verify can read {secret}: {hidden}"
+            );
+        }
+        assert_eq!(
+            verify["ReadOnlyPaths"],
+            json!(["/var/lib/berth/berth.redb"])
+        );
+
+        // A token file, a deployer user and a sink.
+        let config = module_config(
+            lib,
+            &json!({
+                "serviceTokenFile": "/run/keys/berth-token",
+                "deployerUser": "deploy",
+                "audit": {"sink": "https://witness.example.org/berth"},
+            }),
+        );
+        let services = &config["systemd"]["services"];
+        let service = &services["berth"]["serviceConfig"];
+        assert_eq!(
+            service["LoadCredential"],
+            json!(["service-token:/run/keys/berth-token"])
+        );
+        let words = exec_words(&services["berth"]);
+        assert!(has_flag(&words, "--service-token-file", "%d/service-token"));
+        assert!(has_flag(&words, "--deployer-user", "deploy"));
+        assert_eq!(
+            service["User"],
+            serde_json::Value::Null,
+            "root, to switch to the deployer user"
+        );
+        assert_eq!(
+            service["CapabilityBoundingSet"],
+            json!([
+                "CAP_SETUID",
+                "CAP_SETGID",
+                "CAP_CHOWN",
+                "CAP_KILL",
+                "CAP_DAC_OVERRIDE"
+            ])
+        );
+        let push = &services["berth-audit-push-head"]["serviceConfig"];
+        assert_eq!(push["SyslogIdentifier"], "berth-audit");
+        assert_eq!(push["User"], "root", "the store is root's then");
+        assert!(has_flag(
+            &exec_words(&services["berth-audit-push-head"]),
+            "--sink",
+            "https://witness.example.org/berth"
+        ));
+        assert!(push["InaccessiblePaths"]
+            .to_string()
+            .contains("/run/credentials/berth.service"));
+        assert_eq!(
+            config["systemd"]["timers"]["berth-audit-push-head"]["timerConfig"]["OnCalendar"],
+            "hourly"
         );
     }
-    assert_eq!(
-        verify["ReadOnlyPaths"],
-        json!(["/var/lib/berth/berth.redb"])
-    );
-
-    // A token file, a deployer user and a sink.
-    let config = module_config(&json!({
-        "serviceTokenFile": "/run/keys/berth-token",
-        "deployerUser": "deploy",
-        "audit": {"sink": "https://witness.example.org/berth"},
-    }));
-    let services = &config["systemd"]["services"];
-    let service = &services["berth"]["serviceConfig"];
-    assert_eq!(
-        service["LoadCredential"],
-        json!(["service-token:/run/keys/berth-token"])
-    );
-    assert!(service["ExecStart"]
-        .as_str()
-        .unwrap()
-        .contains("'--service-token-file' '%d/service-token'"));
-    assert!(service["ExecStart"]
-        .as_str()
-        .unwrap()
-        .contains("'--deployer-user' 'deploy'"));
-    assert_eq!(
-        service["User"],
-        serde_json::Value::Null,
-        "root, to switch to the deployer user"
-    );
-    assert_eq!(
-        service["CapabilityBoundingSet"],
-        json!([
-            "CAP_SETUID",
-            "CAP_SETGID",
-            "CAP_CHOWN",
-            "CAP_KILL",
-            "CAP_DAC_OVERRIDE"
-        ])
-    );
-    let push = &services["berth-audit-push-head"]["serviceConfig"];
-    assert_eq!(push["SyslogIdentifier"], "berth-audit");
-    assert_eq!(push["User"], "root", "the store is root's then");
-    assert!(push["ExecStart"]
-        .as_str()
-        .unwrap()
-        .contains("'--sink' 'https://witness.example.org/berth'"));
-    assert!(push["InaccessiblePaths"]
-        .to_string()
-        .contains("/run/credentials/berth.service"));
-    assert_eq!(
-        config["systemd"]["timers"]["berth-audit-push-head"]["timerConfig"]["OnCalendar"],
-        "hourly"
-    );
+    if let Some(lib @ ModuleLib::Nixpkgs(_)) = libs.get(1) {
+        every_option_reaches_its_unit(lib);
+    }
 
     // The verify unit's command, run against a real store, passes.
     let mut s = Server::start(Options::default()).await;
     s.submit_ok("unit", mastodon("unit.example.org")).await;
     s.terminate();
-    let command = module_config(&json!({}))["systemd"]["services"]["berth-audit-verify"]
-        ["serviceConfig"]["ExecStart"]
+    let command = module_config(&ModuleLib::Stub, &json!({}))["systemd"]["services"]
+        ["berth-audit-verify"]["serviceConfig"]["ExecStart"]
         .as_str()
         .unwrap()
         .replace("/nix/store/berth/bin/berth", env!("CARGO_BIN_EXE_berth"))
@@ -441,4 +506,133 @@ async fn the_module_is_hardened_and_its_audit_units_verify_a_real_store() {
         "{command}: {}",
         String::from_utf8_lossy(&out.stdout)
     );
+}
+
+/// Every option of the module set to a value other than its default, with
+/// nixpkgs' lib: each reaches its flag, variable, credential or timer; the
+/// test knows every option (a new one fails it until it is checked here);
+/// a value of the wrong type is refused by the option's real type.
+fn every_option_reaches_its_unit(lib: &ModuleLib) {
+    let digest = format!("sha256:{}", "a".repeat(64));
+    let source = format!("url=/etc/berth/source,rev=v1,digest={digest}");
+    let all = json!({
+        "listen": "0.0.0.0:9090",
+        "deployer": "builtin:local",
+        "deployerUser": "deploy",
+        "defaultSource": source,
+        "sourceOrigins": ["https://git.example.org"],
+        "callbackOrigins": ["https://panel.example.org"],
+        "corsOrigins": ["https://ui.example.org", "https://ui2.example.org"],
+        "buildSlots": 8,
+        "evalSlots": 3,
+        "buildTimeout": "6h",
+        "evalTimeout": "2m",
+        "shutdownGrace": "45s",
+        "authzUrl": "https://authz.example.org/check",
+        "metricsPublic": true,
+        "serviceTokenFile": "/run/keys/berth-token",
+        "callbackSecretFile": "/run/keys/berth-callback",
+        "nix": {"builders": "ssh://builder x86_64-linux", "activateCommand": "activate-it"},
+        "audit": {
+            "sink": "https://witness.example.org/berth",
+            "verifyInterval": "hourly",
+            "pushInterval": "*:0/15",
+            "retentionDays": 30,
+            "denialInterval": "5m",
+            "origin": "berth/test/audit",
+        },
+        "extraArgs": ["--keep-builds", "50"],
+    });
+    let config = module_config(lib, &all);
+    // The test names every option the module declares.
+    fn leaves(v: &serde_json::Value, at: String, out: &mut Vec<String>) {
+        match v.as_object() {
+            Some(map) if !map.is_empty() && !map.contains_key("outPath") => {
+                for (k, v) in map {
+                    leaves(v, format!("{at}/{k}"), out);
+                }
+            }
+            _ => out.push(at),
+        }
+    }
+    let (mut declared, mut set) = (vec![], vec![]);
+    leaves(&config["options"], String::new(), &mut declared);
+    leaves(&all, String::new(), &mut set);
+    declared.retain(|o| o != "/enable" && o != "/package");
+    declared.sort();
+    set.sort();
+    assert_eq!(declared, set, "an option of the module is not checked here");
+
+    let services = &config["systemd"]["services"];
+    let words = exec_words(&services["berth"]);
+    for (flag, value) in [
+        ("--listen", "0.0.0.0:9090"),
+        ("--deployer", "builtin:local"),
+        ("--deployer-user", "deploy"),
+        ("--default-source", source.as_str()),
+        ("--source-origin", "https://git.example.org"),
+        ("--callback-origin", "https://panel.example.org"),
+        (
+            "--cors-origin",
+            "https://ui.example.org,https://ui2.example.org",
+        ),
+        ("--build-slots", "8"),
+        ("--eval-slots", "3"),
+        ("--build-timeout", "6h"),
+        ("--eval-timeout", "2m"),
+        ("--shutdown-grace", "45s"),
+        ("--authz-url", "https://authz.example.org/check"),
+        ("--audit-retention-days", "30"),
+        ("--audit-denial-interval", "5m"),
+        ("--audit-origin", "berth/test/audit"),
+        ("--service-token-file", "%d/service-token"),
+        ("--callback-secret-file", "%d/callback-secret"),
+        ("--keep-builds", "50"),
+    ] {
+        assert!(has_flag(&words, flag, value), "{flag} {value}: {words:?}");
+    }
+    assert!(words.iter().any(|w| w == "--metrics-public"), "{words:?}");
+    let berth = &services["berth"];
+    assert_eq!(
+        berth["environment"]["BERTH_NIX_BUILDERS"],
+        "ssh://builder x86_64-linux"
+    );
+    assert_eq!(berth["environment"]["BERTH_NIX_ACTIVATE"], "activate-it");
+    assert_eq!(
+        berth["serviceConfig"]["LoadCredential"],
+        json!([
+            "service-token:/run/keys/berth-token",
+            "callback-secret:/run/keys/berth-callback"
+        ])
+    );
+    let timers = &config["systemd"]["timers"];
+    assert_eq!(
+        timers["berth-audit-verify"]["timerConfig"]["OnCalendar"],
+        "hourly"
+    );
+    assert_eq!(
+        timers["berth-audit-push-head"]["timerConfig"]["OnCalendar"],
+        "*:0/15"
+    );
+    let push = exec_words(&services["berth-audit-push-head"]);
+    assert!(has_flag(
+        &push,
+        "--sink",
+        "https://witness.example.org/berth"
+    ));
+    assert!(has_flag(&push, "--audit-origin", "berth/test/audit"));
+    assert!(config["users"]["users"]["berth"]["isSystemUser"] == json!(true));
+
+    // The real types refuse what the stub would pass through.
+    for (bad, option) in [
+        (json!({"buildSlots": "eight"}), "buildSlots"),
+        (json!({"metricsPublic": "yes"}), "metricsPublic"),
+        (
+            json!({"sourceOrigins": "https://git.example.org"}),
+            "sourceOrigins",
+        ),
+    ] {
+        let e = try_module_config(lib, &bad).expect_err(option);
+        assert!(e.contains(option), "{option}: {e}");
+    }
 }

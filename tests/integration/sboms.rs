@@ -10,12 +10,13 @@ use serde_json::{json, Value};
 
 use crate::harness::*;
 
-/// The real SBOMs of the contract's test data (shared/ beside the repo).
+/// Real third-party CycloneDX SBOMs (tests/data/sbom, CC0; its README says
+/// where they come from).
 fn testdata() -> PathBuf {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/testdata/sbom");
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/sbom");
     assert!(
         dir.is_dir(),
-        "the SBOM test data is missing: expected {} (shared/ beside the repository)",
+        "the SBOM test data is missing: expected {} (part of the repository)",
         dir.display()
     );
     dir
