@@ -521,9 +521,19 @@ impl DeploymentRecord {
 
 /// A stored configuration as JSON, for embedding in a response without
 /// re-encoding (so it is shown exactly as submitted).
-pub fn raw_json(text: &str) -> Box<RawValue> {
-    RawValue::from_string(text.to_string())
-        .unwrap_or_else(|_| RawValue::from_string("null".to_string()).expect("null is JSON"))
+pub fn raw_json(text: &str) -> Result<Box<RawValue>, DamagedSnapshot> {
+    RawValue::from_string(text.to_string()).map_err(|_| DamagedSnapshot)
+}
+
+/// A stored configuration snapshot that is not JSON any more (it was
+/// valid JSON when stored): damage to the store, never shown as `null`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DamagedSnapshot;
+
+impl std::fmt::Display for DamagedSnapshot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a stored configuration snapshot is not JSON (the store is damaged)")
+    }
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -590,15 +600,15 @@ impl BuildRecord {
         }
     }
 
-    pub fn view(&self, snaps: &BuildSnapshots) -> BuildView {
-        BuildView {
+    pub fn view(&self, snaps: &BuildSnapshots) -> Result<BuildView, DamagedSnapshot> {
+        Ok(BuildView {
             summary: self.summary(),
-            configuration: raw_json(&snaps.snapshot.configuration),
+            configuration: raw_json(&snaps.snapshot.configuration)?,
             source: snaps.snapshot.source.clone(),
             job_id: self.job.map(|j| format!("pid:{}", j.pid)),
             log_bytes: self.log_bytes,
             log_lines: self.log_lines,
-        }
+        })
     }
 }
 

@@ -175,10 +175,16 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
     let store = Store::open_shared(&settings.db_path(), sharing)
         .map_err(|e| format!("cannot open {}: {e}", settings.db_path().display()))?;
     {
-        // The store holds every configuration: readable by berth only.
+        // The store holds every configuration: readable by berth only. A
+        // store berth cannot make private is not served.
         use std::os::unix::fs::PermissionsExt;
-        let _ =
-            std::fs::set_permissions(settings.db_path(), std::fs::Permissions::from_mode(0o600));
+        std::fs::set_permissions(settings.db_path(), std::fs::Permissions::from_mode(0o600))
+            .map_err(|e| {
+                format!(
+                    "cannot make {} readable by berth only (mode 0600): {e}; check who owns it",
+                    settings.db_path().display()
+                )
+            })?;
     }
     if settings.reset_dev_state {
         reset_dev_state(&settings, &store).await?;

@@ -58,7 +58,8 @@ pub fn read(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
         tracing::error!(build = %format_build_id(id), "a build without its snapshots");
         ApiError::internal()
     })?;
-    Ok(Reply::json(200, &b.view(&snaps)))
+    let view = b.view(&snaps).map_err(StoreError::damaged_snapshot)?;
+    Ok(Reply::json(200, &view))
 }
 
 /// A parsed `Range: bytes=` header: one range only.

@@ -18,6 +18,7 @@ use crate::engine::updates::PolicySet;
 use crate::engine::{self, DestroyQueued, Mode, SubmitInput, Submitted};
 use crate::model::*;
 use crate::store::Lookup;
+use crate::store::StoreError;
 
 /// Most `id` parameters one list request may filter on.
 pub const MAX_ID_FILTERS: usize = 200;
@@ -209,11 +210,18 @@ impl SourceFacts {
     }
 }
 
-fn instances_of(text: &str, catalog: &[CatalogEntry]) -> Vec<Instance> {
-    let config: Value = serde_json::from_str(text).unwrap_or(Value::Null);
+/// The instances a stored configuration derives to. The text was valid
+/// JSON when stored and passed the shape check derive makes, so either
+/// failing now is damage to the store: an error, never an empty list.
+fn instances_of(text: &str, catalog: &[CatalogEntry]) -> Result<Vec<Instance>, StoreError> {
+    let config: Value = serde_json::from_str(text)
+        .map_err(|_| StoreError::damaged_snapshot(crate::model::DamagedSnapshot))?;
     crate::derive::instances(&config, catalog)
         .map(|(_, i)| i)
-        .unwrap_or_default()
+        .map_err(|e| {
+            tracing::error!(pointer = %e.pointer, "a stored configuration no longer derives");
+            StoreError::corrupt("a stored configuration no longer derives its instances")
+        })
 }
 
 /// The deployment read (api.md), with `ETag: "<revision>"`.
@@ -223,14 +231,16 @@ pub fn render_view(
     last_build: Option<&BuildRecord>,
     last_try: Option<&UpdateTry>,
     audit: &[crate::audit::Event],
-) -> Reply {
-    let instances = instances_of(&d.snapshot.configuration, facts.catalog(&d.snapshot.source));
-    let deployed_instances = d.deployed.as_ref().map_or_else(Vec::new, |dep| {
-        instances_of(
+) -> Result<Reply, StoreError> {
+    let instances = instances_of(&d.snapshot.configuration, facts.catalog(&d.snapshot.source))?;
+    let deployed_instances = match &d.deployed {
+        Some(dep) => instances_of(
             &dep.snapshot.configuration,
             facts.catalog(&dep.snapshot.source),
-        )
-    });
+        )?,
+        None => Vec::new(),
+    };
+    let damaged = StoreError::damaged_snapshot;
     let supported = |name: &str| {
         d.deployed.as_ref().is_some_and(|dep| {
             facts
@@ -257,14 +267,17 @@ pub fn render_view(
         revision: d.revision,
         state: d.state(),
         suspended: d.suspended,
-        configuration: raw_json(&d.snapshot.configuration),
+        configuration: raw_json(&d.snapshot.configuration).map_err(damaged)?,
         source: d.snapshot.source.clone(),
-        deployed: d.deployed.as_ref().map(|dep| DeployedView {
-            build_id: format_build_id(dep.build_id),
-            configuration: raw_json(&dep.snapshot.configuration),
-            source: dep.snapshot.source.clone(),
-            finished_at: format_time(dep.finished_at),
-        }),
+        deployed: match &d.deployed {
+            Some(dep) => Some(DeployedView {
+                build_id: format_build_id(dep.build_id),
+                configuration: raw_json(&dep.snapshot.configuration).map_err(damaged)?,
+                source: dep.snapshot.source.clone(),
+                finished_at: format_time(dep.finished_at),
+            }),
+            None => None,
+        },
         domain: d.domain.clone(),
         instances,
         deployed_instances,
@@ -281,7 +294,7 @@ pub fn render_view(
         created_at: format_time(d.created_at),
         updated_at: format_time(d.updated_at),
     };
-    Reply::json(200, &v).header("ETag", format!("\"{}\"", d.revision))
+    Ok(Reply::json(200, &v).header("ETag", format!("\"{}\"", d.revision)))
 }
 
 pub async fn read(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
@@ -302,7 +315,7 @@ pub async fn read(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
         last_build.as_ref(),
         last_try.as_ref(),
         &audit,
-    ))
+    )?)
 }
 
 /// `If-Match: "<revision>"` (also bare, or weak `W/"..."`); `*` or absent
@@ -377,13 +390,13 @@ pub async fn set_update_policy(ctx: &Ctx, req: &Request, w: Write) -> Result<Rep
     let render = Arc::new(render);
     let record = {
         let render = render.clone();
-        w.record(move |set: &PolicySet| render(set))
+        w.record_checked(move |set: &PolicySet| render(set))
     };
     let set = ctx
         .engine
         .set_update_policy(&id, policy, expected, record)
         .await?;
-    Ok(render(&set))
+    Ok(render(&set)?)
 }
 
 const SUBMIT_FIELDS: &[&str] = &[

@@ -39,9 +39,9 @@ impl IdemWrite {
     /// first answer.
     pub fn recorder<O: 'static>(
         self,
-        render: impl Fn(&O) -> Reply + Send + Sync + 'static,
+        render: impl Fn(&O) -> StoreResult<Reply> + Send + Sync + 'static,
     ) -> Recorder<O> {
-        Box::new(move |tx, outcome| self.store(tx, &render(outcome)))
+        Box::new(move |tx, outcome| self.store(tx, &render(outcome)?))
     }
 
     pub fn store(&self, tx: &Tx, reply: &Reply) -> StoreResult<()> {
@@ -72,6 +72,16 @@ impl Write {
     pub fn record<O: Audited + 'static>(
         self,
         render: impl Fn(&O) -> Reply + Send + Sync + 'static,
+    ) -> Record<O> {
+        self.record_checked(move |outcome| Ok(render(outcome)))
+    }
+
+    /// As `record`, for an answer rendered from stored records that may
+    /// turn out damaged: the mutation's transaction then fails with the
+    /// store's error, and no answer is stored.
+    pub fn record_checked<O: Audited + 'static>(
+        self,
+        render: impl Fn(&O) -> StoreResult<Reply> + Send + Sync + 'static,
     ) -> Record<O> {
         Record {
             audit: self.audit,

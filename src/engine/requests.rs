@@ -468,7 +468,7 @@ pub fn cancel_tx(
         .build_snapshots(build_id)?
         .ok_or_else(|| StoreError::corrupt("a build without its snapshots"))?;
     let taken = CancelTaken {
-        build: b.view(&snaps),
+        build: b.view(&snaps).map_err(StoreError::damaged_snapshot)?,
         was_running,
     };
     record.store(&change, &taken)?;

@@ -34,6 +34,10 @@ impl std::error::Error for StoreError {}
 pub type StoreResult<T> = Result<T, StoreError>;
 
 impl StoreError {
+    pub fn damaged_snapshot(e: crate::model::DamagedSnapshot) -> Self {
+        Self::corrupt(e.to_string())
+    }
+
     pub fn corrupt(detail: impl Into<String>) -> Self {
         Self {
             kind: StoreErrorKind::Corrupt,
