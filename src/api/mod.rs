@@ -7,6 +7,20 @@
 //! every error carries the request id, all in one place; a token route is
 //! authenticated (`routes::authorize`) before its body is read, and its
 //! handler gets the authenticated caller.
+//!
+//! A request's path: `serve::accept_loop` gives each connection a
+//! `wire::Conn` and hyper's HTTP/1.1 server; the filter calls `handle` ->
+//! `dispatch`, which matches the route (404/405), checks the header size,
+//! and for a token route calls `routes::authorize` *before the body*: the
+//! service token (actor headers checked) or the authorization callback asked
+//! the route's question (`auth::Authz::decide`, cached); a refusal is audited
+//! (`audit::refused`) and answered with `Connection: close`. Then the body up
+//! to `--max-body` (413, within its share of `--max-body-bytes-in-flight`,
+//! within `--body-timeout`), the content type (415), and the handler of the
+//! route's class (`routes::public`, `token`, `mutation`, `stream`). A mutation
+//! runs under `idempotency::mutation` (per-key lock, replay, conflict), hands
+//! the engine a `Write` (its audit draft and the hook that stores its
+//! answer), and writes its audit event alone when it ends in an error.
 
 pub mod audit;
 pub mod auth;

@@ -2,6 +2,20 @@
 //! zstd chunks beside the line path (`LogPipe`); the buffer of lines not yet
 //! committed and the `--max-log-bytes` cap (`LogBuffer`); one chunk
 //! (`Chunk`).
+//!
+//! How a line travels: `runner::read_lines` splits the deployer's output at
+//! LF, CRLF, a lone CR or 64 KiB and sends each read's lines as one batch
+//! (`runner::Lines`: one buffer). `LogPipe` gives each line the next seq of
+//! the build channel, holds it in `LogBuffer` for the next chunk, encodes
+//! its SSE text into one buffer per read (`events::LogLines`: each frame is
+//! a slice of it) and publishes the read's lines at once. Every 100 ms or
+//! 1 MiB a chunk is compressed on the blocking pool and committed beside the
+//! line path: up to `MAX_FLUSHES_IN_FLIGHT` at once, so one compresses while
+//! the one before it commits, but each commits only after the one before it
+//! landed (never a gap in `log_index`). A chunk's commit also moves the seq
+//! reservation (`seq_reserved`, 64 Ki ahead), so a crash never makes berth
+//! reuse an id it sent; the hub keeps sent-but-uncommitted lines (`pending`)
+//! until their commit lands (`Hub::committed`).
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -7,6 +7,32 @@
 //! (`Recorder`) in the same transaction. The job's body is a plain function
 //! of the transaction (`submit_tx`, ...), so tests drive the very same code
 //! against a real store.
+//!
+//! How a submit flows here (the HTTP half is in `api`'s module doc):
+//!
+//! 1. `Engine::submit` validates outside any transaction: `derive::shape`,
+//!    U+0000, `resolve_source`, `describe` of the source (memory, then the
+//!    `describe_cache` table, then the deployer), method, JSON Schema, then
+//!    `eval` if an eval slot is free. A failed check is a `Refusal`.
+//! 2. `Store::write(submit_tx)` queues the write job for the writer thread.
+//!    `submit_tx` re-checks the rules against the current records
+//!    (suspended, `queue_full` while running, the queue limit, source
+//!    immutability), stores the source and the new configuration, and calls
+//!    `transition::Change::enqueue`, which counts the build as pending, writes
+//!    the build's `status` event and the deployment's `build` and
+//!    `deployment` events, bumps `revision`, and stores the build, its
+//!    snapshot and the deployment. `Record::store` appends the audit event
+//!    (`Change::audit` -> `Tx::append_audit`: the sealed row, its index
+//!    entries, the Merkle subtrees it completes) and the idempotency record
+//!    with the same answer. Each event writer registers a `Tx::after_commit`
+//!    hook. The writer folds every job queued meanwhile into the same
+//!    transaction and commits once.
+//! 3. After the commit the writer thread runs the hooks in commit order
+//!    (`Hub::publish`, which wakes readers and the fan-out); only then does the
+//!    handler answer 202 with the bytes the recorder stored.
+//! 4. `Engine::wake_queue` makes the queue (`queue.rs`) start the oldest
+//!    build of a deployment with nothing running while a slot is free;
+//!    `build.rs` runs it.
 
 use std::sync::Arc;
 

@@ -2,6 +2,14 @@
 //!
 //! Values named `&[u8]` are `codec`-encoded records (a version byte, then
 //! bincode) unless said otherwise.
+//!
+//! Records are `codec::encode`d: a version byte, then bincode 2 (serde). A
+//! configuration is stored as the JSON text the client sent (shown back
+//! byte for byte); a build's configuration and source live in
+//! `build_snapshots`, apart from the build record, which is rewritten at
+//! every log chunk and so stays small; an update policy is JSON text inside
+//! its record (bincode cannot read internally tagged enums). The layout as a
+//! whole has a version (`layout`).
 
 use redb::TableDefinition;
 

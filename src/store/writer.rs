@@ -5,7 +5,12 @@
 //! (fsync) once. After an I/O error redb refuses every call until the file is
 //! reopened, so the thread drops the handle and reopens it; while it cannot
 //! open the file for writing (a full disk), reads go through a read-only
-//! handle.
+//! handle. A commit that fails with an I/O error (ENOSPC included) answers
+//! its batch with that error (503 `disk_full`); a read that meets a reopen
+//! in progress waits for it (up to `READ_WAIT_ATTEMPTS`, through
+//! `block_in_place` on a runtime worker). A build's final commit is retried
+//! with backoff by its caller, so no build stays `running` once the disk
+//! recovers (tests/integration/disk.rs, on a small tmpfs).
 
 use std::path::Path;
 use std::sync::Arc;
