@@ -60,6 +60,7 @@ fn submit_record(n: usize) -> SubmitRecord {
         domain: None,
         mode: Mode::Enqueue,
         update_policy: None,
+        auto_rollback: None,
         max_queued: 1_000_000,
     }
 }

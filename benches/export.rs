@@ -96,6 +96,7 @@ fn make_store(dir: &Path) -> (u64, u64) {
                 event_seq: 0,
                 created_at: t0,
                 updated_at: t0,
+                auto_rollback: true,
             })))
             .unwrap();
         rows += 1;

@@ -98,6 +98,7 @@ fn storage(rt: &tokio::runtime::Runtime) {
                 name: format!("node{index}"),
                 changed: true,
                 sbom: SbomOutcome::Ready(prepared),
+                fingerprint: None,
             });
         }
         let (hub, source) = (hub.clone(), source.clone());
@@ -111,6 +112,7 @@ fn storage(rt: &tokio::runtime::Runtime) {
             last_chunk: None,
             late_frames: vec![],
             last_seq_used: 0,
+            log_gaps: vec![],
         });
         rt.block_on(store.write(move |tx| {
             let record = SubmitRecord {
@@ -123,6 +125,7 @@ fn storage(rt: &tokio::runtime::Runtime) {
                 domain: None,
                 mode: Mode::Replace,
                 update_policy: None,
+                auto_rollback: None,
                 max_queued: 100,
             };
             let audit =

@@ -120,6 +120,7 @@ fn main() {
                             domain: Some("a.example.org".into()),
                             mode: Mode::Replace,
                             update_policy: Some(policy.clone()),
+                            auto_rollback: None,
                             max_queued: 100,
                         };
                         let submitted = submit_tx(tx, &hub, &record, &berth::engine::audit::Record::audit_only(berth::engine::audit::system_draft("submit", None, berth::audit::Outcome::Ok)))?.expect("stored");
@@ -134,6 +135,7 @@ fn main() {
         last_chunk: None,
                             late_frames: vec![],
                             last_seq_used: 0,
+                            log_gaps: vec![],
                         });
                         finish_tx(tx, &hub, submitted.build.id, &done)?;
                     }

@@ -133,6 +133,9 @@ pub enum Trigger {
     Delete,
     Action(String),
     AutomaticUpdate,
+    /// Queued by berth when a deploy broke (lifecycle.md "Automatic
+    /// rollback"). Listed last: bincode stores a variant by its index.
+    AutomaticRollback,
 }
 
 impl Trigger {
@@ -142,6 +145,7 @@ impl Trigger {
             Self::Delete => "delete".into(),
             Self::Action(name) => format!("action:{name}"),
             Self::AutomaticUpdate => "automatic_update".into(),
+            Self::AutomaticRollback => "automatic_rollback".into(),
         }
     }
 }
@@ -196,10 +200,13 @@ pub enum FailureReason {
     /// berth itself failed while running the build (a bug: the task
     /// waiting on the deployer ended without an answer).
     Internal,
+    /// A node the deploy changed was not healthy by `--health-timeout`, or
+    /// the deployer's `check` or `confirm` failed (lifecycle.md).
+    HealthCheckFailed,
 }
 
 impl FailureReason {
-    pub const ALL: [FailureReason; 12] = [
+    pub const ALL: [FailureReason; 13] = [
         FailureReason::SpawnFailed,
         FailureReason::JobRecordFailed,
         FailureReason::ExitStatus,
@@ -212,6 +219,7 @@ impl FailureReason {
         FailureReason::LogWriteFailed,
         FailureReason::FinalCommitFailed,
         FailureReason::Internal,
+        FailureReason::HealthCheckFailed,
     ];
 
     pub const fn as_str(self) -> &'static str {
@@ -228,6 +236,7 @@ impl FailureReason {
             FailureReason::LogWriteFailed => "log_write_failed",
             FailureReason::FinalCommitFailed => "final_commit_failed",
             FailureReason::Internal => "internal",
+            FailureReason::HealthCheckFailed => "health_check_failed",
         }
     }
 }
@@ -304,9 +313,23 @@ pub struct BuildRecord {
     /// Seqs up to this may have been sent live (log lines go out before
     /// their chunk commits); after a crash, new events start above it.
     pub seq_reserved: u64,
-    /// The seq of the first log line (line `i` has seq `log_first_seq + i`).
+    /// The seq of the first log line; line `i` has seq `log_first_seq + i`
+    /// plus one for each entry of `log_gaps` at or below `i` (`line_seq`).
     pub log_first_seq: u64,
+    /// The build this one returns to (a rollback), else `None`. (`default`:
+    /// an export of layout 4 has no such member; bincode records are
+    /// migrated by `store::layout` instead.)
+    #[serde(default)]
+    pub rollback_of: Option<BuildId>,
+    /// Line indexes before which a seq went to an event that is not a log
+    /// line (a `health` event), in order; at most `MAX_LOG_GAPS`.
+    #[serde(default)]
+    pub log_gaps: Vec<u64>,
 }
+
+/// Non-log events amid a build's log lines at most (health events: one per
+/// changed node per check).
+pub const MAX_LOG_GAPS: usize = 4096;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
@@ -353,6 +376,10 @@ pub enum TryResult {
     Succeeded,
     Failed,
     Refused,
+    /// A rollback went back from this source: it is held back from
+    /// automatic updates until the default source or the policy changes.
+    /// Listed last: bincode stores a variant by its index.
+    RolledBack,
 }
 
 /// `update.last_automatic` of a deployment read.
@@ -433,6 +460,10 @@ pub struct Deployed {
     pub snapshot: Snapshot,
     pub method: String,
     pub finished_at: Millis,
+    /// Every node of the deploy with its fingerprint when the deployer gave
+    /// one (deployer.md); a preview compares against these.
+    #[serde(default)]
+    pub nodes: Vec<(String, Option<String>)>,
 }
 
 /// The last finished build that counts for the derived state.
@@ -466,6 +497,10 @@ pub struct DeploymentRecord {
     pub event_seq: u64,
     pub created_at: Millis,
     pub updated_at: Millis,
+    /// Roll back by itself when a deploy breaks (lifecycle.md); on unless
+    /// a submit turned it off.
+    #[serde(default = "on")]
+    pub auto_rollback: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -549,6 +584,7 @@ pub struct BuildSummary {
     pub finished_at: Option<String>,
     pub exit_code: Option<i32>,
     pub failure: Option<Failure>,
+    pub rollback_of: Option<String>,
 }
 
 impl BuildRecord {
@@ -581,7 +617,15 @@ impl BuildRecord {
             event_seq: 0,
             seq_reserved: 0,
             log_first_seq: 0,
+            rollback_of: None,
+            log_gaps: Vec::new(),
         }
+    }
+
+    /// The seq of log line `line` (its index in the log).
+    pub fn line_seq(&self, line: u64) -> u64 {
+        let skipped = self.log_gaps.partition_point(|&g| g <= line) as u64;
+        self.log_first_seq + line + skipped
     }
 
     pub fn summary(&self) -> BuildSummary {
@@ -597,6 +641,7 @@ impl BuildRecord {
             finished_at: self.finished_at.map(format_time),
             exit_code: self.exit_code,
             failure: self.failure.clone(),
+            rollback_of: self.rollback_of.map(format_build_id),
         }
     }
 
@@ -636,6 +681,10 @@ pub struct DeploymentSummary {
 
 /// Stores a value as its JSON text: for types whose serde form bincode
 /// cannot read back (internally tagged enums, skipped fields).
+fn on() -> bool {
+    true
+}
+
 mod as_json_text {
     use serde::{de::DeserializeOwned, Deserialize, Deserializer, Serialize, Serializer};
 

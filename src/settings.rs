@@ -216,6 +216,22 @@ pub struct Settings {
     #[arg(long, env = "BERTH_KEEP_BUILD_DAYS", default_value_t = 90)]
     pub keep_build_days: u32,
 
+    /// The last succeeded deploy builds of a deployment that retention
+    /// always keeps, as rollback targets (and the target of any queued
+    /// rollback).
+    #[arg(long, env = "BERTH_KEEP_ROLLBACK_TARGETS", default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub keep_rollback_targets: u32,
+
+    /// How often a deploy's health step calls the deployer's `check`, and
+    /// the time limit of each call (lifecycle.md "Health checks").
+    #[arg(long, env = "BERTH_HEALTH_INTERVAL", default_value = "5s", value_parser = parse_health_interval)]
+    pub health_interval: Duration,
+
+    /// How long a deploy's changed nodes have to become healthy; 0 turns
+    /// the health step off.
+    #[arg(long, env = "BERTH_HEALTH_TIMEOUT", default_value = "120s", value_parser = parse_duration)]
+    pub health_timeout: Duration,
+
     /// How often the retention sweeps run (idempotency records, events, builds).
     #[arg(long, env = "BERTH_SWEEP_INTERVAL", default_value = "10m", value_parser = parse_duration)]
     pub sweep_interval: Duration,
@@ -349,6 +365,19 @@ fn parse_keep_alive(text: &str) -> Result<Duration, String> {
     let d = parse_duration(text)?;
     if d < KEEP_ALIVE_RANGE.0 || d > KEEP_ALIVE_RANGE.1 {
         return Err("the keep-alive interval is 100ms to 5m".into());
+    }
+    Ok(d)
+}
+
+/// A check more often than this would only load the deployer; one less
+/// often than this would leave a broken node up too long.
+const HEALTH_INTERVAL_RANGE: (Duration, Duration) =
+    (Duration::from_millis(100), Duration::from_secs(600));
+
+fn parse_health_interval(text: &str) -> Result<Duration, String> {
+    let d = parse_duration(text)?;
+    if d < HEALTH_INTERVAL_RANGE.0 || d > HEALTH_INTERVAL_RANGE.1 {
+        return Err("the health interval is 100ms to 10m".into());
     }
     Ok(d)
 }

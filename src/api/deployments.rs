@@ -161,6 +161,7 @@ struct DeploymentView {
     actions: Vec<ActionView>,
     update_policy: UpdatePolicy,
     update: Value,
+    auto_rollback: bool,
     last_build: Option<BuildSummary>,
     audit: Vec<Value>,
     event_cursor: String,
@@ -224,6 +225,14 @@ fn instances_of(text: &str, catalog: &[CatalogEntry]) -> Result<Vec<Instance>, S
         })
 }
 
+/// `update.held_back`: the digest a rollback holds back from automatic
+/// updates, while it is still the default source (lifecycle.md "Rollback").
+fn held_back(last_try: Option<&UpdateTry>, default: Option<&Source>) -> Option<String> {
+    let t = last_try?;
+    let holds = t.result == TryResult::RolledBack && t.blocks && Some(&t.source) == default;
+    holds.then(|| t.source.digest.clone())
+}
+
 /// The deployment read (api.md), with `ETag: "<revision>"`.
 pub fn render_view(
     facts: &SourceFacts,
@@ -231,6 +240,7 @@ pub fn render_view(
     last_build: Option<&BuildRecord>,
     last_try: Option<&UpdateTry>,
     audit: &[crate::audit::Event],
+    earlier_build: bool,
 ) -> Result<Reply, StoreError> {
     let instances = instances_of(&d.snapshot.configuration, facts.catalog(&d.snapshot.source))?;
     let deployed_instances = match &d.deployed {
@@ -249,7 +259,11 @@ pub fn render_view(
                 .is_some_and(|described| described.supports(name, &dep.method))
         })
     };
-    let actions = engine::actions::list(d, supported)
+    let facts_of_actions = engine::actions::Facts {
+        supported,
+        earlier_build,
+    };
+    let actions = engine::actions::list(d, &facts_of_actions)
         .into_iter()
         .map(|a| ActionView {
             name: a.name,
@@ -287,7 +301,9 @@ pub fn render_view(
             "available": available,
             "default_source": default,
             "last_automatic": last_try.map(UpdateTry::view),
+            "held_back": held_back(last_try, default),
         }),
+        auto_rollback: d.auto_rollback,
         last_build: last_build.map(BuildRecord::summary),
         audit: audit.iter().map(super::audit::view).collect(),
         event_cursor: d.event_seq.to_string(),
@@ -299,14 +315,15 @@ pub fn render_view(
 
 pub async fn read(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
     let id = deployment_id(req)?;
-    let (d, last_build, last_try, audit) = {
+    let (d, last_build, last_try, audit, earlier) = {
         let rx = ctx.engine.store.read()?;
         let d = rx
             .deployment(&id)?
             .ok_or_else(|| ApiError::not_found("deployment"))?;
         let last_build = d.last_build.map(|b| rx.build(b)).transpose()?.flatten();
         let audit = crate::engine::audit::of_deployment(&rx, &id)?;
-        (d, last_build, rx.update_try(&id)?, audit)
+        let earlier = rx.rollback_target(&d)?.is_some();
+        (d, last_build, rx.update_try(&id)?, audit, earlier)
     };
     let facts = SourceFacts::of(ctx, &d).await;
     Ok(render_view(
@@ -315,6 +332,7 @@ pub async fn read(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
         last_build.as_ref(),
         last_try.as_ref(),
         &audit,
+        earlier,
     )?)
 }
 
@@ -340,16 +358,46 @@ pub fn if_match(req: &Request) -> Result<Option<u64>, ApiError> {
     text.parse::<u64>().map(Some).map_err(|_| bad())
 }
 
-/// `POST /v1/deployments/{id}/actions/{name}`.
+/// `POST /v1/deployments/{id}/actions/{name}`. A rollback takes an
+/// optional `{"build_id": "..."}`; the other actions take no body.
 pub async fn act(ctx: &Ctx, req: &Request, w: Write) -> Result<Reply, ApiError> {
     let id = deployment_id(req)?;
     let expected = if_match(req)?;
+    let name = req.param("name");
+    let target = match (name, req.body.is_empty()) {
+        (_, true) => None,
+        ("rollback", false) => rollback_target(&req.body)?,
+        // The other actions take no body, or an empty object.
+        (_, false) => {
+            super::json_object(&req.body, &[])?;
+            None
+        }
+    };
     let record = w.record(action_reply);
-    let queued = ctx
-        .engine
-        .act(&id, req.param("name"), expected, record)
-        .await?;
+    let call = engine::actions::ActionCall {
+        name: name.to_string(),
+        if_match: expected,
+        target,
+    };
+    let queued = ctx.engine.act(&id, call, record).await?;
     Ok(action_reply(&queued))
+}
+
+/// A rollback body: `{"build_id": "<uuid>"}` or `{}`. An id that is not a
+/// UUID is malformed (400); one that is is checked by the engine, where
+/// every bad target answers alike (409 `rollback_target_invalid`).
+fn rollback_target(body: &[u8]) -> Result<Option<BuildId>, ApiError> {
+    let map = super::json_object(body, &["build_id"])?;
+    match map.get("build_id") {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(text)) => parse_build_id(text).map(Some).ok_or_else(|| {
+            ApiError::bad_request("build_id must be a build id (a UUID)")
+                .field("/build_id", "format")
+        }),
+        Some(_) => {
+            Err(ApiError::bad_request("build_id must be a string").field("/build_id", "type"))
+        }
+    }
 }
 
 /// 202 with the queued build's id.
@@ -385,6 +433,7 @@ pub async fn set_update_policy(ctx: &Ctx, req: &Request, w: Write) -> Result<Rep
             set.last_build.as_ref(),
             set.last_try.as_ref(),
             &set.audit,
+            set.rollback_target.is_some(),
         )
     };
     let render = Arc::new(render);
@@ -405,6 +454,7 @@ const SUBMIT_FIELDS: &[&str] = &[
     "mode",
     "keep_deployed_revision",
     "update_policy",
+    "auto_rollback",
 ];
 const PREVIEW_FIELDS: &[&str] = &["configuration", "source", "keep_deployed_revision"];
 
@@ -466,6 +516,14 @@ fn parse_submit(req: &Request, allowed: &[&str]) -> Result<SubmitInput, ApiError
         None | Some(Value::Null) => None,
         Some(p) => Some(parse_policy(p, "/update_policy")?),
     };
+    let auto_rollback = match map.get("auto_rollback") {
+        None | Some(Value::Null) => None,
+        Some(Value::Bool(b)) => Some(*b),
+        Some(_) => {
+            return Err(ApiError::bad_request("auto_rollback must be a boolean")
+                .field("/auto_rollback", "type"))
+        }
+    };
     Ok(SubmitInput {
         configuration_text,
         configuration,
@@ -473,6 +531,7 @@ fn parse_submit(req: &Request, allowed: &[&str]) -> Result<SubmitInput, ApiError
         mode,
         keep_deployed_revision,
         update_policy,
+        auto_rollback,
     })
 }
 
@@ -571,8 +630,11 @@ fn destroy_queued_reply(q: &DestroyQueued) -> Reply {
 pub async fn preview(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
     let id = deployment_id(req)?;
     let input = parse_submit(req, PREVIEW_FIELDS)?;
-    let nodes = ctx.engine.preview(&id, input).await?;
-    Ok(Reply::json(200, &serde_json::json!({"nodes": nodes})))
+    let preview = ctx.engine.preview(&id, input).await?;
+    Ok(Reply::json(
+        200,
+        &serde_json::json!({"nodes": preview.nodes, "changes": preview.changes}),
+    ))
 }
 
 pub async fn delete(ctx: &Ctx, req: &Request, w: Write) -> Result<Reply, ApiError> {

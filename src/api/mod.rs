@@ -57,7 +57,7 @@ pub const MAX_HEADER_BYTES: usize = 16 * 1024;
 /// A JSON body may nest this deep at most.
 pub const MAX_JSON_DEPTH: usize = 64;
 /// Times a GET that raced a store reopen is run again.
-const READ_RETRIES: u32 = 5;
+pub(crate) const READ_RETRIES: u32 = 5;
 
 /// A response before it becomes HTTP: what the idempotency store keeps.
 #[derive(Debug, Clone)]

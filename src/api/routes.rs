@@ -27,7 +27,7 @@ use super::{
     audit, builds, deployments, derive, events, idempotency, ops, page, sboms, Answer, Ctx, Request,
 };
 use crate::model::parse_build_id;
-use crate::store::Lookup;
+use crate::store::{Lookup, StoreErrorKind};
 
 /// A route anyone may call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -285,6 +285,7 @@ impl Audit {
             Audit::ActionByName => match params.get("name").map(String::as_str) {
                 Some("suspend") => "action:suspend",
                 Some("resume") => "action:resume",
+                Some("rollback") => "action:rollback",
                 Some(_) | None => "action",
             },
         }
@@ -299,27 +300,41 @@ pub struct Authorized {
 }
 
 /// The deployment a question names, by the route's scope.
-fn scope_deployment(ctx: &Ctx, scope: Scope, params: &Params) -> Result<Option<String>, ApiError> {
+async fn scope_deployment(
+    ctx: &Ctx,
+    scope: Scope,
+    params: &Params,
+) -> Result<Option<String>, ApiError> {
     let param = |name: &str| params.get(name).map(String::as_str).unwrap_or("");
     match scope {
         Scope::Server | Scope::QueryActor | Scope::EachItem => Ok(None),
         Scope::PathDeployment => Ok(Some(param("id").to_string())),
         Scope::BuildsDeployment => {
             // An id that does not parse names no build: the handler answers
-            // it. A store that cannot be read is not "no deployment".
+            // it. A store that cannot be read is not "no deployment": it is
+            // read again while it reopens (as a GET is), then answered 503.
             let Some(build) = parse_build_id(param("build")) else {
                 return Ok(None);
             };
-            let record = ctx.engine.store.read().and_then(|rx| rx.build(build));
-            match record {
-                Ok(found) => Ok(found.map(|b| b.deployment)),
-                Err(e) => {
-                    tracing::error!(error = %e, "cannot read a build to authorize a call");
-                    Err(ApiError::new(
-                        Code::Unavailable,
-                        "the store could not be read to authorize this call",
-                    )
-                    .retry_after(1))
+            let mut attempts = 0;
+            loop {
+                match ctx.engine.store.read().and_then(|rx| rx.build(build)) {
+                    Ok(found) => return Ok(found.map(|b| b.deployment)),
+                    Err(e)
+                        if e.kind == StoreErrorKind::Reopening
+                            && attempts < super::READ_RETRIES =>
+                    {
+                        attempts += 1;
+                        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                    }
+                    Err(e) => {
+                        tracing::error!(error = %e, "cannot read a build to authorize a call");
+                        return Err(ApiError::new(
+                            Code::Unavailable,
+                            "the store could not be read to authorize this call",
+                        )
+                        .retry_after(1));
+                    }
                 }
             }
         }
@@ -341,7 +356,7 @@ pub async fn authorize(
     path: &str,
     request_id: &str,
 ) -> Result<Authorized, ApiError> {
-    let deployment = scope_deployment(ctx, ask.scope, params)?;
+    let deployment = scope_deployment(ctx, ask.scope, params).await?;
     let draft = |deployment: &Option<String>| {
         audit.map(|a| audit::draft(a.action(params), deployment.as_deref(), params, request_id))
     };

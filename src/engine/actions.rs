@@ -12,35 +12,34 @@ use super::transition::{Change, NewBuild};
 use super::Engine;
 use crate::events::Hub;
 use crate::model::*;
-use crate::store::{Lookup, StoreResult, Tx};
+use crate::store::{Lookup, StoreError, StoreResult, Tx};
 
 /// An action the generic route runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Toggle {
+pub enum Named {
     Suspend,
     Resume,
+    /// Back to an earlier succeeded deploy (lifecycle.md "Rollback").
+    Rollback,
 }
 
-impl Toggle {
+impl Named {
     /// The action named in a route; `None` for a name berth does not know.
-    pub fn from_name(name: &str) -> Option<Toggle> {
+    pub fn from_name(name: &str) -> Option<Named> {
         match name {
-            "suspend" => Some(Toggle::Suspend),
-            "resume" => Some(Toggle::Resume),
+            "suspend" => Some(Named::Suspend),
+            "resume" => Some(Named::Resume),
+            "rollback" => Some(Named::Rollback),
             _ => None,
         }
     }
 
     pub fn name(self) -> &'static str {
         match self {
-            Toggle::Suspend => "suspend",
-            Toggle::Resume => "resume",
+            Named::Suspend => "suspend",
+            Named::Resume => "resume",
+            Named::Rollback => "rollback",
         }
-    }
-
-    /// The `suspended` flag after the action.
-    fn suspends(self) -> bool {
-        self == Toggle::Suspend
     }
 }
 
@@ -51,33 +50,52 @@ pub struct Action {
     pub reason: Option<Reason>,
 }
 
+/// What the list needs besides the record.
+pub struct Facts<S: Fn(&str) -> bool> {
+    /// The source of the last successful deploy lists the action for its
+    /// method in `describe`.
+    pub supported: S,
+    /// A retained succeeded deploy build before the deployed one exists
+    /// (`Lookup::rollback_target`).
+    pub earlier_build: bool,
+}
+
 /// Every action with the first reason that disables it, in lifecycle.md's
-/// order of checks. `supported(name)`: the source of the last successful
-/// deploy lists the action for its method in `describe`.
-pub fn list(d: &DeploymentRecord, supported: impl Fn(&str) -> bool) -> Vec<Action> {
+/// order of checks.
+pub fn list<S: Fn(&str) -> bool>(d: &DeploymentRecord, facts: &Facts<S>) -> Vec<Action> {
     // After a failed or cancelled build the deployment may be in either
     // state: both toggles are accepted and the state reasons are not used.
     let after_failure = matches!(d.state(), DeploymentState::Failed);
-    let toggle = |t: Toggle| {
-        let wrong_state = d.suspended == t.suspends();
+    let toggle = |suspends: bool, name: &'static str| {
+        let wrong_state = d.suspended == suspends;
         let reason = if d.deployed.is_none() {
             Some(Reason::NotDeployed)
         } else if d.has_pending_build() {
             Some(Reason::BuildPending)
         } else if wrong_state && !after_failure {
-            Some(match t {
-                Toggle::Suspend => Reason::AlreadySuspended,
-                Toggle::Resume => Reason::NotSuspended,
+            Some(if suspends {
+                Reason::AlreadySuspended
+            } else {
+                Reason::NotSuspended
             })
-        } else if !supported(t.name()) {
+        } else if !(facts.supported)(name) {
             Some(Reason::UnsupportedByRevision)
         } else {
             None
         };
-        Action {
-            name: t.name(),
-            reason,
-        }
+        Action { name, reason }
+    };
+    let rollback = Action {
+        name: Named::Rollback.name(),
+        reason: if d.deployed.is_none() {
+            Some(Reason::NotDeployed)
+        } else if d.has_pending_build() {
+            Some(Reason::BuildPending)
+        } else if !facts.earlier_build {
+            Some(Reason::NoEarlierBuild)
+        } else {
+            None
+        },
     };
     vec![
         Action {
@@ -88,8 +106,9 @@ pub fn list(d: &DeploymentRecord, supported: impl Fn(&str) -> bool) -> Vec<Actio
             name: "delete",
             reason: None,
         },
-        toggle(Toggle::Suspend),
-        toggle(Toggle::Resume),
+        toggle(true, Named::Suspend.name()),
+        toggle(false, Named::Resume.name()),
+        rollback,
     ]
 }
 
@@ -114,18 +133,28 @@ pub enum Acted {
     DescribeAgain,
 }
 
+/// One call of the generic action route.
+#[derive(Debug, Clone)]
+pub struct ActionCall {
+    pub name: String,
+    /// `If-Match`: the revision the caller saw.
+    pub if_match: Option<u64>,
+    /// A rollback's `build_id`; `None`: the newest earlier succeeded deploy.
+    pub target: Option<BuildId>,
+}
+
 impl Engine {
-    /// Suspend or resume: queues a deploy of the last successful
-    /// configuration and source with the new `suspended` value, which is
-    /// stored at once. `if_match`: the revision the caller saw.
+    /// Suspend or resume (a deploy of the last successful configuration and
+    /// source with the new `suspended` value, stored at once), or rollback
+    /// (a deploy of an earlier build's snapshot, which becomes the
+    /// deployment's configuration and source).
     pub async fn act(
         self: &Arc<Self>,
         id: &str,
-        name: &str,
-        if_match: Option<u64>,
+        call: ActionCall,
         record: Record<ActionQueued>,
     ) -> Result<ActionQueued, Refusal> {
-        let Some(toggle) = Toggle::from_name(name) else {
+        let Some(named) = Named::from_name(&call.name) else {
             return Err(Refusal::NotFound(Missing::Action));
         };
         // The deployed source can change between its describe and the
@@ -140,7 +169,7 @@ impl Engine {
             let (digest, supported) = match &d.deployed {
                 Some(dep) => {
                     let described = self.describe(&dep.snapshot.source).await?;
-                    let ok = described.supports(toggle.name(), &dep.method);
+                    let ok = described.supports(named.name(), &dep.method);
                     (Some(dep.snapshot.source.digest.clone()), ok)
                 }
                 None => (None, false),
@@ -148,19 +177,16 @@ impl Engine {
             let hub = self.hub.clone();
             let id = id.to_string();
             let record = record.clone();
+            let call = call.clone();
             let acted = self
                 .store
                 .write(move |tx| {
-                    act_tx(
-                        tx,
-                        &hub,
-                        &id,
-                        toggle,
-                        if_match,
-                        digest.clone(),
+                    let checked = Checked {
+                        named,
+                        described_digest: digest.clone(),
                         supported,
-                        &record,
-                    )
+                    };
+                    act_tx(tx, &hub, &id, &call, &checked, &record)
                 })
                 .await?;
             match acted {
@@ -176,56 +202,160 @@ impl Engine {
     }
 }
 
+/// What `act` learned before its write job: the action, and whether the
+/// deployed source (as described) supports it.
+pub struct Checked {
+    pub named: Named,
+    pub described_digest: Option<String>,
+    pub supported: bool,
+}
+
 /// The action's write job (it may run again alone; see `Store::write`).
-/// retry needs it).
-#[allow(clippy::too_many_arguments)]
 pub fn act_tx(
     tx: &Tx,
     hub: &Arc<Hub>,
     id: &str,
-    toggle: Toggle,
-    if_match: Option<u64>,
-    described_digest: Option<String>,
-    supported: bool,
+    call: &ActionCall,
+    checked: &Checked,
     record: &Record<ActionQueued>,
 ) -> StoreResult<Acted> {
+    let named = checked.named;
     let Some(mut d) = tx.deployment(id)? else {
         return Ok(Acted::Refused(Refusal::NotFound(Missing::Deployment)));
     };
-    if if_match.is_some_and(|r| r != d.revision) {
+    if call.if_match.is_some_and(|r| r != d.revision) {
         return Ok(Acted::Refused(Refusal::PreconditionFailed));
     }
     let deployed_digest = d
         .deployed
         .as_ref()
         .map(|x| x.snapshot.source.digest.clone());
-    if deployed_digest != described_digest {
+    if deployed_digest != checked.described_digest {
         return Ok(Acted::DescribeAgain);
     }
-    let action = list(&d, |name| name == toggle.name() && supported)
+    let earlier = tx.rollback_target(&d)?;
+    let facts = Facts {
+        supported: |name: &str| name == named.name() && checked.supported,
+        earlier_build: earlier.is_some(),
+    };
+    let action = list(&d, &facts)
         .into_iter()
-        .find(|a| a.name == toggle.name());
+        .find(|a| a.name == named.name());
     if let Some(reason) = action.and_then(|a| a.reason) {
         return Ok(Acted::Refused(Refusal::ActionRefused(reason)));
     }
     let Some(deployed) = d.deployed.clone() else {
         return Ok(Acted::Refused(Refusal::ActionRefused(Reason::NotDeployed)));
     };
-    d.suspended = toggle.suspends();
     let change = Change::new(tx, hub);
-    let build = change.enqueue(
-        &mut d,
-        NewBuild {
-            kind: BuildKind::Deploy,
-            trigger: Trigger::Action(toggle.name().to_string()),
-            suspended: toggle.suspends(),
-            method: deployed.method,
-            snapshot: deployed.snapshot,
-        },
-    )?;
+    let new = match named {
+        Named::Suspend | Named::Resume => {
+            d.suspended = named == Named::Suspend;
+            NewBuild {
+                kind: BuildKind::Deploy,
+                trigger: Trigger::Action(named.name().to_string()),
+                suspended: d.suspended,
+                method: deployed.method,
+                snapshot: deployed.snapshot,
+                rollback_of: None,
+            }
+        }
+        Named::Rollback => {
+            let target = match call.target.or(earlier) {
+                Some(t) => t,
+                None => {
+                    return Ok(Acted::Refused(Refusal::ActionRefused(
+                        Reason::NoEarlierBuild,
+                    )))
+                }
+            };
+            let Some(new) = rollback_build(tx, &mut d, target, Trigger::Action("rollback".into()))?
+            else {
+                return Ok(Acted::Refused(Refusal::ActionRefused(
+                    Reason::RollbackTargetInvalid,
+                )));
+            };
+            new
+        }
+    };
+    let held_back = (named == Named::Rollback)
+        .then(|| deployed_source(&d))
+        .flatten();
+    let build = change.enqueue(&mut d, new)?;
+    if let Some(from) = held_back {
+        hold_back(&change, &d, from, build.id, "action:rollback")?;
+    }
     let queued = ActionQueued { build_id: build.id };
     record.store(&change, &queued)?;
     Ok(Acted::Done(queued))
+}
+
+/// The deployed source, when it differs from the configuration's source now
+/// set on `d` (a rollback that changes the source holds the one it left).
+fn deployed_source(d: &DeploymentRecord) -> Option<Source> {
+    let deployed = d.deployed.as_ref()?;
+    (deployed.snapshot.source != d.snapshot.source).then(|| deployed.snapshot.source.clone())
+}
+
+/// A rollback of `d` to `target`: the target's snapshot becomes the
+/// deployment's configuration and source, and the new build's. `None` when
+/// `target` is not a retained succeeded deploy build of `d`.
+pub fn rollback_build(
+    tx: &Tx,
+    d: &mut DeploymentRecord,
+    target: BuildId,
+    trigger: Trigger,
+) -> StoreResult<Option<NewBuild>> {
+    let Some(b) = tx.build(target)? else {
+        return Ok(None);
+    };
+    if b.deployment != d.id || b.kind != BuildKind::Deploy || b.status != BuildStatus::Succeeded {
+        return Ok(None);
+    }
+    let Some(snaps) = tx.build_snapshots(target)? else {
+        return Ok(None);
+    };
+    let snapshot = snaps.snapshot;
+    let configuration: serde_json::Value = serde_json::from_str(&snapshot.configuration)
+        .map_err(|_| StoreError::damaged_snapshot(DamagedSnapshot))?;
+    d.domain = crate::derive::shape(&configuration)
+        .map_err(|_| StoreError::corrupt("a stored configuration no longer has its shape"))?
+        .domain
+        .map(str::to_string);
+    d.snapshot = snapshot.clone();
+    d.method = b.method.clone();
+    Ok(Some(NewBuild {
+        kind: BuildKind::Deploy,
+        trigger,
+        suspended: d.suspended,
+        method: b.method,
+        snapshot,
+        rollback_of: Some(target),
+    }))
+}
+
+/// Holds `from` back from automatic updates under the current policy
+/// (lifecycle.md "Rollback"): it counts as a try of that source, so the
+/// update loop does not apply it again until the default source or the
+/// policy changes.
+pub fn hold_back(
+    change: &Change,
+    d: &DeploymentRecord,
+    from: Source,
+    build: BuildId,
+    why: &str,
+) -> StoreResult<()> {
+    change.tx().put_update_try(
+        &d.id,
+        &UpdateTry {
+            at: change.now(),
+            source: from,
+            build_id: Some(build),
+            result: TryResult::RolledBack,
+            reason: Some(why.to_string()),
+            blocks: true,
+        },
+    )
 }
 
 #[cfg(test)]
@@ -254,6 +384,7 @@ mod tests {
                 snapshot,
                 method: "m".into(),
                 finished_at: 1,
+                nodes: vec![],
             }),
             last_build: Some(1),
             last_finished: Some(LastFinished {
@@ -267,11 +398,16 @@ mod tests {
             event_seq: 2,
             created_at: 1,
             updated_at: 1,
+            auto_rollback: true,
         }
     }
 
     fn reasons(d: &DeploymentRecord, supported: bool) -> Vec<(&'static str, Option<&'static str>)> {
-        list(d, |_| supported)
+        let facts = Facts {
+            supported: |_: &str| supported,
+            earlier_build: true,
+        };
+        list(d, &facts)
             .into_iter()
             .map(|a| (a.name, a.reason.map(Reason::code)))
             .collect()
@@ -286,7 +422,8 @@ mod tests {
                 ("deploy", None),
                 ("delete", None),
                 ("suspend", None),
-                ("resume", Some("not_suspended"))
+                ("resume", Some("not_suspended")),
+                ("rollback", None)
             ]
         );
         assert_eq!(
@@ -307,7 +444,8 @@ mod tests {
                 ("deploy", Some("suspended")),
                 ("delete", None),
                 ("suspend", Some("already_suspended")),
-                ("resume", None)
+                ("resume", None),
+                ("rollback", None)
             ]
         );
 
@@ -340,6 +478,20 @@ mod tests {
         assert_eq!(
             reasons(&failed, false)[3],
             ("resume", Some("unsupported_by_revision"))
+        );
+        // Rollback: deployed, nothing pending, an earlier build.
+        assert_eq!(reasons(&never, true)[4], ("rollback", Some("not_deployed")));
+        assert_eq!(
+            reasons(&pending, true)[4],
+            ("rollback", Some("build_pending"))
+        );
+        let alone = Facts {
+            supported: |_: &str| true,
+            earlier_build: false,
+        };
+        assert_eq!(
+            list(&active, &alone)[4].reason.map(Reason::code),
+            Some("no_earlier_build")
         );
     }
 }

@@ -10,6 +10,7 @@ use std::time::Duration;
 use serde_json::json;
 use tokio::sync::{mpsc, watch};
 
+use super::health::HealthEnd;
 use super::log_pipe::{Chunk, LogBuffer, LogPipe, LINE_QUEUE, LOG_FLUSH_INTERVAL};
 use super::outcome::{End, Halt, NodeOutcome, SbomOutcome};
 use super::queue::QUEUE_POLL;
@@ -63,7 +64,7 @@ impl Engine {
         snaps: &BuildSnapshots,
         cancel: watch::Receiver<Halt>,
     ) -> Outcome {
-        let (inv, root) = match self.prepare_call(build, snaps) {
+        let (inv, root, request) = match self.prepare_call(build, snaps) {
             Ok(call) => call,
             Err(outcome) => return *outcome,
         };
@@ -109,8 +110,56 @@ impl Engine {
         let ended = waiter.await;
         forward.abort();
         let halted = *halt.borrow();
-        self.collect_verdict(build, root, ended, pgid, halted, pipe)
-            .await
+        let (ended, result) = self.collect_run(build, &root, ended, pgid).await;
+        // The health step: a deploy that exited 0 with a valid result, and
+        // a deployer that can check its nodes (lifecycle.md).
+        let mut health = None;
+        if let (Ok(Ended::Exit(0)), Some(Ok(nodes))) = (&ended, &result) {
+            if build.kind == BuildKind::Deploy && self.checks_health(snaps).await {
+                let changed = nodes
+                    .iter()
+                    .filter(|n| n.changed)
+                    .map(|n| n.name.clone())
+                    .collect();
+                let mut cancel = halt.clone();
+                health = Some(
+                    self.health_step(build, &request, changed, &mut pipe, &mut cancel)
+                        .await,
+                );
+                pipe.wait_all().await;
+            }
+        }
+        let halted = match (&ended, &health) {
+            (_, Some(HealthEnd::Halted(h))) => *h,
+            (Ok(Ended::Cancelled), _) => halted,
+            (Ok(_) | Err(_), _) => Halt::No,
+        };
+        Outcome {
+            root,
+            ended,
+            result,
+            health,
+            log: pipe.log,
+            disk_failure: pipe.disk_failure,
+            halted,
+        }
+    }
+
+    /// Whether the build's source has a health step: its deployer lists
+    /// `check` and `confirm`, and `--health-timeout` is not 0. A source
+    /// whose describe cannot be read now (it was read at submit) has none,
+    /// and the log of berth says so.
+    async fn checks_health(&self, snaps: &BuildSnapshots) -> bool {
+        if self.settings.health_timeout.is_zero() {
+            return false;
+        }
+        match self.describe(&snaps.snapshot.source).await {
+            Ok(described) => described.checks_health(),
+            Err(e) => {
+                tracing::error!(digest = %snaps.snapshot.source.digest, error = %e.describe(), "cannot read a describe for the health step; the build has none");
+                false
+            }
+        }
     }
 
     /// The deployer's request and directories. `Err` is the outcome of a
@@ -120,7 +169,7 @@ impl Engine {
         &self,
         build: &BuildRecord,
         snaps: &BuildSnapshots,
-    ) -> Result<(Invocation, std::path::PathBuf), Box<Outcome>> {
+    ) -> Result<(Invocation, std::path::PathBuf, serde_json::Value), Box<Outcome>> {
         let id_text = format_build_id(build.id);
         let work_dir = self.settings.work_dir(&build.deployment);
         let root = self.settings.scratch_root().join(&id_text);
@@ -171,11 +220,12 @@ impl Engine {
         let inv = Invocation {
             verb,
             request: request.to_string().into_bytes(),
+
             work_dir,
             scratch_dir: dirs.scratch,
             result_path: dirs.result_path,
         };
-        Ok((inv, root))
+        Ok((inv, root, request))
     }
 
     /// Starts the deployer behind its gate, commits its process record,
@@ -236,15 +286,16 @@ impl Engine {
     /// How the run ended, with a deploy's result read and checked. A runner
     /// task that ended without an answer (a panic) is a failure of berth's
     /// own (`internal`), never an exit code.
-    async fn collect_verdict(
+    async fn collect_run(
         &self,
         build: &BuildRecord,
-        root: std::path::PathBuf,
+        root: &std::path::Path,
         ended: Result<Ended, tokio::task::JoinError>,
         pgid: i32,
-        halted: Halt,
-        pipe: LogPipe,
-    ) -> Outcome {
+    ) -> (
+        Result<Ended, Failure>,
+        Option<Result<Vec<super::outcome::NodeOutcome>, String>>,
+    ) {
         let internal = |what: &str, e: tokio::task::JoinError| {
             tracing::error!(error = %e, build = %format_build_id(build.id), "{what}");
             Failure::new(
@@ -258,29 +309,16 @@ impl Engine {
             runner::signal_group(pgid, nix::sys::signal::Signal::SIGKILL);
             internal("the task waiting on a deployer failed", e)
         });
-        let halted = match ended {
-            Ok(Ended::Cancelled) => halted,
-            Ok(_) | Err(_) => Halt::No,
-        };
-        let mut outcome = Outcome {
-            root,
-            ended,
-            result: None,
-            log: pipe.log,
-            disk_failure: pipe.disk_failure,
-            halted,
-        };
-        if outcome.ended == Ok(Ended::Exit(0)) {
-            // SBOMs may be large: read, check, split and compress them on
-            // the blocking pool.
-            let (root, kind, store) = (outcome.root.clone(), build.kind, self.store.clone());
-            match tokio::task::spawn_blocking(move || read_deploy_result(&root, kind, &store)).await
-            {
-                Ok(result) => outcome.result = Some(result),
-                Err(e) => outcome.ended = Err(internal("reading a deploy result failed", e)),
-            }
+        if ended.as_ref().ok() != Some(&Ended::Exit(0)) {
+            return (ended, None);
         }
-        outcome
+        // SBOMs may be large: read, check, split and compress them on the
+        // blocking pool.
+        let (root, kind, store) = (root.to_path_buf(), build.kind, self.store.clone());
+        match tokio::task::spawn_blocking(move || read_deploy_result(&root, kind, &store)).await {
+            Ok(result) => (ended, Some(result)),
+            Err(e) => (Err(internal("reading a deploy result failed", e)), None),
+        }
     }
 
     /// The final transaction: status, last log chunk, the deployment's
@@ -332,6 +370,7 @@ impl Engine {
             last_chunk,
             late_frames,
             last_seq_used,
+            log_gaps: outcome.log.gaps.clone(),
         });
         // The final commit is retried until it lands (a full disk that
         // recovers): a build must not stay `running` without a job.
@@ -367,6 +406,7 @@ impl Engine {
                     last_chunk: None,
                     late_frames: vec![],
                     last_seq_used: finished.last_seq_used,
+                    log_gaps: finished.log_gaps.clone(),
                 });
                 let hub = self.hub.clone();
                 match self
@@ -434,6 +474,8 @@ pub struct Finished {
     pub late_frames: Vec<Arc<Frame>>,
     /// The highest log seq handed out: never reused.
     pub last_seq_used: u64,
+    /// Every seq amid the log's lines that went to another event.
+    pub log_gaps: Vec<u64>,
 }
 
 /// The final write job: the last log chunk, then the final status through
@@ -448,6 +490,9 @@ pub fn finish_tx(tx: &Tx, hub: &Arc<Hub>, build_id: BuildId, f: &Arc<Finished>) 
     // Ids sent live are never reused, even for lines a failed disk could
     // not keep.
     b.event_seq = b.event_seq.max(f.last_seq_used);
+    if b.log_gaps.len() < f.log_gaps.len() {
+        b.log_gaps = f.log_gaps.clone();
+    }
     let (publish, late, last_seq_used) = (hub.clone(), f.clone(), f.last_seq_used);
     tx.after_commit(move || {
         let channel = Channel::Build(build_id);

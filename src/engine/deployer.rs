@@ -31,6 +31,8 @@ struct DescribeResult {
     renames: Vec<Rename>,
     #[serde(default)]
     schema: Option<Value>,
+    #[serde(default)]
+    verbs: Vec<String>,
 }
 
 /// What a source says about itself, with its schema compiled.
@@ -40,6 +42,8 @@ pub struct Described {
     pub actions: BTreeMap<String, Vec<String>>,
     pub catalog: Vec<CatalogEntry>,
     pub renames: Vec<Rename>,
+    /// The optional verbs the deployer implements (`check`, `confirm`).
+    pub verbs: Vec<String>,
     validator: Option<(boon::Schemas, boon::SchemaIndex)>,
 }
 
@@ -49,6 +53,14 @@ impl Described {
         self.actions
             .get(action)
             .is_some_and(|methods| methods.iter().any(|m| m == method))
+    }
+
+    /// deployer.md: with both `check` and `confirm`, every deploy has a
+    /// health step.
+    pub fn checks_health(&self) -> bool {
+        ["check", "confirm"]
+            .iter()
+            .all(|v| self.verbs.iter().any(|have| have == v))
     }
 
     pub fn parse(text: &str) -> Result<Described, String> {
@@ -78,6 +90,7 @@ impl Described {
             actions: r.actions,
             catalog: r.catalog,
             renames: r.renames,
+            verbs: r.verbs,
             validator,
         })
     }
@@ -355,6 +368,20 @@ impl Engine {
         work_dir: Option<std::path::PathBuf>,
         permit: Option<tokio::sync::OwnedSemaphorePermit>,
     ) -> Result<(Ended, Result<Option<Vec<u8>>, String>, Vec<String>), Refusal> {
+        self.call_within(verb, request, work_dir, permit, self.settings.eval_timeout)
+            .await
+    }
+
+    /// As `call`, with its own time limit (a health check's is
+    /// `--health-interval`).
+    pub(super) async fn call_within(
+        &self,
+        verb: &'static str,
+        request: Vec<u8>,
+        work_dir: Option<std::path::PathBuf>,
+        permit: Option<tokio::sync::OwnedSemaphorePermit>,
+        timeout: std::time::Duration,
+    ) -> Result<(Ended, Result<Option<Vec<u8>>, String>, Vec<String>), Refusal> {
         let call_id = crate::hex::encode(&uuid::Uuid::now_v7().as_u128().to_be_bytes());
         let root = self.settings.scratch_root().join(format!("call-{call_id}"));
         let dirs = CallDirs::create(root.clone()).map_err(|e| {
@@ -387,7 +414,6 @@ impl Engine {
                 return Err(cannot_start(e));
             }
         };
-        let timeout = self.settings.eval_timeout;
         let grace = self
             .settings
             .cancel_grace

@@ -222,6 +222,17 @@ impl LogPipe {
     }
 
     /// Waits until every started flush has reported.
+    /// Commits every pending line now (before an event that takes a seq
+    /// after them) and waits for it to land.
+    pub(super) async fn commit_pending(&mut self) {
+        self.publish_held();
+        if !self.log.pending.is_empty() {
+            self.wait_all().await;
+            self.start_flush();
+        }
+        self.wait_all().await;
+    }
+
     pub(super) async fn wait_all(&mut self) {
         while self.in_flight > 0 {
             self.wait_one().await;
@@ -244,10 +255,16 @@ pub struct LogBuffer {
     pub(super) pending: Vec<u8>,
     pending_lines: u64,
     pending_first_seq: u64,
+    /// The line index of the first pending line.
+    pending_first_line: u64,
     /// The seq the next stored line gets.
     pub next_seq: u64,
-    /// The seq of the build's first line (line index 0).
-    first_seq: u64,
+    /// The index in the log the next stored line gets (seqs can skip: a
+    /// `health` event takes one, `take_gap`).
+    next_line: u64,
+    /// `BuildRecord::log_gaps` as this buffer handed them out; every commit
+    /// of the build record stores them.
+    pub(super) gaps: Vec<u64>,
     /// Seqs up to this are reserved in the store.
     pub reserved: u64,
     next_chunk: u32,
@@ -261,6 +278,8 @@ pub struct LogBuffer {
 /// `compress` runs (off the line path).
 pub struct Chunk {
     number: u32,
+    /// The log's gaps when the chunk was cut (stored with it).
+    gaps: Vec<u64>,
     /// Index of the chunk's first line in the build's log.
     first_line: u64,
     last_seq: u64,
@@ -275,8 +294,10 @@ impl LogBuffer {
             pending: Vec::new(),
             pending_lines: 0,
             pending_first_seq: first_seq,
+            pending_first_line: 0,
             next_seq: first_seq,
-            first_seq,
+            next_line: 0,
+            gaps: Vec::new(),
             reserved,
             next_chunk: 0,
             stored_bytes: 0,
@@ -301,7 +322,9 @@ impl LogBuffer {
     pub(super) fn force_push(&mut self, line: &str) -> u64 {
         if self.pending_lines == 0 {
             self.pending_first_seq = self.next_seq;
+            self.pending_first_line = self.next_line;
         }
+        self.next_line += 1;
         self.pending.extend_from_slice(line.as_bytes());
         self.pending.push(b'\n');
         self.pending_lines += 1;
@@ -316,6 +339,25 @@ impl LogBuffer {
         self.pending_lines = 0;
     }
 
+    /// A seq for an event that is not a log line (a `health` event); the
+    /// line index it comes before joins `gaps`. Returns the seq and every
+    /// gap so far (what the build record stores). Only with no line
+    /// pending: a chunk's lines have consecutive seqs.
+    pub(super) fn take_gap(&mut self) -> (u64, Vec<u64>) {
+        assert!(
+            self.pending.is_empty(),
+            "a gap in the seqs of pending lines"
+        );
+        assert!(
+            self.gaps.len() < MAX_LOG_GAPS,
+            "more log gaps than MAX_LOG_GAPS"
+        );
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.gaps.push(self.next_line);
+        (seq, self.gaps.clone())
+    }
+
     pub(super) fn take_chunk(&mut self) -> Option<Chunk> {
         if self.pending.is_empty() {
             return None;
@@ -326,7 +368,8 @@ impl LogBuffer {
         let raw = std::mem::replace(&mut self.pending, Vec::with_capacity(room));
         let chunk = Chunk {
             number: self.next_chunk,
-            first_line: self.pending_first_seq - self.first_seq,
+            gaps: self.gaps.clone(),
+            first_line: self.pending_first_line,
             last_seq: self.pending_first_seq + self.pending_lines - 1,
             bytes: raw.len() as u64,
             compressed: raw,
@@ -353,6 +396,9 @@ impl Chunk {
             raw_len: self.bytes,
         };
         tx.put_log_chunk(b.id, &place, &self.compressed)?;
+        if b.log_gaps.len() < self.gaps.len() {
+            b.log_gaps = self.gaps.clone();
+        }
         b.log_bytes += self.bytes;
         b.log_lines += self.lines;
         b.log_chunks = self.number + 1;

@@ -12,6 +12,7 @@ pub mod audit_events;
 pub mod build;
 pub mod callbacks;
 pub mod deployer;
+pub mod health;
 pub mod log_pipe;
 pub mod outcome;
 pub mod queue;

@@ -53,6 +53,7 @@ pub struct NodeOutcome {
     pub name: String,
     pub changed: bool,
     pub sbom: SbomOutcome,
+    pub fingerprint: Option<String>,
 }
 
 #[derive(Debug)]

@@ -167,6 +167,12 @@ pub enum ActionReason {
     AlreadySuspended,
     NotSuspended,
     UnsupportedByRevision,
+    /// Rollback: no retained succeeded deploy build before the deployed one.
+    NoEarlierBuild,
+    /// Rollback: the named build is not a retained succeeded deploy build
+    /// of this deployment (unknown, another deployment's, a destroy, failed,
+    /// pruned: all alike, so nobody can probe other deployments' builds).
+    RollbackTargetInvalid,
 }
 
 impl ActionReason {
@@ -178,6 +184,8 @@ impl ActionReason {
             ActionReason::AlreadySuspended => "already_suspended",
             ActionReason::NotSuspended => "not_suspended",
             ActionReason::UnsupportedByRevision => "unsupported_by_revision",
+            ActionReason::NoEarlierBuild => "no_earlier_build",
+            ActionReason::RollbackTargetInvalid => "rollback_target_invalid",
         }
     }
 }

@@ -66,6 +66,8 @@ pub struct SubmitInput {
     pub mode: Mode,
     pub keep_deployed_revision: bool,
     pub update_policy: Option<UpdatePolicy>,
+    /// `auto_rollback`; `None` keeps the stored value.
+    pub auto_rollback: Option<bool>,
 }
 
 /// What a validated configuration resolved to.
@@ -115,6 +117,65 @@ pub struct CancelTaken {
     pub was_running: bool,
 }
 
+/// A preview's answer: the evaluated nodes, and what a deploy would change.
+pub struct Preview {
+    pub nodes: Vec<Value>,
+    pub changes: Vec<NodeChange>,
+}
+
+/// lifecycle.md "What a submit would change": one node's plan.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct NodeChange {
+    pub node: String,
+    pub change: ChangeKind,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ChangeKind {
+    Added,
+    Removed,
+    Changed,
+    Unchanged,
+    /// Either side has no fingerprint.
+    Unknown,
+}
+
+/// Pure: each node of the evaluated configuration (`planned`) or of the
+/// deployed state, compared by fingerprint; evaluated nodes first, in
+/// their order, then the removed ones in theirs.
+pub fn changes(
+    planned: &[(String, Option<String>)],
+    deployed: &[(String, Option<String>)],
+) -> Vec<NodeChange> {
+    let mut out: Vec<NodeChange> = planned
+        .iter()
+        .map(|(node, print)| {
+            let change = match deployed.iter().find(|(n, _)| n == node) {
+                None => ChangeKind::Added,
+                Some((_, old)) => match (print, old) {
+                    (Some(new), Some(old)) if new == old => ChangeKind::Unchanged,
+                    (Some(_), Some(_)) => ChangeKind::Changed,
+                    (None, _) | (_, None) => ChangeKind::Unknown,
+                },
+            };
+            NodeChange {
+                node: node.clone(),
+                change,
+            }
+        })
+        .collect();
+    for (node, _) in deployed {
+        if !planned.iter().any(|(n, _)| n == node) {
+            out.push(NodeChange {
+                node: node.clone(),
+                change: ChangeKind::Removed,
+            });
+        }
+    }
+    out
+}
+
 /// What a submit stores, after validation.
 pub struct SubmitRecord {
     pub id: String,
@@ -123,6 +184,7 @@ pub struct SubmitRecord {
     pub domain: Option<String>,
     pub mode: Mode,
     pub update_policy: Option<UpdatePolicy>,
+    pub auto_rollback: Option<bool>,
     pub max_queued: u32,
 }
 
@@ -254,15 +316,37 @@ impl Engine {
     }
 
     /// Preview: the eval's nodes; stores nothing.
-    pub async fn preview(&self, id: &str, input: SubmitInput) -> Result<Value, Refusal> {
+    pub async fn preview(&self, id: &str, input: SubmitInput) -> Result<Preview, Refusal> {
         let existing = self.store.read()?.deployment(id)?;
         let suspended = existing.as_ref().is_some_and(|d| d.suspended);
         let v = self
             .validate(id, &input, existing.as_ref(), suspended, true)
             .await?;
-        Ok(v.nodes
+        let evaluated = v
+            .nodes
             .and_then(|n| n.get("nodes").cloned())
-            .unwrap_or(Value::Array(vec![])))
+            .unwrap_or(Value::Array(vec![]));
+        let evaluated = evaluated.as_array().cloned().unwrap_or_default();
+        let planned: Vec<(String, Option<String>)> = evaluated
+            .iter()
+            .map(|n| {
+                let text = |k: &str| n.get(k).and_then(Value::as_str).map(str::to_string);
+                (text("name").unwrap_or_default(), text("fingerprint"))
+            })
+            .collect();
+        let deployed = existing
+            .as_ref()
+            .and_then(|d| d.deployed.as_ref())
+            .map_or(&[][..], |x| x.nodes.as_slice());
+        // The nodes as api.md shows them: name and published names.
+        let nodes = evaluated
+            .iter()
+            .map(|n| serde_json::json!({"name": n.get("name"), "names": n.get("names")}))
+            .collect();
+        Ok(Preview {
+            nodes,
+            changes: changes(&planned, deployed),
+        })
     }
 
     /// Submit: validate, then store the deployment and a queued deploy
@@ -290,6 +374,7 @@ impl Engine {
             domain: v.domain,
             mode: input.mode,
             update_policy: input.update_policy,
+            auto_rollback: input.auto_rollback,
             max_queued: self.settings.max_queued_builds,
         };
         let hub = self.hub.clone();
@@ -385,6 +470,7 @@ pub fn submit_tx(
         event_seq: 0,
         created_at: now,
         updated_at: now,
+        auto_rollback: true,
     });
     // A source is immutable: written once, when first seen (a rewrite of
     // the same bytes would still cost the commit a B-tree page).
@@ -397,6 +483,9 @@ pub fn submit_tx(
     if let Some(p) = s.update_policy.clone() {
         change.set_policy(&mut d, p)?;
     }
+    if let Some(on) = s.auto_rollback {
+        d.auto_rollback = on;
+    }
     let build = change.enqueue(
         &mut d,
         NewBuild {
@@ -405,6 +494,7 @@ pub fn submit_tx(
             suspended: false,
             method: s.method.clone(),
             snapshot: s.snapshot.clone(),
+            rollback_of: None,
         },
     )?;
     let submitted = Submitted {
@@ -443,6 +533,7 @@ pub fn delete_tx(
             suspended,
             method,
             snapshot,
+            rollback_of: None,
         },
     )?;
     if let Some(url) = callback {
@@ -507,4 +598,42 @@ fn check_queue_room(d: &DeploymentRecord, max_queued: u32) -> Result<(), Refusal
         return Err(Refusal::QueueFull(QueueFull::QueueLimit));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod change_tests {
+    use super::*;
+
+    #[test]
+    fn each_node_is_added_removed_changed_unchanged_or_unknown() {
+        let s = |n: &str, p: Option<&str>| (n.to_string(), p.map(str::to_string));
+        let planned = [
+            s("web", Some("a")),
+            s("db", Some("b")),
+            s("new", Some("c")),
+            s("blind", None),
+        ];
+        let deployed = [
+            s("web", Some("a")),
+            s("db", Some("x")),
+            s("old", Some("y")),
+            s("blind", Some("z")),
+        ];
+        let got: Vec<(String, ChangeKind)> = changes(&planned, &deployed)
+            .into_iter()
+            .map(|c| (c.node, c.change))
+            .collect();
+        use ChangeKind::*;
+        assert_eq!(
+            got,
+            [
+                ("web".to_string(), Unchanged),
+                ("db".to_string(), Changed),
+                ("new".to_string(), Added),
+                ("blind".to_string(), Unknown),
+                ("old".to_string(), Removed),
+            ]
+        );
+        assert!(changes(&[], &[]).is_empty());
+    }
 }

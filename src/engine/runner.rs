@@ -443,6 +443,17 @@ impl Lines {
         self.ends.is_empty()
     }
 
+    /// Lines berth writes into a build's log itself (and a short call's
+    /// kept output); a line break inside one is written as a space, so each
+    /// stays one line.
+    pub fn of<'a>(lines: impl IntoIterator<Item = &'a str>) -> Lines {
+        let mut out = Lines::default();
+        for line in lines {
+            out.push(line.replace(['\n', '\r'], " ").as_bytes());
+        }
+        out
+    }
+
     pub fn iter(&self) -> impl Iterator<Item = &str> {
         let mut start = 0;
         self.ends.iter().map(move |&end| {

@@ -9,7 +9,7 @@
 use std::sync::Arc;
 
 use super::Engine;
-use crate::model::now_millis;
+use crate::model::{now_millis, BuildId, BuildKind, BuildRecord, BuildStatus};
 use crate::store::Lookup;
 
 /// Builds removed per transaction at most.
@@ -63,20 +63,27 @@ impl Engine {
             if self.store.read()?.build_count(&id)? <= keep {
                 continue;
             }
+            let keep_targets = self.settings.keep_rollback_targets as usize;
             removed += self
                 .store
                 .write(move |tx| {
-                    let protected = tx
-                        .deployment(&id)?
-                        .and_then(|d| d.deployed)
-                        .map(|d| d.build_id);
+                    let builds = tx.build_ages(&id)?;
+                    let protected = protected_builds(
+                        tx.deployment(&id)?
+                            .and_then(|d| d.deployed)
+                            .map(|d| d.build_id),
+                        &builds,
+                        keep_targets,
+                    );
                     let mut n = 0;
-                    for (build, created_at, status) in tx.build_ages(&id)?.into_iter().skip(keep) {
-                        if created_at >= before || !status.is_finished() || Some(build) == protected
+                    for b in builds.iter().skip(keep) {
+                        if b.created_at >= before
+                            || !b.status.is_finished()
+                            || protected.contains(&b.id)
                         {
                             continue;
                         }
-                        tx.delete_build(&id, build)?;
+                        tx.delete_build(&id, b.id)?;
                         n += 1;
                         if n >= BUILDS_PER_TXN {
                             break;
@@ -109,5 +116,68 @@ impl Engine {
             }
         }
         Ok(())
+    }
+}
+
+/// The builds retention never removes (storage.md, lifecycle.md
+/// "Rollback"): the deployed one, the newest `keep_targets` succeeded
+/// deploys (rollback targets), and the target of any rollback not finished.
+/// `builds` newest first.
+pub fn protected_builds(
+    deployed: Option<BuildId>,
+    builds: &[BuildRecord],
+    keep_targets: usize,
+) -> Vec<BuildId> {
+    let mut keep: Vec<BuildId> = deployed.into_iter().collect();
+    keep.extend(
+        builds
+            .iter()
+            .filter(|b| b.kind == BuildKind::Deploy && b.status == BuildStatus::Succeeded)
+            .take(keep_targets)
+            .map(|b| b.id),
+    );
+    keep.extend(
+        builds
+            .iter()
+            .filter(|b| !b.status.is_finished())
+            .filter_map(|b| b.rollback_of),
+    );
+    keep
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::Trigger;
+
+    #[test]
+    fn retention_keeps_the_deployed_build_the_rollback_targets_and_a_queued_rollbacks_target() {
+        let build = |id: u128, status: BuildStatus, rollback_of: Option<u128>| BuildRecord {
+            status,
+            rollback_of,
+            ..BuildRecord::queued(
+                id,
+                "d".into(),
+                BuildKind::Deploy,
+                Trigger::Submit,
+                "m".into(),
+                0,
+            )
+        };
+        use BuildStatus::*;
+        // Newest first: a queued rollback to 1, then successes and failures.
+        let builds = [
+            build(9, Queued, Some(1)),
+            build(8, Failed, None),
+            build(7, Succeeded, None),
+            build(6, Succeeded, None),
+            build(5, Failed, None),
+            build(4, Succeeded, None),
+            build(1, Succeeded, None),
+        ];
+        let mut kept = protected_builds(Some(7), &builds, 2);
+        kept.sort();
+        kept.dedup();
+        assert_eq!(kept, vec![1, 6, 7]);
     }
 }

@@ -69,6 +69,8 @@ pub struct NewBuild {
     pub suspended: bool,
     pub method: String,
     pub snapshot: Snapshot,
+    /// The build a rollback returns to.
+    pub rollback_of: Option<BuildId>,
 }
 
 /// One transaction's changes of state, all at the same instant.
@@ -108,6 +110,7 @@ impl<'t, 'a> Change<'t, 'a> {
         self.tx.shift_build_count(None, Some(BuildStatus::Queued))?;
         let mut b = BuildRecord {
             suspended: new.suspended,
+            rollback_of: new.rollback_of,
             ..BuildRecord::queued(
                 new_build_id(),
                 d.id.clone(),
@@ -186,7 +189,8 @@ impl<'t, 'a> Change<'t, 'a> {
         b.finished_at = Some(self.now);
         b.failure = end.failure;
         b.exit_code = end.exit_code;
-        match d {
+        let mut d_after = d;
+        match d_after.as_deref_mut() {
             Some(d) => {
                 let counter = match b.kind {
                     BuildKind::Deploy => &mut d.pending_deploys,
@@ -217,6 +221,10 @@ impl<'t, 'a> Change<'t, 'a> {
                             snapshot,
                             method: b.method.clone(),
                             finished_at: self.now,
+                            nodes: nodes
+                                .iter()
+                                .map(|n| (n.name.clone(), n.fingerprint.clone()))
+                                .collect(),
                         });
                     }
                     (BuildKind::Destroy, BuildStatus::Succeeded) => {
@@ -236,6 +244,10 @@ impl<'t, 'a> Change<'t, 'a> {
         if b.trigger == Trigger::AutomaticUpdate {
             self.update_try_result(b)?;
         }
+        if let Some(d) = d_after.as_mut() {
+            self.roll_back_if_broken(d, b, ran)?;
+            self.release_hold_on_deployed(d)?;
+        }
         if b.kind == BuildKind::Destroy {
             match (status, self.tx.callback(b.id)?) {
                 (BuildStatus::Succeeded, Some(mut c)) => {
@@ -247,6 +259,101 @@ impl<'t, 'a> Change<'t, 'a> {
                 (_, Some(_)) => self.tx.remove_callback(b.id)?,
                 (_, None) => {}
             }
+        }
+        Ok(())
+    }
+
+    /// lifecycle.md "Automatic rollback": a deploy that broke what was
+    /// deployed (its health step failed, or the deployer failed after it
+    /// started) queues, in this transaction, a rollback to the deployed
+    /// build, audited as `automatic_rollback` with the failed build, and
+    /// holds the failed source back from automatic updates. Never after a
+    /// cancel, a timeout, an interruption, a destroy or a rollback (no
+    /// loops), nor when another deploy is already queued behind it (that
+    /// one supersedes the failed build).
+    fn roll_back_if_broken(
+        &self,
+        d: &mut DeploymentRecord,
+        failed: &BuildRecord,
+        ran: bool,
+    ) -> StoreResult<()> {
+        let Some(reason) = failed.failure.as_ref().map(|f| f.reason) else {
+            return Ok(());
+        };
+        let broke = match reason {
+            FailureReason::HealthCheckFailed => true,
+            FailureReason::ExitStatus => ran,
+            FailureReason::SpawnFailed
+            | FailureReason::JobRecordFailed
+            | FailureReason::DeployerProtocol
+            | FailureReason::Timeout
+            | FailureReason::Cancelled
+            | FailureReason::InterruptedByShutdown
+            | FailureReason::InterruptedByRestart
+            | FailureReason::DiskFull
+            | FailureReason::LogWriteFailed
+            | FailureReason::FinalCommitFailed
+            | FailureReason::Internal => false,
+        };
+        let is_rollback =
+            failed.rollback_of.is_some() || failed.trigger == Trigger::AutomaticRollback;
+        if !broke
+            || failed.kind != BuildKind::Deploy
+            || failed.status != BuildStatus::Failed
+            || is_rollback
+            || !d.auto_rollback
+            || d.has_pending_build()
+        {
+            return Ok(());
+        }
+        let Some(target) = d.deployed.as_ref().map(|x| x.build_id) else {
+            return Ok(());
+        };
+        let failed_source = self
+            .tx
+            .build_snapshots(failed.id)?
+            .map(|s| s.snapshot.source);
+        let Some(new) =
+            super::actions::rollback_build(self.tx, d, target, Trigger::AutomaticRollback)?
+        else {
+            // The deployed build is always retained (retention keeps it).
+            return Err(StoreError::corrupt(
+                "the deployed build is not a succeeded deploy",
+            ));
+        };
+        let rollback = self.enqueue(d, new)?;
+        debug_assert_eq!(rollback.rollback_of, Some(target));
+        if let Some(from) = failed_source.filter(|s| *s != d.snapshot.source) {
+            super::actions::hold_back(self, d, from, rollback.id, reason.as_str())?;
+        }
+        let mut draft = super::audit::system_draft(
+            "automatic_rollback",
+            Some(d.id.clone()),
+            crate::audit::Outcome::Ok,
+        );
+        draft.at = self.now;
+        draft.build = Some(format_build_id(failed.id));
+        draft.reason = Some(reason.as_str().to_string());
+        self.audit(&draft)
+    }
+
+    /// A held-back source that is what is deployed (a rollback away from it
+    /// did not succeed) holds nothing back any more: the hold is for a
+    /// source the deployment left, never for the one it runs.
+    fn release_hold_on_deployed(&self, d: &DeploymentRecord) -> StoreResult<()> {
+        let Some(deployed) = &d.deployed else {
+            return Ok(());
+        };
+        let Some(mut last) = self.tx.update_try(&d.id)? else {
+            return Ok(());
+        };
+        if last.result == TryResult::RolledBack
+            && last.blocks
+            && last.source == deployed.snapshot.source
+            && !d.has_pending_build()
+        {
+            last.blocks = false;
+            self.tx.put_update_try(&d.id, &last)?;
         }
         Ok(())
     }

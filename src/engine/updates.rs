@@ -70,6 +70,8 @@ pub struct PolicySet {
     pub last_try: Option<UpdateTry>,
     /// The deployment's last audit events, this change's included.
     pub audit: Vec<crate::audit::Event>,
+    /// What a rollback without a target would return to.
+    pub rollback_target: Option<BuildId>,
 }
 
 impl Audited for PolicySet {
@@ -200,6 +202,7 @@ impl Engine {
             mode: Mode::Replace,
             keep_deployed_revision: false,
             update_policy: None,
+            auto_rollback: None,
         };
         let v = self.validate(id, &input, Some(&d), false, false).await?;
         let hub = self.hub.clone();
@@ -297,6 +300,7 @@ pub fn set_policy_tx(
         last_build: d.last_build.map(|b| tx.build(b)).transpose()?.flatten(),
         last_try: tx.update_try(id)?,
         audit: super::audit::of_deployment(tx, id)?,
+        rollback_target: tx.rollback_target(&d)?,
         deployment: d,
     };
     if let Some(reply) = &record.reply {
@@ -339,6 +343,7 @@ pub fn automatic_update_tx(
             suspended: false,
             method,
             snapshot,
+            rollback_of: None,
         },
     )?;
     let mut audit = system_draft("automatic_update", Some(id.to_string()), Outcome::Ok);

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
+use super::health::HealthEnd;
 use super::log_pipe::LogBuffer;
 use super::outcome::{ComponentBytes, End, Halt, NodeOutcome, PreparedSbom, SbomOutcome};
 use super::runner::{self, Ended, OpenError};
@@ -22,6 +23,8 @@ pub(super) struct Outcome {
     pub(super) ended: Result<Ended, Failure>,
     /// For exit 0: the checked result (nodes and their SBOM verdicts).
     pub(super) result: Option<Result<Vec<NodeOutcome>, String>>,
+    /// How the health step ended, when the deploy had one.
+    pub(super) health: Option<HealthEnd>,
     pub(super) log: LogBuffer,
     /// Why the log could not be stored, when it could not.
     pub(super) disk_failure: Option<FailureReason>,
@@ -36,6 +39,7 @@ impl Outcome {
             root: root.to_path_buf(),
             ended: Err(failure),
             result: None,
+            health: None,
             log,
             disk_failure: None,
             halted: Halt::No,
@@ -114,7 +118,31 @@ impl Outcome {
                 None,
             ),
             Ended::Exit(0) => match &self.result {
-                Some(Ok(_)) => (BuildStatus::Succeeded, None, Some(0)),
+                Some(Ok(_)) => match &self.health {
+                    None | Some(HealthEnd::Confirmed) => (BuildStatus::Succeeded, None, Some(0)),
+                    Some(HealthEnd::Failed(detail)) => (
+                        BuildStatus::Failed,
+                        fail(R::HealthCheckFailed, detail.clone()),
+                        Some(0),
+                    ),
+                    Some(HealthEnd::Halted(Halt::Cancel)) => (
+                        BuildStatus::Cancelled,
+                        fail(
+                            R::Cancelled,
+                            "cancelled during the health step; nothing was confirmed".into(),
+                        ),
+                        Some(0),
+                    ),
+                    Some(HealthEnd::Halted(Halt::Shutdown | Halt::No)) => (
+                        BuildStatus::Failed,
+                        fail(
+                            R::InterruptedByShutdown,
+                            "berth was stopping during the health step; nothing was confirmed"
+                                .into(),
+                        ),
+                        Some(0),
+                    ),
+                },
                 Some(Err(e)) => (
                     BuildStatus::Failed,
                     fail(R::DeployerProtocol, e.clone()),
@@ -145,6 +173,19 @@ struct DeployResultNode {
     changed: bool,
     #[serde(default)]
     sbom: Option<SbomRef>,
+    /// deployer.md: changes exactly when what the node runs changes.
+    #[serde(default)]
+    fingerprint: Option<String>,
+}
+
+/// A fingerprint longer than this is a protocol error (a digest or a store
+/// path fits many times over).
+pub const MAX_FINGERPRINT_CHARS: usize = 512;
+
+/// deployer.md: every node name in a result is a DNS label (it names files
+/// and SBOM routes).
+pub fn valid_node_name(name: &str) -> bool {
+    is_dns_label(name, 63)
 }
 
 #[derive(Deserialize)]
@@ -186,8 +227,18 @@ pub(super) fn read_deploy_result(
     let mut out = Vec::with_capacity(parsed.nodes.len());
     let mut names = std::collections::HashSet::new();
     for node in parsed.nodes {
+        if !valid_node_name(&node.name) {
+            return Err("the deploy result names a node that is not a DNS label".into());
+        }
         if !names.insert(node.name.clone()) {
             return Err("the deploy result names a node twice".into());
+        }
+        if node
+            .fingerprint
+            .as_ref()
+            .is_some_and(|f| f.is_empty() || f.chars().count() > MAX_FINGERPRINT_CHARS)
+        {
+            return Err("the deploy result has a fingerprint that is empty or too long".into());
         }
         let sbom = match (&node.sbom, node.changed) {
             (Some(SbomRef::Ready { path }), _) => match read_sbom(root, path, store) {
@@ -204,6 +255,7 @@ pub(super) fn read_deploy_result(
             name: node.name,
             changed: node.changed,
             sbom,
+            fingerprint: node.fingerprint,
         });
     }
     Ok(out)

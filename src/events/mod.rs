@@ -51,14 +51,72 @@ pub fn build_status(tx: &Tx, hub: &Arc<Hub>, b: &mut BuildRecord, now: Millis) -
         b.id,
         seq,
         &StoredEvent {
-            event: "status".into(),
+            event: BuildEvent::Status.name().into(),
             data: data.clone(),
             at: now,
         },
     )?;
     let (hub, id, last) = (hub.clone(), b.id, b.status.is_finished());
     tx.after_commit(move || {
-        hub.publish(&Channel::Build(id), Frame::new(seq, "status", data, last))
+        hub.publish(
+            &Channel::Build(id),
+            Frame::new(seq, BuildEvent::Status.name(), data, last),
+        )
+    });
+    Ok(())
+}
+
+/// The events a build channel stores besides its log lines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BuildEvent {
+    /// The build summary, at each status change.
+    Status,
+    /// One node's answer to a health check (lifecycle.md).
+    Health,
+}
+
+impl BuildEvent {
+    pub const fn name(self) -> &'static str {
+        match self {
+            BuildEvent::Status => "status",
+            BuildEvent::Health => "health",
+        }
+    }
+
+    /// The kind of a stored event by its name; `None` for a name no berth
+    /// stores (damage).
+    pub fn named(name: &str) -> Option<BuildEvent> {
+        [BuildEvent::Status, BuildEvent::Health]
+            .into_iter()
+            .find(|e| e.name() == name)
+    }
+}
+
+/// A `health` event of a running build, at `seq` (a gap in its log's seqs,
+/// `LogBuffer::take_gap`), published after the commit.
+pub fn build_health(
+    tx: &Tx,
+    hub: &Arc<Hub>,
+    build: BuildId,
+    seq: u64,
+    data: String,
+    now: Millis,
+) -> StoreResult<()> {
+    tx.put_build_event(
+        build,
+        seq,
+        &StoredEvent {
+            event: BuildEvent::Health.name().into(),
+            data: data.clone(),
+            at: now,
+        },
+    )?;
+    let hub = hub.clone();
+    tx.after_commit(move || {
+        hub.publish(
+            &Channel::Build(build),
+            Frame::new(seq, BuildEvent::Health.name(), data, false),
+        )
     });
     Ok(())
 }

@@ -16,7 +16,7 @@ use tokio::time::Instant;
 
 use super::body::{Control, SseBody, MAX_WRITE};
 use super::frame::{end_text, resync, Gather};
-use super::{Channel, Frame, Hub, Subscription};
+use super::{BuildEvent, Channel, Frame, Hub, Subscription};
 use crate::model::BuildId;
 use crate::store::Lookup;
 use crate::store::{logs, Store, StoreError};
@@ -284,7 +284,13 @@ async fn replay_build(
             return Ok(None);
         };
         let index = rx.log_index(id, b.log_chunks)?;
-        Ok(Some((b, rx.build_events(id)?, index)))
+        let mut events = Vec::new();
+        for (seq, e) in rx.build_events(id)? {
+            let kind = BuildEvent::named(&e.event)
+                .ok_or_else(|| StoreError::corrupt("a stored build event of no known kind"))?;
+            events.push((seq, kind, e.data));
+        }
+        Ok(Some((b, events, index)))
     })
     .await?;
     let Some((build, statuses, places)) = loaded else {
@@ -296,20 +302,20 @@ async fn replay_build(
         .filter_map(|(i, p)| {
             let next = places.get(i + 1).map_or(build.log_lines, |n| n.first_line);
             let lines = next.saturating_sub(p.first_line);
-            let last_seq = build.log_first_seq + p.first_line + lines.saturating_sub(1);
+            let last_seq = build.line_seq(p.first_line + lines.saturating_sub(1));
             (lines > 0 && last_seq > *last).then_some((p.number, p.first_line))
         })
         .collect();
     let mut statuses = statuses.into_iter().peekable();
     let mut final_frame = None;
     let mut emit_status_before = |seq_limit: u64, w: &mut Writer, last: &mut u64| {
-        while let Some((seq, _)) = statuses.peek() {
+        while let Some((seq, _, _)) = statuses.peek() {
             if *seq >= seq_limit {
                 break;
             }
-            let (seq, e) = statuses.next().expect("peeked");
+            let (seq, kind, data) = statuses.next().expect("peeked");
             let is_final = seq == build.event_seq && build.status.is_finished();
-            let frame = Frame::new(seq, "status", e.data, is_final);
+            let frame = Frame::new(seq, kind.name(), data, is_final);
             if seq > *last {
                 *last = seq;
                 w.push(&frame);
@@ -329,8 +335,8 @@ async fn replay_build(
         let text = logs::decompress_chunk(&compressed).map_err(store_failed)?;
         // Every stored line ends with a newline.
         let body = text.strip_suffix(b"\n").unwrap_or(&text);
-        let first_seq = build.log_first_seq + first_line;
-        for (seq, line) in (first_seq..).zip(body.split(|&b| b == b'\n')) {
+        for (i, line) in (first_line..).zip(body.split(|&b| b == b'\n')) {
+            let seq = build.line_seq(i);
             emit_status_before(seq, w, last);
             if seq > *last {
                 *last = seq;

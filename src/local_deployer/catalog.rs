@@ -40,7 +40,10 @@ pub fn schema() -> Value {
                         "maxProperties": 64,
                         "additionalProperties": {
                             "type": "object",
-                            "properties": {"enable": {"type": "boolean"}}
+                            "properties": {
+                                "enable": {"type": "boolean"},
+                                "unhealthy": {"type": "boolean", "description": "The local deployer's health check fails this application's node (to try an automatic rollback)."}
+                            }
                         }
                     }
                 }

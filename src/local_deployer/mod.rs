@@ -58,6 +58,8 @@ pub fn run(verb: &str) -> i32 {
             "eval" => eval_verb(request),
             "deploy" => deploy(request),
             "destroy" => destroy(request),
+            "check" => check(request),
+            "confirm" => confirm(request),
             _ => return None,
         };
         Some(match outcome {
@@ -77,6 +79,7 @@ fn describe() -> Option<Value> {
         "catalog": catalog::catalog(),
         "renames": [],
         "schema": catalog::schema(),
+        "verbs": ["check", "confirm"],
     }))
 }
 
@@ -86,9 +89,129 @@ fn refuse(message: String) -> (Option<Value>, i32) {
 
 fn eval_verb(request: &Value) -> VerbResult {
     let nodes = evaluate(request).map_err(refuse)?;
-    Ok(Some(
-        json!({"nodes": nodes.iter().map(|n| json!({"name": n.name, "names": n.names})).collect::<Vec<_>>()}),
-    ))
+    let rendered = Rendering::of(request);
+    Ok(Some(json!({"nodes": nodes
+        .iter()
+        .map(|n| json!({"name": n.name, "names": n.names, "fingerprint": fingerprint(&rendered.text(n))}))
+        .collect::<Vec<_>>()})))
+}
+
+/// What a node's rendered configuration is made of (deploy writes it to
+/// `nodes/<node>.json`; its digest is the node's fingerprint).
+struct Rendering {
+    deployment: String,
+    apps: Map<String, Value>,
+    suspended: bool,
+}
+
+impl Rendering {
+    fn of(request: &Value) -> Rendering {
+        let config = request.get("configuration").cloned().unwrap_or(Value::Null);
+        Rendering {
+            deployment: request
+                .get("deployment")
+                .and_then(Value::as_str)
+                .unwrap_or("unknown")
+                .to_string(),
+            apps: crate::derive::shape(&config)
+                .map(|s| s.apps().clone())
+                .unwrap_or_default(),
+            suspended: request
+                .get("suspended")
+                .and_then(Value::as_bool)
+                .unwrap_or(false),
+        }
+    }
+
+    /// The settings of a node's application.
+    fn settings(&self, node: &Node) -> Option<&Value> {
+        node.application.as_ref().and_then(|a| self.apps.get(a))
+    }
+
+    fn text(&self, node: &Node) -> String {
+        let rendered = json!({
+            "node": node.name,
+            "deployment": self.deployment,
+            "application": node.application,
+            "settings": self.settings(node),
+            "names": node.names,
+            "suspended": self.suspended,
+        });
+        serde_json::to_string_pretty(&rendered).unwrap_or_default()
+    }
+}
+
+/// A node's fingerprint: the digest of its rendered configuration, which
+/// changes exactly when what the node runs changes.
+fn fingerprint(rendered: &str) -> String {
+    format!("sha256:{}", hex(&Sha256::digest(rendered.as_bytes())))
+}
+
+/// The setting of an application that makes its node fail every health
+/// check (README: "A broken deploy"): `{"enable": true, "unhealthy": true}`.
+pub const UNHEALTHY_SETTING: &str = "unhealthy";
+
+/// `check`: a node is healthy when it is deployed (its rendered file is
+/// there) and its application does not ask to be unhealthy.
+fn check(request: &Value) -> VerbResult {
+    let work = work_dir().map_err(fail)?;
+    let nodes = evaluate(request)
+        .map_err(|e| fail(format!("evaluation refused the configuration: {e}")))?;
+    let rendered = Rendering::of(request);
+    let asked: Vec<&str> = request
+        .get("nodes")
+        .and_then(Value::as_array)
+        .map(|a| a.iter().filter_map(Value::as_str).collect())
+        .unwrap_or_default();
+    let mut answers = Vec::new();
+    for name in asked {
+        // A node name reaches a path: only a DNS label ever does.
+        if !crate::derive::is_dns_label(name) {
+            return Err(fail("a node name in the request is not a DNS label"));
+        }
+        let node = nodes.iter().find(|n| n.name == name);
+        let deployed = work.join("nodes").join(format!("{name}.json")).is_file();
+        let asks_to_fail = node
+            .and_then(|n| rendered.settings(n))
+            .and_then(|s| s.get(UNHEALTHY_SETTING))
+            .and_then(Value::as_bool)
+            .unwrap_or(false);
+        let answer = match (node, deployed, asks_to_fail) {
+            (None, _, _) => {
+                json!({"name": name, "healthy": false, "reason": "the configuration has no such node"})
+            }
+            (Some(_), false, _) => {
+                json!({"name": name, "healthy": false, "reason": "the node is not deployed"})
+            }
+            (Some(_), true, true) => {
+                json!({"name": name, "healthy": false, "reason": format!("{name}.service failed (the configuration sets {UNHEALTHY_SETTING}: true)")})
+            }
+            (Some(_), true, false) => json!({"name": name, "healthy": true}),
+        };
+        println!(
+            "checking node {name}: {}",
+            if answer["healthy"] == true {
+                "healthy"
+            } else {
+                "not healthy"
+            }
+        );
+        answers.push(answer);
+    }
+    Ok(Some(json!({"nodes": answers})))
+}
+
+/// `confirm`: records the confirmed nodes (what a real deployer makes its
+/// boot entry).
+fn confirm(request: &Value) -> VerbResult {
+    let work = work_dir().map_err(fail)?;
+    let nodes = request.get("nodes").cloned().unwrap_or(json!([]));
+    let deployment = request.get("deployment").cloned().unwrap_or(Value::Null);
+    let record = json!({"deployment": deployment, "nodes": nodes, "build": request.get("build")});
+    write_atomically(&work.join("confirmed.json"), record.to_string().as_bytes())
+        .map_err(|e| fail(format!("cannot write the confirmed state: {e}")))?;
+    println!("confirmed: this configuration is the one to keep");
+    Ok(Some(json!({})))
 }
 
 fn max_nodes() -> usize {
@@ -213,10 +336,7 @@ fn deploy(request: &Value) -> VerbResult {
         .unwrap_or(false);
     let nodes = evaluate(request)
         .map_err(|e| fail(format!("evaluation refused the configuration: {e}")))?;
-    let config = request.get("configuration").cloned().unwrap_or(Value::Null);
-    let apps: Map<String, Value> = crate::derive::shape(&config)
-        .map(|s| s.apps().clone())
-        .unwrap_or_default();
+    let rendering = Rendering::of(request);
     let fail_node = std::env::var("BERTH_LOCAL_FAIL").ok();
     let nodes_dir = work.join("nodes");
     std::fs::create_dir_all(&nodes_dir)
@@ -232,15 +352,8 @@ fn deploy(request: &Value) -> VerbResult {
     let mut results = Vec::new();
     let mut activated: Vec<String> = Vec::new();
     for node in &nodes {
-        let rendered = json!({
-            "node": node.name,
-            "deployment": deployment,
-            "application": node.application,
-            "settings": node.application.as_ref().and_then(|a| apps.get(a)).cloned(),
-            "names": node.names,
-            "suspended": suspended,
-        });
-        let text = serde_json::to_string_pretty(&rendered).unwrap_or_default();
+        let text = rendering.text(node);
+        let print = fingerprint(&text);
         let path = nodes_dir.join(format!("{}.json", node.name));
         let changed = std::fs::read_to_string(&path)
             .map(|old| old != text)
@@ -253,7 +366,7 @@ fn deploy(request: &Value) -> VerbResult {
         .map_err(term)?;
         if !changed {
             step(&format!("node {} is up to date", node.name)).map_err(term)?;
-            results.push(json!({"name": node.name, "changed": false}));
+            results.push(json!({"name": node.name, "changed": false, "fingerprint": print}));
             activated.push(node.name.clone());
             continue;
         }
@@ -287,7 +400,8 @@ fn deploy(request: &Value) -> VerbResult {
                 json!({"status": "unavailable", "reason": format!("sbom evaluation failed: {e}")})
             }
         };
-        results.push(json!({"name": node.name, "changed": true, "sbom": sbom}));
+        results
+            .push(json!({"name": node.name, "changed": true, "sbom": sbom, "fingerprint": print}));
     }
     // Nodes of an earlier deploy that this one no longer has.
     if let Ok(entries) = std::fs::read_dir(&nodes_dir) {

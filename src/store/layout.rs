@@ -22,6 +22,7 @@
 //! | 2 | `log_index`: where each log chunk sits (line, byte, length) |
 //! | 3 | `idempotency_expiry`: idempotency records by expiry |
 //! | 4 | `meta.build_counts`: builds by status, for `/metrics` |
+//! | 5 | safe deploys: a build's `rollback_of` and `log_gaps`, a deployment's `auto_rollback` and its deployed nodes' fingerprints (every build and deployment record rewritten) |
 //!
 //! Releases before version 2 existed wrote version 1 but may already hold
 //! any of the later indexes (they were added by presence checks), so each
@@ -35,13 +36,13 @@ use redb::{Database, ReadableTable, ReadableTableMetadata, WriteTransaction};
 use super::compress::decompress;
 use super::tables::*;
 use super::{
-    count_builds, decode, encode_counts, split_chunk_row, ChunkPlace, IdempotencyRecord,
-    StoreError, StoreResult, BUILD_COUNTS_KEY,
+    decode, encode_counts, split_chunk_row, ChunkPlace, IdempotencyRecord, StoreError, StoreResult,
+    BUILD_COUNTS_KEY,
 };
 use crate::model::BuildId;
 
 /// The layout this binary writes and reads.
-pub const LAYOUT_VERSION: u32 = 4;
+pub const LAYOUT_VERSION: u32 = 5;
 
 /// The `meta` key holding the layout version (u32 LE). Its name predates
 /// the word "layout" and stays, so every release finds it.
@@ -56,7 +57,7 @@ struct Migration {
 }
 
 /// Every migration, in order; `MIGRATIONS[i].to == i + 2`.
-const MIGRATIONS: [Migration; 3] = [
+const MIGRATIONS: [Migration; 4] = [
     Migration {
         to: 2,
         what: "index every build's log chunks",
@@ -71,6 +72,11 @@ const MIGRATIONS: [Migration; 3] = [
         to: 4,
         what: "count builds by status",
         run: count_builds_by_status,
+    },
+    Migration {
+        to: 5,
+        what: "add rollbacks and health checks to build and deployment records",
+        run: records_for_safe_deploys,
     },
 ];
 
@@ -220,12 +226,172 @@ fn index_idempotency_expiry(txn: &WriteTransaction) -> StoreResult<()> {
     Ok(())
 }
 
-/// Version 4: `meta.build_counts`, counted from the builds.
+/// Version 4: `meta.build_counts`, counted from the builds (read in their
+/// version-4 shape: each migration reads the layout it starts from).
 fn count_builds_by_status(txn: &WriteTransaction) -> StoreResult<()> {
-    let counts = count_builds(txn)?;
+    let mut counts = [0u64; 5];
+    for entry in txn.open_table(BUILDS)?.iter()? {
+        let (_, v) = entry?;
+        let b: v4::BuildRecord = decode(v.value())?;
+        counts[b.status() as usize] += 1;
+    }
     txn.open_table(META)?
         .insert(BUILD_COUNTS_KEY, encode_counts(&counts).as_slice())?;
     Ok(())
+}
+
+/// Version 5: every build and deployment record gains the fields of safe
+/// deploys. bincode has no field names, so each record is read in its
+/// version-4 shape (`v4`) and written in the current one.
+fn records_for_safe_deploys(txn: &WriteTransaction) -> StoreResult<()> {
+    use crate::store::codec;
+    let mut builds = txn.open_table(BUILDS)?;
+    let mut rewritten: Vec<(u128, Vec<u8>)> = Vec::new();
+    for entry in builds.iter()? {
+        let (k, v) = entry?;
+        let old: v4::BuildRecord = decode(v.value())?;
+        rewritten.push((k.value(), codec::encode(&old.into_current())));
+    }
+    for (id, bytes) in &rewritten {
+        builds.insert(*id, bytes.as_slice())?;
+    }
+    let mut deployments = txn.open_table(DEPLOYMENTS)?;
+    let mut rewritten: Vec<(String, Vec<u8>)> = Vec::new();
+    for entry in deployments.iter()? {
+        let (k, v) = entry?;
+        let old: v4::DeploymentRecord = decode(v.value())?;
+        rewritten.push((k.value().to_string(), codec::encode(&old.into_current()?)));
+    }
+    for (id, bytes) in &rewritten {
+        deployments.insert(id.as_str(), bytes.as_slice())?;
+    }
+    Ok(())
+}
+
+/// The records as layout 4 stored them (read by the migration to 5 only).
+mod v4 {
+    use serde::Deserialize;
+
+    use crate::model::{self as current, *};
+    use crate::store::StoreError;
+
+    #[derive(Deserialize)]
+    pub struct BuildRecord {
+        id: BuildId,
+        deployment: String,
+        kind: BuildKind,
+        trigger: Trigger,
+        status: BuildStatus,
+        suspended: bool,
+        method: String,
+        created_at: Millis,
+        started_at: Option<Millis>,
+        finished_at: Option<Millis>,
+        exit_code: Option<i32>,
+        failure: Option<Failure>,
+        job: Option<Job>,
+        log_bytes: u64,
+        log_lines: u64,
+        log_chunks: u32,
+        event_seq: u64,
+        seq_reserved: u64,
+        log_first_seq: u64,
+    }
+
+    impl BuildRecord {
+        pub fn status(&self) -> BuildStatus {
+            self.status
+        }
+
+        pub fn into_current(self) -> current::BuildRecord {
+            current::BuildRecord {
+                id: self.id,
+                deployment: self.deployment,
+                kind: self.kind,
+                trigger: self.trigger,
+                status: self.status,
+                suspended: self.suspended,
+                method: self.method,
+                created_at: self.created_at,
+                started_at: self.started_at,
+                finished_at: self.finished_at,
+                exit_code: self.exit_code,
+                failure: self.failure,
+                job: self.job,
+                log_bytes: self.log_bytes,
+                log_lines: self.log_lines,
+                log_chunks: self.log_chunks,
+                event_seq: self.event_seq,
+                seq_reserved: self.seq_reserved,
+                log_first_seq: self.log_first_seq,
+                rollback_of: None,
+                log_gaps: Vec::new(),
+            }
+        }
+    }
+
+    #[derive(Deserialize)]
+    struct Deployed {
+        build_id: BuildId,
+        snapshot: Snapshot,
+        method: String,
+        finished_at: Millis,
+    }
+
+    #[derive(Deserialize)]
+    pub struct DeploymentRecord {
+        id: String,
+        revision: u64,
+        suspended: bool,
+        method: String,
+        domain: Option<String>,
+        snapshot: Snapshot,
+        /// JSON text inside the record, as `model` stores it.
+        update_policy: String,
+        deployed: Option<Deployed>,
+        last_build: Option<BuildId>,
+        last_finished: Option<LastFinished>,
+        pending_deploys: u32,
+        pending_destroys: u32,
+        running: Option<BuildId>,
+        event_seq: u64,
+        created_at: Millis,
+        updated_at: Millis,
+    }
+
+    impl DeploymentRecord {
+        pub fn into_current(self) -> Result<current::DeploymentRecord, StoreError> {
+            // Written by `model`'s own encoder: text that does not read
+            // back is damage, and stops the migration (nothing is written).
+            let update_policy: UpdatePolicy = serde_json::from_str(&self.update_policy)
+                .map_err(|_| StoreError::corrupt("a stored update policy does not parse"))?;
+            Ok(current::DeploymentRecord {
+                id: self.id,
+                revision: self.revision,
+                suspended: self.suspended,
+                method: self.method,
+                domain: self.domain,
+                snapshot: self.snapshot,
+                update_policy,
+                deployed: self.deployed.map(|d| current::Deployed {
+                    build_id: d.build_id,
+                    snapshot: d.snapshot,
+                    method: d.method,
+                    finished_at: d.finished_at,
+                    nodes: Vec::new(),
+                }),
+                last_build: self.last_build,
+                last_finished: self.last_finished,
+                pending_deploys: self.pending_deploys,
+                pending_destroys: self.pending_destroys,
+                running: self.running,
+                event_seq: self.event_seq,
+                created_at: self.created_at,
+                updated_at: self.updated_at,
+                auto_rollback: true,
+            })
+        }
+    }
 }
 
 #[cfg(test)]

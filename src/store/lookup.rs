@@ -7,7 +7,8 @@ use redb::{ReadableTable, TableDefinition};
 use super::tables::*;
 use super::{decode, get_record, IdempotencyRecord, StoreResult};
 use crate::model::{
-    BuildId, BuildRecord, BuildSnapshots, DeploymentRecord, NodeSbom, Source, UpdateTry,
+    BuildId, BuildKind, BuildRecord, BuildSnapshots, BuildStatus, DeploymentRecord, NodeSbom,
+    Source, UpdateTry,
 };
 
 /// A table of encoded records.
@@ -59,6 +60,34 @@ pub trait Lookup {
     fn idempotency(&self, key: &str) -> StoreResult<Option<IdempotencyRecord>> {
         get_record(&self.open(IDEMPOTENCY)?, key)
     }
+
+    /// Opens the index of each deployment's builds.
+    fn open_deployment_builds(
+        &self,
+    ) -> StoreResult<impl ReadableTable<(&'static str, u128), ()> + '_>;
+
+    /// The newest succeeded deploy build of `d` older than its deployed
+    /// one: what a rollback without a target returns to (lifecycle.md
+    /// "Rollback"). Reads builds newest first, at most `--keep-builds`.
+    fn rollback_target(&self, d: &DeploymentRecord) -> StoreResult<Option<BuildId>> {
+        let Some(deployed) = &d.deployed else {
+            return Ok(None);
+        };
+        let index = self.open_deployment_builds()?;
+        let builds = self.open(BUILDS)?;
+        let range = index.range((d.id.as_str(), 0u128)..(d.id.as_str(), deployed.build_id))?;
+        for entry in range.rev() {
+            let (k, _) = entry?;
+            let id = k.value().1;
+            let Some(b) = get_record::<u128, BuildRecord>(&builds, id)? else {
+                continue;
+            };
+            if b.kind == BuildKind::Deploy && b.status == BuildStatus::Succeeded {
+                return Ok(Some(id));
+            }
+        }
+        Ok(None)
+    }
 }
 
 impl Lookup for super::Tx<'_> {
@@ -68,6 +97,12 @@ impl Lookup for super::Tx<'_> {
     ) -> StoreResult<impl ReadableTable<K, &'static [u8]> + '_> {
         Ok(self.txn.open_table(table)?)
     }
+
+    fn open_deployment_builds(
+        &self,
+    ) -> StoreResult<impl ReadableTable<(&'static str, u128), ()> + '_> {
+        Ok(self.txn.open_table(DEPLOYMENT_BUILDS)?)
+    }
 }
 
 impl Lookup for super::Rx {
@@ -76,5 +111,11 @@ impl Lookup for super::Rx {
         table: RecordTable<K>,
     ) -> StoreResult<impl ReadableTable<K, &'static [u8]> + '_> {
         Ok(self.txn.open_table(table)?)
+    }
+
+    fn open_deployment_builds(
+        &self,
+    ) -> StoreResult<impl ReadableTable<(&'static str, u128), ()> + '_> {
+        Ok(self.txn.open_table(DEPLOYMENT_BUILDS)?)
     }
 }

@@ -239,10 +239,8 @@ impl Tx<'_> {
     }
 
     /// The builds of a deployment, newest first, as (id, created_at, status).
-    pub fn build_ages(
-        &self,
-        deployment: &str,
-    ) -> StoreResult<Vec<(BuildId, Millis, crate::model::BuildStatus)>> {
+    /// A deployment's builds, newest first, as retention judges them.
+    pub fn build_ages(&self, deployment: &str) -> StoreResult<Vec<BuildRecord>> {
         let index = self.txn.open_table(DEPLOYMENT_BUILDS)?;
         let builds = self.txn.open_table(BUILDS)?;
         let mut out = Vec::new();
@@ -253,8 +251,7 @@ impl Tx<'_> {
             let (k, _) = entry?;
             let id = k.value().1;
             if let Some(v) = builds.get(id)? {
-                let b: BuildRecord = decode(v.value())?;
-                out.push((id, b.created_at, b.status));
+                out.push(decode(v.value())?);
             }
         }
         Ok(out)

@@ -66,7 +66,12 @@ async fn deploy_then_delete_with_the_local_deployer() {
     assert_eq!(git["url"], "https://git.alice.example.org/");
     let log = s.log_text(&build).await;
     assert!(log.contains("activating node mastodon"), "{log}");
-    assert!(log.ends_with("deployment alice is active\n"), "{log}");
+    assert!(log.contains("deployment alice is active\n"), "{log}");
+    // The local deployer checks health: the build ends confirmed.
+    assert!(
+        log.ends_with("[berth] health step: every changed node is healthy; confirmed\n"),
+        "{log}"
+    );
     assert_eq!(log.len() as u64, b["log_bytes"].as_u64().unwrap());
     // The work dir holds the rendered nodes.
     let nodes = s.dir.join("data/work/alice/nodes");
@@ -269,7 +274,7 @@ async fn deployment_fields_across_shapes() {
     let flat = json!({"domain": "a.org", "applications": {"mastodon": {"enable": false}, "pixelfed": {"enable": true}}});
     let (_, d0) = s.json("/v1/deployments/shapes").await;
     assert_eq!(d0["deployed_instances"], d0["instances"]);
-    let failing = s.submit_ok("shapes", flat.clone()).await;
+    let failing = s.submit_ok_without_rollback("shapes", flat.clone()).await;
     assert_eq!(s.wait_build(&failing, "final").await["status"], "failed");
     let (_, d) = s.json("/v1/deployments/shapes").await;
     assert_eq!(

@@ -172,9 +172,12 @@ async fn populate(s: &Server, plans: &Path) -> Vec<String> {
             deploy(s, id, 2).await;
         }
     }
-    // d2: a failed build; d3: destroyed.
+    // d2: a failed build (not rolled back); d3: destroyed.
     std::fs::write(plans.join("d2/fail"), "").unwrap();
-    assert_eq!(deploy(s, "d2", 3).await["status"], "failed");
+    let failed = s
+        .submit_ok_without_rollback("d2", json!({"domain": "d2.example.org", "n": 3}))
+        .await;
+    assert_eq!(s.wait_build(&failed, "final").await["status"], "failed");
     let r = s.delete("/v1/deployments/d3").send().await.unwrap();
     assert!(r.status().is_success(), "{}", r.status());
     eventually("d3 destroyed", || async {

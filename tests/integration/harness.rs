@@ -229,6 +229,25 @@ impl Server {
         body["build_id"].as_str().unwrap().to_string()
     }
 
+    /// As `submit_ok`, with `auto_rollback: false`: a test of what a failed
+    /// deploy leaves behind, without the rollback that would follow it.
+    pub async fn submit_ok_without_rollback(&self, id: &str, config: Value) -> String {
+        let (status, body) = self
+            .submit(
+                id,
+                json!({"configuration": config, "mode": "enqueue", "auto_rollback": false}),
+            )
+            .await;
+        assert_eq!(
+            status,
+            202,
+            "{body}
+{}",
+            self.log()
+        );
+        body["build_id"].as_str().unwrap().to_string()
+    }
+
     pub async fn build(&self, id: &str) -> Value {
         let (status, b) = self.json(&format!("/v1/builds/{id}")).await;
         assert_eq!(status, 200, "{b}");

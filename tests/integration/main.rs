@@ -20,5 +20,6 @@ mod page;
 mod queue;
 mod restart;
 mod routes;
+mod safe_deploys;
 mod sboms;
 mod torture;

@@ -214,7 +214,7 @@ async fn old_builds_are_removed_but_never_the_last_successful_deploy() {
     let mut failing = vec![];
     for _ in 0..4 {
         let id = s
-            .submit_ok(
+            .submit_ok_without_rollback(
                 "alice",
                 json!({"domain": "a.org", "applications": {"pixelfed": {"enable": true}}}),
             )

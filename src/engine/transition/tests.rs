@@ -100,24 +100,33 @@ impl Drop for TempStore {
 }
 
 fn source() -> Source {
+    source_of('a')
+}
+
+fn source_of(tag: char) -> Source {
     Source {
         url: "builtin:test".into(),
-        rev: "1".into(),
-        digest: format!("sha256:{}", "a".repeat(64)),
+        rev: tag.to_string(),
+        digest: format!("sha256:{}", tag.to_string().repeat(64)),
     }
 }
 
 fn submit_record(id: &str, mode: Mode) -> SubmitRecord {
+    submit_record_of(id, mode, source())
+}
+
+fn submit_record_of(id: &str, mode: Mode, source: Source) -> SubmitRecord {
     SubmitRecord {
         id: id.into(),
         snapshot: Snapshot {
             configuration: "{}".into(),
-            source: source(),
+            source,
         },
         method: "m".into(),
         domain: None,
         mode,
         update_policy: None,
+        auto_rollback: None,
         max_queued: 100,
     }
 }
@@ -147,6 +156,7 @@ fn end(status: BuildStatus) -> Arc<Finished> {
         last_chunk: None,
         late_frames: vec![],
         last_seq_used: 0,
+        log_gaps: vec![],
     })
 }
 
@@ -268,17 +278,32 @@ fn each_change_keeps_the_deployment_in_step() {
 /// One step of the engine, as its write jobs see it.
 #[derive(Debug, Clone)]
 enum Op {
-    Submit { deployment: u8, enqueue: bool },
-    Delete { deployment: u8 },
-    Cancel { pick: u8 },
+    Submit {
+        deployment: u8,
+        enqueue: bool,
+        newer: bool,
+    },
+    Rollback {
+        deployment: u8,
+    },
+    Delete {
+        deployment: u8,
+    },
+    Cancel {
+        pick: u8,
+    },
     Start,
-    Finish { pick: u8, status: u8 },
+    Finish {
+        pick: u8,
+        status: u8,
+    },
     Restart,
 }
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        3 => (0u8..3, any::<bool>()).prop_map(|(deployment, enqueue)| Op::Submit { deployment, enqueue }),
+        3 => (0u8..3, any::<bool>(), any::<bool>()).prop_map(|(deployment, enqueue, newer)| Op::Submit { deployment, enqueue, newer }),
+        2 => (0u8..3).prop_map(|deployment| Op::Rollback { deployment }),
         1 => (0u8..3).prop_map(|deployment| Op::Delete { deployment }),
         2 => any::<u8>().prop_map(|pick| Op::Cancel { pick }),
         3 => Just(Op::Start),
@@ -299,6 +324,7 @@ async fn run_ops(store: &Store, hub: &Arc<Hub>, ops: &[Op]) -> Vec<BuildId> {
             Op::Submit {
                 deployment,
                 enqueue,
+                newer,
             } => {
                 let mode = if enqueue {
                     Mode::Enqueue
@@ -306,13 +332,43 @@ async fn run_ops(store: &Store, hub: &Arc<Hub>, ops: &[Op]) -> Vec<BuildId> {
                     Mode::Replace
                 };
                 let id = DEPLOYMENTS[deployment as usize];
+                let source = source_of(if newer { 'b' } else { 'a' });
                 let r = store
-                    .write(move |tx| submit_tx(tx, &h, &submit_record(id, mode), &rec()))
+                    .write(move |tx| {
+                        submit_tx(tx, &h, &submit_record_of(id, mode, source.clone()), &rec())
+                    })
                     .await
                     .unwrap();
                 if let Ok(s) = r {
                     builds.push(s.build.id);
                 }
+            }
+            Op::Rollback { deployment } => {
+                use crate::engine::actions::{act_tx, ActionCall, Checked, Named};
+                let id = DEPLOYMENTS[deployment as usize];
+                let digest = store
+                    .read()
+                    .unwrap()
+                    .deployment(id)
+                    .unwrap()
+                    .and_then(|d| d.deployed)
+                    .map(|x| x.snapshot.source.digest);
+                let call = ActionCall {
+                    name: "rollback".into(),
+                    if_match: None,
+                    target: None,
+                };
+                let _ = store
+                    .write(move |tx| {
+                        let checked = Checked {
+                            named: Named::Rollback,
+                            described_digest: digest.clone(),
+                            supported: true,
+                        };
+                        act_tx(tx, &h, id, &call, &checked, &rec())
+                    })
+                    .await
+                    .unwrap();
             }
             Op::Delete { deployment } => {
                 let id = DEPLOYMENTS[deployment as usize];
@@ -379,15 +435,39 @@ fn field<'a>(data: &'a serde_json::Value, name: &str) -> &'a serde_json::Value {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(48))]
+    #![proptest_config(ProptestConfig::with_cases(64))]
 
     #[test]
     fn random_interleavings_keep_every_status_sequence_legal(ops in proptest::collection::vec(op(), 1..40)) {
         let rt = runtime();
         let t = TempStore::new();
         let hub = Arc::new(Hub::default());
-        let builds = rt.block_on(run_ops(&t.store, &hub, &ops));
+        rt.block_on(run_ops(&t.store, &hub, &ops));
         let rx = t.store.read().unwrap();
+        // Every build stored, automatic rollbacks included.
+        let builds: Vec<BuildId> = DEPLOYMENTS
+            .iter()
+            .flat_map(|name| rx.builds_of(name, None, 10_000).unwrap())
+            .map(|b| b.id)
+            .collect();
+        // Never a rollback after a rollback: the build each automatic
+        // rollback answers (its audit event's build) was not one.
+        use crate::store::AuditLookup;
+        let events: Vec<crate::audit::Event> = (1..=rx.audit_size().unwrap())
+            .filter_map(|seq| rx.audit_event(seq).unwrap())
+            .collect();
+        for e in events.iter().filter(|e| e.action == "automatic_rollback") {
+            let failed = e.build.as_deref().and_then(parse_build_id).expect("the failed build");
+            let failed = rx.build(failed).unwrap().unwrap();
+            prop_assert!(failed.rollback_of.is_none(), "a rollback was rolled back: {:?}", failed.id);
+            prop_assert_eq!(failed.status, BuildStatus::Failed);
+        }
+        for id in &builds {
+            let b = rx.build(*id).unwrap().unwrap();
+            if b.trigger == Trigger::AutomaticRollback {
+                prop_assert!(b.rollback_of.is_some());
+            }
+        }
         // The builds-by-status counts follow every change.
         let mut expected = [0u64; 5];
         for id in &builds {
@@ -442,6 +522,13 @@ proptest! {
                 .collect();
             prop_assert!(running.len() <= 1, "two running builds of one deployment");
             prop_assert_eq!(d.running, running.first().copied());
+            // A held-back source is never the deployed one (once nothing
+            // of the deployment is pending).
+            if let (Some(t), Some(deployed), false) = (rx.update_try(name).unwrap(), &d.deployed, d.has_pending_build()) {
+                if t.result == TryResult::RolledBack && t.blocks {
+                    prop_assert_ne!(&t.source, &deployed.snapshot.source, "{} holds back what it runs", name);
+                }
+            }
         }
     }
 }

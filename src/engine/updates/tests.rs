@@ -31,6 +31,7 @@ fn active(policy: UpdatePolicy) -> DeploymentRecord {
             snapshot,
             method: "local".into(),
             finished_at: 1,
+            nodes: vec![],
         }),
         last_build: Some(1),
         last_finished: Some(LastFinished {
@@ -44,6 +45,7 @@ fn active(policy: UpdatePolicy) -> DeploymentRecord {
         event_seq: 3,
         created_at: 1,
         updated_at: 1,
+        auto_rollback: true,
     }
 }
 

@@ -1,0 +1,290 @@
+//! The health step of a deploy (lifecycle.md "Health checks and automatic
+//! rollback"): after a deploy exits 0 with a valid result, and when its
+//! deployer lists `check` and `confirm` in `describe`, berth calls `check`
+//! at once and every `--health-interval` until every node the deploy
+//! changed is healthy or `--health-timeout` has passed, then `confirm`.
+//!
+//! Why it exists apart from `build`: a deploy that exited 0 has only
+//! applied a configuration; this is where berth learns whether the nodes
+//! came up, and the verdict (`HealthEnd`) decides whether the build
+//! succeeds, fails with `health_check_failed` (and may be rolled back by
+//! `transition`), or ends cancelled (a cancel confirms nothing).
+//!
+//! Each node's answer is a `health` event on the build channel and a log
+//! line. A health event takes a seq amid the log's lines (`log_gaps`), so
+//! the lines before it are committed first and the event commits alone,
+//! published after its commit like every event.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tokio::sync::watch;
+
+use super::log_pipe::LogPipe;
+use super::outcome::Halt;
+use super::runner::{Ended, Lines};
+use super::Engine;
+use crate::events;
+use crate::model::*;
+use crate::store::{Lookup, StoreError};
+
+/// A deployer's reason for an unhealthy node is cut to this many characters
+/// (lifecycle.md: 500).
+pub const MAX_HEALTH_REASON_CHARS: usize = 500;
+/// Lines of a check's or confirm's output copied into the build log, per call.
+const MAX_CALL_LINES_IN_LOG: usize = 50;
+
+/// How the health step ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HealthEnd {
+    /// Every changed node healthy, and `confirm` answered.
+    Confirmed,
+    /// A node still unhealthy at the timeout, or `check`/`confirm` failed:
+    /// the detail names the first unhealthy node and its reason.
+    Failed(String),
+    /// Cancelled (or berth stopping) during the step: nothing confirmed.
+    Halted(Halt),
+}
+
+#[derive(Deserialize)]
+struct CheckResult {
+    nodes: Vec<NodeHealth>,
+}
+
+#[derive(Deserialize)]
+struct NodeHealth {
+    name: String,
+    healthy: bool,
+    #[serde(default)]
+    reason: Option<String>,
+}
+
+/// One node's answer, as the event and the log line show it.
+struct Answer {
+    node: String,
+    healthy: bool,
+    reason: Option<String>,
+}
+
+fn cut(text: &str) -> String {
+    text.chars().take(MAX_HEALTH_REASON_CHARS).collect()
+}
+
+impl Engine {
+    /// Runs the health step of `build` for the nodes its deploy changed.
+    /// `request` is the deploy's request; `cancel` the build's halt signal.
+    pub(super) async fn health_step(
+        self: &Arc<Self>,
+        build: &BuildRecord,
+        request: &Value,
+        changed: Vec<String>,
+        pipe: &mut LogPipe,
+        cancel: &mut watch::Receiver<Halt>,
+    ) -> HealthEnd {
+        let interval = self.settings.health_interval;
+        let deadline = tokio::time::Instant::now() + self.settings.health_timeout;
+        let work_dir = self.settings.work_dir(&build.deployment);
+        self.log_lines(
+            pipe,
+            &[format!(
+                "[berth] health step: checking {} changed node(s) every {}s for up to {}s",
+                changed.len(),
+                interval.as_secs_f64(),
+                self.settings.health_timeout.as_secs()
+            )],
+        )
+        .await;
+        let mut attempt: u32 = 1;
+        loop {
+            let halted = *cancel.borrow();
+            if halted != Halt::No {
+                return HealthEnd::Halted(halted);
+            }
+            let mut check = request.clone();
+            check["nodes"] = json!(changed);
+            check["attempt"] = json!(attempt);
+            let answers = self
+                .check(&check, &changed, work_dir.clone(), interval, pipe)
+                .await;
+            for answer in &answers {
+                self.health_event(build.id, attempt, answer, pipe).await;
+            }
+            let first_unhealthy = answers.iter().find(|a| !a.healthy);
+            match first_unhealthy {
+                None => return self.confirm(request, &changed, work_dir, pipe).await,
+                Some(a) if tokio::time::Instant::now() + interval > deadline => {
+                    let reason = a.reason.as_deref().unwrap_or("unhealthy");
+                    return HealthEnd::Failed(cut(&format!(
+                        "node {} was not healthy within --health-timeout: {reason}",
+                        a.node
+                    )));
+                }
+                Some(_) => {}
+            }
+            // The next check, unless a cancel comes first.
+            tokio::select! {
+                _ = tokio::time::sleep(interval) => {}
+                _ = cancel.changed() => {}
+            }
+            attempt = attempt.saturating_add(1);
+        }
+    }
+
+    /// One `check` call: an answer for every changed node (a node the
+    /// deployer did not answer for, a call that failed or timed out, all
+    /// count as unhealthy, with the reason).
+    async fn check(
+        &self,
+        request: &Value,
+        changed: &[String],
+        work_dir: std::path::PathBuf,
+        timeout: Duration,
+        pipe: &mut LogPipe,
+    ) -> Vec<Answer> {
+        let all_unhealthy = |reason: &str| {
+            changed
+                .iter()
+                .map(|node| Answer {
+                    node: node.clone(),
+                    healthy: false,
+                    reason: Some(reason.to_string()),
+                })
+                .collect::<Vec<_>>()
+        };
+        let called = self
+            .call_within(
+                "check",
+                request.to_string().into_bytes(),
+                Some(work_dir),
+                None,
+                timeout,
+            )
+            .await;
+        let (ended, result, output) = match called {
+            Ok(c) => c,
+            Err(_) => return all_unhealthy("the deployer's check could not be started"),
+        };
+        self.log_lines(pipe, &output).await;
+        let parsed = match (ended, result) {
+            (Ended::Exit(0), Ok(Some(bytes))) => serde_json::from_slice::<CheckResult>(&bytes)
+                .map_err(|_| "the deployer's check result breaks the protocol"),
+            (Ended::Timeout, _) => return all_unhealthy("check_timeout"),
+            _ => Err("the deployer's check failed"),
+        };
+        let result = match parsed {
+            Ok(r) => r,
+            Err(why) => return all_unhealthy(why),
+        };
+        changed
+            .iter()
+            .map(|node| match result.nodes.iter().find(|n| &n.name == node) {
+                Some(n) => Answer {
+                    node: node.clone(),
+                    healthy: n.healthy,
+                    reason: if n.healthy {
+                        None
+                    } else {
+                        Some(cut(n.reason.as_deref().unwrap_or("unhealthy")))
+                    },
+                },
+                None => Answer {
+                    node: node.clone(),
+                    healthy: false,
+                    reason: Some("the check gave no answer for this node".into()),
+                },
+            })
+            .collect()
+    }
+
+    /// `confirm`: the deployer makes the new state permanent.
+    async fn confirm(
+        &self,
+        request: &Value,
+        changed: &[String],
+        work_dir: std::path::PathBuf,
+        pipe: &mut LogPipe,
+    ) -> HealthEnd {
+        let mut confirm = request.clone();
+        confirm["nodes"] = json!(changed);
+        let called = self
+            .call_within(
+                "confirm",
+                confirm.to_string().into_bytes(),
+                Some(work_dir),
+                None,
+                self.settings.health_interval,
+            )
+            .await;
+        let ok = match called {
+            Ok((ended, result, output)) => {
+                self.log_lines(pipe, &output).await;
+                ended == Ended::Exit(0) && matches!(result, Ok(Some(_)))
+            }
+            Err(_) => false,
+        };
+        if ok {
+            self.log_lines(
+                pipe,
+                &["[berth] health step: every changed node is healthy; confirmed".to_string()],
+            )
+            .await;
+            HealthEnd::Confirmed
+        } else {
+            HealthEnd::Failed("the deployer's confirm failed".into())
+        }
+    }
+
+    /// Lines of berth's own (or of a check's output, cut) into the log.
+    async fn log_lines(&self, pipe: &mut LogPipe, lines: &[String]) {
+        let lines = Lines::of(lines.iter().take(MAX_CALL_LINES_IN_LOG).map(String::as_str));
+        if !lines.is_empty() {
+            pipe.lines(lines).await;
+        }
+    }
+
+    /// One node's answer: a `health` event (its own commit, after the log
+    /// lines before it), then its log line.
+    async fn health_event(&self, build: BuildId, attempt: u32, a: &Answer, pipe: &mut LogPipe) {
+        let data = json!({
+            "node": a.node,
+            "healthy": a.healthy,
+            "reason": a.reason,
+            "attempt": attempt,
+        })
+        .to_string();
+        pipe.commit_pending().await;
+        if pipe.log.gaps.len() < MAX_LOG_GAPS {
+            let (seq, gaps) = pipe.log.take_gap();
+            let (hub, data) = (self.hub.clone(), data.clone());
+            let stored = self
+                .store
+                .write(move |tx| {
+                    let Some(mut b) = tx.build(build)? else {
+                        return Err(StoreError::corrupt("a running build without its record"));
+                    };
+                    b.log_gaps = gaps.clone();
+                    b.event_seq = b.event_seq.max(seq);
+                    b.seq_reserved = b.seq_reserved.max(seq);
+                    events::build_health(tx, &hub, build, seq, data.clone(), now_millis())?;
+                    tx.put_build(&b)
+                })
+                .await;
+            // The seq stays skipped (every later commit of the build stores
+            // the gaps), so a lost event never shifts a line's id; the
+            // answer is still in the log line below.
+            if let Err(e) = stored {
+                tracing::error!(error = %e, build = %format_build_id(build), "cannot store a health event; its answer is in the log only");
+            }
+        }
+        let line = match &a.reason {
+            None => format!("[berth] health check {attempt}: node {} is healthy", a.node),
+            Some(reason) => format!(
+                "[berth] health check {attempt}: node {} is not healthy: {reason}",
+                a.node
+            ),
+        };
+        self.log_lines(pipe, &[line]).await;
+    }
+}
