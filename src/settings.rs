@@ -355,39 +355,55 @@ pub fn parse_source(text: &str) -> Result<Source, String> {
 /// is shorter than three looks.
 pub const MAX_UPDATE_INTERVAL: Duration = Duration::from_secs(300);
 
-/// `--update-interval`: 1 s to 5 minutes.
 /// The shortest and longest keep-alive interval: shorter only costs writes,
 /// longer than most proxies' idle timeouts would let them cut the stream.
 const KEEP_ALIVE_RANGE: (Duration, Duration) =
     (Duration::from_millis(100), Duration::from_secs(300));
-
-fn parse_keep_alive(text: &str) -> Result<Duration, String> {
-    let d = parse_duration(text)?;
-    if d < KEEP_ALIVE_RANGE.0 || d > KEEP_ALIVE_RANGE.1 {
-        return Err("the keep-alive interval is 100ms to 5m".into());
-    }
-    Ok(d)
-}
 
 /// A check more often than this would only load the deployer; one less
 /// often than this would leave a broken node up too long.
 const HEALTH_INTERVAL_RANGE: (Duration, Duration) =
     (Duration::from_millis(100), Duration::from_secs(600));
 
-fn parse_health_interval(text: &str) -> Result<Duration, String> {
+/// `--update-interval`: 1 s to 5 minutes.
+const UPDATE_INTERVAL_RANGE: (Duration, Duration) = (Duration::from_secs(1), MAX_UPDATE_INTERVAL);
+
+/// A duration within `range`; the error names the flag's range.
+fn duration_within(
+    text: &str,
+    range: (Duration, Duration),
+    what: &str,
+) -> Result<Duration, String> {
     let d = parse_duration(text)?;
-    if d < HEALTH_INTERVAL_RANGE.0 || d > HEALTH_INTERVAL_RANGE.1 {
-        return Err("the health interval is 100ms to 10m".into());
+    if d < range.0 || d > range.1 {
+        return Err(format!(
+            "the {what} is {} to {}",
+            show(range.0),
+            show(range.1)
+        ));
     }
     Ok(d)
 }
 
-fn parse_update_interval(text: &str) -> Result<Duration, String> {
-    let d = parse_duration(text)?;
-    if d < Duration::from_secs(1) || d > MAX_UPDATE_INTERVAL {
-        return Err("the update interval is 1s to 5m".into());
+/// `100ms`, `5s`, `10m`: how a range is written back to the user.
+fn show(d: Duration) -> String {
+    match (d.as_millis(), d.as_secs()) {
+        (ms, _) if ms % 1000 != 0 => format!("{ms}ms"),
+        (_, s) if s % 60 == 0 => format!("{}m", s / 60),
+        (_, s) => format!("{s}s"),
     }
-    Ok(d)
+}
+
+fn parse_keep_alive(text: &str) -> Result<Duration, String> {
+    duration_within(text, KEEP_ALIVE_RANGE, "keep-alive interval")
+}
+
+fn parse_health_interval(text: &str) -> Result<Duration, String> {
+    duration_within(text, HEALTH_INTERVAL_RANGE, "health interval")
+}
+
+fn parse_update_interval(text: &str) -> Result<Duration, String> {
+    duration_within(text, UPDATE_INTERVAL_RANGE, "update interval")
 }
 
 /// `250ms`, `30s`, `5m`, `24h`, or a plain number of seconds.
