@@ -169,10 +169,14 @@ fn hide_store_paths(line: &str) -> String {
 /// result for this request) to JSON. `write` lets it instantiate
 /// derivations (their `drvPath`).
 fn nix_eval(dir: &Path, request: &Value, body: &str, write: bool) -> Outcome {
+    // The request (every tenant's configuration, secrets included) goes
+    // to Nix in a 0600 file, never on a command line: any local user reads
+    // /proc/<pid>/cmdline, and an argument is at most 128 KiB.
+    let request_file = request_file(request)?;
     let expr = format!(
-        "{{ requestJson, sourceDir }}:\n\
+        "{{ requestFile, sourceDir }}:\n\
          let\n\
-           request = builtins.fromJSON requestJson;\n\
+           request = builtins.fromJSON (builtins.readFile requestFile);\n\
            source = import (/. + sourceDir) {{\n\
              configuration = request.configuration or {{ }};\n\
              deployment = request.deployment or \"\";\n\
@@ -186,8 +190,8 @@ fn nix_eval(dir: &Path, request: &Value, body: &str, write: bool) -> Outcome {
         cmd.arg("--read-write-mode");
     }
     cmd.arg("--argstr")
-        .arg("requestJson")
-        .arg(request.to_string())
+        .arg("requestFile")
+        .arg(request_file.path())
         .arg("--argstr")
         .arg("sourceDir")
         .arg(dir)
@@ -213,6 +217,45 @@ fn nix_eval(dir: &Path, request: &Value, body: &str, write: bool) -> Outcome {
     }
     serde_json::from_slice(&stdout)
         .map_err(|e| Failure::Broken(format!("Nix's answer is not JSON: {e}")))
+}
+
+/// The request in a file readable by this user only, in the call's own
+/// scratch dir (or the system's temporary dir for a call without one),
+/// removed when dropped.
+struct RequestFile(std::path::PathBuf);
+
+impl RequestFile {
+    fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for RequestFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+fn request_file(request: &Value) -> Result<RequestFile, Failure> {
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt;
+    let dir = std::env::var_os("BERTH_SCRATCH_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(std::env::temp_dir);
+    let path = dir.join(format!(
+        "nix-request-{}.json",
+        uuid::Uuid::now_v7().simple()
+    ));
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&path)
+        .map_err(|e| Failure::Broken(format!("cannot write the request for Nix: {e}")))?;
+    let written = RequestFile(path);
+    file.write_all(request.to_string().as_bytes())
+        .map_err(|e| Failure::Broken(format!("cannot write the request for Nix: {e}")))?;
+    Ok(written)
 }
 
 /// A child's stdout (at most one byte past `MAX_NIX_OUTPUT_BYTES`, so the
@@ -273,6 +316,13 @@ fn node_list(nodes: &Value) -> Result<Vec<(String, Value)>, Failure> {
             "the configuration gives {} nodes; at most {MAX_NODES}",
             map.len()
         )));
+    }
+    // A node name reaches file paths (the GC root, the SBOM copy) and can
+    // come from a configuration: only a DNS label is ever used.
+    if map.keys().any(|name| !crate::model::is_dns_label(name, 63)) {
+        return Err(Failure::Refused(
+            "the source names a node that is not a DNS label (a-z, 0-9, -, at most 63)".into(),
+        ));
     }
     Ok(map.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
 }
@@ -370,8 +420,10 @@ fn activate(node: &str, toplevel: &str, target: Option<&str>) -> Result<(), Stri
             return Err(format!("copying {node} to its target failed ({copied})"));
         }
         println!("activating {node} on {target}");
+        // `--`: a target is a host, never an option of ssh's.
         Command::new("ssh")
             .args([
+                "--",
                 target,
                 &format!("{toplevel}/bin/switch-to-configuration"),
                 "switch",

@@ -400,6 +400,31 @@ pub async fn authenticate(
 
 /// Whether `caller` may read deployment `id` (always, for the service
 /// token): lists filter each item through this.
+/// Whether a callback caller may also do `procedure` on deployment `id`
+/// (a submit that carries an update policy needs `update_policy` too: one
+/// call may not do what its caller is refused as two). The service token
+/// may.
+pub async fn may_also(
+    authz: &Authz,
+    caller: &Caller,
+    procedure: Procedure,
+    id: &str,
+    method: &str,
+    path: &str,
+) -> bool {
+    let Some(token) = &caller.token else {
+        return true;
+    };
+    let q = Question {
+        procedure,
+        deployment: Some(id),
+        target_actor: None,
+        method,
+        path,
+    };
+    authz.decide(token, &q).await.allow
+}
+
 pub async fn may_read(authz: &Authz, caller: &Caller, id: &str, path: &str) -> bool {
     let Some(token) = &caller.token else {
         return true;

@@ -603,9 +603,33 @@ pub fn parse_policy(v: &Value, at: &str) -> Result<UpdatePolicy, ApiError> {
     Ok(policy)
 }
 
-pub async fn submit(ctx: &Ctx, req: &Request, w: Write) -> Result<Reply, ApiError> {
+pub async fn submit(
+    ctx: &Ctx,
+    req: &Request,
+    caller: &Caller,
+    w: Write,
+) -> Result<Reply, ApiError> {
     let id = deployment_id(req)?;
     let input = parse_submit(req, SUBMIT_FIELDS)?;
+    // api.md "Authentication": a body that sets the policy or the automatic
+    // rollback also needs `update_policy`.
+    let sets_policy = input.update_policy.is_some() || input.auto_rollback.is_some();
+    if sets_policy
+        && !super::auth::may_also(
+            &ctx.authz,
+            caller,
+            super::auth::Procedure::UpdatePolicy,
+            &id,
+            req.method.as_str(),
+            req.route,
+        )
+        .await
+    {
+        return Err(ApiError::new(
+            super::errors::Code::Forbidden,
+            "the authorization callback denied update_policy, which this submit's update_policy or auto_rollback needs",
+        ));
+    }
     let record = w.record(submitted_reply);
     let submitted = ctx.engine.submit(&id, input, record).await?;
     Ok(submitted_reply(&submitted))

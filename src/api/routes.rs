@@ -508,7 +508,10 @@ pub async fn mutation(
     let w = draft.clone();
     let result = match call {
         MutationCall::Submit => {
-            idempotency::mutation(ctx, req, caller, w, |w| deployments::submit(ctx, req, w)).await
+            idempotency::mutation(ctx, req, caller, w, |w| {
+                deployments::submit(ctx, req, caller, w)
+            })
+            .await
         }
         MutationCall::Act => {
             idempotency::mutation(ctx, req, caller, w, |w| deployments::act(ctx, req, w)).await

@@ -149,6 +149,18 @@ fn snake(camel: &str) -> String {
     s
 }
 
+/// deployer.md: every node an eval names is a DNS label (a name can come
+/// from a configuration, and names reach paths and routes).
+fn eval_names_ok(result: &Value) -> bool {
+    result["nodes"].as_array().is_some_and(|nodes| {
+        nodes.iter().all(|n| {
+            n.get("name")
+                .and_then(Value::as_str)
+                .is_some_and(super::verdict::valid_node_name)
+        })
+    })
+}
+
 /// The outcome of an eval that ran to a verdict.
 pub enum EvalVerdict {
     Nodes(Value),
@@ -316,7 +328,7 @@ impl Engine {
             .and_then(|b| serde_json::from_slice::<Value>(&b).ok());
         match ended {
             Ended::Exit(0) => match parsed {
-                Some(v) if v.get("nodes").is_some_and(Value::is_array) => {
+                Some(v) if v.get("nodes").is_some_and(Value::is_array) && eval_names_ok(&v) => {
                     Ok(Some(EvalVerdict::Nodes(v)))
                 }
                 _ => {

@@ -221,8 +221,15 @@ pub fn export(data_dir: &Path, to: &Endpoint, replace: bool) -> Result<Totals, S
 /// state unless `replace`; writes a new file beside it and moves it over
 /// the store only once everything is in and durable.
 pub fn import(data_dir: &Path, from: &Endpoint, replace: bool) -> Result<Totals, String> {
-    std::fs::create_dir_all(data_dir)
-        .map_err(|e| format!("cannot create {}: {e}", data_dir.display()))?;
+    // storage.md: the data dir is berth's alone (0700), like `serve` makes it.
+    {
+        use std::os::unix::fs::DirBuilderExt;
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(data_dir)
+            .map_err(|e| format!("cannot create {}: {e}", data_dir.display()))?;
+    }
     let path = store_path(data_dir);
     if path.exists() {
         let state = dump::inspect(&path).map_err(store_error)?;
@@ -249,6 +256,13 @@ pub fn import(data_dir: &Path, from: &Endpoint, replace: bool) -> Result<Totals,
             return Err(e);
         }
     };
+    // The store holds every configuration and log: readable by berth only,
+    // before it has its name.
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&partial, std::fs::Permissions::from_mode(0o600))
+            .map_err(|e| format!("cannot make the imported store private (0600): {e}"))?;
+    }
     std::fs::rename(&partial, &path)
         .and_then(|_| std::fs::File::open(data_dir).and_then(|d| d.sync_all()))
         .map_err(|e| format!("cannot move the imported store into place: {e}"))?;

@@ -117,6 +117,18 @@ pub struct SqliteTarget {
 impl SqliteTarget {
     pub fn open(path: &Path, replace: bool) -> Result<SqliteTarget, String> {
         let created = !path.exists();
+        if created {
+            // storage.md: an export holds every configuration, log, stored
+            // answer and webhook secret: the file is made 0600, before
+            // SQLite writes a byte into it.
+            use std::os::unix::fs::OpenOptionsExt;
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(path)
+                .map_err(|e| format!("cannot create {}: {e}", path.display()))?;
+        }
         let conn = Connection::open_with_flags(
             path,
             OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_CREATE,

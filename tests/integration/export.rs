@@ -801,3 +801,38 @@ async fn serve_imports_from_an_export_exactly_once() {
     assert_eq!(imported, 1, "{}", fresh.log());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// storage.md: an export file holds every configuration, log and stored
+/// answer, and a store imported from it as much: both readable by berth's
+/// user only, the data dir too.
+#[tokio::test]
+async fn export_files_and_imported_stores_are_private() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = temp_dir("modes");
+    let mut s = Server::start(Options::default()).await;
+    let build = s.submit_ok("m1", mastodon("m1.org")).await;
+    s.wait_build(&build, "final").await;
+    s.terminate();
+    let file = dir.join("export.sqlite");
+    let to = format!("sqlite:{}", file.display());
+    let (code, err) = berth_cli(&["export", "--data-dir", &data(&s.dir), "--to", &to]);
+    assert_eq!(code, 0, "{err}");
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&file), 0o600, "the export file is readable by others");
+    let target = dir.join("fresh-data");
+    let (code, err) = berth_cli(&[
+        "import",
+        "--data-dir",
+        target.to_str().unwrap(),
+        "--from",
+        &to,
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(mode(&target), 0o700, "the data dir an import made");
+    assert_eq!(
+        mode(&target.join("berth.redb")),
+        0o600,
+        "the imported store"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

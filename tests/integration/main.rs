@@ -22,4 +22,5 @@ mod restart;
 mod routes;
 mod safe_deploys;
 mod sboms;
+mod tenants;
 mod torture;

@@ -636,3 +636,73 @@ fn every_option_reaches_its_unit(lib: &ModuleLib) {
         assert!(e.contains(option), "{option}: {e}");
     }
 }
+
+/// Hostile input round two, items 1 and 3 (deployer.md "Limits berth
+/// enforces"): a source that names nodes after configuration keys cannot be
+/// made to use a name that is not a DNS label (it would reach the GC-root
+/// and SBOM paths), and a configuration larger than one command-line
+/// argument (128 KiB) evaluates: the request reaches Nix in a 0600 file.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_names_are_checked_and_the_request_never_rides_a_command_line() {
+    let test = "nix::node_names_are_checked_and_the_request_never_rides_a_command_line";
+    if !nix_can_build(test) {
+        return;
+    }
+    let dir = temp_dir("nix-hostile");
+    let source = dir.join("source");
+    std::fs::create_dir_all(&source).unwrap();
+    std::fs::write(
+        source.join("default.nix"),
+        r#"{ configuration ? { }, deployment ? "x", suspended ? false }: {
+  describe = { methods = [ "nix" ]; default_method = "nix"; catalog = [ ]; schema = null; };
+  nodes = builtins.mapAttrs (name: app: { names = [ ]; }) (configuration.applications or { });
+}
+"#,
+    )
+    .unwrap();
+    let opts = Options::default()
+        .arg("--deployer")
+        .arg("builtin:nix")
+        .arg("--default-source")
+        .arg(&format!(
+            "url={},rev=v1,digest={}",
+            source.display(),
+            digest(&source)
+        ))
+        .env("NIX_CONFIG", "substituters =");
+    let s = Server::start(opts).await;
+    let preview = |config: serde_json::Value| {
+        let s = &s;
+        async move {
+            read(
+                s.post(
+                    "/v1/deployments/eve/preview",
+                    &json!({"configuration": config}),
+                )
+                .send()
+                .await
+                .unwrap(),
+            )
+            .await
+        }
+    };
+    let (status, p) = preview(json!({"applications": {"../../../../tmp/berth-escape": {}}})).await;
+    assert_eq!(status, 422, "{p}");
+    assert!(
+        p["deployer_message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("DNS label"),
+        "{p}"
+    );
+    // 200 KiB of configuration: past what one argument may carry.
+    let big = "x".repeat(200 * 1024);
+    let (status, p) = preview(json!({"applications": {"web": {"notes": big}}})).await;
+    assert_eq!(
+        status,
+        200,
+        "{}",
+        p.to_string().chars().take(300).collect::<String>()
+    );
+    assert_eq!(p["nodes"][0]["name"], "web");
+}

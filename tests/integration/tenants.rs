@@ -1,0 +1,132 @@
+//! Hostile input, round two: one callback-authorized tenant must not see,
+//! steer or starve another (api.md "Authentication", "Pagination", "Fair
+//! shares"). A callback that knows two tenants, alice and bob, each allowed
+//! on their own deployments only; loopback only, bounded loops.
+
+use std::sync::{Arc, Mutex};
+
+use serde_json::{json, Value};
+
+use crate::harness::*;
+
+/// alice may do anything on deployments named `alice*` except change an
+/// update policy; bob on `bob*`, policies included. Both may list and ask
+/// for stream tickets. Records every question.
+fn two_tenants() -> (JsonHandler, Arc<Mutex<Vec<Value>>>) {
+    let asked = Arc::new(Mutex::new(Vec::new()));
+    let log = asked.clone();
+    let handler: JsonHandler = Arc::new(move |q: Value| {
+        log.lock().unwrap().push(q.clone());
+        let deployment = q["deployment"].as_str().unwrap_or("");
+        let server_wide =
+            q["deployment"].is_null() && (q["procedure"] == "read" || q["procedure"] == "stream");
+        let answer = match q["token"].as_str() {
+            Some("alice-token") => {
+                let allow = server_wide
+                    || deployment.starts_with("alice") && q["procedure"] != "update_policy";
+                json!({"allow": allow, "subject": "alice@example.org"})
+            }
+            Some("bob-token") => {
+                let allow = server_wide || deployment.starts_with("bob");
+                json!({"allow": allow, "subject": "bob@example.org"})
+            }
+            _ => json!({"allow": false}),
+        };
+        (200, answer)
+    });
+    (handler, asked)
+}
+
+async fn with_tenants(opts: Options) -> (Server, Arc<Mutex<Vec<Value>>>) {
+    let (handler, asked) = two_tenants();
+    let (url, _server) = json_server(handler).await;
+    // The callback server lives as long as the test's runtime.
+    std::mem::forget(_server);
+    (
+        Server::start(opts.arg("--authz-url").arg(&url)).await,
+        asked,
+    )
+}
+
+async fn as_tenant(s: &Server, token: &str, r: reqwest::RequestBuilder) -> (u16, Value) {
+    let _ = s;
+    read(r.bearer_auth(token).send().await.unwrap()).await
+}
+
+/// Item 2: a submit that carries an update policy (or `auto_rollback`)
+/// needs `update_policy` too.
+#[tokio::test]
+async fn a_submit_cannot_change_the_policy_its_caller_may_not() {
+    let (s, _) = with_tenants(Options::default()).await;
+    let submit = |body: Value| {
+        s.http
+            .post(s.url("/v1/deployments/alice/submit"))
+            .json(&body)
+    };
+    let (status, p) = as_tenant(
+        &s,
+        "alice-token",
+        submit(json!({"configuration": mastodon("a.org")})),
+    )
+    .await;
+    assert_eq!(status, 202, "{p}");
+    let put = s
+        .http
+        .put(s.url("/v1/deployments/alice/update-policy"))
+        .json(&json!({"kind": "automatic"}));
+    assert_eq!(as_tenant(&s, "alice-token", put).await.0, 403);
+    for extra in [
+        json!({"update_policy": {"kind": "automatic"}}),
+        json!({"auto_rollback": false}),
+    ] {
+        let mut body = json!({"configuration": mastodon("a.org"), "mode": "enqueue"});
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        let (status, p) = as_tenant(&s, "alice-token", submit(body)).await;
+        assert_eq!(
+            (status, p["code"].as_str()),
+            (403, Some("forbidden")),
+            "{p}"
+        );
+    }
+    let (_, d) = s.json("/v1/deployments/alice").await;
+    assert_eq!(
+        d["update_policy"],
+        json!({"kind": "manual"}),
+        "the policy changed"
+    );
+    assert_eq!(d["auto_rollback"], true);
+    let (_, builds) = s.json("/v1/deployments/alice/builds").await;
+    assert_eq!(
+        builds["items"].as_array().unwrap().len(),
+        1,
+        "a refused submit queued a build"
+    );
+    // bob may: his submit with a policy goes through.
+    let bob = s
+        .http
+        .post(s.url("/v1/deployments/bob/submit"))
+        .json(&json!({"configuration": mastodon("b.org"), "update_policy": {"kind": "automatic"}}));
+    assert_eq!(as_tenant(&s, "bob-token", bob).await.0, 202);
+}
+
+/// Item 1, berth's side: a deployer's result naming a node that is not a
+/// DNS label is a protocol error (the name would reach SBOM routes and a
+/// deployer's paths), in eval and in deploy alike.
+#[tokio::test]
+async fn a_result_with_a_node_name_that_is_not_a_dns_label_is_refused() {
+    let dir = temp_dir("node-names");
+    let body = format!(
+        r#"{SCRIPT_PRELUDE}
+printf '%s' '{{"nodes":[{{"name":"../../etc/x","changed":true}}]}}' > "$BERTH_RESULT"
+"#
+    );
+    let deployer = script(&dir, "names.sh", &body);
+    let s = Server::start(Options::default().deployer(&deployer)).await;
+    let b = s.submit_ok("alice", json!({"domain": "a.org"})).await;
+    let end = s.wait_build(&b, "final").await;
+    assert_eq!(end["failure"]["reason"], "deployer_protocol", "{end}");
+    let (_, sboms) = s.json("/v1/deployments/alice/sboms").await;
+    assert_eq!(sboms["nodes"], json!([]));
+}
