@@ -96,3 +96,53 @@ mod tests {
         assert!(locks.is_empty(), "an entry leaked after its waiter left");
     }
 }
+
+/// Counted shares per key (api.md "Fair shares": each principal's open
+/// streams): `take` gives a guard while the key holds fewer than `max`;
+/// the count goes down when the guard is dropped, and the key's entry goes
+/// with its last guard, so the map holds only principals with something
+/// open.
+#[derive(Default, Clone)]
+pub struct Quotas(Arc<Mutex<HashMap<String, usize>>>);
+
+impl Quotas {
+    pub fn take(&self, key: &str, max: usize) -> Option<QuotaGuard> {
+        let mut held = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let count = held.entry(key.to_string()).or_default();
+        if *count >= max {
+            if *count == 0 {
+                held.remove(key);
+            }
+            return None;
+        }
+        *count += 1;
+        Some(QuotaGuard {
+            quotas: self.clone(),
+            key: key.to_string(),
+        })
+    }
+
+    /// What `key` holds now.
+    pub fn held(&self, key: &str) -> usize {
+        let held = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        held.get(key).copied().unwrap_or(0)
+    }
+}
+
+/// One share of a key in `Quotas`, given back on drop.
+pub struct QuotaGuard {
+    quotas: Quotas,
+    key: String,
+}
+
+impl Drop for QuotaGuard {
+    fn drop(&mut self) {
+        let mut held = self.quotas.0.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(count) = held.get_mut(&self.key) {
+            *count = count.saturating_sub(1);
+            if *count == 0 {
+                held.remove(&self.key);
+            }
+        }
+    }
+}

@@ -103,6 +103,13 @@ pub fn run(settings: Settings) -> i32 {
 async fn serve(mut settings: Settings) -> Result<(), String> {
     let _ = rustls::crypto::ring::default_provider().install_default();
     crate::api::cors::check_origins(&settings.cors_origin)?;
+    let per_caller = settings.streams_per_caller();
+    if per_caller > settings.max_sse_clients || per_caller >= settings.max_connections as usize {
+        return Err(format!(
+            "--max-streams-per-caller ({per_caller}) must be at most --max-sse-clients ({}) and below --max-connections ({}): one caller must never take every connection",
+            settings.max_sse_clients, settings.max_connections
+        ));
+    }
     if settings.reset_dev_state && !settings.dev {
         return Err("--reset-dev-state deletes every stored deployment; it needs --dev too".into());
     }
@@ -208,13 +215,14 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
         cursor_key,
         idempotency: Default::default(),
         tickets: Default::default(),
+        streams: Default::default(),
         derivations: Default::default(),
         body_budget: api::BodyBudget::new(engine.settings.max_body_bytes_in_flight),
         authz: api::auth::Authz::new(engine.settings.authz_url.clone()),
     });
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let server = tokio::spawn(accept_loop(listener, ctx, stop_rx.clone()));
+    let server = tokio::spawn(accept_loop(listener, ctx.clone(), stop_rx.clone()));
     tracing::info!(address = %local, "berth listening on http://{local}");
 
     engine
@@ -227,6 +235,17 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
     tokio::spawn(engine.clone().run_sweeps());
     tokio::spawn(engine.clone().run_denial_flush());
     tokio::spawn(engine.clone().run_updates());
+    {
+        let ctx = ctx.clone();
+        tokio::spawn(async move {
+            let mut every = tokio::time::interval(api::auth::DECISION_TTL);
+            loop {
+                every.tick().await;
+                ctx.authz.sweep();
+                ctx.tickets.sweep();
+            }
+        });
+    }
 
     wait_for_signal().await;
     tracing::info!("shutting down: no new requests or builds; waiting for running builds");

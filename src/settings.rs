@@ -269,6 +269,17 @@ pub struct Settings {
     #[arg(long, env = "BERTH_ADDRESS_FILE")]
     pub address_file: Option<PathBuf>,
 
+    /// Open event streams one principal may hold (api.md "Fair shares"), at
+    /// most --max-sse-clients and below --max-connections, so one tenant
+    /// never takes every connection [default: 100, or lower with those]
+    #[arg(long, env = "BERTH_MAX_STREAMS_PER_CALLER", value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_streams_per_caller: Option<u32>,
+
+    /// Live stream tickets one principal may hold; a new one past it
+    /// revokes that principal's oldest.
+    #[arg(long, env = "BERTH_MAX_TICKETS_PER_CALLER", default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    pub max_tickets_per_caller: u32,
+
     /// Open event streams at most; past it a stream request gets 503.
     #[arg(long, env = "BERTH_MAX_SSE_CLIENTS", default_value_t = 10_000)]
     pub max_sse_clients: usize,
@@ -354,6 +365,22 @@ pub fn parse_source(text: &str) -> Result<Source, String> {
 /// `--update-interval` at most: no maintenance window (15 minutes at least)
 /// is shorter than three looks.
 pub const MAX_UPDATE_INTERVAL: Duration = Duration::from_secs(300);
+
+/// The default of `--max-streams-per-caller`.
+pub const DEFAULT_STREAMS_PER_CALLER: usize = 100;
+
+impl Settings {
+    /// `--max-streams-per-caller`, or its default.
+    pub fn streams_per_caller(&self) -> usize {
+        let below_connections = (self.max_connections as usize).saturating_sub(1).max(1);
+        self.max_streams_per_caller.map_or(
+            DEFAULT_STREAMS_PER_CALLER
+                .min(self.max_sse_clients)
+                .min(below_connections),
+            |n| n as usize,
+        )
+    }
+}
 
 /// The shortest and longest keep-alive interval: shorter only costs writes,
 /// longer than most proxies' idle timeouts would let them cut the stream.

@@ -35,6 +35,9 @@ pub async fn start_berth(
         .arg(dir.join("data"))
         .arg("--deployer")
         .arg(deployer)
+        // A bench is one principal holding every stream it measures.
+        .arg("--max-streams-per-caller")
+        .arg("4000")
         .args(args)
         .envs(envs.iter().map(|(k, v)| (k.to_string(), v.clone())))
         .env("BERTH_LOG", "warn")

@@ -28,6 +28,10 @@ pub const DECISION_TTL: Duration = Duration::from_secs(30);
 /// Cached answers at most; past it, expired ones go, then all (a bound on
 /// memory against callers cycling tokens).
 pub const MAX_CACHED_DECISIONS: usize = 100_000;
+/// Bytes the cached answers may take at most (keys and actors counted):
+/// what bounds memory when entries are large. Expired entries are also
+/// swept every `DECISION_TTL` (`Authz::sweep`), not only at the cap.
+pub const MAX_CACHED_DECISION_BYTES: usize = 16 * 1024 * 1024;
 /// Largest callback answer read.
 const MAX_CALLBACK_ANSWER: usize = 16 * 1024;
 
@@ -188,10 +192,62 @@ pub fn trusted_caller(headers: &HeaderMap) -> Result<Caller, ApiError> {
 pub struct Authz {
     url: Option<String>,
     client: Option<reqwest::Client>,
-    cache: Mutex<HashMap<CacheKey, (Decision, Instant)>>,
+    cache: Mutex<Cache>,
     /// Who each token was last known to be (at most `DECISION_TTL` old):
     /// a denial while the callback is down is still attributed.
     known: Mutex<HashMap<[u8; 32], (Actor, Instant)>>,
+}
+
+/// The cached answers and the bytes they take.
+#[derive(Default)]
+struct Cache {
+    answers: HashMap<CacheKey, (Decision, Instant)>,
+    bytes: usize,
+}
+
+impl Cache {
+    fn cost(key: &CacheKey, d: &Decision) -> usize {
+        let text = |s: &Option<String>| s.as_ref().map_or(0, String::len);
+        std::mem::size_of::<(CacheKey, Decision, Instant)>()
+            + text(&key.deployment)
+            + text(&key.target)
+            + d.actor.as_ref().map_or(0, |a| {
+                a.subject.len() + a.issuer.as_ref().map_or(0, String::len)
+            })
+    }
+
+    fn retain_fresh(&mut self, now: Instant) {
+        self.answers
+            .retain(|_, (_, at)| now.duration_since(*at) < DECISION_TTL);
+        self.bytes = self
+            .answers
+            .iter()
+            .map(|(k, (d, _))| Cache::cost(k, d))
+            .sum();
+    }
+
+    fn insert(&mut self, key: CacheKey, d: Decision, now: Instant) {
+        let cost = Cache::cost(&key, &d);
+        if self.answers.len() >= MAX_CACHED_DECISIONS
+            || self.bytes + cost > MAX_CACHED_DECISION_BYTES
+        {
+            self.retain_fresh(now);
+            if self.answers.len() >= MAX_CACHED_DECISIONS
+                || self.bytes + cost > MAX_CACHED_DECISION_BYTES
+            {
+                self.answers.clear();
+                self.bytes = 0;
+            }
+        }
+        if let Some((old, _)) = self.answers.insert(key.clone(), (d, now)) {
+            self.bytes -= Cache::cost(&key, &old);
+        }
+        self.bytes += cost;
+        debug_assert!(
+            self.bytes <= MAX_CACHED_DECISION_BYTES,
+            "the decision cache is past its bound"
+        );
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -224,9 +280,24 @@ impl Authz {
         Authz {
             url,
             client,
-            cache: Mutex::new(HashMap::new()),
+            cache: Mutex::new(Cache::default()),
             known: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Drops expired answers and identities (run every `DECISION_TTL` by
+    /// `serve`): memory follows the callers of the last 30 s, not of the
+    /// last time the cap was reached.
+    pub fn sweep(&self) {
+        let now = Instant::now();
+        lock(&self.cache).retain_fresh(now);
+        lock(&self.known).retain(|_, (_, at)| now.duration_since(*at) < DECISION_TTL);
+    }
+
+    /// Cached answers and the bytes they take (for `/metrics` and tests).
+    pub fn cached(&self) -> (usize, usize) {
+        let cache = lock(&self.cache);
+        (cache.answers.len(), cache.bytes)
     }
 
     pub fn configured(&self) -> bool {
@@ -243,22 +314,14 @@ impl Authz {
             target: q.target_actor.map(Actor::key),
         };
         let now = Instant::now();
-        if let Some((d, at)) = lock(&self.cache).get(&key) {
+        if let Some((d, at)) = lock(&self.cache).answers.get(&key) {
             if now.duration_since(*at) < DECISION_TTL {
                 return d.clone();
             }
         }
         match self.ask(token, q).await {
             Ok(decision) => {
-                let mut cache = lock(&self.cache);
-                if cache.len() >= MAX_CACHED_DECISIONS {
-                    cache.retain(|_, (_, at)| now.duration_since(*at) < DECISION_TTL);
-                    if cache.len() >= MAX_CACHED_DECISIONS {
-                        cache.clear();
-                    }
-                }
-                cache.insert(key, (decision.clone(), now));
-                drop(cache);
+                lock(&self.cache).insert(key, decision.clone(), now);
                 if let Some(actor) = &decision.actor {
                     let mut known = lock(&self.known);
                     if known.len() >= MAX_CACHED_DECISIONS {

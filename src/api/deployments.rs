@@ -44,12 +44,17 @@ pub fn page_limit(req: &Request) -> Result<usize, ApiError> {
 pub fn deployment_id(req: &Request) -> Result<String, ApiError> {
     let id = req.param("id");
     if !is_valid_deployment_id(id) {
-        return Err(ApiError::bad_request(
-            "a deployment id is a DNS label of at most 40 characters: a-z, 0-9 and inner -",
-        )
-        .field("/path/id", "deployment_id"));
+        return Err(invalid_deployment_id());
     }
     Ok(id.to_string())
+}
+
+/// The answer to an `{id}` berth could not have made.
+pub fn invalid_deployment_id() -> ApiError {
+    ApiError::bad_request(
+        "a deployment id is a DNS label of at most 40 characters: a-z, 0-9 and inner -",
+    )
+    .field("/path/id", "deployment_id")
 }
 
 pub async fn list(ctx: &Ctx, req: &Request, caller: &Caller) -> Result<Reply, ApiError> {

@@ -25,6 +25,9 @@ pub const MAX_TICKETS: usize = 100_000;
 
 struct Ticket {
     channel: String,
+    /// Who holds it (`Caller::identity`): its share of
+    /// `--max-tickets-per-caller`, and of streams opened with it.
+    principal: String,
     /// A callback token's holder: the stream is re-checked through the
     /// callback (`None` for the service token).
     token: Option<String>,
@@ -33,21 +36,97 @@ struct Ticket {
     expires_at: Millis,
 }
 
+/// The live tickets, and each principal's in the order it got them.
 #[derive(Default)]
-pub struct Tickets(Mutex<HashMap<String, Ticket>>);
+pub struct Tickets(Mutex<TicketTable>);
+
+#[derive(Default)]
+struct TicketTable {
+    by_value: HashMap<String, Ticket>,
+    by_principal: HashMap<String, std::collections::VecDeque<String>>,
+}
+
+impl TicketTable {
+    fn remove(&mut self, value: &str) {
+        if let Some(t) = self.by_value.remove(value) {
+            if let Some(mine) = self.by_principal.get_mut(&t.principal) {
+                mine.retain(|v| v != value);
+                if mine.is_empty() {
+                    self.by_principal.remove(&t.principal);
+                }
+            }
+        }
+    }
+
+    fn sweep(&mut self, now: Millis) {
+        let expired: Vec<String> = self
+            .by_value
+            .iter()
+            .filter(|(_, t)| t.expires_at <= now)
+            .map(|(v, _)| v.clone())
+            .collect();
+        for value in expired {
+            self.remove(&value);
+        }
+    }
+
+    /// Adds a ticket; past `per_caller` live tickets of its principal, that
+    /// principal's oldest is revoked (api.md "Fair shares"): one tenant can
+    /// never fill the table for the others.
+    fn insert(&mut self, value: String, ticket: Ticket, per_caller: usize) {
+        let principal = ticket.principal.clone();
+        let now = now_millis();
+        let mine = self.by_principal.entry(principal.clone()).or_default();
+        mine.retain(|v| self.by_value.get(v).is_some_and(|t| t.expires_at > now));
+        let mut revoked = Vec::new();
+        while mine.len() >= per_caller {
+            if let Some(oldest) = mine.pop_front() {
+                revoked.push(oldest);
+            }
+        }
+        mine.push_back(value.clone());
+        for old in revoked {
+            self.by_value.remove(&old);
+        }
+        self.by_value.insert(value, ticket);
+    }
+}
 
 impl Tickets {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Ticket>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, TicketTable> {
         self.0.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The ticket's holder (token, deployment), if it is valid for `channel`.
+    /// Drops expired tickets (run every 30 s by `serve`, not only when the
+    /// table is full).
+    pub fn sweep(&self) {
+        self.lock().sweep(now_millis());
+    }
+
+    /// Live tickets of one principal (tests, `/metrics`).
+    pub fn held_by(&self, principal: &str) -> usize {
+        let now = now_millis();
+        let table = self.lock();
+        table.by_principal.get(principal).map_or(0, |mine| {
+            mine.iter()
+                .filter(|v| table.by_value.get(*v).is_some_and(|t| t.expires_at > now))
+                .count()
+        })
+    }
+
+    /// The ticket's holder (token, deployment, principal), if it is valid
+    /// for `channel`.
     #[allow(clippy::type_complexity)]
-    fn valid_for(&self, ticket: &str, channel: &str) -> Option<(Option<String>, Option<String>)> {
+    fn valid_for(
+        &self,
+        ticket: &str,
+        channel: &str,
+    ) -> Option<(Option<String>, Option<String>, String)> {
         self.lock()
+            .by_value
             .get(ticket)
             .filter(|t| t.channel == channel && t.expires_at > now_millis())
-            .map(|t| (t.token.clone(), t.deployment.clone()))
+            .map(|t| (t.token.clone(), t.deployment.clone(), t.principal.clone()))
     }
 }
 
@@ -115,10 +194,9 @@ pub async fn ticket(ctx: &Ctx, req: &Request, caller: &Caller) -> Result<Reply, 
     let ttl = i64::try_from(ctx.engine.settings.ticket_ttl.as_millis()).unwrap_or(i64::MAX);
     let expires_at = now_millis().saturating_add(ttl);
     let mut tickets = ctx.tickets.lock();
-    if tickets.len() >= MAX_TICKETS {
-        let now = now_millis();
-        tickets.retain(|_, t| t.expires_at > now);
-        if tickets.len() >= MAX_TICKETS {
+    if tickets.by_value.len() >= MAX_TICKETS {
+        tickets.sweep(now_millis());
+        if tickets.by_value.len() >= MAX_TICKETS {
             return Err(ApiError::new(
                 Code::Unavailable,
                 "too many stream tickets are open; try again later",
@@ -130,10 +208,12 @@ pub async fn ticket(ctx: &Ctx, req: &Request, caller: &Caller) -> Result<Reply, 
         value.clone(),
         Ticket {
             channel: channel.to_string(),
+            principal: caller.identity(),
             token: caller.token.clone(),
             deployment,
             expires_at,
         },
+        ctx.engine.settings.max_tickets_per_caller as usize,
     );
     Ok(Reply::json(
         200,
@@ -148,7 +228,7 @@ async fn authorize_stream(
     req: &Request,
     path: &str,
     deployment: Option<String>,
-) -> Result<Reauthorize, ApiError> {
+) -> Result<(Reauthorize, String), ApiError> {
     let plain_401 = || {
         ApiError::new(
             Code::Unauthenticated,
@@ -156,7 +236,7 @@ async fn authorize_stream(
         )
     };
     if let Some(ticket) = req.query_one("ticket") {
-        let Some((token, _)) = ctx.tickets.valid_for(ticket, path) else {
+        let Some((token, _, principal)) = ctx.tickets.valid_for(ticket, path) else {
             return Err(plain_401());
         };
         if let Some(token) = &token {
@@ -165,33 +245,50 @@ async fn authorize_stream(
             }
         }
         let (ctx, ticket, path) = (ctx.clone(), ticket.to_string(), path.to_string());
-        return Ok(Box::new(move || {
+        let check: Reauthorize = Box::new(move || {
             let (ctx, ticket, path) = (ctx.clone(), ticket.clone(), path.clone());
             Box::pin(async move {
                 match ctx.tickets.valid_for(&ticket, &path) {
                     None => false,
-                    Some((None, _)) => true,
-                    Some((Some(token), deployment)) => {
+                    Some((None, _, _)) => true,
+                    Some((Some(token), deployment, _)) => {
                         may_stream(&ctx, &token, deployment.as_deref(), &path).await
                     }
                 }
             })
-        }));
+        });
+        return Ok((check, principal));
     }
     if auth::has_service_token(&ctx.service_token, &req.headers) {
+        let principal = auth::trusted_caller(&req.headers)?.identity();
         // The service token cannot change while berth runs.
-        return Ok(Box::new(|| Box::pin(async { true })));
+        return Ok((Box::new(|| Box::pin(async { true })), principal));
     }
     if let (Some(token), true) = (auth::bearer(&req.headers), ctx.authz.configured()) {
-        if !may_stream(ctx, token, deployment.as_deref(), path).await {
+        let q = auth::Question {
+            procedure: auth::Procedure::Stream,
+            deployment: deployment.as_deref(),
+            target_actor: None,
+            method: "GET",
+            path,
+        };
+        let decision = ctx.authz.decide(token, &q).await;
+        let (true, Some(actor)) = (decision.allow, decision.actor) else {
             return Err(plain_401());
+        };
+        let principal = Caller {
+            actor: Some(actor),
+            trusted_backend: false,
+            token: None,
         }
+        .identity();
         let (ctx, token, path) = (ctx.clone(), token.to_string(), path.to_string());
-        return Ok(Box::new(move || {
+        let check: Reauthorize = Box::new(move || {
             let (ctx, token, path, deployment) =
                 (ctx.clone(), token.clone(), path.clone(), deployment.clone());
             Box::pin(async move { may_stream(&ctx, &token, deployment.as_deref(), &path).await })
-        }));
+        });
+        return Ok((check, principal));
     }
     Err(plain_401())
 }
@@ -206,11 +303,26 @@ fn open(
     ctx: &Arc<Ctx>,
     req: &Request,
     channel: Channel,
-    reauthorize: Reauthorize,
+    (reauthorize, principal): (Reauthorize, String),
 ) -> Result<warp::reply::Response, ApiError> {
-    let slot = ClientSlot::take(&ctx.engine.hub, ctx.engine.settings.max_sse_clients).ok_or_else(
-        || ApiError::new(Code::Unavailable, "too many event streams are open").retry_after(5),
-    )?;
+    // The caller's own share first (api.md "Fair shares"), then the
+    // process-wide slot.
+    let share = ctx
+        .streams
+        .take(&principal, ctx.engine.settings.streams_per_caller())
+        .ok_or_else(|| {
+            ApiError::new(
+                Code::Unavailable,
+                "this caller has --max-streams-per-caller event streams open; close one first",
+            )
+            .reason("caller_stream_limit")
+            .retry_after(5)
+        })?;
+    let slot = ClientSlot::take(&ctx.engine.hub, ctx.engine.settings.max_sse_clients)
+        .ok_or_else(|| {
+            ApiError::new(Code::Unavailable, "too many event streams are open").retry_after(5)
+        })?
+        .with(Box::new(share));
     let sources = stream::Sources {
         store: ctx.engine.store.clone(),
         hub: ctx.engine.hub.clone(),

@@ -128,6 +128,8 @@ pub struct Ctx {
     /// One request at a time per idempotency identity.
     pub idempotency: crate::locks::KeyLocks,
     pub tickets: events::Tickets,
+    /// Open event streams per principal (`--max-streams-per-caller`).
+    pub streams: crate::locks::Quotas,
     /// Derivations running at once (see `derive::MAX_DERIVATIONS`).
     pub derivations: derive::Derivations,
     /// Bytes of request bodies in memory at once.

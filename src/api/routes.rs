@@ -356,6 +356,24 @@ pub async fn authorize(
     path: &str,
     request_id: &str,
 ) -> Result<Authorized, ApiError> {
+    // An id berth could not have made is refused before the callback sees
+    // it (api.md): nothing of an invalid value is sent or cached.
+    if ask.scope == Scope::PathDeployment
+        && !crate::model::is_valid_deployment_id(params.get("id").map_or("", String::as_str))
+        && !auth::has_service_token(&ctx.service_token, headers)
+    {
+        let error = deployments::invalid_deployment_id();
+        if let Some(a) = audit {
+            let draft = audit::draft(a.action(params), None, params, request_id);
+            let refused = Refused {
+                error: deployments::invalid_deployment_id(),
+                actor: None,
+                trusted_backend: false,
+            };
+            audit::refused(ctx, draft, &refused).await;
+        }
+        return Err(error);
+    }
     let deployment = scope_deployment(ctx, ask.scope, params).await?;
     let draft = |deployment: &Option<String>| {
         audit.map(|a| audit::draft(a.action(params), deployment.as_deref(), params, request_id))

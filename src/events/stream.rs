@@ -34,8 +34,9 @@ pub type Reauthorize = Box<
     dyn Fn() -> std::pin::Pin<Box<dyn std::future::Future<Output = bool> + Send>> + Send + Sync,
 >;
 
-/// Holds one `--max-sse-clients` slot until dropped.
-pub struct ClientSlot(Arc<Hub>);
+/// Holds one `--max-sse-clients` slot until dropped, and whatever else
+/// the stream holds for as long as it lives (its caller's share).
+pub struct ClientSlot(Arc<Hub>, Option<Box<dyn Send + Sync>>);
 
 impl ClientSlot {
     pub fn take(hub: &Arc<Hub>, max: usize) -> Option<ClientSlot> {
@@ -44,7 +45,13 @@ impl ClientSlot {
             hub.clients.fetch_sub(1, Ordering::SeqCst);
             return None;
         }
-        Some(ClientSlot(hub.clone()))
+        Some(ClientSlot(hub.clone(), None))
+    }
+
+    /// The slot, also holding `share` until the stream ends.
+    pub fn with(mut self, share: Box<dyn Send + Sync>) -> ClientSlot {
+        self.1 = Some(share);
+        self
     }
 }
 

@@ -28,7 +28,7 @@ req=$(cat)
 rev=$(printf '%s' "$req" | sed -n 's/.*"rev":"\([^"]*\)".*/\1/p' | head -n 1)
 case "$verb" in
 describe) printf '%s' '{{"methods":["local"],"default_method":"local","actions":{actions},"catalog":[],"schema":null}}' > "$BERTH_RESULT"; exit 0;;
-eval) printf '{{"nodes":[{{"name":"rev-%s","names":[]}}]}}' "$rev" > "$BERTH_RESULT"; exit 0;;
+eval) printf '{{"nodes":[{{"name":"rev-%s","names":[]}}]}}' "$(printf '%s' "${{rev:-none}}" | tr . -)" > "$BERTH_RESULT"; exit 0;;
 deploy) echo "deploy of rev $rev"; if [ "$rev" = "{fail_rev}" ]; then echo "rev $rev is refused"; exit 1; fi; printf '%s' '{{"nodes":[]}}' > "$BERTH_RESULT"; exit 0;;
 destroy) echo "destroy"; printf '%s' '{{}}' > "$BERTH_RESULT"; exit 0;;
 esac

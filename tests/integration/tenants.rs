@@ -130,3 +130,92 @@ printf '%s' '{{"nodes":[{{"name":"../../etc/x","changed":true}}]}}' > "$BERTH_RE
     let (_, sboms) = s.json("/v1/deployments/alice/sboms").await;
     assert_eq!(sboms["nodes"], json!([]));
 }
+
+async fn ticket(s: &Server, token: &str, channel: &str) -> (u16, Value) {
+    let r = s
+        .http
+        .post(s.url("/v1/stream-tickets"))
+        .json(&json!({"channel": channel}));
+    as_tenant(s, token, r).await
+}
+
+/// Item 5: one tenant cannot take every stream ticket: past its share, its
+/// own oldest ticket goes, and the other tenant still gets one.
+#[tokio::test]
+async fn one_tenant_cannot_take_every_stream_ticket() {
+    let (s, _) = with_tenants(Options::default().arg("--max-tickets-per-caller").arg("5")).await;
+    s.submit_ok("bob", mastodon("b.org")).await;
+    let channel = "/v1/deployments/bob/events";
+    let mut mine = Vec::new();
+    for _ in 0..8 {
+        let (status, t) = ticket(&s, "bob-token", channel).await;
+        assert_eq!(status, 200, "{t}");
+        mine.push(t["ticket"].as_str().unwrap().to_string());
+    }
+    let opens = |t: &str| {
+        let url = s.url(&format!("{channel}?ticket={t}"));
+        let http = s.http.clone();
+        async move { http.get(url).send().await.unwrap().status().as_u16() }
+    };
+    for old in &mine[..3] {
+        assert_eq!(
+            opens(old).await,
+            401,
+            "a ticket past the caller's share still opens"
+        );
+    }
+    assert_eq!(opens(&mine[7]).await, 200);
+    let (status, _) = ticket(&s, "alice-token", "/v1/deployments/alice/events").await;
+    assert_eq!(status, 200, "the other tenant gets a ticket");
+}
+
+/// Item 6: one tenant cannot fill every stream: past its share its own
+/// next stream is refused, while the service token still opens one and the
+/// probes answer.
+#[tokio::test]
+async fn one_tenant_cannot_fill_every_stream() {
+    let (s, _) = with_tenants(
+        Options::default()
+            .arg("--max-streams-per-caller")
+            .arg("3")
+            .arg("--max-sse-clients")
+            .arg("10"),
+    )
+    .await;
+    s.submit_ok("bob", mastodon("b.org")).await;
+    let stream = |token: &str| {
+        s.http
+            .get(s.url("/v1/deployments/bob/events"))
+            .bearer_auth(token)
+            .send()
+    };
+    let mut open = Vec::new();
+    for _ in 0..3 {
+        let r = stream("bob-token").await.unwrap();
+        assert_eq!(r.status(), 200);
+        open.push(r);
+    }
+    let (status, p) = read(stream("bob-token").await.unwrap()).await;
+    assert_eq!(
+        (status, p["reason"].as_str()),
+        (503, Some("caller_stream_limit")),
+        "{p}"
+    );
+    let service = stream(&s.token).await.unwrap();
+    assert_eq!(service.status(), 200, "the service token is locked out");
+    assert_eq!(
+        s.http.get(s.url("/healthz")).send().await.unwrap().status(),
+        200
+    );
+    // A stream that closes gives its share back.
+    drop(open.pop());
+    let mut reopened = false;
+    for _ in 0..50 {
+        if stream("bob-token").await.unwrap().status() == 200 {
+            reopened = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert!(reopened, "a closed stream's share did not come back");
+}
