@@ -57,6 +57,11 @@ pub fn invalid_deployment_id() -> ApiError {
     .field("/path/id", "deployment_id")
 }
 
+/// Deployments one list request looks at, at most, to fill a page for a
+/// caller the callback filters (each costs a `read` question, cached):
+/// a caller who may read none of this many in a row gets the page so far.
+pub const MAX_LIST_SCAN: usize = 10_000;
+
 pub async fn list(ctx: &Ctx, req: &Request, caller: &Caller) -> Result<Reply, ApiError> {
     let limit = page_limit(req)?;
     let mut ids: Vec<&str> = req.query_all("id").collect();
@@ -89,41 +94,64 @@ pub async fn list(ctx: &Ctx, req: &Request, caller: &Caller) -> Result<Reply, Ap
         )?),
         None => None,
     };
+    // api.md "Pagination": a cursor names only the last item its caller
+    // was shown. Items are filtered through `read` *before* the page and
+    // its cursor are cut, so neither a hidden id nor the existence of a
+    // guessed one can leak through `next_cursor`.
     let rx = ctx.engine.store.read()?;
-    let mut records = if ids.is_empty() {
-        rx.deployments_after(after.as_deref(), limit + 1)?
-    } else {
-        let mut found = Vec::new();
-        for id in ids
-            .iter()
-            .filter(|id| after.as_deref().is_none_or(|a| **id > a))
-        {
-            if let Some(d) = rx.deployment(id)? {
-                found.push(d);
-                if found.len() > limit {
-                    break;
+    let mut allowed: Vec<DeploymentRecord> = Vec::with_capacity(limit + 1);
+    let mut position = after.clone();
+    let mut scanned = 0usize;
+    'scan: while allowed.len() <= limit {
+        let batch = if ids.is_empty() {
+            rx.deployments_after(position.as_deref(), limit + 1)?
+        } else {
+            let mut found = Vec::new();
+            for id in ids
+                .iter()
+                .filter(|id| position.as_deref().is_none_or(|a| **id > a))
+            {
+                if let Some(d) = rx.deployment(id)? {
+                    found.push(d);
+                    if found.len() > limit {
+                        break;
+                    }
                 }
             }
+            found
+        };
+        if batch.is_empty() {
+            break;
         }
-        found
-    };
-    let next_cursor = if records.len() > limit {
-        records.truncate(limit);
-        records
+        for d in batch {
+            position = Some(d.id.clone());
+            scanned += 1;
+            let path = format!("/v1/deployments/{}", d.id);
+            if super::auth::may_read(&ctx.authz, caller, &d.id, &path).await {
+                allowed.push(d);
+                if allowed.len() > limit {
+                    break 'scan;
+                }
+            }
+            if scanned >= MAX_LIST_SCAN {
+                break 'scan;
+            }
+        }
+    }
+    let next_cursor = if allowed.len() > limit {
+        allowed.truncate(limit);
+        allowed
+            .last()
+            .map(|d| cursor::encode(&ctx.cursor_key, &caller.identity(), &filter, &d.id))
+    } else if scanned >= MAX_LIST_SCAN {
+        // The scan's bound: go on after the last item shown (never after a
+        // hidden one); a page that showed none ends the list here.
+        allowed
             .last()
             .map(|d| cursor::encode(&ctx.cursor_key, &caller.identity(), &filter, &d.id))
     } else {
         None
     };
-    // A callback caller sees only what `read` allows (a page may so hold
-    // fewer than `limit`; `next_cursor` still moves past the hidden ones).
-    let mut allowed = Vec::with_capacity(records.len());
-    for d in records {
-        let path = format!("/v1/deployments/{}", d.id);
-        if super::auth::may_read(&ctx.authz, caller, &d.id, &path).await {
-            allowed.push(d);
-        }
-    }
     let records = allowed;
     let mut items = Vec::with_capacity(records.len());
     for d in &records {

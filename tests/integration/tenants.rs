@@ -219,3 +219,49 @@ async fn one_tenant_cannot_fill_every_stream() {
     }
     assert!(reopened, "a closed stream's share did not come back");
 }
+
+/// Item 4: list cursors reveal nothing their caller may not read: walking
+/// the list one by one, every cursor names a deployment of the caller's,
+/// and a guessed id never makes a cursor appear.
+#[tokio::test]
+async fn list_cursors_leak_no_hidden_id() {
+    let (s, _) = with_tenants(Options::default()).await;
+    for id in ["alice1", "bob1", "alice2", "bob2", "bob3", "alice3"] {
+        s.submit_ok(id, json!({"domain": format!("{id}.org")}))
+            .await;
+    }
+    let list = |query: String| s.http.get(s.url(&format!("/v1/deployments?{query}")));
+    let mut seen = Vec::new();
+    let mut query = "limit=1".to_string();
+    for _ in 0..10 {
+        let (status, page) = as_tenant(&s, "alice-token", list(query.clone())).await;
+        assert_eq!(status, 200, "{page}");
+        for item in page["items"].as_array().unwrap() {
+            seen.push(item["id"].as_str().unwrap().to_string());
+        }
+        let Some(cursor) = page["next_cursor"].as_str() else {
+            break;
+        };
+        // The position a cursor carries is one alice was shown.
+        let payload = cursor.split('.').next().unwrap();
+        let named =
+            String::from_utf8(berth::hex::decode(payload).unwrap_or_default()).unwrap_or_default();
+        assert!(
+            named.is_empty() || named.starts_with("alice"),
+            "a cursor names {named}"
+        );
+        query = format!("limit=1&cursor={cursor}");
+    }
+    assert_eq!(seen, ["alice1", "alice2", "alice3"]);
+    // A guess: bob2 exists, ghost does not; neither may be told apart.
+    for guess in ["bob2", "ghost"] {
+        let (_, page) = as_tenant(
+            &s,
+            "alice-token",
+            list(format!("id={guess}&id=alice2&limit=1")),
+        )
+        .await;
+        assert_eq!(page["items"].as_array().unwrap().len(), 1, "{page}");
+        assert_eq!(page["next_cursor"], Value::Null, "{guess}: {page}");
+    }
+}
