@@ -107,10 +107,12 @@ pub fn resolve_range(r: &ByteRange, len: u64) -> Option<(u64, u64)> {
     (start <= end && start < len && !matches!(r, ByteRange::Last(0))).then_some((start, end))
 }
 
-/// Log chunks read ahead of a slow client while streaming a full log: at
-/// most this many (each at most `LOG_CHUNK_BYTES` raw) are held in memory,
-/// beside the `LOG_DECODE_AHEAD` being decoded.
-const LOG_STREAM_AHEAD: usize = 2;
+/// Log chunks read ahead of a slow client while streaming a log (or a
+/// range of it): at most this many (each at most `LOG_CHUNK_BYTES` raw)
+/// wait for the socket, beside the `LOG_DECODE_AHEAD` being decoded, and
+/// decoding waits for room here: a reader that stops reading holds a few
+/// chunks, never the log (api.md "Fair shares").
+const LOG_STREAM_AHEAD: usize = 1;
 /// Chunks of one full-log read decoded at once (the machine's 2 cores).
 const LOG_DECODE_AHEAD: usize = 2;
 
@@ -149,46 +151,34 @@ pub async fn log(ctx: &Ctx, req: &Request) -> Result<Answer, ApiError> {
     let places = facts.places;
     let len = facts.len;
     let Some(range) = range else {
-        return Ok(Answer::Stream(stream_log(store, id, places)));
+        return Ok(Answer::Stream(stream_log(store, id, places, None)));
     };
     let Some((start, end)) = resolve_range(&range, len) else {
         return Err(range_not_satisfiable(len));
     };
+    // A range streams as the whole log does, chunk by chunk: a reader that
+    // does not read holds a few chunks, never the range (api.md "Fair
+    // shares").
     let needed: Vec<ChunkPlace> = places
         .into_iter()
         .filter(|p| p.first_byte <= end && p.first_byte + p.raw_len > start)
         .collect();
-    let text = tokio::task::spawn_blocking(move || -> Result<Vec<u8>, ApiError> {
-        let rx = store.read()?;
-        let mut out = Vec::with_capacity((end - start + 1) as usize);
-        for p in needed {
-            let compressed = rx.log_chunk(id, p.number)?.ok_or_else(|| {
-                ApiError::from(StoreError::corrupt("an indexed log chunk is missing"))
-            })?;
-            let raw = decompress_chunk_sized(&compressed, p.raw_len)?;
-            // The part of this chunk inside [start, end].
-            let from = start.saturating_sub(p.first_byte) as usize;
-            let to = ((end + 1).min(p.first_byte + p.raw_len) - p.first_byte) as usize;
-            let part = raw.get(from..to).ok_or_else(|| {
-                ApiError::from(StoreError::corrupt(
-                    "a log chunk shorter than its index says",
-                ))
-            })?;
-            out.extend_from_slice(part);
-        }
-        Ok(out)
-    })
-    .await
-    .map_err(|_| ApiError::internal())??;
-    Ok(Answer::Reply(
-        Reply::text(206, TEXT, text)
-            .header("Content-Range", format!("bytes {start}-{end}/{len}"))
-            .header("Accept-Ranges", "bytes"),
-    ))
+    let mut response = stream_log(store, id, needed, Some((start, end)));
+    *response.status_mut() = warp::http::StatusCode::PARTIAL_CONTENT;
+    if let Ok(v) = warp::http::HeaderValue::from_str(&format!("bytes {start}-{end}/{len}")) {
+        response.headers_mut().insert("content-range", v);
+    }
+    Ok(Answer::Stream(response))
 }
 
-/// The whole log, chunk by chunk, from one snapshot of the store.
-fn stream_log(store: Store, id: BuildId, places: Vec<ChunkPlace>) -> warp::reply::Response {
+/// The log's chunks `places`, in order, from one snapshot of the store;
+/// with `range`, only the bytes inside it (`start..=end`) of each.
+fn stream_log(
+    store: Store,
+    id: BuildId,
+    places: Vec<ChunkPlace>,
+    range: Option<(u64, u64)>,
+) -> warp::reply::Response {
     use futures_util::StreamExt as _;
     use warp::Reply as _;
     let (tx, rx) =
@@ -212,6 +202,11 @@ fn stream_log(store: Store, id: BuildId, places: Vec<ChunkPlace>) -> warp::reply
         let mut places = places.into_iter();
         let mut decoding = futures_util::stream::FuturesOrdered::new();
         loop {
+            // Room for one more piece first: a reader that does not read
+            // stops the decoding too, so it holds a few chunks at most.
+            let Ok(permit) = tx.reserve().await else {
+                return;
+            };
             while decoding.len() < LOG_DECODE_AHEAD {
                 let Some(p) = places.next() else { break };
                 let snapshot = snapshot.clone();
@@ -225,6 +220,18 @@ fn stream_log(store: Store, id: BuildId, places: Vec<ChunkPlace>) -> warp::reply
                         .and_then(|c| {
                             decompress_chunk_sized(&c, p.raw_len).map_err(|e| e.to_string())
                         })
+                        .and_then(|raw| match range {
+                            None => Ok(raw),
+                            Some((start, end)) => {
+                                // The part of this chunk inside [start, end].
+                                let from = start.saturating_sub(p.first_byte) as usize;
+                                let to = ((end + 1).min(p.first_byte + p.raw_len) - p.first_byte)
+                                    as usize;
+                                raw.get(from..to).map(<[u8]>::to_vec).ok_or_else(|| {
+                                    "a log chunk is shorter than its index says".to_string()
+                                })
+                            }
+                        })
                 }));
             }
             let Some(decoded) = decoding.next().await else {
@@ -236,9 +243,8 @@ fn stream_log(store: Store, id: BuildId, places: Vec<ChunkPlace>) -> warp::reply
                 .map(bytes::Bytes::from)
                 .map_err(fail);
             let failed = item.is_err();
-            // A client that left closes the channel: stop reading (the
-            // decoders in flight finish and are dropped).
-            if tx.send(item).await.is_err() || failed {
+            permit.send(item);
+            if failed {
                 return;
             }
         }
@@ -254,7 +260,6 @@ fn stream_log(store: Store, id: BuildId, places: Vec<ChunkPlace>) -> warp::reply
     response
 }
 
-/// A build stored before the chunk index: its log read whole.
 fn range_not_satisfiable(len: u64) -> ApiError {
     let mut e = ApiError::new(
         Code::RangeNotSatisfiable,

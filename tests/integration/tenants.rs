@@ -265,3 +265,50 @@ async fn list_cursors_leak_no_hidden_id() {
         assert_eq!(page["next_cursor"], Value::Null, "{guess}: {page}");
     }
 }
+
+/// Item 9: a reader that does not read pins a few chunks, never the log:
+/// eight stalled `Range: bytes=0-` readers of a 64 MiB log keep berth
+/// under 50 MiB above what it held before them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_range_readers_do_not_pin_the_log() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let dir = temp_dir("stalled-range");
+    // 64 MiB of log: 1 MiB lines of 1023 characters each, 65,536 lines.
+    let body = format!(
+        "{SCRIPT_PRELUDE}\nyes \"$(head -c 1023 /dev/zero | tr '\\0' x)\" | head -n 65536\nprintf '%s' '{{\"nodes\":[]}}' > \"$BERTH_RESULT\"\n"
+    );
+    let deployer = script(&dir, "big-log.sh", &body);
+    let s = Server::start(Options::default().deployer(&deployer)).await;
+    let b = s.submit_ok("big", json!({})).await;
+    let end = s.wait_build(&b, "final").await;
+    assert_eq!(end["log_bytes"], 64 * 1024 * 1024, "{end}");
+    let before = s.rss_kib();
+    let address = s.base.trim_start_matches("http://").to_string();
+    let mut stalled = Vec::new();
+    for _ in 0..8 {
+        let mut sock = tokio::net::TcpStream::connect(&address).await.unwrap();
+        let request = format!(
+            "GET /v1/builds/{b}/log HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {}\r\nRange: bytes=0-\r\n\r\n",
+            s.token
+        );
+        sock.write_all(request.as_bytes()).await.unwrap();
+        // Read the head only, then stop reading.
+        let mut head = [0u8; 512];
+        let n = sock.read(&mut head).await.unwrap();
+        assert!(
+            String::from_utf8_lossy(&head[..n]).starts_with("HTTP/1.1 206"),
+            "{}",
+            String::from_utf8_lossy(&head[..n])
+        );
+        stalled.push(sock);
+    }
+    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    let after = s.rss_kib();
+    let grown_mib = after.saturating_sub(before) / 1024;
+    println!("RSS with 8 stalled Range readers of a 64 MiB log: {before} KiB before, {after} KiB after (+{grown_mib} MiB)");
+    assert!(
+        grown_mib < 50,
+        "8 stalled readers grew berth by {grown_mib} MiB"
+    );
+    drop(stalled);
+}
