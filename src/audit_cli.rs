@@ -7,8 +7,7 @@
 //! store in `audit-pushed-head.json`: only the server writes the store,
 //! and `push-head` runs while it does.
 
-use std::io::Write as _;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use base64::Engine as _;
 use serde_json::json;
@@ -52,16 +51,12 @@ pub fn ensure_signing_key(data_dir: &Path) -> Result<ed25519_dalek::SigningKey, 
     }
     let mut seed = [0u8; 32];
     getrandom::fill(&mut seed).map_err(|e| format!("no randomness for the audit key: {e}"))?;
-    use std::os::unix::fs::OpenOptionsExt;
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(&path)
-        .map_err(|e| format!("cannot create {}: {e}", path.display()))?;
-    f.write_all(format!("{}\n", crate::hex::encode(&seed)).as_bytes())
-        .and_then(|_| f.sync_all())
-        .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+    crate::durable::create(
+        &path,
+        format!("{}\n", crate::hex::encode(&seed)).as_bytes(),
+        0o600,
+    )
+    .map_err(|e| format!("cannot create {}: {e}", path.display()))?;
     tracing::info!(path = %path.display(), "created the audit checkpoint signing key");
     Ok(ed25519_dalek::SigningKey::from_bytes(&seed))
 }
@@ -134,13 +129,9 @@ fn read_pushed(data_dir: &Path) -> Result<Option<PushedHead>, String> {
 
 fn write_pushed(data_dir: &Path, head: &PushedHead) -> Result<(), String> {
     let path = data_dir.join(PUSHED_HEAD_FILE);
-    let tmp: PathBuf = data_dir.join(format!("{PUSHED_HEAD_FILE}.tmp"));
     let json = serde_json::to_vec(head).map_err(|e| e.to_string())?;
-    let written = std::fs::File::create(&tmp)
-        .and_then(|mut f| f.write_all(&json).and_then(|_| f.sync_all()))
-        .and_then(|_| std::fs::rename(&tmp, &path))
-        .and_then(|_| std::fs::File::open(data_dir).and_then(|d| d.sync_all()));
-    written.map_err(|e| format!("cannot record the pushed head in {}: {e}", path.display()))
+    crate::durable::replace(&path, &json, 0o600)
+        .map_err(|e| format!("cannot record the pushed head in {}: {e}", path.display()))
 }
 
 /// Walks the chain of the store in `data_dir`.

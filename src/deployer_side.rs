@@ -4,7 +4,7 @@
 //! must bound the request, refuse a non-JSON one and never leave a torn
 //! result file, the same way.
 
-use std::io::{Read, Write};
+use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
@@ -66,14 +66,5 @@ fn read_request(deployer: &str) -> Result<(PathBuf, Value), i32> {
 /// Writes `bytes` to `path` through a temporary file and a rename, both
 /// made durable: berth never reads a half-written result or state.
 pub fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let dir = path.parent().unwrap_or(Path::new("."));
-    std::fs::create_dir_all(dir)?;
-    let tmp = path.with_extension("tmp");
-    {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-    }
-    std::fs::rename(&tmp, path)?;
-    std::fs::File::open(dir)?.sync_all()
+    crate::durable::replace(path, bytes, 0o600)
 }

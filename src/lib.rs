@@ -7,6 +7,7 @@ pub mod audit;
 pub mod audit_cli;
 pub mod deployer_side;
 pub mod derive;
+pub mod durable;
 pub mod engine;
 pub mod events;
 pub mod export;

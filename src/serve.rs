@@ -1,8 +1,7 @@
 //! `berth serve`: open the data dir and the store, recover, then serve HTTP
 //! and run the queue until SIGTERM/SIGINT.
 
-use std::io::Write;
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::os::unix::fs::DirBuilderExt;
 use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -53,15 +52,10 @@ fn load_or_create_secret(path: &Path) -> Result<String, String> {
     let mut bytes = [0u8; SECRET_BYTES];
     getrandom::fill(&mut bytes).map_err(|e| format!("no randomness for a new secret: {e}"))?;
     let secret = crate::hex::encode(&bytes);
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(path)
+    // Whole or not at all: a power cut mid-way leaves no file, and the next
+    // start makes one (never an empty one it then refuses).
+    crate::durable::create(path, secret.as_bytes(), 0o600)
         .map_err(|e| format!("cannot create {}: {e}", path.display()))?;
-    f.write_all(secret.as_bytes())
-        .and_then(|_| f.sync_all())
-        .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
     tracing::info!(path = %path.display(), "generated a new secret file");
     Ok(secret)
 }
