@@ -275,11 +275,20 @@ fn push_head(data_dir: &Path, sink: &str, origin: &str) -> Result<i32, String> {
             .await
             .map_err(|e| format!("the sink is unreachable: {}", without_url(&e)))?;
         let status = response.status();
-        let bytes = response
-            .bytes()
-            .await
-            .map_err(|e| format!("the sink's answer could not be read: {}", without_url(&e)))?;
-        let text = String::from_utf8_lossy(&bytes[..bytes.len().min(MAX_SINK_ANSWER)]).to_string();
+        // Read at most MAX_SINK_ANSWER bytes of the answer, chunk by chunk:
+        // a sink that answers without end costs no more memory than that.
+        let mut response = response;
+        let mut kept: Vec<u8> = Vec::new();
+        while kept.len() < MAX_SINK_ANSWER {
+            let chunk = response
+                .chunk()
+                .await
+                .map_err(|e| format!("the sink's answer could not be read: {}", without_url(&e)))?;
+            let Some(chunk) = chunk else { break };
+            let room = MAX_SINK_ANSWER - kept.len();
+            kept.extend_from_slice(&chunk[..chunk.len().min(room)]);
+        }
+        let text = String::from_utf8_lossy(&kept).to_string();
         Ok::<_, String>((status, text))
     })?;
     if !status.is_success() {

@@ -19,7 +19,7 @@ use crate::engine::audit::{Audited, Record};
 use crate::engine::Recorder;
 use crate::model::{format_time, now_millis, Millis};
 use crate::store::Lookup;
-use crate::store::{IdempotencyRecord, StoreResult, Tx};
+use crate::store::{IdempotencyIdentity, IdempotencyRecord, Principal, StoreResult, Tx};
 
 /// How long a stored response is replayed.
 pub const IDEMPOTENCY_TTL: Millis = 24 * 3600 * 1000;
@@ -27,7 +27,7 @@ pub const IDEMPOTENCY_TTL: Millis = 24 * 3600 * 1000;
 /// What a mutation stores with itself.
 #[derive(Debug, Clone)]
 pub struct IdemWrite {
-    pub identity: String,
+    pub identity: IdempotencyIdentity,
     pub fingerprint: Vec<u8>,
     pub expires_at: Millis,
 }
@@ -46,7 +46,7 @@ impl IdemWrite {
 
     pub fn store(&self, tx: &Tx, reply: &Reply) -> StoreResult<()> {
         tx.put_idempotency(
-            &self.identity,
+            &self.identity.store_key(),
             &IdempotencyRecord {
                 fingerprint: self.fingerprint.clone(),
                 status: reply.status,
@@ -54,6 +54,7 @@ impl IdemWrite {
                 body: reply.body.clone(),
                 headers: reply.headers.clone(),
                 expires_at: self.expires_at,
+                identity: self.identity.clone(),
             },
         )
     }
@@ -121,6 +122,23 @@ pub fn fingerprint(req: &Request) -> Vec<u8> {
     Sha256::digest(crate::derive::canonical(&doc).as_bytes()).to_vec()
 }
 
+/// Whose key this is: distinct per principal, so a trusted backend naming
+/// alice and alice's own token never share keys (`Caller::identity`).
+fn identity_of(caller: &Caller, route: &str, key: &str) -> IdempotencyIdentity {
+    let principal = match (&caller.actor, caller.trusted_backend) {
+        (None, _) => Principal::Service,
+        (Some(_), true) => Principal::Backend,
+        (Some(_), false) => Principal::Callback,
+    };
+    IdempotencyIdentity {
+        principal,
+        subject: caller.actor.as_ref().map(|a| a.subject.clone()),
+        issuer: caller.actor.as_ref().and_then(|a| a.issuer.clone()),
+        route: route.to_string(),
+        key: key.to_string(),
+    }
+}
+
 /// Runs a mutation under its idempotency key, when it has one.
 pub async fn mutation<'a, F, Fut>(
     ctx: &'a Ctx,
@@ -142,15 +160,15 @@ where
                 .field("/headers/idempotency-key", "format"),
         );
     }
-    let identity = format!("{}\u{0}{}\u{0}{}", caller.identity(), req.route, key);
-    let _guard = ctx.idempotency.lock(identity.clone()).await;
+    let identity = identity_of(caller, req.route, key);
+    let _guard = ctx.idempotency.lock(identity.store_key()).await;
     run_locked(ctx, req, identity, audit, run).await
 }
 
 async fn run_locked<'a, F, Fut>(
     ctx: &'a Ctx,
     req: &'a Request,
-    identity: String,
+    identity: IdempotencyIdentity,
     audit: Draft,
     run: F,
 ) -> Result<Reply, ApiError>
@@ -160,7 +178,12 @@ where
 {
     let fp = fingerprint(req);
     let now = now_millis();
-    if let Some(stored) = ctx.engine.store.read()?.idempotency(&identity)? {
+    if let Some(stored) = ctx
+        .engine
+        .store
+        .read()?
+        .idempotency(&identity.store_key())?
+    {
         if stored.expires_at > now {
             if stored.fingerprint != fp {
                 return Err(ApiError::new(

@@ -99,6 +99,9 @@ pub trait Target {
 
 /// A relational database an import reads, in one snapshot.
 pub trait Origin {
+    /// The export schema version the origin holds (`berth_meta`).
+    fn version(&self) -> u32;
+
     fn rows(
         &mut self,
         table: &'static RelTable,
@@ -140,14 +143,16 @@ pub fn judge_target(
 }
 
 /// Whether an import may read a source holding `tables`.
-pub fn judge_origin(tables: &[String], version: Option<u32>, source: &str) -> Result<(), String> {
+/// Whether an import may read `tables` (with `berth_meta` at `version`);
+/// the version it reads.
+pub fn judge_origin(tables: &[String], version: Option<u32>, source: &str) -> Result<u32, String> {
     if !tables.iter().any(|t| t == META_TABLE) {
         return Err(format!(
             "{source} is not a berth export (it has no {META_TABLE} table)"
         ));
     }
     match version {
-        Some(v) if v <= EXPORT_SCHEMA_VERSION => Ok(()),
+        Some(v) if v <= EXPORT_SCHEMA_VERSION => Ok(v),
         Some(v) => Err(format!(
             "{source} holds a berth export of schema version {v}, newer than this berth reads ({EXPORT_SCHEMA_VERSION}); use a newer berth"
         )),
@@ -276,6 +281,14 @@ fn load_into(partial: &Path, origin: &mut dyn Origin, identity: &str) -> Result<
     for store_table in Table::carried() {
         let table = schema::table_for(store_table)
             .ok_or_else(|| format!("no relational table for {}", store_table.name()))?;
+        if store_table == Table::Idempotency && origin.version() < 2 {
+            // See `schema::OLDEST_READ_EXPORT_VERSION`.
+            eprintln!(
+                "berth import: the idempotency records of a version-{} export are not imported (they expire within 24 h; retried requests run again)",
+                origin.version()
+            );
+            continue;
+        }
         let mut bar = progress.table(table.name, 0);
         origin.rows(table, &mut |values| {
             bar.row(values.iter().map(Value::size).sum());
@@ -387,14 +400,14 @@ mod tests {
             .unwrap_err()
             .contains("--replace"));
         assert_eq!(judge_target(&ours, Some(1), true, "t"), Ok(true));
-        assert!(judge_target(&ours, Some(2), true, "t")
+        assert!(judge_target(&ours, Some(3), true, "t")
             .unwrap_err()
             .contains("newer"));
         assert!(judge_target(&theirs, None, true, "t")
             .unwrap_err()
             .contains("not a berth export"));
         assert!(judge_origin(&theirs, None, "s").is_err());
-        assert!(judge_origin(&ours, Some(2), "s")
+        assert!(judge_origin(&ours, Some(3), "s")
             .unwrap_err()
             .contains("newer"));
         assert!(judge_origin(&ours, Some(1), "s").is_ok());

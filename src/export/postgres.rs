@@ -357,6 +357,7 @@ pub struct PgOrigin {
     rt: tokio::runtime::Runtime,
     client: Client,
     identity: String,
+    version: u32,
 }
 
 impl PgOrigin {
@@ -372,16 +373,21 @@ impl PgOrigin {
             identity,
             "BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY",
         )?;
-        judge_origin(&names, version, identity)?;
+        let version = judge_origin(&names, version, identity)?;
         Ok(PgOrigin {
             rt,
             client,
             identity: identity.to_string(),
+            version,
         })
     }
 }
 
 impl Origin for PgOrigin {
+    fn version(&self) -> u32 {
+        self.version
+    }
+
     fn rows(
         &mut self,
         table: &'static RelTable,

@@ -14,11 +14,19 @@ use serde::Serialize;
 use crate::model::{BuildId, BuildSnapshots, DeploymentRecord, Millis, NodeSbom, SbomStatus};
 use crate::store::dump::Row;
 use crate::store::tables::Table;
-use crate::store::{IdempotencyRecord, PendingCallback, StoredEvent};
+use crate::store::{
+    IdempotencyIdentity, IdempotencyRecord, PendingCallback, Principal, StoredEvent,
+};
 
 /// The version of this relational layout, in `berth_meta`. A target holding
 /// a newer one is refused; bump it when a table or column changes meaning.
-pub const EXPORT_SCHEMA_VERSION: u32 = 1;
+pub const EXPORT_SCHEMA_VERSION: u32 = 2;
+
+/// The export layouts this berth reads: version 1 split an idempotency
+/// key's identity wrongly (its `subject` held U+0000 for callback and
+/// backend callers), so its idempotency rows (which expire within 24 h
+/// anyway) are not imported; everything else is.
+pub const OLDEST_READ_EXPORT_VERSION: u32 = 1;
 
 /// The table of facts about the export itself (schema version, when, from
 /// which berth). It also marks a database or file as a berth export.
@@ -236,7 +244,11 @@ pub const TABLES: &[RelTable] = &[
         name: "idempotency",
         store_table: Table::Idempotency,
         columns: &[
-            col("subject", Text),
+            // `actor_subject`/`actor_issuer` are '' when the principal has
+            // none (a primary key's columns are never NULL).
+            col("principal", Text),
+            col("actor_subject", Text),
+            col("actor_issuer", Text),
             col("route", Text),
             col("idempotency_key", Text),
             col("status", Int),
@@ -246,7 +258,13 @@ pub const TABLES: &[RelTable] = &[
             col("fingerprint", Bytes),
             col("expires_at", Time),
         ],
-        primary_key: &["subject", "route", "idempotency_key"],
+        primary_key: &[
+            "principal",
+            "actor_subject",
+            "actor_issuer",
+            "route",
+            "idempotency_key",
+        ],
         references: &[],
     },
     RelTable {
@@ -426,16 +444,16 @@ pub fn to_values(row: &Row) -> Result<Vec<Value>, String> {
             identity,
             record: r,
         } => {
-            let mut parts = identity.splitn(3, '\0');
-            let (Some(subject), Some(route), Some(key)) =
-                (parts.next(), parts.next(), parts.next())
-            else {
-                return Err("an idempotency record's key is not subject, route and key".into());
-            };
+            if *identity != r.identity.store_key() {
+                return Err("an idempotency record's key is not its identity".into());
+            }
+            let who = &r.identity;
             vec![
-                V::Text(subject.to_string()),
-                V::Text(route.to_string()),
-                V::Text(key.to_string()),
+                V::Text(who.principal.as_str().to_string()),
+                V::Text(who.subject.clone().unwrap_or_default()),
+                V::Text(who.issuer.clone().unwrap_or_default()),
+                V::Text(who.route.clone()),
+                V::Text(who.key.clone()),
                 V::Int(r.status.into()),
                 V::Text(r.content_type.clone()),
                 V::Bytes(r.body.clone()),
@@ -632,21 +650,57 @@ pub fn from_values(table: &RelTable, values: Vec<Value>) -> Result<Row, String> 
             },
         },
         Table::Idempotency => {
-            let identity = format!(
-                "{}\0{}\0{}",
-                c.text("subject")?,
-                c.text("route")?,
-                c.text("idempotency_key")?
-            );
+            let principal = c.text("principal")?;
+            let identity = IdempotencyIdentity {
+                principal: Principal::named(&principal).ok_or_else(|| c.bad("principal"))?,
+                subject: Some(c.text("actor_subject")?).filter(|s| !s.is_empty()),
+                issuer: Some(c.text("actor_issuer")?).filter(|s| !s.is_empty()),
+                route: c.text("route")?,
+                key: c.text("idempotency_key")?,
+            };
+            // Every part as berth itself could have made it (no U+0000, a
+            // route of the table, a key of the header's grammar, an actor
+            // exactly when the principal has one).
+            let printable = |s: &Option<String>| {
+                s.as_ref().is_none_or(|s| {
+                    !s.is_empty()
+                        && s.len() <= 256
+                        && s.bytes().all(|b| b.is_ascii_graphic() || b == b' ')
+                })
+            };
+            let actor_fits = match identity.principal {
+                Principal::Service => identity.subject.is_none() && identity.issuer.is_none(),
+                Principal::Backend | Principal::Callback => identity.subject.is_some(),
+            };
+            if !actor_fits || !printable(&identity.subject) || !printable(&identity.issuer) {
+                return Err(c.bad("actor_subject"));
+            }
+            if !crate::api::ROUTES
+                .iter()
+                .any(|r| r.template == identity.route)
+            {
+                return Err(c.bad("route"));
+            }
+            if !crate::api::idempotency::valid_key(&identity.key) {
+                return Err(c.bad("idempotency_key"));
+            }
+            let headers: Vec<(String, String)> = c.parsed("headers")?;
+            if !stored_headers_ok(&headers) {
+                return Err(c.bad("headers"));
+            }
             let record = IdempotencyRecord {
                 status: u16::try_from(c.int("status")?).map_err(|_| c.bad("status"))?,
                 content_type: c.text("content_type")?,
                 body: c.bytes("body")?,
-                headers: c.parsed("headers")?,
+                headers,
                 fingerprint: c.bytes("fingerprint")?,
                 expires_at: c.time("expires_at")?,
+                identity: identity.clone(),
             };
-            Row::Idempotency { identity, record }
+            Row::Idempotency {
+                identity: identity.store_key(),
+                record,
+            }
         }
         Table::UpdateTries => Row::UpdateTry {
             deployment: c.text("deployment_id")?,
@@ -718,6 +772,26 @@ pub fn from_values(table: &RelTable, values: Vec<Value>) -> Result<Row, String> 
             ))
         }
     })
+}
+
+/// The headers a stored answer replays are the few berth itself adds to a
+/// mutation's answer, each a valid header: an import never makes berth
+/// send a header a file invented.
+fn stored_headers_ok(headers: &[(String, String)]) -> bool {
+    // `Reply::header` calls of mutations and `Reply::from_error`.
+    const BERTH_SETS: [&str; 5] = [
+        "etag",
+        "retry-after",
+        "allow",
+        "content-range",
+        "connection",
+    ];
+    headers.len() <= BERTH_SETS.len()
+        && headers.iter().all(|(name, value)| {
+            BERTH_SETS.contains(&name.to_ascii_lowercase().as_str())
+                && value.len() <= 256
+                && warp::http::HeaderValue::from_str(value).is_ok()
+        })
 }
 
 /// A deployment id read back must be one berth could have made: it names
@@ -923,6 +997,15 @@ mod tests {
                 other => panic!("{other:?}"),
             }
         }
+        // A callback caller's key: its identity holds U+0000 in the store's
+        // key, never in a column.
+        let identity = IdempotencyIdentity {
+            principal: Principal::Callback,
+            subject: Some("alice@example.org".into()),
+            issuer: Some("https://id.example.org".into()),
+            route: "/v1/deployments/{id}/submit".into(),
+            key: "k-00000000000001".into(),
+        };
         let record = IdempotencyRecord {
             fingerprint: vec![1, 2, 3],
             status: 202,
@@ -930,16 +1013,29 @@ mod tests {
             body: b"{\"x\":1}".to_vec(),
             headers: vec![("ETag".into(), "\"3\"".into())],
             expires_at: 5,
+            identity: identity.clone(),
         };
+        let values = to_values(&Row::Idempotency {
+            identity: identity.store_key(),
+            record: record.clone(),
+        })
+        .unwrap();
+        assert!(
+            values
+                .iter()
+                .all(|v| !matches!(v, Value::Text(t) if t.contains('\0'))),
+            "a column holds U+0000: {values:?}"
+        );
         match round_trip(Row::Idempotency {
-            identity: "alice\0submit\0k-1".into(),
+            identity: identity.store_key(),
             record: record.clone(),
         }) {
             Row::Idempotency {
-                identity,
+                identity: key,
                 record: r,
             } => {
-                assert_eq!(identity, "alice\0submit\0k-1");
+                assert_eq!(key, identity.store_key());
+                assert_eq!(r.identity, identity);
                 assert_eq!(
                     (r.fingerprint, r.status, r.body, r.headers, r.expires_at),
                     (record.fingerprint, 202, record.body, record.headers, 5)

@@ -90,6 +90,42 @@ fn table_names(conn: &Connection, path: &Path) -> Result<Vec<String>, String> {
     Ok(names)
 }
 
+/// An export's berth tables are plain tables: a view or a virtual table of
+/// the same name would run arbitrary SQL on every read (a recursive view
+/// runs until the disk is full), and no berth export makes one.
+fn only_plain_tables(conn: &Connection, path: &Path) -> Result<(), String> {
+    let berth_names = TABLES.iter().map(|t| t.name).chain([META_TABLE]);
+    for name in berth_names {
+        let found: Option<(String, Option<String>)> = conn
+            .query_row(
+                "SELECT type, sql FROM sqlite_master WHERE name = ?1",
+                [name],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .map(Some)
+            .or_else(|e| match e {
+                rusqlite::Error::QueryReturnedNoRows => Ok(None),
+                other => Err(other),
+            })
+            .map_err(|e| sqlite_error(path, e))?;
+        if let Some((kind, sql)) = found {
+            let is_virtual = sql.as_deref().is_some_and(|s| {
+                s.trim_start()
+                    .to_ascii_uppercase()
+                    .starts_with("CREATE VIRTUAL")
+            });
+            if kind != "table" || is_virtual {
+                return Err(format!(
+                    "{}: {name} is a {} there, not a plain table; a berth export never makes one, so this file is refused",
+                    path.display(),
+                    if is_virtual { "virtual table" } else { kind.as_str() }
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 fn schema_version(conn: &Connection, path: &Path) -> Result<Option<u32>, String> {
     let text: Option<String> = conn
         .query_row(
@@ -255,6 +291,7 @@ impl Drop for SqliteTarget {
 pub struct SqliteOrigin {
     conn: Connection,
     path: PathBuf,
+    version: u32,
 }
 
 impl SqliteOrigin {
@@ -268,20 +305,26 @@ impl SqliteOrigin {
         conn.execute_batch("BEGIN")
             .map_err(|e| sqlite_error(path, e))?;
         let names = table_names(&conn, path)?;
+        only_plain_tables(&conn, path)?;
         let version = if names.iter().any(|n| n == META_TABLE) {
             schema_version(&conn, path)?
         } else {
             None
         };
-        judge_origin(&names, version, &path.display().to_string())?;
+        let version = judge_origin(&names, version, &path.display().to_string())?;
         Ok(SqliteOrigin {
             conn,
             path: path.to_path_buf(),
+            version,
         })
     }
 }
 
 impl Origin for SqliteOrigin {
+    fn version(&self) -> u32 {
+        self.version
+    }
+
     fn rows(
         &mut self,
         table: &'static RelTable,
@@ -345,6 +388,6 @@ mod tests {
         conn.execute_batch(&ddl()).unwrap();
         let names = table_names(&conn, Path::new(":memory:")).unwrap();
         assert_eq!(names.len(), TABLES.len() + 1);
-        assert_eq!(EXPORT_SCHEMA_VERSION, 1);
+        assert_eq!(EXPORT_SCHEMA_VERSION, 2);
     }
 }

@@ -22,6 +22,7 @@
 //! | 2 | `log_index`: where each log chunk sits (line, byte, length) |
 //! | 3 | `idempotency_expiry`: idempotency records by expiry |
 //! | 4 | `meta.build_counts`: builds by status, for `/metrics` |
+//! | 6 | an idempotency record holds its identity part by part (the export needs them apart) |
 //! | 5 | safe deploys: a build's `rollback_of` and `log_gaps`, a deployment's `auto_rollback` and its deployed nodes' fingerprints (every build and deployment record rewritten) |
 //!
 //! Releases before version 2 existed wrote version 1 but may already hold
@@ -36,13 +37,13 @@ use redb::{Database, ReadableTable, ReadableTableMetadata, WriteTransaction};
 use super::compress::decompress;
 use super::tables::*;
 use super::{
-    decode, encode_counts, split_chunk_row, ChunkPlace, IdempotencyRecord, StoreError, StoreResult,
-    BUILD_COUNTS_KEY,
+    decode, encode_counts, split_chunk_row, ChunkPlace, IdempotencyIdentity, IdempotencyRecord,
+    StoreError, StoreResult, BUILD_COUNTS_KEY,
 };
 use crate::model::BuildId;
 
 /// The layout this binary writes and reads.
-pub const LAYOUT_VERSION: u32 = 5;
+pub const LAYOUT_VERSION: u32 = 6;
 
 /// The `meta` key holding the layout version (u32 LE). Its name predates
 /// the word "layout" and stays, so every release finds it.
@@ -57,7 +58,7 @@ struct Migration {
 }
 
 /// Every migration, in order; `MIGRATIONS[i].to == i + 2`.
-const MIGRATIONS: [Migration; 4] = [
+const MIGRATIONS: [Migration; 5] = [
     Migration {
         to: 2,
         what: "index every build's log chunks",
@@ -77,6 +78,11 @@ const MIGRATIONS: [Migration; 4] = [
         to: 5,
         what: "add rollbacks and health checks to build and deployment records",
         run: records_for_safe_deploys,
+    },
+    Migration {
+        to: 6,
+        what: "keep each idempotency record's identity part by part",
+        run: idempotency_identities,
     },
 ];
 
@@ -219,7 +225,7 @@ fn index_idempotency_expiry(txn: &WriteTransaction) -> StoreResult<()> {
     expiry.retain(|_, _| false)?;
     for entry in records.iter()? {
         let (k, v) = entry?;
-        let r: IdempotencyRecord = decode(v.value())?;
+        let r: v5::IdempotencyRecord = decode(v.value())?;
         expiry.insert((r.expires_at, k.value()), ())?;
     }
     assert_eq!(expiry.len()?, records.len()?, "one expiry row per record");
@@ -266,6 +272,49 @@ fn records_for_safe_deploys(txn: &WriteTransaction) -> StoreResult<()> {
         deployments.insert(id.as_str(), bytes.as_slice())?;
     }
     Ok(())
+}
+
+/// Version 6: each idempotency record gains its identity, parsed from its
+/// key (the route and the key never hold U+0000: they are its last parts).
+fn idempotency_identities(txn: &WriteTransaction) -> StoreResult<()> {
+    use crate::store::codec;
+    let mut records = txn.open_table(IDEMPOTENCY)?;
+    let mut rewritten: Vec<(String, Vec<u8>)> = Vec::new();
+    for entry in records.iter()? {
+        let (k, v) = entry?;
+        let old: v5::IdempotencyRecord = decode(v.value())?;
+        let identity = IdempotencyIdentity::parse(k.value())
+            .ok_or_else(|| StoreError::corrupt("an idempotency key that is not an identity"))?;
+        let record = IdempotencyRecord {
+            fingerprint: old.fingerprint,
+            status: old.status,
+            content_type: old.content_type,
+            body: old.body,
+            headers: old.headers,
+            expires_at: old.expires_at,
+            identity,
+        };
+        rewritten.push((k.value().to_string(), codec::encode(&record)));
+    }
+    for (key, bytes) in &rewritten {
+        records.insert(key.as_str(), bytes.as_slice())?;
+    }
+    Ok(())
+}
+
+/// The idempotency record as layouts 1 to 5 stored it.
+mod v5 {
+    use serde::{Deserialize, Serialize};
+
+    #[derive(Deserialize, Serialize)]
+    pub struct IdempotencyRecord {
+        pub fingerprint: Vec<u8>,
+        pub status: u16,
+        pub content_type: String,
+        pub body: Vec<u8>,
+        pub headers: Vec<(String, String)>,
+        pub expires_at: crate::model::Millis,
+    }
 }
 
 /// The records as layout 4 stored them (read by the migration to 5 only).
@@ -445,7 +494,7 @@ mod tests {
             };
             index.insert((a, 1), wrong.encode().as_slice()).unwrap();
             drop(index);
-            let record = IdempotencyRecord {
+            let record = v5::IdempotencyRecord {
                 fingerprint: vec![1],
                 status: 202,
                 content_type: "application/json".into(),
@@ -501,6 +550,19 @@ mod tests {
             .map(|e| e.unwrap().0.value().0)
             .collect();
         assert_eq!(expiry, vec![5_000]);
+        let idem: IdempotencyRecord = decode(
+            txn.open_table(IDEMPOTENCY)
+                .unwrap()
+                .get("service\u{0}/r\u{0}key")
+                .unwrap()
+                .unwrap()
+                .value(),
+        )
+        .unwrap();
+        assert_eq!(
+            (idem.identity.route.as_str(), idem.identity.key.as_str()),
+            ("/r", "key")
+        );
         assert!(txn
             .open_table(META)
             .unwrap()

@@ -27,7 +27,9 @@ mod writer;
 pub use audit::{AuditLookup, Pruned, ReadOnlyStore, StoredNodes};
 pub use error::{StoreError, StoreErrorKind, StoreResult};
 pub use lookup::Lookup;
-pub use records::{ChunkPlace, IdempotencyRecord, PendingCallback, StoredEvent};
+pub use records::{
+    ChunkPlace, IdempotencyIdentity, IdempotencyRecord, PendingCallback, Principal, StoredEvent,
+};
 pub use rx::Rx;
 pub use tx::Tx;
 pub use writer::Hook;
@@ -323,6 +325,13 @@ mod tests {
             body: b"{}".to_vec(),
             headers: vec![],
             expires_at,
+            identity: IdempotencyIdentity {
+                principal: Principal::Service,
+                subject: None,
+                issuer: None,
+                route: "/r".into(),
+                key: "k".into(),
+            },
         };
         store
             .write(move |tx| {

@@ -14,6 +14,92 @@ pub struct IdempotencyRecord {
     pub body: Vec<u8>,
     pub headers: Vec<(String, String)>,
     pub expires_at: Millis,
+    /// Whose key it is, part by part (the table's key joins them; the
+    /// export needs them apart, and no part may hold the separator).
+    pub identity: IdempotencyIdentity,
+}
+
+/// Who sent an idempotency key, on which route.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IdempotencyIdentity {
+    pub principal: Principal,
+    /// The actor's subject and issuer (none for the service acting as itself).
+    pub subject: Option<String>,
+    pub issuer: Option<String>,
+    /// The route template.
+    pub route: String,
+    pub key: String,
+}
+
+/// The kind of caller a principal is (`api::auth::Caller::identity`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Principal {
+    /// The service token acting as itself.
+    Service,
+    /// The service token naming an actor.
+    Backend,
+    /// A token the authorization callback knows.
+    Callback,
+}
+
+impl Principal {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Principal::Service => "service",
+            Principal::Backend => "backend",
+            Principal::Callback => "callback",
+        }
+    }
+
+    pub fn named(name: &str) -> Option<Principal> {
+        [Principal::Service, Principal::Backend, Principal::Callback]
+            .into_iter()
+            .find(|p| p.as_str() == name)
+    }
+}
+
+impl IdempotencyIdentity {
+    /// The table's key: the parts joined by U+0000, as layouts before 6
+    /// stored them, so a key is the same across the migration.
+    pub fn store_key(&self) -> String {
+        match self.principal {
+            Principal::Service => format!("service\u{0}{}\u{0}{}", self.route, self.key),
+            Principal::Backend | Principal::Callback => format!(
+                "{}\u{0}{}\u{0}{}\u{0}{}\u{0}{}",
+                self.principal.as_str(),
+                self.subject.as_deref().unwrap_or(""),
+                self.issuer.as_deref().unwrap_or(""),
+                self.route,
+                self.key
+            ),
+        }
+    }
+
+    /// The parts of a joined key (the migration to layout 6). The route and
+    /// the key never hold U+0000, so they are the last two parts.
+    pub fn parse(joined: &str) -> Option<IdempotencyIdentity> {
+        let mut from_right = joined.rsplitn(3, '\u{0}');
+        let key = from_right.next()?.to_string();
+        let route = from_right.next()?.to_string();
+        let principal = from_right.next()?;
+        let (principal, subject, issuer) = match principal.split('\u{0}').collect::<Vec<_>>()[..] {
+            ["service"] => (Principal::Service, None, None),
+            [kind, subject, issuer] => (
+                Principal::named(kind).filter(|p| *p != Principal::Service)?,
+                Some(subject.to_string()),
+                (!issuer.is_empty()).then(|| issuer.to_string()),
+            ),
+            _ => return None,
+        };
+        Some(IdempotencyIdentity {
+            principal,
+            subject,
+            issuer,
+            route,
+            key,
+        })
+    }
 }
 
 /// A destroy callback waiting to be sent (or retried).

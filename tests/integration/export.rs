@@ -836,3 +836,102 @@ async fn export_files_and_imported_stores_are_private() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Hostile input round two, item 11: an import refuses a SQLite file whose
+/// berth tables are views (a view runs SQL on every read; a recursive one
+/// runs until the disk is full).
+#[tokio::test]
+async fn an_import_refuses_a_file_whose_tables_are_views() {
+    let dir = temp_dir("views");
+    let mut s = Server::start(Options::default()).await;
+    let build = s.submit_ok("v1", mastodon("v1.org")).await;
+    s.wait_build(&build, "final").await;
+    s.terminate();
+    let file = dir.join("export.sqlite");
+    let to = format!("sqlite:{}", file.display());
+    let (code, err) = berth_cli(&["export", "--data-dir", &data(&s.dir), "--to", &to]);
+    assert_eq!(code, 0, "{err}");
+    {
+        let conn = rusqlite::Connection::open(&file).unwrap();
+        conn.execute_batch(
+            "PRAGMA foreign_keys = OFF; DROP TABLE builds; CREATE VIEW builds AS WITH RECURSIVE n(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM n) SELECT x FROM n;",
+        )
+        .unwrap();
+    }
+    let target = dir.join("fresh");
+    let (code, err) = berth_cli(&[
+        "import",
+        "--data-dir",
+        target.to_str().unwrap(),
+        "--from",
+        &to,
+    ]);
+    assert_ne!(code, 0);
+    assert!(err.contains("builds is a view"), "{err}");
+    assert!(
+        !target.join("berth.redb").exists(),
+        "a refused import made a store"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Hostile input round two, item 8: a tenant's idempotency key never
+/// breaks a PostgreSQL export: the caller's parts are columns of their own
+/// (no U+0000 in a text column), and they come back as they were.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idempotency_key_of_any_caller_exports_to_postgres_and_back() {
+    let test = "export::an_idempotency_key_of_any_caller_exports_to_postgres_and_back";
+    let Some(db) = PgDb::create(test).await else {
+        return;
+    };
+    let mut s = Server::start(Options::default()).await;
+    let (status, _) = read(
+        s.post(
+            "/v1/deployments/k1/submit",
+            &json!({"configuration": mastodon("k1.org")}),
+        )
+        .header("Idempotency-Key", "tenant-key-00000001")
+        .header("X-Actor-Subject", "alice@example.org")
+        .header("X-Actor-Issuer", "https://id.example.org")
+        .send()
+        .await
+        .unwrap(),
+    )
+    .await;
+    assert_eq!(status, 202);
+    s.terminate();
+    let (code, err) = berth_cli(&["export", "--data-dir", &data(&s.dir), "--to", &db.url()]);
+    assert_eq!(code, 0, "{err}");
+    let rows = db
+        .client()
+        .await
+        .query(
+            "SELECT principal, actor_subject, actor_issuer, route, idempotency_key FROM idempotency",
+            &[],
+        )
+        .await
+        .unwrap();
+    let got: Vec<Vec<String>> = rows
+        .iter()
+        .map(|r| (0..5).map(|i| r.get::<_, String>(i)).collect())
+        .collect();
+    assert_eq!(
+        got,
+        vec![vec![
+            "backend".to_string(),
+            "alice@example.org".into(),
+            "https://id.example.org".into(),
+            "/v1/deployments/{id}/submit".into(),
+            "tenant-key-00000001".into()
+        ]]
+    );
+    let target = temp_dir("idem-import").join("data");
+    let (code, err) = berth_cli(&[
+        "import",
+        "--data-dir",
+        target.to_str().unwrap(),
+        "--from",
+        &db.url(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+}
