@@ -73,6 +73,12 @@ pub async fn refused(ctx: &Ctx, mut draft: Draft, r: &Refused) {
     if draft.actor.is_none() && !draft.trusted_backend {
         ctx.engine.audit_anonymous_denial(draft).await;
     } else {
+        if let (Some(actor), Outcome::Denied) = (&draft.actor, draft.result) {
+            let issuer = actor.issuer.as_deref().unwrap_or("");
+            ctx.engine
+                .metrics
+                .count_denial(&format!("{} {issuer}", actor.subject).trim_end().to_string());
+        }
         ctx.engine.audit_alone(draft).await;
     }
 }

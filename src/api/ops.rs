@@ -65,6 +65,20 @@ pub fn metrics(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
             );
         }
     }
+    out.push_str("# HELP berth_denied_calls_total A known actor's denied calls, by principal (subject and issuer).\n# TYPE berth_denied_calls_total counter\n");
+    {
+        let m = e.metrics.denials.lock().unwrap_or_else(|p| p.into_inner());
+        let mut rows: Vec<_> = m.iter().collect();
+        rows.sort();
+        for (principal, n) in rows {
+            // A label value escapes `\`, `"` and newlines (the exposition format).
+            let label = principal
+                .replace('\\', "\\\\")
+                .replace('"', "\\\"")
+                .replace('\n', "\\n");
+            let _ = writeln!(out, "berth_denied_calls_total{{principal=\"{label}\"}} {n}");
+        }
+    }
     // Kept in the store by every status change: exact at every scrape, and
     // one read however many builds there are.
     let counts = e.store.read()?.build_status_counts()?;

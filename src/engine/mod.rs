@@ -47,6 +47,26 @@ use runner::DeployerCommand;
 pub struct Metrics {
     pub requests: Mutex<HashMap<(String, u16), u64>>,
     pub log_bytes: AtomicU64,
+    /// A known actor's denied calls, by principal (`subject issuer`): each
+    /// is an audit event (audit.md keeps them), and this lets an operator
+    /// see one tenant doing it. At most `MAX_DENIAL_PRINCIPALS` rows; the
+    /// rest count under "other".
+    pub denials: Mutex<HashMap<String, u64>>,
+}
+
+/// Principals `/metrics` counts denials of one by one, at most.
+pub const MAX_DENIAL_PRINCIPALS: usize = 1000;
+
+impl Metrics {
+    pub fn count_denial(&self, principal: &str) {
+        let mut denials = self.denials.lock().unwrap_or_else(|p| p.into_inner());
+        let key = if denials.contains_key(principal) || denials.len() < MAX_DENIAL_PRINCIPALS {
+            principal
+        } else {
+            "other"
+        };
+        *denials.entry(key.to_string()).or_default() += 1;
+    }
 }
 
 #[derive(Default)]

@@ -560,8 +560,38 @@ fn utf8(bytes: &[u8], what: &str) -> Result<String, String> {
     String::from_utf8(bytes.to_vec()).map_err(|_| format!("{what} is not UTF-8"))
 }
 
-/// Reads a relational row (values in column order) back into a store row.
+/// Reads a relational row (values in column order) back into a store row,
+/// and refuses it unless every readable column says what its canonical
+/// column (`record`, `*_text`) says (storage.md): an export edited by
+/// hand is never half believed.
 pub fn from_values(table: &RelTable, values: Vec<Value>) -> Result<Row, String> {
+    let given = values.clone();
+    let row = row_of(table, values)?;
+    let canonical = to_values(&row)?;
+    if let Some(at) = (0..given.len()).find(|&i| given.get(i) != canonical.get(i)) {
+        let key: Vec<String> = table
+            .primary_key
+            .iter()
+            .filter_map(|k| table.columns.iter().position(|c| c.name == *k))
+            .map(|i| match &canonical[i] {
+                Value::Text(t) => t.clone(),
+                Value::Int(n) => n.to_string(),
+                Value::Uuid(u) => crate::model::format_build_id(*u),
+                other => format!("{other:?}"),
+            })
+            .collect();
+        return Err(format!(
+            "table {}: the row with key ({}) disagrees with its canonical record in column {}; an export edited by hand is refused",
+            table.name,
+            key.join(", "),
+            table.columns[at].name
+        ));
+    }
+    Ok(row)
+}
+
+/// A relational row read from its canonical columns.
+fn row_of(table: &RelTable, values: Vec<Value>) -> Result<Row, String> {
     if values.len() != table.columns.len() {
         return Err(format!(
             "table {}: {} values for {} columns",

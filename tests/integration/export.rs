@@ -935,3 +935,49 @@ async fn an_idempotency_key_of_any_caller_exports_to_postgres_and_back() {
     ]);
     assert_eq!(code, 0, "{err}");
 }
+
+/// Hostile input round two, item 12: a readable column edited by hand
+/// (an audit row's `action`) no longer agrees with the row's canonical
+/// text, and the import refuses the file, naming the table and the key.
+#[tokio::test]
+async fn an_export_edited_by_hand_is_refused() {
+    let dir = temp_dir("edited");
+    let mut s = Server::start(Options::default()).await;
+    let build = s.submit_ok("e1", mastodon("e1.org")).await;
+    s.wait_build(&build, "final").await;
+    s.terminate();
+    let file = dir.join("export.sqlite");
+    let to = format!("sqlite:{}", file.display());
+    let (code, err) = berth_cli(&["export", "--data-dir", &data(&s.dir), "--to", &to]);
+    assert_eq!(code, 0, "{err}");
+    {
+        let conn = rusqlite::Connection::open(&file).unwrap();
+        let changed = conn
+            .execute(
+                "UPDATE audit_events SET action = 'delete' WHERE seq = 1",
+                [],
+            )
+            .unwrap();
+        assert_eq!(changed, 1);
+    }
+    let target = dir.join("fresh");
+    let (code, err) = berth_cli(&[
+        "import",
+        "--data-dir",
+        target.to_str().unwrap(),
+        "--from",
+        &to,
+    ]);
+    assert_ne!(code, 0);
+    assert!(
+        err.contains("table audit_events")
+            && err.contains("key (1)")
+            && err.contains("column action"),
+        "{err}"
+    );
+    assert!(
+        !target.join("berth.redb").exists(),
+        "a refused import made a store"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

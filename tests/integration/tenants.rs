@@ -312,3 +312,27 @@ async fn stalled_range_readers_do_not_pin_the_log() {
     );
     drop(stalled);
 }
+
+/// Item 11: a known actor's denials are each an audit event (audit.md
+/// keeps them), and `/metrics` counts them per principal, so an operator
+/// sees one tenant doing it.
+#[tokio::test]
+async fn a_tenants_denials_are_counted_per_principal() {
+    let (s, _) = with_tenants(Options::default()).await;
+    for _ in 0..3 {
+        let r = s
+            .http
+            .post(s.url("/v1/deployments/bob/submit"))
+            .json(&json!({"configuration": mastodon("b.org")}));
+        assert_eq!(as_tenant(&s, "alice-token", r).await.0, 403);
+    }
+    let metrics = s.metrics().await;
+    assert!(
+        metrics.contains("berth_denied_calls_total{principal=\"alice@example.org\"} 3"),
+        "{metrics}"
+    );
+    assert!(
+        !metrics.contains("principal=\"bob@example.org\""),
+        "{metrics}"
+    );
+}
