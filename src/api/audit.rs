@@ -77,7 +77,7 @@ pub async fn refused(ctx: &Ctx, mut draft: Draft, r: &Refused) {
             let issuer = actor.issuer.as_deref().unwrap_or("");
             ctx.engine
                 .metrics
-                .count_denial(&format!("{} {issuer}", actor.subject).trim_end().to_string());
+                .count_denial(format!("{} {issuer}", actor.subject).trim_end());
         }
         ctx.engine.audit_alone(draft).await;
     }

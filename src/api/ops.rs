@@ -27,8 +27,47 @@ pub fn readyz(ctx: &Ctx) -> Reply {
     }
 }
 
-pub fn openapi() -> Reply {
-    Reply::text(200, "application/json", OPENAPI.as_bytes().to_vec())
+/// The contract as this server applies it: the document, with the
+/// callback origins `--callback-origin` allows stated in the delete body's
+/// schema (so a client, or a fuzzer, knows which callbacks are accepted).
+pub fn openapi(ctx: &Ctx) -> Reply {
+    let origins = &ctx.engine.settings.callback_origin;
+    match served_document(origins) {
+        Ok(body) => Reply::text(200, "application/json", body),
+        Err(e) => {
+            tracing::error!(error = %e, "the OpenAPI document does not parse");
+            Reply::from_error(&ApiError::internal(), "")
+        }
+    }
+}
+
+fn served_document(callback_origins: &[String]) -> Result<Vec<u8>, String> {
+    let mut doc: serde_json::Value = serde_json::from_str(OPENAPI).map_err(|e| e.to_string())?;
+    let callback = doc
+        .pointer_mut("/components/schemas/DeleteRequest/properties/callback")
+        .ok_or("the document has no DeleteRequest callback")?;
+    let escaped: Vec<String> = callback_origins
+        .iter()
+        .map(|o| {
+            o.chars()
+                .map(|c| match c {
+                    '\\' | '.' | '^' | '$' | '|' | '?' | '*' | '+' | '(' | ')' | '[' | ']'
+                    | '{' | '}' => format!("\\{c}"),
+                    c => c.to_string(),
+                })
+                .collect()
+        })
+        .collect();
+    *callback = if escaped.is_empty() {
+        serde_json::json!({"type": "null", "description": "no --callback-origin is set: a callback is refused"})
+    } else {
+        serde_json::json!({
+            "type": ["string", "null"],
+            "pattern": format!("^({})/[A-Za-z0-9/_-]*$", escaped.join("|")),
+            "description": "where the destroy is reported: under one of --callback-origin"
+        })
+    };
+    serde_json::to_vec(&doc).map_err(|e| e.to_string())
 }
 
 pub fn count_request(ctx: &Ctx, route: &'static str, status: u16) {

@@ -452,7 +452,7 @@ pub async fn public(ctx: &Arc<Ctx>, call: PublicCall, req: &Request) -> Result<A
     let reply = match call {
         PublicCall::Healthz => Ok(ops::healthz()),
         PublicCall::Readyz => Ok(ops::readyz(ctx)),
-        PublicCall::OpenApi => Ok(ops::openapi()),
+        PublicCall::OpenApi => Ok(ops::openapi(ctx)),
         PublicCall::Page => Ok(page::index(req)),
         PublicCall::PageAsset => page::asset(req),
         PublicCall::DeriveInstances => derive::instances(ctx, req).await,
