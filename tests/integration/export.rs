@@ -808,15 +808,7 @@ async fn serve_imports_from_an_export_exactly_once() {
 #[tokio::test]
 async fn export_files_and_imported_stores_are_private() {
     use std::os::unix::fs::PermissionsExt;
-    let dir = temp_dir("modes");
-    let mut s = Server::start(Options::default()).await;
-    let build = s.submit_ok("m1", mastodon("m1.org")).await;
-    s.wait_build(&build, "final").await;
-    s.terminate();
-    let file = dir.join("export.sqlite");
-    let to = format!("sqlite:{}", file.display());
-    let (code, err) = berth_cli(&["export", "--data-dir", &data(&s.dir), "--to", &to]);
-    assert_eq!(code, 0, "{err}");
+    let (dir, file, to) = one_deployment_exported("modes").await;
     let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
     assert_eq!(mode(&file), 0o600, "the export file is readable by others");
     let target = dir.join("fresh-data");
@@ -842,15 +834,7 @@ async fn export_files_and_imported_stores_are_private() {
 /// runs until the disk is full).
 #[tokio::test]
 async fn an_import_refuses_a_file_whose_tables_are_views() {
-    let dir = temp_dir("views");
-    let mut s = Server::start(Options::default()).await;
-    let build = s.submit_ok("v1", mastodon("v1.org")).await;
-    s.wait_build(&build, "final").await;
-    s.terminate();
-    let file = dir.join("export.sqlite");
-    let to = format!("sqlite:{}", file.display());
-    let (code, err) = berth_cli(&["export", "--data-dir", &data(&s.dir), "--to", &to]);
-    assert_eq!(code, 0, "{err}");
+    let (dir, file, to) = one_deployment_exported("views").await;
     {
         let conn = rusqlite::Connection::open(&file).unwrap();
         conn.execute_batch(
@@ -941,15 +925,7 @@ async fn an_idempotency_key_of_any_caller_exports_to_postgres_and_back() {
 /// text, and the import refuses the file, naming the table and the key.
 #[tokio::test]
 async fn an_export_edited_by_hand_is_refused() {
-    let dir = temp_dir("edited");
-    let mut s = Server::start(Options::default()).await;
-    let build = s.submit_ok("e1", mastodon("e1.org")).await;
-    s.wait_build(&build, "final").await;
-    s.terminate();
-    let file = dir.join("export.sqlite");
-    let to = format!("sqlite:{}", file.display());
-    let (code, err) = berth_cli(&["export", "--data-dir", &data(&s.dir), "--to", &to]);
-    assert_eq!(code, 0, "{err}");
+    let (dir, file, to) = one_deployment_exported("edited").await;
     {
         let conn = rusqlite::Connection::open(&file).unwrap();
         let changed = conn
@@ -980,4 +956,19 @@ async fn an_export_edited_by_hand_is_refused() {
         "a refused import made a store"
     );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A stopped server's store with one deployment, exported to a SQLite file
+/// in a temp dir: (that dir, the file, its `sqlite:` endpoint).
+async fn one_deployment_exported(tag: &str) -> (PathBuf, PathBuf, String) {
+    let dir = temp_dir(tag);
+    let mut s = Server::start(Options::default()).await;
+    let build = s.submit_ok(tag, mastodon(&format!("{tag}.org"))).await;
+    s.wait_build(&build, "final").await;
+    s.terminate();
+    let file = dir.join("export.sqlite");
+    let to = format!("sqlite:{}", file.display());
+    let (code, err) = berth_cli(&["export", "--data-dir", &data(&s.dir), "--to", &to]);
+    assert_eq!(code, 0, "{err}");
+    (dir, file, to)
 }
