@@ -506,6 +506,39 @@ pub async fn may_read(authz: &Authz, caller: &Caller, id: &str, path: &str) -> b
 mod tests {
     use super::*;
 
+    /// The answer cache stays within its bytes however large its entries,
+    /// and the count of bytes it keeps is exact.
+    #[test]
+    fn the_answer_cache_is_bounded_in_bytes() {
+        let mut cache = Cache::default();
+        let now = Instant::now();
+        let big = "x".repeat(200);
+        for i in 0..200_000u32 {
+            let key = CacheKey {
+                token: [0; 32],
+                procedure: Procedure::Read,
+                deployment: Some(format!("{i}")),
+                target: Some(big.clone()),
+            };
+            let decision = Decision {
+                allow: true,
+                actor: Some(Actor {
+                    subject: big.clone(),
+                    issuer: Some(big.clone()),
+                }),
+            };
+            cache.insert(key, decision, now);
+            assert!(cache.bytes <= MAX_CACHED_DECISION_BYTES);
+        }
+        let counted: usize = cache
+            .answers
+            .iter()
+            .map(|(k, (d, _))| Cache::cost(k, d))
+            .sum();
+        assert_eq!(counted, cache.bytes);
+        assert!(cache.answers.len() < 200_000, "nothing was ever evicted");
+    }
+
     fn headers(pairs: &[(&str, &[u8])]) -> HeaderMap {
         let mut h = HeaderMap::new();
         for (k, v) in pairs {

@@ -336,3 +336,40 @@ async fn a_tenants_denials_are_counted_per_principal() {
         "{metrics}"
     );
 }
+
+/// Item 7: an id berth could not have made is refused before the callback
+/// sees it (so nothing of it is sent or cached): a 16 KiB id from a caller
+/// the callback does not know is a 400, and the callback is never asked.
+#[tokio::test]
+async fn an_invalid_id_never_reaches_the_callback() {
+    let (s, asked) = with_tenants(Options::default()).await;
+    let long = "a".repeat(16 * 1024);
+    for path in [
+        format!("/v1/deployments/{long}"),
+        format!("/v1/deployments/{long}/submit"),
+    ] {
+        let r = s.http.get(s.url(&path)).bearer_auth("stranger-token");
+        let r = if path.ends_with("/submit") {
+            s.http
+                .post(s.url(&path))
+                .bearer_auth("stranger-token")
+                .json(&json!({"configuration": {}}))
+        } else {
+            r
+        };
+        let (status, p) = read(r.send().await.unwrap()).await;
+        assert_eq!(
+            (status, p["fields"][0]["pointer"].as_str()),
+            (400, Some("/path/id")),
+            "{p}"
+        );
+    }
+    let questions = asked.lock().unwrap().clone();
+    assert!(
+        questions
+            .iter()
+            .all(|q| q["deployment"].as_str().is_none_or(|d| d.len() <= 40)),
+        "the callback was asked about an invalid id"
+    );
+    assert!(questions.is_empty(), "{questions:?}");
+}
