@@ -12,12 +12,13 @@ use serde_json::{json, Value};
 
 use crate::harness::*;
 
-/// Health checks every 100 ms for up to 600 ms: a test's step is short.
+/// Health checks every 300 ms (each call's time limit too: room for a
+/// shell to start on a loaded machine) for up to 1.5 s: a short step.
 fn quick_health(opts: Options) -> Options {
     opts.arg("--health-interval")
-        .arg("100ms")
+        .arg("300ms")
         .arg("--health-timeout")
-        .arg("600ms")
+        .arg("1500ms")
 }
 
 fn config(n: u32) -> Value {
@@ -324,11 +325,13 @@ async fn the_health_step_with_scripted_deployers() {
         let _ = std::fs::remove_file(ctrl.join("checks"));
         let _ = std::fs::remove_file(ctrl.join("confirms"));
     };
-    // Healthy at once: one check, one confirm.
+    // Healthy: checked (once, unless a check outran its time limit on a
+    // loaded machine), then confirmed once.
     set("healthy");
     let b = s.submit_ok("web", config(1)).await;
     assert_eq!(s.wait_build(&b, "final").await["status"], "succeeded");
-    assert_eq!((count(&ctrl, "checks"), count(&ctrl, "confirms")), (1, 1));
+    assert!(count(&ctrl, "checks") >= 1);
+    assert_eq!(count(&ctrl, "confirms"), 1);
     // Healthy from the second check.
     set("after2");
     let b = s.submit_ok("web", config(2)).await;
@@ -366,7 +369,7 @@ async fn a_cancel_during_the_health_step_confirms_nothing_and_rolls_nothing_back
         Options::default()
             .deployer(&deployer)
             .arg("--health-interval")
-            .arg("100ms")
+            .arg("300ms")
             .arg("--health-timeout")
             .arg("60s"),
     )
