@@ -121,12 +121,6 @@ impl Quotas {
             key: key.to_string(),
         })
     }
-
-    /// What `key` holds now.
-    pub fn held(&self, key: &str) -> usize {
-        let held = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        held.get(key).copied().unwrap_or(0)
-    }
 }
 
 /// One share of a key in `Quotas`, given back on drop.

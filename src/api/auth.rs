@@ -294,12 +294,6 @@ impl Authz {
         lock(&self.known).retain(|_, (_, at)| now.duration_since(*at) < DECISION_TTL);
     }
 
-    /// Cached answers and the bytes they take (for `/metrics` and tests).
-    pub fn cached(&self) -> (usize, usize) {
-        let cache = lock(&self.cache);
-        (cache.answers.len(), cache.bytes)
-    }
-
     pub fn configured(&self) -> bool {
         self.url.is_some()
     }

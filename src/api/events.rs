@@ -103,17 +103,6 @@ impl Tickets {
         self.lock().sweep(now_millis());
     }
 
-    /// Live tickets of one principal (tests, `/metrics`).
-    pub fn held_by(&self, principal: &str) -> usize {
-        let now = now_millis();
-        let table = self.lock();
-        table.by_principal.get(principal).map_or(0, |mine| {
-            mine.iter()
-                .filter(|v| table.by_value.get(*v).is_some_and(|t| t.expires_at > now))
-                .count()
-        })
-    }
-
     /// The ticket's holder (token, deployment, principal), if it is valid
     /// for `channel`.
     #[allow(clippy::type_complexity)]

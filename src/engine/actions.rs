@@ -12,7 +12,7 @@ use super::transition::{Change, NewBuild};
 use super::Engine;
 use crate::events::Hub;
 use crate::model::*;
-use crate::store::{Lookup, StoreError, StoreResult, Tx};
+use crate::store::{Lookup, StoreResult, Tx};
 
 /// An action the generic route runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -269,7 +269,12 @@ pub fn act_tx(
                     )))
                 }
             };
-            let Some(new) = rollback_build(tx, &mut d, target, Trigger::Action("rollback".into()))?
+            let Some(new) = super::transition::rollback_build(
+                tx,
+                &mut d,
+                target,
+                Trigger::Action("rollback".into()),
+            )?
             else {
                 return Ok(Acted::Refused(Refusal::ActionRefused(
                     Reason::RollbackTargetInvalid,
@@ -283,7 +288,7 @@ pub fn act_tx(
         .flatten();
     let build = change.enqueue(&mut d, new)?;
     if let Some(from) = held_back {
-        hold_back(&change, &d, from, build.id, "action:rollback")?;
+        super::transition::hold_back(&change, &d, from, build.id, "action:rollback")?;
     }
     let queued = ActionQueued { build_id: build.id };
     record.store(&change, &queued)?;
@@ -295,67 +300,6 @@ pub fn act_tx(
 fn deployed_source(d: &DeploymentRecord) -> Option<Source> {
     let deployed = d.deployed.as_ref()?;
     (deployed.snapshot.source != d.snapshot.source).then(|| deployed.snapshot.source.clone())
-}
-
-/// A rollback of `d` to `target`: the target's snapshot becomes the
-/// deployment's configuration and source, and the new build's. `None` when
-/// `target` is not a retained succeeded deploy build of `d`.
-pub fn rollback_build(
-    tx: &Tx,
-    d: &mut DeploymentRecord,
-    target: BuildId,
-    trigger: Trigger,
-) -> StoreResult<Option<NewBuild>> {
-    let Some(b) = tx.build(target)? else {
-        return Ok(None);
-    };
-    if b.deployment != d.id || b.kind != BuildKind::Deploy || b.status != BuildStatus::Succeeded {
-        return Ok(None);
-    }
-    let Some(snaps) = tx.build_snapshots(target)? else {
-        return Ok(None);
-    };
-    let snapshot = snaps.snapshot;
-    let configuration: serde_json::Value = serde_json::from_str(&snapshot.configuration)
-        .map_err(|_| StoreError::damaged_snapshot(DamagedSnapshot))?;
-    d.domain = crate::derive::shape(&configuration)
-        .map_err(|_| StoreError::corrupt("a stored configuration no longer has its shape"))?
-        .domain
-        .map(str::to_string);
-    d.snapshot = snapshot.clone();
-    d.method = b.method.clone();
-    Ok(Some(NewBuild {
-        kind: BuildKind::Deploy,
-        trigger,
-        suspended: d.suspended,
-        method: b.method,
-        snapshot,
-        rollback_of: Some(target),
-    }))
-}
-
-/// Holds `from` back from automatic updates under the current policy
-/// (lifecycle.md "Rollback"): it counts as a try of that source, so the
-/// update loop does not apply it again until the default source or the
-/// policy changes.
-pub fn hold_back(
-    change: &Change,
-    d: &DeploymentRecord,
-    from: Source,
-    build: BuildId,
-    why: &str,
-) -> StoreResult<()> {
-    change.tx().put_update_try(
-        &d.id,
-        &UpdateTry {
-            at: change.now(),
-            source: from,
-            build_id: Some(build),
-            result: TryResult::RolledBack,
-            reason: Some(why.to_string()),
-            blocks: true,
-        },
-    )
 }
 
 #[cfg(test)]

@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::audit_events::append;
+pub use super::audit_events::system_draft;
 pub use super::audit_events::{EVENTS_WRITTEN, WRITE_FAILURES};
 use super::transition::Change;
 use super::Engine;
@@ -179,22 +180,6 @@ impl Engine {
                 None => return Ok(total),
             }
         }
-    }
-}
-
-/// The event of berth acting by itself (an automatic update, retention).
-pub fn system_draft(action: &'static str, deployment: Option<String>, result: Outcome) -> Draft {
-    Draft {
-        at: now_millis(),
-        actor: None,
-        trusted_backend: false,
-        action,
-        deployment,
-        build: None,
-        request_id: uuid::Uuid::now_v7().simple().to_string(),
-        result,
-        reason: None,
-        count: 1,
     }
 }
 

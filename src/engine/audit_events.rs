@@ -5,7 +5,8 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::audit::{Draft, Event};
+use crate::audit::{Draft, Event, Outcome};
+use crate::model::now_millis;
 use crate::store::{StoreResult, Tx};
 
 /// Events written since start (`berth_audit_events_total`).
@@ -44,4 +45,20 @@ fn log_line(e: &Event) {
         hash = e.hash.as_deref().unwrap_or(""),
         "audit event"
     );
+}
+
+/// The event of berth acting by itself (an automatic update, retention).
+pub fn system_draft(action: &'static str, deployment: Option<String>, result: Outcome) -> Draft {
+    Draft {
+        at: now_millis(),
+        actor: None,
+        trusted_backend: false,
+        action,
+        deployment,
+        build: None,
+        request_id: uuid::Uuid::now_v7().simple().to_string(),
+        result,
+        reason: None,
+        count: 1,
+    }
 }

@@ -313,9 +313,7 @@ impl<'t, 'a> Change<'t, 'a> {
             .tx
             .build_snapshots(failed.id)?
             .map(|s| s.snapshot.source);
-        let Some(new) =
-            super::actions::rollback_build(self.tx, d, target, Trigger::AutomaticRollback)?
-        else {
+        let Some(new) = rollback_build(self.tx, d, target, Trigger::AutomaticRollback)? else {
             // The deployed build is always retained (retention keeps it).
             return Err(StoreError::corrupt(
                 "the deployed build is not a succeeded deploy",
@@ -324,9 +322,9 @@ impl<'t, 'a> Change<'t, 'a> {
         let rollback = self.enqueue(d, new)?;
         debug_assert_eq!(rollback.rollback_of, Some(target));
         if let Some(from) = failed_source.filter(|s| *s != d.snapshot.source) {
-            super::actions::hold_back(self, d, from, rollback.id, reason.as_str())?;
+            hold_back(self, d, from, rollback.id, reason.as_str())?;
         }
-        let mut draft = super::audit::system_draft(
+        let mut draft = super::audit_events::system_draft(
             "automatic_rollback",
             Some(d.id.clone()),
             crate::audit::Outcome::Ok,
@@ -430,6 +428,67 @@ impl<'t, 'a> Change<'t, 'a> {
         d.revision += 1;
         d.updated_at = self.now.max(d.updated_at);
     }
+}
+
+/// A rollback of `d` to `target`: the target's snapshot becomes the
+/// deployment's configuration and source, and the new build's. `None` when
+/// `target` is not a retained succeeded deploy build of `d`.
+pub fn rollback_build(
+    tx: &Tx,
+    d: &mut DeploymentRecord,
+    target: BuildId,
+    trigger: Trigger,
+) -> StoreResult<Option<NewBuild>> {
+    let Some(b) = tx.build(target)? else {
+        return Ok(None);
+    };
+    if b.deployment != d.id || b.kind != BuildKind::Deploy || b.status != BuildStatus::Succeeded {
+        return Ok(None);
+    }
+    let Some(snaps) = tx.build_snapshots(target)? else {
+        return Ok(None);
+    };
+    let snapshot = snaps.snapshot;
+    let configuration: serde_json::Value = serde_json::from_str(&snapshot.configuration)
+        .map_err(|_| StoreError::damaged_snapshot(DamagedSnapshot))?;
+    d.domain = crate::derive::shape(&configuration)
+        .map_err(|_| StoreError::corrupt("a stored configuration no longer has its shape"))?
+        .domain
+        .map(str::to_string);
+    d.snapshot = snapshot.clone();
+    d.method = b.method.clone();
+    Ok(Some(NewBuild {
+        kind: BuildKind::Deploy,
+        trigger,
+        suspended: d.suspended,
+        method: b.method,
+        snapshot,
+        rollback_of: Some(target),
+    }))
+}
+
+/// Holds `from` back from automatic updates under the current policy
+/// (lifecycle.md "Rollback"): it counts as a try of that source, so the
+/// update loop does not apply it again until the default source or the
+/// policy changes.
+pub fn hold_back(
+    change: &Change,
+    d: &DeploymentRecord,
+    from: Source,
+    build: BuildId,
+    why: &str,
+) -> StoreResult<()> {
+    change.tx().put_update_try(
+        &d.id,
+        &UpdateTry {
+            at: change.now(),
+            source: from,
+            build_id: Some(build),
+            result: TryResult::RolledBack,
+            reason: Some(why.to_string()),
+            blocks: true,
+        },
+    )
 }
 
 #[cfg(test)]

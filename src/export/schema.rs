@@ -574,10 +574,15 @@ pub fn from_values(table: &RelTable, values: Vec<Value>) -> Result<Row, String> 
             .iter()
             .filter_map(|k| table.columns.iter().position(|c| c.name == *k))
             .map(|i| match &canonical[i] {
-                Value::Text(t) => t.clone(),
+                // A key part is a value of the file: shown cut, never whole.
+                Value::Text(t) => t.chars().take(MAX_KEY_CHARS_SHOWN).collect(),
                 Value::Int(n) => n.to_string(),
                 Value::Uuid(u) => crate::model::format_build_id(*u),
-                other => format!("{other:?}"),
+                Value::Null
+                | Value::Json(_)
+                | Value::Bytes(_)
+                | Value::Bool(_)
+                | Value::Time(_) => "?".to_string(),
             })
             .collect();
         return Err(format!(
@@ -589,6 +594,9 @@ pub fn from_values(table: &RelTable, values: Vec<Value>) -> Result<Row, String> 
     }
     Ok(row)
 }
+
+/// Characters of one key part an import's refusal shows at most.
+const MAX_KEY_CHARS_SHOWN: usize = 64;
 
 /// A relational row read from its canonical columns.
 fn row_of(table: &RelTable, values: Vec<Value>) -> Result<Row, String> {

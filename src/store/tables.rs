@@ -262,11 +262,6 @@ impl Table {
             .filter(|t| t.export() == ExportKind::Carried)
     }
 
-    /// The table of this name in a redb file, if berth has one.
-    pub fn named(name: &str) -> Option<Table> {
-        Table::ALL.into_iter().find(|t| t.name() == name)
-    }
-
     /// Creates the table in `txn` if the file does not have it yet, so
     /// readers never meet a missing one.
     pub fn create(self, txn: &redb::WriteTransaction) -> Result<(), redb::TableError> {
@@ -315,7 +310,6 @@ mod tests {
                     assert_eq!(from.export(), ExportKind::Carried, "{t:?} from {from:?}");
                 }
             }
-            assert_eq!(Table::named(t.name()), Some(t));
         }
     }
 }

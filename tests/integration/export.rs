@@ -842,15 +842,7 @@ async fn an_import_refuses_a_file_whose_tables_are_views() {
         )
         .unwrap();
     }
-    let target = dir.join("fresh");
-    let (code, err) = berth_cli(&[
-        "import",
-        "--data-dir",
-        target.to_str().unwrap(),
-        "--from",
-        &to,
-    ]);
-    assert_ne!(code, 0);
+    let (err, target) = import_refused(&dir, &to);
     assert!(err.contains("builds is a view"), "{err}");
     assert!(
         !target.join("berth.redb").exists(),
@@ -936,15 +928,7 @@ async fn an_export_edited_by_hand_is_refused() {
             .unwrap();
         assert_eq!(changed, 1);
     }
-    let target = dir.join("fresh");
-    let (code, err) = berth_cli(&[
-        "import",
-        "--data-dir",
-        target.to_str().unwrap(),
-        "--from",
-        &to,
-    ]);
-    assert_ne!(code, 0);
+    let (err, target) = import_refused(&dir, &to);
     assert!(
         err.contains("table audit_events")
             && err.contains("key (1)")
@@ -971,4 +955,19 @@ async fn one_deployment_exported(tag: &str) -> (PathBuf, PathBuf, String) {
     let (code, err) = berth_cli(&["export", "--data-dir", &data(&s.dir), "--to", &to]);
     assert_eq!(code, 0, "{err}");
     (dir, file, to)
+}
+
+/// An import of `from` into a new data dir under `dir` that must fail:
+/// what it said, and the data dir it was given.
+fn import_refused(dir: &Path, from: &str) -> (String, PathBuf) {
+    let target = dir.join("fresh");
+    let (code, err) = berth_cli(&[
+        "import",
+        "--data-dir",
+        target.to_str().unwrap(),
+        "--from",
+        from,
+    ]);
+    assert_ne!(code, 0, "the import went through");
+    (err, target)
 }

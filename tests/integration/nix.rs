@@ -68,6 +68,21 @@ fn nix_can_build(test: &str) -> bool {
     }
 }
 
+/// berth with the Nix deployer and `source` as its default source, offline
+/// (nothing needs a binary cache).
+fn nix_options(source: &Path) -> Options {
+    Options::default()
+        .arg("--deployer")
+        .arg("builtin:nix")
+        .arg("--default-source")
+        .arg(&format!(
+            "url={},rev=v1,digest={}",
+            source.display(),
+            digest(source)
+        ))
+        .env("NIX_CONFIG", "substituters =")
+}
+
 fn configuration(forgejo_theme: &str) -> serde_json::Value {
     json!({"domain": "alice.example.org", "applications": {
         "mastodon": {"enable": true},
@@ -84,21 +99,10 @@ async fn the_nix_deployer_evaluates_builds_and_changes_only_what_changed() {
     let dir = temp_dir("nix");
     let source = example_source();
     let activations = dir.join("activations.log");
-    let opts = Options::default()
-        .arg("--deployer")
-        .arg("builtin:nix")
-        .arg("--default-source")
-        .arg(&format!(
-            "url={},rev=v1,digest={}",
-            source.display(),
-            digest(&source)
-        ))
-        // Offline: nothing needs a binary cache.
-        .env("NIX_CONFIG", "substituters =")
-        .env(
-            "BERTH_NIX_ACTIVATE",
-            &format!("echo \"$NODE $TOPLEVEL\" >> {}", activations.display()),
-        );
+    let opts = nix_options(&source).env(
+        "BERTH_NIX_ACTIVATE",
+        &format!("echo \"$NODE $TOPLEVEL\" >> {}", activations.display()),
+    );
     let s = Server::start(opts).await;
 
     // A preview gives the nodes the Nix code computes.
@@ -373,7 +377,7 @@ async fn the_module_is_hardened_and_its_audit_units_verify_a_real_store() {
         Some(path) => libs.push(ModuleLib::Nixpkgs(PathBuf::from(path))),
         None => skip(
             &format!("{test} (nixpkgs' lib)"),
-            "NIXPKGS_LIB is not set (.ci/run sets it to ../shared/nixpkgs-lib/lib; point it at the lib/ of any nixpkgs checkout)",
+            "NIXPKGS_LIB is not set (point it at the lib/ of any nixpkgs checkout; .ci/run sets it when the workspace has one)",
         ),
     }
     for lib in &libs {
@@ -660,16 +664,7 @@ async fn node_names_are_checked_and_the_request_never_rides_a_command_line() {
 "#,
     )
     .unwrap();
-    let opts = Options::default()
-        .arg("--deployer")
-        .arg("builtin:nix")
-        .arg("--default-source")
-        .arg(&format!(
-            "url={},rev=v1,digest={}",
-            source.display(),
-            digest(&source)
-        ))
-        .env("NIX_CONFIG", "substituters =");
+    let opts = nix_options(&source);
     let s = Server::start(opts).await;
     let preview = |config: serde_json::Value| {
         let s = &s;
