@@ -97,42 +97,88 @@ pub fn rebuild(mut skeleton: Value, had_components: bool, components: Vec<Value>
 }
 
 /// The document again, as JSON text, without parsing the components: the
-/// skeleton's text with `"components":[...]` spliced in, where
-/// `write_component(i, out)` appends the stored canonical text of the i-th
-/// of `count` components. Value-equal to `rebuild` (tested), and what the
-/// read route serves: a 5 MB document costs copies, not a parse. `None`
-/// when `skeleton` is not the text of an object (as `split` makes it).
-pub fn rebuild_text<E>(
-    skeleton: &str,
+/// skeleton's text with `"components":[...]` spliced in, where the caller
+/// appends the stored canonical text of each component. The pieces joined
+/// are value-equal to `rebuild` (tested): a 5 MB document costs copies,
+/// not a parse.
+///
+/// It comes in pieces of about `piece_bytes`, one per `next_piece` (a
+/// piece ends after the component that reaches the size, so a component is
+/// never split and a piece is at most `piece_bytes` plus one component):
+/// the read route streams them and makes the next only when the reader
+/// took the last, so a reader that stops reading holds a piece, not the
+/// document (api.md "Fair shares").
+pub struct Pieces {
+    /// The skeleton's text up to its closing brace, until the first piece.
+    head: Option<String>,
     had_components: bool,
     count: usize,
-    size_hint: usize,
-    mut write_component: impl FnMut(usize, &mut Vec<u8>) -> Result<(), E>,
-) -> Result<Option<Vec<u8>>, E> {
-    let Some(body) = skeleton.trim_end().strip_suffix('}') else {
-        return Ok(None);
-    };
-    let mut out = Vec::with_capacity(skeleton.len() + size_hint + count + 16);
-    out.extend_from_slice(body.as_bytes());
-    if had_components {
-        // An object with members ends them with a value before `}`; an
-        // empty one is `{` and whitespace.
-        let empty = body.trim_end().ends_with('{');
-        out.extend_from_slice(if empty {
-            b"\"components\":["
-        } else {
-            b",\"components\":["
-        });
-        for i in 0..count {
-            if i > 0 {
-                out.push(b',');
-            }
-            write_component(i, &mut out)?;
-        }
-        out.push(b']');
+    /// The next component to write.
+    next: usize,
+    piece_bytes: usize,
+    done: bool,
+}
+
+impl Pieces {
+    /// `None` when `skeleton` is not the text of an object (as `split`
+    /// makes it).
+    pub fn new(
+        skeleton: &str,
+        had_components: bool,
+        count: usize,
+        piece_bytes: usize,
+    ) -> Option<Pieces> {
+        let body = skeleton.trim_end().strip_suffix('}')?;
+        Some(Pieces {
+            head: Some(body.to_string()),
+            had_components,
+            count,
+            next: 0,
+            piece_bytes: piece_bytes.max(1),
+            done: false,
+        })
     }
-    out.push(b'}');
-    Ok(Some(out))
+
+    /// The next piece, or `None` after the last. `write_component(i, out)`
+    /// appends the i-th component's text.
+    pub fn next_piece<E>(
+        &mut self,
+        mut write_component: impl FnMut(usize, &mut Vec<u8>) -> Result<(), E>,
+    ) -> Result<Option<Vec<u8>>, E> {
+        if self.done {
+            return Ok(None);
+        }
+        let mut out = Vec::new();
+        if let Some(body) = self.head.take() {
+            out.extend_from_slice(body.as_bytes());
+            if self.had_components {
+                // An object with members ends them with a value before
+                // `}`; an empty one is `{` and whitespace.
+                let empty = body.trim_end().ends_with('{');
+                out.extend_from_slice(if empty {
+                    b"\"components\":["
+                } else {
+                    b",\"components\":["
+                });
+            }
+        }
+        if self.had_components {
+            while self.next < self.count {
+                if self.next > 0 {
+                    out.push(b',');
+                }
+                write_component(self.next, &mut out)?;
+                self.next += 1;
+                if out.len() >= self.piece_bytes {
+                    return Ok(Some(out));
+                }
+            }
+            out.push(b']');
+        }
+        out.push(b'}');
+        self.done = true;
+        Ok(Some(out))
+    }
 }
 
 #[cfg(test)]
@@ -179,18 +225,37 @@ mod tests {
         for doc in docs {
             let s = split(doc.clone()).unwrap();
             let texts: Vec<&[u8]> = s.components.iter().map(|c| c.text.as_bytes()).collect();
+            let largest = texts.iter().map(|t| t.len()).max().unwrap_or(0);
             let skeleton = s.skeleton.to_string();
-            let text = rebuild_text(&skeleton, s.had_components, texts.len(), 0, |i, out| {
-                out.extend_from_slice(texts[i]);
-                Ok::<(), ()>(())
-            })
-            .unwrap()
-            .unwrap();
-            let parsed: Value = serde_json::from_slice(&text).unwrap();
-            assert_eq!(parsed, doc);
+            for piece_bytes in [1, 16, usize::MAX] {
+                let mut pieces: Vec<Vec<u8>> = Vec::new();
+                let mut rebuilt =
+                    Pieces::new(&skeleton, s.had_components, texts.len(), piece_bytes).unwrap();
+                while let Some(piece) = rebuilt
+                    .next_piece(|i, out| {
+                        out.extend_from_slice(texts[i]);
+                        Ok::<(), ()>(())
+                    })
+                    .unwrap()
+                {
+                    pieces.push(piece);
+                }
+                if piece_bytes < usize::MAX {
+                    // Every piece but the first (the skeleton) and the
+                    // last (the closing) holds whole components up to the
+                    // size and at most one more.
+                    for p in pieces.iter().skip(1).take(pieces.len().saturating_sub(2)) {
+                        assert!(p.len() <= piece_bytes + largest + 1, "a piece is bounded");
+                    }
+                } else {
+                    assert_eq!(pieces.len(), 1);
+                }
+                let parsed: Value = serde_json::from_slice(&pieces.concat()).unwrap();
+                assert_eq!(parsed, doc);
+            }
         }
-        let none = rebuild_text("[1]", true, 0, 0, |_, _| Ok::<(), ()>(())).unwrap();
-        assert!(none.is_none(), "not an object");
+        let none = Pieces::new("[1]", true, 0, 16).is_none();
+        assert!(none, "not an object");
     }
 
     #[test]

@@ -568,6 +568,16 @@ fn parse_submit(req: &Request, allowed: &[&str]) -> Result<SubmitInput, ApiError
     })
 }
 
+/// `n` as a whole number of at most `u32::MAX` when it is one, whether
+/// written `2` or `2.0`.
+fn integral(n: &serde_json::Number) -> Option<u64> {
+    if let Some(whole) = n.as_u64() {
+        return Some(whole);
+    }
+    let f = n.as_f64()?;
+    (f.fract() == 0.0 && (0.0..=f64::from(u32::MAX)).contains(&f)).then_some(f as u64)
+}
+
 /// An update policy (lifecycle.md "Update policies"), checked field by field.
 pub fn parse_policy(v: &Value, at: &str) -> Result<UpdatePolicy, ApiError> {
     let bad = |field: &str, code: &str, message: &str| {
@@ -603,7 +613,20 @@ pub fn parse_policy(v: &Value, at: &str) -> Result<UpdatePolicy, ApiError> {
             ));
         }
     }
-    let policy: UpdatePolicy = serde_json::from_value(v.clone())
+    // JSON has one kind of number: `2.0` is the integer 2 to JSON Schema
+    // (and to the document's `"type": "integer"`), so an integral number
+    // written with a fraction is taken as the integer.
+    let mut v = v.clone();
+    if let Value::Object(map) = &mut v {
+        for key in ["day", "duration_minutes"] {
+            if let Some(Value::Number(n)) = map.get(key) {
+                if let Some(whole) = integral(n) {
+                    map.insert(key.to_string(), Value::from(whole));
+                }
+            }
+        }
+    }
+    let policy: UpdatePolicy = serde_json::from_value(v)
         .map_err(|_| bad("", "invalid", "update_policy must be manual, automatic, or a window with frequency, start, duration_minutes and time_zone"))?;
     use crate::window::{InvalidPolicy, Window};
     match Window::from_policy(&policy) {
@@ -728,4 +751,27 @@ pub async fn delete(ctx: &Ctx, req: &Request, w: Write) -> Result<Reply, ApiErro
     let record = w.record(destroy_queued_reply);
     let queued = ctx.engine.delete(&id, callback, record).await?;
     Ok(destroy_queued_reply(&queued))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// JSON Schema's integers include `2.0`; a fraction stays refused.
+    #[test]
+    fn a_policys_whole_numbers_may_be_written_with_a_fraction() {
+        let window = |day: Value, minutes: Value| {
+            serde_json::json!({"kind": "window", "frequency": "weekly", "day": day,
+                "start": "02:00", "duration_minutes": minutes, "time_zone": "UTC"})
+        };
+        let parsed = parse_policy(&window(2.0.into(), 60.0.into()), "").unwrap();
+        assert_eq!(
+            parsed,
+            parse_policy(&window(2.into(), 60.into()), "").unwrap()
+        );
+        assert!(parse_policy(&window(2.5.into(), 60.into()), "").is_err());
+        assert!(parse_policy(&window(2.into(), 60.5.into()), "").is_err());
+        assert!(parse_policy(&window((-2.0).into(), 60.into()), "").is_err());
+        assert!(parse_policy(&window(2.into(), 1e300.into()), "").is_err());
+    }
 }

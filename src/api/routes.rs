@@ -490,7 +490,7 @@ pub async fn token(
         TokenCall::Preview => deployments::preview(ctx, req).await,
         TokenCall::ListBuilds => builds::list(ctx, req, caller),
         TokenCall::ListSboms => sboms::list(ctx, req),
-        TokenCall::ReadSbom => sboms::node(ctx, req).await,
+        TokenCall::ReadSbom => return sboms::node(ctx, req).await,
         TokenCall::ReadBuild => builds::read(ctx, req),
         TokenCall::BuildLog => return builds::log(ctx, req).await,
         TokenCall::StreamTicket => events::ticket(ctx, req, caller).await,

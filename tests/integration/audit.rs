@@ -984,3 +984,61 @@ async fn an_exclusive_store_is_verified_after_berth_stops() {
     let (code, report) = verify_json(&data);
     assert_eq!(code, 0, "{report}");
 }
+
+/// Hostile input round two, item 11: `berth audit push-head` reads at most
+/// a few KiB of the sink's answer. A sink that refuses the head and then
+/// answers without end gets its refusal reported (cut), instead of the
+/// push reading until its time limit with the answer growing in memory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn push_head_reads_a_bounded_part_of_an_endless_answer() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = Server::start(Options::default()).await;
+    some_events(&s, 2, "endless").await;
+    s.terminate();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let sink = format!("http://{}/", listener.local_addr().unwrap());
+    let sent = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let counter = sent.clone();
+    let sink_task = tokio::spawn(async move {
+        let (mut sock, _) = listener.accept().await.unwrap();
+        // The request's head is enough; then the endless answer.
+        let mut buf = [0u8; 65536];
+        let _ = sock.read(&mut buf).await;
+        let head = "HTTP/1.1 500 Refused\r\ncontent-type: text/plain\r\ntransfer-encoding: chunked\r\n\r\n";
+        if sock.write_all(head.as_bytes()).await.is_err() {
+            return;
+        }
+        let chunk = format!("{:x}\r\n{}\r\n", 65536, "x".repeat(65536));
+        // Bounded: 16 GiB, far past any time limit of the push.
+        for _ in 0..262_144 {
+            if sock.write_all(chunk.as_bytes()).await.is_err() {
+                return;
+            }
+            counter.fetch_add(65536, std::sync::atomic::Ordering::Relaxed);
+        }
+    });
+    let data = s.dir.join("data");
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(env!("CARGO_BIN_EXE_berth"))
+            .args(["audit", "push-head", "--sink", &sink, "--data-dir"])
+            .arg(&data)
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("refused the head (HTTP 500)"), "{stderr}");
+    assert!(
+        stderr.len() < 16 * 1024,
+        "the refusal is cut: {} bytes",
+        stderr.len()
+    );
+    let _ = sink_task.await;
+    let sent_mib = sent.load(std::sync::atomic::Ordering::Relaxed) >> 20;
+    assert!(
+        sent_mib < 64,
+        "push-head kept reading: {sent_mib} MiB of the answer sent"
+    );
+}

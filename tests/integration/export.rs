@@ -942,6 +942,59 @@ async fn an_export_edited_by_hand_is_refused() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Hostile input round two, item 11: an imported idempotency record's
+/// stored headers are replayed to callers, so an import refuses any header
+/// berth itself never sends (a file cannot make berth set a cookie).
+#[tokio::test]
+async fn an_import_refuses_stored_headers_berth_never_sends() {
+    let dir = temp_dir("headers");
+    let mut s = Server::start(Options::default()).await;
+    let (status, body) = read(
+        s.post(
+            "/v1/deployments/h1/submit",
+            &json!({"configuration": mastodon("h1.org")}),
+        )
+        .header("Idempotency-Key", "headers-key-0001")
+        .send()
+        .await
+        .unwrap(),
+    )
+    .await;
+    assert_eq!(status, 202, "{body}");
+    s.wait_build(body["build_id"].as_str().unwrap(), "final")
+        .await;
+    s.terminate();
+    let file = dir.join("export.sqlite");
+    let to = format!("sqlite:{}", file.display());
+    let (code, err) = berth_cli(&["export", "--data-dir", &data(&s.dir), "--to", &to]);
+    assert_eq!(code, 0, "{err}");
+    {
+        let conn = rusqlite::Connection::open(&file).unwrap();
+        let headers: String = conn
+            .query_row("SELECT headers FROM idempotency", [], |r| r.get(0))
+            .unwrap();
+        let stored: Value = serde_json::from_str(&headers).unwrap();
+        assert!(stored.is_array(), "{headers}");
+        let changed = conn
+            .execute(
+                "UPDATE idempotency SET headers = '[[\"Set-Cookie\",\"session=stolen\"]]'",
+                [],
+            )
+            .unwrap();
+        assert_eq!(changed, 1);
+    }
+    let (err, target) = import_refused(&dir, &to);
+    assert!(
+        err.contains("table idempotency") && err.contains("column headers"),
+        "{err}"
+    );
+    assert!(
+        !target.join("berth.redb").exists(),
+        "a refused import made a store"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// A stopped server's store with one deployment, exported to a SQLite file
 /// in a temp dir: (that dir, the file, its `sqlite:` endpoint).
 async fn one_deployment_exported(tag: &str) -> (PathBuf, PathBuf, String) {

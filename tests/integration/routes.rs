@@ -25,7 +25,29 @@ async fn openapi_lists_exactly_the_routes_and_each_answers() {
         .map(|r| (r.method.to_string(), r.template.to_string()))
         .collect();
     served.sort();
-    assert_eq!(documented, served);
+    // The document spells out an instance of a template where it takes
+    // a body of its own (`.../actions/rollback` of `.../actions/{name}`):
+    // such a path is the served row whose template it matches.
+    let mut covered: Vec<(String, String)> = documented
+        .iter()
+        .map(|(method, path)| {
+            if served.contains(&(method.clone(), path.clone())) {
+                return (method.clone(), path.clone());
+            }
+            let segments = berth::api::routes::path_segments(path);
+            let row = berth::api::ROUTES
+                .iter()
+                .find(|r| {
+                    r.method == method
+                        && berth::api::routes::match_template(r.template, &segments).is_some()
+                })
+                .unwrap_or_else(|| panic!("{method} {path} is documented but not served"));
+            (method.clone(), row.template.to_string())
+        })
+        .collect();
+    covered.sort();
+    covered.dedup();
+    assert_eq!(covered, served);
     // Each documented route answers (not 404-for-the-route, not 405).
     for (method, path) in documented {
         let concrete = path

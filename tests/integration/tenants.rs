@@ -313,6 +313,77 @@ async fn stalled_range_readers_do_not_pin_the_log() {
     drop(stalled);
 }
 
+/// Item 9, the SBOM document: eight stalled readers of a 32 MiB document
+/// keep berth under 50 MiB above what it held before them (each held the
+/// whole rebuilt document before).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_sbom_readers_do_not_pin_the_document() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let dir = temp_dir("stalled-sbom");
+    // 32,768 distinct components of about 1 KiB each.
+    let filler = "x".repeat(1000);
+    let components: Vec<Value> = (0..32_768)
+        .map(|i| json!({"type": "library", "name": format!("c{i}"), "description": filler}))
+        .collect();
+    let doc = json!({"bomFormat": "CycloneDX", "specVersion": "1.5", "components": components});
+    let sbom = dir.join("big.cdx.json");
+    std::fs::write(&sbom, doc.to_string()).unwrap();
+    assert!(std::fs::metadata(&sbom).unwrap().len() > 32 * 1024 * 1024);
+    let body = format!(
+        "{SCRIPT_PRELUDE}\ncp {sbom} \"$BERTH_SCRATCH_DIR/web.cdx.json\"\nprintf '%s' '{{\"nodes\":[{{\"name\":\"web\",\"changed\":true,\"sbom\":{{\"status\":\"ready\",\"path\":\"web.cdx.json\"}}}}]}}' > \"$BERTH_RESULT\"\n",
+        sbom = sbom.display()
+    );
+    let deployer = script(&dir, "big-sbom.sh", &body);
+    let mut s = Server::start(Options::default().deployer(&deployer)).await;
+    let b = s.submit_ok("big", json!({})).await;
+    let end = s.wait_build(&b, "final").await;
+    assert_eq!(end["status"], "succeeded", "{end}\n{}", s.log());
+    let (_, list) = s.json("/v1/deployments/big/sboms").await;
+    assert_eq!(list["nodes"][0]["status"], "ready", "{list}");
+    // A fresh process, so what the store took to keep the document is not
+    // counted and not there for the readers to reuse.
+    s.kill();
+    s.launch().await;
+    let before = s.rss_kib();
+    let address = s.base.trim_start_matches("http://").to_string();
+    let mut stalled = Vec::new();
+    for _ in 0..8 {
+        let mut sock = tokio::net::TcpStream::connect(&address).await.unwrap();
+        let request = format!(
+            "GET /v1/deployments/big/sboms/web HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {}\r\n\r\n",
+            s.token
+        );
+        sock.write_all(request.as_bytes()).await.unwrap();
+        let mut head = [0u8; 512];
+        let n = sock.read(&mut head).await.unwrap();
+        assert!(
+            String::from_utf8_lossy(&head[..n]).starts_with("HTTP/1.1 200"),
+            "{}",
+            String::from_utf8_lossy(&head[..n])
+        );
+        stalled.push(sock);
+    }
+    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    let after = s.rss_kib();
+    let grown_mib = after.saturating_sub(before) / 1024;
+    println!("RSS with 8 stalled readers of a 32 MiB SBOM: {before} KiB before, {after} KiB after (+{grown_mib} MiB)");
+    assert!(
+        grown_mib < 50,
+        "8 stalled SBOM readers grew berth by {grown_mib} MiB"
+    );
+    // A reader that reads gets the whole document, value-equal.
+    let whole: Value = s
+        .get("/v1/deployments/big/sboms/web")
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(whole, doc);
+    drop(stalled);
+}
+
 /// Item 11: a known actor's denials are each an audit event (audit.md
 /// keeps them), and `/metrics` counts them per principal, so an operator
 /// sees one tenant doing it.
