@@ -21,10 +21,22 @@
 //!   node is `changed` when its toplevel store path differs from the last
 //!   deploy's (kept in the work dir); changed nodes are activated and their
 //!   SBOM built (a failed SBOM never fails the deploy).
-//! - Activation: `BERTH_NIX_ACTIVATE` (a shell command; `NODE`, `TOPLEVEL`,
-//!   `TARGET` in its environment) when set, else for a node with a `target`
-//!   `nix-copy-closure --to TARGET` and `ssh TARGET TOPLEVEL/bin/
-//!   switch-to-configuration switch`, else nothing (built only, logged).
+//! - Activation, modelled on deploy-rs's "magic rollback": a node with a
+//!   `target` (an SSH destination) is copied with `nix-copy-closure --to`
+//!   and activated with `ssh -- TARGET ...`: the target first arms a revert
+//!   to its previous system (a detached process on the target that fires
+//!   after `BERTH_NIX_CONFIRM_TIMEOUT`, default 300 s, unless `confirm`
+//!   disarms it), then runs `switch-to-configuration test`. A node without
+//!   a target is built only. `BERTH_NIX_ACTIVATE` (a shell command; `NODE`,
+//!   `TOPLEVEL`, `TARGET` in its environment) replaces all of that: no
+//!   revert, and its nodes' checks answer healthy.
+//! - `check`: on each changed node, `systemctl is-system-running` (anything
+//!   but `running` is unhealthy, the failed units named) and the source's
+//!   own `check` (a derivation whose output is an executable) when given.
+//! - `confirm`: disarm, the system profile (`BERTH_NIX_PROFILE`), and
+//!   `switch-to-configuration boot`; the toplevel joins the last
+//!   `BERTH_NIX_KEEP` (default 5) confirmed ones, each with a GC root in the
+//!   work dir, so a rollback to one of them builds nothing.
 //! - Remote builds: `BERTH_NIX_BUILDERS` is passed to Nix as its
 //!   `builders` option (Nix's own remote builders; berth invents none).
 //! - Cancel and timeouts: berth signals the whole process group, Nix
@@ -62,6 +74,8 @@ pub fn run(verb: &str) -> i32 {
             "describe" => describe(request),
             "eval" => eval(request),
             "deploy" => deploy(request),
+            "check" => check(request),
+            "confirm" => confirm(request),
             "destroy" => destroy(request),
             _ => return None,
         };
@@ -285,10 +299,24 @@ fn bounded_output(
 fn describe(request: &Value) -> Outcome {
     let dir = source_dir(request)?;
     // A source that cannot describe itself is broken, not a verdict.
-    nix_eval(&dir, &json!({}), "source.describe", false).map_err(|e| match e {
-        Failure::Refused(m) => Failure::Broken(format!("describe: {m}")),
-        other => other,
-    })
+    let mut described =
+        nix_eval(&dir, &json!({}), "source.describe", false).map_err(|e| match e {
+            Failure::Refused(m) => Failure::Broken(format!("describe: {m}")),
+            other => other,
+        })?;
+    // This deployer checks and confirms every node itself (deployer.md),
+    // whatever the source says.
+    match described.as_object_mut() {
+        Some(map) => {
+            map.insert("verbs".into(), json!(["check", "confirm"]));
+        }
+        None => {
+            return Err(Failure::Broken(
+                "describe: the source's describe is not an attribute set".into(),
+            ))
+        }
+    }
+    Ok(described)
 }
 
 fn eval(request: &Value) -> Outcome {
@@ -296,12 +324,14 @@ fn eval(request: &Value) -> Outcome {
     let nodes = nix_eval(
         &dir,
         request,
-        "builtins.mapAttrs (name: node: { names = node.names or [ ]; }) source.nodes",
+        "builtins.mapAttrs (name: node: { names = node.names or [ ]; fingerprint = if node ? toplevel then node.toplevel.drvPath else null; }) source.nodes",
         false,
     )?;
+    // The fingerprint is the toplevel's derivation path: it changes exactly
+    // when what the node would run does (lifecycle.md, preview `changes`).
     let list = node_list(&nodes)?
         .into_iter()
-        .map(|(name, node)| json!({"name": name, "names": node["names"]}))
+        .map(|(name, node)| json!({"name": name, "names": node["names"], "fingerprint": node["fingerprint"]}))
         .collect::<Vec<_>>();
     Ok(json!({ "nodes": list }))
 }
@@ -360,83 +390,339 @@ fn realise(drvs: &[String]) -> Result<Vec<String>, String> {
     Ok(paths)
 }
 
-/// Registers a node's toplevel as a garbage-collector root in the work dir
-/// (`gcroots/<node>`), so a `nix-collect-garbage` on this host does not
-/// remove what is deployed; the next deploy of the node replaces it, a
-/// destroy removes the work dir and with it the root. A failure is logged:
-/// the deploy stands.
-fn keep(work: &Path, node: &str, toplevel: &str) {
-    let roots = work.join("gcroots");
-    let added = std::fs::create_dir_all(&roots)
-        .map_err(|e| e.to_string())
-        .and_then(|_| {
-            Command::new("nix-store")
-                .arg("--add-root")
-                .arg(roots.join(node))
-                .args(["--indirect", "--realise", toplevel])
-                .stdout(Stdio::null())
-                .status()
-                .map_err(|e| e.to_string())
-        });
-    match added {
-        Ok(s) if s.success() => {}
-        Ok(s) => println!("{node}: could not register a GC root ({s})"),
-        Err(e) => println!("{node}: could not register a GC root ({e})"),
+/// What the deployer remembers of a node between calls (the work dir's
+/// `nix-state.json`), written only after a deploy or confirm succeeded.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+struct NodeState {
+    /// The toplevel the last successful deploy activated.
+    toplevel: String,
+    /// Where it was activated (an SSH destination), if anywhere.
+    #[serde(default)]
+    target: Option<String>,
+    /// The source's own health check for it (a store path), if any.
+    #[serde(default)]
+    check: Option<String>,
+    /// Whether `confirm` made it permanent. A node not confirmed counts as
+    /// changed on the next deploy (its revert may have fired).
+    #[serde(default)]
+    confirmed: bool,
+    /// The confirmed toplevels, newest first, at most `BERTH_NIX_KEEP`:
+    /// each has a GC root, so a rollback to one builds nothing.
+    #[serde(default)]
+    kept: Vec<String>,
+}
+
+type State = std::collections::BTreeMap<String, NodeState>;
+
+/// The deploy state; none before the first deploy. A state file that does
+/// not parse is an error, never an empty state (that would re-activate
+/// every node and forget what is kept).
+fn read_state(work: &Path) -> Result<State, Failure> {
+    let bytes = match std::fs::read(work.join(STATE_FILE)) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(State::new()),
+        Err(e) => {
+            return Err(Failure::Broken(format!(
+                "cannot read the deploy state: {e}"
+            )))
+        }
+    };
+    let broken = || {
+        Failure::Broken(format!("the deploy state {STATE_FILE} in the work dir is damaged; remove it to redeploy every node"))
+    };
+    let map: serde_json::Map<String, Value> =
+        serde_json::from_slice(&bytes).map_err(|_| broken())?;
+    let mut state = State::new();
+    for (node, value) in map {
+        let node_state = match value {
+            // The first layout: the toplevel alone, activated for good.
+            Value::String(toplevel) => NodeState {
+                kept: vec![toplevel.clone()],
+                toplevel,
+                confirmed: true,
+                ..NodeState::default()
+            },
+            other => serde_json::from_value(other).map_err(|_| broken())?,
+        };
+        state.insert(node, node_state);
+    }
+    Ok(state)
+}
+
+fn write_state(work: &Path, state: &State) -> Result<(), Failure> {
+    let text = serde_json::to_vec(state)
+        .map_err(|e| Failure::Broken(format!("cannot write the deploy state: {e}")))?;
+    crate::deployer_side::write_atomically(&work.join(STATE_FILE), &text)
+        .map_err(|e| Failure::Broken(format!("cannot write the deploy state: {e}")))
+}
+
+/// Confirmed toplevels kept per node by default (`BERTH_NIX_KEEP`).
+const DEFAULT_KEEP: u32 = 5;
+/// At most this many (each pins a whole system closure on disk).
+const MAX_KEEP: u32 = 100;
+/// Seconds after an activation before the target goes back by itself
+/// unless confirmed (`BERTH_NIX_CONFIRM_TIMEOUT`): above berth's default
+/// `--health-timeout` (120 s) with room for the checks' interval.
+const DEFAULT_CONFIRM_TIMEOUT_SECS: u64 = 300;
+/// At most a day: a revert armed for longer protects nothing.
+const MAX_CONFIRM_TIMEOUT_SECS: u64 = 86_400;
+/// The target's system profile `confirm` sets (`BERTH_NIX_PROFILE`).
+const DEFAULT_PROFILE: &str = "/nix/var/nix/profiles/system";
+/// Where on a target the deployer keeps its arm (`BERTH_NIX_TARGET_DIR`;
+/// relative paths are below the SSH login's home).
+const DEFAULT_TARGET_DIR: &str = ".cache/berth-nix";
+
+/// A whole-number knob from the environment, or its default; a value that
+/// is not a number in `1..=max` is an error naming the variable.
+fn knob(name: &str, default: u64, max: u64) -> Result<u64, Failure> {
+    match std::env::var(name) {
+        Err(std::env::VarError::NotPresent) => Ok(default),
+        Ok(text) => match text.trim().parse::<u64>() {
+            Ok(n) if (1..=max).contains(&n) => Ok(n),
+            _ => Err(Failure::Broken(format!(
+                "{name} must be a whole number from 1 to {max}"
+            ))),
+        },
+        Err(std::env::VarError::NotUnicode(_)) => Err(Failure::Broken(format!(
+            "{name} must be a whole number from 1 to {max}"
+        ))),
     }
 }
 
-fn read_state(work: &Path) -> serde_json::Map<String, Value> {
-    std::fs::read(work.join(STATE_FILE))
+fn text_knob(name: &str, default: &str) -> String {
+    std::env::var(name)
         .ok()
-        .and_then(|b| serde_json::from_slice::<Value>(&b).ok())
-        .and_then(|v| v.as_object().cloned())
-        .unwrap_or_default()
+        .filter(|v| !v.is_empty())
+        .unwrap_or_else(|| default.to_string())
 }
 
-fn write_state(work: &Path, state: &serde_json::Map<String, Value>) -> Result<(), String> {
-    crate::deployer_side::write_atomically(
-        &work.join(STATE_FILE),
-        Value::Object(state.clone()).to_string().as_bytes(),
+/// Keeps GC roots (in the work dir's `gcroots/<node>/`, one per store
+/// path) for exactly `paths`, so a `nix-collect-garbage` on this host
+/// removes none of them and a rollback to one builds nothing; removes the
+/// node's other roots. A failure is logged: the deploy stands.
+fn keep_roots(work: &Path, node: &str, paths: &[&str]) {
+    let dir = work.join("gcroots").join(node);
+    // The first layout had one symlink `gcroots/<node>`.
+    if std::fs::symlink_metadata(&dir).is_ok_and(|m| m.file_type().is_symlink()) {
+        let _ = std::fs::remove_file(&dir);
+    }
+    if let Err(e) = std::fs::create_dir_all(&dir) {
+        println!("{node}: could not make its GC root directory ({e})");
+        return;
+    }
+    let name_of = |path: &str| path.rsplit('/').next().unwrap_or("").to_string();
+    let wanted: Vec<String> = paths.iter().map(|p| name_of(p)).collect();
+    if let Ok(entries) = std::fs::read_dir(&dir) {
+        for entry in entries.flatten() {
+            if !wanted
+                .iter()
+                .any(|w| entry.file_name().to_string_lossy() == *w)
+            {
+                let _ = std::fs::remove_file(entry.path());
+            }
+        }
+    }
+    for (path, name) in paths.iter().zip(&wanted) {
+        let root = dir.join(name);
+        if std::fs::symlink_metadata(&root).is_ok() {
+            continue;
+        }
+        let added = Command::new("nix-store")
+            .arg("--add-root")
+            .arg(&root)
+            .args(["--indirect", "--realise", path])
+            .stdout(Stdio::null())
+            .status();
+        match added {
+            Ok(s) if s.success() => {}
+            Ok(s) => println!("{node}: could not register a GC root ({s})"),
+            Err(e) => println!("{node}: could not register a GC root ({e})"),
+        }
+    }
+}
+
+/// `text` as one word of a POSIX shell command line.
+fn shell_quote(text: &str) -> String {
+    format!("'{}'", text.replace('\'', r"'\''"))
+}
+
+/// An SSH destination as the source gives it: `[user@]host[:port]`-like
+/// text that ssh and nix-copy-closure can only read as a host (nothing
+/// that starts with `-`, no spaces or shell characters).
+fn valid_target(target: &str) -> bool {
+    !target.is_empty()
+        && target.len() <= 255
+        && !target.starts_with('-')
+        && target
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._-@:[]".contains(&b))
+}
+
+/// `ssh [NIX_SSHOPTS] -- TARGET sh -c SCRIPT berth ARGS...`: the script
+/// and its arguments quoted for the login's shell. `NIX_SSHOPTS` is Nix's
+/// own variable for its SSH options, so one setting serves the copy and
+/// the activation.
+fn ssh(target: &str, script: &str, args: &[&str]) -> Command {
+    let mut remote = format!("sh -c {} berth", shell_quote(script));
+    for arg in args {
+        remote.push(' ');
+        remote.push_str(&shell_quote(arg));
+    }
+    let mut cmd = Command::new("ssh");
+    if let Ok(options) = std::env::var("NIX_SSHOPTS") {
+        cmd.args(options.split_whitespace());
+    }
+    // `--`: a target is a host, never an option of ssh's.
+    cmd.arg("--").arg(target).arg(remote);
+    cmd.stdin(Stdio::null());
+    cmd
+}
+
+/// On the target: arm the revert, then `switch-to-configuration test`.
+/// Arguments: the node's dir, the deploy's token (its build id), the
+/// previous toplevel (empty: the running system, if any), the new
+/// toplevel, the timeout in seconds. The revert is a detached process on
+/// the target itself, so it fires even when berth never reaches the node
+/// again; it fires only while the arm holds this deploy's token.
+const ARM_AND_TEST: &str = r#"set -u
+d="$1"; token="$2"; previous="$3"; toplevel="$4"; timeout="$5"
+mkdir -p "$d" || exit 1
+if [ -z "$previous" ] && [ -e /run/current-system ]; then previous="$(readlink -f /run/current-system)"; fi
+rm -f "$d/reverted"
+printf '%s\n' "$token" > "$d/armed" || exit 1
+if [ -n "$previous" ]; then
+  detach=; command -v setsid >/dev/null 2>&1 && detach=setsid
+  nohup $detach sh -c 'sleep "$1"
+    if [ "$(cat "$2/armed" 2>/dev/null)" = "$3" ]; then
+      rm -f "$2/armed"; printf "%s\n" "$3" > "$2/reverted"
+      "$4/bin/switch-to-configuration" test
+    fi' revert "$timeout" "$d" "$token" "$previous" </dev/null >>"$d/revert.log" 2>&1 &
+  echo "armed: back to the previous system after ${timeout}s unless confirmed"
+else
+  echo "no previous system on this node: nothing to go back to"
+fi
+if ! "$toplevel/bin/switch-to-configuration" test; then
+  echo "switch-to-configuration test failed" >&2
+  if [ -n "$previous" ]; then
+    rm -f "$d/armed"; echo "going back to the previous system"
+    "$previous/bin/switch-to-configuration" test
+  fi
+  exit 1
+fi"#;
+
+/// On the target: the node's health, one last line `healthy` or
+/// `unhealthy: <reason>`. Arguments: the node's dir, the token, the
+/// source's check (a store path, or empty).
+const CHECK: &str = r#"d="$1"; token="$2"; check="$3"
+if [ "$(cat "$d/reverted" 2>/dev/null)" = "$token" ]; then
+  echo "unhealthy: the node went back to its previous system (no confirm in time)"; exit 0
+fi
+state="$(systemctl is-system-running 2>/dev/null)"
+case "$state" in
+  running) ;;
+  *) failed="$(systemctl --failed --no-legend --plain 2>/dev/null | awk '{print $1}' | head -n 5 | tr '\n' ' ')"
+     echo "unhealthy: the system is ${state:-unknown}${failed:+; failed units: $failed}"; exit 0 ;;
+esac
+if [ -n "$check" ]; then
+  if ! out="$("$check" 2>&1)"; then
+    echo "unhealthy: the source's check failed: $(printf '%s\n' "$out" | tail -n 1)"; exit 0
+  fi
+fi
+echo healthy"#;
+
+/// On the target: disarm (only this deploy's arm), then the system
+/// profile and the boot entry. Arguments: the node's dir, the token, the
+/// toplevel, the profile.
+const CONFIRM: &str = r#"d="$1"; token="$2"; toplevel="$3"; profile="$4"
+if [ "$(cat "$d/armed" 2>/dev/null)" != "$token" ]; then
+  echo "this deploy's revert is not armed on the node any more: it fired, or another deploy armed it" >&2; exit 1
+fi
+rm -f "$d/armed"
+nix-env -p "$profile" --set "$toplevel" || exit 1
+"$toplevel/bin/switch-to-configuration" boot || exit 1
+echo "confirmed: the new system is the boot entry""#;
+
+/// The node's directory on its target.
+fn target_dir(deployment: &str, node: &str) -> String {
+    format!(
+        "{}/{deployment}.{node}",
+        text_knob("BERTH_NIX_TARGET_DIR", DEFAULT_TARGET_DIR)
     )
-    .map_err(|e| format!("cannot write the deploy state: {e}"))
 }
 
-fn activate(node: &str, toplevel: &str, target: Option<&str>) -> Result<(), String> {
-    let status = if let Ok(command) = std::env::var("BERTH_NIX_ACTIVATE") {
+/// Activates a changed node: a configured command, or over SSH with an
+/// armed revert (deployer.md "The built-in Nix deployer"), or nothing for
+/// a node without a target (built only).
+fn activate(
+    request: &Value,
+    node: &str,
+    toplevel: &str,
+    check: Option<&str>,
+    target: Option<&str>,
+    previous: Option<&str>,
+) -> Result<(), String> {
+    if let Ok(command) = std::env::var("BERTH_NIX_ACTIVATE") {
         println!("activating {node} with the configured command");
-        Command::new("/bin/sh")
+        let status = Command::new("/bin/sh")
             .args(["-c", &command])
             .env("NODE", node)
             .env("TOPLEVEL", toplevel)
             .env("TARGET", target.unwrap_or(""))
             .status()
-    } else if let Some(target) = target {
-        println!("copying {node} to {target}");
-        let copied = Command::new("nix-copy-closure")
-            .args(["--to", target, toplevel])
-            .status()
-            .map_err(|e| format!("cannot run nix-copy-closure: {e}"))?;
-        if !copied.success() {
-            return Err(format!("copying {node} to its target failed ({copied})"));
-        }
-        println!("activating {node} on {target}");
-        // `--`: a target is a host, never an option of ssh's.
-        Command::new("ssh")
-            .args([
-                "--",
-                target,
-                &format!("{toplevel}/bin/switch-to-configuration"),
-                "switch",
-            ])
-            .status()
-    } else {
+            .map_err(|e| format!("activating {node}: {e}"))?;
+        return if status.success() {
+            Ok(())
+        } else {
+            Err(format!("activating {node} failed ({status})"))
+        };
+    }
+    let Some(target) = target else {
         println!("{node}: built; no target and no activation command, so nothing to activate");
         return Ok(());
     };
-    match status {
-        Ok(s) if s.success() => Ok(()),
-        Ok(s) => Err(format!("activating {node} failed ({s})")),
-        Err(e) => Err(format!("activating {node}: {e}")),
+    let timeout = knob(
+        "BERTH_NIX_CONFIRM_TIMEOUT",
+        DEFAULT_CONFIRM_TIMEOUT_SECS,
+        MAX_CONFIRM_TIMEOUT_SECS,
+    )
+    .map_err(|e| match e {
+        Failure::Refused(m) | Failure::Broken(m) => m,
+    })?;
+    println!("copying {node} to {target}");
+    let mut copy = Command::new("nix-copy-closure");
+    copy.args(["--to", target, toplevel]);
+    if let Some(check) = check {
+        copy.arg(check);
+    }
+    let copied = copy
+        .stdin(Stdio::null())
+        .status()
+        .map_err(|e| format!("cannot run nix-copy-closure: {e}"))?;
+    if !copied.success() {
+        return Err(format!("copying {node} to its target failed ({copied})"));
+    }
+    println!(
+        "activating {node} on {target} (switch-to-configuration test; the revert is armed first)"
+    );
+    let token = request["build"].as_str().unwrap_or("");
+    let deployment = request["deployment"].as_str().unwrap_or("");
+    let status = ssh(
+        target,
+        ARM_AND_TEST,
+        &[
+            &target_dir(deployment, node),
+            token,
+            previous.unwrap_or(""),
+            toplevel,
+            &timeout.to_string(),
+        ],
+    )
+    .status()
+    .map_err(|e| format!("cannot run ssh: {e}"))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("activating {node} on its target failed ({status})"))
     }
 }
 
@@ -444,6 +730,11 @@ fn deploy(request: &Value) -> Outcome {
     let work = dir_from_env("BERTH_WORK_DIR")?;
     let scratch = dir_from_env("BERTH_SCRATCH_DIR")?;
     let dir = source_dir(request)?;
+    let keep = knob(
+        "BERTH_NIX_KEEP",
+        u64::from(DEFAULT_KEEP),
+        u64::from(MAX_KEEP),
+    )?;
     println!("evaluating the source");
     // One evaluation gives every node's derivations.
     let nodes = nix_eval(
@@ -452,6 +743,7 @@ fn deploy(request: &Value) -> Outcome {
         "builtins.mapAttrs (name: node: {\n\
            toplevel = node.toplevel.drvPath;\n\
            sbom = if node ? sbom then node.sbom.drvPath else null;\n\
+           check = if node ? check then node.check.drvPath else null;\n\
            target = node.target or null;\n\
          }) source.nodes",
         true,
@@ -461,33 +753,219 @@ fn deploy(request: &Value) -> Outcome {
         other => other,
     })?;
     let nodes = node_list(&nodes)?;
-    let drvs: Vec<String> = nodes
+    for (name, node) in &nodes {
+        if let Some(target) = node["target"].as_str() {
+            if !valid_target(target) {
+                return Err(Failure::Broken(format!(
+                    "node {name}'s target is not an SSH destination (letters, digits, . _ - @ : [ ], not starting with -)"
+                )));
+            }
+        }
+    }
+    // Toplevels first, then the checks, in one build.
+    let mut drvs: Vec<String> = nodes
         .iter()
         .map(|(_, n)| n["toplevel"].as_str().unwrap_or("").to_string())
         .collect();
-    println!("building {} node(s)", drvs.len());
-    let toplevels = realise(&drvs).map_err(Failure::Broken)?;
-    let state = read_state(&work);
-    let mut next = serde_json::Map::new();
+    let checks: Vec<(usize, String)> = nodes
+        .iter()
+        .enumerate()
+        .filter_map(|(i, (_, n))| n["check"].as_str().map(|c| (i, c.to_string())))
+        .collect();
+    drvs.extend(checks.iter().map(|(_, c)| c.clone()));
+    println!("building {} node(s)", nodes.len());
+    let built = realise(&drvs).map_err(Failure::Broken)?;
+    let (toplevels, check_paths) = built.split_at(nodes.len());
+    let check_of = |i: usize| {
+        checks
+            .iter()
+            .position(|(at, _)| *at == i)
+            .and_then(|k| check_paths.get(k).cloned())
+    };
+    let state = read_state(&work)?;
+    let mut next = State::new();
     let mut results = Vec::new();
     let mut changed_nodes = Vec::new();
-    for ((name, node), toplevel) in nodes.iter().zip(&toplevels) {
-        let changed = state.get(name).and_then(Value::as_str) != Some(toplevel.as_str());
-        next.insert(name.clone(), Value::String(toplevel.clone()));
-        keep(&work, name, toplevel);
+    for (i, ((name, node), toplevel)) in nodes.iter().zip(toplevels).enumerate() {
+        let fingerprint = node["toplevel"].clone();
+        let before = state.get(name);
+        let changed = before.is_none_or(|b| b.toplevel != *toplevel || !b.confirmed);
+        let kept = before.map(|b| b.kept.clone()).unwrap_or_default();
+        let check = check_of(i);
+        let target = node["target"].as_str();
+        let mut roots: Vec<&str> = kept.iter().map(String::as_str).collect();
+        roots.push(toplevel);
+        keep_roots(&work, name, &roots);
         if changed {
-            activate(name, toplevel, node["target"].as_str()).map_err(Failure::Broken)?;
-            changed_nodes.push((name.as_str(), node));
+            // The revert goes to the newest confirmed system other than
+            // this one (a rollback's own toplevel is among the kept).
+            let previous = kept.iter().map(String::as_str).find(|p| *p != toplevel);
+            activate(request, name, toplevel, check.as_deref(), target, previous)
+                .map_err(Failure::Broken)?;
+            changed_nodes.push((name.as_str(), node, fingerprint));
         } else {
             println!("{name}: unchanged");
-            results.push(json!({"name": name, "changed": false}));
+            results.push(json!({"name": name, "changed": false, "fingerprint": fingerprint}));
         }
+        next.insert(
+            name.clone(),
+            NodeState {
+                toplevel: toplevel.clone(),
+                target: target.map(str::to_string),
+                check,
+                confirmed: !changed,
+                kept: kept.into_iter().take(keep as usize).collect(),
+            },
+        );
     }
-    for (name, report) in sboms(&changed_nodes, &scratch) {
-        results.push(json!({"name": name, "changed": true, "sbom": report}));
+    let sbom_nodes: Vec<(&str, &Value)> = changed_nodes.iter().map(|(n, v, _)| (*n, *v)).collect();
+    for ((name, report), (_, _, fingerprint)) in
+        sboms(&sbom_nodes, &scratch).into_iter().zip(&changed_nodes)
+    {
+        results.push(
+            json!({"name": name, "changed": true, "sbom": report, "fingerprint": fingerprint}),
+        );
     }
-    write_state(&work, &next).map_err(Failure::Broken)?;
+    write_state(&work, &next)?;
     Ok(json!({ "nodes": results }))
+}
+
+/// The nodes a `check` or `confirm` request names, with their state.
+fn requested_nodes<'a>(
+    request: &Value,
+    state: &'a State,
+) -> Result<Vec<(String, &'a NodeState)>, Failure> {
+    let names = request["nodes"]
+        .as_array()
+        .ok_or_else(|| Failure::Broken("the request has no list of nodes".into()))?;
+    names
+        .iter()
+        .map(|n| {
+            let name = n.as_str().unwrap_or("");
+            state
+                .get(name)
+                .map(|s| (name.to_string(), s))
+                .ok_or_else(|| {
+                    Failure::Broken("the request names a node the last deploy did not give".into())
+                })
+        })
+        .collect()
+}
+
+/// `check`: each changed node's health, asked on its target.
+fn check(request: &Value) -> Outcome {
+    let work = dir_from_env("BERTH_WORK_DIR")?;
+    let state = read_state(&work)?;
+    let token = request["build"].as_str().unwrap_or("");
+    let deployment = request["deployment"].as_str().unwrap_or("");
+    let mut answers = Vec::new();
+    for (name, node) in requested_nodes(request, &state)? {
+        let Some(target) = node
+            .target
+            .as_deref()
+            .filter(|_| std::env::var_os("BERTH_NIX_ACTIVATE").is_none())
+        else {
+            // Built only, or activated by the configured command: nothing
+            // here to ask.
+            answers.push(json!({"name": name, "healthy": true}));
+            continue;
+        };
+        let asked = ssh(
+            target,
+            CHECK,
+            &[
+                &target_dir(deployment, &name),
+                token,
+                node.check.as_deref().unwrap_or(""),
+            ],
+        )
+        .stderr(Stdio::inherit())
+        .output();
+        let verdict = match asked {
+            Err(e) => Err(format!("cannot run ssh: {e}")),
+            Ok(out) => {
+                let text = String::from_utf8_lossy(&out.stdout).to_string();
+                for line in text.lines() {
+                    println!("{name}: {line}");
+                }
+                match text.lines().last().map(str::trim) {
+                    Some("healthy") if out.status.success() => Ok(()),
+                    Some(line) if line.starts_with("unhealthy: ") => {
+                        Err(line.trim_start_matches("unhealthy: ").to_string())
+                    }
+                    _ => Err(format!("the node did not answer over SSH ({})", out.status)),
+                }
+            }
+        };
+        answers.push(match verdict {
+            Ok(()) => json!({"name": name, "healthy": true}),
+            Err(reason) => json!({"name": name, "healthy": false, "reason": reason}),
+        });
+    }
+    Ok(json!({ "nodes": answers }))
+}
+
+/// `confirm`: disarm each changed node's revert and make its toplevel the
+/// boot entry; then it is kept (GC root) among the last `BERTH_NIX_KEEP`.
+fn confirm(request: &Value) -> Outcome {
+    let work = dir_from_env("BERTH_WORK_DIR")?;
+    let keep = knob(
+        "BERTH_NIX_KEEP",
+        u64::from(DEFAULT_KEEP),
+        u64::from(MAX_KEEP),
+    )? as usize;
+    let mut state = read_state(&work)?;
+    let token = request["build"].as_str().unwrap_or("");
+    let deployment = request["deployment"].as_str().unwrap_or("");
+    let profile = text_knob("BERTH_NIX_PROFILE", DEFAULT_PROFILE);
+    let names: Vec<(String, NodeState)> = requested_nodes(request, &state)?
+        .into_iter()
+        .map(|(n, s)| (n, s.clone()))
+        .collect();
+    for (name, node) in names {
+        if let Some(target) = node
+            .target
+            .as_deref()
+            .filter(|_| std::env::var_os("BERTH_NIX_ACTIVATE").is_none())
+        {
+            let status = ssh(
+                target,
+                CONFIRM,
+                &[
+                    &target_dir(deployment, &name),
+                    token,
+                    &node.toplevel,
+                    &profile,
+                ],
+            )
+            .status()
+            .map_err(|e| Failure::Broken(format!("cannot run ssh: {e}")))?;
+            if !status.success() {
+                return Err(Failure::Broken(format!(
+                    "confirming {name} on its target failed ({status})"
+                )));
+            }
+        }
+        let mut kept = vec![node.toplevel.clone()];
+        kept.extend(node.kept.iter().filter(|k| **k != node.toplevel).cloned());
+        kept.truncate(keep);
+        let roots: Vec<&str> = kept.iter().map(String::as_str).collect();
+        keep_roots(&work, &name, &roots);
+        println!(
+            "{name}: confirmed; {} system(s) kept for rollback",
+            kept.len()
+        );
+        state.insert(
+            name,
+            NodeState {
+                confirmed: true,
+                kept,
+                ..node
+            },
+        );
+    }
+    write_state(&work, &state)?;
+    Ok(json!({}))
 }
 
 /// Builds the SBOMs of the changed nodes into the scratch dir, all in one

@@ -228,7 +228,8 @@ pub struct Settings {
     pub health_interval: Duration,
 
     /// How long a deploy's changed nodes have to become healthy; 0 turns
-    /// the health step off.
+    /// the checks off (a deployer with `confirm` is still confirmed at once,
+    /// so a revert it armed does not fire).
     #[arg(long, env = "BERTH_HEALTH_TIMEOUT", default_value = "120s", value_parser = parse_duration)]
     pub health_timeout: Duration,
 

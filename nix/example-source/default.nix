@@ -51,15 +51,53 @@ let
     args = [ "-c" "printf '%s' \"$text\" > $out" ];
   };
 
+  # Stands for `system.build.toplevel`: a directory with the node's
+  # settings and a `bin/switch-to-configuration` that records what it
+  # activates in the machine's state directory ($BERTH_EXAMPLE_STATE, or
+  # ~/.local/state/berth-example): `active` (test, switch), `boot` (boot)
+  # and a `history` of every call. Settings with `broken = true` give a
+  # toplevel that comes up broken (it holds a `broken` file, which the
+  # tests' systemctl stand-in reports as a failed unit).
+  system = name: settings: text: builtins.derivation {
+    name = "${deployment}-${name}-system";
+    inherit text;
+    broken = if settings.broken or false then "1" else "";
+    system = builtins.currentSystem;
+    builder = "/bin/sh";
+    # mkdir, cat and chmod from the host: the example builds unsandboxed
+    # (Debian's Nix); a NixOS source would use nixpkgs' stdenv instead.
+    args = [ "-c" ''
+      PATH=/run/current-system/sw/bin:/usr/bin:/bin
+      mkdir -p $out/bin
+      printf '%s' "$text" > $out/settings.json
+      [ -n "$broken" ] && : > $out/broken
+      cat > $out/bin/switch-to-configuration <<SCRIPT
+      #!/bin/sh
+      state="\''${BERTH_EXAMPLE_STATE:-\$HOME/.local/state/berth-example}"
+      mkdir -p "\$state"
+      echo "\$1 $out" >> "\$state/history"
+      case "\$1" in
+        test|switch) printf '%s\n' "$out" > "\$state/active" ;;
+      esac
+      case "\$1" in
+        boot|switch) printf '%s\n' "$out" > "\$state/boot" ;;
+      esac
+      SCRIPT
+      chmod +x $out/bin/switch-to-configuration
+    '' ];
+  };
+
   node = name:
     let
       host = "${subdomainOf name}.${domain}";
       settings = apps.${name};
     in {
       names = if suspended then [ ] else [ host ];
-      # Stands for `system.build.toplevel`: it changes exactly when this
-      # node's own settings do.
-      toplevel = file "${deployment}-${name}-system" (builtins.toJSON { inherit name host settings suspended; });
+      # It changes exactly when this node's own settings do.
+      toplevel = system name settings (builtins.toJSON { inherit name host settings suspended; });
+      # Where the node is activated (an SSH destination), when the
+      # configuration says.
+      target = settings.target or null;
       # Stands for `system.build.sbom`: a CycloneDX document.
       sbom = file "${name}-sbom.cdx.json" (builtins.toJSON {
         bomFormat = "CycloneDX";

@@ -146,13 +146,10 @@ impl Engine {
     }
 
     /// Whether the build's source has a health step: its deployer lists
-    /// `check` and `confirm`, and `--health-timeout` is not 0. A source
-    /// whose describe cannot be read now (it was read at submit) has none,
-    /// and the log of berth says so.
+    /// `check` and `confirm` (with `--health-timeout 0` the step only
+    /// confirms). A source whose describe cannot be read now (it was read
+    /// at submit) has none, and the log of berth says so.
     async fn checks_health(&self, snaps: &BuildSnapshots) -> bool {
-        if self.settings.health_timeout.is_zero() {
-            return false;
-        }
         match self.describe(&snaps.snapshot.source).await {
             Ok(described) => described.checks_health(),
             Err(e) => {

@@ -86,6 +86,20 @@ impl Engine {
         let interval = self.settings.health_interval;
         let deadline = tokio::time::Instant::now() + self.settings.health_timeout;
         let work_dir = self.settings.work_dir(&build.deployment);
+        if self.settings.health_timeout.is_zero() {
+            // Checks are off, but a deployer that armed a revert still
+            // hears `confirm`: turning checks off must not make every
+            // deploy go back by itself.
+            self.log_lines(
+                pipe,
+                &[
+                    "[berth] health checks are off (--health-timeout 0): confirming at once"
+                        .to_string(),
+                ],
+            )
+            .await;
+            return self.confirm(request, &changed, work_dir, pipe).await;
+        }
         self.log_lines(
             pipe,
             &[format!(

@@ -16,6 +16,7 @@ mod hostile;
 mod layout;
 mod lifecycle;
 mod nix;
+mod nix_ssh;
 mod page;
 mod queue;
 mod restart;

@@ -14,7 +14,7 @@ use serde_json::json;
 
 use crate::harness::*;
 
-fn example_source() -> PathBuf {
+pub(crate) fn example_source() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("nix/example-source")
 }
 
@@ -30,7 +30,7 @@ fn digest(dir: &Path) -> String {
 }
 
 /// Whether Nix is here and can build into /nix/store; says why not.
-fn nix_can_build(test: &str) -> bool {
+pub(crate) fn nix_can_build(test: &str) -> bool {
     if Command::new("nix-instantiate")
         .arg("--version")
         .output()
@@ -70,7 +70,7 @@ fn nix_can_build(test: &str) -> bool {
 
 /// berth with the Nix deployer and `source` as its default source, offline
 /// (nothing needs a binary cache).
-fn nix_options(source: &Path) -> Options {
+pub(crate) fn nix_options(source: &Path) -> Options {
     Options::default()
         .arg("--deployer")
         .arg("builtin:nix")
@@ -168,10 +168,14 @@ async fn the_nix_deployer_evaluates_builds_and_changes_only_what_changed() {
         let path = line.split_whitespace().nth(1).unwrap();
         assert!(Path::new(path).exists(), "{path} is not in the store");
     }
-    // What is deployed is a GC root on this host.
-    let root = s.dir.join("data/work/alice/gcroots/mastodon");
-    let target = std::fs::read_link(&root).unwrap_or_else(|e| panic!("{}: {e}", root.display()));
-    assert!(target.starts_with("/nix/store/"), "{}", target.display());
+    // What is deployed is a GC root on this host (one per kept toplevel).
+    let roots = s.dir.join("data/work/alice/gcroots/mastodon");
+    let kept: Vec<PathBuf> = std::fs::read_dir(&roots)
+        .unwrap_or_else(|e| panic!("{}: {e}", roots.display()))
+        .map(|e| std::fs::read_link(e.unwrap().path()).unwrap())
+        .collect();
+    assert_eq!(kept.len(), 1, "{kept:?}");
+    assert!(kept[0].starts_with("/nix/store/"), "{}", kept[0].display());
     let (_, sboms) = s.json("/v1/deployments/alice/sboms").await;
     for node in ["mastodon", "forgejo"] {
         let entry = sboms["nodes"]
