@@ -290,8 +290,16 @@ async function listView() {
 async function deploymentView(id) {
   const path = `/v1/deployments/${encodeURIComponent(id)}`;
   let pending = null;
+  // A render whose reads finish after the view was left must not draw
+  // over the next view.
+  let gone = false;
+  cleanup.push(() => {
+    gone = true;
+    clearTimeout(pending);
+  });
   const render = async () => {
     const [res, builds] = await Promise.all([api('GET', path), api('GET', `${path}/builds?limit=20`)]);
+    if (gone) return;
     if (res.status === 404) return show(el('h1', {}, id), el('p', {}, 'No such deployment (deleted?).'));
     if (!res.ok) return show(problem(res));
     const d = res.data;
@@ -303,6 +311,17 @@ async function deploymentView(id) {
       if (!r.ok) message.replaceChildren(problem(r));
       else render();
     };
+    // A rollback to one earlier build: its snapshot deployed again.
+    const rollbackTo = async (buildId) => {
+      const r = await api('POST', `${path}/actions/rollback`, {
+        body: { build_id: buildId },
+        headers: { 'If-Match': res.etag, 'Idempotency-Key': newKey() },
+      });
+      if (!r.ok) message.replaceChildren(problem(r));
+      else location.hash = `#/b/${r.data.build_id}`;
+    };
+    const rollback = d.actions.find((a) => a.name === 'rollback');
+    const deployedId = d.deployed ? d.deployed.build_id : null;
     const remove = async () => {
       if (!confirm(`Delete ${id}? Its resources are destroyed.`)) return;
       const r = await api('DELETE', path, { headers: { 'Idempotency-Key': newKey() } });
@@ -339,6 +358,8 @@ async function deploymentView(id) {
         el('dd', {}, `${d.source.url} @ ${d.source.rev}`),
         el('dt', {}, 'Update policy'),
         el('dd', {}, d.update_policy.kind, d.update?.last_automatic ? ` (last automatic: ${d.update.last_automatic.result})` : ''),
+        el('dt', {}, 'Automatic rollback'),
+        el('dd', { 'data-auto-rollback': String(d.auto_rollback) }, d.auto_rollback ? 'on: a deploy that breaks a node is rolled back' : 'off'),
         el('dt', {}, 'Revision'),
         el('dd', {}, String(d.revision)),
       ),
@@ -349,18 +370,27 @@ async function deploymentView(id) {
         el(
           'table',
           {},
-          el('thead', {}, el('tr', {}, el('th', {}, 'Build'), el('th', {}, 'Status'), el('th', { class: 'hide-narrow' }, 'Kind'), el('th', { class: 'hide-narrow' }, 'Created'))),
+          el('thead', {}, el('tr', {}, el('th', {}, 'Build'), el('th', {}, 'Status'), el('th', { class: 'hide-narrow' }, 'Kind'), el('th', { class: 'hide-narrow' }, 'Created'), el('th', {}, ''))),
           el(
             'tbody',
             {},
             (builds.ok ? builds.data.items : []).map((b) =>
               el(
                 'tr',
-                {},
+                { 'data-build': b.id },
                 el('td', {}, el('a', { href: `#/b/${b.id}` }, b.id.slice(0, 13) + '…')),
-                el('td', {}, badge(b.status)),
-                el('td', { class: 'hide-narrow' }, b.kind),
+                el('td', {}, badge(b.status), b.rollback_of ? el('span', { class: 'muted', 'data-rollback-of': b.rollback_of }, ` rollback to ${b.rollback_of.slice(0, 13)}…`) : ''),
+                el('td', { class: 'hide-narrow' }, b.kind, b.trigger === 'automatic_rollback' ? ' (automatic)' : ''),
                 el('td', { class: 'hide-narrow muted' }, when(b.created_at)),
+                // Each earlier succeeded deploy can be rolled back to; the
+                // action's reason says why not when it cannot now.
+                el(
+                  'td',
+                  {},
+                  b.kind === 'deploy' && b.status === 'succeeded' && b.id !== deployedId && rollback
+                    ? el('button', { type: 'button', 'data-rollback': b.id, disabled: !rollback.enabled, title: rollback.reason || `deploy this build's configuration and source again`, onclick: () => rollbackTo(b.id) }, 'Roll back')
+                    : '',
+                ),
               ),
             ),
           ),
@@ -395,12 +425,18 @@ async function deploymentView(id) {
 }
 
 async function buildView(id) {
+  let gone = false;
+  cleanup.push(() => (gone = true));
   const res = await api('GET', `/v1/builds/${encodeURIComponent(id)}`);
+  if (gone) return;
   if (!res.ok) return show(problem(res));
   const b = res.data;
   const status = el('span', {}, badge(b.status));
   const note = el('div', { 'aria-live': 'polite' });
   const log = el('pre', { class: 'log', id: 'log', 'data-build': id, tabindex: '0', 'aria-label': 'build log' });
+  // The health step's answers, newest last (lifecycle.md "Health checks").
+  const health = el('ul', { class: 'health', id: 'health', 'aria-live': 'polite' });
+  let lastHealth = 0;
   const cancel = el(
     'button',
     {
@@ -416,8 +452,20 @@ async function buildView(id) {
   );
   show(
     el('h1', {}, 'Build ', el('code', {}, id)),
-    el('p', {}, el('a', { href: `#/d/${encodeURIComponent(b.deployment)}` }, b.deployment), ' · ', b.kind, ' · ', status, ' ', cancel),
+    el(
+      'p',
+      {},
+      el('a', { href: `#/d/${encodeURIComponent(b.deployment)}` }, b.deployment),
+      ' · ',
+      b.kind,
+      b.rollback_of ? [' · rollback to ', el('a', { href: `#/b/${b.rollback_of}`, 'data-rollback-of': b.rollback_of }, b.rollback_of.slice(0, 13) + '…')] : '',
+      ' · ',
+      status,
+      ' ',
+      cancel,
+    ),
     note,
+    health,
     log,
   );
   // Lines are batched per frame: a 100,000-line log stays responsive.
@@ -450,6 +498,16 @@ async function buildView(id) {
       lastSeq = seq;
       buffer.push(ev.data);
       schedule();
+    },
+    health: (ev) => {
+      const seq = Number(ev.lastEventId);
+      if (seq <= lastHealth) return;
+      lastHealth = seq;
+      lastSeq = Math.max(lastSeq, seq);
+      const h = JSON.parse(ev.data);
+      health.append(
+        el('li', { 'data-node': h.node, 'data-healthy': String(h.healthy) }, badge(h.healthy ? 'healthy' : 'unhealthy'), ` ${h.node} (check ${h.attempt})`, h.reason ? `: ${h.reason}` : ''),
+      );
     },
     status: (ev) => {
       lastSeq = Math.max(lastSeq, Number(ev.lastEventId));

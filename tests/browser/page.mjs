@@ -76,6 +76,7 @@ try {
   await page.waitForSelector('h2:text("Preview")');
   await page.click('button[type=submit]');
   await page.waitForURL(/#\/b\//);
+  const firstWeb = page.url().split('#/b/')[1];
   await page.waitForSelector('#log');
   // Time from the deployer's write (each line carries it) to the DOM.
   await page.evaluate(() => {
@@ -110,7 +111,8 @@ try {
   const stored = await api('GET', `/v1/builds/${build}/log`);
   check(stored.status === 200, 'the log reads');
   check(shown === stored.text, `the page shows the log exactly once (page ${shown.split('\n').length} lines, store ${stored.text.split('\n').length})`);
-  check(shown.split('\n').length - 1 === 1000, 'all 1000 lines');
+  // The deployer's 1000 lines, beside berth's own of the health step.
+  check(shown.split('\n').filter((l) => /^line \d+ t=/.test(l)).length === 1000, 'all 1000 lines');
 
   // The deployment page follows its channel: a new build appears unasked.
   await page.goto(base + '/#/d/web');
@@ -124,6 +126,31 @@ try {
   // A disabled action says why.
   const disabled = page.locator('button[data-action]:disabled').first();
   if ((await disabled.count()) > 0) check(((await disabled.getAttribute('title')) || '').length > 0, 'a disabled action has a reason');
+
+  // Safe deploys: the deployment shows auto_rollback; each earlier
+  // succeeded build has a Rollback button.
+  await page.waitForFunction(() => document.querySelector('table tbody tr .state')?.textContent === 'succeeded');
+  check((await page.getAttribute('[data-auto-rollback]', 'data-auto-rollback')) === 'true', 'auto_rollback is shown');
+  await page.waitForSelector(`button[data-rollback="${firstWeb}"]`);
+  // A deploy that breaks its node: the build page shows its health
+  // events, and the automatic rollback appears on the deployment.
+  const broken = await api('POST', '/v1/deployments/web/submit', { configuration: { domain: 'web.example.org', lines: 2, unhealthy: true } });
+  check(broken.status === 202, `broken submit: ${broken.text}`);
+  const brokenId = JSON.parse(broken.text).build_id;
+  await page.goto(base + `/#/b/${brokenId}`);
+  await page.waitForSelector('#health li[data-node=web][data-healthy=false]', { timeout: 30000 });
+  check((await page.textContent('#health')).includes('the page test made it unhealthy'), 'the health event shows its reason');
+  await page.waitForSelector(`#log[data-build="${brokenId}"][data-ended=true]`, { timeout: 30000 });
+  await page.screenshot({ path: `${artifacts}/health.png` });
+  await page.goto(base + '/#/d/web');
+  await page.waitForSelector('tr [data-rollback-of]', { timeout: 30000 });
+  // The rollback ran; then roll back by hand to the first build.
+  await page.waitForFunction(() => document.querySelector('table tbody tr .state')?.textContent === 'succeeded', null, { timeout: 30000 });
+  await page.waitForSelector(`button[data-rollback="${firstWeb}"]:enabled`);
+  await page.screenshot({ path: `${artifacts}/rollback.png`, fullPage: true });
+  await page.click(`button[data-rollback="${firstWeb}"]`);
+  await page.waitForSelector(`[data-rollback-of="${firstWeb}"]`, { timeout: 30000 });
+  check(!page.url().includes(brokenId), 'the page follows the new rollback build');
 
   // A phone: nothing wider than the screen, and dark mode reads.
   const phone = await browser.newContext({ viewport: { width: 375, height: 740 }, colorScheme: 'dark' });
@@ -157,7 +184,10 @@ try {
   });
   const bigLog = `#log[data-build="${bigId}"]`;
   await page.waitForSelector(`${bigLog}[data-ended=true]`, { timeout: 120000 });
-  await page.waitForFunction((sel) => Number(document.querySelector(sel).dataset.lines) === 100000, bigLog, { timeout: 60000 });
+  // The deployer's 100,000 lines and berth's few of the health step.
+  await page.waitForFunction((sel) => Number(document.querySelector(sel).dataset.lines) >= 100000, bigLog, { timeout: 60000 });
+  const bigLines = (await page.textContent(bigLog)).split('\n').filter((l) => l.startsWith('fast line ')).length;
+  check(bigLines === 100000, `all 100,000 deployer lines shown, not ${bigLines}`);
   figures.big_log_seconds = (Date.now() - t0) / 1000;
   figures.big_log_max_frame_gap_ms = Math.round(await page.evaluate(() => window.maxGap));
 

@@ -2,7 +2,8 @@
 //! drives it with playwright-core): sign in, a 401 screen, a 422 at its
 //! field, submit and watch the log to `end` with every line exactly once
 //! across dropped connections, a deployment page that follows its channel,
-//! a phone in dark mode, a 100,000-line log, delete. Screenshots go to
+//! health events, the automatic rollback and a Rollback button, a phone in
+//! dark mode, a 100,000-line log, delete. Screenshots go to
 //! target/browser-artifacts/.
 
 use std::io::{BufRead, BufReader, Write};
@@ -14,7 +15,8 @@ use crate::harness::*;
 
 /// A deployer whose schema wants a string domain, and whose deploy writes
 /// `"lines": N` lines stamped with their write time (ms), or 100,000 lines
-/// at once for `"fast": true`.
+/// at once for `"fast": true`. Its one node `web` checks unhealthy when the
+/// configuration says `"unhealthy": true`.
 fn page_deployer(dir: &Path) -> PathBuf {
     script(
         dir,
@@ -23,7 +25,14 @@ fn page_deployer(dir: &Path) -> PathBuf {
 verb="$1"
 input=$(cat)
 case "$verb" in
-describe) printf '%s' '{"methods":["local"],"default_method":"local","actions":{"suspend":["local"],"resume":["local"]},"catalog":[],"schema":{"type":"object","properties":{"domain":{"type":"string"}}}}' > "$BERTH_RESULT"; exit 0;;
+describe) printf '%s' '{"methods":["local"],"default_method":"local","actions":{"suspend":["local"],"resume":["local"]},"verbs":["check","confirm"],"catalog":[],"schema":{"type":"object","properties":{"domain":{"type":"string"}}}}' > "$BERTH_RESULT"; exit 0;;
+check)
+  case "$input" in
+  *'"unhealthy":true'*) printf '%s' '{"nodes":[{"name":"web","healthy":false,"reason":"the page test made it unhealthy"}]}' > "$BERTH_RESULT";;
+  *) printf '%s' '{"nodes":[{"name":"web","healthy":true}]}' > "$BERTH_RESULT";;
+  esac
+  exit 0;;
+confirm) printf '{}' > "$BERTH_RESULT"; exit 0;;
 eval) printf '%s' '{"nodes":[]}' > "$BERTH_RESULT"; exit 0;;
 deploy)
   case "$input" in
@@ -36,7 +45,7 @@ deploy)
       [ $((i % 20)) -eq 0 ] && sleep 0.1
     done;;
   esac
-  printf '%s' '{"nodes":[]}' > "$BERTH_RESULT"; exit 0;;
+  printf '%s' '{"nodes":[{"name":"web","changed":true}]}' > "$BERTH_RESULT"; exit 0;;
 destroy) printf '{}' > "$BERTH_RESULT"; exit 0;;
 esac
 exit 2
@@ -113,7 +122,15 @@ async fn the_page_signs_in_submits_and_follows_a_build_in_chromium() {
     };
     let dir = temp_dir("page");
     let deployer = page_deployer(&dir);
-    let s = Server::start(Options::default().deployer(&deployer)).await;
+    let s = Server::start(
+        Options::default()
+            .deployer(&deployer)
+            .arg("--health-interval")
+            .arg("1s")
+            .arg("--health-timeout")
+            .arg("3s"),
+    )
+    .await;
     let proxy = Proxy::start(s.base.trim_start_matches("http://").to_string()).await;
     let artifacts = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/browser-artifacts");
     std::fs::create_dir_all(&artifacts).unwrap();
