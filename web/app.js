@@ -182,9 +182,11 @@ function refused() {
  * reconnects by itself with Last-Event-ID; when the ticket is gone (berth
  * restarted), a new ticket resumes at the last id seen.
  */
-function follow(channel, handlers) {
+function follow(channel, handlers, { cursor = null } = {}) {
   let source = null;
-  let lastId = null;
+  // Where to start: after `cursor` (a log read's Berth-Event-Cursor), or
+  // from the channel's first event.
+  let lastId = cursor;
   let closed = false;
   const open = async () => {
     if (closed) return;
@@ -472,10 +474,15 @@ async function buildView(id) {
   let buffer = [];
   let scheduled = false;
   let lastSeq = 0;
+  // The build ended: the log is complete once the buffer is drawn.
+  let ended = false;
   const flush = () => {
     scheduled = false;
     const take = buffer.splice(0, MAX_LINES_PER_FRAME);
-    if (take.length === 0) return;
+    if (take.length === 0) {
+      if (ended) log.dataset.ended = 'true';
+      return;
+    }
     const atBottom = log.scrollHeight - log.scrollTop - log.clientHeight < 40;
     // One block per batch: the browser lays out and paints only the
     // blocks in view (content-visibility), however long the log grows.
@@ -483,6 +490,7 @@ async function buildView(id) {
     log.dataset.lines = String(Number(log.dataset.lines || 0) + take.length);
     if (atBottom) log.scrollTop = log.scrollHeight;
     if (buffer.length) schedule();
+    else if (ended) log.dataset.ended = 'true';
   };
   const schedule = () => {
     if (!scheduled) {
@@ -490,6 +498,19 @@ async function buildView(id) {
       requestAnimationFrame(flush);
     }
   };
+  // The log so far in one request, then the channel from the event the
+  // body covers: a long log is a text to split, not 100,000 events.
+  const sofar = await logSoFar(id);
+  if (gone) return;
+  let cursor = null;
+  if (sofar && sofar.cursor !== null) {
+    const lines = sofar.text.split('\n');
+    if (lines[lines.length - 1] === '') lines.pop();
+    buffer = buffer.concat(lines);
+    lastSeq = Number(sofar.cursor);
+    cursor = sofar.cursor;
+    schedule();
+  }
   follow(`/v1/builds/${id}/events`, {
     log: (ev) => {
       // At least once on the wire, exactly once on the page.
@@ -524,13 +545,21 @@ async function buildView(id) {
     },
     end: (ev, stop) => {
       stop();
-      flush();
       const summary = JSON.parse(ev.data);
       status.replaceChildren(badge(summary.status));
       cancel.disabled = true;
-      log.dataset.ended = 'true';
+      ended = true;
+      flush();
     },
-  });
+  }, { cursor });
+}
+
+/** A build's log so far and the event its body covers, or null. */
+async function logSoFar(id) {
+  const r = await fetch(`/v1/builds/${encodeURIComponent(id)}/log`, { headers: { Authorization: `Bearer ${token()}` } });
+  if (r.status === 401) throw new Unauthorized();
+  if (!r.ok) return null;
+  return { text: await r.text(), cursor: r.headers.get('Berth-Event-Cursor') };
 }
 
 async function submitView(id) {

@@ -122,6 +122,20 @@ const TEXT: &str = "text/plain; charset=utf-8";
 struct LogFacts {
     len: u64,
     places: Vec<ChunkPlace>,
+    /// The build channel's last committed event in that snapshot: every
+    /// line of `places` has a seq at or below it, and every event after it
+    /// is newer than the body (api.md `Berth-Event-Cursor`).
+    covered: u64,
+}
+
+/// The answer's header that says which event a body reaching the end of
+/// the log covers, so a client follows the channel from exactly there.
+const EVENT_CURSOR: &str = "berth-event-cursor";
+
+fn set_event_cursor(response: &mut warp::reply::Response, covered: u64) {
+    response
+        .headers_mut()
+        .insert(EVENT_CURSOR, warp::http::HeaderValue::from(covered));
 }
 
 /// `GET /v1/builds/{build}/log`: with `Range`, only the chunks the range
@@ -142,6 +156,7 @@ pub async fn log(ctx: &Ctx, req: &Request) -> Result<Answer, ApiError> {
             Ok(Some(LogFacts {
                 len: b.log_bytes,
                 places: rx.log_index(id, b.log_chunks)?,
+                covered: b.event_seq,
             }))
         })
         .await
@@ -151,7 +166,9 @@ pub async fn log(ctx: &Ctx, req: &Request) -> Result<Answer, ApiError> {
     let places = facts.places;
     let len = facts.len;
     let Some(range) = range else {
-        return Ok(Answer::Stream(stream_log(store, id, places, None)));
+        let mut response = stream_log(store, id, places, None);
+        set_event_cursor(&mut response, facts.covered);
+        return Ok(Answer::Stream(response));
     };
     let Some((start, end)) = resolve_range(&range, len) else {
         return Err(range_not_satisfiable(len));
@@ -164,6 +181,9 @@ pub async fn log(ctx: &Ctx, req: &Request) -> Result<Answer, ApiError> {
         .filter(|p| p.first_byte <= end && p.first_byte + p.raw_len > start)
         .collect();
     let mut response = stream_log(store, id, needed, Some((start, end)));
+    if end + 1 == len {
+        set_event_cursor(&mut response, facts.covered);
+    }
     *response.status_mut() = warp::http::StatusCode::PARTIAL_CONTENT;
     if let Ok(v) = warp::http::HeaderValue::from_str(&format!("bytes {start}-{end}/{len}")) {
         response.headers_mut().insert("content-range", v);

@@ -11,7 +11,7 @@ use super::routes::{match_template, path_segments, ROUTES};
 /// Headers a cross-origin page may send.
 const ALLOW_HEADERS: &str = "Authorization, Content-Type, Idempotency-Key, If-Match, Last-Event-ID";
 /// Headers a cross-origin page may read.
-const EXPOSE_HEADERS: &str = "ETag, X-Request-Id, Retry-After";
+const EXPOSE_HEADERS: &str = "ETag, X-Request-Id, Retry-After, Berth-Event-Cursor, Content-Range";
 /// How long a browser may cache a preflight answer (seconds).
 const PREFLIGHT_MAX_AGE: &str = "600";
 /// Listed origins at most (each is compared on every request).

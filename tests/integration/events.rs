@@ -434,3 +434,67 @@ async fn an_http_1_0_client_tails_a_build_and_a_client_that_leaves_frees_its_str
     })
     .await;
 }
+
+/// api.md `Berth-Event-Cursor`: a log read while the build writes says
+/// which event its body covers, and the channel followed from there gives
+/// exactly the rest: body and stream together are the log, every line once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_log_read_and_the_channel_from_its_cursor_give_every_line_once() {
+    let dir = temp_dir("event-cursor");
+    let body = format!(
+        "{SCRIPT_PRELUDE}\ni=0\nwhile [ $i -lt 400 ]; do i=$((i+1)); echo \"line $i\"; [ $((i % 40)) -eq 0 ] && sleep 0.2; done\nprintf '%s' '{{\"nodes\":[]}}' > \"$BERTH_RESULT\"\n"
+    );
+    let deployer = script(&dir, "slow-lines.sh", &body);
+    let s = Server::start(Options::default().deployer(&deployer)).await;
+    let id = s.submit_ok("alice", json!({})).await;
+    // Some lines are committed, not all.
+    eventually("the first lines are committed", || async {
+        s.build(&id).await["log_lines"].as_u64().unwrap_or(0) >= 80
+    })
+    .await;
+    let r = stream(&s, &format!("/v1/builds/{id}/log"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let cursor: u64 = r
+        .headers()
+        .get("berth-event-cursor")
+        .expect("the log read says which event it covers")
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let so_far = r.text().await.unwrap();
+    assert!(so_far.lines().count() >= 80, "{so_far}");
+    let mut sse = Sse::open(stream(
+        &s,
+        &format!("/v1/builds/{id}/events?cursor={cursor}"),
+    ))
+    .await;
+    let rest = sse.until_end().await;
+    let stored = s.log_text(&id).await;
+    let together = format!("{so_far}{}", log_of(&rest));
+    assert_eq!(
+        together, stored,
+        "the body and the stream after its cursor are the log"
+    );
+    assert_eq!(stored.lines().count(), 400);
+    // A finished build's log covers its last event: the channel from there
+    // has nothing left but its end.
+    let r = stream(&s, &format!("/v1/builds/{id}/log"))
+        .send()
+        .await
+        .unwrap();
+    let last: u64 = r.headers()["berth-event-cursor"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let mut after = Sse::open(stream(&s, &format!("/v1/builds/{id}/events?cursor={last}"))).await;
+    let tail = after.until_end().await;
+    assert!(
+        tail.iter().all(|e| e.event == "end"),
+        "only the end after a finished log's cursor: {tail:?}"
+    );
+}
