@@ -38,6 +38,16 @@ fn main() {
         Command::Deployer {
             deployer: DeployerCommand::Nix { verb },
         } => berth::nix_deployer::run(&verb),
+        client @ (Command::Deploy { .. }
+        | Command::Preview { .. }
+        | Command::Status { .. }
+        | Command::Builds { .. }
+        | Command::Logs { .. }
+        | Command::Cancel { .. }
+        | Command::Rollback { .. }
+        | Command::Suspend { .. }
+        | Command::Resume { .. }
+        | Command::Delete { .. }) => berth::client::run(client),
     };
     std::process::exit(code);
 }

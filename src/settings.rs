@@ -62,6 +62,116 @@ pub enum Command {
         #[command(subcommand)]
         deployer: DeployerCommand,
     },
+    /// Submit a configuration (from --config FILE, or stdin with `-`).
+    Deploy {
+        id: String,
+        /// The configuration: a JSON file, or `-` for stdin.
+        #[arg(long, default_value = "-")]
+        config: String,
+        /// Queue behind a running build instead of replacing a queued one.
+        #[arg(long)]
+        enqueue: bool,
+        /// Keep the deployed source's revision (lifecycle.md).
+        #[arg(long)]
+        keep_deployed_revision: bool,
+        /// Follow the build's log to its end; the exit status is its outcome.
+        #[arg(long)]
+        wait: bool,
+        #[command(flatten)]
+        conn: ClientArgs,
+    },
+    /// What a submit would change: the nodes, their names, the changes.
+    Preview {
+        id: String,
+        #[arg(long, default_value = "-")]
+        config: String,
+        #[command(flatten)]
+        conn: ClientArgs,
+    },
+    /// The deployments; with one id, that deployment, its actions and builds.
+    Status {
+        ids: Vec<String>,
+        #[command(flatten)]
+        conn: ClientArgs,
+    },
+    /// A deployment's builds, newest first.
+    Builds {
+        id: String,
+        #[command(flatten)]
+        conn: ClientArgs,
+    },
+    /// A build's log; --follow streams it to the build's end.
+    Logs {
+        build: String,
+        #[arg(long, short)]
+        follow: bool,
+        #[command(flatten)]
+        conn: ClientArgs,
+    },
+    /// Cancel a build.
+    Cancel {
+        build: String,
+        #[command(flatten)]
+        conn: ClientArgs,
+    },
+    /// Roll back to an earlier succeeded build (the newest one by default).
+    Rollback {
+        id: String,
+        #[arg(long)]
+        to: Option<String>,
+        #[arg(long)]
+        wait: bool,
+        #[command(flatten)]
+        conn: ClientArgs,
+    },
+    /// Suspend a deployment (a deploy with the suspended flag).
+    Suspend {
+        id: String,
+        #[arg(long)]
+        wait: bool,
+        #[command(flatten)]
+        conn: ClientArgs,
+    },
+    /// Resume a suspended deployment.
+    Resume {
+        id: String,
+        #[arg(long)]
+        wait: bool,
+        #[command(flatten)]
+        conn: ClientArgs,
+    },
+    /// Queue the destroy of a deployment.
+    Delete {
+        id: String,
+        #[arg(long)]
+        wait: bool,
+        #[command(flatten)]
+        conn: ClientArgs,
+    },
+}
+
+/// How the command-line client reaches berth (spec cli.md "Connection").
+/// The token is read from a file or the environment, never an argument,
+/// so it is never in `ps`.
+#[derive(Debug, Clone, Args)]
+pub struct ClientArgs {
+    /// berth's address.
+    #[arg(long, env = "BERTH_URL", default_value = "http://127.0.0.1:8080")]
+    pub url: String,
+    /// A file holding the token (default ./berth-data/service-token, or
+    /// BERTH_TOKEN holding the token itself).
+    #[arg(long, env = "BERTH_TOKEN_FILE")]
+    pub token_file: Option<PathBuf>,
+    /// Sent as X-Actor-Subject with the service token.
+    #[arg(long)]
+    pub actor_subject: Option<String>,
+    /// Sent as X-Actor-Issuer with the service token.
+    #[arg(long)]
+    pub actor_issuer: Option<String>,
+    /// The API's JSON instead of a table (for `logs --follow`, one JSON
+    /// object per event).
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Debug, Subcommand)]

@@ -5,6 +5,7 @@ mod harness;
 
 mod audit;
 mod bad_input;
+mod cli;
 mod cors;
 mod deploy;
 mod deployers;

@@ -1,0 +1,249 @@
+//! The command-line client (cli.md) run as a process against the real
+//! server: commands good and refused (exit 3 with the field pointer on
+//! stderr), `deploy --wait` of a failing build exits 1, `logs --follow`
+//! through cut connections and a restart of berth prints every line once
+//! and exits with the build's outcome, `--json` parses, no ANSI escapes
+//! when stdout is not a terminal, and the token never shows.
+
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::sync::{Arc, Mutex};
+
+use serde_json::{json, Value};
+
+use crate::harness::*;
+
+/// `berth <args>` against `url` with the server's token file, `stdin`
+/// given; its output.
+fn cli(url: &str, token_file: &Path, args: &[&str], stdin: &str) -> Output {
+    use std::io::Write;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_berth"))
+        .args(args)
+        .env("BERTH_URL", url)
+        .env("BERTH_TOKEN_FILE", token_file)
+        .env_remove("BERTH_TOKEN")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(stdin.as_bytes())
+        .unwrap();
+    child.wait_with_output().unwrap()
+}
+
+fn token_file(s: &Server) -> std::path::PathBuf {
+    s.dir.join("data/service-token")
+}
+
+fn said(o: &Output) -> (i32, String, String) {
+    (
+        o.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+/// A proxy on a fixed port whose target can change (berth restarts on a
+/// new port) and whose open connections can be cut.
+struct Proxy {
+    url: String,
+    target: Arc<Mutex<String>>,
+    open: Arc<Mutex<Vec<tokio::task::AbortHandle>>>,
+}
+
+impl Proxy {
+    async fn start(target: &str) -> Proxy {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let target = Arc::new(Mutex::new(target.to_string()));
+        let open: Arc<Mutex<Vec<tokio::task::AbortHandle>>> = Arc::default();
+        let (t, list) = (target.clone(), open.clone());
+        tokio::spawn(async move {
+            while let Ok((mut inbound, _)) = listener.accept().await {
+                let to = t.lock().unwrap().clone();
+                let task = tokio::spawn(async move {
+                    if let Ok(mut outbound) = tokio::net::TcpStream::connect(&to).await {
+                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                    }
+                });
+                list.lock().unwrap().push(task.abort_handle());
+            }
+        });
+        Proxy { url, target, open }
+    }
+
+    fn cut(&self) {
+        for h in self.open.lock().unwrap().drain(..) {
+            h.abort();
+        }
+    }
+
+    fn retarget(&self, to: &str) {
+        *self.target.lock().unwrap() = to.to_string();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_command_once_good_and_once_refused() {
+    let s = Server::start(Options::default()).await;
+    let (url, tf) = (s.base.clone(), token_file(&s));
+    let run = |args: &[&str], stdin: &str| said(&cli(&url, &tf, args, stdin));
+    let token = std::fs::read_to_string(&tf).unwrap();
+    let token = token.trim();
+    let config =
+        r#"{"domain": "alice.example.org", "applications": {"mastodon": {"enable": true}}}"#;
+
+    // deploy: refused with the field pointer, then good with --wait.
+    let (code, out, err) = run(&["deploy", "alice"], r#"{"domain": 5}"#);
+    assert_eq!(code, 3, "{out}{err}");
+    assert!(err.contains("/configuration/domain"), "{err}");
+    let (code, out, err) = run(&["deploy", "alice", "--wait"], config);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains("[berth] health step"),
+        "the log is on stdout: {out}"
+    );
+    // preview: the changes of a submit.
+    let (code, out, err) = run(&["preview", "alice", "--json"], config);
+    assert_eq!(code, 0, "{err}");
+    let preview: Value = serde_json::from_str(&out).unwrap();
+    assert!(preview["changes"].is_array(), "{preview}");
+    let (code, _, err) = run(&["preview", "alice"], "not json");
+    assert_eq!(code, 2, "a usage error: {err}");
+    // status: the table and one deployment; a missing one is refused.
+    let (code, out, _) = run(&["status"], "");
+    assert_eq!(code, 0);
+    assert!(out.starts_with("ID") && out.contains("alice"), "{out}");
+    assert!(
+        !out.contains('\u{1b}'),
+        "no ANSI escapes into a pipe: {out:?}"
+    );
+    let (code, out, _) = run(&["status", "alice", "--json"], "");
+    assert_eq!(code, 0);
+    let status: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(status["deployment"]["id"], "alice", "{status}");
+    let (code, _, err) = run(&["status", "ghost"], "");
+    assert_eq!(code, 3, "{err}");
+    // builds.
+    let (code, out, _) = run(&["builds", "alice", "--json"], "");
+    assert_eq!(code, 0);
+    let builds: Value = serde_json::from_str(&out).unwrap();
+    let first = builds["items"][0]["id"].as_str().unwrap().to_string();
+    // rollback: nothing earlier yet (refused), then after a second deploy.
+    let (code, _, err) = run(&["rollback", "alice"], "");
+    assert_eq!(code, 3, "{err}");
+    assert!(err.contains("no_earlier_build"), "{err}");
+    let second = r#"{"domain": "alice.example.org", "applications": {"mastodon": {"enable": true}, "homepage": {"enable": true}}}"#;
+    let (code, _, err) = run(&["deploy", "alice", "--wait"], second);
+    assert_eq!(code, 0, "{err}");
+    let (code, out, err) = run(&["rollback", "alice", "--to", &first, "--wait"], "");
+    assert_eq!(code, 0, "{out}{err}");
+    // logs of a finished build: its outcome as the exit status.
+    let (code, out, _) = run(&["logs", &first], "");
+    assert_eq!(code, 0);
+    assert_eq!(out, s.log_text(&first).await);
+    // cancel: a finished build is refused; suspend/resume.
+    let (code, _, err) = run(&["cancel", &first], "");
+    assert_eq!(code, 3, "{err}");
+    let (code, _, err) = run(&["resume", "alice"], "");
+    assert_eq!(code, 3, "not suspended: {err}");
+    let (code, out, err) = run(&["suspend", "alice", "--wait"], "");
+    assert_eq!(code, 0, "{out}{err}");
+    // delete: good, then refused for a deployment that is not there.
+    let (code, _, err) = run(&["delete", "alice", "--wait"], "");
+    assert_eq!(code, 0, "{err}");
+    let (code, _, err) = run(&["delete", "nobody-here"], "");
+    assert_eq!(code, 3, "{err}");
+    // Unreachable: exit 4.
+    let o = cli("http://127.0.0.1:9", &tf, &["status"], "");
+    assert_eq!(o.status.code(), Some(4));
+    // The token never shows in anything printed.
+    for args in [&["status"][..], &["status", "ghost"], &["logs", &first]] {
+        let (_, out, err) = run(args, "");
+        assert!(
+            !out.contains(token) && !err.contains(token),
+            "the token was printed"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deploy_wait_of_a_failing_build_exits_1() {
+    let dir = temp_dir("cli-fail");
+    let deployer = script(
+        &dir,
+        "fail.sh",
+        &format!("{SCRIPT_PRELUDE}\necho about to fail\nexit 1\n"),
+    );
+    let s = Server::start(Options::default().deployer(&deployer)).await;
+    let (code, out, err) = said(&cli(
+        &s.base,
+        &token_file(&s),
+        &["deploy", "f", "--wait"],
+        "{}",
+    ));
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(out.contains("about to fail"), "{out}");
+}
+
+/// `logs --follow` through two cut connections and a kill -9 and restart
+/// of berth: every line once, in order, and the build's exit status.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logs_follow_survives_cuts_and_a_restart_with_every_line_once() {
+    let dir = temp_dir("cli-follow");
+    let (deployer, gates) = {
+        let gates = dir.join("gates");
+        std::fs::create_dir_all(&gates).unwrap();
+        let body = format!(
+            "{SCRIPT_PRELUDE}\ni=0\nwhile [ $i -lt 300 ]; do i=$((i+1)); echo \"line $i\"; [ $((i % 30)) -eq 0 ] && sleep 0.1; done\nwhile [ ! -e {g}/go ]; do sleep 0.05; done\necho last\nprintf '%s' '{{\"nodes\":[]}}' > \"$BERTH_RESULT\"\n",
+            g = gates.display()
+        );
+        (script(&dir, "follow.sh", &body), gates)
+    };
+    let mut s = Server::start(Options::default().deployer(&deployer)).await;
+    let proxy = Proxy::start(s.base.trim_start_matches("http://")).await;
+    let build = s.submit_ok("f", json!({})).await;
+    let follower = Command::new(env!("CARGO_BIN_EXE_berth"))
+        .args(["logs", &build, "--follow"])
+        .env("BERTH_URL", &proxy.url)
+        .env("BERTH_TOKEN_FILE", token_file(&s))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    eventually("some lines are written", || async {
+        s.build(&build).await["log_lines"].as_u64().unwrap_or(0) >= 60
+    })
+    .await;
+    proxy.cut();
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    proxy.cut();
+    eventually("the deployer waits at its gate", || async {
+        s.build(&build).await["log_lines"].as_u64().unwrap_or(0) >= 300
+    })
+    .await;
+    // kill -9 and a restart: the running build is adopted or ended by
+    // recovery; either way the follower gets the rest and the end.
+    s.kill();
+    std::fs::write(gates.join("go"), b"").unwrap();
+    s.launch().await;
+    proxy.retarget(s.base.trim_start_matches("http://"));
+    let end = s.wait_build(&build, "final").await;
+    let output = tokio::task::spawn_blocking(move || follower.wait_with_output().unwrap())
+        .await
+        .unwrap();
+    let (code, out, err) = said(&output);
+    let stored = s.log_text(&build).await;
+    assert_eq!(out, stored, "every line once, in order\nstderr: {err}");
+    let expected = match end["status"].as_str() {
+        Some("succeeded") => 0,
+        Some("cancelled") => 5,
+        _ => 1,
+    };
+    assert_eq!(code, expected, "the build's outcome: {end}\n{err}");
+}
