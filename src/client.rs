@@ -265,6 +265,8 @@ async fn dispatch(command: Command) -> Outcome {
             c.queued(answer, wait).await
         }
         Command::Serve(_)
+        | Command::Completions { .. }
+        | Command::Man
         | Command::Audit { .. }
         | Command::Export { .. }
         | Command::Import { .. }
@@ -514,7 +516,33 @@ impl Client {
             return Ok(EXIT_OK);
         }
         eprintln!("berth: build {build} queued; following its log");
+        if let Some(deployment) = answer["deployment"].as_str() {
+            self.say_what_it_waits_behind(deployment, &build).await;
+        }
         self.follow(&build).await
+    }
+
+    /// cli.md: while a build is queued behind another, `--wait` says which.
+    async fn say_what_it_waits_behind(&self, deployment: &str, build: &str) {
+        let Ok(page) = self
+            .call(
+                "GET",
+                &format!("/v1/deployments/{}/builds?limit=20", path(deployment)),
+                None,
+                None,
+            )
+            .await
+        else {
+            return;
+        };
+        let running = page["items"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|b| b["status"] == "running" && b["id"] != build);
+        if let Some(b) = running {
+            eprintln!("berth: it waits behind build {} (running)", text(&b["id"]));
+        }
     }
 
     /// `logs --follow`: the log in one read, then the channel from its

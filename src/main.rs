@@ -38,6 +38,23 @@ fn main() {
         Command::Deployer {
             deployer: DeployerCommand::Nix { verb },
         } => berth::nix_deployer::run(&verb),
+        Command::Completions { shell } => {
+            use clap::CommandFactory;
+            clap_complete::generate(shell, &mut Cli::command(), "berth", &mut std::io::stdout());
+            0
+        }
+        Command::Man => {
+            use clap::CommandFactory;
+            match clap_mangen::Man::new(Cli::command()).render(&mut std::io::stdout()) {
+                Ok(()) => 0,
+                // A reader that went away (`berth man | head`) is not an error.
+                Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => 0,
+                Err(e) => {
+                    eprintln!("berth man: {e}");
+                    1
+                }
+            }
+        }
         client @ (Command::Deploy { .. }
         | Command::Preview { .. }
         | Command::Status { .. }

@@ -140,6 +140,11 @@ pub enum Command {
         #[command(flatten)]
         conn: ClientArgs,
     },
+    /// A shell completion script on stdout: `berth completions bash >
+    /// /etc/bash_completion.d/berth` (also zsh, fish, elvish, powershell).
+    Completions { shell: clap_complete::Shell },
+    /// The manual page (roff) on stdout: `berth man | man -l -`.
+    Man,
     /// Queue the destroy of a deployment.
     Delete {
         id: String,

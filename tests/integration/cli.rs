@@ -247,3 +247,118 @@ async fn logs_follow_survives_cuts_and_a_restart_with_every_line_once() {
     };
     assert_eq!(code, expected, "the build's outcome: {end}\n{err}");
 }
+
+/// Colour only on a terminal, never with NO_COLOR (util-linux `script`
+/// gives the client a terminal).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn colour_only_on_a_terminal_and_never_with_no_color() {
+    if Command::new("script").arg("--version").output().is_err() {
+        skip(
+            "cli::colour_only_on_a_terminal_and_never_with_no_color",
+            "no util-linux `script` to give the client a terminal",
+        );
+        return;
+    }
+    let s = Server::start(Options::default()).await;
+    let b = s.submit_ok("alice", json!({})).await;
+    s.wait_build(&b, "final").await;
+    let on_terminal = |no_color: bool| {
+        let mut c = Command::new("script");
+        c.args(["-qec"])
+            .arg(format!("{} status", env!("CARGO_BIN_EXE_berth")))
+            .arg("/dev/null")
+            .env("BERTH_URL", &s.base)
+            .env("BERTH_TOKEN_FILE", token_file(&s))
+            .env_remove("NO_COLOR");
+        if no_color {
+            c.env("NO_COLOR", "1");
+        }
+        let o = c.output().unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    };
+    let coloured = on_terminal(false);
+    assert!(
+        coloured.contains("\u{1b}[32m"),
+        "a terminal gets colour: {coloured:?}"
+    );
+    let plain = on_terminal(true);
+    assert!(
+        plain.contains("alice") && !plain.contains('\u{1b}'),
+        "NO_COLOR: {plain:?}"
+    );
+}
+
+/// A mutation whose answer is lost on the way back is retried with the
+/// same idempotency key: berth answers the stored 202 and queues one build.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_deploy_after_a_lost_answer_queues_once() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let s = Server::start(Options::default()).await;
+    let target = s.base.trim_start_matches("http://").to_string();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    // The first connection reaches berth, but its answer never comes back;
+    // later ones pass.
+    tokio::spawn(async move {
+        let mut first = true;
+        while let Ok((mut inbound, _)) = listener.accept().await {
+            let to = target.clone();
+            let swallow = std::mem::replace(&mut first, false);
+            tokio::spawn(async move {
+                let Ok(mut outbound) = tokio::net::TcpStream::connect(&to).await else {
+                    return;
+                };
+                if swallow {
+                    let mut request = vec![0u8; 65536];
+                    let n = inbound.read(&mut request).await.unwrap_or(0);
+                    let _ = outbound.write_all(&request[..n]).await;
+                    let mut answer = [0u8; 4096];
+                    let _ = outbound.read(&mut answer).await;
+                    // Dropped: the client sees the connection close.
+                    return;
+                }
+                let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+            });
+        }
+    });
+    let (code, out, err) = said(&cli(
+        &url,
+        &token_file(&s),
+        &["deploy", "once"],
+        r#"{"domain": "once.example.org"}"#,
+    ));
+    assert_eq!(code, 0, "{out}{err}");
+    let (_, page) = s.json("/v1/deployments/once/builds").await;
+    let builds = page["items"].as_array().unwrap();
+    assert_eq!(builds.len(), 1, "queued twice: {page}");
+    assert_eq!(
+        builds[0]["id"],
+        out.trim(),
+        "the retry got the stored answer"
+    );
+}
+
+#[test]
+fn completions_and_the_man_page_come_from_the_flags() {
+    let bash = Command::new(env!("CARGO_BIN_EXE_berth"))
+        .args(["completions", "bash"])
+        .output()
+        .unwrap();
+    assert!(bash.status.success());
+    let script = String::from_utf8_lossy(&bash.stdout);
+    assert!(
+        script.contains("berth__deploy") || script.contains("deploy"),
+        "{script}"
+    );
+    let man = Command::new(env!("CARGO_BIN_EXE_berth"))
+        .arg("man")
+        .output()
+        .unwrap();
+    assert!(man.status.success());
+    let page = String::from_utf8_lossy(&man.stdout);
+    assert!(
+        page.contains(".TH berth 1") && page.contains("deploy"),
+        "{page}"
+    );
+}
