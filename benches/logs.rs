@@ -1,7 +1,9 @@
 //! Reading a 100 MB build log in bounded memory: berth's peak RSS above
 //! idle while 8 clients read its tail at once (`Range: bytes=-100`), and the
 //! time of one such read next to reading the last 100 bytes of a file of
-//! the same size in the same run. Run: `cargo bench --bench logs`.
+//! the same size in the same run; the whole log through curl next to the
+//! file through curl, and through `berth logs` next to curl.
+//! Run: `cargo bench --bench logs`.
 
 mod common;
 
@@ -164,6 +166,35 @@ fn main() {
                 log_len as f64 / 1e6 / file_s
             ),
             file_s / served_s,
+            Some(0.5),
+            true,
+        );
+        // `berth logs BUILD` (the CLI) into /dev/null, next to curl of the
+        // same route, best of 5 each.
+        let token_file = dir.join("data/service-token");
+        let mut cli_s = f64::MAX;
+        let mut curl_s = f64::MAX;
+        for _ in 0..5 {
+            let t = Instant::now();
+            let status = std::process::Command::new(env!("CARGO_BIN_EXE_berth"))
+                .args(["logs", &id])
+                .env("BERTH_URL", &started.base)
+                .env("BERTH_TOKEN_FILE", &token_file)
+                .stdout(std::process::Stdio::null())
+                .status()
+                .unwrap();
+            assert!(status.success());
+            cli_s = cli_s.min(t.elapsed().as_secs_f64());
+            curl_s = curl_s.min(curl(&url).1);
+        }
+        common::record(
+            "berth logs of a 100 MB log into /dev/null",
+            &format!("{:.0} MB/s", log_len as f64 / 1e6 / cli_s),
+            &format!(
+                "curl of the same route: {:.0} MB/s",
+                log_len as f64 / 1e6 / curl_s
+            ),
+            curl_s / cli_s,
             Some(0.5),
             true,
         );

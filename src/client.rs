@@ -219,8 +219,7 @@ async fn dispatch(command: Command) -> Outcome {
             if follow {
                 c.follow(&build).await
             } else {
-                let (text, _) = c.log(&build).await?;
-                print_raw(&text);
+                c.log(&build, &mut |bytes| print_bytes(bytes)).await?;
                 let b = c
                     .call("GET", &format!("/v1/builds/{}", path(&build)), None, None)
                     .await?;
@@ -344,10 +343,10 @@ fn short(id: &str) -> String {
     id.chars().take(13).collect()
 }
 
-fn print_raw(text: &str) {
+fn print_bytes(bytes: &[u8]) {
     let mut stdout = std::io::stdout().lock();
     if stdout
-        .write_all(text.as_bytes())
+        .write_all(bytes)
         .and_then(|_| stdout.flush())
         .is_err()
     {
@@ -467,16 +466,23 @@ impl Client {
         Err(Stop::unreachable(&last))
     }
 
-    /// The log so far and the event its body covers.
-    async fn log(&self, build: &str) -> Result<(String, Option<u64>), Stop> {
+    /// The log so far, written to `sink` as it arrives (never held whole:
+    /// a log may be hundreds of MB), and the event its body covers. A
+    /// connection that drops mid-body resumes with `Range` from the bytes
+    /// already written, so nothing is written twice.
+    async fn log(&self, build: &str, sink: &mut dyn FnMut(&[u8])) -> Result<Option<u64>, Stop> {
         let mut last = String::new();
+        let mut written: u64 = 0;
+        // The newest cursor an answer gave: a resumed read's own, or the
+        // first read's when the resumed one found nothing more.
+        let mut covered: Option<u64> = None;
         for wait in std::iter::once(Duration::ZERO).chain(RETRY_WAITS) {
             tokio::time::sleep(wait).await;
-            let response = match self
-                .request("GET", &format!("/v1/builds/{}/log", path(build)))
-                .send()
-                .await
-            {
+            let mut r = self.request("GET", &format!("/v1/builds/{}/log", path(build)));
+            if written > 0 {
+                r = r.header("range", format!("bytes={written}-"));
+            }
+            let mut response = match r.send().await {
                 Ok(r) => r,
                 Err(e) => {
                     last = describe(&e);
@@ -489,10 +495,22 @@ impl Client {
                 .get("berth-event-cursor")
                 .and_then(|v| v.to_str().ok())
                 .and_then(|v| v.parse().ok());
+            covered = cursor.or(covered);
             match status {
-                200..=299 => match response.text().await {
-                    Ok(t) => return Ok((t, cursor)),
-                    Err(e) => last = describe(&e),
+                // Nothing after what was written: the log did not grow.
+                416 if written > 0 => return Ok(covered),
+                200..=299 => loop {
+                    match response.chunk().await {
+                        Ok(Some(chunk)) => {
+                            sink(&chunk);
+                            written += chunk.len() as u64;
+                        }
+                        Ok(None) => return Ok(covered),
+                        Err(e) => {
+                            last = describe(&e);
+                            break;
+                        }
+                    }
                 },
                 500..=599 => last = format!("berth answered {status}"),
                 _ => {
@@ -548,18 +566,27 @@ impl Client {
     /// `logs --follow`: the log in one read, then the channel from its
     /// cursor; each line once; the build's outcome as the exit status.
     async fn follow(&self, build: &str) -> Outcome {
-        let (so_far, cursor) = self.log(build).await?;
-        let mut last: u64 = 0;
-        if let Some(c) = cursor {
-            last = c;
-            if !self.json {
-                print_raw(&so_far);
-            } else {
-                for line in so_far.lines() {
-                    out!("{}", json!({"event": "log", "data": line}));
+        // The body goes out as it comes; with --json, as one object per
+        // whole line.
+        let mut partial: Vec<u8> = Vec::new();
+        let json_lines = self.json;
+        let cursor = self
+            .log(build, &mut |bytes| {
+                if !json_lines {
+                    return print_bytes(bytes);
                 }
-            }
-        }
+                partial.extend_from_slice(bytes);
+                while let Some(at) = partial.iter().position(|&b| b == b'\n') {
+                    let line: Vec<u8> = partial.drain(..=at).collect();
+                    let text = String::from_utf8_lossy(&line[..line.len() - 1]).into_owned();
+                    out!("{}", json!({"event": "log", "data": text}));
+                }
+            })
+            .await?;
+        // Lines the body held have seqs up to its cursor; the channel from
+        // there gives the rest. (Without a cursor the channel is followed
+        // from its start.)
+        let mut last: u64 = cursor.unwrap_or(0);
         let mut wait = Duration::from_millis(100);
         loop {
             match self.stream_once(build, &mut last).await {
