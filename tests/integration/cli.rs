@@ -115,6 +115,9 @@ async fn each_command_once_good_and_once_refused() {
     assert!(preview["changes"].is_array(), "{preview}");
     let (code, _, err) = run(&["preview", "alice"], "not json");
     assert_eq!(code, 2, "a usage error: {err}");
+    let (code, _, err) = run(&["preview", "alice"], r#"{"domain": 5}"#);
+    assert_eq!(code, 3, "{err}");
+    assert!(err.contains("/configuration/domain"), "{err}");
     // status: the table and one deployment; a missing one is refused.
     let (code, out, _) = run(&["status"], "");
     assert_eq!(code, 0);
@@ -134,6 +137,10 @@ async fn each_command_once_good_and_once_refused() {
     assert_eq!(code, 0);
     let builds: Value = serde_json::from_str(&out).unwrap();
     let first = builds["items"][0]["id"].as_str().unwrap().to_string();
+    let (code, _, err) = run(&["builds", "ghost"], "");
+    assert_eq!(code, 3, "{err}");
+    let (code, _, err) = run(&["logs", "01a231a9-0000-7000-8000-000000000000"], "");
+    assert_eq!(code, 3, "{err}");
     // rollback: nothing earlier yet (refused), then after a second deploy.
     let (code, _, err) = run(&["rollback", "alice"], "");
     assert_eq!(code, 3, "{err}");
@@ -361,4 +368,28 @@ fn completions_and_the_man_page_come_from_the_flags() {
         page.contains(".TH berth 1") && page.contains("deploy"),
         "{page}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_of_a_running_build_and_its_follower_exits_5() {
+    let dir = temp_dir("cli-cancel");
+    let (deployer, _gates) = gated_deployer(&dir);
+    let s = Server::start(Options::default().deployer(&deployer)).await;
+    let build = s.submit_ok("c", json!({})).await;
+    s.wait_build(&build, "running").await;
+    let follower = Command::new(env!("CARGO_BIN_EXE_berth"))
+        .args(["logs", &build, "--follow"])
+        .env("BERTH_URL", &s.base)
+        .env("BERTH_TOKEN_FILE", token_file(&s))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (code, out, err) = said(&cli(&s.base, &token_file(&s), &["cancel", &build], ""));
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.starts_with(&build), "{out}");
+    let output = tokio::task::spawn_blocking(move || follower.wait_with_output().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(output.status.code(), Some(5), "a cancelled build's outcome");
 }
