@@ -125,7 +125,23 @@ in
       activateCommand = mkOption {
         type = types.nullOr types.str;
         default = null;
-        description = "Replaces nix-copy-closure + switch-to-configuration over SSH; sees NODE, TOPLEVEL, TARGET.";
+        description = "Replaces nix-copy-closure + switch-to-configuration over SSH (and its armed revert); sees NODE, TOPLEVEL, TARGET.";
+      };
+      confirmTimeout = mkOption {
+        type = types.nullOr types.int;
+        default = null;
+        description = "Seconds after an activation before a target goes back to its previous system unless berth confirmed it (default 300; keep it above berth's --health-timeout).";
+      };
+      keep = mkOption {
+        type = types.nullOr types.int;
+        default = null;
+        description = "Confirmed systems per node kept with a GC root, so a rollback to one builds nothing (default 5).";
+      };
+      sshOptions = mkOption {
+        type = types.nullOr types.str;
+        default = null;
+        example = "-i /run/keys/berth-deploy -o StrictHostKeyChecking=yes";
+        description = "Options for ssh and nix-copy-closure (Nix's NIX_SSHOPTS).";
       };
     };
     audit = {
@@ -152,7 +168,10 @@ in
       environment = {
         NIX_REMOTE = "daemon";
       } // optionalAttrs (cfg.nix.builders != null) { BERTH_NIX_BUILDERS = cfg.nix.builders; }
-        // optionalAttrs (cfg.nix.activateCommand != null) { BERTH_NIX_ACTIVATE = cfg.nix.activateCommand; };
+        // optionalAttrs (cfg.nix.activateCommand != null) { BERTH_NIX_ACTIVATE = cfg.nix.activateCommand; }
+        // optionalAttrs (cfg.nix.confirmTimeout != null) { BERTH_NIX_CONFIRM_TIMEOUT = toString cfg.nix.confirmTimeout; }
+        // optionalAttrs (cfg.nix.keep != null) { BERTH_NIX_KEEP = toString cfg.nix.keep; }
+        // optionalAttrs (cfg.nix.sshOptions != null) { NIX_SSHOPTS = cfg.nix.sshOptions; };
       serviceConfig = {
         ExecStart = lib.escapeShellArgs args;
         LoadCredential =

@@ -540,7 +540,13 @@ fn every_option_reaches_its_unit(lib: &ModuleLib) {
         "metricsPublic": true,
         "serviceTokenFile": "/run/keys/berth-token",
         "callbackSecretFile": "/run/keys/berth-callback",
-        "nix": {"builders": "ssh://builder x86_64-linux", "activateCommand": "activate-it"},
+        "nix": {
+            "builders": "ssh://builder x86_64-linux",
+            "activateCommand": "activate-it",
+            "confirmTimeout": 600,
+            "keep": 3,
+            "sshOptions": "-i /run/keys/deploy",
+        },
         "audit": {
             "sink": "https://witness.example.org/berth",
             "verifyInterval": "hourly",
@@ -606,6 +612,9 @@ fn every_option_reaches_its_unit(lib: &ModuleLib) {
         "ssh://builder x86_64-linux"
     );
     assert_eq!(berth["environment"]["BERTH_NIX_ACTIVATE"], "activate-it");
+    assert_eq!(berth["environment"]["BERTH_NIX_CONFIRM_TIMEOUT"], "600");
+    assert_eq!(berth["environment"]["BERTH_NIX_KEEP"], "3");
+    assert_eq!(berth["environment"]["NIX_SSHOPTS"], "-i /run/keys/deploy");
     assert_eq!(
         berth["serviceConfig"]["LoadCredential"],
         json!([
