@@ -166,6 +166,25 @@ async fn each_command_once_good_and_once_refused() {
     assert_eq!(code, 0, "{err}");
     let (code, _, err) = run(&["delete", "nobody-here"], "");
     assert_eq!(code, 3, "{err}");
+    // The actor the backend acts for is named with the service token.
+    let (code, _, err) = run(
+        &[
+            "deploy",
+            "carol",
+            "--actor-subject",
+            "carol@example.org",
+            "--actor-issuer",
+            "https://id.example.org",
+        ],
+        r#"{"domain": "carol.example.org"}"#,
+    );
+    assert_eq!(code, 0, "{err}");
+    let (_, events) = s
+        .json(
+            "/v1/audit?actor_subject=carol%40example.org&actor_issuer=https%3A%2F%2Fid.example.org",
+        )
+        .await;
+    assert_eq!(events["items"][0]["action"], "submit", "{events}");
     // Unreachable: exit 4.
     let o = cli("http://127.0.0.1:9", &tf, &["status"], "");
     assert_eq!(o.status.code(), Some(4));
