@@ -289,6 +289,11 @@ async fn action(name: &str, id: &str, wait: bool, conn: &ClientArgs) -> Outcome 
 /// A configuration from a file, or from stdin for `-`.
 fn read_config(from: &str) -> Result<Value, Stop> {
     use std::io::Read;
+    if from == "-" && std::io::stdin().is_terminal() {
+        return Err(Stop::usage(
+            "give the configuration with --config FILE, or pipe it on stdin".into(),
+        ));
+    }
     let mut bytes = Vec::new();
     let read = if from == "-" {
         std::io::stdin()

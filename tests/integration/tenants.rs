@@ -271,7 +271,6 @@ async fn list_cursors_leak_no_hidden_id() {
 /// under 50 MiB above what it held before them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stalled_range_readers_do_not_pin_the_log() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let dir = temp_dir("stalled-range");
     // 64 MiB of log: 1 MiB lines of 1023 characters each, 65,536 lines.
     let body = format!(
@@ -282,28 +281,8 @@ async fn stalled_range_readers_do_not_pin_the_log() {
     let b = s.submit_ok("big", json!({})).await;
     let end = s.wait_build(&b, "final").await;
     assert_eq!(end["log_bytes"], 64 * 1024 * 1024, "{end}");
-    let before = s.rss_kib();
-    let address = s.base.trim_start_matches("http://").to_string();
-    let mut stalled = Vec::new();
-    for _ in 0..8 {
-        let mut sock = tokio::net::TcpStream::connect(&address).await.unwrap();
-        let request = format!(
-            "GET /v1/builds/{b}/log HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {}\r\nRange: bytes=0-\r\n\r\n",
-            s.token
-        );
-        sock.write_all(request.as_bytes()).await.unwrap();
-        // Read the head only, then stop reading.
-        let mut head = [0u8; 512];
-        let n = sock.read(&mut head).await.unwrap();
-        assert!(
-            String::from_utf8_lossy(&head[..n]).starts_with("HTTP/1.1 206"),
-            "{}",
-            String::from_utf8_lossy(&head[..n])
-        );
-        stalled.push(sock);
-    }
-    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
-    let after = s.rss_kib();
+    let head = format!("GET /v1/builds/{b}/log HTTP/1.1\r\nRange: bytes=0-");
+    let (before, after, stalled) = stalled_readers(&s, &head, "HTTP/1.1 206").await;
     let grown_mib = after.saturating_sub(before) / 1024;
     println!("RSS with 8 stalled Range readers of a 64 MiB log: {before} KiB before, {after} KiB after (+{grown_mib} MiB)");
     assert!(
@@ -313,12 +292,45 @@ async fn stalled_range_readers_do_not_pin_the_log() {
     drop(stalled);
 }
 
+/// Eight connections that send `request_head` (its first line and any
+/// headers but Host and Authorization), read the answer's first bytes
+/// (which must start with `status_line`) and then stop reading: berth's
+/// RSS before them and two seconds after, and the sockets (kept open).
+async fn stalled_readers(
+    s: &Server,
+    request_head: &str,
+    status_line: &str,
+) -> (u64, u64, Vec<tokio::net::TcpStream>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let before = s.rss_kib();
+    let address = s.base.trim_start_matches("http://").to_string();
+    let mut stalled = Vec::new();
+    for _ in 0..8 {
+        let mut sock = tokio::net::TcpStream::connect(&address).await.unwrap();
+        let request = format!(
+            "{request_head}\r\nHost: x\r\nAuthorization: Bearer {}\r\n\r\n",
+            s.token
+        );
+        sock.write_all(request.as_bytes()).await.unwrap();
+        // Read the head only, then stop reading.
+        let mut head = [0u8; 512];
+        let n = sock.read(&mut head).await.unwrap();
+        assert!(
+            String::from_utf8_lossy(&head[..n]).starts_with(status_line),
+            "{}",
+            String::from_utf8_lossy(&head[..n])
+        );
+        stalled.push(sock);
+    }
+    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    (before, s.rss_kib(), stalled)
+}
+
 /// Item 9, the SBOM document: eight stalled readers of a 32 MiB document
 /// keep berth under 50 MiB above what it held before them (each held the
 /// whole rebuilt document before).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stalled_sbom_readers_do_not_pin_the_document() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let dir = temp_dir("stalled-sbom");
     // 32,768 distinct components of about 1 KiB each.
     let filler = "x".repeat(1000);
@@ -344,27 +356,12 @@ async fn stalled_sbom_readers_do_not_pin_the_document() {
     // counted and not there for the readers to reuse.
     s.kill();
     s.launch().await;
-    let before = s.rss_kib();
-    let address = s.base.trim_start_matches("http://").to_string();
-    let mut stalled = Vec::new();
-    for _ in 0..8 {
-        let mut sock = tokio::net::TcpStream::connect(&address).await.unwrap();
-        let request = format!(
-            "GET /v1/deployments/big/sboms/web HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {}\r\n\r\n",
-            s.token
-        );
-        sock.write_all(request.as_bytes()).await.unwrap();
-        let mut head = [0u8; 512];
-        let n = sock.read(&mut head).await.unwrap();
-        assert!(
-            String::from_utf8_lossy(&head[..n]).starts_with("HTTP/1.1 200"),
-            "{}",
-            String::from_utf8_lossy(&head[..n])
-        );
-        stalled.push(sock);
-    }
-    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
-    let after = s.rss_kib();
+    let (before, after, stalled) = stalled_readers(
+        &s,
+        "GET /v1/deployments/big/sboms/web HTTP/1.1",
+        "HTTP/1.1 200",
+    )
+    .await;
     let grown_mib = after.saturating_sub(before) / 1024;
     println!("RSS with 8 stalled readers of a 32 MiB SBOM: {before} KiB before, {after} KiB after (+{grown_mib} MiB)");
     assert!(
