@@ -226,6 +226,7 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
     engine.ready.store(true, Ordering::SeqCst);
     tokio::spawn(engine.clone().run_queue());
     tokio::spawn(engine.clone().run_callbacks());
+    tokio::spawn(engine.clone().run_webhooks());
     tokio::spawn(engine.clone().run_sweeps());
     tokio::spawn(engine.clone().run_denial_flush());
     tokio::spawn(engine.clone().run_updates());

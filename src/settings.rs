@@ -342,6 +342,30 @@ pub struct Settings {
     #[arg(long, env = "BERTH_HEALTH_INTERVAL", default_value = "5s", value_parser = parse_health_interval)]
     pub health_interval: Duration,
 
+    /// Origins (scheme://host[:port]) a webhook URL may have
+    /// (comma-separated; none by default, so no subscription is possible
+    /// until one is named).
+    #[arg(long, env = "BERTH_WEBHOOK_ORIGIN", value_delimiter = ',')]
+    pub webhook_origin: Vec<String>,
+
+    /// Webhook subscriptions at most.
+    #[arg(long, env = "BERTH_MAX_WEBHOOKS", default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    pub max_webhooks: u32,
+
+    /// One webhook attempt's time limit (a 2xx within it is delivered).
+    #[arg(long, env = "BERTH_WEBHOOK_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub webhook_timeout: Duration,
+
+    /// Webhook deliveries in flight at once, across subscriptions (each
+    /// subscription has at most one, so a dead receiver holds one).
+    #[arg(long, env = "BERTH_WEBHOOK_CONCURRENCY", default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=256))]
+    pub webhook_concurrency: u32,
+
+    /// The waits before each retry of a webhook delivery; after the last,
+    /// it is failed (Standard Webhooks' schedule by default).
+    #[arg(long, env = "BERTH_WEBHOOK_RETRY_SCHEDULE", default_value = "5s,5m,30m,2h,5h,10h,10h", value_delimiter = ',', value_parser = parse_duration)]
+    pub webhook_retry_schedule: Vec<Duration>,
+
     /// How long a deploy's changed nodes have to become healthy; 0 turns
     /// the checks off (a deployer with `confirm` is still confirmed at once,
     /// so a revert it armed does not fire).

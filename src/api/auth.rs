@@ -71,6 +71,8 @@ pub enum Procedure {
     UpdatePolicy,
     AuditRead,
     Stream,
+    /// Webhook subscriptions: never asked (the service token only).
+    Webhooks,
 }
 
 impl Procedure {
@@ -85,6 +87,7 @@ impl Procedure {
             Procedure::UpdatePolicy => "update_policy",
             Procedure::AuditRead => "audit_read",
             Procedure::Stream => "stream",
+            Procedure::Webhooks => "webhooks",
         }
     }
 }

@@ -238,6 +238,7 @@ impl From<Refusal> for ApiError {
             Refusal::NotFound(Missing::Deployment) => ApiError::not_found("deployment"),
             Refusal::NotFound(Missing::Build) => ApiError::not_found("build"),
             Refusal::NotFound(Missing::Action) => ApiError::not_found("action"),
+            Refusal::NotFound(Missing::Webhook) => ApiError::not_found("webhook"),
             Refusal::ActionRefused(reason) => ApiError::conflict(
                 reason.code(),
                 "the deployment's actions list shows this action disabled; its reason says why",
@@ -297,6 +298,7 @@ fn conflict_message(c: Conflict) -> &'static str {
         Conflict::SourceImmutable => "this digest is already registered with another url or rev",
         Conflict::PolicyNotManual => "an explicit source needs the manual update policy",
         Conflict::BuildFinished => "the build has already finished",
+        Conflict::TooManyWebhooks => "--max-webhooks subscriptions exist; delete one first",
     }
 }
 

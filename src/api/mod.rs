@@ -36,6 +36,7 @@ pub mod ops;
 pub mod page;
 pub mod routes;
 pub mod sboms;
+pub mod webhooks;
 
 pub use routes::ROUTES;
 

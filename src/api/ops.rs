@@ -118,6 +118,23 @@ pub fn metrics(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
             let _ = writeln!(out, "berth_denied_calls_total{{principal=\"{label}\"}} {n}");
         }
     }
+    out.push_str("# HELP berth_webhook_deliveries_total Webhook attempts by result since start.\n# TYPE berth_webhook_deliveries_total counter\n");
+    for (result, slot) in [
+        ("delivered", crate::engine::webhooks::DELIVERED),
+        ("retried", crate::engine::webhooks::RETRIED),
+        ("failed", crate::engine::webhooks::FAILED),
+    ] {
+        let n = e.metrics.webhooks[slot].load(Ordering::Relaxed);
+        let _ = writeln!(
+            out,
+            "berth_webhook_deliveries_total{{result=\"{result}\"}} {n}"
+        );
+    }
+    let pending = e.store.read()?.pending_deliveries()?;
+    let _ = writeln!(
+        out,
+        "# HELP berth_webhook_pending Webhook deliveries not yet delivered or failed.\n# TYPE berth_webhook_pending gauge\nberth_webhook_pending {pending}"
+    );
     // Kept in the store by every status change: exact at every scrape, and
     // one read however many builds there are.
     let counts = e.store.read()?.build_status_counts()?;

@@ -24,7 +24,8 @@ use std::sync::Arc;
 use super::auth::{self, Caller, Procedure, Question, Refused};
 use super::errors::{ApiError, Code};
 use super::{
-    audit, builds, deployments, derive, events, idempotency, ops, page, sboms, Answer, Ctx, Request,
+    audit, builds, deployments, derive, events, idempotency, ops, page, sboms, webhooks, Answer,
+    Ctx, Request,
 };
 use crate::model::parse_build_id;
 use crate::store::{Lookup, StoreErrorKind};
@@ -59,6 +60,9 @@ pub enum TokenCall {
     AuditList,
     AuditProof,
     AuditConsistency,
+    ListWebhooks,
+    ReadWebhook,
+    ListDeliveries,
 }
 
 /// A route that changes state: token-authenticated, audited, and run under
@@ -70,6 +74,10 @@ pub enum MutationCall {
     SetUpdatePolicy,
     DeleteDeployment,
     CancelBuild,
+    CreateWebhook,
+    DeleteWebhook,
+    RotateWebhookSecret,
+    TestWebhook,
 }
 
 /// An event stream: the service token or a stream ticket for its path (a
@@ -106,6 +114,9 @@ pub enum Scope {
     /// A list: a known caller suffices, and each item is filtered through
     /// `read` by the handler.
     EachItem,
+    /// The service token only (webhooks, notifications.md): a callback
+    /// token is refused with 403 without asking the callback.
+    ServiceOnly,
 }
 
 /// What a denied callback caller is answered.
@@ -239,7 +250,7 @@ const fn mutation_row(
 
 use Denial::{Forbidden, NotFound};
 use Procedure as P;
-use Scope::{BuildsDeployment, EachItem, PathDeployment, QueryActor, Server};
+use Scope::{BuildsDeployment, EachItem, PathDeployment, QueryActor, Server, ServiceOnly};
 
 /// Every route berth serves.
 #[rustfmt::skip]
@@ -272,6 +283,13 @@ pub const ROUTES: &[Route] = &[
     token_row("GET", "/v1/audit", TokenCall::AuditList, P::AuditRead, QueryActor, Forbidden),
     token_row("GET", "/v1/audit/proof", TokenCall::AuditProof, P::AuditRead, Server, Forbidden),
     token_row("GET", "/v1/audit/consistency", TokenCall::AuditConsistency, P::AuditRead, Server, Forbidden),
+    mutation_row("POST", "/v1/webhooks", MutationCall::CreateWebhook, P::Webhooks, ServiceOnly, Audit::Action("webhook_create")),
+    token_row("GET", "/v1/webhooks", TokenCall::ListWebhooks, P::Webhooks, ServiceOnly, Forbidden),
+    token_row("GET", "/v1/webhooks/{webhook}", TokenCall::ReadWebhook, P::Webhooks, ServiceOnly, Forbidden),
+    mutation_row("DELETE", "/v1/webhooks/{webhook}", MutationCall::DeleteWebhook, P::Webhooks, ServiceOnly, Audit::Action("webhook_delete")),
+    mutation_row("POST", "/v1/webhooks/{webhook}/rotate-secret", MutationCall::RotateWebhookSecret, P::Webhooks, ServiceOnly, Audit::Action("webhook_rotate")),
+    mutation_row("POST", "/v1/webhooks/{webhook}/test", MutationCall::TestWebhook, P::Webhooks, ServiceOnly, Audit::Action("webhook_test")),
+    token_row("GET", "/v1/webhooks/{webhook}/deliveries", TokenCall::ListDeliveries, P::Webhooks, ServiceOnly, Forbidden),
 ];
 
 /// A matched route's path parameters.
@@ -307,7 +325,7 @@ async fn scope_deployment(
 ) -> Result<Option<String>, ApiError> {
     let param = |name: &str| params.get(name).map(String::as_str).unwrap_or("");
     match scope {
-        Scope::Server | Scope::QueryActor | Scope::EachItem => Ok(None),
+        Scope::Server | Scope::QueryActor | Scope::EachItem | Scope::ServiceOnly => Ok(None),
         Scope::PathDeployment => Ok(Some(param("id").to_string())),
         Scope::BuildsDeployment => {
             // An id that does not parse names no build: the handler answers
@@ -387,7 +405,8 @@ pub async fn authorize(
         | Scope::Server
         | Scope::PathDeployment
         | Scope::BuildsDeployment
-        | Scope::EachItem => None,
+        | Scope::EachItem
+        | Scope::ServiceOnly => None,
     };
     let q = Question {
         procedure: ask.procedure,
@@ -402,6 +421,25 @@ pub async fn authorize(
     };
     let result = match ask.scope {
         Scope::EachItem => list_caller(ctx, headers, &q).await,
+        // Another token is refused here, unasked: webhooks are the
+        // operator's, not a tenant's.
+        Scope::ServiceOnly if !auth::has_service_token(&ctx.service_token, headers) => {
+            Err(match auth::bearer(headers) {
+                Some(_) => Refused {
+                    error: ApiError::new(Code::Forbidden, "webhooks take the service token"),
+                    actor: None,
+                    trusted_backend: false,
+                },
+                None => Refused {
+                    error: ApiError::new(Code::Unauthenticated, "a bearer token is required"),
+                    actor: None,
+                    trusted_backend: false,
+                },
+            })
+        }
+        Scope::ServiceOnly => {
+            auth::authenticate(&ctx.service_token, &ctx.authz, headers, &q, hide).await
+        }
         Scope::Server | Scope::PathDeployment | Scope::BuildsDeployment | Scope::QueryActor => {
             auth::authenticate(&ctx.service_token, &ctx.authz, headers, &q, hide).await
         }
@@ -497,6 +535,9 @@ pub async fn token(
         TokenCall::AuditList => audit::list(ctx, req, caller),
         TokenCall::AuditProof => audit::proof(ctx, req),
         TokenCall::AuditConsistency => audit::consistency(ctx, req),
+        TokenCall::ListWebhooks => webhooks::list(ctx),
+        TokenCall::ReadWebhook => webhooks::read(ctx, req),
+        TokenCall::ListDeliveries => webhooks::deliveries(ctx, req, caller),
     };
     reply.map(Answer::Reply)
 }
@@ -545,6 +586,18 @@ pub async fn mutation(
         }
         MutationCall::CancelBuild => {
             idempotency::mutation(ctx, req, caller, w, |w| builds::cancel(ctx, req, w)).await
+        }
+        MutationCall::CreateWebhook => {
+            idempotency::mutation(ctx, req, caller, w, |w| webhooks::create(ctx, req, w)).await
+        }
+        MutationCall::DeleteWebhook => {
+            idempotency::mutation(ctx, req, caller, w, |w| webhooks::delete(ctx, req, w)).await
+        }
+        MutationCall::RotateWebhookSecret => {
+            idempotency::mutation(ctx, req, caller, w, |w| webhooks::rotate(ctx, req, w)).await
+        }
+        MutationCall::TestWebhook => {
+            idempotency::mutation(ctx, req, caller, w, |w| webhooks::test(ctx, req, w)).await
         }
     };
     if let Err(e) = &result {

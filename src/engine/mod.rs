@@ -25,6 +25,7 @@ pub mod sweeps;
 pub mod transition;
 pub mod updates;
 pub mod verdict;
+pub mod webhooks;
 
 pub use audit::Recorder;
 pub use requests::{CancelTaken, DestroyQueued, Mode, SubmitInput, Submitted};
@@ -52,6 +53,9 @@ pub struct Metrics {
     /// see one tenant doing it. At most `MAX_DENIAL_PRINCIPALS` rows; the
     /// rest count under "other".
     pub denials: Mutex<HashMap<String, u64>>,
+    /// Webhook attempts by result (notifications.md): delivered, retried,
+    /// failed.
+    pub webhooks: [AtomicU64; 3],
 }
 
 /// Principals `/metrics` counts denials of one by one, at most.

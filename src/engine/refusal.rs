@@ -31,6 +31,7 @@ pub enum Missing {
     Build,
     /// An action name berth does not know.
     Action,
+    Webhook,
 }
 
 /// A lifecycle rule that refuses the change (api.md: 409 `conflict` with
@@ -45,6 +46,8 @@ pub enum Conflict {
     PolicyNotManual,
     /// The build has already finished.
     BuildFinished,
+    /// `--max-webhooks` subscriptions exist.
+    TooManyWebhooks,
 }
 
 impl Conflict {
@@ -55,6 +58,7 @@ impl Conflict {
             Conflict::SourceImmutable => "source_immutable",
             Conflict::PolicyNotManual => "policy_not_manual",
             Conflict::BuildFinished => "build_finished",
+            Conflict::TooManyWebhooks => "max_webhooks",
         }
     }
 }

@@ -231,6 +231,15 @@ impl<'t, 'a> Change<'t, 'a> {
                         sboms::clear(self.tx, self.hub, d, self.now)?;
                         d.deployed = None;
                         d.suspended = false;
+                        super::webhooks::outbox(
+                            self.tx,
+                            self.hub,
+                            "deployment.destroyed",
+                            Some(&d.id),
+                            None,
+                            serde_json::json!({"deployment": d.id, "build_id": format_build_id(b.id)}),
+                            self.now,
+                        )?;
                     }
                     _ => {}
                 }
@@ -238,6 +247,7 @@ impl<'t, 'a> Change<'t, 'a> {
             }
             None => {
                 events::build_status(self.tx, self.hub, b, self.now)?;
+                self.notify_build(b)?;
                 self.tx.put_build(b)?;
             }
         }
@@ -324,6 +334,20 @@ impl<'t, 'a> Change<'t, 'a> {
         if let Some(from) = failed_source.filter(|s| *s != d.snapshot.source) {
             hold_back(self, d, from, rollback.id, reason.as_str())?;
         }
+        super::webhooks::outbox(
+            self.tx,
+            self.hub,
+            "deployment.rollback_queued",
+            Some(&d.id),
+            None,
+            serde_json::json!({
+                "deployment": d.id,
+                "failed_build": format_build_id(failed.id),
+                "rollback_build": format_build_id(rollback.id),
+                "target_build": format_build_id(target),
+            }),
+            self.now,
+        )?;
         let mut draft = super::audit_events::system_draft(
             "automatic_rollback",
             Some(d.id.clone()),
@@ -417,11 +441,35 @@ impl<'t, 'a> Change<'t, 'a> {
             "a build changed with another deployment"
         );
         events::build_status(self.tx, self.hub, b, self.now)?;
+        self.notify_build(b)?;
         after_event(b);
         self.bump(d);
         events::deployment_changed(self.tx, self.hub, d, Some(b), self.now)?;
         self.tx.put_build(b)?;
         self.tx.put_deployment(d)
+    }
+
+    /// The webhook deliveries of a build's status change (notifications.md
+    /// "Event types"), in this transaction: the outbox.
+    fn notify_build(&self, b: &BuildRecord) -> StoreResult<()> {
+        let event_type = match b.status {
+            BuildStatus::Queued => "build.queued",
+            BuildStatus::Running => "build.started",
+            BuildStatus::Succeeded => "build.succeeded",
+            BuildStatus::Failed => "build.failed",
+            BuildStatus::Cancelled => "build.cancelled",
+        };
+        let data = serde_json::to_value(b.summary())
+            .map_err(|e| StoreError::other(format!("a build summary as JSON: {e}")))?;
+        super::webhooks::outbox(
+            self.tx,
+            self.hub,
+            event_type,
+            Some(&b.deployment),
+            None,
+            data,
+            self.now,
+        )
     }
 
     fn bump(&self, d: &mut DeploymentRecord) {

@@ -83,6 +83,9 @@ pub struct Hub {
     pub clients: AtomicUsize,
     /// Times a stream fell behind and caught up from the store (/metrics).
     pub catch_ups: std::sync::atomic::AtomicU64,
+    /// Woken after a commit that queued webhook deliveries (the outbox):
+    /// the sender then reads them at once instead of at its next look.
+    pub outbox: tokio::sync::Notify,
 }
 
 /// The subscriber fell further behind than the tail keeps: it catches up

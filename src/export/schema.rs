@@ -20,7 +20,11 @@ use crate::store::{
 
 /// The version of this relational layout, in `berth_meta`. A target holding
 /// a newer one is refused; bump it when a table or column changes meaning.
-pub const EXPORT_SCHEMA_VERSION: u32 = 2;
+pub const EXPORT_SCHEMA_VERSION: u32 = 3;
+
+/// The first export layout with the webhook tables (an older export has
+/// none, and imports without subscriptions).
+pub const FIRST_EXPORT_WITH_WEBHOOKS: u32 = 3;
 
 /// The export layouts this berth reads: version 1 split an idempotency
 /// key's identity wrongly (its `subject` held U+0000 for callback and
@@ -328,6 +332,35 @@ pub const TABLES: &[RelTable] = &[
         primary_key: &["level", "position"],
         references: &[],
     },
+    RelTable {
+        name: "webhooks",
+        store_table: Table::Webhooks,
+        columns: &[
+            col("webhook_id", Uuid),
+            col("url", Text),
+            col("created_at", Time),
+            // The record holds the signing secret: an export is as
+            // private as the store (0600, storage.md).
+            col("record", Json),
+        ],
+        primary_key: &["webhook_id"],
+        references: &[],
+    },
+    RelTable {
+        name: "webhook_deliveries",
+        store_table: Table::WebhookDeliveries,
+        columns: &[
+            col("webhook_id", Uuid),
+            col("delivery_id", Uuid),
+            col("event_type", Text),
+            col("status", Text),
+            col("record", Json),
+        ],
+        primary_key: &["webhook_id", "delivery_id"],
+        // (A reference names a `build_id` column; a delivery's parent is
+        // its subscription, which the import writes first.)
+        references: &[],
+    },
 ];
 
 /// The relational table holding a carried store table.
@@ -466,6 +499,23 @@ pub fn to_values(row: &Row) -> Result<Vec<Value>, String> {
             V::Text(deployment.clone()),
             V::Time(record.at),
             V::Text(serde_plain(&record.result)?),
+            json(record)?,
+        ],
+        Row::Webhook { id, record } => vec![
+            V::Uuid(*id),
+            V::Text(record.url.clone()),
+            V::Time(record.created_at),
+            json(record)?,
+        ],
+        Row::Delivery {
+            webhook,
+            id,
+            record,
+        } => vec![
+            V::Uuid(*webhook),
+            V::Uuid(*id),
+            V::Text(record.event_type.clone()),
+            V::Text(serde_plain(&record.status)?),
             json(record)?,
         ],
         Row::Component { hash, refs, text } => vec![
@@ -744,6 +794,15 @@ fn row_of(table: &RelTable, values: Vec<Value>) -> Result<Row, String> {
             deployment: c.text("deployment_id")?,
             record: c.record()?,
         },
+        Table::Webhooks => Row::Webhook {
+            id: c.uuid("webhook_id")?,
+            record: c.record()?,
+        },
+        Table::WebhookDeliveries => Row::Delivery {
+            webhook: c.uuid("webhook_id")?,
+            id: c.uuid("delivery_id")?,
+            record: c.record()?,
+        },
         Table::SbomComponents => Row::Component {
             hash: c.hash("hash")?,
             refs: u32::try_from(c.int("refs")?).map_err(|_| c.bad("refs"))?,
@@ -802,7 +861,8 @@ fn row_of(table: &RelTable, values: Vec<Value>) -> Result<Row, String> {
         | Table::LogIndex
         | Table::IdempotencyExpiry
         | Table::AuditByDeployment
-        | Table::AuditByActor => {
+        | Table::AuditByActor
+        | Table::WebhookDue => {
             return Err(format!(
                 "table {}: {} is an index the import rebuilds, not a table of rows",
                 table.name,

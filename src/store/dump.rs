@@ -16,8 +16,8 @@ use super::compress::{compress, decompress};
 use super::tables::*;
 use super::tx::Tx;
 use super::{
-    component_row, decode, split_chunk_row, split_component_row, ChunkPlace, IdempotencyRecord,
-    PendingCallback, Rx, StoreError, StoreResult, StoredEvent,
+    component_row, decode, split_chunk_row, split_component_row, ChunkPlace, DeliveryRecord,
+    IdempotencyRecord, PendingCallback, Rx, StoreError, StoreResult, StoredEvent, WebhookRecord,
 };
 use crate::audit::{self as chain, Outcome};
 use crate::model::{
@@ -95,6 +95,15 @@ pub enum Row {
         index: u64,
         hash: [u8; 32],
     },
+    Webhook {
+        id: u128,
+        record: WebhookRecord,
+    },
+    Delivery {
+        webhook: u128,
+        id: u128,
+        record: DeliveryRecord,
+    },
 }
 
 impl Row {
@@ -117,6 +126,8 @@ impl Row {
             Row::SbomNode { .. } => Table::SbomNodes,
             Row::Audit { .. } => Table::AuditEvents,
             Row::MerkleNode { .. } => Table::MerkleNodes,
+            Row::Webhook { .. } => Table::Webhooks,
+            Row::Delivery { .. } => Table::WebhookDeliveries,
         }
     }
 }
@@ -166,13 +177,16 @@ impl Rx {
             Table::SbomNodes => txn.open_table(SBOM_NODES)?.len()?,
             Table::AuditEvents => txn.open_table(AUDIT_EVENTS)?.len()?,
             Table::MerkleNodes => txn.open_table(MERKLE_NODES)?.len()?,
+            Table::Webhooks => txn.open_table(WEBHOOKS)?.len()?,
+            Table::WebhookDeliveries => txn.open_table(WEBHOOK_DELIVERIES)?.len()?,
             Table::DeploymentBuilds
             | Table::Queued
             | Table::Running
             | Table::LogIndex
             | Table::IdempotencyExpiry
             | Table::AuditByDeployment
-            | Table::AuditByActor => return Err(rebuilt_not_carried(table)),
+            | Table::AuditByActor
+            | Table::WebhookDue => return Err(rebuilt_not_carried(table)),
         })
     }
 
@@ -345,13 +359,34 @@ impl Rx {
                     })?;
                 }
             }
+            Table::Webhooks => {
+                for entry in txn.open_table(WEBHOOKS)?.iter()? {
+                    let (k, v) = entry?;
+                    each(Row::Webhook {
+                        id: k.value(),
+                        record: decode(v.value())?,
+                    })?;
+                }
+            }
+            Table::WebhookDeliveries => {
+                for entry in txn.open_table(WEBHOOK_DELIVERIES)?.iter()? {
+                    let (k, v) = entry?;
+                    let (webhook, id) = k.value();
+                    each(Row::Delivery {
+                        webhook,
+                        id,
+                        record: decode(v.value())?,
+                    })?;
+                }
+            }
             Table::DeploymentBuilds
             | Table::Queued
             | Table::Running
             | Table::LogIndex
             | Table::IdempotencyExpiry
             | Table::AuditByDeployment
-            | Table::AuditByActor => return Err(rebuilt_not_carried(table)),
+            | Table::AuditByActor
+            | Table::WebhookDue => return Err(rebuilt_not_carried(table)),
         }
         Ok(())
     }
@@ -451,6 +486,13 @@ impl Loader {
             Row::Callback { build, callback } => tx.put_callback(build, &callback)?,
             Row::Idempotency { identity, record } => tx.put_idempotency(&identity, &record)?,
             Row::UpdateTry { deployment, record } => tx.put_update_try(&deployment, &record)?,
+            Row::Webhook { id, record } => tx.put_webhook(id, &record)?,
+            // The due index is rebuilt from the row (`put_delivery`).
+            Row::Delivery {
+                webhook,
+                id,
+                record,
+            } => tx.put_delivery(webhook, id, &record)?,
             Row::Component { hash, refs, text } => {
                 let row = component_row(refs, &compress(&text)?);
                 self.txn

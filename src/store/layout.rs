@@ -24,6 +24,7 @@
 //! | 4 | `meta.build_counts`: builds by status, for `/metrics` |
 //! | 6 | an idempotency record holds its identity part by part (the export needs them apart) |
 //! | 5 | safe deploys: a build's `rollback_of` and `log_gaps`, a deployment's `auto_rollback` and its deployed nodes' fingerprints (every build and deployment record rewritten) |
+//! | 7 | webhooks: `webhooks`, `webhook_deliveries` and their `webhook_due` index (new tables, empty) |
 //!
 //! Releases before version 2 existed wrote version 1 but may already hold
 //! any of the later indexes (they were added by presence checks), so each
@@ -43,7 +44,7 @@ use super::{
 use crate::model::BuildId;
 
 /// The layout this binary writes and reads.
-pub const LAYOUT_VERSION: u32 = 6;
+pub const LAYOUT_VERSION: u32 = 7;
 
 /// The `meta` key holding the layout version (u32 LE). Its name predates
 /// the word "layout" and stays, so every release finds it.
@@ -58,7 +59,7 @@ struct Migration {
 }
 
 /// Every migration, in order; `MIGRATIONS[i].to == i + 2`.
-const MIGRATIONS: [Migration; 5] = [
+const MIGRATIONS: [Migration; 6] = [
     Migration {
         to: 2,
         what: "index every build's log chunks",
@@ -84,7 +85,21 @@ const MIGRATIONS: [Migration; 5] = [
         what: "keep each idempotency record's identity part by part",
         run: idempotency_identities,
     },
+    Migration {
+        to: 7,
+        what: "add the webhook tables",
+        run: webhook_tables,
+    },
 ];
+
+/// v7: the webhook tables, empty (the open creates every table; this step
+/// makes the version say so).
+fn webhook_tables(txn: &WriteTransaction) -> StoreResult<()> {
+    for table in [Table::Webhooks, Table::WebhookDeliveries, Table::WebhookDue] {
+        table.create(txn)?;
+    }
+    Ok(())
+}
 
 /// The version a file records; `None` for a file berth never opened.
 fn recorded_version(txn: &WriteTransaction) -> StoreResult<Option<u32>> {

@@ -5,7 +5,7 @@
 use redb::{ReadableTable, TableDefinition};
 
 use super::tables::*;
-use super::{decode, get_record, IdempotencyRecord, StoreResult};
+use super::{decode, get_record, DeliveryRecord, IdempotencyRecord, StoreResult, WebhookRecord};
 use crate::model::{
     BuildId, BuildKind, BuildRecord, BuildSnapshots, BuildStatus, DeploymentRecord, NodeSbom,
     Source, UpdateTry,
@@ -55,6 +55,52 @@ pub trait Lookup {
             out.push((node.to_string(), decode(v.value())?));
         }
         Ok(out)
+    }
+
+    fn webhook(&self, id: u128) -> StoreResult<Option<WebhookRecord>> {
+        get_record(&self.open(WEBHOOKS)?, id)
+    }
+
+    /// Every subscription, oldest first (at most `--max-webhooks`).
+    fn webhooks(&self) -> StoreResult<Vec<(u128, WebhookRecord)>> {
+        let t = self.open(WEBHOOKS)?;
+        let mut out = Vec::new();
+        for entry in t.iter()? {
+            let (k, v) = entry?;
+            out.push((k.value(), decode(v.value())?));
+        }
+        Ok(out)
+    }
+
+    fn delivery(&self, webhook: u128, id: u128) -> StoreResult<Option<DeliveryRecord>> {
+        let t = self.open_deliveries()?;
+        get_record(&t, (webhook, id))
+    }
+
+    /// A subscription's deliveries, newest first, older than `before`,
+    /// at most `limit`.
+    fn deliveries(
+        &self,
+        webhook: u128,
+        before: Option<u128>,
+        limit: usize,
+    ) -> StoreResult<Vec<(u128, DeliveryRecord)>> {
+        let t = self.open_deliveries()?;
+        let end = before.unwrap_or(u128::MAX);
+        let mut out = Vec::new();
+        for entry in t.range((webhook, 0u128)..(webhook, end))?.rev() {
+            let (k, v) = entry?;
+            out.push((k.value().1, decode(v.value())?));
+            if out.len() >= limit {
+                break;
+            }
+        }
+        Ok(out)
+    }
+
+    /// Opens the deliveries table (its key is a pair).
+    fn open_deliveries(&self) -> StoreResult<impl ReadableTable<(u128, u128), &'static [u8]> + '_> {
+        self.open(WEBHOOK_DELIVERIES)
     }
 
     fn idempotency(&self, key: &str) -> StoreResult<Option<IdempotencyRecord>> {

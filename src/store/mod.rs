@@ -28,7 +28,8 @@ pub use audit::{AuditLookup, Pruned, ReadOnlyStore, StoredNodes};
 pub use error::{StoreError, StoreErrorKind, StoreResult};
 pub use lookup::Lookup;
 pub use records::{
-    ChunkPlace, IdempotencyIdentity, IdempotencyRecord, PendingCallback, Principal, StoredEvent,
+    ChunkPlace, DeliveryRecord, DeliveryStatus, IdempotencyIdentity, IdempotencyRecord,
+    PendingCallback, Principal, StoredEvent, WebhookRecord,
 };
 pub use rx::Rx;
 pub use tx::Tx;

@@ -154,3 +154,49 @@ impl ChunkPlace {
         })
     }
 }
+
+/// A webhook subscription (notifications.md): where berth tells what
+/// happened, signed with its secret (Standard Webhooks).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WebhookRecord {
+    pub url: String,
+    /// Event types (`build.failed`, ...), or `["*"]` for all.
+    pub events: Vec<String>,
+    /// Only these deployments' events; `None`: every deployment's.
+    pub deployments: Option<Vec<String>>,
+    pub description: Option<String>,
+    /// `whsec_` and the base64 of 32 random bytes.
+    pub secret: String,
+    pub created_at: Millis,
+}
+
+/// Where a delivery stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DeliveryStatus {
+    Pending,
+    Delivered,
+    Failed,
+}
+
+/// One event for one subscription, written in the transaction of the
+/// change it reports (the outbox); its body and `webhook-id` never change
+/// across retries.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeliveryRecord {
+    pub event_type: String,
+    /// The `webhook-id` header.
+    pub message_id: String,
+    /// The JSON body, exactly as sent on every attempt.
+    pub body: String,
+    pub created_at: Millis,
+    pub status: DeliveryStatus,
+    pub attempts: u32,
+    pub last_attempt_at: Option<Millis>,
+    pub last_status_code: Option<u16>,
+    /// A code (`timeout`, `connect`, `tls`, `redirect`, `status`), never the
+    /// receiver's words.
+    pub last_error: Option<String>,
+    /// When the next attempt is due; `None` once delivered or failed.
+    pub next_attempt_at: Option<Millis>,
+}

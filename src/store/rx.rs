@@ -220,6 +220,27 @@ impl Rx {
         Ok(v.map(|v| String::from_utf8_lossy(v.value()).into_owned()))
     }
 
+    /// Pending webhook deliveries due at `now`, soonest first, at most
+    /// `limit`: (webhook, delivery).
+    pub fn due_deliveries(&self, now: i64, limit: usize) -> StoreResult<Vec<(u128, u128)>> {
+        let t = self.txn.open_table(WEBHOOK_DUE)?;
+        let mut out = Vec::new();
+        for entry in t.range((i64::MIN, 0u128, 0u128)..=(now, u128::MAX, u128::MAX))? {
+            let (k, _) = entry?;
+            let (_, webhook, delivery) = k.value();
+            out.push((webhook, delivery));
+            if out.len() >= limit {
+                break;
+            }
+        }
+        Ok(out)
+    }
+
+    /// Pending webhook deliveries (`/metrics`).
+    pub fn pending_deliveries(&self) -> StoreResult<u64> {
+        Ok(self.txn.open_table(WEBHOOK_DUE)?.len()?)
+    }
+
     pub fn callbacks(&self) -> StoreResult<Vec<(BuildId, PendingCallback)>> {
         let t = self.txn.open_table(CALLBACKS)?;
         let mut out = Vec::new();

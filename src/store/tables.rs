@@ -119,6 +119,19 @@ pub const AUDIT_BY_ACTOR: TableDefinition<(&str, u64), &[u8]> =
 pub const MERKLE_NODES: TableDefinition<(u8, u64), &[u8]> =
     TableDefinition::new(Table::MerkleNodes.name());
 
+/// Webhook id (UUIDv7 as u128) -> `WebhookRecord`: the subscriptions.
+pub const WEBHOOKS: TableDefinition<u128, &[u8]> = TableDefinition::new(Table::Webhooks.name());
+
+/// (webhook id, delivery id) -> `DeliveryRecord`: the outbox, each row
+/// written in the transaction of the change it reports; newest last.
+pub const WEBHOOK_DELIVERIES: TableDefinition<(u128, u128), &[u8]> =
+    TableDefinition::new(Table::WebhookDeliveries.name());
+
+/// (next attempt ms, webhook id, delivery id) -> (): the pending
+/// deliveries by when they are due, so the sender reads only those.
+pub const WEBHOOK_DUE: TableDefinition<(i64, u128, u128), ()> =
+    TableDefinition::new(Table::WebhookDue.name());
+
 /// Every redb table, one variant each: its name, whether an export carries
 /// its rows or an import rebuilds it from another table, and the store's
 /// open creating it. Every decision about a table is an exhaustive `match`
@@ -149,6 +162,9 @@ pub enum Table {
     IdempotencyExpiry,
     AuditByDeployment,
     AuditByActor,
+    Webhooks,
+    WebhookDeliveries,
+    WebhookDue,
 }
 
 /// What an export does with a table.
@@ -164,7 +180,7 @@ impl Table {
     /// Every table. The carried ones come first, in the order an import
     /// writes them (a row's parent before the row: builds before their
     /// logs), then the rebuilt indexes.
-    pub const ALL: [Table; 23] = [
+    pub const ALL: [Table; 26] = [
         Table::Meta,
         Table::Sources,
         Table::DescribeCache,
@@ -181,6 +197,8 @@ impl Table {
         Table::SbomNodes,
         Table::AuditEvents,
         Table::MerkleNodes,
+        Table::Webhooks,
+        Table::WebhookDeliveries,
         Table::DeploymentBuilds,
         Table::Queued,
         Table::Running,
@@ -188,6 +206,7 @@ impl Table {
         Table::IdempotencyExpiry,
         Table::AuditByDeployment,
         Table::AuditByActor,
+        Table::WebhookDue,
     ];
 
     /// Its name in the redb file: the one place each name is spelled (the
@@ -217,6 +236,9 @@ impl Table {
             Table::AuditByDeployment => "audit_by_deployment",
             Table::AuditByActor => "audit_by_actor",
             Table::MerkleNodes => "merkle_nodes",
+            Table::Webhooks => "webhooks",
+            Table::WebhookDeliveries => "webhook_deliveries",
+            Table::WebhookDue => "webhook_due",
         }
     }
 
@@ -239,7 +261,9 @@ impl Table {
             | Table::SbomComponents
             | Table::SbomNodes
             | Table::AuditEvents
-            | Table::MerkleNodes => Carried,
+            | Table::MerkleNodes
+            | Table::Webhooks
+            | Table::WebhookDeliveries => Carried,
             Table::DeploymentBuilds | Table::Queued | Table::Running => Rebuilt {
                 from: Table::Builds,
             },
@@ -251,6 +275,9 @@ impl Table {
             },
             Table::AuditByDeployment | Table::AuditByActor => Rebuilt {
                 from: Table::AuditEvents,
+            },
+            Table::WebhookDue => Rebuilt {
+                from: Table::WebhookDeliveries,
             },
         }
     }
@@ -289,6 +316,9 @@ impl Table {
             Table::IdempotencyExpiry => txn.open_table(IDEMPOTENCY_EXPIRY).map(drop),
             Table::AuditByDeployment => txn.open_table(AUDIT_BY_DEPLOYMENT).map(drop),
             Table::AuditByActor => txn.open_table(AUDIT_BY_ACTOR).map(drop),
+            Table::Webhooks => txn.open_table(WEBHOOKS).map(drop),
+            Table::WebhookDeliveries => txn.open_table(WEBHOOK_DELIVERIES).map(drop),
+            Table::WebhookDue => txn.open_table(WEBHOOK_DUE).map(drop),
         }
     }
 }

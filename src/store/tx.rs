@@ -7,8 +7,8 @@ use super::tables::*;
 use super::writer::Hook;
 use super::{
     codec, component_row, decode, decode_counts, encode_counts, get_record, put_record,
-    split_component_row, ChunkPlace, IdempotencyRecord, PendingCallback, StoreError, StoreResult,
-    StoredEvent, BUILD_COUNTS_KEY,
+    split_component_row, ChunkPlace, DeliveryRecord, IdempotencyRecord, PendingCallback,
+    StoreError, StoreResult, StoredEvent, WebhookRecord, BUILD_COUNTS_KEY,
 };
 use crate::model::{
     BuildId, BuildRecord, BuildSnapshots, BuildStatus, DeploymentRecord, Millis, NodeSbom, Source,
@@ -223,6 +223,62 @@ impl Tx<'_> {
             }
         }
         Ok(removed)
+    }
+
+    pub fn put_webhook(&self, id: u128, w: &WebhookRecord) -> StoreResult<()> {
+        put_record(self.txn.open_table(WEBHOOKS)?, id, w)
+    }
+
+    /// Removes a subscription and every delivery of it (pending ones are
+    /// dropped with it, notifications.md).
+    pub fn remove_webhook(&self, id: u128) -> StoreResult<()> {
+        self.txn.open_table(WEBHOOKS)?.remove(id)?;
+        let mut deliveries = self.txn.open_table(WEBHOOK_DELIVERIES)?;
+        let mut due = self.txn.open_table(WEBHOOK_DUE)?;
+        let mut gone = Vec::new();
+        for entry in deliveries.range((id, 0u128)..=(id, u128::MAX))? {
+            let (k, v) = entry?;
+            let record: DeliveryRecord = decode(v.value())?;
+            gone.push((k.value().1, record.next_attempt_at));
+        }
+        for (delivery, next) in gone {
+            deliveries.remove((id, delivery))?;
+            if let Some(at) = next {
+                due.remove((at, id, delivery))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Stores a delivery and keeps the due index: its old entry goes, a
+    /// pending one's new entry comes.
+    pub fn put_delivery(&self, webhook: u128, id: u128, d: &DeliveryRecord) -> StoreResult<()> {
+        let mut deliveries = self.txn.open_table(WEBHOOK_DELIVERIES)?;
+        let mut due = self.txn.open_table(WEBHOOK_DUE)?;
+        let old: Option<DeliveryRecord> = get_record(&deliveries, (webhook, id))?;
+        if let Some(at) = old.and_then(|o| o.next_attempt_at) {
+            due.remove((at, webhook, id))?;
+        }
+        if let (super::DeliveryStatus::Pending, Some(at)) = (d.status, d.next_attempt_at) {
+            due.insert((at, webhook, id), ())?;
+        }
+        deliveries.insert((webhook, id), codec::encode(d).as_slice())?;
+        Ok(())
+    }
+
+    /// Removes a delivery that is no longer pending (retention).
+    pub fn remove_delivery(&self, webhook: u128, id: u128) -> StoreResult<()> {
+        let old: Option<DeliveryRecord> =
+            get_record(&self.txn.open_table(WEBHOOK_DELIVERIES)?, (webhook, id))?;
+        if let Some(at) = old.and_then(|o| o.next_attempt_at) {
+            self.txn
+                .open_table(WEBHOOK_DUE)?
+                .remove((at, webhook, id))?;
+        }
+        self.txn
+            .open_table(WEBHOOK_DELIVERIES)?
+            .remove((webhook, id))?;
+        Ok(())
     }
 
     pub fn callback(&self, build: BuildId) -> StoreResult<Option<PendingCallback>> {

@@ -26,3 +26,4 @@ mod safe_deploys;
 mod sboms;
 mod tenants;
 mod torture;
+mod webhooks;
