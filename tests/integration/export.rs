@@ -1024,3 +1024,80 @@ fn import_refused(dir: &Path, from: &str) -> (String, PathBuf) {
     assert_ne!(code, 0, "the import went through");
     (err, target)
 }
+
+/// Webhooks (notifications.md): an export carries subscriptions (their
+/// secret included: the file is 0600) and pending deliveries, and the
+/// imported store has them as they were.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn subscriptions_and_pending_deliveries_travel_with_an_export() {
+    let dir = temp_dir("export-webhooks");
+    // Nothing listens on port 9: every attempt fails, deliveries stay pending.
+    let mut s = Server::start(
+        Options::default()
+            .arg("--webhook-origin")
+            .arg("http://127.0.0.1:9"),
+    )
+    .await;
+    let (status, made) = read(
+        s.post(
+            "/v1/webhooks",
+            &json!({"url": "http://127.0.0.1:9/hook", "events": ["*"], "description": "ops"}),
+        )
+        .send()
+        .await
+        .unwrap(),
+    )
+    .await;
+    assert_eq!(status, 201, "{made}");
+    let id = made["id"].as_str().unwrap().to_string();
+    let b = s.submit_ok("w1", mastodon("w1.org")).await;
+    s.wait_build(&b, "final").await;
+    let (_, before) = s.json(&format!("/v1/webhooks/{id}/deliveries")).await;
+    let pending = before["items"].as_array().unwrap().len();
+    assert!(pending >= 3, "{before}");
+    s.terminate();
+    let file = dir.join("export.sqlite");
+    let to = format!("sqlite:{}", file.display());
+    let (code, err) = berth_cli(&["export", "--data-dir", &data(&s.dir), "--to", &to]);
+    assert_eq!(code, 0, "{err}");
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(&file).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600, "the export holds webhook secrets");
+        let conn = rusqlite::Connection::open(&file).unwrap();
+        let record: String = conn
+            .query_row("SELECT record FROM webhooks", [], |r| r.get(0))
+            .unwrap();
+        assert!(record.contains("whsec_"), "the secret travels: {record}");
+    }
+    let target = dir.join("imported");
+    let (code, err) = berth_cli(&[
+        "import",
+        "--data-dir",
+        target.join("data").to_str().unwrap(),
+        "--from",
+        &to,
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let s2 = Server::start_in(
+        target,
+        Options::default()
+            .arg("--webhook-origin")
+            .arg("http://127.0.0.1:9"),
+    )
+    .await;
+    let (_, list) = s2.json("/v1/webhooks").await;
+    assert_eq!(list["items"][0]["id"], id, "{list}");
+    assert_eq!(list["items"][0]["description"], "ops", "{list}");
+    let (_, after) = s2.json(&format!("/v1/webhooks/{id}/deliveries")).await;
+    let ids = |v: &Value| -> Vec<Value> {
+        v["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| d["webhook_id_header"].clone())
+            .collect()
+    };
+    assert_eq!(ids(&after), ids(&before), "{after}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
