@@ -111,6 +111,7 @@ async function route() {
   nav.replaceChildren(
     el('a', { href: '#/' }, 'Deployments'),
     el('a', { href: '#/new' }, 'Submit'),
+    el('a', { href: '#/webhooks' }, 'Webhooks'),
     el('button', { type: 'button', onclick: signOut }, 'Sign out'),
   );
   const hash = location.hash.slice(1) || '/';
@@ -123,6 +124,7 @@ async function route() {
     else if (path.startsWith('/d/')) await deploymentView(decodeURIComponent(path.slice(3)));
     else if (path.startsWith('/b/')) await buildView(path.slice(3));
     else if (path === '/new') await submitView(new URLSearchParams(query).get('id') || '');
+    else if (path === '/webhooks') await webhooksView();
     else show(el('h1', {}, 'Not found'), el('a', { href: '#/' }, 'Back to the deployments'));
   } catch (e) {
     if (e instanceof Unauthorized) return refused();
@@ -560,6 +562,60 @@ async function logSoFar(id) {
   if (r.status === 401) throw new Unauthorized();
   if (!r.ok) return null;
   return { text: await r.text(), cursor: r.headers.get('Berth-Event-Cursor') };
+}
+
+// Webhook subscriptions and their recent deliveries, read-only
+// (notifications.md; subscribing is the API's, with the service token).
+async function webhooksView() {
+  let gone = false;
+  cleanup.push(() => (gone = true));
+  const res = await api('GET', '/v1/webhooks');
+  if (gone) return;
+  if (!res.ok) return show(problem(res));
+  const subs = res.data.items;
+  const pages = await Promise.all(subs.map((w) => api('GET', `/v1/webhooks/${w.id}/deliveries?limit=5`)));
+  if (gone) return;
+  show(
+    el('h1', {}, 'Webhooks'),
+    el(
+      'div',
+      {},
+      subs.length === 0
+      ? el('p', { class: 'muted' }, 'No subscriptions. POST /v1/webhooks with the service token makes one.')
+      : subs.map((w, i) =>
+          el(
+            'section',
+            { 'data-webhook': w.id },
+            el('h2', {}, w.url),
+            el('p', { class: 'muted' }, `${w.events.join(', ')} · ${w.deployments ? w.deployments.join(', ') : 'every deployment'}${w.description ? ' · ' + w.description : ''}`),
+            el(
+              'div',
+              { class: 'scroll' },
+              el(
+                'table',
+                {},
+                el('thead', {}, el('tr', {}, el('th', {}, 'Event'), el('th', {}, 'Status'), el('th', {}, 'Attempts'), el('th', { class: 'hide-narrow' }, 'Last error'), el('th', { class: 'hide-narrow' }, 'Created'))),
+                el(
+                  'tbody',
+                  {},
+                  (pages[i].ok ? pages[i].data.items : []).map((d) =>
+                    el(
+                      'tr',
+                      { 'data-delivery': d.id },
+                      el('td', {}, d.event_type),
+                      el('td', {}, badge(d.status)),
+                      el('td', {}, String(d.attempts)),
+                      el('td', { class: 'hide-narrow' }, d.last_error || (d.last_status_code ? String(d.last_status_code) : '—')),
+                      el('td', { class: 'hide-narrow muted' }, when(d.created_at)),
+                    ),
+                  ),
+                ),
+              ),
+            ),
+          ),
+        ),
+    ),
+  );
 }
 
 async function submitView(id) {

@@ -152,6 +152,17 @@ try {
   await page.waitForSelector(`[data-rollback-of="${firstWeb}"]`, { timeout: 30000 });
   check(!page.url().includes(brokenId), 'the page follows the new rollback build');
 
+  // Webhooks: the page lists subscriptions and their recent deliveries.
+  const hook = await api('POST', '/v1/webhooks', { url: 'http://127.0.0.1:9/hook', events: ['build.failed'], description: 'page test' });
+  check(hook.status === 201, `subscribe: ${hook.text}`);
+  const hookId = JSON.parse(hook.text).id;
+  const ping = await api('POST', `/v1/webhooks/${hookId}/test`);
+  check(ping.status === 202, `ping: ${ping.text}`);
+  await page.goto(base + '/#/webhooks');
+  await page.waitForSelector(`section[data-webhook="${hookId}"] tr[data-delivery]`);
+  check((await page.textContent(`section[data-webhook="${hookId}"]`)).includes('ping'), 'the ping delivery is listed');
+  check(!(await page.textContent('main')).includes('whsec_'), 'no secret on the page');
+
   // A phone: nothing wider than the screen, and dark mode reads.
   const phone = await browser.newContext({ viewport: { width: 375, height: 740 }, colorScheme: 'dark' });
   const p2 = await phone.newPage();
