@@ -140,7 +140,40 @@ async fn kill_9_at_random_instants_loses_nothing_acknowledged() {
         .unwrap_or_else(|| std::process::id() as u64 * 7919 + 17);
     eprintln!("torture: {trials} trials, seed {seed} (BERTH_TORTURE_SEED to replay)");
     let mut rng = Rng(seed);
-    let mut s = Server::start(Options::default().env("BERTH_LOCAL_STEP_MS", "2")).await;
+    // A webhook receiver: every acknowledged build's `build.queued` must
+    // arrive at least once, through every kill (notifications.md).
+    let queued_seen: Arc<Mutex<std::collections::HashSet<String>>> = Arc::default();
+    let seen = queued_seen.clone();
+    let (hook_url, _hook_task) = json_server(Arc::new(move |body: Value| {
+        if body["type"] == "build.queued" {
+            if let Some(id) = body["data"]["id"].as_str() {
+                seen.lock().unwrap().insert(id.to_string());
+            }
+        }
+        (200, json!({}))
+    }))
+    .await;
+    let mut s = Server::start(
+        Options::default()
+            .env("BERTH_LOCAL_STEP_MS", "2")
+            .arg("--webhook-origin")
+            .arg(hook_url.trim_end_matches('/'))
+            .arg("--webhook-retry-schedule")
+            .arg(&["200ms"; 30].join(",")),
+    )
+    .await;
+    let (status, made) = read(
+        s.post(
+            "/v1/webhooks",
+            &json!({"url": hook_url, "events": ["build.queued"]}),
+        )
+        .send()
+        .await
+        .unwrap(),
+    )
+    .await;
+    assert_eq!(status, 201, "{made}");
+    let mut acknowledged_builds: Vec<String> = Vec::new();
     let mut acknowledged = 0usize;
     let mut seen_builds: Vec<String> = Vec::new();
     // On a loaded machine a short run can see every kill land before any
@@ -206,6 +239,7 @@ async fn kill_9_at_random_instants_loses_nothing_acknowledged() {
                 status, 200,
                 "trial {trial}: acknowledged build {id} is gone ({m:?})"
             );
+            acknowledged_builds.push(id.to_string());
             assert!(b["status"].is_string());
         }
 
@@ -288,7 +322,29 @@ async fn kill_9_at_random_instants_loses_nothing_acknowledged() {
             .await;
         per.insert(d, list["items"].as_array().map_or(0, Vec::len));
     }
-    eprintln!("torture: {trials} trials, {acknowledged} acknowledged mutations, builds per deployment {per:?}");
+    // Every acknowledged build's `build.queued` reached the receiver.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let missing: Vec<String> = {
+            let seen = queued_seen.lock().unwrap();
+            acknowledged_builds
+                .iter()
+                .filter(|b| !seen.contains(*b))
+                .cloned()
+                .collect()
+        };
+        if missing.is_empty() {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "build.queued never arrived for {} acknowledged builds, e.g. {:?}",
+            missing.len(),
+            &missing[..missing.len().min(3)]
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    eprintln!("torture: {trials} trials, {acknowledged} acknowledged mutations, builds per deployment {per:?}, every acknowledged build's build.queued delivered ({} builds)", acknowledged_builds.len());
     assert!(
         acknowledged > 0,
         "no mutation was acknowledged: the trials checked nothing"
