@@ -446,3 +446,68 @@ async fn a_silent_receiver_does_not_hold_up_another_and_a_redirect_is_not_follow
     assert_eq!(page["items"][0]["last_error"], "redirect", "{page}");
     assert!(target.got().is_empty(), "the redirect was followed");
 }
+
+/// Rotation: deliveries after it are signed with the new secret (the old
+/// one no longer verifies them); a subscription for other deployments
+/// gets nothing of this one's; deleting drops the subscription.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rotated_secret_signs_what_follows_and_a_deployment_filter_holds() {
+    let receiver = Receiver::start(vec![]).await;
+    let other = Receiver::start(vec![]).await;
+    let s = server(&[&origin(&receiver.url), &origin(&other.url)], &[]).await;
+    let (id, old_secret) = subscribe(&s, &receiver.url, json!(["build.queued"])).await;
+    let (status, filtered) = read(
+        s.post(
+            "/v1/webhooks",
+            &json!({"url": other.url, "events": ["*"], "deployments": ["someone-else"]}),
+        )
+        .send()
+        .await
+        .unwrap(),
+    )
+    .await;
+    assert_eq!(status, 201, "{filtered}");
+    let (status, rotated) = read(
+        s.post(&format!("/v1/webhooks/{id}/rotate-secret"), &json!({}))
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(status, 200, "{rotated}");
+    let new_secret = rotated["secret"].as_str().unwrap().to_string();
+    assert_ne!(new_secret, old_secret);
+    s.submit_ok("alice", json!({"domain": "alice.example.org"}))
+        .await;
+    until("the delivery", || !receiver.got().is_empty()).await;
+    let g = &receiver.got()[0];
+    let mut headers = reqwest::header::HeaderMap::new();
+    for name in ["webhook-id", "webhook-timestamp", "webhook-signature"] {
+        headers.insert(name, g.header(name).parse().unwrap());
+    }
+    let verify = |secret: &str| {
+        standardwebhooks::Webhook::new(secret)
+            .unwrap()
+            .verify(g.body.as_bytes(), &headers)
+    };
+    assert!(verify(&new_secret).is_ok(), "the new secret signs");
+    assert!(
+        verify(&old_secret).is_err(),
+        "the old secret no longer does"
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        other.got().is_empty(),
+        "another deployment's subscription got alice's event"
+    );
+    let (status, _) = read(
+        s.delete(&format!("/v1/webhooks/{id}"))
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(status, 200);
+    let (status, _) = s.json(&format!("/v1/webhooks/{id}")).await;
+    assert_eq!(status, 404);
+}
