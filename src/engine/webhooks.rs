@@ -3,8 +3,9 @@
 //! Why it exists: a self-hoster wants to hear that a deploy failed or was
 //! rolled back without keeping a stream open. The promise peers do not make
 //! is the one this module keeps: a delivery row is written **in the
-//! transaction of the change it reports** (`outbox`, called only from
-//! `transition`), so a kill -9 at any instant neither loses a delivery for a
+//! transaction of the change it reports** (`outbox`, called from
+//! `transition` for every change it reports, and for the test route's
+//! ping), so a kill -9 at any instant neither loses a delivery for a
 //! committed change nor sends one for a change that did not commit.
 //!
 //! The sender reads due rows from the `webhook_due` index, at most
@@ -392,25 +393,38 @@ impl Engine {
             .await?
     }
 
+    /// One write job on an existing subscription: `change` does the
+    /// route's part (and may change the record), then the answer and the
+    /// audit event are stored with it. A missing one is refused.
+    async fn on_webhook(
+        self: &Arc<Self>,
+        id: u128,
+        record: Record<Subscription>,
+        change: impl Fn(&Tx, &Arc<Hub>, &mut WebhookRecord, Millis) -> StoreResult<()> + Send + 'static,
+    ) -> Result<Subscription, Refusal> {
+        let hub = self.hub.clone();
+        self.store
+            .write(move |tx| {
+                let Some(mut w) = tx.webhook(id)? else {
+                    return Ok(Err(Refusal::NotFound(Missing::Webhook)));
+                };
+                let at = Change::new(tx, &hub);
+                change(tx, &hub, &mut w, at.now())?;
+                let done = Subscription { id, record: w };
+                record.store(&at, &done)?;
+                Ok(Ok(done))
+            })
+            .await?
+    }
+
     /// `DELETE /v1/webhooks/{webhook}`: its pending deliveries go with it.
     pub async fn delete_webhook(
         self: &Arc<Self>,
         id: u128,
         record: Record<Subscription>,
     ) -> Result<Subscription, Refusal> {
-        let hub = self.hub.clone();
-        self.store
-            .write(move |tx| {
-                let Some(w) = tx.webhook(id)? else {
-                    return Ok(Err(Refusal::NotFound(Missing::Webhook)));
-                };
-                let change = Change::new(tx, &hub);
-                tx.remove_webhook(id)?;
-                let gone = Subscription { id, record: w };
-                record.store(&change, &gone)?;
-                Ok(Ok(gone))
-            })
-            .await?
+        self.on_webhook(id, record, move |tx, _, _, _| tx.remove_webhook(id))
+            .await
     }
 
     /// `POST /v1/webhooks/{webhook}/rotate-secret`: attempts from now on
@@ -424,20 +438,11 @@ impl Engine {
             tracing::error!(error = %e, "cannot make a webhook secret");
             Refusal::Internal
         })?;
-        let hub = self.hub.clone();
-        self.store
-            .write(move |tx| {
-                let Some(mut w) = tx.webhook(id)? else {
-                    return Ok(Err(Refusal::NotFound(Missing::Webhook)));
-                };
-                let change = Change::new(tx, &hub);
-                w.secret = secret.clone();
-                tx.put_webhook(id, &w)?;
-                let rotated = Subscription { id, record: w };
-                record.store(&change, &rotated)?;
-                Ok(Ok(rotated))
-            })
-            .await?
+        self.on_webhook(id, record, move |tx, _, w, _| {
+            w.secret = secret.clone();
+            tx.put_webhook(id, w)
+        })
+        .await
     }
 
     /// `POST /v1/webhooks/{webhook}/test`: one `ping` delivery.
@@ -446,26 +451,10 @@ impl Engine {
         id: u128,
         record: Record<Subscription>,
     ) -> Result<Subscription, Refusal> {
-        let hub = self.hub.clone();
-        self.store
-            .write(move |tx| {
-                let Some(w) = tx.webhook(id)? else {
-                    return Ok(Err(Refusal::NotFound(Missing::Webhook)));
-                };
-                let change = Change::new(tx, &hub);
-                outbox(
-                    tx,
-                    &hub,
-                    "ping",
-                    None,
-                    Some(id),
-                    json!({"webhook": uuid::Uuid::from_u128(id).to_string()}),
-                    change.now(),
-                )?;
-                let pinged = Subscription { id, record: w };
-                record.store(&change, &pinged)?;
-                Ok(Ok(pinged))
-            })
-            .await?
+        self.on_webhook(id, record, move |tx, hub, _, now| {
+            let data = json!({"webhook": uuid::Uuid::from_u128(id).to_string()});
+            outbox(tx, hub, "ping", None, Some(id), data, now)
+        })
+        .await
     }
 }
