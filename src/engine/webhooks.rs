@@ -152,13 +152,14 @@ impl Engine {
         ));
         // Subscriptions with an attempt in flight (one each, for fairness).
         let busy: Arc<Mutex<HashSet<u128>>> = Arc::default();
-        let mut last_prune = tokio::time::Instant::now();
+        // Retention runs at start, then every `PRUNE_EVERY`.
+        let mut last_prune: Option<tokio::time::Instant> = None;
         loop {
             if let Err(e) = self.send_due(&client, &slots, &busy).await {
                 tracing::error!(error = %e, "webhook sender");
             }
-            if last_prune.elapsed() >= PRUNE_EVERY {
-                last_prune = tokio::time::Instant::now();
+            if last_prune.is_none_or(|at| at.elapsed() >= PRUNE_EVERY) {
+                last_prune = Some(tokio::time::Instant::now());
                 if let Err(e) = self.prune_deliveries().await {
                     tracing::error!(error = %e, "webhook delivery retention");
                 }

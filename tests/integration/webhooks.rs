@@ -511,3 +511,51 @@ async fn a_rotated_secret_signs_what_follows_and_a_deployment_filter_holds() {
     let (status, _) = s.json(&format!("/v1/webhooks/{id}")).await;
     assert_eq!(status, 404);
 }
+
+/// Retention (notifications.md): delivered and failed rows older than 7
+/// days are pruned (at start, then hourly); a pending one and a recent
+/// one stay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn finished_deliveries_older_than_a_week_are_pruned() {
+    let receiver = Receiver::start(vec![]).await;
+    let mut s = server(&[&origin(&receiver.url)], &[]).await;
+    let (id, _) = subscribe(&s, &receiver.url, json!(["*"])).await;
+    let b = s
+        .submit_ok("alice", json!({"domain": "alice.example.org"}))
+        .await;
+    s.wait_build(&b, "final").await;
+    until("three deliveries", || receiver.got().len() >= 3).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    s.terminate();
+    // Age two of them by eight days, as if a week had passed.
+    let webhook = uuid::Uuid::parse_str(&id).unwrap().as_u128();
+    let store = berth::store::Store::open(&s.dir.join("data/berth.redb")).unwrap();
+    let aged = store
+        .write(move |tx| {
+            use berth::store::Lookup;
+            let week_and_a_day = 8 * 24 * 3600 * 1000;
+            let list = tx.deliveries(webhook, None, 10)?;
+            let mut aged = 0;
+            for (delivery, mut d) in list.into_iter().take(2) {
+                d.last_attempt_at = d.last_attempt_at.map(|t| t - week_and_a_day);
+                tx.put_delivery(webhook, delivery, &d)?;
+                aged += 1;
+            }
+            Ok(aged)
+        })
+        .await
+        .unwrap();
+    assert_eq!(aged, 2);
+    store.close().unwrap();
+    s.launch().await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let (_, page) = s.json(&format!("/v1/webhooks/{id}/deliveries")).await;
+        let left = page["items"].as_array().unwrap().len();
+        if left == 1 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "not pruned: {page}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
