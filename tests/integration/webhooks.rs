@@ -328,11 +328,19 @@ async fn a_delivery_verifies_with_the_python_library_and_a_refusal_sends_nothing
             .unwrap();
         assert!(!out.status.success(), "a changed body verified");
     }
-    // The deliveries route shows them delivered; /metrics counts them.
-    let (_, page) = s.json(&format!("/v1/webhooks/{id}/deliveries")).await;
-    let items = page["items"].as_array().unwrap();
-    assert_eq!(items.len(), 3, "{page}");
-    assert!(items.iter().all(|d| d["status"] == "delivered"), "{page}");
+    // The deliveries route shows them delivered (each result commits just
+    // after its receiver answered); /metrics counts them.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let (_, page) = s.json(&format!("/v1/webhooks/{id}/deliveries")).await;
+        let items = page["items"].as_array().unwrap();
+        assert_eq!(items.len(), 3, "{page}");
+        if items.iter().all(|d| d["status"] == "delivered") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "not all delivered: {page}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let metrics = s.metrics().await;
     assert!(
         metrics.contains("berth_webhook_deliveries_total{result=\"delivered\"} 3"),
@@ -360,8 +368,16 @@ async fn a_failing_receiver_gets_retries_with_one_webhook_id() {
         "a growing timestamp: {stamps:?}"
     );
     assert!(got.iter().all(|g| g.body == got[0].body), "the same body");
-    let (_, page) = s.json(&format!("/v1/webhooks/{id}/deliveries")).await;
-    assert_eq!(page["items"][0]["status"], "delivered", "{page}");
+    // The third attempt's result commits just after the receiver answers.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let page = loop {
+        let (_, page) = s.json(&format!("/v1/webhooks/{id}/deliveries")).await;
+        if page["items"][0]["status"] == "delivered" {
+            break page;
+        }
+        assert!(Instant::now() < deadline, "never delivered: {page}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
     assert_eq!(page["items"][0]["attempts"], 3, "{page}");
 }
 
@@ -439,11 +455,18 @@ async fn a_silent_receiver_does_not_hold_up_another_and_a_redirect_is_not_follow
     assert_eq!(page["items"][0]["status"], "pending", "{page}");
     assert_eq!(page["items"][0]["attempts"], 0, "{page}");
     // A redirect is an error, never followed.
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let (_, page) = s
-        .json(&format!("/v1/webhooks/{redirect_id}/deliveries"))
-        .await;
-    assert_eq!(page["items"][0]["last_error"], "redirect", "{page}");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let (_, page) = s
+            .json(&format!("/v1/webhooks/{redirect_id}/deliveries"))
+            .await;
+        if page["items"][0]["last_error"] == "redirect" {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no redirect error: {page}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(target.got().is_empty(), "the redirect was followed");
 }
 
