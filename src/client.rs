@@ -37,6 +37,9 @@ const RETRY_WAITS: [Duration; 4] = [
 /// A follower waits at most this long between reconnects (it never gives
 /// up: a restart of berth takes as long as it takes).
 const MAX_RECONNECT_WAIT: Duration = Duration::from_secs(2);
+/// One server-sent event at most (berth's are a log line or a build
+/// summary; anything far larger is not berth).
+const MAX_EVENT_BYTES: usize = 16 << 20;
 /// The token file berth serve writes by default.
 const DEFAULT_TOKEN_FILE: &str = "./berth-data/service-token";
 /// A configuration read from a file or stdin at most (berth's own limit on
@@ -633,6 +636,11 @@ impl Client {
                 Err(_) => return Err(None),
             };
             pending.extend_from_slice(&chunk);
+            if pending.len() > MAX_EVENT_BYTES {
+                return Err(Some(Stop::unreachable(
+                    "the event stream sent an event larger than 16 MiB",
+                )));
+            }
             while let Some(at) = find_block_end(&pending) {
                 let block: Vec<u8> = pending.drain(..at).collect();
                 if let Some(code) = self.event(&block, last) {

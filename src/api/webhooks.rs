@@ -9,7 +9,8 @@ use super::deployments::page_limit;
 use super::errors::ApiError;
 use super::idempotency::Write;
 use super::{cursor, Ctx, Reply, Request};
-use crate::engine::webhooks::{NewSubscription, Subscription, EVENT_TYPES};
+use crate::engine::outbox::EVENT_TYPES;
+use crate::engine::webhooks::{NewSubscription, Subscription};
 use crate::model::{format_time, is_valid_deployment_id};
 use crate::store::{DeliveryRecord, Lookup};
 

@@ -14,6 +14,7 @@ pub mod callbacks;
 pub mod deployer;
 pub mod health;
 pub mod log_pipe;
+pub mod outbox;
 pub mod outcome;
 pub mod queue;
 pub mod recovery;

@@ -231,7 +231,7 @@ impl<'t, 'a> Change<'t, 'a> {
                         sboms::clear(self.tx, self.hub, d, self.now)?;
                         d.deployed = None;
                         d.suspended = false;
-                        super::webhooks::outbox(
+                        super::outbox::outbox(
                             self.tx,
                             self.hub,
                             "deployment.destroyed",
@@ -334,7 +334,7 @@ impl<'t, 'a> Change<'t, 'a> {
         if let Some(from) = failed_source.filter(|s| *s != d.snapshot.source) {
             hold_back(self, d, from, rollback.id, reason.as_str())?;
         }
-        super::webhooks::outbox(
+        super::outbox::outbox(
             self.tx,
             self.hub,
             "deployment.rollback_queued",
@@ -461,7 +461,7 @@ impl<'t, 'a> Change<'t, 'a> {
         };
         let data = serde_json::to_value(b.summary())
             .map_err(|e| StoreError::other(format!("a build summary as JSON: {e}")))?;
-        super::webhooks::outbox(
+        super::outbox::outbox(
             self.tx,
             self.hub,
             event_type,

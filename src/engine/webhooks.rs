@@ -3,9 +3,9 @@
 //! Why it exists: a self-hoster wants to hear that a deploy failed or was
 //! rolled back without keeping a stream open. The promise peers do not make
 //! is the one this module keeps: a delivery row is written **in the
-//! transaction of the change it reports** (`outbox`, called from
-//! `transition` for every change it reports, and for the test route's
-//! ping), so a kill -9 at any instant neither loses a delivery for a
+//! transaction of the change it reports** (`engine::outbox`, called from
+//! `transition` for every change it reports, and here for the test
+//! route's ping), so a kill -9 at any instant neither loses a delivery for a
 //! committed change nor sends one for a change that did not commit.
 //!
 //! The sender reads due rows from the `webhook_due` index, at most
@@ -22,24 +22,14 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use serde_json::{json, Value};
+use serde_json::json;
 
+use super::outbox::outbox;
 use super::Engine;
 use crate::events::Hub;
 use crate::model::*;
 use crate::store::{DeliveryRecord, DeliveryStatus, Lookup, StoreResult, Tx, WebhookRecord};
 
-/// Every event type a subscription may name (`"*"`: all of them).
-pub const EVENT_TYPES: [&str; 8] = [
-    "build.queued",
-    "build.started",
-    "build.succeeded",
-    "build.failed",
-    "build.cancelled",
-    "deployment.rollback_queued",
-    "deployment.destroyed",
-    "ping",
-];
 /// A receiver's answer is read up to this many bytes, then dropped.
 const MAX_ANSWER_BYTES: usize = 1024;
 /// Due deliveries read per look.
@@ -57,6 +47,14 @@ pub const DELIVERED: usize = 0;
 pub const RETRIED: usize = 1;
 pub const FAILED: usize = 2;
 
+/// A new secret, or the refusal of a call that needed one (logged).
+fn secret_or_refusal() -> Result<String, super::refusal::Refusal> {
+    new_secret().map_err(|e| {
+        tracing::error!(error = %e, "cannot make a webhook secret");
+        super::refusal::Refusal::Internal
+    })
+}
+
 /// A new subscription's secret: `whsec_` and the base64 of 32 random bytes.
 pub fn new_secret() -> Result<String, String> {
     use base64::Engine as _;
@@ -66,63 +64,6 @@ pub fn new_secret() -> Result<String, String> {
         "whsec_{}",
         base64::engine::general_purpose::STANDARD.encode(bytes)
     ))
-}
-
-/// Queues `event_type` for every subscription that wants it, in `tx` (the
-/// transaction of the change it reports). `deployment` filters by the
-/// subscriptions' `deployments`; `only` names one subscription (a ping).
-pub fn outbox(
-    tx: &Tx,
-    hub: &Arc<Hub>,
-    event_type: &str,
-    deployment: Option<&str>,
-    only: Option<u128>,
-    data: Value,
-    now: Millis,
-) -> StoreResult<()> {
-    debug_assert!(EVENT_TYPES.contains(&event_type), "{event_type}");
-    let subscriptions = tx.webhooks()?;
-    if subscriptions.is_empty() {
-        return Ok(());
-    }
-    let body = json!({"type": event_type, "timestamp": format_time(now), "data": data}).to_string();
-    let mut queued = false;
-    for (id, w) in subscriptions {
-        if only.is_some_and(|o| o != id) {
-            continue;
-        }
-        if only.is_none() && !w.events.iter().any(|e| e == "*" || e == event_type) {
-            continue;
-        }
-        if let (Some(list), Some(dep)) = (&w.deployments, deployment) {
-            if !list.iter().any(|d| d == dep) {
-                continue;
-            }
-        }
-        let delivery = uuid::Uuid::now_v7();
-        tx.put_delivery(
-            id,
-            delivery.as_u128(),
-            &DeliveryRecord {
-                event_type: event_type.to_string(),
-                message_id: format!("msg_{}", delivery.simple()),
-                body: body.clone(),
-                created_at: now,
-                status: DeliveryStatus::Pending,
-                attempts: 0,
-                last_attempt_at: None,
-                last_status_code: None,
-                last_error: None,
-                next_attempt_at: Some(now),
-            },
-        )?;
-        queued = true;
-    }
-    if queued {
-        let hub = hub.clone();
-        tx.after_commit(move || hub.outbox.notify_one());
-    }
-    Ok(())
 }
 
 /// What one attempt came to.
@@ -364,10 +305,7 @@ impl Engine {
         new: NewSubscription,
         record: Record<Subscription>,
     ) -> Result<Subscription, Refusal> {
-        let secret = new_secret().map_err(|e| {
-            tracing::error!(error = %e, "cannot make a webhook secret");
-            Refusal::Internal
-        })?;
+        let secret = secret_or_refusal()?;
         let max = self.settings.max_webhooks as usize;
         let hub = self.hub.clone();
         self.store
@@ -435,10 +373,7 @@ impl Engine {
         id: u128,
         record: Record<Subscription>,
     ) -> Result<Subscription, Refusal> {
-        let secret = new_secret().map_err(|e| {
-            tracing::error!(error = %e, "cannot make a webhook secret");
-            Refusal::Internal
-        })?;
+        let secret = secret_or_refusal()?;
         self.on_webhook(id, record, move |tx, _, w, _| {
             w.secret = secret.clone();
             tx.put_webhook(id, w)

@@ -1,0 +1,81 @@
+//! The webhook outbox (notifications.md "Delivery"): the one function that
+//! queues deliveries, in the transaction of the change they report. Why
+//! it is a module of its own: `transition` calls it for every change it
+//! reports, and the sender (`webhooks`) builds on `transition`; a leaf
+//! here keeps the two from importing each other.
+
+use std::sync::Arc;
+
+use serde_json::{json, Value};
+
+use crate::events::Hub;
+use crate::model::*;
+use crate::store::{DeliveryRecord, DeliveryStatus, Lookup, StoreResult, Tx};
+
+/// Every event type a subscription may name (`"*"`: all of them).
+pub const EVENT_TYPES: [&str; 8] = [
+    "build.queued",
+    "build.started",
+    "build.succeeded",
+    "build.failed",
+    "build.cancelled",
+    "deployment.rollback_queued",
+    "deployment.destroyed",
+    "ping",
+];
+/// Queues `event_type` for every subscription that wants it, in `tx` (the
+/// transaction of the change it reports). `deployment` filters by the
+/// subscriptions' `deployments`; `only` names one subscription (a ping).
+pub fn outbox(
+    tx: &Tx,
+    hub: &Arc<Hub>,
+    event_type: &str,
+    deployment: Option<&str>,
+    only: Option<u128>,
+    data: Value,
+    now: Millis,
+) -> StoreResult<()> {
+    debug_assert!(EVENT_TYPES.contains(&event_type), "{event_type}");
+    let subscriptions = tx.webhooks()?;
+    if subscriptions.is_empty() {
+        return Ok(());
+    }
+    let body = json!({"type": event_type, "timestamp": format_time(now), "data": data}).to_string();
+    let mut queued = false;
+    for (id, w) in subscriptions {
+        if only.is_some_and(|o| o != id) {
+            continue;
+        }
+        if only.is_none() && !w.events.iter().any(|e| e == "*" || e == event_type) {
+            continue;
+        }
+        if let (Some(list), Some(dep)) = (&w.deployments, deployment) {
+            if !list.iter().any(|d| d == dep) {
+                continue;
+            }
+        }
+        let delivery = uuid::Uuid::now_v7();
+        tx.put_delivery(
+            id,
+            delivery.as_u128(),
+            &DeliveryRecord {
+                event_type: event_type.to_string(),
+                message_id: format!("msg_{}", delivery.simple()),
+                body: body.clone(),
+                created_at: now,
+                status: DeliveryStatus::Pending,
+                attempts: 0,
+                last_attempt_at: None,
+                last_status_code: None,
+                last_error: None,
+                next_attempt_at: Some(now),
+            },
+        )?;
+        queued = true;
+    }
+    if queued {
+        let hub = hub.clone();
+        tx.after_commit(move || hub.outbox.notify_one());
+    }
+    Ok(())
+}
