@@ -529,7 +529,7 @@ pub type JsonHandler = std::sync::Arc<dyn Fn(Value) -> (u16, Value) + Send + Syn
 /// authorization callback or witness sink): each POST body goes to
 /// `handler`. Returns its URL; aborting the handle takes it down.
 pub async fn json_server(handler: JsonHandler) -> (String, tokio::task::JoinHandle<()>) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncWriteExt;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}/", listener.local_addr().unwrap());
     let task = tokio::spawn(async move {
@@ -539,37 +539,10 @@ pub async fn json_server(handler: JsonHandler) -> (String, tokio::task::JoinHand
             };
             let handler = handler.clone();
             tokio::spawn(async move {
-                let mut buf = Vec::new();
-                let mut chunk = [0u8; 8192];
-                let (head_end, length) = loop {
-                    let Ok(n) = sock.read(&mut chunk).await else {
-                        return;
-                    };
-                    if n == 0 {
-                        return;
-                    }
-                    buf.extend_from_slice(&chunk[..n]);
-                    if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-                        let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
-                        let length = head
-                            .lines()
-                            .find_map(|l| l.strip_prefix("content-length:"))
-                            .and_then(|v| v.trim().parse::<usize>().ok())
-                            .unwrap_or(0);
-                        break (end + 4, length);
-                    }
+                let Some((_, body)) = read_request(&mut sock).await else {
+                    return;
                 };
-                while buf.len() < head_end + length {
-                    let Ok(n) = sock.read(&mut chunk).await else {
-                        return;
-                    };
-                    if n == 0 {
-                        return;
-                    }
-                    buf.extend_from_slice(&chunk[..n]);
-                }
-                let body: Value = serde_json::from_slice(&buf[head_end..head_end + length])
-                    .unwrap_or(Value::Null);
+                let body: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
                 let (status, answer) = handler(body);
                 let text = answer.to_string();
                 let response = format!(
@@ -582,6 +555,34 @@ pub async fn json_server(handler: JsonHandler) -> (String, tokio::task::JoinHand
         }
     });
     (url, task)
+}
+
+/// One HTTP/1.1 request read from `sock`: its head (request line and
+/// headers, as text) and its body (by `content-length`); `None` when the
+/// peer closes first.
+pub async fn read_request(sock: &mut tokio::net::TcpStream) -> Option<(String, Vec<u8>)> {
+    use tokio::io::AsyncReadExt;
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 8192];
+    let (head_end, length) = loop {
+        let n = sock.read(&mut chunk).await.ok().filter(|n| *n > 0)?;
+        buf.extend_from_slice(&chunk[..n]);
+        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+            let length = head
+                .lines()
+                .find_map(|l| l.strip_prefix("content-length:"))
+                .and_then(|v| v.trim().parse::<usize>().ok())
+                .unwrap_or(0);
+            break (end + 4, length);
+        }
+    };
+    while buf.len() < head_end + length {
+        let n = sock.read(&mut chunk).await.ok().filter(|n| *n > 0)?;
+        buf.extend_from_slice(&chunk[..n]);
+    }
+    let head = String::from_utf8_lossy(&buf[..head_end]).to_string();
+    Some((head, buf[head_end..head_end + length].to_vec()))
 }
 
 /// Runs `berth <args>` and returns (exit code, stdout).

@@ -62,7 +62,7 @@ impl Receiver {
     }
 
     fn serve(listener: tokio::net::TcpListener, script: Vec<Answer>) -> Receiver {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        use tokio::io::AsyncWriteExt;
         let url = format!("http://{}/hook", listener.local_addr().unwrap());
         let got: Arc<Mutex<Vec<Got>>> = Arc::default();
         let script = Arc::new(Mutex::new(VecDeque::from(script)));
@@ -71,44 +71,16 @@ impl Receiver {
             while let Ok((mut sock, _)) = listener.accept().await {
                 let (g, sc) = (g.clone(), sc.clone());
                 tokio::spawn(async move {
-                    let mut buf = Vec::new();
-                    let mut chunk = [0u8; 8192];
-                    let (head_end, length) = loop {
-                        let Ok(n) = sock.read(&mut chunk).await else {
-                            return;
-                        };
-                        if n == 0 {
-                            return;
-                        }
-                        buf.extend_from_slice(&chunk[..n]);
-                        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-                            let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
-                            let length = head
-                                .lines()
-                                .find_map(|l| l.strip_prefix("content-length:"))
-                                .and_then(|v| v.trim().parse::<usize>().ok())
-                                .unwrap_or(0);
-                            break (end + 4, length);
-                        }
+                    let Some((head, body)) = read_request(&mut sock).await else {
+                        return;
                     };
-                    while buf.len() < head_end + length {
-                        let Ok(n) = sock.read(&mut chunk).await else {
-                            return;
-                        };
-                        if n == 0 {
-                            return;
-                        }
-                        buf.extend_from_slice(&chunk[..n]);
-                    }
-                    let head = String::from_utf8_lossy(&buf[..head_end]).to_string();
                     let headers = head
                         .lines()
                         .skip(1)
                         .filter_map(|l| l.split_once(':'))
                         .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
                         .collect();
-                    let body =
-                        String::from_utf8_lossy(&buf[head_end..head_end + length]).to_string();
+                    let body = String::from_utf8_lossy(&body).to_string();
                     g.lock().unwrap().push(Got { headers, body });
                     let answer = sc
                         .lock()
