@@ -34,6 +34,7 @@ pub struct Server {
     pub token: String,
     pub args: Vec<String>,
     pub envs: Vec<(String, String)>,
+    pub group: Option<PathBuf>,
     child: Option<Child>,
     pub http: reqwest::Client,
 }
@@ -41,6 +42,8 @@ pub struct Server {
 pub struct Options {
     pub args: Vec<String>,
     pub envs: Vec<(String, String)>,
+    /// A process group (cgroup) berth starts in; its deployers inherit it.
+    pub group: Option<PathBuf>,
 }
 
 impl Default for Options {
@@ -48,6 +51,7 @@ impl Default for Options {
         Options {
             args: vec![],
             envs: vec![("BERTH_LOCAL_STEP_MS".into(), "0".into())],
+            group: None,
         }
     }
 }
@@ -66,6 +70,103 @@ impl Options {
         self.envs.push((k.into(), v.into()));
         self
     }
+    /// Starts berth inside `group`, so that everything it starts can be
+    /// killed at one instant (a power cut).
+    pub fn group(mut self, group: &Group) -> Self {
+        self.group = Some(group.path.clone());
+        self
+    }
+}
+
+/// A cgroup of its own (v2, or v1's `pids` hierarchy): every process berth
+/// starts (deployers in their own sessions included) stays in it, so a
+/// power cut can end them all, as the machine's power does.
+pub struct Group {
+    pub path: PathBuf,
+}
+
+impl Group {
+    /// Creates one, or says why it cannot (no writable cgroup file system).
+    pub fn create(tag: &str) -> Result<Group, String> {
+        let base = if Path::new("/sys/fs/cgroup/cgroup.controllers").exists() {
+            PathBuf::from("/sys/fs/cgroup")
+        } else {
+            PathBuf::from("/sys/fs/cgroup/pids")
+        };
+        let path = base.join(format!(
+            "berth-it-{}-{}-{tag}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::SeqCst)
+        ));
+        std::fs::create_dir(&path)
+            .map_err(|e| format!("cannot create a cgroup at {}: {e}", path.display()))?;
+        Ok(Group { path })
+    }
+
+    fn members(&self) -> Vec<i32> {
+        std::fs::read_to_string(self.path.join("cgroup.procs"))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.trim().parse().ok())
+            .collect()
+    }
+
+    /// kill -9 to every member, until none is left (a member may fork while
+    /// the others die).
+    pub fn kill_all(&self) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let members = self.members();
+            if members.is_empty() {
+                return;
+            }
+            for pid in members {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(pid),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+            assert!(
+                Instant::now() < deadline,
+                "processes of {} do not die",
+                self.path.display()
+            );
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    /// Makes `command` start inside this group (before it runs anything).
+    pub fn enter(&self, command: &mut Command) {
+        enter_group(&self.path, command);
+    }
+}
+
+fn enter_group(path: &Path, command: &mut Command) {
+    use std::os::unix::ffi::OsStrExt;
+    use std::os::unix::process::CommandExt;
+    let procs = std::ffi::CString::new(path.join("cgroup.procs").as_os_str().as_bytes())
+        .expect("a cgroup path without NUL");
+    // Between fork and exec only async-signal-safe calls: open and write
+    // (no allocation). Writing "0" moves the writing process itself.
+    unsafe {
+        command.pre_exec(move || {
+            let fd = nix::fcntl::open(
+                procs.as_c_str(),
+                nix::fcntl::OFlag::O_WRONLY,
+                nix::sys::stat::Mode::empty(),
+            )
+            .map_err(std::io::Error::from)?;
+            nix::unistd::write(&fd, b"0").map_err(std::io::Error::from)?;
+            Ok(())
+        });
+    }
+}
+
+impl Drop for Group {
+    fn drop(&mut self) {
+        self.kill_all();
+        let _ = std::fs::remove_dir(&self.path);
+    }
 }
 
 impl Server {
@@ -82,6 +183,7 @@ impl Server {
             token: String::new(),
             args: opts.args,
             envs: opts.envs,
+            group: opts.group,
             child: None,
             http: client(),
         };
@@ -94,6 +196,12 @@ impl Server {
     /// bound to `--address-file`, so no other process can take the port
     /// between choosing it and binding it.
     pub async fn launch(&mut self) {
+        self.spawn();
+        self.wait_ready().await;
+    }
+
+    /// Starts the binary without waiting for it (a cut during a start).
+    pub fn spawn(&mut self) {
         let address_file = self.dir.join("address");
         let _ = std::fs::remove_file(&address_file);
         let log = std::fs::OpenOptions::new()
@@ -101,7 +209,8 @@ impl Server {
             .append(true)
             .open(self.dir.join("server.log"))
             .unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_berth"))
+        let mut command = Command::new(env!("CARGO_BIN_EXE_berth"));
+        command
             .arg("serve")
             .arg("--listen")
             .arg("127.0.0.1:0")
@@ -113,10 +222,16 @@ impl Server {
             .envs(self.envs.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .expect("start berth");
-        self.child = Some(child);
+            .stderr(log);
+        if let Some(group) = &self.group {
+            enter_group(group, &mut command);
+        }
+        self.child = Some(command.spawn().expect("start berth"));
+    }
+
+    /// Waits for a spawned binary to listen and be ready; reads its token.
+    pub async fn wait_ready(&mut self) {
+        let address_file = self.dir.join("address");
         let deadline = Instant::now() + Duration::from_secs(30);
         let address = loop {
             if let Ok(text) = std::fs::read_to_string(&address_file) {

@@ -19,6 +19,8 @@ mod lifecycle;
 mod nix;
 mod nix_ssh;
 mod page;
+mod power_loss;
+mod powerfs;
 mod queue;
 mod restart;
 mod routes;

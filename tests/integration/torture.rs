@@ -19,34 +19,34 @@ use crate::harness::*;
 
 /// A small, fast pseudo-random sequence (the trials must not depend on a
 /// crate of their own; the seed is printed so a failure can be replayed).
-struct Rng(u64);
+pub(crate) struct Rng(pub(crate) u64);
 
 impl Rng {
-    fn next(&mut self) -> u64 {
+    pub(crate) fn next(&mut self) -> u64 {
         // xorshift64*
         self.0 ^= self.0 >> 12;
         self.0 ^= self.0 << 25;
         self.0 ^= self.0 >> 27;
         self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
     }
-    fn below(&mut self, n: u64) -> u64 {
+    pub(crate) fn below(&mut self, n: u64) -> u64 {
         self.next() % n.max(1)
     }
 }
 
 /// One mutation a client sent, with its key, and what it got (if anything).
 #[derive(Clone, Debug)]
-struct Sent {
+pub(crate) struct Sent {
     method: &'static str,
     path: String,
     body: Value,
     key: String,
-    answer: Option<(u16, Value)>,
+    pub(crate) answer: Option<(u16, Value)>,
 }
 
 const DEPLOYMENTS: [&str; 3] = ["t-alpha", "t-beta", "t-gamma"];
 
-async fn send(
+pub(crate) async fn send(
     s_base: &str,
     token: &str,
     http: &reqwest::Client,
@@ -70,7 +70,7 @@ async fn send(
 }
 
 /// One client: random mutations until the server goes away.
-async fn run_client(
+pub(crate) async fn run_client(
     base: String,
     token: String,
     seed: u64,
@@ -222,97 +222,9 @@ async fn kill_9_at_random_instants_loses_nothing_acknowledged() {
         );
         let sent = log.lock().unwrap().clone();
         seen_builds = builds.lock().unwrap().clone();
-
-        // Every acknowledged mutation is there.
-        for m in sent
-            .iter()
-            .filter(|m| m.answer.as_ref().is_some_and(|(st, _)| *st == 202))
-        {
-            acknowledged += 1;
-            let body = &m.answer.as_ref().unwrap().1;
-            let id = body["build_id"]
-                .as_str()
-                .or_else(|| body["id"].as_str())
-                .unwrap_or_else(|| panic!("trial {trial}: a 202 without a build: {body}"));
-            let (status, b) = s.json(&format!("/v1/builds/{id}")).await;
-            assert_eq!(
-                status, 200,
-                "trial {trial}: acknowledged build {id} is gone ({m:?})"
-            );
-            acknowledged_builds.push(id.to_string());
-            assert!(b["status"].is_string());
-        }
-
-        // A request whose answer was lost takes effect exactly once when
-        // retried with its key: the retry and a second retry agree.
-        for m in sent.iter().filter(|m| m.answer.is_none()) {
-            let http = client();
-            let first = send(&s.base, &s.token, &http, m)
-                .await
-                .expect("an answer after restart");
-            let second = send(&s.base, &s.token, &http, m).await.expect("an answer");
-            assert_eq!(
-                first, second,
-                "trial {trial}: a retry took effect twice ({m:?})"
-            );
-            assert!(first.0 < 500, "trial {trial}: {first:?}");
-        }
-
-        // No build runs without a live deployer; finished builds replay
-        // their stored log exactly, ids strictly increasing.
-        let mut checked = 0;
-        for id in seen_builds.iter().rev().take(6) {
-            let b = s.build(id).await;
-            if b["status"] == "running" {
-                // Its deployer is alive, or it has just exited and its
-                // final commit lands at once; a build left running for
-                // good is the failure.
-                let pid: i32 = b["job_id"]
-                    .as_str()
-                    .and_then(|j| j.strip_prefix("pid:"))
-                    .and_then(|p| p.parse().ok())
-                    .unwrap_or(0);
-                let alive = pid > 0 && std::path::Path::new(&format!("/proc/{pid}")).exists();
-                if !alive {
-                    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-                    while s.build(id).await["status"] == "running" {
-                        assert!(
-                            std::time::Instant::now() < deadline,
-                            "trial {trial}: build {id} stays running without its deployer: {b}"
-                        );
-                        tokio::time::sleep(Duration::from_millis(20)).await;
-                    }
-                }
-                continue;
-            }
-            if b["status"] == "queued" {
-                continue;
-            }
-            let text = s.log_text(id).await;
-            let mut stream = Sse::open(s.get(&format!("/v1/builds/{id}/events"))).await;
-            let events = stream.until_end().await;
-            let mut last = 0;
-            let mut replayed = String::new();
-            for e in &events {
-                if let Some(seq) = e.id {
-                    assert!(
-                        seq > last,
-                        "trial {trial}: build {id}: id {seq} after {last}"
-                    );
-                    last = seq;
-                }
-                if e.event == "log" {
-                    replayed.push_str(&e.data);
-                    replayed.push('\n');
-                }
-            }
-            assert_eq!(
-                replayed, text,
-                "trial {trial}: build {id}: replay differs from the log"
-            );
-            checked += 1;
-        }
-        let _ = checked;
+        let acked = check_after_restart(&s, trial, &sent, &seen_builds).await;
+        acknowledged += acked.len();
+        acknowledged_builds.extend(acked);
     }
     // Counts by deployment, to show the run did something.
     let mut per: HashMap<&str, usize> = HashMap::new();
@@ -349,4 +261,105 @@ async fn kill_9_at_random_instants_loses_nothing_acknowledged() {
         acknowledged > 0,
         "no mutation was acknowledged: the trials checked nothing"
     );
+}
+
+/// What every restart must show (a kill -9 or a power cut before it):
+/// every acknowledged mutation is there, a lost answer retried takes
+/// effect once, no build runs without its deployer, finished builds replay
+/// their stored log. Returns the acknowledged builds.
+pub(crate) async fn check_after_restart(
+    s: &Server,
+    trial: u64,
+    sent: &[Sent],
+    seen_builds: &[String],
+) -> Vec<String> {
+    let mut acknowledged = Vec::new();
+
+    // Every acknowledged mutation is there.
+    for m in sent
+        .iter()
+        .filter(|m| m.answer.as_ref().is_some_and(|(st, _)| *st == 202))
+    {
+        let body = &m.answer.as_ref().unwrap().1;
+        let id = body["build_id"]
+            .as_str()
+            .or_else(|| body["id"].as_str())
+            .unwrap_or_else(|| panic!("trial {trial}: a 202 without a build: {body}"));
+        let (status, b) = s.json(&format!("/v1/builds/{id}")).await;
+        assert_eq!(
+            status, 200,
+            "trial {trial}: acknowledged build {id} is gone ({m:?})"
+        );
+        acknowledged.push(id.to_string());
+        assert!(b["status"].is_string());
+    }
+
+    // A request whose answer was lost takes effect exactly once when
+    // retried with its key: the retry and a second retry agree.
+    for m in sent.iter().filter(|m| m.answer.is_none()) {
+        let http = client();
+        let first = send(&s.base, &s.token, &http, m)
+            .await
+            .expect("an answer after restart");
+        let second = send(&s.base, &s.token, &http, m).await.expect("an answer");
+        assert_eq!(
+            first, second,
+            "trial {trial}: a retry took effect twice ({m:?})"
+        );
+        assert!(first.0 < 500, "trial {trial}: {first:?}");
+    }
+
+    // No build runs without a live deployer; finished builds replay
+    // their stored log exactly, ids strictly increasing.
+    for id in seen_builds.iter().rev().take(6) {
+        let b = s.build(id).await;
+        if b["status"] == "running" {
+            // Its deployer is alive, or it has just exited and its
+            // final commit lands at once; a build left running for
+            // good is the failure.
+            let pid: i32 = b["job_id"]
+                .as_str()
+                .and_then(|j| j.strip_prefix("pid:"))
+                .and_then(|p| p.parse().ok())
+                .unwrap_or(0);
+            let alive = pid > 0 && std::path::Path::new(&format!("/proc/{pid}")).exists();
+            if !alive {
+                let deadline = std::time::Instant::now() + Duration::from_secs(10);
+                while s.build(id).await["status"] == "running" {
+                    assert!(
+                        std::time::Instant::now() < deadline,
+                        "trial {trial}: build {id} stays running without its deployer: {b}"
+                    );
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+            continue;
+        }
+        if b["status"] == "queued" {
+            continue;
+        }
+        let text = s.log_text(id).await;
+        let mut stream = Sse::open(s.get(&format!("/v1/builds/{id}/events"))).await;
+        let events = stream.until_end().await;
+        let mut last = 0;
+        let mut replayed = String::new();
+        for e in &events {
+            if let Some(seq) = e.id {
+                assert!(
+                    seq > last,
+                    "trial {trial}: build {id}: id {seq} after {last}"
+                );
+                last = seq;
+            }
+            if e.event == "log" {
+                replayed.push_str(&e.data);
+                replayed.push('\n');
+            }
+        }
+        assert_eq!(
+            replayed, text,
+            "trial {trial}: build {id}: replay differs from the log"
+        );
+    }
+    acknowledged
 }
