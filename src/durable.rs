@@ -46,16 +46,46 @@ fn write_temporary(path: &Path, bytes: &[u8], mode: u32) -> std::io::Result<Path
     }
 }
 
+/// Syncs a directory, so the names created, renamed or removed in it are
+/// durable.
+pub fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    std::fs::File::open(dir)?.sync_all()
+}
+
+/// Creates `dir` (mode `mode`) and each missing parent, each made durable
+/// by syncing the directory it was created in: a file synced into a
+/// directory whose own name was never synced is lost with it at a power
+/// cut. Does nothing when `dir` exists.
+pub fn create_dir_all(dir: &Path, mode: u32) -> std::io::Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    if dir.is_dir() {
+        return Ok(());
+    }
+    let parent = match dir.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    if dir.parent().is_some_and(|p| !p.as_os_str().is_empty()) {
+        create_dir_all(parent, mode)?;
+    }
+    match std::fs::DirBuilder::new().mode(mode).create(dir) {
+        Ok(()) => sync_dir(parent),
+        // Made meanwhile by someone else, who syncs it.
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && dir.is_dir() => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
 /// Replaces `path` with `bytes` (mode `mode`) atomically and durably.
 pub fn replace(path: &Path, bytes: &[u8], mode: u32) -> std::io::Result<()> {
     let dir = directory(path);
-    std::fs::create_dir_all(dir)?;
+    create_dir_all(dir, 0o777)?;
     let tmp = write_temporary(path, bytes, mode)?;
     if let Err(e) = std::fs::rename(&tmp, path) {
         let _ = std::fs::remove_file(&tmp);
         return Err(e);
     }
-    std::fs::File::open(dir)?.sync_all()
+    sync_dir(dir)
 }
 
 /// Creates `path` with `bytes` (mode `mode`) atomically and durably; fails
@@ -66,7 +96,7 @@ pub fn create(path: &Path, bytes: &[u8], mode: u32) -> std::io::Result<()> {
     let linked = std::fs::hard_link(&tmp, path);
     let _ = std::fs::remove_file(&tmp);
     linked?;
-    std::fs::File::open(dir)?.sync_all()
+    sync_dir(dir)
 }
 
 #[cfg(test)]

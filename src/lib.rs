@@ -12,6 +12,7 @@ pub mod durable;
 pub mod engine;
 pub mod events;
 pub mod export;
+pub mod failpoints;
 pub mod hex;
 pub mod local_deployer;
 pub mod locks;

@@ -5,6 +5,8 @@ use clap::Parser;
 use berth::settings::{AuditCommand, Cli, Command, DeployerCommand};
 
 fn main() {
+    // FAILPOINTS, in a test build only (src/failpoints.rs).
+    let _failpoints = berth::failpoints::setup();
     let cli = Cli::parse();
     let code = match cli.command {
         Command::Serve(settings) => berth::serve::run(*settings),

@@ -506,7 +506,7 @@ fn keep_roots(work: &Path, node: &str, paths: &[&str]) {
     if std::fs::symlink_metadata(&dir).is_ok_and(|m| m.file_type().is_symlink()) {
         let _ = std::fs::remove_file(&dir);
     }
-    if let Err(e) = std::fs::create_dir_all(&dir) {
+    if let Err(e) = crate::durable::create_dir_all(&dir, 0o777) {
         println!("{node}: could not make its GC root directory ({e})");
         return;
     }

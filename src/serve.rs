@@ -1,7 +1,6 @@
 //! `berth serve`: open the data dir and the store, recover, then serve HTTP
 //! and run the queue until SIGTERM/SIGINT.
 
-use std::os::unix::fs::DirBuilderExt;
 use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -37,6 +36,21 @@ fn init_tracing() -> Result<(), String> {
         _ => return Err("BERTH_LOG_FORMAT must be text or json".into()),
     };
     Ok(())
+}
+
+/// The refusal to start on a store redb cannot recover (README
+/// "Repairing a damaged store"): what is wrong, that nothing was changed,
+/// and the way back.
+fn damaged_store(path: &Path, data_dir: &Path, e: &crate::store::StoreError) -> String {
+    format!(
+        "cannot open {}: the store is damaged ({}); berth does not start on it and has \
+         changed nothing. To repair: move {} aside, then restore the last export into a new \
+         store with `berth import --data-dir {} --from <export>` and start again",
+        path.display(),
+        e.detail,
+        path.display(),
+        data_dir.display()
+    )
 }
 
 /// Reads a secret file, or creates it (0600) with fresh random bytes as hex.
@@ -107,16 +121,14 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
     if settings.reset_dev_state && !settings.dev {
         return Err("--reset-dev-state deletes every stored deployment; it needs --dev too".into());
     }
-    std::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(&settings.data_dir)
-        .map_err(|e| {
-            format!(
-                "cannot create the data dir {}: {e}",
-                settings.data_dir.display()
-            )
-        })?;
+    // Durably: a store synced into a data dir whose own name was not is
+    // lost with it at a power cut.
+    crate::durable::create_dir_all(&settings.data_dir, 0o700).map_err(|e| {
+        format!(
+            "cannot create the data dir {}: {e}",
+            settings.data_dir.display()
+        )
+    })?;
     // Deployers run in their scratch dir: every path handed to them is absolute.
     settings.data_dir = std::fs::canonicalize(&settings.data_dir).map_err(|e| {
         format!(
@@ -173,8 +185,20 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
     } else {
         crate::store::Sharing::LiveReaders
     };
-    let store = Store::open_shared(&settings.db_path(), sharing)
-        .map_err(|e| format!("cannot open {}: {e}", settings.db_path().display()))?;
+    let store = Store::open_shared(&settings.db_path(), sharing).map_err(|e| {
+        let path = settings.db_path();
+        match e.kind {
+            crate::store::StoreErrorKind::Corrupt => damaged_store(&path, &settings.data_dir, &e),
+            _ => format!("cannot open {}: {e}", path.display()),
+        }
+    })?;
+    // redb syncs the file it creates, not the directory that names it.
+    crate::durable::sync_dir(&settings.data_dir).map_err(|e| {
+        format!(
+            "cannot sync the data dir {}: {e}",
+            settings.data_dir.display()
+        )
+    })?;
     {
         // The store holds every configuration: readable by berth only. A
         // store berth cannot make private is not served.

@@ -85,7 +85,15 @@ impl Engine {
     /// transaction. A failure is logged and counted, never returned: the
     /// caller's answer does not depend on it (FR-010).
     pub async fn audit_alone(&self, draft: Draft) {
-        let written = self.store.write(move |tx| append(tx, &draft)).await;
+        let written = self
+            .store
+            .write(move |tx| {
+                if crate::failpoints::hit("audit.alone", draft.action) {
+                    return Err(crate::failpoints::injected("audit.alone"));
+                }
+                append(tx, &draft)
+            })
+            .await;
         if let Err(e) = written {
             WRITE_FAILURES.fetch_add(1, Ordering::Relaxed);
             tracing::error!(error = %e, "cannot write the audit event of a refused call");

@@ -178,7 +178,7 @@ impl Engine {
             ))
         };
         let dirs = CallDirs::create(root.clone())
-            .and_then(|dirs| std::fs::create_dir_all(&work_dir).map(|_| dirs))
+            .and_then(|dirs| crate::durable::create_dir_all(&work_dir, 0o777).map(|_| dirs))
             .map_err(|e| not_run(format!("cannot create the build's directories: {e}")))?;
         let verb = match build.kind {
             BuildKind::Deploy => "deploy",
@@ -478,6 +478,9 @@ pub struct Finished {
 /// The final write job: the last log chunk, then the final status through
 /// `transition`.
 pub fn finish_tx(tx: &Tx, hub: &Arc<Hub>, build_id: BuildId, f: &Arc<Finished>) -> StoreResult<()> {
+    if crate::failpoints::hit("build.final_commit", &format_build_id(build_id)) {
+        return Err(crate::failpoints::injected("build.final_commit"));
+    }
     let Some(mut b) = tx.build(build_id)? else {
         return Ok(());
     };

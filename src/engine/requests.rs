@@ -432,6 +432,9 @@ pub fn submit_tx(
     s: &SubmitRecord,
     record: &Record<Submitted>,
 ) -> StoreResult<Result<Submitted, Refusal>> {
+    if crate::failpoints::hit("submit.job", &s.id) {
+        return Err(crate::failpoints::injected("submit.job"));
+    }
     let change = Change::new(tx, hub);
     let existing = tx.deployment(&s.id)?;
     if let Some(d) = &existing {

@@ -227,14 +227,8 @@ pub fn export(data_dir: &Path, to: &Endpoint, replace: bool) -> Result<Totals, S
 /// the store only once everything is in and durable.
 pub fn import(data_dir: &Path, from: &Endpoint, replace: bool) -> Result<Totals, String> {
     // storage.md: the data dir is berth's alone (0700), like `serve` makes it.
-    {
-        use std::os::unix::fs::DirBuilderExt;
-        std::fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o700)
-            .create(data_dir)
-            .map_err(|e| format!("cannot create {}: {e}", data_dir.display()))?;
-    }
+    crate::durable::create_dir_all(data_dir, 0o700)
+        .map_err(|e| format!("cannot create {}: {e}", data_dir.display()))?;
     let path = store_path(data_dir);
     if path.exists() {
         let state = dump::inspect(&path).map_err(store_error)?;

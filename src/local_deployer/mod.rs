@@ -339,7 +339,7 @@ fn deploy(request: &Value) -> VerbResult {
     let rendering = Rendering::of(request);
     let fail_node = std::env::var("BERTH_LOCAL_FAIL").ok();
     let nodes_dir = work.join("nodes");
-    std::fs::create_dir_all(&nodes_dir)
+    crate::durable::create_dir_all(&nodes_dir, 0o777)
         .map_err(|e| fail(format!("cannot create {}: {e}", nodes_dir.display())))?;
 
     let term = |_| (None, EXIT_TERMINATED);

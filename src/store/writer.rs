@@ -176,6 +176,13 @@ pub(super) fn writer_loop(shared: Arc<Shared>, mut rx: mpsc::Receiver<WriteJob>)
         drop(hooks);
         if let Some(e) = &commit_error {
             tracing::error!(error = %e, jobs = batch.len(), "store commit failed");
+        } else {
+            let failed_jobs = failed.iter().filter(|f| f.is_some()).count();
+            tracing::warn!(
+                jobs = batch.len(),
+                failed_jobs,
+                "a write job failed; the rest of its batch runs again, each alone"
+            );
         }
         let mut db = Some(db);
         if commit_error.as_ref().is_some_and(StoreError::is_transient) {

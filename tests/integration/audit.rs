@@ -624,16 +624,6 @@ fn edit_store(data: &Path, edit: impl FnOnce(&redb::WriteTransaction)) {
     txn.commit().unwrap();
 }
 
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for entry in std::fs::read_dir(from).unwrap() {
-        let entry = entry.unwrap();
-        if entry.file_type().unwrap().is_file() {
-            std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
-        }
-    }
-}
-
 fn problems(report: &Value) -> Vec<(u64, String)> {
     report["problems"]
         .as_array()

@@ -176,8 +176,15 @@ impl Server {
     }
 
     pub async fn start_in(dir: PathBuf, opts: Options) -> Server {
+        let mut s = Server::unstarted(dir, opts);
+        s.launch().await;
+        s
+    }
+
+    /// One not started yet (`spawn` or `launch` start it).
+    pub fn unstarted(dir: PathBuf, opts: Options) -> Server {
         std::fs::create_dir_all(&dir).unwrap();
-        let mut s = Server {
+        Server {
             dir,
             base: String::new(),
             token: String::new(),
@@ -186,9 +193,14 @@ impl Server {
             group: opts.group,
             child: None,
             http: client(),
-        };
-        s.launch().await;
-        s
+        }
+    }
+
+    /// How the started binary exited, if it did.
+    pub fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.child
+            .as_mut()
+            .and_then(|c| c.try_wait().ok().flatten())
     }
 
     /// Starts the binary (again) with the same data dir, on a port the
@@ -701,6 +713,17 @@ pub async fn read_request(sock: &mut tokio::net::TcpStream) -> Option<(String, V
 }
 
 /// Runs `berth <args>` and returns (exit code, stdout).
+/// Copies the files of a directory (not its subdirectories).
+pub fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        if entry.file_type().unwrap().is_file() {
+            std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
+        }
+    }
+}
+
 pub fn berth(args: &[&str]) -> (i32, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_berth"))
         .args(args)

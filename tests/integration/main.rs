@@ -12,6 +12,7 @@ mod deployers;
 mod disk;
 mod events;
 mod export;
+mod failpoints;
 mod faults;
 mod hostile;
 mod layout;

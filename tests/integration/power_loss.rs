@@ -19,7 +19,7 @@ use serde_json::{json, Value};
 
 use crate::harness::*;
 use crate::powerfs::{mount_or_skip, Cut, CutReport, PowerFs};
-use crate::torture::{check_after_restart, run_client, Rng};
+use crate::torture::{check_after_restart, spawn_clients, Rng};
 
 /// The files clients and the audit chain rely on, which must never change
 /// once berth answered with them.
@@ -81,18 +81,36 @@ fn pushed_size(data: &std::path::Path, trial: u64) -> Option<u64> {
     )
 }
 
+/// A data dir on the power-loss file system and a cgroup for berth, or
+/// `None` after saying (visibly) why this machine cannot run `test`.
+fn rig(test: &str, tag: &str) -> Option<(std::path::PathBuf, PowerFs, Group)> {
+    let dir = temp_dir(tag);
+    let fs = mount_or_skip(test, &dir)?;
+    match Group::create(tag) {
+        Ok(group) => Some((dir, fs, group)),
+        Err(why) => {
+            skip(test, &why);
+            None
+        }
+    }
+}
+
 /// The power goes: nothing reaches the disk from this instant, every
 /// process of the group dies, the unsynced writes are dropped or torn.
-fn power_cut(fs: &PowerFs, group: &Group, s: &mut Server, rng: &mut Rng) -> CutReport {
+fn power_cut(fs: &PowerFs, group: &Group, s: &mut Server, how: Cut) -> CutReport {
     fs.sever();
     group.kill_all();
     s.kill();
-    let how = if rng.below(2) == 0 {
+    fs.cut(how)
+}
+
+/// Drops what was not synced, or tears it, at random.
+fn random_cut(rng: &mut Rng) -> Cut {
+    if rng.below(2) == 0 {
         Cut::DropUnsynced
     } else {
         Cut::Torn(rng.next())
-    };
-    fs.cut(how)
+    }
 }
 
 fn verify(data: &std::path::Path, trial: u64) {
@@ -115,13 +133,8 @@ fn verify(data: &std::path::Path, trial: u64) {
 async fn power_cuts_at_random_instants_lose_nothing_acknowledged() {
     let trials = env_or("BERTH_POWER_TRIALS", 4);
     let seed = seed();
-    let dir = temp_dir("power");
-    let Some(fs) = mount_or_skip("power_loss::power_cuts", &dir) else {
+    let Some((dir, fs, group)) = rig("power_loss::power_cuts", "power") else {
         return;
-    };
-    let group = match Group::create("power") {
-        Ok(g) => g,
-        Err(why) => return skip("power_loss::power_cuts", &why),
     };
     eprintln!("power loss: {trials} trials, seed {seed} (BERTH_TORTURE_SEED to replay)");
     let mut rng = Rng(seed);
@@ -142,19 +155,7 @@ async fn power_cuts_at_random_instants_lose_nothing_acknowledged() {
     let mut trial = 0u64;
     while trial < trials || (acknowledged == 0 && trial < trials * 3) {
         trial += 1;
-        let log = Arc::new(Mutex::new(Vec::new()));
-        let builds = Arc::new(Mutex::new(seen_builds.clone()));
-        let clients: Vec<_> = (0..4)
-            .map(|c| {
-                tokio::spawn(run_client(
-                    s.base.clone(),
-                    s.token.clone(),
-                    seed ^ (trial << 8) ^ c,
-                    log.clone(),
-                    builds.clone(),
-                ))
-            })
-            .collect();
+        let (log, builds, clients) = spawn_clients(&s, seed ^ (trial << 8), &seen_builds);
         // A push of the audit head, in the group: it dies with the power.
         let pushed: Arc<Mutex<Option<u64>>> = Arc::default();
         let push = {
@@ -189,7 +190,7 @@ async fn power_cuts_at_random_instants_lose_nothing_acknowledged() {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         tokio::time::sleep(Duration::from_millis(rng.below(400))).await;
-        let report = power_cut(&fs, &group, &mut s, &mut rng);
+        let report = power_cut(&fs, &group, &mut s, random_cut(&mut rng));
         totals.dropped_changes += report.dropped_changes;
         totals.torn_writes += report.torn_writes;
         totals.lost_nodes += report.lost_nodes;
@@ -244,13 +245,8 @@ async fn power_cuts_at_random_instants_lose_nothing_acknowledged() {
 async fn a_power_cut_during_a_first_start_never_needs_a_hand() {
     let starts = env_or("BERTH_POWER_FIRST_STARTS", 4);
     let seed = seed() ^ 0x5eed;
-    let dir = temp_dir("power-first");
-    let Some(fs) = mount_or_skip("power_loss::first_start", &dir) else {
+    let Some((dir, fs, group)) = rig("power_loss::first_start", "power-first") else {
         return;
-    };
-    let group = match Group::create("power-first") {
-        Ok(g) => g,
-        Err(why) => return skip("power_loss::first_start", &why),
     };
     let mut rng = Rng(seed);
     let data = dir.join("data");
@@ -272,7 +268,7 @@ async fn a_power_cut_during_a_first_start_never_needs_a_hand() {
         if !ready {
             cut_before_ready += 1;
         }
-        power_cut(&fs, &group, &mut s, &mut rng);
+        power_cut(&fs, &group, &mut s, random_cut(&mut rng));
         s.launch().await;
         read_kept(&data, n);
         verify(&data, n);
@@ -297,4 +293,123 @@ fn wipe(data: &std::path::Path) {
         }
     }
     std::fs::File::open(data).unwrap().sync_all().unwrap();
+}
+
+/// A store damaged past what redb recovers (both commit slots of its
+/// header overwritten): berth refuses to start, names the file, says how
+/// to repair it, and changes nothing.
+#[tokio::test]
+async fn a_damaged_store_is_refused_with_the_file_and_the_repair() {
+    let dir = temp_dir("damaged-store");
+    let mut s = Server::start_in(dir.clone(), Options::default()).await;
+    s.submit_ok("kept", json!({})).await;
+    s.terminate();
+    let db = dir.join("data/berth.redb");
+    let mut bytes = std::fs::read(&db).unwrap();
+    // redb's header: magic and flags, then two 128-byte commit slots.
+    bytes[64..320].fill(0xa5);
+    std::fs::write(&db, &bytes).unwrap();
+    s.spawn();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(status) = s.exited() {
+            break status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "berth started on a damaged store"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let said = s.log();
+    assert!(!status.success());
+    assert!(!said.contains("panicked"), "{said}");
+    assert!(
+        said.contains(db.to_str().unwrap()) && said.contains("berth import"),
+        "{said}"
+    );
+    assert_eq!(
+        std::fs::read(&db).unwrap(),
+        bytes,
+        "the refusal changed the file"
+    );
+}
+
+/// A torn page in the store: cuts that keep half of one of the store's
+/// unsynced page writes (and drop everything else unsynced). berth must
+/// restart with everything acknowledged (the torture checks) or refuse
+/// to start, naming the file and how to repair it; never a panic, never
+/// a silently different state.
+#[tokio::test]
+async fn a_torn_page_in_the_store_gives_the_synced_state_or_a_clear_refusal() {
+    let cuts = env_or("BERTH_POWER_TORN_PAGES", 6);
+    let seed = seed() ^ 0x7042;
+    let Some((dir, fs, group)) = rig("power_loss::torn_page", "torn-page") else {
+        return;
+    };
+    let mut rng = Rng(seed);
+    let mut s = Server::start_in(
+        dir.clone(),
+        Options::default()
+            .env("BERTH_LOCAL_STEP_MS", "2")
+            .group(&group),
+    )
+    .await;
+    let (mut torn, mut refused, mut acknowledged) = (0, 0, 0);
+    let mut seen_builds: Vec<String> = Vec::new();
+    for trial in 1..=cuts {
+        let (log, builds, clients) = spawn_clients(&s, seed ^ (trial << 8), &seen_builds);
+        tokio::time::sleep(Duration::from_millis(100 + rng.below(300))).await;
+        let report = power_cut(
+            &fs,
+            &group,
+            &mut s,
+            Cut::TearOne {
+                seed: rng.next(),
+                file: "berth.redb",
+            },
+        );
+        torn += report.torn_writes;
+        for c in clients {
+            let _ = c.await;
+        }
+        s.spawn();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while std::fs::read_to_string(dir.join("address")).is_err() {
+            if let Some(status) = s.exited() {
+                let said = s.log();
+                assert!(!said.contains("panicked"), "trial {trial}: {said}");
+                assert!(
+                    said.contains("berth.redb") && said.contains("berth import"),
+                    "trial {trial}: a refusal that does not name the file and the repair ({status}): {said}"
+                );
+                refused += 1;
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "trial {trial}: neither ready nor refused"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        if s.exited().is_some() {
+            // Refused: the next trial starts from an empty store.
+            wipe(&dir.join("data"));
+            s.launch().await;
+            seen_builds.clear();
+            continue;
+        }
+        s.wait_ready().await;
+        verify(&dir.join("data"), trial);
+        let sent = log.lock().unwrap().clone();
+        seen_builds = builds.lock().unwrap().clone();
+        acknowledged += check_after_restart(&s, trial, &sent, &seen_builds)
+            .await
+            .len();
+    }
+    eprintln!(
+        "torn store pages: {cuts} cuts, {torn} page writes of berth.redb kept in half, \
+         {refused} refused with the repair path, {acknowledged} acknowledged mutations kept"
+    );
+    s.kill();
 }

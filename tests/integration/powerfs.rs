@@ -57,6 +57,10 @@ pub enum Cut {
     /// changes (from this seed); the last change kept may be a write cut
     /// part-way through its bytes.
     Torn(u64),
+    /// Files named `file` keep a random prefix of their unsynced writes and
+    /// then half of the next one (a torn page); everything else unsynced
+    /// is dropped.
+    TearOne { seed: u64, file: &'static str },
 }
 
 /// What a cut threw away, for the trials' report.
@@ -363,9 +367,22 @@ impl State {
     /// prefix of its unsynced changes; nodes no durable name reaches go.
     fn cut(&mut self, how: Cut) -> CutReport {
         let mut report = CutReport::default();
-        let mut rng = match how {
-            Cut::DropUnsynced => None,
-            Cut::Torn(seed) => Some(Rng(seed | 1)),
+        let (mut rng, torn_name) = match how {
+            Cut::DropUnsynced => (None, None),
+            Cut::Torn(seed) => (Some(Rng(seed | 1)), None),
+            Cut::TearOne { seed, file } => (Some(Rng(seed | 1)), Some(OsStr::new(file))),
+        };
+        // With `TearOne`, the nodes some name `file` leads to.
+        let tear: HashSet<u64> = match torn_name {
+            None => HashSet::new(),
+            Some(name) => self
+                .nodes
+                .values()
+                .filter_map(|n| match &n.body {
+                    Body::Dir { live, .. } => live.get(name).copied(),
+                    _ => None,
+                })
+                .collect(),
         };
         let inos: Vec<u64> = self.nodes.keys().copied().collect();
         for ino in inos {
@@ -373,25 +390,43 @@ impl State {
             let Some(node) = self.nodes.get_mut(&ino) else {
                 continue;
             };
+            // Which of this node's unsynced changes survive, and whether
+            // the first one lost is kept in part (half of it, or a random
+            // part).
+            let (keep_changes, tear_next) = match (&mut rng, torn_name) {
+                (None, _) => (false, None),
+                (Some(_), None) => (true, Some(false)),
+                (Some(_), Some(_)) if tear.contains(&ino) => (true, Some(true)),
+                (Some(_), Some(_)) => (false, None),
+            };
             match &mut node.body {
                 Body::File { live, unsynced } => {
                     let mut bytes = std::fs::read(&backing).unwrap_or_default();
-                    let keep = rng.as_mut().map_or(0, |r| r.upto(unsynced.len()));
+                    let keep = match (&mut rng, keep_changes) {
+                        (Some(r), true) if tear_next == Some(true) => {
+                            r.upto(unsynced.len().saturating_sub(1))
+                        }
+                        (Some(r), true) => r.upto(unsynced.len()),
+                        _ => 0,
+                    };
                     for change in &unsynced[..keep] {
                         apply_file_change(&mut bytes, change);
                     }
                     report.dropped_changes += (unsynced.len() - keep) as u64;
-                    // The first change not kept may have reached the disk in
-                    // part: a prefix of its bytes (a torn write).
                     if let (
                         Some(r),
+                        Some(half),
                         Some(FileChange::Write {
                             offset,
                             bytes: data,
                         }),
-                    ) = (rng.as_mut(), unsynced.get(keep))
+                    ) = (rng.as_mut(), tear_next, unsynced.get(keep))
                     {
-                        let part = r.upto(data.len().saturating_sub(1));
+                        let part = if half {
+                            data.len() / 2
+                        } else {
+                            r.upto(data.len().saturating_sub(1))
+                        };
                         if part > 0 {
                             apply_file_change(
                                 &mut bytes,
@@ -412,7 +447,10 @@ impl State {
                     unsynced,
                 } => {
                     let mut entries = durable.clone();
-                    let keep = rng.as_mut().map_or(0, |r| r.upto(unsynced.len()));
+                    let keep = match (&mut rng, keep_changes) {
+                        (Some(r), true) => r.upto(unsynced.len()),
+                        _ => 0,
+                    };
                     for change in &unsynced[..keep] {
                         apply_dir_change(&mut entries, change);
                     }

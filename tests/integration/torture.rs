@@ -70,7 +70,7 @@ pub(crate) async fn send(
 }
 
 /// One client: random mutations until the server goes away.
-pub(crate) async fn run_client(
+async fn run_client(
     base: String,
     token: String,
     seed: u64,
@@ -128,6 +128,32 @@ pub(crate) async fn run_client(
     }
 }
 
+/// What the clients of one trial sent (with the answers), the builds they
+/// know of, and the clients themselves.
+pub(crate) type Trial = (
+    Arc<Mutex<Vec<Sent>>>,
+    Arc<Mutex<Vec<String>>>,
+    Vec<tokio::task::JoinHandle<()>>,
+);
+
+/// Four clients sending random mutations to `s` until it goes away.
+pub(crate) fn spawn_clients(s: &Server, seed: u64, known_builds: &[String]) -> Trial {
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let builds = Arc::new(Mutex::new(known_builds.to_vec()));
+    let clients = (0..4)
+        .map(|c| {
+            tokio::spawn(run_client(
+                s.base.clone(),
+                s.token.clone(),
+                seed ^ c,
+                log.clone(),
+                builds.clone(),
+            ))
+        })
+        .collect();
+    (log, builds, clients)
+}
+
 #[tokio::test]
 async fn kill_9_at_random_instants_loses_nothing_acknowledged() {
     let trials: u64 = std::env::var("BERTH_TORTURE_TRIALS")
@@ -181,19 +207,7 @@ async fn kill_9_at_random_instants_loses_nothing_acknowledged() {
     let mut trial = 0u64;
     while trial < trials || (acknowledged == 0 && trial < trials * 3) {
         trial += 1;
-        let log = Arc::new(Mutex::new(Vec::new()));
-        let builds = Arc::new(Mutex::new(seen_builds.clone()));
-        let clients: Vec<_> = (0..4)
-            .map(|c| {
-                tokio::spawn(run_client(
-                    s.base.clone(),
-                    s.token.clone(),
-                    seed ^ (trial << 8) ^ c,
-                    log.clone(),
-                    builds.clone(),
-                ))
-            })
-            .collect();
+        let (log, builds, clients) = spawn_clients(&s, seed ^ (trial << 8), &seen_builds);
         // The kill lands at a random instant once work is flowing: on a
         // loaded machine the first answer can take longer than the window.
         let flowing = std::time::Instant::now();

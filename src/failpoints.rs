@@ -1,0 +1,52 @@
+//! Places where a test makes storage fail for good, so the paths that only
+//! a broken disk takes are tested (storage.md "Power loss"; tests in
+//! tests/integration/failpoints.rs). Built on the `fail` crate, as TiKV
+//! uses it, behind the `failpoints` feature: `cargo test --features
+//! failpoints` turns them on, and a build without the feature (every
+//! release) has none: `hit` is then `false` and compiles away.
+//!
+//! A test names the places in `FAILPOINTS` when it starts berth, as the
+//! crate reads it: `build.final_commit=return` (every time),
+//! `build.final_commit=1*return` (once), `submit.job=return(dep-id)` (only
+//! for that subject).
+//!
+//! The places (each a write job; the error fails it for good, not as a
+//! passing I/O error, so no retry hides it):
+//! - `build.final_commit`: a build's final commit (subject: the build id);
+//! - `submit.job`: a submit's write job (subject: the deployment id);
+//! - `audit.alone`: the audit event of a call that changed nothing.
+
+use crate::store::StoreError;
+
+/// Whether the failpoint `name` is set to fail for `subject` (a `return`
+/// without an argument fails every subject).
+#[cfg(feature = "failpoints")]
+pub fn hit(name: &str, subject: &str) -> bool {
+    fail::eval(name, |arg| arg.is_none_or(|a| a.is_empty() || a == subject)).unwrap_or(false)
+}
+
+#[cfg(not(feature = "failpoints"))]
+#[inline(always)]
+pub fn hit(_name: &str, _subject: &str) -> bool {
+    false
+}
+
+/// The error a failpoint fails its job with: not transient, so the caller
+/// takes its for-good path at once.
+pub fn injected(name: &str) -> StoreError {
+    StoreError::other(format!("failpoint {name}"))
+}
+
+/// Reads `FAILPOINTS` for the life of the process (a no-op without the
+/// feature).
+pub struct Scenario {
+    #[cfg(feature = "failpoints")]
+    _scenario: fail::FailScenario<'static>,
+}
+
+pub fn setup() -> Scenario {
+    Scenario {
+        #[cfg(feature = "failpoints")]
+        _scenario: fail::FailScenario::setup(),
+    }
+}

@@ -1,0 +1,164 @@
+//! Storage that fails for good at chosen places (src/failpoints.rs, the
+//! `failpoints` feature the README's test command turns on): the paths only
+//! a broken disk takes. A build whose final commit fails is stored `failed`
+//! with `final_commit_failed`, or, when even that fails, keeps its slot
+//! until a restart recovers it; one failing job never fails the jobs
+//! committed with it; an audit write that fails after the call is counted
+//! and logged, and the call is still answered.
+
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use crate::harness::*;
+
+/// Whether this build has failpoints; a test without them says so.
+fn available(test: &str) -> bool {
+    if cfg!(feature = "failpoints") {
+        return true;
+    }
+    skip(
+        test,
+        "built without `--features failpoints` (the README's test command has it)",
+    );
+    false
+}
+
+async fn wait_finished(s: &Server, id: &str) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let b = s.build(id).await;
+        if b["status"] != "queued" && b["status"] != "running" {
+            return b;
+        }
+        assert!(Instant::now() < deadline, "never finished: {b}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_build_whose_final_commit_fails_is_stored_failed_with_its_reason() {
+    if !available("failpoints::final_commit") {
+        return;
+    }
+    let s =
+        Server::start(Options::default().env("FAILPOINTS", "build.final_commit=1*return")).await;
+    let b = s.submit_ok_without_rollback("alice", json!({})).await;
+    let done = wait_finished(&s, &b).await;
+    assert_eq!(done["status"], "failed", "{done}");
+    assert_eq!(done["failure"]["reason"], "final_commit_failed", "{done}");
+    // The next build is not held up by it.
+    let next = s.submit_ok("alice", json!({})).await;
+    assert_eq!(wait_finished(&s, &next).await["status"], "succeeded");
+    assert!(s.log().contains("cannot store the final status of a build"));
+}
+
+#[tokio::test]
+async fn a_build_whose_every_final_commit_fails_keeps_its_slot_until_a_restart() {
+    if !available("failpoints::final_commit_always") {
+        return;
+    }
+    let mut s =
+        Server::start(Options::default().env("FAILPOINTS", "build.final_commit=return")).await;
+    let first = s.submit_ok("alice", json!({})).await;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !s.log().contains("cannot store any final status of a build") {
+        assert!(Instant::now() < deadline, "{}", s.log());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let second = s.submit_ok("alice", json!({})).await;
+    // Its deployer is gone, yet the build keeps its slot: nothing else of
+    // the deployment runs on top of a state berth could not record.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(s.build(&first).await["status"], "running");
+    assert_eq!(s.build(&second).await["status"], "queued");
+    s.kill();
+    s.envs.retain(|(k, _)| k != "FAILPOINTS");
+    s.launch().await;
+    let recovered = s.build(&first).await;
+    assert_eq!(recovered["status"], "failed", "{recovered}");
+    assert_eq!(recovered["failure"]["reason"], "interrupted_by_restart");
+    assert_eq!(wait_finished(&s, &second).await["status"], "succeeded");
+}
+
+#[tokio::test]
+async fn a_failing_job_never_fails_the_jobs_committed_with_it() {
+    if !available("failpoints::batch_mates") {
+        return;
+    }
+    let s =
+        Server::start(Options::default().env("FAILPOINTS", "submit.job=return(poisoned)")).await;
+    // Sent at once, so the writer commits many of them together.
+    let sends = (0..40).map(|i| {
+        let id = if i % 8 == 0 {
+            "poisoned".to_string()
+        } else {
+            format!("fine-{i}")
+        };
+        let r = s.post(
+            &format!("/v1/deployments/{id}/submit"),
+            &json!({"configuration": {}, "mode": "enqueue"}),
+        );
+        async move { (id, read(r.send().await.unwrap()).await) }
+    });
+    let answers = futures_util::future::join_all(sends).await;
+    for (id, (status, body)) in &answers {
+        if id == "poisoned" {
+            assert!(*status >= 500, "{id}: {status} {body}");
+            assert!(
+                !body.to_string().contains("failpoint"),
+                "an internal error's text reached the client: {body}"
+            );
+        } else {
+            assert_eq!(*status, 202, "{id}: {body}");
+            let (found, _) = s.json(&format!("/v1/deployments/{id}")).await;
+            assert_eq!(found, 200, "{id} was acknowledged but is not stored");
+        }
+    }
+    let (status, _) = s.json("/v1/deployments/poisoned").await;
+    assert_eq!(status, 404, "the failed job left a deployment behind");
+    // And it did share batches: the writer says when the rest of one ran
+    // again alone.
+    let log = s.log();
+    let shared = log
+        .lines()
+        .filter(|l| l.contains("the rest of its batch runs again"))
+        .filter_map(|l| l.split("jobs=").nth(1))
+        .filter_map(|t| t.split(|c: char| !c.is_ascii_digit()).next())
+        .filter_map(|n| n.parse::<usize>().ok())
+        .any(|jobs| jobs > 1);
+    assert!(shared, "no batch held the failing job with others:\n{log}");
+}
+
+#[tokio::test]
+async fn an_audit_write_that_fails_is_counted_and_logged_and_the_call_answered() {
+    if !available("failpoints::audit_alone") {
+        return;
+    }
+    let s = Server::start(Options::default().env("FAILPOINTS", "audit.alone=return")).await;
+    // A refused call: its event is written on its own, after the refusal.
+    let (status, body) = s
+        .submit("alice", json!({"configuration": {}, "mode": "sideways"}))
+        .await;
+    assert_eq!(status, 400, "{body}");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let metrics = s.metrics().await;
+        let failures = metrics
+            .lines()
+            .find_map(|l| l.strip_prefix("berth_audit_write_failures_total "))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .expect("berth_audit_write_failures_total in /metrics");
+        if failures >= 1 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "not counted:\n{metrics}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(s
+        .log()
+        .contains("cannot write the audit event of a refused call"));
+    // Calls that change something carry their event in their own
+    // transaction, untouched by this failpoint.
+    s.submit_ok("alice", json!({})).await;
+}
