@@ -188,7 +188,7 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
     let store = Store::open_shared(&settings.db_path(), sharing).map_err(|e| {
         let path = settings.db_path();
         match e.kind {
-            crate::store::StoreErrorKind::Corrupt => damaged_store(&path, &settings.data_dir, &e),
+            crate::store::StoreErrorKind::Damaged => damaged_store(&path, &settings.data_dir, &e),
             _ => format!("cannot open {}: {e}", path.display()),
         }
     })?;

@@ -13,6 +13,9 @@ pub enum StoreErrorKind {
     /// The file is being reopened after an I/O error; try again shortly.
     Reopening,
     Corrupt,
+    /// redb could not recover the file at open (a damaged store): berth
+    /// refuses to start on it (README "Repairing a damaged store").
+    Damaged,
     Closed,
     Other,
 }

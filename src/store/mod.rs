@@ -91,7 +91,13 @@ impl Store {
 
     /// As `open`, sharing the file as `sharing` says.
     pub fn open_shared(path: &Path, sharing: Sharing) -> StoreResult<Store> {
-        let db = open_database(path, sharing)?;
+        let db = open_database(path, sharing).map_err(|e| match e.kind {
+            StoreErrorKind::Corrupt => StoreError {
+                kind: StoreErrorKind::Damaged,
+                detail: e.detail,
+            },
+            _ => e,
+        })?;
         init_schema(&db)?;
         let shared = Arc::new(Shared {
             path: path.to_path_buf(),
