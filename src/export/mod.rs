@@ -230,6 +230,15 @@ pub fn import(data_dir: &Path, from: &Endpoint, replace: bool) -> Result<Totals,
     crate::durable::create_dir_all(data_dir, 0o700)
         .map_err(|e| format!("cannot create {}: {e}", data_dir.display()))?;
     let path = store_path(data_dir);
+    // Rows only the redo log holds (berth killed while it held the store
+    // alone) are part of the store: the file alone would look emptier.
+    if crate::store::redo::has_records(&path).map_err(store_error)? {
+        return Err(format!(
+            "{} holds writes not yet in the store: start `berth serve` on this data dir once \
+             (and stop it) so they are applied, then import",
+            crate::store::redo::path_of(&path).display()
+        ));
+    }
     if path.exists() {
         let state = dump::inspect(&path).map_err(store_error)?;
         if state.holds_state && !replace {
@@ -262,6 +271,9 @@ pub fn import(data_dir: &Path, from: &Endpoint, replace: bool) -> Result<Totals,
         std::fs::set_permissions(&partial, std::fs::Permissions::from_mode(0o600))
             .map_err(|e| format!("cannot make the imported store private (0600): {e}"))?;
     }
+    // The old store's (empty) redo log goes first: nothing of it may be
+    // applied to the new store.
+    crate::store::redo::remove(&path).map_err(store_error)?;
     std::fs::rename(&partial, &path)
         .and_then(|_| std::fs::File::open(data_dir).and_then(|d| d.sync_all()))
         .map_err(|e| format!("cannot move the imported store into place: {e}"))?;
@@ -312,6 +324,15 @@ fn load_into(partial: &Path, origin: &mut dyn Origin, identity: &str) -> Result<
 /// that holds state of its own is refused rather than replaced.
 pub fn import_at_start(data_dir: &Path, from: &Endpoint) -> Result<(), String> {
     let path = store_path(data_dir);
+    // Rows only the redo log holds (berth killed while it held the store
+    // alone) are part of the store: the file alone would look emptier.
+    if crate::store::redo::has_records(&path).map_err(store_error)? {
+        return Err(format!(
+            "{} holds writes not yet in the store: start `berth serve` on this data dir once \
+             (and stop it) so they are applied, then import",
+            crate::store::redo::path_of(&path).display()
+        ));
+    }
     if path.exists() {
         let state = dump::inspect(&path).map_err(store_error)?;
         if let Some(previous) = state.imported_from {

@@ -144,7 +144,7 @@ impl Tx<'_> {
     /// Appends `draft` to the chain: the row, its index entries and the
     /// Merkle subtrees it completes, all in this transaction.
     pub fn append_audit(&self, draft: &Draft) -> StoreResult<Sealed> {
-        let mut events = self.txn.open_table(AUDIT_EVENTS)?;
+        let mut events = self.table(AUDIT_EVENTS)?;
         let tail = match events.last()? {
             Some((k, v)) => Some((k.value(), row_hash(v.value())?)),
             None => None,
@@ -164,16 +164,14 @@ impl Tx<'_> {
         events.insert(seq, sealed.row.as_slice())?;
         drop(events);
         if let (Some(d), false) = (&draft.deployment, draft.result == Outcome::Denied) {
-            self.txn
-                .open_table(AUDIT_BY_DEPLOYMENT)?
+            self.table(AUDIT_BY_DEPLOYMENT)?
                 .insert((d.as_str(), seq), EMPTY)?;
         }
         if let Some(actor) = &draft.actor {
-            self.txn
-                .open_table(AUDIT_BY_ACTOR)?
+            self.table(AUDIT_BY_ACTOR)?
                 .insert((actor.key().as_str(), seq), EMPTY)?;
         }
-        let mut nodes = self.txn.open_table(MERKLE_NODES)?;
+        let mut nodes = self.table(MERKLE_NODES)?;
         let leaf_index = seq - 1;
         let mut below = merkle::leaf_hash(&sealed.hash);
         for (level, index) in merkle::completed_by(leaf_index) {
@@ -196,7 +194,7 @@ impl Tx<'_> {
     /// moving the anchor (with the compact range of the removed prefix) in
     /// the same transaction. `None` when nothing was old enough.
     pub fn prune_audit(&self, cutoff: Millis, max: usize) -> StoreResult<Option<Pruned>> {
-        let mut events = self.txn.open_table(AUDIT_EVENTS)?;
+        let mut events = self.table(AUDIT_EVENTS)?;
         let mut removed: Vec<(u64, Event)> = Vec::new();
         for entry in events.iter()? {
             let (k, v) = entry?;
@@ -219,8 +217,8 @@ impl Tx<'_> {
             })?,
             last.at.clone(),
         );
-        let mut by_deployment = self.txn.open_table(AUDIT_BY_DEPLOYMENT)?;
-        let mut by_actor = self.txn.open_table(AUDIT_BY_ACTOR)?;
+        let mut by_deployment = self.table(AUDIT_BY_DEPLOYMENT)?;
+        let mut by_actor = self.table(AUDIT_BY_ACTOR)?;
         for (seq, e) in &removed {
             events.remove(*seq)?;
             if let Some(d) = &e.deployment {
@@ -233,7 +231,7 @@ impl Tx<'_> {
         // The anchor keeps the compact range of [0, last_seq); the other
         // subtrees inside it are no longer needed by any proof.
         let prefix = last_seq;
-        let mut nodes = self.txn.open_table(MERKLE_NODES)?;
+        let mut nodes = self.table(MERKLE_NODES)?;
         let mut compact_range = Vec::new();
         for (level, index) in merkle::compact_nodes(prefix) {
             let h: Hash = nodes
@@ -260,9 +258,7 @@ impl Tx<'_> {
             compact_range,
         };
         let json = serde_json::to_vec(&anchor).map_err(|e| StoreError::other(e.to_string()))?;
-        self.txn
-            .open_table(META)?
-            .insert(ANCHOR_KEY, json.as_slice())?;
+        self.table(META)?.insert(ANCHOR_KEY, json.as_slice())?;
         Ok(Some(Pruned {
             removed: removed.len() as u64,
             first_seq: last_seq + 1,
@@ -354,6 +350,16 @@ impl ReadOnlyStore {
                 other => StoreError::from(other),
             })?;
         let store = ReadOnlyStore { db };
+        // A redo log still holding acknowledged rows (a store held alone,
+        // then killed): the file alone is older than what was answered.
+        let pending = super::redo::pending(path, &store.read()?.txn.open_table(META)?)?;
+        if pending {
+            return Err(StoreError::other(format!(
+                "{} holds acknowledged writes not yet in the store (berth was stopped without a \
+                 clean shutdown): start `berth serve` on it once to apply them, then read it",
+                super::redo::path_of(path).display()
+            )));
+        }
         // A file of a newer layout may hold what this berth would misread.
         let newer = store
             .read()?

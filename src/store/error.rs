@@ -74,6 +74,15 @@ impl StoreError {
     }
 }
 
+impl From<std::io::Error> for StoreError {
+    fn from(e: std::io::Error) -> Self {
+        StoreError {
+            kind: io_kind(&e),
+            detail: e.to_string(),
+        }
+    }
+}
+
 /// ENOSPC and EDQUOT: the disk (or the quota) is full.
 fn io_kind(e: &std::io::Error) -> StoreErrorKind {
     const ENOSPC: i32 = 28;

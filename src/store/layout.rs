@@ -44,7 +44,7 @@ use super::{
 use crate::model::BuildId;
 
 /// The layout this binary writes and reads.
-pub const LAYOUT_VERSION: u32 = 7;
+pub const LAYOUT_VERSION: u32 = 8;
 
 /// The `meta` key holding the layout version (u32 LE). Its name predates
 /// the word "layout" and stays, so every release finds it.
@@ -59,7 +59,7 @@ struct Migration {
 }
 
 /// Every migration, in order; `MIGRATIONS[i].to == i + 2`.
-const MIGRATIONS: [Migration; 6] = [
+const MIGRATIONS: [Migration; 7] = [
     Migration {
         to: 2,
         what: "index every build's log chunks",
@@ -90,7 +90,20 @@ const MIGRATIONS: [Migration; 6] = [
         what: "add the webhook tables",
         run: webhook_tables,
     },
+    Migration {
+        to: 8,
+        what: "allow a redo log beside the store",
+        run: redo_log_beside,
+    },
 ];
+
+/// v8: a store held alone (`--exclusive-store`) keeps a redo log,
+/// `berth.redo`, whose rows are part of the store until a checkpoint puts
+/// them into the file. No row changes; the version stops a berth that does
+/// not know the log from opening the store and missing them.
+fn redo_log_beside(_txn: &WriteTransaction) -> StoreResult<()> {
+    Ok(())
+}
 
 /// v7: the webhook tables, empty (the open creates every table; this step
 /// makes the version say so).

@@ -16,9 +16,11 @@ pub mod compress;
 pub mod dump;
 mod error;
 pub(crate) mod layout;
+mod logged;
 pub mod logs;
 mod lookup;
 mod records;
+pub mod redo;
 mod rx;
 pub mod tables;
 mod tx;
@@ -34,7 +36,9 @@ pub use records::{
 pub use rx::Rx;
 pub use tx::Tx;
 pub use writer::Hook;
-use writer::{open_database, pause_for_reopen, writer_loop, Shared, WriteJob, READ_WAIT_ATTEMPTS};
+use writer::{
+    open_database, pause_for_reopen, writer_loop, JobRun, Shared, WriteJob, READ_WAIT_ATTEMPTS,
+};
 
 use std::path::Path;
 use std::sync::Arc;
@@ -98,13 +102,27 @@ impl Store {
             },
             _ => e,
         })?;
+        // Whatever mode wrote a redo log last, its acknowledged rows go
+        // into the file before anything reads it.
+        let next_generation = redo::replay(&db, path, LAYOUT_VERSION)?;
         init_schema(&db)?;
+        let redo = match sharing {
+            // redb commits non-durably only when no other process may
+            // read the file (`redo.rs`).
+            Sharing::Exclusive => Some(std::sync::Mutex::new(redo::RedoLog::open(
+                &redo::path_of(path),
+                next_generation,
+                LAYOUT_VERSION,
+            )?)),
+            Sharing::LiveReaders => None,
+        };
         let shared = Arc::new(Shared {
             path: path.to_path_buf(),
             db: std::sync::RwLock::new(Some(Arc::new(db))),
             read_only: std::sync::RwLock::new(None),
             closed: std::sync::atomic::AtomicBool::new(false),
             sharing,
+            redo,
         });
         let (tx, rx) = mpsc::channel::<WriteJob>(WRITE_QUEUE_DEPTH);
         let writer_shared = shared.clone();
@@ -130,16 +148,17 @@ impl Store {
         let (done_tx, done_rx) = oneshot::channel::<StoreResult<T>>();
         let kept: Arc<std::sync::Mutex<Option<StoreResult<T>>>> = Arc::default();
         let keep = kept.clone();
-        let run = Box::new(move |txn: &WriteTransaction| {
-            let tx = Tx {
-                txn,
-                hooks: std::cell::RefCell::new(Vec::new()),
-            };
+        let run = Box::new(move |txn: &WriteTransaction, logged: bool| {
+            let tx = Tx::new(txn, logged);
             let result = job(&tx);
-            let failed = result.as_ref().err().cloned();
-            let hooks = tx.hooks.into_inner();
+            let failure = result.as_ref().err().cloned();
+            let Tx { hooks, ops, .. } = tx;
             *keep.lock().unwrap_or_else(|p| p.into_inner()) = Some(result);
-            (failed, hooks)
+            JobRun {
+                failure,
+                hooks: hooks.into_inner(),
+                ops: ops.map(|o| o.into_inner().into_bytes()).unwrap_or_default(),
+            }
         });
         let finish = Box::new(move |error: Option<StoreError>| {
             let outcome = match error {
@@ -191,6 +210,11 @@ impl Store {
     /// `CLOSE_WAIT` for a commit or read still holding the handle; every
     /// write after this fails with a closed-store error.
     pub fn close(&self) -> StoreResult<()> {
+        // Everything the redo log holds goes into the file, so a reader
+        // after the stop sees all of it and the next start replays nothing.
+        if let Err(e) = self.shared.checkpoint() {
+            tracing::error!(error = %e, "the last checkpoint failed; the next start applies the redo log");
+        }
         self.shared
             .closed
             .store(true, std::sync::atomic::Ordering::SeqCst);
@@ -230,7 +254,7 @@ fn decode<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> StoreResult<T> {
 
 /// Stores `value` under `key` in `table`.
 fn put_record<'k, K: redb::Key + 'static, T: Serialize>(
-    mut table: redb::Table<'_, K, &'static [u8]>,
+    mut table: logged::Logged<'_, K, &'static [u8]>,
     key: impl std::borrow::Borrow<K::SelfType<'k>>,
     value: &T,
 ) -> StoreResult<()> {

@@ -211,6 +211,11 @@ impl Table {
 
     /// Its name in the redb file: the one place each name is spelled (the
     /// `TableDefinition`s above read it from here).
+    /// The table of this name, if berth has one.
+    pub fn named(name: &str) -> Option<Table> {
+        Table::ALL.into_iter().find(|t| t.name() == name)
+    }
+
     pub const fn name(self) -> &'static str {
         match self {
             Table::Meta => "meta",

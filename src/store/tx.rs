@@ -1,8 +1,10 @@
 //! Typed writes (and the reads a write job needs) inside the writer's
 //! transaction, and the hooks that run once it is durable.
 
-use redb::{ReadableTable, WriteTransaction};
+use redb::{ReadableTable, TableHandle, WriteTransaction};
 
+use super::logged::Logged;
+use super::redo::Ops;
 use super::tables::*;
 use super::writer::Hook;
 use super::{
@@ -19,9 +21,49 @@ use crate::model::{
 pub struct Tx<'a> {
     pub(super) txn: &'a WriteTransaction,
     pub(super) hooks: std::cell::RefCell<Vec<Hook>>,
+    /// The rows this job writes, for the redo log (`None`: no log).
+    pub(super) ops: Option<std::cell::RefCell<Ops>>,
 }
 
-impl Tx<'_> {
+impl<'a> Tx<'a> {
+    /// A job's access to `txn`; `logged` when the store keeps a redo log.
+    pub(super) fn new(txn: &'a WriteTransaction, logged: bool) -> Tx<'a> {
+        Tx {
+            txn,
+            hooks: std::cell::RefCell::new(Vec::new()),
+            ops: logged.then(|| std::cell::RefCell::new(Ops::default())),
+        }
+    }
+
+    /// Opens a table for this job: every write to it is also a redo op.
+    pub(super) fn table<K: redb::Key + 'static, V: redb::Value + 'static>(
+        &self,
+        def: redb::TableDefinition<'static, K, V>,
+    ) -> StoreResult<Logged<'_, K, V>> {
+        let id = Table::named(def.name())
+            .ok_or_else(|| StoreError::other("a table missing from `enum Table`"))?;
+        Ok(Logged {
+            table: self.txn.open_table(def)?,
+            id,
+            ops: self.ops.as_ref(),
+        })
+    }
+
+    /// Empties a whole table (`--reset-dev-state`).
+    fn clear<K: redb::Key + 'static, V: redb::Value + 'static>(
+        &self,
+        def: redb::TableDefinition<'static, K, V>,
+    ) -> StoreResult<()> {
+        let id = Table::named(def.name())
+            .ok_or_else(|| StoreError::other("a table missing from `enum Table`"))?;
+        if let Some(ops) = &self.ops {
+            ops.borrow_mut().clear(id);
+        }
+        self.txn.delete_table(def)?;
+        self.txn.open_table(def)?;
+        Ok(())
+    }
+
     /// Runs `hook` after this transaction is durable; never if it aborts.
     pub fn after_commit(&self, hook: impl FnOnce() + Send + 'static) {
         self.hooks.borrow_mut().push(Box::new(hook));
@@ -33,15 +75,11 @@ impl Tx<'_> {
         seq: u64,
         e: &StoredEvent,
     ) -> StoreResult<()> {
-        put_record(
-            self.txn.open_table(DEPLOYMENT_EVENTS)?,
-            (deployment, seq),
-            e,
-        )
+        put_record(self.table(DEPLOYMENT_EVENTS)?, (deployment, seq), e)
     }
 
     pub fn put_build_event(&self, build: BuildId, seq: u64, e: &StoredEvent) -> StoreResult<()> {
-        put_record(self.txn.open_table(BUILD_EVENTS)?, (build, seq), e)
+        put_record(self.table(BUILD_EVENTS)?, (build, seq), e)
     }
 
     /// Removes a deployment's events with seq below `below` that are older
@@ -52,7 +90,7 @@ impl Tx<'_> {
         below: u64,
         before: Millis,
     ) -> StoreResult<usize> {
-        let mut t = self.txn.open_table(DEPLOYMENT_EVENTS)?;
+        let mut t = self.table(DEPLOYMENT_EVENTS)?;
         let mut doomed = Vec::new();
         for entry in t.range((deployment, 0u64)..(deployment, below))? {
             let (k, v) = entry?;
@@ -69,20 +107,18 @@ impl Tx<'_> {
     }
 
     pub fn put_deployment(&self, d: &DeploymentRecord) -> StoreResult<()> {
-        put_record(self.txn.open_table(DEPLOYMENTS)?, d.id.as_str(), d)
+        put_record(self.table(DEPLOYMENTS)?, d.id.as_str(), d)
     }
 
     /// Stores a build and keeps the queued/running indexes in step with its status.
     pub fn put_build(&self, b: &BuildRecord) -> StoreResult<()> {
         use crate::model::BuildStatus::*;
-        self.txn
-            .open_table(BUILDS)?
+        self.table(BUILDS)?
             .insert(b.id, codec::encode(b).as_slice())?;
-        self.txn
-            .open_table(DEPLOYMENT_BUILDS)?
+        self.table(DEPLOYMENT_BUILDS)?
             .insert((b.deployment.as_str(), b.id), ())?;
-        let mut queued = self.txn.open_table(QUEUED)?;
-        let mut running = self.txn.open_table(RUNNING)?;
+        let mut queued = self.table(QUEUED)?;
+        let mut running = self.table(RUNNING)?;
         match b.status {
             Queued => {
                 queued.insert(b.id, b.deployment.as_str())?;
@@ -110,27 +146,23 @@ impl Tx<'_> {
         let mut value = Vec::with_capacity(8 + compressed.len());
         value.extend_from_slice(&place.first_line.to_le_bytes());
         value.extend_from_slice(compressed);
-        self.txn
-            .open_table(LOG_CHUNKS)?
+        self.table(LOG_CHUNKS)?
             .insert((build, place.number), value.as_slice())?;
-        self.txn
-            .open_table(LOG_INDEX)?
+        self.table(LOG_INDEX)?
             .insert((build, place.number), place.encode().as_slice())?;
         Ok(())
     }
 
     pub fn put_update_try(&self, deployment: &str, t: &UpdateTry) -> StoreResult<()> {
-        put_record(self.txn.open_table(UPDATE_TRIES)?, deployment, t)
+        put_record(self.table(UPDATE_TRIES)?, deployment, t)
     }
 
     pub fn put_sbom_node(&self, deployment: &str, node: &str, s: &NodeSbom) -> StoreResult<()> {
-        put_record(self.txn.open_table(SBOM_NODES)?, (deployment, node), s)
+        put_record(self.table(SBOM_NODES)?, (deployment, node), s)
     }
 
     pub fn remove_sbom_node(&self, deployment: &str, node: &str) -> StoreResult<()> {
-        self.txn
-            .open_table(SBOM_NODES)?
-            .remove((deployment, node))?;
+        self.table(SBOM_NODES)?.remove((deployment, node))?;
         Ok(())
     }
 
@@ -141,7 +173,7 @@ impl Tx<'_> {
         hash: &[u8; 32],
         compressed: impl FnOnce() -> StoreResult<Vec<u8>>,
     ) -> StoreResult<()> {
-        let mut t = self.txn.open_table(SBOM_COMPONENTS)?;
+        let mut t = self.table(SBOM_COMPONENTS)?;
         let value = match t.get(hash.as_slice())? {
             Some(row) => {
                 let (count, text) = split_component_row(row.value())?;
@@ -158,7 +190,7 @@ impl Tx<'_> {
 
     /// One reference fewer; the row goes with its last reference.
     pub fn unref_component(&self, hash: &[u8; 32]) -> StoreResult<()> {
-        let mut t = self.txn.open_table(SBOM_COMPONENTS)?;
+        let mut t = self.table(SBOM_COMPONENTS)?;
         let next = match t.get(hash.as_slice())? {
             Some(row) => {
                 let (count, text) = split_component_row(row.value())?;
@@ -177,21 +209,19 @@ impl Tx<'_> {
     }
 
     pub fn put_source(&self, s: &Source) -> StoreResult<()> {
-        put_record(self.txn.open_table(SOURCES)?, s.digest.as_str(), s)
+        put_record(self.table(SOURCES)?, s.digest.as_str(), s)
     }
 
     pub fn put_describe(&self, digest: &str, json: &str) -> StoreResult<()> {
-        self.txn
-            .open_table(DESCRIBE_CACHE)?
+        self.table(DESCRIBE_CACHE)?
             .insert(digest, json.as_bytes())?;
         Ok(())
     }
 
     pub fn put_idempotency(&self, key: &str, r: &IdempotencyRecord) -> StoreResult<()> {
-        self.txn
-            .open_table(IDEMPOTENCY_EXPIRY)?
+        self.table(IDEMPOTENCY_EXPIRY)?
             .insert((r.expires_at, key), ())?;
-        put_record(self.txn.open_table(IDEMPOTENCY)?, key, r)
+        put_record(self.table(IDEMPOTENCY)?, key, r)
     }
 
     /// Removes at most `max` idempotency records that expired before `now`,
@@ -199,8 +229,8 @@ impl Tx<'_> {
     /// again since (a key reused after it expired) has a later expiry and
     /// stays.
     pub fn sweep_idempotency(&self, now: Millis, max: usize) -> StoreResult<usize> {
-        let mut expiry = self.txn.open_table(IDEMPOTENCY_EXPIRY)?;
-        let mut records = self.txn.open_table(IDEMPOTENCY)?;
+        let mut expiry = self.table(IDEMPOTENCY_EXPIRY)?;
+        let mut records = self.table(IDEMPOTENCY)?;
         let mut due: Vec<(i64, String)> = Vec::new();
         for entry in expiry.range((i64::MIN, "")..(now, ""))? {
             let (k, _) = entry?;
@@ -226,15 +256,15 @@ impl Tx<'_> {
     }
 
     pub fn put_webhook(&self, id: u128, w: &WebhookRecord) -> StoreResult<()> {
-        put_record(self.txn.open_table(WEBHOOKS)?, id, w)
+        put_record(self.table(WEBHOOKS)?, id, w)
     }
 
     /// Removes a subscription and every delivery of it (pending ones are
     /// dropped with it, notifications.md).
     pub fn remove_webhook(&self, id: u128) -> StoreResult<()> {
-        self.txn.open_table(WEBHOOKS)?.remove(id)?;
-        let mut deliveries = self.txn.open_table(WEBHOOK_DELIVERIES)?;
-        let mut due = self.txn.open_table(WEBHOOK_DUE)?;
+        self.table(WEBHOOKS)?.remove(id)?;
+        let mut deliveries = self.table(WEBHOOK_DELIVERIES)?;
+        let mut due = self.table(WEBHOOK_DUE)?;
         let mut gone = Vec::new();
         for entry in deliveries.range((id, 0u128)..=(id, u128::MAX))? {
             let (k, v) = entry?;
@@ -253,9 +283,9 @@ impl Tx<'_> {
     /// Stores a delivery and keeps the due index: its old entry goes, a
     /// pending one's new entry comes.
     pub fn put_delivery(&self, webhook: u128, id: u128, d: &DeliveryRecord) -> StoreResult<()> {
-        let mut deliveries = self.txn.open_table(WEBHOOK_DELIVERIES)?;
-        let mut due = self.txn.open_table(WEBHOOK_DUE)?;
-        let old: Option<DeliveryRecord> = get_record(&deliveries, (webhook, id))?;
+        let mut deliveries = self.table(WEBHOOK_DELIVERIES)?;
+        let mut due = self.table(WEBHOOK_DUE)?;
+        let old: Option<DeliveryRecord> = get_record(&*deliveries, (webhook, id))?;
         if let Some(at) = old.and_then(|o| o.next_attempt_at) {
             due.remove((at, webhook, id))?;
         }
@@ -269,36 +299,32 @@ impl Tx<'_> {
     /// Removes a delivery that is no longer pending (retention).
     pub fn remove_delivery(&self, webhook: u128, id: u128) -> StoreResult<()> {
         let old: Option<DeliveryRecord> =
-            get_record(&self.txn.open_table(WEBHOOK_DELIVERIES)?, (webhook, id))?;
+            get_record(&*self.table(WEBHOOK_DELIVERIES)?, (webhook, id))?;
         if let Some(at) = old.and_then(|o| o.next_attempt_at) {
-            self.txn
-                .open_table(WEBHOOK_DUE)?
-                .remove((at, webhook, id))?;
+            self.table(WEBHOOK_DUE)?.remove((at, webhook, id))?;
         }
-        self.txn
-            .open_table(WEBHOOK_DELIVERIES)?
-            .remove((webhook, id))?;
+        self.table(WEBHOOK_DELIVERIES)?.remove((webhook, id))?;
         Ok(())
     }
 
     pub fn callback(&self, build: BuildId) -> StoreResult<Option<PendingCallback>> {
-        get_record(&self.txn.open_table(CALLBACKS)?, build)
+        get_record(&*self.table(CALLBACKS)?, build)
     }
 
     pub fn put_callback(&self, build: BuildId, c: &PendingCallback) -> StoreResult<()> {
-        put_record(self.txn.open_table(CALLBACKS)?, build, c)
+        put_record(self.table(CALLBACKS)?, build, c)
     }
 
     pub fn remove_callback(&self, build: BuildId) -> StoreResult<()> {
-        self.txn.open_table(CALLBACKS)?.remove(build)?;
+        self.table(CALLBACKS)?.remove(build)?;
         Ok(())
     }
 
     /// The builds of a deployment, newest first, as (id, created_at, status).
     /// A deployment's builds, newest first, as retention judges them.
     pub fn build_ages(&self, deployment: &str) -> StoreResult<Vec<BuildRecord>> {
-        let index = self.txn.open_table(DEPLOYMENT_BUILDS)?;
-        let builds = self.txn.open_table(BUILDS)?;
+        let index = self.table(DEPLOYMENT_BUILDS)?;
+        let builds = self.table(BUILDS)?;
         let mut out = Vec::new();
         for entry in index
             .range((deployment, 0u128)..=(deployment, u128::MAX))?
@@ -314,7 +340,7 @@ impl Tx<'_> {
     }
 
     pub fn put_build_snapshots(&self, id: BuildId, s: &BuildSnapshots) -> StoreResult<()> {
-        put_record(self.txn.open_table(BUILD_SNAPSHOTS)?, id, s)
+        put_record(self.table(BUILD_SNAPSHOTS)?, id, s)
     }
 
     /// Moves one build from `from` to `to` in the builds-by-status counts
@@ -324,7 +350,7 @@ impl Tx<'_> {
         from: Option<BuildStatus>,
         to: Option<BuildStatus>,
     ) -> StoreResult<()> {
-        let mut meta = self.txn.open_table(META)?;
+        let mut meta = self.table(META)?;
         let mut counts = match meta.get(BUILD_COUNTS_KEY)? {
             Some(v) => decode_counts(v.value())?,
             // Every layout since version 4 has them (`layout`).
@@ -346,23 +372,21 @@ impl Tx<'_> {
     /// Removes a finished build with its snapshots, log chunks and events.
     pub fn delete_build(&self, deployment: &str, id: BuildId) -> StoreResult<()> {
         let removed: Option<BuildRecord> = {
-            let mut builds = self.txn.open_table(BUILDS)?;
+            let mut builds = self.table(BUILDS)?;
             let old = builds.remove(id)?;
             old.map(|v| decode(v.value())).transpose()?
         };
         if let Some(b) = removed {
             self.shift_build_count(Some(b.status), None)?;
         }
-        self.txn.open_table(BUILD_SNAPSHOTS)?.remove(id)?;
-        self.txn
-            .open_table(DEPLOYMENT_BUILDS)?
-            .remove((deployment, id))?;
-        self.txn.open_table(CALLBACKS)?.remove(id)?;
-        let mut chunks = self.txn.open_table(LOG_CHUNKS)?;
+        self.table(BUILD_SNAPSHOTS)?.remove(id)?;
+        self.table(DEPLOYMENT_BUILDS)?.remove((deployment, id))?;
+        self.table(CALLBACKS)?.remove(id)?;
+        let mut chunks = self.table(LOG_CHUNKS)?;
         chunks.retain_in((id, 0u32)..=(id, u32::MAX), |_, _| false)?;
-        let mut index = self.txn.open_table(LOG_INDEX)?;
+        let mut index = self.table(LOG_INDEX)?;
         index.retain_in((id, 0u32)..=(id, u32::MAX), |_, _| false)?;
-        let mut events = self.txn.open_table(BUILD_EVENTS)?;
+        let mut events = self.table(BUILD_EVENTS)?;
         events.retain_in((id, 0u64)..=(id, u64::MAX), |_, _| false)?;
         Ok(())
     }
@@ -370,7 +394,7 @@ impl Tx<'_> {
     /// Deletes every stored row (the `--reset-dev-state` path).
     pub fn clear_all(&self) -> StoreResult<()> {
         macro_rules! clear {
-            ($($t:expr),*) => {$( self.txn.delete_table($t)?; self.txn.open_table($t)?; )*};
+            ($($t:expr),*) => {$( self.clear($t)?; )*};
         }
         clear!(
             DEPLOYMENTS,
@@ -390,8 +414,7 @@ impl Tx<'_> {
             SBOM_NODES,
             SBOM_COMPONENTS
         );
-        self.txn
-            .open_table(META)?
+        self.table(META)?
             .insert(BUILD_COUNTS_KEY, encode_counts(&[0; 5]).as_slice())?;
         Ok(())
     }

@@ -15,17 +15,26 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use redb::{Database, WriteTransaction};
+use redb::{Database, Durability, WriteTransaction};
 use tokio::sync::mpsc;
 
+use super::redo::{self, RedoLog};
 use super::{StoreError, StoreResult, MAX_JOBS_PER_COMMIT};
 
 /// Work to run after the transaction that queued it is durable (publishing
 /// events to live subscribers), in commit order.
 pub type Hook = Box<dyn FnOnce() + Send>;
-/// A job's body in a transaction: the error it failed with (the batch then
-/// aborts) and its after-commit hooks.
-pub(super) type RunJob = dyn FnMut(&WriteTransaction) -> (Option<StoreError>, Vec<Hook>) + Send;
+/// What a job's body did in a transaction: the error it failed with (the
+/// batch then aborts), its after-commit hooks, and the rows it wrote as
+/// redo ops (empty without a redo log).
+pub(super) struct JobRun {
+    pub(super) failure: Option<StoreError>,
+    pub(super) hooks: Vec<Hook>,
+    pub(super) ops: Vec<u8>,
+}
+
+/// A job's body: runs in the transaction; records redo ops when asked.
+pub(super) type RunJob = dyn FnMut(&WriteTransaction, bool) -> JobRun + Send;
 
 /// One write job. `run` executes its body in a transaction and keeps the
 /// result; it may run twice: when its batch fails because of another job
@@ -49,9 +58,32 @@ pub(super) struct Shared {
     pub(super) closed: std::sync::atomic::AtomicBool,
     /// How the file is shared with other processes (kept for reopens).
     pub(super) sharing: super::Sharing,
+    /// The redo log, when berth holds the file alone (`redo.rs`). Locked
+    /// before any write transaction begins, by every user, so the two
+    /// locks are always taken in one order.
+    pub(super) redo: Option<std::sync::Mutex<RedoLog>>,
 }
 
 impl Shared {
+    fn redo_log(&self) -> Option<std::sync::MutexGuard<'_, RedoLog>> {
+        self.redo
+            .as_ref()
+            .map(|m| m.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// Makes every commit so far durable with one `Immediate` commit that
+    /// records the log's generation, then starts the log again. The only
+    /// way berth commits durably while it keeps a redo log.
+    pub(super) fn checkpoint(&self) -> StoreResult<()> {
+        let Some(mut log) = self.redo_log() else {
+            return Ok(());
+        };
+        let Some(db) = self.current() else {
+            return Err(StoreError::reopening());
+        };
+        checkpoint_with(&db, &mut log)
+    }
+
     pub(super) fn current(&self) -> Option<Arc<Database>> {
         self.db.read().unwrap_or_else(|p| p.into_inner()).clone()
     }
@@ -70,7 +102,16 @@ impl Shared {
             .take();
         drop(old_ro);
         for _ in 0..REOPEN_ATTEMPTS {
-            match open_database(&self.path, self.sharing) {
+            // The commits redb held only in memory went with the old
+            // handle; the log has every acknowledged one.
+            let reopened = open_database(&self.path, self.sharing).and_then(|db| {
+                if let Some(mut log) = self.redo_log() {
+                    let next = super::redo::replay(&db, &self.path, super::LAYOUT_VERSION)?;
+                    log.restart(next)?;
+                }
+                Ok(db)
+            });
+            match reopened {
                 Ok(db) => {
                     tracing::warn!(path = %self.path.display(), "store reopened after an I/O error");
                     *self.db.write().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(db));
@@ -81,6 +122,12 @@ impl Shared {
                     std::thread::sleep(REOPEN_PAUSE);
                 }
             }
+        }
+        if self.redo.is_some() {
+            // A read-only handle would miss what only the log holds: reads
+            // wait (503) rather than answer from an older state.
+            tracing::error!(path = %self.path.display(), "cannot reopen the store yet; answering 503 until it can");
+            return;
         }
         match Database::builder()
             .set_concurrency_mode(self.sharing.mode())
@@ -122,7 +169,19 @@ pub(super) fn open_database(path: &Path, sharing: super::Sharing) -> StoreResult
         .create(path)?)
 }
 
+/// A checkpoint: one `Immediate` commit recording `log`'s generation, then
+/// the log starts again one generation on (see `redo.rs`).
+fn checkpoint_with(db: &Database, log: &mut RedoLog) -> StoreResult<()> {
+    let mut txn = db.begin_write()?;
+    txn.set_durability(Durability::Immediate)
+        .map_err(|e| StoreError::other(e.to_string()))?;
+    redo::record_generation(&txn, log.generation)?;
+    txn.commit()?;
+    log.restart(log.generation + 1)
+}
+
 pub(super) fn writer_loop(shared: Arc<Shared>, mut rx: mpsc::Receiver<WriteJob>) {
+    let mut last_checkpoint = std::time::Instant::now();
     while let Some(first) = rx.blocking_recv() {
         let mut batch = vec![first];
         while batch.len() < MAX_JOBS_PER_COMMIT {
@@ -138,15 +197,17 @@ pub(super) fn writer_loop(shared: Arc<Shared>, mut rx: mpsc::Receiver<WriteJob>)
                 .for_each(|job| (job.finish)(Some(e.clone())));
             continue;
         };
-        let txn = match db.begin_write() {
+        // Before the transaction: the one lock order (`Shared::redo`).
+        let mut log = shared.redo_log();
+        let txn = match begin(&db, log.is_some()) {
             Ok(t) => t,
-            Err(e) => {
-                let err = StoreError::from(e);
+            Err(err) => {
                 tracing::error!(error = %err, "store write transaction could not start");
                 batch
                     .into_iter()
                     .for_each(|job| (job.finish)(Some(err.clone())));
                 if err.is_transient() {
+                    drop(log);
                     drop(db);
                     shared.reopen();
                 }
@@ -155,10 +216,12 @@ pub(super) fn writer_loop(shared: Arc<Shared>, mut rx: mpsc::Receiver<WriteJob>)
         };
         let mut failed = Vec::with_capacity(batch.len());
         let mut hooks = Vec::new();
+        let mut ops = Vec::new();
         for job in batch.iter_mut() {
-            let (failure, job_hooks) = (job.run)(&txn);
-            failed.push(failure);
-            hooks.extend(job_hooks);
+            let run = (job.run)(&txn, log.is_some());
+            failed.push(run.failure);
+            hooks.extend(run.hooks);
+            ops.extend_from_slice(&run.ops);
         }
         let job_failed = failed.iter().any(Option::is_some);
         let commit_error = if job_failed {
@@ -166,11 +229,23 @@ pub(super) fn writer_loop(shared: Arc<Shared>, mut rx: mpsc::Receiver<WriteJob>)
             let _ = txn.abort();
             None
         } else {
-            txn.commit().err().map(StoreError::from)
+            commit(txn, log.as_deref_mut(), &ops).err()
         };
         if !job_failed && commit_error.is_none() {
             hooks.into_iter().for_each(|hook| hook());
             batch.into_iter().for_each(|job| (job.finish)(None));
+            if let Some(log) = log.as_deref_mut() {
+                if last_checkpoint.elapsed() >= redo::CHECKPOINT_INTERVAL
+                    || log.bytes() >= redo::CHECKPOINT_BYTES
+                {
+                    last_checkpoint = std::time::Instant::now();
+                    if let Err(e) = checkpoint_with(&db, log) {
+                        // The log still holds every commit since the last
+                        // one; the next checkpoint tries again.
+                        tracing::error!(error = %e, "store checkpoint failed");
+                    }
+                }
+            }
             continue;
         }
         drop(hooks);
@@ -186,9 +261,11 @@ pub(super) fn writer_loop(shared: Arc<Shared>, mut rx: mpsc::Receiver<WriteJob>)
         }
         let mut db = Some(db);
         if commit_error.as_ref().is_some_and(StoreError::is_transient) {
+            drop(log.take());
             drop(db.take());
             shared.reopen();
             db = shared.current();
+            log = shared.redo_log();
         }
         // The batch did not land. A job that failed by itself gets its own
         // error; every other job runs again, alone, so one job's error (or
@@ -200,9 +277,11 @@ pub(super) fn writer_loop(shared: Arc<Shared>, mut rx: mpsc::Receiver<WriteJob>)
                     (job.finish)(Some(e.clone()))
                 }
                 (None, Some(db), _) => {
-                    if let Some(poisoned) = run_alone(db, job) {
+                    if let Some(poisoned) = run_alone(db, job, log.as_deref_mut()) {
                         if poisoned {
+                            drop(log.take());
                             shared.reopen();
+                            log = shared.redo_log();
                         }
                     }
                 }
@@ -210,6 +289,41 @@ pub(super) fn writer_loop(shared: Arc<Shared>, mut rx: mpsc::Receiver<WriteJob>)
             }
         }
     }
+}
+
+/// A write transaction: non-durable when a redo log makes it durable.
+fn begin(db: &Database, logged: bool) -> StoreResult<WriteTransaction> {
+    let mut txn = db.begin_write()?;
+    if logged {
+        txn.set_durability(Durability::None)
+            .map_err(|e| StoreError::other(e.to_string()))?;
+    }
+    Ok(txn)
+}
+
+/// Commits a batch: with a redo log, its rows are appended and synced
+/// first (a log that cannot be written aborts the transaction), and a
+/// redb commit that fails after that takes the record back.
+fn commit(txn: WriteTransaction, log: Option<&mut RedoLog>, ops: &[u8]) -> StoreResult<()> {
+    let Some(log) = log else {
+        return txn.commit().map_err(StoreError::from);
+    };
+    if ops.is_empty() {
+        return txn.commit().map_err(StoreError::from);
+    }
+    let end = log.bytes();
+    if let Err(e) = log.append(ops) {
+        let _ = txn.abort();
+        return Err(e);
+    }
+    if let Err(e) = txn.commit() {
+        let e = StoreError::from(e);
+        if let Err(undo) = log.take_back(end) {
+            tracing::error!(error = %undo, "cannot take a refused commit back out of the redo log");
+        }
+        return Err(e);
+    }
+    Ok(())
 }
 
 /// The handle to write with, reopening it when an I/O error dropped it.
@@ -233,10 +347,11 @@ fn closed_or_reopening(shared: &Shared) -> StoreError {
     }
 }
 
-/// Runs one job in its own transaction. Returns `Some(true)` when the
-/// handle must be reopened (an I/O error), `Some(false)` on another
-/// failure, `None` when it committed.
-fn run_alone(db: &Database, mut job: WriteJob) -> Option<bool> {
+/// Runs one job in its own transaction, committed durably (with a redo
+/// log, as a checkpoint). Returns `Some(true)` when the handle must be
+/// reopened (an I/O error), `Some(false)` on another failure, `None` when
+/// it committed.
+fn run_alone(db: &Database, mut job: WriteJob, log: Option<&mut RedoLog>) -> Option<bool> {
     let txn = match db.begin_write() {
         Ok(t) => t,
         Err(e) => {
@@ -246,20 +361,32 @@ fn run_alone(db: &Database, mut job: WriteJob) -> Option<bool> {
             return Some(transient);
         }
     };
-    let (failure, hooks) = (job.run)(&txn);
-    if let Some(e) = failure {
+    let run = (job.run)(&txn, false);
+    if let Some(e) = run.failure {
         let _ = txn.abort();
         (job.finish)(Some(e));
         return Some(false);
     }
-    match txn.commit() {
+    // A durable commit with a log beside it must be a checkpoint: a later
+    // replay of older records over it would undo it.
+    let generation = log.as_ref().map(|l| l.generation);
+    let recorded = match generation {
+        Some(g) => redo::record_generation(&txn, g),
+        None => Ok(()),
+    };
+    let committed = recorded.and_then(|()| txn.commit().map_err(StoreError::from));
+    match committed {
         Ok(()) => {
-            hooks.into_iter().for_each(|hook| hook());
+            if let Some(log) = log {
+                if let Err(e) = log.restart(log.generation + 1) {
+                    tracing::error!(error = %e, "cannot start the redo log again after a checkpoint");
+                }
+            }
+            run.hooks.into_iter().for_each(|hook| hook());
             (job.finish)(None);
             None
         }
-        Err(e) => {
-            let err = StoreError::from(e);
+        Err(err) => {
             tracing::error!(error = %err, "store commit of a re-run job failed");
             let transient = err.is_transient();
             (job.finish)(Some(err));

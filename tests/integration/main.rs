@@ -23,6 +23,7 @@ mod page;
 mod power_loss;
 mod powerfs;
 mod queue;
+mod redo;
 mod restart;
 mod routes;
 mod safe_deploys;

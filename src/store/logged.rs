@@ -1,0 +1,81 @@
+//! A table opened inside a write job. It reads as redb's own table; every
+//! insert and remove (and `retain_in`'s removals) also lands in the job's
+//! redo ops when the store keeps a redo log (`redo.rs`). Write jobs reach
+//! tables only through `Tx::table`, so no write can miss the log.
+
+use std::borrow::Borrow;
+use std::cell::RefCell;
+use std::ops::RangeBounds;
+
+use redb::{AccessGuard, Key, StorageError, Value};
+
+use super::redo::Ops;
+use super::tables::Table;
+
+pub struct Logged<'t, K: Key + 'static, V: Value + 'static> {
+    pub(super) table: redb::Table<'t, K, V>,
+    pub(super) id: Table,
+    pub(super) ops: Option<&'t RefCell<Ops>>,
+}
+
+impl<'t, K: Key + 'static, V: Value + 'static> std::ops::Deref for Logged<'t, K, V> {
+    type Target = redb::Table<'t, K, V>;
+    /// Reads only: redb's writes take `&mut self`, which this never hands out.
+    fn deref(&self) -> &Self::Target {
+        &self.table
+    }
+}
+
+impl<K: Key + 'static, V: Value + 'static> Logged<'_, K, V> {
+    pub fn insert<'k, 'v>(
+        &mut self,
+        key: impl Borrow<K::SelfType<'k>>,
+        value: impl Borrow<V::SelfType<'v>>,
+    ) -> Result<Option<AccessGuard<'_, V>>, StorageError> {
+        if let Some(ops) = self.ops {
+            ops.borrow_mut().insert(
+                self.id,
+                K::as_bytes(key.borrow()).as_ref(),
+                V::as_bytes(value.borrow()).as_ref(),
+            );
+        }
+        self.table.insert(key, value)
+    }
+
+    pub fn remove<'a>(
+        &mut self,
+        key: impl Borrow<K::SelfType<'a>>,
+    ) -> Result<Option<AccessGuard<'_, V>>, StorageError> {
+        if let Some(ops) = self.ops {
+            ops.borrow_mut()
+                .remove(self.id, K::as_bytes(key.borrow()).as_ref());
+        }
+        self.table.remove(key)
+    }
+
+    /// Removes the rows of `range` for which `keep` says false.
+    pub fn retain_in<'a, KR>(
+        &mut self,
+        range: impl RangeBounds<KR> + 'a,
+        mut keep: impl for<'f> FnMut(K::SelfType<'f>, V::SelfType<'f>) -> bool,
+    ) -> Result<(), StorageError>
+    where
+        KR: Borrow<K::SelfType<'a>> + 'a,
+    {
+        let (ops, id) = (self.ops, self.id);
+        self.table.retain_in(range, |k, v| {
+            let kept = match ops {
+                Some(ops) => {
+                    let bytes = K::as_bytes(&k).as_ref().to_vec();
+                    let kept = keep(k, v);
+                    if !kept {
+                        ops.borrow_mut().remove(id, &bytes);
+                    }
+                    kept
+                }
+                None => keep(k, v),
+            };
+            kept
+        })
+    }
+}

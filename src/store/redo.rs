@@ -1,0 +1,533 @@
+//! The redo log in front of redb (`berth.redo` beside `berth.redb`), used
+//! when berth holds the store alone (`--exclusive-store`).
+//!
+//! Why it exists: a redb commit that is durable on its own writes every
+//! page its copy-on-write B-trees dirtied (about 37 for a submit) and syncs
+//! twice. With the log, a group commit is one append of the rows it wrote
+//! and one fdatasync; the redb transaction commits non-durably (visible to
+//! this process's readers at once), and a checkpoint every
+//! `CHECKPOINT_INTERVAL` (or `CHECKPOINT_BYTES` of log) makes redb durable
+//! with one `Immediate` commit and empties the log. At open, the records
+//! written after the last checkpoint are applied again.
+//!
+//! The record format is rows, not requests: a record holds each insert and
+//! remove of its batch, in order, as redb's own key and value bytes, so a
+//! replay is exact and needs no engine. Each record carries the checkpoint
+//! generation it belongs to; the checkpoint stores its generation in `meta`
+//! in the same commit, so a record already in redb (a cut between the
+//! checkpoint and the log's truncation) is skipped. A record whose length
+//! or checksum does not hold is a torn tail (never acknowledged: the sync
+//! that would have made it so did not return) and ends the replay.
+//!
+//! The order that keeps an answer honest: the batch's rows are appended and
+//! synced *before* the redb transaction commits. A log that cannot be
+//! written aborts the transaction, so a refused batch changes nothing.
+//!
+//! redb refuses non-durable commits when other processes may read the
+//! file, so the default shared store (`berth audit verify` and `export`
+//! reading the live file) keeps redb's own durable commits.
+
+use std::io::Read;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use redb::{Database, Key, ReadableTable, TableDefinition, Value, WriteTransaction};
+
+use super::tables::*;
+use super::{StoreError, StoreResult};
+
+/// How often the writer makes redb durable and empties the log, at most:
+/// also the most an outside reader could lag, were it allowed to read.
+pub const CHECKPOINT_INTERVAL: Duration = Duration::from_secs(1);
+/// A checkpoint is due sooner when the log has grown this far; it also
+/// bounds the replay at open.
+pub const CHECKPOINT_BYTES: u64 = 64 << 20;
+/// One record (one group commit) at most: a batch larger than this fails
+/// as a too-large write, never half-logged.
+pub const MAX_RECORD_BYTES: usize = 256 << 20;
+
+/// The `meta` key of the last checkpoint's generation (u64 LE).
+pub const GENERATION_KEY: &str = "redo_generation";
+
+const MAGIC: [u8; 4] = *b"BRDO";
+/// magic, payload length (u32), crc32 of the rest, generation (u64),
+/// layout version (u32).
+const HEADER: usize = 4 + 4 + 4 + 8 + 4;
+
+const OP_INSERT: u8 = 1;
+const OP_REMOVE: u8 = 2;
+const OP_CLEAR: u8 = 3;
+
+/// The log's path beside the store file.
+pub fn path_of(store: &Path) -> PathBuf {
+    store.with_extension("redo")
+}
+
+/// The rows one write job changed, encoded in order.
+#[derive(Default)]
+pub struct Ops {
+    bytes: Vec<u8>,
+}
+
+impl Ops {
+    fn table(&mut self, table: Table, op: u8) {
+        let name = table.name().as_bytes();
+        debug_assert!(name.len() < 256);
+        self.bytes.push(name.len() as u8);
+        self.bytes.extend_from_slice(name);
+        self.bytes.push(op);
+    }
+
+    fn bytes(&mut self, b: &[u8]) {
+        self.bytes
+            .extend_from_slice(&(b.len() as u32).to_le_bytes());
+        self.bytes.extend_from_slice(b);
+    }
+
+    pub fn insert(&mut self, table: Table, key: &[u8], value: &[u8]) {
+        self.table(table, OP_INSERT);
+        self.bytes(key);
+        self.bytes(value);
+    }
+
+    pub fn remove(&mut self, table: Table, key: &[u8]) {
+        self.table(table, OP_REMOVE);
+        self.bytes(key);
+    }
+
+    pub fn clear(&mut self, table: Table) {
+        self.table(table, OP_CLEAR);
+    }
+
+    pub fn into_bytes(self) -> Vec<u8> {
+        self.bytes
+    }
+}
+
+/// The append side, owned by the writer thread.
+pub struct RedoLog {
+    file: std::fs::File,
+    /// Where the next record goes (the log's valid length).
+    end: u64,
+    /// The generation of records written now (the last checkpoint's + 1).
+    pub generation: u64,
+    layout: u32,
+}
+
+fn io_error(e: std::io::Error) -> StoreError {
+    StoreError::from(e)
+}
+
+impl RedoLog {
+    /// Opens (or creates, durably named) the log after `replay` emptied it.
+    pub fn open(path: &Path, generation: u64, layout: u32) -> StoreResult<RedoLog> {
+        let existed = path.exists();
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(io_error)?;
+        if !existed {
+            if let Some(dir) = path.parent() {
+                crate::durable::sync_dir(dir).map_err(io_error)?;
+            }
+        }
+        let end = file.metadata().map_err(io_error)?.len();
+        Ok(RedoLog {
+            file,
+            end,
+            generation,
+            layout,
+        })
+    }
+
+    /// The log's valid length in bytes.
+    pub fn bytes(&self) -> u64 {
+        self.end
+    }
+
+    /// Appends one record and syncs it. On failure the log is cut back to
+    /// where it was (best effort; a torn tail is ignored by the replay).
+    pub fn append(&mut self, payload: &[u8]) -> StoreResult<()> {
+        if payload.len() > MAX_RECORD_BYTES {
+            return Err(StoreError::other(format!(
+                "one commit's rows are {} bytes, over the redo log's {MAX_RECORD_BYTES}",
+                payload.len()
+            )));
+        }
+        let mut record = Vec::with_capacity(HEADER + payload.len());
+        record.extend_from_slice(&MAGIC);
+        record.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+        let mut checked = Vec::with_capacity(12);
+        checked.extend_from_slice(&self.generation.to_le_bytes());
+        checked.extend_from_slice(&self.layout.to_le_bytes());
+        let mut crc = crc32fast::Hasher::new();
+        crc.update(&checked);
+        crc.update(payload);
+        record.extend_from_slice(&crc.finalize().to_le_bytes());
+        record.extend_from_slice(&checked);
+        record.extend_from_slice(payload);
+        let written = self
+            .file
+            .write_all_at(&record, self.end)
+            .and_then(|()| self.file.sync_data());
+        match written {
+            Ok(()) => {
+                self.end += record.len() as u64;
+                Ok(())
+            }
+            Err(e) => {
+                let _ = self.file.set_len(self.end);
+                Err(io_error(e))
+            }
+        }
+    }
+
+    /// Takes the last record back (its redb commit failed after the sync):
+    /// cut and synced, so a restart never applies what was refused.
+    pub fn take_back(&mut self, end: u64) -> StoreResult<()> {
+        self.file
+            .set_len(end)
+            .and_then(|()| self.file.sync_data())
+            .map_err(io_error)?;
+        self.end = end;
+        Ok(())
+    }
+
+    /// After a checkpoint: the log starts again, empty, one generation on.
+    /// The generation moves first: if the log cannot be emptied, new
+    /// records go after the old ones, which a replay skips (their
+    /// generation is checkpointed), and the new ones are never mistaken
+    /// for them.
+    pub fn restart(&mut self, generation: u64) -> StoreResult<()> {
+        debug_assert!(generation > self.generation || self.end == 0);
+        self.generation = generation;
+        self.file.set_len(0).map_err(io_error)?;
+        self.end = 0;
+        Ok(())
+    }
+}
+
+/// The generation of the last checkpoint recorded in `txn`'s `meta`.
+fn durable_generation(meta: &impl ReadableTable<&'static str, &'static [u8]>) -> StoreResult<u64> {
+    match meta.get(GENERATION_KEY)? {
+        None => Ok(0),
+        Some(v) => <[u8; 8]>::try_from(v.value())
+            .map(u64::from_le_bytes)
+            .map_err(|_| StoreError::corrupt("meta.redo_generation is not a u64")),
+    }
+}
+
+/// Records a checkpoint's generation in the commit that makes it durable.
+pub fn record_generation(txn: &WriteTransaction, generation: u64) -> StoreResult<()> {
+    txn.open_table(META)?
+        .insert(GENERATION_KEY, generation.to_le_bytes().as_slice())?;
+    Ok(())
+}
+
+/// One valid record of the log.
+struct Record {
+    generation: u64,
+    layout: u32,
+    payload: Vec<u8>,
+}
+
+/// The records of the log at `path` up to its first torn or foreign one.
+fn read_records(path: &Path) -> StoreResult<Vec<Record>> {
+    let mut bytes = Vec::new();
+    match std::fs::File::open(path) {
+        Ok(mut f) => {
+            f.read_to_end(&mut bytes).map_err(io_error)?;
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(io_error(e)),
+    }
+    let mut records = Vec::new();
+    let mut at = 0usize;
+    while bytes.len() - at >= HEADER {
+        let head = &bytes[at..at + HEADER];
+        if head[..4] != MAGIC {
+            break;
+        }
+        let len = u32::from_le_bytes([head[4], head[5], head[6], head[7]]) as usize;
+        let crc = u32::from_le_bytes([head[8], head[9], head[10], head[11]]);
+        if len > MAX_RECORD_BYTES || bytes.len() - at - HEADER < len {
+            break;
+        }
+        let checked = &head[12..HEADER];
+        let payload = &bytes[at + HEADER..at + HEADER + len];
+        let mut hasher = crc32fast::Hasher::new();
+        hasher.update(checked);
+        hasher.update(payload);
+        if hasher.finalize() != crc {
+            break;
+        }
+        let mut generation = [0u8; 8];
+        generation.copy_from_slice(&checked[..8]);
+        let mut layout = [0u8; 4];
+        layout.copy_from_slice(&checked[8..12]);
+        records.push(Record {
+            generation: u64::from_le_bytes(generation),
+            layout: u32::from_le_bytes(layout),
+            payload: payload.to_vec(),
+        });
+        at += HEADER + len;
+    }
+    Ok(records)
+}
+
+/// Whether the log beside `store` holds any record (a clean stop leaves it
+/// empty; records mean the server runs, or was killed before its next
+/// start applied them).
+pub fn has_records(store: &Path) -> StoreResult<bool> {
+    Ok(!read_records(&path_of(store))?.is_empty())
+}
+
+/// Removes the log beside `store`, durably (an import's new store must not
+/// get the old store's rows).
+pub fn remove(store: &Path) -> StoreResult<()> {
+    let path = path_of(store);
+    match std::fs::remove_file(&path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(io_error(e)),
+    }
+    match path.parent() {
+        Some(dir) => crate::durable::sync_dir(dir).map_err(io_error),
+        None => Ok(()),
+    }
+}
+
+/// Whether the log beside `store` holds rows a checkpoint has not put into
+/// the file yet (a reader then sees less than was acknowledged).
+pub fn pending(
+    store: &Path,
+    meta: &impl ReadableTable<&'static str, &'static [u8]>,
+) -> StoreResult<bool> {
+    let durable = durable_generation(meta)?;
+    Ok(read_records(&path_of(store))?
+        .iter()
+        .any(|r| r.generation > durable))
+}
+
+/// Applies every record of the log written after the last checkpoint, in
+/// one durable commit that records their generation as checkpointed, then
+/// empties the log. Returns the generation to write next.
+pub fn replay(db: &Database, store: &Path, layout: u32) -> StoreResult<u64> {
+    let path = path_of(store);
+    let records = read_records(&path)?;
+    let txn = db.begin_write()?;
+    let durable = durable_generation(&txn.open_table(META)?)?;
+    let mut last = durable;
+    let mut applied = 0usize;
+    for record in records.iter().filter(|r| r.generation > durable) {
+        if record.layout != layout {
+            return Err(StoreError::corrupt(format!(
+                "{} holds rows of layout version {}, and this berth writes {layout}: \
+                 run the berth that wrote it once, so it applies them",
+                path.display(),
+                record.layout
+            )));
+        }
+        apply_payload(&txn, &record.payload)?;
+        last = last.max(record.generation);
+        applied += 1;
+    }
+    record_generation(&txn, last)?;
+    txn.commit()?;
+    if applied > 0 {
+        tracing::info!(records = applied, path = %path.display(), "applied the redo log's acknowledged writes to the store");
+    }
+    if path.exists() {
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .map_err(io_error)?;
+        f.set_len(0)
+            .and_then(|()| f.sync_data())
+            .map_err(io_error)?;
+    }
+    Ok(last + 1)
+}
+
+/// A reader over one record's payload.
+struct Cursor<'a> {
+    bytes: &'a [u8],
+}
+
+impl<'a> Cursor<'a> {
+    fn take(&mut self, n: usize) -> StoreResult<&'a [u8]> {
+        if self.bytes.len() < n {
+            return Err(StoreError::corrupt("a redo record ends inside a row"));
+        }
+        let (head, rest) = self.bytes.split_at(n);
+        self.bytes = rest;
+        Ok(head)
+    }
+    fn sized(&mut self) -> StoreResult<&'a [u8]> {
+        let len = self.take(4)?;
+        let len = u32::from_le_bytes([len[0], len[1], len[2], len[3]]) as usize;
+        self.take(len)
+    }
+}
+
+fn apply_payload(txn: &WriteTransaction, payload: &[u8]) -> StoreResult<()> {
+    let mut c = Cursor { bytes: payload };
+    while !c.bytes.is_empty() {
+        let name_len = c.take(1)?[0] as usize;
+        let name = c.take(name_len)?;
+        let table = Table::ALL
+            .into_iter()
+            .find(|t| t.name().as_bytes() == name)
+            .ok_or_else(|| StoreError::corrupt("a redo record names a table this berth lacks"))?;
+        let op = c.take(1)?[0];
+        match op {
+            OP_INSERT => {
+                let key = c.sized()?;
+                let value = c.sized()?;
+                apply(txn, table, Some(key), Some(value))?;
+            }
+            OP_REMOVE => {
+                let key = c.sized()?;
+                apply(txn, table, Some(key), None)?;
+            }
+            OP_CLEAR => apply(txn, table, None, None)?,
+            _ => {
+                return Err(StoreError::corrupt(
+                    "a redo record holds an unknown operation",
+                ))
+            }
+        }
+    }
+    Ok(())
+}
+
+/// One row written again: `key` with `value` (insert), without (remove),
+/// or no key (the whole table emptied).
+fn apply(
+    txn: &WriteTransaction,
+    table: Table,
+    key: Option<&[u8]>,
+    value: Option<&[u8]>,
+) -> StoreResult<()> {
+    match table {
+        Table::Meta => row(txn, META, key, value),
+        Table::Sources => row(txn, SOURCES, key, value),
+        Table::DescribeCache => row(txn, DESCRIBE_CACHE, key, value),
+        Table::Deployments => row(txn, DEPLOYMENTS, key, value),
+        Table::Builds => row(txn, BUILDS, key, value),
+        Table::BuildSnapshots => row(txn, BUILD_SNAPSHOTS, key, value),
+        Table::LogChunks => row(txn, LOG_CHUNKS, key, value),
+        Table::BuildEvents => row(txn, BUILD_EVENTS, key, value),
+        Table::DeploymentEvents => row(txn, DEPLOYMENT_EVENTS, key, value),
+        Table::Callbacks => row(txn, CALLBACKS, key, value),
+        Table::Idempotency => row(txn, IDEMPOTENCY, key, value),
+        Table::UpdateTries => row(txn, UPDATE_TRIES, key, value),
+        Table::SbomComponents => row(txn, SBOM_COMPONENTS, key, value),
+        Table::SbomNodes => row(txn, SBOM_NODES, key, value),
+        Table::AuditEvents => row(txn, AUDIT_EVENTS, key, value),
+        Table::MerkleNodes => row(txn, MERKLE_NODES, key, value),
+        Table::DeploymentBuilds => row(txn, DEPLOYMENT_BUILDS, key, value),
+        Table::Queued => row(txn, QUEUED, key, value),
+        Table::Running => row(txn, RUNNING, key, value),
+        Table::LogIndex => row(txn, LOG_INDEX, key, value),
+        Table::IdempotencyExpiry => row(txn, IDEMPOTENCY_EXPIRY, key, value),
+        Table::AuditByDeployment => row(txn, AUDIT_BY_DEPLOYMENT, key, value),
+        Table::AuditByActor => row(txn, AUDIT_BY_ACTOR, key, value),
+        Table::Webhooks => row(txn, WEBHOOKS, key, value),
+        Table::WebhookDeliveries => row(txn, WEBHOOK_DELIVERIES, key, value),
+        Table::WebhookDue => row(txn, WEBHOOK_DUE, key, value),
+    }
+}
+
+/// Checks a stored width before redb reads it (its fixed-width keys and
+/// values assume theirs).
+fn width_fits<T: Key>(bytes: &[u8]) -> StoreResult<()> {
+    match T::fixed_width() {
+        Some(w) if w != bytes.len() => Err(StoreError::corrupt(
+            "a redo record's row does not have its table's width",
+        )),
+        _ => Ok(()),
+    }
+}
+
+fn value_width_fits<T: Value>(bytes: &[u8]) -> StoreResult<()> {
+    match T::fixed_width() {
+        Some(w) if w != bytes.len() => Err(StoreError::corrupt(
+            "a redo record's row does not have its table's width",
+        )),
+        _ => Ok(()),
+    }
+}
+
+fn row<K: Key + 'static, V: Value + 'static>(
+    txn: &WriteTransaction,
+    def: TableDefinition<K, V>,
+    key: Option<&[u8]>,
+    value: Option<&[u8]>,
+) -> StoreResult<()> {
+    let Some(key) = key else {
+        txn.delete_table(def)?;
+        txn.open_table(def)?;
+        return Ok(());
+    };
+    width_fits::<K>(key)?;
+    let mut t = txn.open_table(def)?;
+    match value {
+        Some(value) => {
+            value_width_fits::<V>(value)?;
+            t.insert(K::from_bytes(key), V::from_bytes(value))?;
+        }
+        None => {
+            t.remove(K::from_bytes(key))?;
+        }
+    }
+    Ok(())
+}
+
+/// Reads the file for tests.
+#[cfg(test)]
+pub(super) fn records_in(path: &Path) -> usize {
+    read_records(path).map(|r| r.len()).unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_torn_or_foreign_tail_ends_the_records_and_the_rest_is_read_back() {
+        let dir = std::env::temp_dir().join(format!("berth-redo-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let store = dir.join("berth.redb");
+        let mut log = RedoLog::open(&path_of(&store), 1, 8).unwrap();
+        for i in 0..3u8 {
+            let mut ops = Ops::default();
+            ops.insert(Table::Meta, b"k", &[i]);
+            log.append(&ops.into_bytes()).unwrap();
+        }
+        assert_eq!(records_in(&path_of(&store)), 3);
+        // A torn tail: half of a fourth record.
+        let whole = log.bytes();
+        let mut ops = Ops::default();
+        ops.insert(Table::Meta, b"k", &[9; 100]);
+        log.append(&ops.into_bytes()).unwrap();
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(path_of(&store))
+            .unwrap();
+        f.set_len(whole + 40).unwrap();
+        assert_eq!(records_in(&path_of(&store)), 3);
+        // A flipped byte in the third record: two are left.
+        let mut bytes = std::fs::read(path_of(&store)).unwrap();
+        let third = (whole as usize) - 3;
+        bytes[third] ^= 0xff;
+        std::fs::write(path_of(&store), &bytes).unwrap();
+        assert_eq!(records_in(&path_of(&store)), 2);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
