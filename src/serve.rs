@@ -181,7 +181,9 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
             .map_err(|e| format!("--import-from: {e}"))??;
     }
     let sharing = if settings.exclusive_store {
-        crate::store::Sharing::Exclusive
+        crate::store::Sharing::Exclusive {
+            checkpoint_every: settings.checkpoint_interval,
+        }
     } else {
         crate::store::Sharing::LiveReaders
     };

@@ -386,13 +386,19 @@ pub struct Settings {
     #[arg(long, env = "BERTH_MAX_QUEUED_BUILDS", default_value_t = 100)]
     pub max_queued_builds: u32,
 
-    /// Hold the store file for this process alone: one fdatasync per commit
-    /// instead of two (about 1.4x the submits/s on one connection), but
-    /// `berth audit verify`, `audit push-head` and `export` then work only
-    /// while berth is stopped (the NixOS module's audit timers need them
-    /// live: leave this off there).
+    /// Hold the store file for this process alone: a commit is then one
+    /// append to the redo log (`berth.redo`) and one fdatasync, and redb
+    /// catches up at each checkpoint; but `berth audit verify`, `audit
+    /// push-head` and `export` then work only while berth is stopped (the
+    /// NixOS module's audit timers need them live: leave this off there).
     #[arg(long, env = "BERTH_EXCLUSIVE_STORE")]
     pub exclusive_store: bool,
+
+    /// With --exclusive-store: how long between checkpoints at most (each
+    /// makes redb durable and empties the redo log; a crash replays at
+    /// most this much). At most 60s.
+    #[arg(long, env = "BERTH_CHECKPOINT_INTERVAL", default_value = "200ms", value_parser = parse_checkpoint_interval)]
+    pub checkpoint_interval: Duration,
 
     /// How long a stream ticket (for a browser's EventSource) stays valid.
     #[arg(long, env = "BERTH_TICKET_TTL", default_value = "1h", value_parser = parse_duration)]
@@ -590,6 +596,20 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
         "h" => Duration::from_secs(n.saturating_mul(3600)),
         _ => return Err("unit must be ms, s, m or h".into()),
     };
+    Ok(d)
+}
+
+/// The longest `--checkpoint-interval`: it bounds the redo log a crash
+/// leaves to replay.
+pub const MAX_CHECKPOINT_INTERVAL: Duration = Duration::from_secs(60);
+
+/// `--checkpoint-interval`: above zero, at most `MAX_CHECKPOINT_INTERVAL`.
+fn parse_checkpoint_interval(text: &str) -> Result<Duration, String> {
+    let d = parse_duration(text)?;
+    let max = MAX_CHECKPOINT_INTERVAL;
+    if d.is_zero() || d > max {
+        return Err(format!("must be above 0 and at most {}s", max.as_secs()));
+    }
     Ok(d)
 }
 

@@ -37,9 +37,10 @@ use redb::{Database, Key, ReadableTable, TableDefinition, Value, WriteTransactio
 use super::tables::*;
 use super::{StoreError, StoreResult};
 
-/// How often the writer makes redb durable and empties the log, at most:
-/// also the most an outside reader could lag, were it allowed to read.
-pub const CHECKPOINT_INTERVAL: Duration = Duration::from_secs(1);
+/// How often the writer makes redb durable and empties the log, for
+/// tests (berth's own default is `--checkpoint-interval`'s).
+#[cfg(test)]
+const CHECKPOINT_INTERVAL: Duration = Duration::from_millis(200);
 /// A checkpoint is due sooner when the log has grown this far; it also
 /// bounds the replay at open.
 pub const CHECKPOINT_BYTES: u64 = 64 << 20;
@@ -113,6 +114,8 @@ pub struct RedoLog {
     /// The generation of records written now (the last checkpoint's + 1).
     pub generation: u64,
     layout: u32,
+    /// How long between checkpoints, at most.
+    pub checkpoint_every: Duration,
 }
 
 fn io_error(e: std::io::Error) -> StoreError {
@@ -121,7 +124,12 @@ fn io_error(e: std::io::Error) -> StoreError {
 
 impl RedoLog {
     /// Opens (or creates, durably named) the log after `replay` emptied it.
-    pub fn open(path: &Path, generation: u64, layout: u32) -> StoreResult<RedoLog> {
+    pub fn open(
+        path: &Path,
+        generation: u64,
+        layout: u32,
+        checkpoint_every: Duration,
+    ) -> StoreResult<RedoLog> {
         let existed = path.exists();
         let file = std::fs::OpenOptions::new()
             .create(true)
@@ -141,6 +149,7 @@ impl RedoLog {
             end,
             generation,
             layout,
+            checkpoint_every,
         })
     }
 
@@ -494,6 +503,62 @@ pub(super) fn records_in(path: &Path) -> usize {
     read_records(path).map(|r| r.len()).unwrap_or(0)
 }
 
+/// Every row of `table` as redb's bytes, for tests that compare stores.
+#[cfg(test)]
+pub(super) fn raw_rows(txn: &redb::ReadTransaction, table: Table) -> Vec<(Vec<u8>, Vec<u8>)> {
+    fn rows<K: Key + 'static, V: Value + 'static>(
+        txn: &redb::ReadTransaction,
+        def: TableDefinition<K, V>,
+    ) -> Vec<(Vec<u8>, Vec<u8>)> {
+        let t = txn.open_table(def).unwrap();
+        t.iter()
+            .unwrap()
+            .map(|e| {
+                let (k, v) = e.unwrap();
+                let key = {
+                    let value = k.value();
+                    let bytes = K::as_bytes(&value).as_ref().to_vec();
+                    bytes
+                };
+                let row = {
+                    let value = v.value();
+                    let bytes = V::as_bytes(&value).as_ref().to_vec();
+                    bytes
+                };
+                (key, row)
+            })
+            .collect()
+    }
+    match table {
+        Table::Meta => rows(txn, META),
+        Table::Sources => rows(txn, SOURCES),
+        Table::DescribeCache => rows(txn, DESCRIBE_CACHE),
+        Table::Deployments => rows(txn, DEPLOYMENTS),
+        Table::Builds => rows(txn, BUILDS),
+        Table::BuildSnapshots => rows(txn, BUILD_SNAPSHOTS),
+        Table::LogChunks => rows(txn, LOG_CHUNKS),
+        Table::BuildEvents => rows(txn, BUILD_EVENTS),
+        Table::DeploymentEvents => rows(txn, DEPLOYMENT_EVENTS),
+        Table::Callbacks => rows(txn, CALLBACKS),
+        Table::Idempotency => rows(txn, IDEMPOTENCY),
+        Table::UpdateTries => rows(txn, UPDATE_TRIES),
+        Table::SbomComponents => rows(txn, SBOM_COMPONENTS),
+        Table::SbomNodes => rows(txn, SBOM_NODES),
+        Table::AuditEvents => rows(txn, AUDIT_EVENTS),
+        Table::MerkleNodes => rows(txn, MERKLE_NODES),
+        Table::DeploymentBuilds => rows(txn, DEPLOYMENT_BUILDS),
+        Table::Queued => rows(txn, QUEUED),
+        Table::Running => rows(txn, RUNNING),
+        Table::LogIndex => rows(txn, LOG_INDEX),
+        Table::IdempotencyExpiry => rows(txn, IDEMPOTENCY_EXPIRY),
+        Table::AuditByDeployment => rows(txn, AUDIT_BY_DEPLOYMENT),
+        Table::AuditByActor => rows(txn, AUDIT_BY_ACTOR),
+        Table::Webhooks => rows(txn, WEBHOOKS),
+        Table::WebhookDeliveries => rows(txn, WEBHOOK_DELIVERIES),
+        Table::WebhookDue => rows(txn, WEBHOOK_DUE),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -504,7 +569,7 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         let store = dir.join("berth.redb");
-        let mut log = RedoLog::open(&path_of(&store), 1, 8).unwrap();
+        let mut log = RedoLog::open(&path_of(&store), 1, 8, CHECKPOINT_INTERVAL).unwrap();
         for i in 0..3u8 {
             let mut ops = Ops::default();
             ops.insert(Table::Meta, b"k", &[i]);

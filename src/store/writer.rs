@@ -235,7 +235,7 @@ pub(super) fn writer_loop(shared: Arc<Shared>, mut rx: mpsc::Receiver<WriteJob>)
             hooks.into_iter().for_each(|hook| hook());
             batch.into_iter().for_each(|job| (job.finish)(None));
             if let Some(log) = log.as_deref_mut() {
-                if last_checkpoint.elapsed() >= redo::CHECKPOINT_INTERVAL
+                if last_checkpoint.elapsed() >= log.checkpoint_every
                     || log.bytes() >= redo::CHECKPOINT_BYTES
                 {
                     last_checkpoint = std::time::Instant::now();
