@@ -44,26 +44,7 @@ fn rss_kib(pid: u32) -> u64 {
 
 /// `wrk` with tools/submit.lua for `PHASE`: (submits/s, p99 in ms).
 fn wrk_phase(base: &str, token: &str, connections: usize) -> (f64, f64) {
-    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tools/submit.lua");
-    let threads = connections.min(2).to_string();
-    let out = Command::new("wrk")
-        .args(["-t", &threads, "-c", &connections.to_string()])
-        .args(["-d", &format!("{}s", PHASE.as_secs())])
-        .arg("-s")
-        .arg(&script)
-        .arg(base)
-        .env("BERTH_TOKEN", token.trim())
-        .output()
-        .expect("run wrk");
-    let text = String::from_utf8_lossy(&out.stdout);
-    let line = text
-        .lines()
-        .find(|l| l.starts_with('{'))
-        .unwrap_or_else(|| panic!("wrk printed no figures: {text}"));
-    let v: serde_json::Value = serde_json::from_str(line).unwrap();
-    assert_eq!(v["failed"], 0, "some submits failed: {v}");
-    let rate = v["requests"].as_f64().unwrap() / v["seconds"].as_f64().unwrap();
-    (rate, v["p99_us"].as_f64().unwrap() / 1000.0)
+    common::wrk_submits(base, token, connections, PHASE)
 }
 
 /// `wrk` on `GET /healthz` for `PHASE`: the HTTP floor (requests/s) on

@@ -64,6 +64,36 @@ pub async fn start_berth(
     Started { child, base, token }
 }
 
+/// `wrk` with tools/submit.lua (a new deployment and idempotency key per
+/// request) for `duration`: (submits/s, p99 in ms). Panics if one failed.
+pub fn wrk_submits(base: &str, token: &str, connections: usize, duration: Duration) -> (f64, f64) {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tools/submit.lua");
+    let threads = connections.min(2).to_string();
+    let out = Command::new("wrk")
+        .args(["-t", &threads, "-c", &connections.to_string()])
+        .args(["-d", &format!("{}s", duration.as_secs().max(1))])
+        .arg("-s")
+        .arg(&script)
+        .arg(base)
+        .env("BERTH_TOKEN", token.trim())
+        .output()
+        .expect("run wrk");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text
+        .lines()
+        .find(|l| l.starts_with('{'))
+        .unwrap_or_else(|| panic!("wrk printed no figures: {text}"));
+    let v: serde_json::Value = serde_json::from_str(line).unwrap();
+    assert_eq!(v["failed"], 0, "some submits failed: {v}");
+    let rate = v["requests"].as_f64().unwrap() / v["seconds"].as_f64().unwrap();
+    (rate, v["p99_us"].as_f64().unwrap() / 1000.0)
+}
+
+/// Whether `wrk` is on this machine (the submit figures need it).
+pub fn wrk_here() -> bool {
+    Command::new("wrk").arg("--version").output().is_ok()
+}
+
 /// `GET /metrics` of a running berth, as text.
 pub async fn metrics(http: &reqwest::Client, base: &str, token: &str) -> String {
     http.get(format!("{base}/metrics"))
