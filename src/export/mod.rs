@@ -232,7 +232,7 @@ pub fn import(data_dir: &Path, from: &Endpoint, replace: bool) -> Result<Totals,
     let path = store_path(data_dir);
     // Rows only the redo log holds (berth killed while it held the store
     // alone) are part of the store: the file alone would look emptier.
-    if crate::store::redo::has_records(&path).map_err(store_error)? {
+    if crate::store::redo::unapplied(&path).map_err(store_error)? {
         return Err(format!(
             "{} holds writes not yet in the store: start `berth serve` on this data dir once \
              (and stop it) so they are applied, then import",
@@ -326,7 +326,7 @@ pub fn import_at_start(data_dir: &Path, from: &Endpoint) -> Result<(), String> {
     let path = store_path(data_dir);
     // Rows only the redo log holds (berth killed while it held the store
     // alone) are part of the store: the file alone would look emptier.
-    if crate::store::redo::has_records(&path).map_err(store_error)? {
+    if crate::store::redo::unapplied(&path).map_err(store_error)? {
         return Err(format!(
             "{} holds writes not yet in the store: start `berth serve` on this data dir once \
              (and stop it) so they are applied, then import",

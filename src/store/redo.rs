@@ -10,6 +10,11 @@
 //! with one `Immediate` commit and empties the log. At open, the records
 //! written after the last checkpoint are applied again.
 //!
+//! The log is written from its start again after each checkpoint, over the
+//! bytes already there (created as `PREALLOCATED_BYTES` of zeros), so a
+//! sync never has to write the file's size. Records of older generations
+//! left beyond the end are skipped by the replay.
+//!
 //! The record format is rows, not requests: a record holds each insert and
 //! remove of its batch, in order, as redb's own key and value bytes, so a
 //! replay is exact and needs no engine. Each record carries the checkpoint
@@ -44,6 +49,11 @@ const CHECKPOINT_INTERVAL: Duration = Duration::from_millis(200);
 /// A checkpoint is due sooner when the log has grown this far; it also
 /// bounds the replay at open.
 pub const CHECKPOINT_BYTES: u64 = 64 << 20;
+/// The log's bytes written (zeros) when it is created: a record written
+/// over bytes the file already has leaves its size alone, so fdatasync
+/// writes the data and not the inode as well (half the I/O of a growing
+/// append). Past it the log grows as any file does.
+pub const PREALLOCATED_BYTES: u64 = 16 << 20;
 /// One record (one group commit) at most: a batch larger than this fails
 /// as a too-large write, never half-logged.
 pub const MAX_RECORD_BYTES: usize = 256 << 20;
@@ -123,7 +133,9 @@ fn io_error(e: std::io::Error) -> StoreError {
 }
 
 impl RedoLog {
-    /// Opens (or creates, durably named) the log after `replay` emptied it.
+    /// Opens (or creates, durably named and preallocated) the log after
+    /// `replay` applied it: every record in it is then of a checkpointed
+    /// generation, so writing starts at its beginning.
     pub fn open(
         path: &Path,
         generation: u64,
@@ -138,15 +150,25 @@ impl RedoLog {
             .write(true)
             .open(path)
             .map_err(io_error)?;
+        let len = file.metadata().map_err(io_error)?.len();
+        if len < PREALLOCATED_BYTES {
+            let zeros = vec![0u8; 1 << 20];
+            let mut at = len;
+            while at < PREALLOCATED_BYTES {
+                let n = (PREALLOCATED_BYTES - at).min(zeros.len() as u64) as usize;
+                file.write_all_at(&zeros[..n], at).map_err(io_error)?;
+                at += n as u64;
+            }
+            file.sync_all().map_err(io_error)?;
+        }
         if !existed {
             if let Some(dir) = path.parent() {
                 crate::durable::sync_dir(dir).map_err(io_error)?;
             }
         }
-        let end = file.metadata().map_err(io_error)?.len();
         Ok(RedoLog {
             file,
-            end,
+            end: 0,
             generation,
             layout,
             checkpoint_every,
@@ -189,32 +211,35 @@ impl RedoLog {
                 Ok(())
             }
             Err(e) => {
-                let _ = self.file.set_len(self.end);
+                // Whatever part of it reached the disk must never replay.
+                let _ = self.void_at(self.end);
                 Err(io_error(e))
             }
         }
     }
 
+    /// Overwrites the header of a record at `at` with zeros and syncs: the
+    /// replay stops there.
+    fn void_at(&self, at: u64) -> std::io::Result<()> {
+        self.file
+            .write_all_at(&[0u8; HEADER], at)
+            .and_then(|()| self.file.sync_data())
+    }
+
     /// Takes the last record back (its redb commit failed after the sync):
     /// cut and synced, so a restart never applies what was refused.
     pub fn take_back(&mut self, end: u64) -> StoreResult<()> {
-        self.file
-            .set_len(end)
-            .and_then(|()| self.file.sync_data())
-            .map_err(io_error)?;
+        self.void_at(end).map_err(io_error)?;
         self.end = end;
         Ok(())
     }
 
-    /// After a checkpoint: the log starts again, empty, one generation on.
-    /// The generation moves first: if the log cannot be emptied, new
-    /// records go after the old ones, which a replay skips (their
-    /// generation is checkpointed), and the new ones are never mistaken
-    /// for them.
+    /// After a checkpoint: the log is written from its start again, one
+    /// generation on (the records there now are all checkpointed, and the
+    /// replay skips them).
     pub fn restart(&mut self, generation: u64) -> StoreResult<()> {
         debug_assert!(generation > self.generation || self.end == 0);
         self.generation = generation;
-        self.file.set_len(0).map_err(io_error)?;
         self.end = 0;
         Ok(())
     }
@@ -278,8 +303,17 @@ fn read_records(path: &Path) -> StoreResult<Vec<Record>> {
         generation.copy_from_slice(&checked[..8]);
         let mut layout = [0u8; 4];
         layout.copy_from_slice(&checked[8..12]);
+        let generation = u64::from_le_bytes(generation);
+        // Generations only grow along the log: an older one past the end
+        // is what the log held before it was written from its start again.
+        if records
+            .last()
+            .is_some_and(|r: &Record| r.generation > generation)
+        {
+            break;
+        }
         records.push(Record {
-            generation: u64::from_le_bytes(generation),
+            generation,
             layout: u32::from_le_bytes(layout),
             payload: payload.to_vec(),
         });
@@ -288,11 +322,26 @@ fn read_records(path: &Path) -> StoreResult<Vec<Record>> {
     Ok(records)
 }
 
-/// Whether the log beside `store` holds any record (a clean stop leaves it
-/// empty; records mean the server runs, or was killed before its next
-/// start applied them).
-pub fn has_records(store: &Path) -> StoreResult<bool> {
-    Ok(!read_records(&path_of(store))?.is_empty())
+/// Whether the log beside `store` holds rows the store file lacks (berth
+/// killed while it held the store alone, or running now), for a command
+/// that reads the file alone. A file it cannot open to tell counts as yes.
+pub fn unapplied(store: &Path) -> StoreResult<bool> {
+    let records = read_records(&path_of(store))?;
+    if records.is_empty() {
+        return Ok(false);
+    }
+    if !store.exists() {
+        return Ok(true);
+    }
+    let Ok(db) = Database::builder()
+        .set_concurrency_mode(redb::ConcurrencyMode::SingleWriter)
+        .open_read_only(store)
+    else {
+        return Ok(true);
+    };
+    let txn = redb::ReadableDatabase::begin_read(&db)?;
+    let durable = durable_generation(&txn.open_table(META)?)?;
+    Ok(records.iter().any(|r| r.generation > durable))
 }
 
 /// Removes the log beside `store`, durably (an import's new store must not
@@ -323,8 +372,8 @@ pub fn pending(
 }
 
 /// Applies every record of the log written after the last checkpoint, in
-/// one durable commit that records their generation as checkpointed, then
-/// empties the log. Returns the generation to write next.
+/// one durable commit that records their generation as checkpointed.
+/// Returns the generation to write next.
 pub fn replay(db: &Database, store: &Path, layout: u32) -> StoreResult<u64> {
     let path = path_of(store);
     let records = read_records(&path)?;
@@ -350,15 +399,8 @@ pub fn replay(db: &Database, store: &Path, layout: u32) -> StoreResult<u64> {
     if applied > 0 {
         tracing::info!(records = applied, path = %path.display(), "applied the redo log's acknowledged writes to the store");
     }
-    if path.exists() {
-        let f = std::fs::OpenOptions::new()
-            .write(true)
-            .open(&path)
-            .map_err(io_error)?;
-        f.set_len(0)
-            .and_then(|()| f.sync_data())
-            .map_err(io_error)?;
-    }
+    // The log stays as it is: its records are all checkpointed now, and
+    // the writer writes over them from the start.
     Ok(last + 1)
 }
 

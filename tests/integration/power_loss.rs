@@ -215,7 +215,15 @@ async fn power_trials(mode: Mode) {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         tokio::time::sleep(Duration::from_millis(rng.below(400))).await;
-        let report = power_cut(&fs, &group, &mut s, random_cut(&mut rng));
+        // With the redo log, a third of the cuts tear one of its writes.
+        let how = match (mode, rng.below(3)) {
+            (Mode::Exclusive, 0) => Cut::TearOne {
+                seed: rng.next(),
+                file: "berth.redo",
+            },
+            _ => random_cut(&mut rng),
+        };
+        let report = power_cut(&fs, &group, &mut s, how);
         totals.dropped_changes += report.dropped_changes;
         totals.torn_writes += report.torn_writes;
         totals.lost_nodes += report.lost_nodes;
