@@ -161,6 +161,19 @@ impl RedoLog {
             }
             file.sync_all().map_err(io_error)?;
         }
+        // Out of the page cache: the zeros were written in large folios,
+        // and a record dirtying one would make each sync write the whole
+        // folio (2 MiB here, measured: 512 pages a sync, against 1.4 once
+        // evicted). Pages a record writes afterwards are small. Synced
+        // first: dirty pages are not dropped.
+        file.sync_all().map_err(io_error)?;
+        nix::fcntl::posix_fadvise(
+            &file,
+            0,
+            0,
+            nix::fcntl::PosixFadviseAdvice::POSIX_FADV_DONTNEED,
+        )
+        .map_err(|e| io_error(std::io::Error::from(e)))?;
         if !existed {
             if let Some(dir) = path.parent() {
                 crate::durable::sync_dir(dir).map_err(io_error)?;
