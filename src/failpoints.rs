@@ -14,9 +14,14 @@
 //! passing I/O error, so no retry hides it):
 //! - `build.final_commit`: a build's final commit (subject: the build id);
 //! - `submit.job`: a submit's write job (subject: the deployment id);
-//! - `audit.alone`: the audit event of a call that changed nothing.
-
-use crate::store::StoreError;
+//! - `audit.alone`: the audit event of a call that changed nothing;
+//! - `redo.append`: a redo log append (the batch's transaction aborts);
+//! - `redo.commit`: redb's commit right after a redo log append (the
+//!   record is taken back out of the log). Both take as argument bytes the
+//!   batch's rows must hold (`redo.commit=return(dep-id)`).
+//!
+//! A failed place fails with `StoreError::injected`. This module is a leaf
+//! (it names no other module), so the store can use it too.
 
 /// Whether the failpoint `name` is set to fail for `subject` (a `return`
 /// without an argument fails every subject).
@@ -31,10 +36,20 @@ pub fn hit(_name: &str, _subject: &str) -> bool {
     false
 }
 
-/// The error a failpoint fails its job with: not transient, so the caller
-/// takes its for-good path at once.
-pub fn injected(name: &str) -> StoreError {
-    StoreError::other(format!("failpoint {name}"))
+/// Whether the failpoint `name` is set to fail where `bytes` hold its
+/// argument (a redo record naming a deployment); without an argument, always.
+#[cfg(feature = "failpoints")]
+pub fn hit_in(name: &str, bytes: &[u8]) -> bool {
+    fail::eval(name, |arg| {
+        arg.is_none_or(|a| a.is_empty() || memchr::memmem::find(bytes, a.as_bytes()).is_some())
+    })
+    .unwrap_or(false)
+}
+
+#[cfg(not(feature = "failpoints"))]
+#[inline(always)]
+pub fn hit_in(_name: &str, _bytes: &[u8]) -> bool {
+    false
 }
 
 /// Reads `FAILPOINTS` for the life of the process (a no-op without the

@@ -89,7 +89,7 @@ impl Engine {
             .store
             .write(move |tx| {
                 if crate::failpoints::hit("audit.alone", draft.action) {
-                    return Err(crate::failpoints::injected("audit.alone"));
+                    return Err(crate::store::StoreError::injected("audit.alone"));
                 }
                 append(tx, &draft)
             })

@@ -479,7 +479,7 @@ pub struct Finished {
 /// `transition`.
 pub fn finish_tx(tx: &Tx, hub: &Arc<Hub>, build_id: BuildId, f: &Arc<Finished>) -> StoreResult<()> {
     if crate::failpoints::hit("build.final_commit", &format_build_id(build_id)) {
-        return Err(crate::failpoints::injected("build.final_commit"));
+        return Err(crate::store::StoreError::injected("build.final_commit"));
     }
     let Some(mut b) = tx.build(build_id)? else {
         return Ok(());

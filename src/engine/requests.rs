@@ -433,7 +433,7 @@ pub fn submit_tx(
     record: &Record<Submitted>,
 ) -> StoreResult<Result<Submitted, Refusal>> {
     if crate::failpoints::hit("submit.job", &s.id) {
-        return Err(crate::failpoints::injected("submit.job"));
+        return Err(crate::store::StoreError::injected("submit.job"));
     }
     let change = Change::new(tx, hub);
     let existing = tx.deployment(&s.id)?;

@@ -47,6 +47,11 @@ impl StoreError {
             detail: detail.into(),
         }
     }
+    /// The error a failpoint fails its place with (`crate::failpoints`):
+    /// not transient, so the caller takes its for-good path at once.
+    pub fn injected(name: &str) -> Self {
+        Self::other(format!("failpoint {name}"))
+    }
     pub fn other(detail: impl Into<String>) -> Self {
         Self {
             kind: StoreErrorKind::Other,

@@ -312,12 +312,22 @@ fn commit(txn: WriteTransaction, log: Option<&mut RedoLog>, ops: &[u8]) -> Store
         return txn.commit().map_err(StoreError::from);
     }
     let end = log.bytes();
-    if let Err(e) = log.append(ops) {
+    let appended = match crate::failpoints::hit_in("redo.append", ops) {
+        true => Err(StoreError::injected("redo.append")),
+        false => log.append(ops),
+    };
+    if let Err(e) = appended {
         let _ = txn.abort();
         return Err(e);
     }
-    if let Err(e) = txn.commit() {
-        let e = StoreError::from(e);
+    let committed = match crate::failpoints::hit_in("redo.commit", ops) {
+        true => {
+            let _ = txn.abort();
+            Err(StoreError::injected("redo.commit"))
+        }
+        false => txn.commit().map_err(StoreError::from),
+    };
+    if let Err(e) = committed {
         if let Err(undo) = log.take_back(end) {
             tracing::error!(error = %undo, "cannot take a refused commit back out of the redo log");
         }

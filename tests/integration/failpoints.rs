@@ -162,3 +162,44 @@ async fn an_audit_write_that_fails_is_counted_and_logged_and_the_call_answered()
     // transaction, untouched by this failpoint.
     s.submit_ok("alice", json!({})).await;
 }
+
+/// A store held alone, whose redo log fails: an append that fails aborts
+/// its batch, and a redb commit that fails after the append takes the
+/// record back; either way the submit is refused, and no restart (the
+/// replay of the log) brings it back.
+#[tokio::test]
+async fn a_redo_log_that_fails_refuses_the_batch_and_no_restart_brings_it_back() {
+    if !available("failpoints::redo") {
+        return;
+    }
+    for place in ["redo.append", "redo.commit"] {
+        let mut s = Server::start(
+            Options::default()
+                .arg("--exclusive-store")
+                .arg("--checkpoint-interval")
+                .arg("60s")
+                .env("FAILPOINTS", &format!("{place}=return(refused)")),
+        )
+        .await;
+        let (status, body) = s
+            .submit("refused", json!({"configuration": {}, "mode": "enqueue"}))
+            .await;
+        assert!(status >= 500, "{place}: {status} {body}");
+        let kept = s.submit_ok("kept", json!({})).await;
+        assert_eq!(s.json("/v1/deployments/refused").await.0, 404, "{place}");
+        s.kill();
+        s.envs.retain(|(k, _)| k != "FAILPOINTS");
+        s.launch().await;
+        assert_eq!(
+            s.json("/v1/deployments/refused").await.0,
+            404,
+            "{place}: the replay applied a refused batch"
+        );
+        assert_eq!(
+            s.json(&format!("/v1/builds/{kept}")).await.0,
+            200,
+            "{place}"
+        );
+        s.kill();
+    }
+}
