@@ -61,13 +61,8 @@ pub fn create_dir_all(dir: &Path, mode: u32) -> std::io::Result<()> {
     if dir.is_dir() {
         return Ok(());
     }
-    let parent = match dir.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p,
-        _ => Path::new("."),
-    };
-    if dir.parent().is_some_and(|p| !p.as_os_str().is_empty()) {
-        create_dir_all(parent, mode)?;
-    }
+    let parent = directory(dir);
+    create_dir_all(parent, mode)?;
     match std::fs::DirBuilder::new().mode(mode).create(dir) {
         Ok(()) => sync_dir(parent),
         // Made meanwhile by someone else, who syncs it.

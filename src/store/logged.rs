@@ -14,8 +14,9 @@ use super::tables::Table;
 
 pub struct Logged<'t, K: Key + 'static, V: Value + 'static> {
     pub(super) table: redb::Table<'t, K, V>,
-    pub(super) id: Table,
-    pub(super) ops: Option<&'t RefCell<Ops>>,
+    /// The job's redo ops and this table's name in them; `None` without a
+    /// redo log.
+    pub(super) log: Option<(&'t RefCell<Ops>, Table)>,
 }
 
 impl<'t, K: Key + 'static, V: Value + 'static> std::ops::Deref for Logged<'t, K, V> {
@@ -32,9 +33,9 @@ impl<K: Key + 'static, V: Value + 'static> Logged<'_, K, V> {
         key: impl Borrow<K::SelfType<'k>>,
         value: impl Borrow<V::SelfType<'v>>,
     ) -> Result<Option<AccessGuard<'_, V>>, StorageError> {
-        if let Some(ops) = self.ops {
+        if let Some((ops, id)) = self.log {
             ops.borrow_mut().insert(
-                self.id,
+                id,
                 K::as_bytes(key.borrow()).as_ref(),
                 V::as_bytes(value.borrow()).as_ref(),
             );
@@ -46,9 +47,9 @@ impl<K: Key + 'static, V: Value + 'static> Logged<'_, K, V> {
         &mut self,
         key: impl Borrow<K::SelfType<'a>>,
     ) -> Result<Option<AccessGuard<'_, V>>, StorageError> {
-        if let Some(ops) = self.ops {
+        if let Some((ops, id)) = self.log {
             ops.borrow_mut()
-                .remove(self.id, K::as_bytes(key.borrow()).as_ref());
+                .remove(id, K::as_bytes(key.borrow()).as_ref());
         }
         self.table.remove(key)
     }
@@ -62,10 +63,10 @@ impl<K: Key + 'static, V: Value + 'static> Logged<'_, K, V> {
     where
         KR: Borrow<K::SelfType<'a>> + 'a,
     {
-        let (ops, id) = (self.ops, self.id);
+        let log = self.log;
         self.table.retain_in(range, |k, v| {
-            let kept = match ops {
-                Some(ops) => {
+            let kept = match log {
+                Some((ops, id)) => {
                     let bytes = K::as_bytes(&k).as_ref().to_vec();
                     let kept = keep(k, v);
                     if !kept {

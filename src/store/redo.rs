@@ -353,8 +353,7 @@ pub fn unapplied(store: &Path) -> StoreResult<bool> {
         return Ok(true);
     };
     let txn = redb::ReadableDatabase::begin_read(&db)?;
-    let durable = durable_generation(&txn.open_table(META)?)?;
-    Ok(records.iter().any(|r| r.generation > durable))
+    pending(store, &txn.open_table(META)?)
 }
 
 /// Removes the log beside `store`, durably (an import's new store must not

@@ -17,6 +17,11 @@ use crate::model::{
     UpdateTry,
 };
 
+/// A table's entry in `enum Table`, which the redo log names it by.
+fn logged_id(name: &str) -> StoreResult<Table> {
+    Table::named(name).ok_or_else(|| StoreError::other("a table missing from `enum Table`"))
+}
+
 /// Typed access inside a write transaction.
 pub struct Tx<'a> {
     pub(super) txn: &'a WriteTransaction,
@@ -40,12 +45,14 @@ impl<'a> Tx<'a> {
         &self,
         def: redb::TableDefinition<'static, K, V>,
     ) -> StoreResult<Logged<'_, K, V>> {
-        let id = Table::named(def.name())
-            .ok_or_else(|| StoreError::other("a table missing from `enum Table`"))?;
+        // The table's name in the ops, looked up only when there is a log.
+        let log = match &self.ops {
+            Some(ops) => Some((ops, logged_id(def.name())?)),
+            None => None,
+        };
         Ok(Logged {
             table: self.txn.open_table(def)?,
-            id,
-            ops: self.ops.as_ref(),
+            log,
         })
     }
 
@@ -54,10 +61,8 @@ impl<'a> Tx<'a> {
         &self,
         def: redb::TableDefinition<'static, K, V>,
     ) -> StoreResult<()> {
-        let id = Table::named(def.name())
-            .ok_or_else(|| StoreError::other("a table missing from `enum Table`"))?;
         if let Some(ops) = &self.ops {
-            ops.borrow_mut().clear(id);
+            ops.borrow_mut().clear(logged_id(def.name())?);
         }
         self.txn.delete_table(def)?;
         self.txn.open_table(def)?;

@@ -523,6 +523,14 @@ impl Served {
     }
 }
 
+/// Answers a call whose reply carries nothing but success or an errno.
+fn answer(reply: ReplyEmpty, result: Result<(), Errno>) {
+    match result {
+        Ok(()) => reply.ok(),
+        Err(e) => reply.error(e),
+    }
+}
+
 macro_rules! state_or {
     ($self:ident, $reply:ident) => {
         match $self.state() {
@@ -664,10 +672,7 @@ impl Filesystem for Served {
             s.drop_name(ino);
             Ok(())
         });
-        match result {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(e),
-        }
+        answer(reply, result)
     }
 
     fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
@@ -680,10 +685,7 @@ impl Filesystem for Served {
             s.drop_name(ino);
             Ok(())
         });
-        match result {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(e),
-        }
+        answer(reply, result)
     }
 
     fn symlink(
@@ -719,10 +721,10 @@ impl Filesystem for Served {
         reply: ReplyEmpty,
     ) {
         let mut s = state_or!(self, reply);
-        match rename(&mut s, parent.0, name, newparent.0, newname, flags) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(e),
-        }
+        answer(
+            reply,
+            rename(&mut s, parent.0, name, newparent.0, newname, flags),
+        )
     }
 
     fn link(
@@ -819,10 +821,7 @@ impl Filesystem for Served {
         reply: ReplyEmpty,
     ) {
         let mut s = state_or!(self, reply);
-        match s.sync_file(ino.0) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(e),
-        }
+        answer(reply, s.sync_file(ino.0))
     }
 
     fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
@@ -876,10 +875,7 @@ impl Filesystem for Served {
         reply: ReplyEmpty,
     ) {
         let mut s = state_or!(self, reply);
-        match s.sync_dir(ino.0) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(e),
-        }
+        answer(reply, s.sync_dir(ino.0))
     }
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
@@ -946,10 +942,7 @@ impl Filesystem for Served {
         if end <= len {
             return reply.ok();
         }
-        match s.set_len(ino.0, end) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(e),
-        }
+        answer(reply, s.set_len(ino.0, end))
     }
 }
 
