@@ -11,8 +11,18 @@ function setup(thread)
   table.insert(threads, thread)
 end
 
+-- Every run's ids are new: math.random is not seeded, so the same prefix
+-- in a later run (or phase) would replay earlier submits by their
+-- idempotency keys (fast reads, not submits) and inflate the rate.
+local function random_hex(bytes)
+  local f = assert(io.open("/dev/urandom", "rb"))
+  local raw = f:read(bytes)
+  f:close()
+  return (raw:gsub(".", function(c) return string.format("%02x", c:byte()) end))
+end
+
 function init(args)
-  prefix = string.format("w%dr%d", tid, math.random(1, 99999999))
+  prefix = string.format("w%dr%s", tid, random_hex(8))
 end
 
 function request()
