@@ -4,11 +4,14 @@
 //! against a 128 B append + fdatasync loop and SQLite doing the same
 //! transaction (WAL, synchronous=FULL; 1 and 32 writers) on the same disk
 //! in the same run; the floors under it (bare redb with the same table
-//! count, the disk writing as many scattered pages as a submit dirties,
-//! `/healthz` over HTTP); RSS of the idle server and with 10,000
-//! deployments; startup with 100,000 builds.
+//! count, durable and, as the redo path commits, non-durable with
+//! checkpoints, in 13, 2 or 1 tables and without checkpoints; the disk
+//! writing as many scattered pages as a submit dirties; `/healthz` over
+//! HTTP); RSS of the idle server and with 10,000 deployments; startup with
+//! 100,000 builds.
 //!
-//! Run: `cargo bench --bench submit` (release build of berth).
+//! Run: `cargo bench --bench submit` (release build of berth);
+//! `BENCH_ONLY=floors` runs only the non-durable redb floors.
 
 mod common;
 
@@ -281,6 +284,65 @@ fn redb_floor(dir: &std::path::Path, mode: redb::ConcurrencyMode) -> f64 {
     n as f64 / start.elapsed().as_secs_f64()
 }
 
+/// The redo path's floor in bare redb: commits of `TABLES_PER_SUBMIT`
+/// one-row inserts (~300 B each), non-durable (`Durability::None`, as with
+/// `--exclusive-store`), with an `Immediate` commit every 200 ms (the
+/// default checkpoint; none when `checkpoint_every` is `None`), spread
+/// over `tables` tables under kind-prefixed keys: 13 is today's layout, 2 a
+/// deployment-scoped and a build-scoped table, 1 everything in one.
+/// Commits/s, with no log and no HTTP: what co-locating a submit's rows, or
+/// cheaper checkpoints, could buy on the writer thread.
+fn redb_nondurable_floor(
+    dir: &std::path::Path,
+    tables: usize,
+    checkpoint_every: Option<Duration>,
+) -> f64 {
+    use redb::{Durability, TableDefinition};
+    assert!((1..=TABLES_PER_SUBMIT).contains(&tables));
+    let path = dir.join(format!(
+        "floor-nondurable-{tables}-{}.redb",
+        checkpoint_every.is_some()
+    ));
+    let _ = std::fs::remove_file(&path);
+    let db = redb::Database::builder()
+        .set_concurrency_mode(redb::ConcurrencyMode::ExclusiveWriter)
+        .create(&path)
+        .unwrap();
+    let names: Vec<String> = (0..tables).map(|t| format!("t{t}")).collect();
+    let defs: Vec<TableDefinition<&[u8], &[u8]>> = names
+        .iter()
+        .map(|n| TableDefinition::new(n.as_str()))
+        .collect();
+    let value = vec![7u8; 300];
+    let mut last_checkpoint = Instant::now();
+    let start = Instant::now();
+    let mut n = 0u64;
+    let mut key = Vec::with_capacity(64);
+    while start.elapsed() < PHASE {
+        n += 1;
+        let mut txn = db.begin_write().unwrap();
+        let durable = checkpoint_every.is_some_and(|every| last_checkpoint.elapsed() >= every);
+        if durable {
+            last_checkpoint = Instant::now();
+        } else {
+            txn.set_durability(Durability::None).unwrap();
+        }
+        // Row `r` goes to table `r % tables`, its key prefixed by its kind
+        // (so one table holds them all apart), then a scattered id.
+        for r in 0..TABLES_PER_SUBMIT {
+            key.clear();
+            key.push(r as u8);
+            key.extend_from_slice(&(n.wrapping_mul(0x9e37_79b9_7f4a_7c15)).to_be_bytes());
+            txn.open_table(defs[r % tables])
+                .unwrap()
+                .insert(key.as_slice(), value.as_slice())
+                .unwrap();
+        }
+        txn.commit().unwrap();
+    }
+    n as f64 / start.elapsed().as_secs_f64()
+}
+
 /// Starts berth with a deployer whose builds never finish (submits only queue).
 fn start(
     dir: &std::path::Path,
@@ -396,6 +458,33 @@ fn main() {
     let root = std::env::temp_dir().join(format!("berth-bench-submit-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&root);
     let rt = tokio::runtime::Runtime::new().unwrap();
+
+    // What co-locating a submit's rows could buy (BENCH_ONLY=floors: just
+    // these).
+    std::fs::create_dir_all(&root).unwrap();
+    let every = Some(Duration::from_millis(200));
+    let today = redb_nondurable_floor(&root, TABLES_PER_SUBMIT, every);
+    for (tables, checkpoints) in [(2, every), (1, every), (TABLES_PER_SUBMIT, None)] {
+        let rate = redb_nondurable_floor(&root, tables, checkpoints);
+        let how = match checkpoints {
+            Some(_) => "200 ms checkpoints",
+            None => "no checkpoints",
+        };
+        common::record(
+            &format!(
+                "bare redb, {TABLES_PER_SUBMIT} one-row inserts per non-durable commit, {how}, in {tables} table(s)"
+            ),
+            &format!("{rate:.0}/s"),
+            &format!("in {TABLES_PER_SUBMIT} tables with 200 ms checkpoints (the redo path's layout): {today:.0}/s"),
+            rate / today,
+            None,
+            true,
+        );
+    }
+    if std::env::var("BENCH_ONLY").as_deref() == Ok("floors") {
+        let _ = std::fs::remove_dir_all(&root);
+        return;
+    }
 
     // Throughput, against an fsync loop and SQLite on the same disk, with
     // wrk as the load (a lean client: a heavy one on these 2 cores would
