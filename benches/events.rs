@@ -11,7 +11,8 @@
 //!   during it next to their rate alone on the same server.
 //!
 //! This executable is also the deployer berth runs (and the pipe writer).
-//! Run: `cargo bench --bench events`.
+//! Run: `cargo bench --bench events` (`BENCH_ONLY=fanout`, `mixed` or
+//! `ingest` for one part).
 
 mod common;
 
@@ -398,6 +399,8 @@ fn main() {
     // connections submit.
     let only_fanout = std::env::var("BENCH_ONLY").as_deref() == Ok("fanout");
     let only_mixed = std::env::var("BENCH_ONLY").as_deref() == Ok("mixed");
+    // BENCH_ONLY=ingest: only the log ingest and compression figures.
+    let only_ingest = std::env::var("BENCH_ONLY").as_deref() == Ok("ingest");
     let fanout_lines = std::env::var("BENCH_FANOUT_LINES")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -411,7 +414,7 @@ fn main() {
         (10_000u64, 10usize, 30_000u64),
         (1_000, fanout_subs, fanout_lines),
     ] {
-        if (only_fanout || only_mixed) && subscribers == 10 {
+        if ((only_fanout || only_mixed) && subscribers == 10) || only_ingest {
             continue;
         }
         let pipe = pipe_baseline(lines, rate);
@@ -467,7 +470,9 @@ fn main() {
         return;
     }
     // The wide fan-out while 32 connections submit.
-    if common::wrk_here() {
+    if only_ingest {
+        // (below)
+    } else if common::wrk_here() {
         let (rate, lines) = (1_000u64, fanout_lines);
         let during = Duration::from_secs(lines / rate + 2);
         let (p99, solo, loaded) = rt.block_on(async {

@@ -43,15 +43,18 @@ impl<K: Key + 'static, V: Value + 'static> Logged<'_, K, V> {
         self.table.insert(key, value)
     }
 
+    /// A remove of a row that is not there changes nothing, so it is not
+    /// logged (a replay reaches the same state without it).
     pub fn remove<'a>(
         &mut self,
         key: impl Borrow<K::SelfType<'a>>,
     ) -> Result<Option<AccessGuard<'_, V>>, StorageError> {
-        if let Some((ops, id)) = self.log {
+        let removed = self.table.remove(key.borrow())?;
+        if let (Some((ops, id)), true) = (self.log, removed.is_some()) {
             ops.borrow_mut()
                 .remove(id, K::as_bytes(key.borrow()).as_ref());
         }
-        self.table.remove(key)
+        Ok(removed)
     }
 
     /// Removes the rows of `range` for which `keep` says false.
