@@ -1,7 +1,8 @@
 //! A table opened inside a write job. It reads as redb's own table; every
-//! insert and remove (and `retain_in`'s removals) also lands in the job's
-//! redo ops when the store keeps a redo log (`redo.rs`). Write jobs reach
-//! tables only through `Tx::table`, so no write can miss the log.
+//! insert and every remove that removed a row (and `retain_in`'s removals)
+//! also lands in the job's redo ops when the store keeps a redo log
+//! (`redo.rs`). Write jobs reach tables only through `Tx::table`, so no
+//! write can miss the log.
 
 use std::borrow::Borrow;
 use std::cell::RefCell;
