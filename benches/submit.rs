@@ -1,5 +1,6 @@
 //! Submit throughput with 1 and 32 connections from `wrk` (tools/submit.lua:
-//! a new deployment and idempotency key per request, no eval:
+//! a new deployment and idempotency key per request, and again to a fleet
+//! of 100 deployments in turn; no eval:
 //! `--eval-slots 0`, a deployer that blocks so builds do not compete)
 //! against a 128 B append + fdatasync loop and SQLite doing the same
 //! transaction (WAL, synchronous=FULL; 1 and 32 writers) on the same disk
@@ -162,6 +163,8 @@ fn sqlite_rate(dir: &std::path::Path, writers: usize) -> f64 {
 /// builds, queued, deployments, audit events, audit by deployment, Merkle
 /// nodes, idempotency, idempotency expiry.
 const TABLES_PER_SUBMIT: usize = 13;
+/// Deployments of the fleet phase (submitted to in turn).
+const FLEET: usize = 100;
 
 /// The floor under berth's submit: bare redb, one write transaction per
 /// Bytes a process has caused to be written to storage so far
@@ -533,6 +536,21 @@ fn main() {
         ((0.0, 0.0), (0.0, 0.0))
     };
     stop(child, &dir);
+    // The same on a fleet that keeps deploying: FLEET deployments, each
+    // submitted to in turn, so their rows rewrite the same leaves (the
+    // phases above give every submit a new deployment, the case with the
+    // most pages per submit).
+    let fleet_dir = root.join("fleet");
+    let (child, base, token) = start_with(&fleet_dir, &rt, &["--exclusive-store"]);
+    let fleet = if wrk_here {
+        (
+            common::wrk_submits_to(&base, &token, 1, PHASE, FLEET),
+            common::wrk_submits_to(&base, &token, 32, PHASE, FLEET),
+        )
+    } else {
+        ((0.0, 0.0), (0.0, 0.0))
+    };
+    stop(child, &fleet_dir);
     let floor_shared = redb_floor(&dir, redb::ConcurrencyMode::SingleWriter);
     let floor_alone = redb_floor(&dir, redb::ConcurrencyMode::ExclusiveWriter);
     let disk_floor = scattered_pages_rate(&dir, pages_per_submit.max(1.0) as u64);
@@ -558,6 +576,20 @@ fn main() {
                 &fsync,
                 rate / fsyncs,
                 Some(goal),
+                true,
+            );
+        }
+        for (connections, (rate, p99), other) in
+            [(1, fleet.0, exclusive.0), (32, fleet.1, exclusive.1)]
+        {
+            common::record(
+                &format!(
+                    "submits/s, {connections} connection(s), --exclusive-store, to {FLEET} deployments in turn"
+                ),
+                &format!("{rate:.0}/s (p99 {p99:.1} ms)"),
+                &format!("a new deployment per submit, same run: {:.0}/s", other.0),
+                rate / other.0.max(1e-6),
+                None,
                 true,
             );
         }

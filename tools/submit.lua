@@ -1,7 +1,10 @@
 -- wrk script for the submit benchmark: every request submits a new
--- deployment with its own idempotency key. BERTH_TOKEN comes from the
--- environment. Prints one JSON line at the end.
+-- deployment with its own idempotency key, or, with
+-- BERTH_BENCH_DEPLOYMENTS=N, one of N deployments in turn (a fleet that
+-- keeps deploying; each submit still has its own key and configuration).
+-- BERTH_TOKEN comes from the environment. Prints one JSON line at the end.
 local token = os.getenv("BERTH_TOKEN")
+local fleet = tonumber(os.getenv("BERTH_BENCH_DEPLOYMENTS") or "0")
 local threads = {}
 local counter = 0
 local prefix = ""
@@ -27,12 +30,16 @@ end
 
 function request()
   counter = counter + 1
-  local id = string.format("%sn%d", prefix, counter)
-  local body = '{"configuration":{"domain":"' .. id .. '.example.org"},"mode":"enqueue"}'
+  local key = string.format("%sn%d", prefix, counter)
+  local id = key
+  if fleet > 0 then
+    id = string.format("fleet%d", (counter * 7 + tid) % fleet)
+  end
+  local body = '{"configuration":{"domain":"' .. key .. '.example.org"},"mode":"enqueue"}'
   return wrk.format("POST", "/v1/deployments/" .. id .. "/submit", {
     ["Authorization"] = "Bearer " .. token,
     ["Content-Type"] = "application/json",
-    ["Idempotency-Key"] = "bench-" .. id,
+    ["Idempotency-Key"] = "bench-" .. key,
   }, body)
 end
 

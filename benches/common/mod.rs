@@ -67,6 +67,18 @@ pub async fn start_berth(
 /// `wrk` with tools/submit.lua (a new deployment and idempotency key per
 /// request) for `duration`: (submits/s, p99 in ms). Panics if one failed.
 pub fn wrk_submits(base: &str, token: &str, connections: usize, duration: Duration) -> (f64, f64) {
+    wrk_submits_to(base, token, connections, duration, 0)
+}
+
+/// As `wrk_submits`, to `deployments` deployments in turn (0: a new one
+/// per submit).
+pub fn wrk_submits_to(
+    base: &str,
+    token: &str,
+    connections: usize,
+    duration: Duration,
+    deployments: usize,
+) -> (f64, f64) {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tools/submit.lua");
     let threads = connections.min(2).to_string();
     let out = Command::new("wrk")
@@ -76,6 +88,7 @@ pub fn wrk_submits(base: &str, token: &str, connections: usize, duration: Durati
         .arg(&script)
         .arg(base)
         .env("BERTH_TOKEN", token.trim())
+        .env("BERTH_BENCH_DEPLOYMENTS", deployments.to_string())
         .output()
         .expect("run wrk");
     let text = String::from_utf8_lossy(&out.stdout);
