@@ -397,10 +397,11 @@ fn main() {
     // BENCH_ONLY=fanout runs only the 1,000-subscriber case (for
     // profiling); BENCH_ONLY=mixed that case alone and then while 32
     // connections submit.
-    let only_fanout = std::env::var("BENCH_ONLY").as_deref() == Ok("fanout");
-    let only_mixed = std::env::var("BENCH_ONLY").as_deref() == Ok("mixed");
     // BENCH_ONLY=ingest: only the log ingest and compression figures.
-    let only_ingest = std::env::var("BENCH_ONLY").as_deref() == Ok("ingest");
+    let only = std::env::var("BENCH_ONLY").ok();
+    let only_fanout = only.as_deref() == Some("fanout");
+    let only_mixed = only.as_deref() == Some("mixed");
+    let only_ingest = only.as_deref() == Some("ingest");
     let fanout_lines = std::env::var("BENCH_FANOUT_LINES")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -470,9 +471,10 @@ fn main() {
         return;
     }
     // The wide fan-out while 32 connections submit.
-    if only_ingest {
-        // (below)
-    } else if common::wrk_here() {
+    if !only_ingest && !common::wrk_here() {
+        println!("skipped: SSE while submitting: needs wrk (apt install wrk)");
+    }
+    if !only_ingest && common::wrk_here() {
         let (rate, lines) = (1_000u64, fanout_lines);
         let during = Duration::from_secs(lines / rate + 2);
         let (p99, solo, loaded) = rt.block_on(async {
@@ -499,33 +501,25 @@ fn main() {
             // The fan-out's build first: it takes the one slot and waits
             // for its go file while the submits run alone.
             let build = berth.submit("d").await;
+            // 32 connections of wrk submitting for `duration`, off the runtime.
+            let submits = |duration: Duration| {
+                let (base, token) = (berth.base.clone(), berth.token.clone());
+                tokio::task::spawn_blocking(move || {
+                    common::wrk_submits(&base, &token, 32, duration)
+                })
+            };
             // A warm-up first: a fresh store file grows (and runs slower)
             // in its first seconds.
-            let (base, token) = (berth.base.clone(), berth.token.clone());
-            tokio::task::spawn_blocking(move || {
-                common::wrk_submits(&base, &token, 32, Duration::from_secs(2))
-            })
-            .await
-            .unwrap();
-            let (base, token) = (berth.base.clone(), berth.token.clone());
-            let before =
-                tokio::task::spawn_blocking(move || common::wrk_submits(&base, &token, 32, during))
-                    .await
-                    .unwrap();
-            let (base, token) = (berth.base.clone(), berth.token.clone());
-            let load =
-                tokio::task::spawn_blocking(move || common::wrk_submits(&base, &token, 32, during));
+            submits(Duration::from_secs(2)).await.unwrap();
+            let before = submits(during).await.unwrap();
+            let load = submits(during);
             let lat = latency_of(&berth, "d", build, fanout_subs).await;
             let loaded = load.await.unwrap();
             // The solo rate again after it: the store is larger by then,
             // and a rate that falls as the file grows would otherwise pass
             // for the fan-out's cost (or hide it). Their mean is the solo
             // figure.
-            let (base, token) = (berth.base.clone(), berth.token.clone());
-            let after =
-                tokio::task::spawn_blocking(move || common::wrk_submits(&base, &token, 32, during))
-                    .await
-                    .unwrap();
+            let after = submits(during).await.unwrap();
             println!(
                 "submits/s alone, 32 connections: {:.0}/s before the fan-out, {:.0}/s after it",
                 before.0, after.0
@@ -550,11 +544,9 @@ fn main() {
             Some(0.8),
             true,
         );
-        if only_mixed {
-            return;
-        }
-    } else {
-        println!("skipped: SSE while submitting: needs wrk (apt install wrk)");
+    }
+    if only_mixed {
+        return;
     }
     // Ingest throughput and compression.
     let log = realistic_log(64 << 20);

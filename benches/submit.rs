@@ -462,8 +462,8 @@ fn main() {
     let _ = std::fs::remove_dir_all(&root);
     let rt = tokio::runtime::Runtime::new().unwrap();
 
-    // What co-locating a submit's rows could buy (BENCH_ONLY=floors: just
-    // these).
+    // What co-locating a submit's rows, or cheaper checkpoints, could buy
+    // (BENCH_ONLY=floors: just these).
     std::fs::create_dir_all(&root).unwrap();
     let every = Some(Duration::from_millis(200));
     let today = redb_nondurable_floor(&root, TABLES_PER_SUBMIT, every);

@@ -14,9 +14,10 @@ function setup(thread)
   table.insert(threads, thread)
 end
 
--- Every run's ids are new: math.random is not seeded, so the same prefix
--- in a later run (or phase) would replay earlier submits by their
--- idempotency keys (fast reads, not submits) and inflate the rate.
+-- Every run's idempotency keys (and, without a fleet, deployment ids) are
+-- new: math.random is not seeded, so the same prefix in a later run (or
+-- phase) would replay earlier submits by their keys (fast reads, not
+-- submits) and inflate the rate.
 local function random_hex(bytes)
   local f = assert(io.open("/dev/urandom", "rb"))
   local raw = f:read(bytes)
