@@ -301,6 +301,46 @@ fn main() {
         restore,
     );
 
+    // The same export while `berth serve --exclusive-store` holds the
+    // store: it reads a snapshot the server copies for it
+    // (src/store/snapshot.rs), so its cost over the stopped store's export
+    // is that copy.
+    let deployer = dir.join("idle.sh");
+    std::fs::write(&deployer, "#!/bin/sh\ncase \"$1\" in describe) cat >/dev/null; printf '%s' '{\"methods\":[\"local\"],\"default_method\":\"local\",\"catalog\":[],\"schema\":null}' > \"$BERTH_RESULT\";; *) cat >/dev/null; printf '%s' '{\"nodes\":[]}' > \"$BERTH_RESULT\";; esac\n").unwrap();
+    run(Command::new("chmod").arg("+x").arg(&deployer));
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let mut server = rt
+        .block_on(common::start_berth(
+            &dir,
+            &deployer,
+            &["--exclusive-store"],
+            &[],
+        ))
+        .child;
+    let live_sqlite = dir.join("live.sqlite");
+    let export_live = run(Command::new(berth)
+        .args(["export", "--data-dir"])
+        .arg(&data)
+        .args(["--to", &format!("sqlite:{}", live_sqlite.display())]));
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(server.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    );
+    let _ = server.wait();
+    common::record(
+        "export to SQLite while berth serve --exclusive-store holds the store (from its snapshot)",
+        &format!("{export_live:.2} s"),
+        &format!("the same export of the stopped store: {export_sqlite:.2} s"),
+        export_sqlite / export_live,
+        None,
+        true,
+    );
+    println!(
+        "| export to SQLite, live, --exclusive-store (snapshot) | {export_live:.2} s | the stopped store's export: {export_sqlite:.2} s | {:.2}x |",
+        export_sqlite / export_live
+    );
+
     for name in [&db, &restored] {
         psql(
             "test",

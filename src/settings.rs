@@ -388,9 +388,11 @@ pub struct Settings {
 
     /// Hold the store file for this process alone: a commit is then one
     /// append to the redo log (`berth.redo`) and one fdatasync, and redb
-    /// catches up at each checkpoint; but `berth audit verify`, `audit
-    /// push-head` and `export` then work only while berth is stopped (the
-    /// NixOS module's audit timers need them live: leave this off there).
+    /// catches up at each checkpoint. `berth audit verify`, `audit
+    /// push-head` and `export` then read a snapshot berth copies for them
+    /// (over `snapshots/berth.sock` in the data dir, which needs a file
+    /// system with Unix sockets). On a full disk, reads as well as writes
+    /// answer 503 until there is room again.
     #[arg(long, env = "BERTH_EXCLUSIVE_STORE")]
     pub exclusive_store: bool,
 

@@ -26,34 +26,38 @@ pub const EVENT_TYPES: [&str; 8] = [
 /// Queues `event_type` for every subscription that wants it, in `tx` (the
 /// transaction of the change it reports). `deployment` filters by the
 /// subscriptions' `deployments`; `only` names one subscription (a ping).
+/// `data` is built only when some subscription wants the event: every
+/// build's change of status passes here, on the store's writer thread,
+/// and most stores have no subscription at all.
 pub fn outbox(
     tx: &Tx,
     hub: &Arc<Hub>,
     event_type: &str,
     deployment: Option<&str>,
     only: Option<u128>,
-    data: Value,
+    data: impl FnOnce() -> StoreResult<Value>,
     now: Millis,
 ) -> StoreResult<()> {
     debug_assert!(EVENT_TYPES.contains(&event_type), "{event_type}");
-    let subscriptions = tx.webhooks()?;
-    if subscriptions.is_empty() {
+    let wanting: Vec<u128> = tx
+        .webhooks()?
+        .into_iter()
+        .filter(|(id, w)| match only {
+            Some(o) => o == *id,
+            None => w.events.iter().any(|e| e == "*" || e == event_type),
+        })
+        .filter(|(_, w)| match (&w.deployments, deployment) {
+            (Some(list), Some(dep)) => list.iter().any(|d| d == dep),
+            _ => true,
+        })
+        .map(|(id, _)| id)
+        .collect();
+    if wanting.is_empty() {
         return Ok(());
     }
-    let body = json!({"type": event_type, "timestamp": format_time(now), "data": data}).to_string();
-    let mut queued = false;
-    for (id, w) in subscriptions {
-        if only.is_some_and(|o| o != id) {
-            continue;
-        }
-        if only.is_none() && !w.events.iter().any(|e| e == "*" || e == event_type) {
-            continue;
-        }
-        if let (Some(list), Some(dep)) = (&w.deployments, deployment) {
-            if !list.iter().any(|d| d == dep) {
-                continue;
-            }
-        }
+    let body =
+        json!({"type": event_type, "timestamp": format_time(now), "data": data()?}).to_string();
+    for id in wanting {
         let delivery = uuid::Uuid::now_v7();
         tx.put_delivery(
             id,
@@ -71,11 +75,8 @@ pub fn outbox(
                 next_attempt_at: Some(now),
             },
         )?;
-        queued = true;
     }
-    if queued {
-        let hub = hub.clone();
-        tx.after_commit(move || hub.outbox.notify_one());
-    }
+    let hub = hub.clone();
+    tx.after_commit(move || hub.outbox.notify_one());
     Ok(())
 }

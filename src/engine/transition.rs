@@ -237,7 +237,11 @@ impl<'t, 'a> Change<'t, 'a> {
                             "deployment.destroyed",
                             Some(&d.id),
                             None,
-                            serde_json::json!({"deployment": d.id, "build_id": format_build_id(b.id)}),
+                            || {
+                                Ok(
+                                    serde_json::json!({"deployment": d.id, "build_id": format_build_id(b.id)}),
+                                )
+                            },
                             self.now,
                         )?;
                     }
@@ -340,12 +344,14 @@ impl<'t, 'a> Change<'t, 'a> {
             "deployment.rollback_queued",
             Some(&d.id),
             None,
-            serde_json::json!({
-                "deployment": d.id,
-                "failed_build": format_build_id(failed.id),
-                "rollback_build": format_build_id(rollback.id),
-                "target_build": format_build_id(target),
-            }),
+            || {
+                Ok(serde_json::json!({
+                    "deployment": d.id,
+                    "failed_build": format_build_id(failed.id),
+                    "rollback_build": format_build_id(rollback.id),
+                    "target_build": format_build_id(target),
+                }))
+            },
             self.now,
         )?;
         let mut draft = super::audit_events::system_draft(
@@ -459,8 +465,10 @@ impl<'t, 'a> Change<'t, 'a> {
             BuildStatus::Failed => "build.failed",
             BuildStatus::Cancelled => "build.cancelled",
         };
-        let data = serde_json::to_value(b.summary())
-            .map_err(|e| StoreError::other(format!("a build summary as JSON: {e}")))?;
+        let data = || {
+            serde_json::to_value(b.summary())
+                .map_err(|e| StoreError::other(format!("a build summary as JSON: {e}")))
+        };
         super::outbox::outbox(
             self.tx,
             self.hub,

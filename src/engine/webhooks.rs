@@ -388,7 +388,7 @@ impl Engine {
         record: Record<Subscription>,
     ) -> Result<Subscription, Refusal> {
         self.on_webhook(id, record, move |tx, hub, _, now| {
-            let data = json!({"webhook": uuid::Uuid::from_u128(id).to_string()});
+            let data = || Ok(json!({"webhook": uuid::Uuid::from_u128(id).to_string()}));
             outbox(tx, hub, "ping", None, Some(id), data, now)
         })
         .await

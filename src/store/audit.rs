@@ -327,32 +327,67 @@ impl Rx {
     }
 }
 
+/// Why the file itself could not be opened for reading.
+enum OpenFailure {
+    /// A server holds it alone: ask it for a snapshot.
+    Held,
+    Failed(StoreError),
+}
+use OpenFailure::{Failed, Held};
+
 /// The store opened read-only beside a running server (`berth audit
-/// verify`, `push-head`, `export`): the server opens redb in `SingleWriter`
-/// mode (unless `--exclusive-store`), so other processes may read and
-/// follow its commits.
+/// verify`, `push-head`, `export`). A server in the default mode opens
+/// redb in `SingleWriter` mode, so other processes may read the file and
+/// follow its commits; one holding it alone (`--exclusive-store`) is asked
+/// for a snapshot of what the reader needs instead (`snapshot.rs`), which
+/// is read here the same way and deleted when this is dropped.
 pub struct ReadOnlyStore {
     db: redb::ReadOnlyDatabase,
+    /// The snapshot file read instead of the live one, if any.
+    _snapshot: Option<super::snapshot::SnapshotFile>,
 }
 
 impl ReadOnlyStore {
-    pub fn open(path: &Path) -> StoreResult<ReadOnlyStore> {
+    /// Opens the store at `path` for a reader that needs `scope`'s tables.
+    pub fn open(path: &Path, scope: super::snapshot::Scope) -> StoreResult<ReadOnlyStore> {
+        match ReadOnlyStore::open_file(path) {
+            Err(Held) => {
+                let snapshot = super::snapshot::request(path, scope)?;
+                let mut store = ReadOnlyStore::open_file(&snapshot.path).map_err(|e| match e {
+                    Held => StoreError::other("a snapshot file is held by another process"),
+                    Failed(e) => e,
+                })?;
+                store._snapshot = Some(snapshot);
+                Ok(store)
+            }
+            Err(Failed(e)) => Err(e),
+            Ok(store) => Ok(store),
+        }
+    }
+
+    fn open_file(path: &Path) -> Result<ReadOnlyStore, OpenFailure> {
         let db = redb::Database::builder()
             .set_concurrency_mode(redb::ConcurrencyMode::SingleWriter)
             .open_read_only(path)
             .map_err(|e| match e {
-                redb::DatabaseError::DatabaseAlreadyOpen => StoreError::other(
-                    "berth serve holds the store alone (--exclusive-store): stop it to read the store from another process, or run it without that flag",
-                ),
-                redb::DatabaseError::RepairAborted => StoreError::other(
+                redb::DatabaseError::DatabaseAlreadyOpen => Held,
+                redb::DatabaseError::RepairAborted => Failed(StoreError::other(
                     "the store was not closed cleanly (berth was killed?) and no berth runs to repair it: start `berth serve` on it once, then verify (also while it runs)",
-                ),
-                other => StoreError::from(other),
+                )),
+                other => Failed(StoreError::from(other)),
             })?;
-        let store = ReadOnlyStore { db };
+        let store = ReadOnlyStore {
+            db,
+            _snapshot: None,
+        };
+        store.check(path).map_err(Failed)?;
+        Ok(store)
+    }
+
+    fn check(&self, path: &Path) -> StoreResult<()> {
         // A redo log still holding acknowledged rows (a store held alone,
         // then killed): the file alone is older than what was answered.
-        let pending = super::redo::pending(path, &store.read()?.txn.open_table(META)?)?;
+        let pending = super::redo::pending(path, &self.read()?.txn.open_table(META)?)?;
         if pending {
             return Err(StoreError::other(format!(
                 "{} holds acknowledged writes not yet in the store (berth was stopped without a \
@@ -361,7 +396,7 @@ impl ReadOnlyStore {
             )));
         }
         // A file of a newer layout may hold what this berth would misread.
-        let newer = store
+        let newer = self
             .read()?
             .layout_version()?
             .filter(|v| *v > super::LAYOUT_VERSION);
@@ -371,7 +406,7 @@ impl ReadOnlyStore {
                 super::LAYOUT_VERSION
             )));
         }
-        Ok(store)
+        Ok(())
     }
 
     pub fn read(&self) -> StoreResult<Rx> {

@@ -22,6 +22,7 @@ mod lookup;
 mod records;
 pub mod redo;
 mod rx;
+pub mod snapshot;
 pub mod tables;
 mod tx;
 mod writer;
@@ -63,13 +64,15 @@ pub(crate) const MAX_JOBS_PER_COMMIT: usize = 256;
 pub enum Sharing {
     /// `berth audit verify`, `push-head` and `export` may read the live
     /// file from their own processes (redb's `SingleWriter`). redb then
-    /// commits in two phases: two fdatasyncs per commit.
+    /// commits in two phases: two fdatasyncs per commit. `berth serve`'s
+    /// default.
     #[default]
     LiveReaders,
     /// This process alone (redb's `ExclusiveWriter`, a whole-file lock):
     /// a commit is an append to the redo log and one fdatasync (`redo`),
     /// with a checkpoint at most `checkpoint_every` apart; the readers
-    /// above need berth stopped.
+    /// above read a snapshot this process copies for them (`snapshot`).
+    /// `berth serve --exclusive-store`.
     Exclusive {
         checkpoint_every: std::time::Duration,
     },
@@ -88,6 +91,9 @@ impl Sharing {
 pub struct Store {
     shared: Arc<Shared>,
     writer: mpsc::Sender<WriteJob>,
+    /// The thread answering snapshot requests (a store held alone); it
+    /// stops when the last clone is dropped, or at `close`.
+    snapshots: Arc<std::sync::Mutex<Option<snapshot::SnapshotServer>>>,
 }
 
 impl Store {
@@ -131,6 +137,18 @@ impl Store {
             sharing,
             redo,
         });
+        // Readers in other processes cannot open a file held alone: they
+        // ask for a snapshot (`snapshot.rs`), read from the live handle.
+        let snapshots = match sharing {
+            Sharing::Exclusive { .. } => {
+                let weak = Arc::downgrade(&shared);
+                snapshot::serve(
+                    move || weak.upgrade().and_then(|shared| shared.current()),
+                    path,
+                )
+            }
+            Sharing::LiveReaders => None,
+        };
         let (tx, rx) = mpsc::channel::<WriteJob>(WRITE_QUEUE_DEPTH);
         let writer_shared = shared.clone();
         std::thread::Builder::new()
@@ -140,7 +158,11 @@ impl Store {
                 kind: StoreErrorKind::Other,
                 detail: e.to_string(),
             })?;
-        Ok(Store { shared, writer: tx })
+        Ok(Store {
+            shared,
+            writer: tx,
+            snapshots: Arc::new(std::sync::Mutex::new(snapshots)),
+        })
     }
 
     /// Runs `job` inside the next group commit and returns its value once the
@@ -222,6 +244,13 @@ impl Store {
         if let Err(e) = self.shared.checkpoint() {
             tracing::error!(error = %e, "the last checkpoint failed; the next start applies the redo log");
         }
+        // Readers open the file itself from here on.
+        drop(
+            self.snapshots
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .take(),
+        );
         self.shared
             .closed
             .store(true, std::sync::atomic::Ordering::SeqCst);

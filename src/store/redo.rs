@@ -81,7 +81,17 @@ pub struct Ops {
     bytes: Vec<u8>,
 }
 
+/// A job's ops buffer starts this large: a submit's rows are ~3.1 KB, and
+/// growing from empty would reallocate a dozen times per job.
+pub const OPS_INITIAL_BYTES: usize = 4 << 10;
+
 impl Ops {
+    pub fn with_capacity(bytes: usize) -> Ops {
+        Ops {
+            bytes: Vec::with_capacity(bytes),
+        }
+    }
+
     fn table(&mut self, table: Table, op: u8) {
         let name = table.name().as_bytes();
         debug_assert!(name.len() < 256);
@@ -116,6 +126,18 @@ impl Ops {
     }
 }
 
+/// Writes the log's zeros from `from` to `PREALLOCATED_BYTES`, synced.
+fn preallocate(file: &std::fs::File, from: u64) -> std::io::Result<()> {
+    let zeros = vec![0u8; 1 << 20];
+    let mut at = from;
+    while at < PREALLOCATED_BYTES {
+        let n = (PREALLOCATED_BYTES - at).min(zeros.len() as u64) as usize;
+        file.write_all_at(&zeros[..n], at)?;
+        at += n as u64;
+    }
+    file.sync_all()
+}
+
 /// The append side, owned by the writer thread.
 pub struct RedoLog {
     file: std::fs::File,
@@ -126,7 +148,16 @@ pub struct RedoLog {
     layout: u32,
     /// How long between checkpoints, at most.
     pub checkpoint_every: Duration,
+    /// The record being written, kept between appends so a group commit
+    /// does not allocate (and free) a buffer of its size each time:
+    /// glibc's malloc consolidates its free lists on every free of 64 KiB
+    /// or more, which a 32-submit batch is.
+    record: Vec<u8>,
 }
+
+/// A record buffer that grew past this (a large batch of log chunks) is
+/// given back after its append rather than kept.
+const KEPT_RECORD_BYTES: usize = 4 << 20;
 
 fn io_error(e: std::io::Error) -> StoreError {
     StoreError::from(e)
@@ -152,14 +183,13 @@ impl RedoLog {
             .map_err(io_error)?;
         let len = file.metadata().map_err(io_error)?.len();
         if len < PREALLOCATED_BYTES {
-            let zeros = vec![0u8; 1 << 20];
-            let mut at = len;
-            while at < PREALLOCATED_BYTES {
-                let n = (PREALLOCATED_BYTES - at).min(zeros.len() as u64) as usize;
-                file.write_all_at(&zeros[..n], at).map_err(io_error)?;
-                at += n as u64;
+            if let Err(e) = preallocate(&file, len) {
+                // A disk with less room than that: the log grows as it is
+                // written instead (each sync then writes the size too).
+                tracing::warn!(error = %e, bytes = PREALLOCATED_BYTES,
+                    "cannot preallocate the redo log; it grows as it is written");
+                file.set_len(len).map_err(io_error)?;
             }
-            file.sync_all().map_err(io_error)?;
         }
         // Out of the page cache: the zeros were written in large folios,
         // and a record dirtying one would make each sync write the whole
@@ -185,6 +215,7 @@ impl RedoLog {
             generation,
             layout,
             checkpoint_every,
+            record: Vec::new(),
         })
     }
 
@@ -202,12 +233,14 @@ impl RedoLog {
                 payload.len()
             )));
         }
-        let mut record = Vec::with_capacity(HEADER + payload.len());
+        let mut record = std::mem::take(&mut self.record);
+        record.clear();
+        record.reserve(HEADER + payload.len());
         record.extend_from_slice(&MAGIC);
         record.extend_from_slice(&(payload.len() as u32).to_le_bytes());
-        let mut checked = Vec::with_capacity(12);
-        checked.extend_from_slice(&self.generation.to_le_bytes());
-        checked.extend_from_slice(&self.layout.to_le_bytes());
+        let mut checked = [0u8; 12];
+        checked[..8].copy_from_slice(&self.generation.to_le_bytes());
+        checked[8..].copy_from_slice(&self.layout.to_le_bytes());
         let mut crc = crc32fast::Hasher::new();
         crc.update(&checked);
         crc.update(payload);
@@ -218,9 +251,13 @@ impl RedoLog {
             .file
             .write_all_at(&record, self.end)
             .and_then(|()| self.file.sync_data());
+        let length = record.len() as u64;
+        if record.capacity() <= KEPT_RECORD_BYTES {
+            self.record = record;
+        }
         match written {
             Ok(()) => {
-                self.end += record.len() as u64;
+                self.end += length;
                 Ok(())
             }
             Err(e) => {
@@ -336,8 +373,9 @@ fn read_records(path: &Path) -> StoreResult<Vec<Record>> {
 }
 
 /// Whether the log beside `store` holds rows the store file lacks (berth
-/// killed while it held the store alone, or running now), for a command
-/// that reads the file alone. A file it cannot open to tell counts as yes.
+/// killed while it held the store alone), for a command that reads the
+/// file alone; an error when a running berth holds the store. A file it
+/// cannot open to tell counts as yes.
 pub fn unapplied(store: &Path) -> StoreResult<bool> {
     let records = read_records(&path_of(store))?;
     if records.is_empty() {
@@ -346,11 +384,19 @@ pub fn unapplied(store: &Path) -> StoreResult<bool> {
     if !store.exists() {
         return Ok(true);
     }
-    let Ok(db) = Database::builder()
+    let db = match Database::builder()
         .set_concurrency_mode(redb::ConcurrencyMode::SingleWriter)
         .open_read_only(store)
-    else {
-        return Ok(true);
+    {
+        Ok(db) => db,
+        // A server holds it alone (its log is live, not left over).
+        Err(redb::DatabaseError::DatabaseAlreadyOpen) => {
+            return Err(StoreError::other(format!(
+                "{} is in use: stop berth serve on this data dir first",
+                store.display()
+            )))
+        }
+        Err(_) => return Ok(true),
     };
     let txn = redb::ReadableDatabase::begin_read(&db)?;
     pending(store, &txn.open_table(META)?)
@@ -476,34 +522,21 @@ fn apply(
     key: Option<&[u8]>,
     value: Option<&[u8]>,
 ) -> StoreResult<()> {
-    match table {
-        Table::Meta => row(txn, META, key, value),
-        Table::Sources => row(txn, SOURCES, key, value),
-        Table::DescribeCache => row(txn, DESCRIBE_CACHE, key, value),
-        Table::Deployments => row(txn, DEPLOYMENTS, key, value),
-        Table::Builds => row(txn, BUILDS, key, value),
-        Table::BuildSnapshots => row(txn, BUILD_SNAPSHOTS, key, value),
-        Table::LogChunks => row(txn, LOG_CHUNKS, key, value),
-        Table::BuildEvents => row(txn, BUILD_EVENTS, key, value),
-        Table::DeploymentEvents => row(txn, DEPLOYMENT_EVENTS, key, value),
-        Table::Callbacks => row(txn, CALLBACKS, key, value),
-        Table::Idempotency => row(txn, IDEMPOTENCY, key, value),
-        Table::UpdateTries => row(txn, UPDATE_TRIES, key, value),
-        Table::SbomComponents => row(txn, SBOM_COMPONENTS, key, value),
-        Table::SbomNodes => row(txn, SBOM_NODES, key, value),
-        Table::AuditEvents => row(txn, AUDIT_EVENTS, key, value),
-        Table::MerkleNodes => row(txn, MERKLE_NODES, key, value),
-        Table::DeploymentBuilds => row(txn, DEPLOYMENT_BUILDS, key, value),
-        Table::Queued => row(txn, QUEUED, key, value),
-        Table::Running => row(txn, RUNNING, key, value),
-        Table::LogIndex => row(txn, LOG_INDEX, key, value),
-        Table::IdempotencyExpiry => row(txn, IDEMPOTENCY_EXPIRY, key, value),
-        Table::AuditByDeployment => row(txn, AUDIT_BY_DEPLOYMENT, key, value),
-        Table::AuditByActor => row(txn, AUDIT_BY_ACTOR, key, value),
-        Table::Webhooks => row(txn, WEBHOOKS, key, value),
-        Table::WebhookDeliveries => row(txn, WEBHOOK_DELIVERIES, key, value),
-        Table::WebhookDue => row(txn, WEBHOOK_DUE, key, value),
+    struct Row<'a, 't> {
+        txn: &'t WriteTransaction,
+        key: Option<&'a [u8]>,
+        value: Option<&'a [u8]>,
     }
+    impl EachTable for Row<'_, '_> {
+        type Output = StoreResult<()>;
+        fn with<K: Key + 'static, V: Value + 'static>(
+            &mut self,
+            def: TableDefinition<'static, K, V>,
+        ) -> StoreResult<()> {
+            row(self.txn, def, self.key, self.value)
+        }
+    }
+    table.visit(&mut Row { txn, key, value })
 }
 
 /// Checks a stored width before redb reads it (its fixed-width keys and

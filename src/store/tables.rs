@@ -297,35 +297,62 @@ impl Table {
     /// Creates the table in `txn` if the file does not have it yet, so
     /// readers never meet a missing one.
     pub fn create(self, txn: &redb::WriteTransaction) -> Result<(), redb::TableError> {
+        struct Create<'t>(&'t redb::WriteTransaction);
+        impl EachTable for Create<'_> {
+            type Output = Result<(), redb::TableError>;
+            fn with<K: redb::Key + 'static, V: redb::Value + 'static>(
+                &mut self,
+                def: TableDefinition<'static, K, V>,
+            ) -> Self::Output {
+                self.0.open_table(def).map(drop)
+            }
+        }
+        self.visit(&mut Create(txn))
+    }
+
+    /// Runs `each` with this table's definition, its key and value types
+    /// included: the one place a `Table` becomes redb's typed table, for
+    /// work that is the same for every table (creating it, applying a redo
+    /// row, copying it into a snapshot).
+    pub fn visit<E: EachTable>(self, each: &mut E) -> E::Output {
         match self {
-            Table::Meta => txn.open_table(META).map(drop),
-            Table::Sources => txn.open_table(SOURCES).map(drop),
-            Table::DescribeCache => txn.open_table(DESCRIBE_CACHE).map(drop),
-            Table::Deployments => txn.open_table(DEPLOYMENTS).map(drop),
-            Table::Builds => txn.open_table(BUILDS).map(drop),
-            Table::BuildSnapshots => txn.open_table(BUILD_SNAPSHOTS).map(drop),
-            Table::LogChunks => txn.open_table(LOG_CHUNKS).map(drop),
-            Table::BuildEvents => txn.open_table(BUILD_EVENTS).map(drop),
-            Table::DeploymentEvents => txn.open_table(DEPLOYMENT_EVENTS).map(drop),
-            Table::Callbacks => txn.open_table(CALLBACKS).map(drop),
-            Table::Idempotency => txn.open_table(IDEMPOTENCY).map(drop),
-            Table::UpdateTries => txn.open_table(UPDATE_TRIES).map(drop),
-            Table::SbomComponents => txn.open_table(SBOM_COMPONENTS).map(drop),
-            Table::SbomNodes => txn.open_table(SBOM_NODES).map(drop),
-            Table::AuditEvents => txn.open_table(AUDIT_EVENTS).map(drop),
-            Table::MerkleNodes => txn.open_table(MERKLE_NODES).map(drop),
-            Table::DeploymentBuilds => txn.open_table(DEPLOYMENT_BUILDS).map(drop),
-            Table::Queued => txn.open_table(QUEUED).map(drop),
-            Table::Running => txn.open_table(RUNNING).map(drop),
-            Table::LogIndex => txn.open_table(LOG_INDEX).map(drop),
-            Table::IdempotencyExpiry => txn.open_table(IDEMPOTENCY_EXPIRY).map(drop),
-            Table::AuditByDeployment => txn.open_table(AUDIT_BY_DEPLOYMENT).map(drop),
-            Table::AuditByActor => txn.open_table(AUDIT_BY_ACTOR).map(drop),
-            Table::Webhooks => txn.open_table(WEBHOOKS).map(drop),
-            Table::WebhookDeliveries => txn.open_table(WEBHOOK_DELIVERIES).map(drop),
-            Table::WebhookDue => txn.open_table(WEBHOOK_DUE).map(drop),
+            Table::Meta => each.with(META),
+            Table::Sources => each.with(SOURCES),
+            Table::DescribeCache => each.with(DESCRIBE_CACHE),
+            Table::Deployments => each.with(DEPLOYMENTS),
+            Table::Builds => each.with(BUILDS),
+            Table::BuildSnapshots => each.with(BUILD_SNAPSHOTS),
+            Table::LogChunks => each.with(LOG_CHUNKS),
+            Table::BuildEvents => each.with(BUILD_EVENTS),
+            Table::DeploymentEvents => each.with(DEPLOYMENT_EVENTS),
+            Table::Callbacks => each.with(CALLBACKS),
+            Table::Idempotency => each.with(IDEMPOTENCY),
+            Table::UpdateTries => each.with(UPDATE_TRIES),
+            Table::SbomComponents => each.with(SBOM_COMPONENTS),
+            Table::SbomNodes => each.with(SBOM_NODES),
+            Table::AuditEvents => each.with(AUDIT_EVENTS),
+            Table::MerkleNodes => each.with(MERKLE_NODES),
+            Table::DeploymentBuilds => each.with(DEPLOYMENT_BUILDS),
+            Table::Queued => each.with(QUEUED),
+            Table::Running => each.with(RUNNING),
+            Table::LogIndex => each.with(LOG_INDEX),
+            Table::IdempotencyExpiry => each.with(IDEMPOTENCY_EXPIRY),
+            Table::AuditByDeployment => each.with(AUDIT_BY_DEPLOYMENT),
+            Table::AuditByActor => each.with(AUDIT_BY_ACTOR),
+            Table::Webhooks => each.with(WEBHOOKS),
+            Table::WebhookDeliveries => each.with(WEBHOOK_DELIVERIES),
+            Table::WebhookDue => each.with(WEBHOOK_DUE),
         }
     }
+}
+
+/// Work done to one table whatever its types (`Table::visit`).
+pub trait EachTable {
+    type Output;
+    fn with<K: redb::Key + 'static, V: redb::Value + 'static>(
+        &mut self,
+        def: TableDefinition<'static, K, V>,
+    ) -> Self::Output;
 }
 
 #[cfg(test)]

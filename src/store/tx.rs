@@ -36,7 +36,9 @@ impl<'a> Tx<'a> {
         Tx {
             txn,
             hooks: std::cell::RefCell::new(Vec::new()),
-            ops: logged.then(|| std::cell::RefCell::new(Ops::default())),
+            ops: logged.then(|| {
+                std::cell::RefCell::new(Ops::with_capacity(super::redo::OPS_INITIAL_BYTES))
+            }),
         }
     }
 

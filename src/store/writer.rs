@@ -180,9 +180,18 @@ fn checkpoint_with(db: &Database, log: &mut RedoLog) -> StoreResult<()> {
     log.restart(log.generation + 1)
 }
 
+/// The batch's redo bytes are gathered in one buffer kept between batches
+/// (see `RedoLog::record`); one that grew past this is given back.
+const KEPT_OPS_BYTES: usize = 4 << 20;
+
 pub(super) fn writer_loop(shared: Arc<Shared>, mut rx: mpsc::Receiver<WriteJob>) {
     let mut last_checkpoint = std::time::Instant::now();
+    let mut ops: Vec<u8> = Vec::new();
     while let Some(first) = rx.blocking_recv() {
+        if ops.capacity() > KEPT_OPS_BYTES {
+            ops = Vec::new();
+        }
+        ops.clear();
         let mut batch = vec![first];
         while batch.len() < MAX_JOBS_PER_COMMIT {
             match rx.try_recv() {
@@ -216,7 +225,6 @@ pub(super) fn writer_loop(shared: Arc<Shared>, mut rx: mpsc::Receiver<WriteJob>)
         };
         let mut failed = Vec::with_capacity(batch.len());
         let mut hooks = Vec::new();
-        let mut ops = Vec::new();
         for job in batch.iter_mut() {
             let run = (job.run)(&txn, log.is_some());
             failed.push(run.failure);

@@ -160,3 +160,31 @@ async fn a_log_that_fills_the_disk_fails_its_build_and_keeps_a_whole_prefix() {
         assert_eq!(line.split_whitespace().count(), 17, "line {i} is cut");
     }
 }
+
+/// A store held alone on a disk with less room than the redo log's 16 MiB
+/// of preallocated zeros: berth starts anyway (the log grows as it is
+/// written) and a kill -9 loses nothing acknowledged.
+#[tokio::test]
+async fn a_store_held_alone_starts_on_a_disk_too_small_for_its_log() {
+    let dir = temp_dir("disk-small-log");
+    let test = "disk::a_store_held_alone_starts_on_a_disk_too_small_for_its_log";
+    let Some(_mount) = small_data_dir(test, &dir, "4m") else {
+        return;
+    };
+    let mut s = Server::start_in(dir.clone(), Options::default().arg("--exclusive-store")).await;
+    let log = dir.join("data/berth.redo");
+    let log_bytes = std::fs::metadata(&log).unwrap().len();
+    assert!(
+        log_bytes < 4 << 20,
+        "a {log_bytes}-byte log on a 4 MiB disk"
+    );
+    let mut builds = Vec::new();
+    for i in 0..3 {
+        builds.push(s.submit_ok(&format!("small{i}"), json!({})).await);
+    }
+    s.kill();
+    s.launch().await;
+    for b in &builds {
+        assert_eq!(s.json(&format!("/v1/builds/{b}")).await.0, 200, "{b}");
+    }
+}

@@ -440,6 +440,11 @@ async fn the_module_is_hardened_and_its_audit_units_verify_a_real_store() {
             verify["ReadOnlyPaths"],
             json!(["/var/lib/berth/berth.redb"])
         );
+        // A snapshot of a store held alone is deleted by its reader.
+        assert_eq!(
+            verify["ReadWritePaths"],
+            json!(["-/var/lib/berth/snapshots"])
+        );
 
         // A token file, a deployer user and a sink.
         let config = module_config(

@@ -1,0 +1,360 @@
+//! Reading a store that `berth serve` holds alone (`--exclusive-store`)
+//! from another process: `berth audit verify`, `audit push-head` and
+//! `berth export` while the server runs.
+//!
+//! Why it exists: held alone, redb locks the whole file, and the newest
+//! commits are in the server's memory and its redo log until the next
+//! checkpoint; no other process may open the file, and what it holds
+//! lags what was acknowledged. So a reader asks the server instead, over
+//! a Unix socket in a directory only berth's user can enter
+//! (`snapshots/berth.sock` beside the store, mode 0700): the server
+//! copies the tables asked for, each row as the bytes it stores (nothing
+//! decoded or encoded again), from one read transaction into a new file
+//! in that directory, and answers its name. The reader opens that file
+//! read-only, reads it itself (`audit verify` still checks every hash and
+//! every signature on its own; it never asks whether the chain is good),
+//! and deletes it. A snapshot holds every write acknowledged before the
+//! request: there is no lag to bound.
+//!
+//! The protocol is one line each way: `snapshot audit` or `snapshot all`,
+//! answered by `ok <file name>` or `error <what went wrong>`. One request
+//! is served at a time (each is a full copy of what it names); a reader
+//! that goes away before the answer leaves nothing behind, and a snapshot
+//! a reader never deleted (it was killed) is removed at the server's
+//! next start or, at the latest, by a request `SNAPSHOT_MAX_AGE` later.
+
+use std::io::{BufRead, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use redb::{Key, ReadableDatabase, ReadableTable, TableDefinition, Value};
+
+use super::tables::{EachTable, Table};
+use super::{StoreError, StoreResult};
+
+/// The directory (beside the store) that holds the socket and the
+/// snapshots: 0700, so only berth's user reaches either, even where the
+/// data dir itself is 0711 (`--deployer-user`).
+pub const DIR: &str = "snapshots";
+/// The socket's name in `DIR`.
+const SOCKET: &str = "berth.sock";
+/// A request line is at most this long (`snapshot audit` is 14 bytes).
+const MAX_REQUEST_BYTES: u64 = 64;
+/// An answer line is at most this long (an error's text included).
+const MAX_ANSWER_BYTES: u64 = 4096;
+/// How long the server waits for a connected reader's request line.
+const REQUEST_WAIT: Duration = Duration::from_secs(5);
+/// How long a reader waits for its snapshot: a copy of a large store (an
+/// export's `all`: every log) takes seconds per GiB on a slow disk.
+pub const SNAPSHOT_WAIT: Duration = Duration::from_secs(600);
+/// A snapshot file older than this was left by a reader that was killed
+/// before it deleted it.
+const SNAPSHOT_MAX_AGE: Duration = Duration::from_secs(3600);
+
+/// What a reader needs copied.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scope {
+    /// The audit chain and what verifies it (`audit verify`, `push-head`).
+    Audit,
+    /// Every table (`export`).
+    All,
+}
+
+impl Scope {
+    fn word(self) -> &'static str {
+        match self {
+            Scope::Audit => "audit",
+            Scope::All => "all",
+        }
+    }
+
+    fn parse(word: &str) -> Option<Scope> {
+        match word {
+            "audit" => Some(Scope::Audit),
+            "all" => Some(Scope::All),
+            _ => None,
+        }
+    }
+
+    /// The tables a snapshot of this scope holds.
+    fn tables(self) -> Vec<Table> {
+        match self {
+            Scope::Audit => vec![
+                Table::Meta,
+                Table::AuditEvents,
+                Table::MerkleNodes,
+                Table::AuditByDeployment,
+                Table::AuditByActor,
+            ],
+            Scope::All => Table::ALL.to_vec(),
+        }
+    }
+}
+
+fn dir_of(store: &Path) -> PathBuf {
+    match store.parent() {
+        Some(parent) => parent.join(DIR),
+        None => PathBuf::from(DIR),
+    }
+}
+
+/// The socket a server holding `store` alone answers on.
+pub fn socket_of(store: &Path) -> PathBuf {
+    dir_of(store).join(SOCKET)
+}
+
+/// The server side: a thread answering snapshot requests; stopped (and
+/// its socket removed) when dropped.
+pub(super) struct SnapshotServer {
+    socket: PathBuf,
+    stop: Arc<AtomicBool>,
+}
+
+impl Drop for SnapshotServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        // Wakes the thread from its accept, so it sees the flag and ends.
+        let _ = UnixStream::connect(&self.socket);
+        let _ = std::fs::remove_file(&self.socket);
+    }
+}
+
+/// The live handle to copy from: `None` once the store is gone (closed,
+/// or reopening after an I/O error).
+pub(super) type Current = dyn Fn() -> Option<Arc<redb::Database>> + Send;
+
+/// Starts answering snapshot requests for the store at `store`, read
+/// through `current`. A socket that cannot be made (a path too long for
+/// one, a file system without sockets) costs only the live readers, so it
+/// is logged, not fatal.
+pub(super) fn serve(
+    current: impl Fn() -> Option<Arc<redb::Database>> + Send + 'static,
+    store: &Path,
+) -> Option<SnapshotServer> {
+    let dir = dir_of(store);
+    let socket = dir.join(SOCKET);
+    let listener = match listen(&dir, &socket) {
+        Ok(l) => l,
+        Err(e) => {
+            tracing::warn!(socket = %socket.display(), error = %e,
+                "cannot answer snapshot requests: `berth audit verify`, `push-head` and `export` cannot read this store while berth runs");
+            return None;
+        }
+    };
+    let stop = Arc::new(AtomicBool::new(false));
+    let stopped = stop.clone();
+    let spawned = std::thread::Builder::new()
+        .name("berth-snapshots".into())
+        .spawn(move || {
+            for conn in listener.incoming() {
+                if stopped.load(Ordering::SeqCst) {
+                    return;
+                }
+                let Ok(conn) = conn else { continue };
+                answer(&current, &dir, conn);
+            }
+        });
+    if let Err(e) = spawned {
+        tracing::warn!(error = %e, "cannot start the snapshot thread");
+        let _ = std::fs::remove_file(&socket);
+        return None;
+    }
+    Some(SnapshotServer { socket, stop })
+}
+
+/// Makes the private directory (emptied of an earlier run's snapshots)
+/// and binds the socket in it. Only one server can hold the store alone,
+/// so a socket file already there is stale.
+fn listen(dir: &Path, socket: &Path) -> std::io::Result<UnixListener> {
+    crate::durable::create_dir_all(dir, 0o700)?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))?;
+    for entry in std::fs::read_dir(dir)? {
+        let entry = entry?;
+        std::fs::remove_file(entry.path())?;
+    }
+    UnixListener::bind(socket)
+}
+
+/// Serves one connection: reads its request, copies, answers. Every
+/// failure is answered as an `error` line (and logged), never a panic.
+fn answer(current: &Current, dir: &Path, conn: UnixStream) {
+    let request = read_line(&conn, MAX_REQUEST_BYTES, REQUEST_WAIT);
+    let scope = match request.as_deref().map(|l| l.split_once(' ')) {
+        Ok(Some(("snapshot", word))) => Scope::parse(word),
+        _ => None,
+    };
+    let Some(scope) = scope else {
+        let _ = reply(
+            &conn,
+            "error the request is not `snapshot audit` or `snapshot all`",
+        );
+        return;
+    };
+    remove_abandoned(dir);
+    let name = format!("snapshot-{}.redb", uuid::Uuid::now_v7().simple());
+    let path = dir.join(&name);
+    let started = std::time::Instant::now();
+    if let Err(e) = copy(current, &path, scope) {
+        let _ = std::fs::remove_file(&path);
+        tracing::error!(error = %e, scope = scope.word(), "a snapshot for a reader failed");
+        let _ = reply(&conn, &format!("error the snapshot failed: {e}"));
+        return;
+    }
+    tracing::info!(
+        scope = scope.word(),
+        ms = started.elapsed().as_millis() as u64,
+        "snapshot made for a reader"
+    );
+    // A reader gone before its answer never learns the name: remove it.
+    if reply(&conn, &format!("ok {name}")).is_err() {
+        let _ = std::fs::remove_file(&path);
+    }
+}
+
+fn reply(mut conn: &UnixStream, line: &str) -> std::io::Result<()> {
+    conn.write_all(line.as_bytes())?;
+    conn.write_all(b"\n")
+}
+
+/// One line of at most `max` bytes, within `wait`.
+fn read_line(conn: &UnixStream, max: u64, wait: Duration) -> std::io::Result<String> {
+    use std::io::Read;
+    conn.set_read_timeout(Some(wait))?;
+    let mut line = String::new();
+    std::io::BufReader::new(conn.take(max)).read_line(&mut line)?;
+    match line.strip_suffix('\n') {
+        Some(whole) => Ok(whole.to_string()),
+        None => Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            "a line that does not end within its limit",
+        )),
+    }
+}
+
+/// Snapshots a killed reader left behind.
+fn remove_abandoned(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let old = entry
+            .metadata()
+            .and_then(|m| m.modified())
+            .ok()
+            .and_then(|t| t.elapsed().ok())
+            .is_some_and(|age| age > SNAPSHOT_MAX_AGE);
+        let is_snapshot = entry.file_name().to_string_lossy().starts_with("snapshot-");
+        if old && is_snapshot {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
+}
+
+/// Copies `scope`'s tables as they are in one read transaction of the
+/// live store into a new store file at `to`.
+fn copy(current: &Current, to: &Path, scope: Scope) -> StoreResult<()> {
+    let db = current().ok_or_else(StoreError::reopening)?;
+    let from = db.begin_read()?;
+    let out = redb::Database::create(to)?;
+    let txn = out.begin_write()?;
+    for table in scope.tables() {
+        table.visit(&mut CopyTable {
+            from: &from,
+            to: &txn,
+        })?;
+    }
+    txn.commit()?;
+    drop(out);
+    std::fs::set_permissions(to, std::fs::Permissions::from_mode(0o600))?;
+    Ok(())
+}
+
+struct CopyTable<'a> {
+    from: &'a redb::ReadTransaction,
+    to: &'a redb::WriteTransaction,
+}
+
+impl EachTable for CopyTable<'_> {
+    type Output = StoreResult<()>;
+    fn with<K: Key + 'static, V: Value + 'static>(
+        &mut self,
+        def: TableDefinition<'static, K, V>,
+    ) -> StoreResult<()> {
+        let source = self.from.open_table(def)?;
+        let mut target = self.to.open_table(def)?;
+        for row in source.iter()? {
+            let (key, value) = row?;
+            target.insert(key.value(), value.value())?;
+        }
+        Ok(())
+    }
+}
+
+/// The reader side: a snapshot file, deleted when dropped.
+pub struct SnapshotFile {
+    pub path: PathBuf,
+}
+
+impl Drop for SnapshotFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// Asks the server holding `store` alone for a snapshot of `scope`.
+pub fn request(store: &Path, scope: Scope) -> StoreResult<SnapshotFile> {
+    let socket = socket_of(store);
+    let unreachable = |e: std::io::Error| {
+        StoreError::other(format!(
+            "berth serve holds the store alone (--exclusive-store) and did not answer for a snapshot on {}: {e}",
+            socket.display()
+        ))
+    };
+    let mut conn = UnixStream::connect(&socket).map_err(unreachable)?;
+    conn.write_all(format!("snapshot {}\n", scope.word()).as_bytes())
+        .map_err(unreachable)?;
+    let line = read_line(&conn, MAX_ANSWER_BYTES, SNAPSHOT_WAIT).map_err(unreachable)?;
+    match line.split_once(' ') {
+        Some(("ok", name)) if is_snapshot_name(name) => Ok(SnapshotFile {
+            path: dir_of(store).join(name),
+        }),
+        Some(("error", why)) => Err(StoreError::other(format!(
+            "berth serve could not make a snapshot of the store: {why}"
+        ))),
+        _ => Err(StoreError::other(
+            "berth serve answered the snapshot request with something else than a snapshot's name",
+        )),
+    }
+}
+
+/// A name the server makes (`snapshot-<32 hex>.redb`), and nothing that
+/// would lead out of the snapshot directory.
+fn is_snapshot_name(name: &str) -> bool {
+    name.strip_prefix("snapshot-")
+        .and_then(|rest| rest.strip_suffix(".redb"))
+        .is_some_and(|id| id.len() == 32 && id.bytes().all(|b| b.is_ascii_hexdigit()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_names_the_server_makes_are_taken() {
+        assert!(is_snapshot_name(
+            "snapshot-0123456789abcdef0123456789abcdef.redb"
+        ));
+        for bad in [
+            "snapshot-../../etc/passwd.redb",
+            "snapshot-0123456789abcdef0123456789abcde.redb",
+            "/tmp/x.redb",
+            "snapshot-0123456789abcdef0123456789abcdef.redb/..",
+        ] {
+            assert!(!is_snapshot_name(bad), "{bad}");
+        }
+    }
+}
