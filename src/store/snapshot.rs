@@ -44,6 +44,9 @@ pub const DIR: &str = "snapshots";
 const SOCKET: &str = "berth.sock";
 /// A request line is at most this long (`snapshot audit` is 14 bytes).
 const MAX_REQUEST_BYTES: u64 = 64;
+/// A refused request's further bytes are read (and dropped) up to this
+/// many, so the refusal reaches the reader.
+const MAX_DRAIN_BYTES: u64 = 64 << 10;
 /// An answer line is at most this long (an error's text included).
 const MAX_ANSWER_BYTES: u64 = 4096;
 /// How long the server waits for a connected reader's request line.
@@ -54,6 +57,10 @@ pub const SNAPSHOT_WAIT: Duration = Duration::from_secs(600);
 /// A snapshot file older than this was left by a reader that was killed
 /// before it deleted it.
 const SNAPSHOT_MAX_AGE: Duration = Duration::from_secs(3600);
+/// Room a snapshot must leave free on the data dir's disk, beyond the
+/// store file's own size (an upper bound of any copy): a copy that filled
+/// the disk would make the server's next checkpoint fail.
+const SNAPSHOT_HEADROOM_BYTES: u64 = 64 << 20;
 
 /// What a reader needs copied.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -147,6 +154,7 @@ pub(super) fn serve(
     };
     let stop = Arc::new(AtomicBool::new(false));
     let stopped = stop.clone();
+    let store = store.to_path_buf();
     let spawned = std::thread::Builder::new()
         .name("berth-snapshots".into())
         .spawn(move || {
@@ -155,7 +163,7 @@ pub(super) fn serve(
                     return;
                 }
                 let Ok(conn) = conn else { continue };
-                answer(&current, &dir, conn);
+                answer(&current, &store, &dir, conn);
             }
         });
     if let Err(e) = spawned {
@@ -181,13 +189,16 @@ fn listen(dir: &Path, socket: &Path) -> std::io::Result<UnixListener> {
 
 /// Serves one connection: reads its request, copies, answers. Every
 /// failure is answered as an `error` line (and logged), never a panic.
-fn answer(current: &Current, dir: &Path, conn: UnixStream) {
+fn answer(current: &Current, store: &Path, dir: &Path, conn: UnixStream) {
     let request = read_line(&conn, MAX_REQUEST_BYTES, REQUEST_WAIT);
     let scope = match request.as_deref().map(|l| l.split_once(' ')) {
         Ok(Some(("snapshot", word))) => Scope::parse(word),
         _ => None,
     };
     let Some(scope) = scope else {
+        // What the reader sent past the line is read first: closing with
+        // unread bytes would reset the connection and lose this answer.
+        drain(&conn);
         let _ = reply(
             &conn,
             "error the request is not `snapshot audit` or `snapshot all`",
@@ -195,6 +206,11 @@ fn answer(current: &Current, dir: &Path, conn: UnixStream) {
         return;
     };
     remove_abandoned(dir);
+    if let Err(why) = room_for_a_copy(store, dir) {
+        tracing::warn!(%why, "a snapshot for a reader was refused");
+        let _ = reply(&conn, &format!("error {why}"));
+        return;
+    }
     let name = format!("snapshot-{}.redb", uuid::Uuid::now_v7().simple());
     let path = dir.join(&name);
     let started = std::time::Instant::now();
@@ -215,6 +231,23 @@ fn answer(current: &Current, dir: &Path, conn: UnixStream) {
     }
 }
 
+/// Reads and drops what has already arrived, up to `MAX_DRAIN_BYTES`.
+fn drain(mut conn: &UnixStream) {
+    use std::io::Read;
+    if conn.set_nonblocking(true).is_err() {
+        return;
+    }
+    let mut buf = [0u8; 4096];
+    let mut drained = 0u64;
+    while drained < MAX_DRAIN_BYTES {
+        match conn.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => drained += n as u64,
+        }
+    }
+    let _ = conn.set_nonblocking(false);
+}
+
 fn reply(mut conn: &UnixStream, line: &str) -> std::io::Result<()> {
     conn.write_all(line.as_bytes())?;
     conn.write_all(b"\n")
@@ -233,6 +266,28 @@ fn read_line(conn: &UnixStream, max: u64, wait: Duration) -> std::io::Result<Str
             "a line that does not end within its limit",
         )),
     }
+}
+
+/// Whether the disk holding `dir` has room for a copy of the store (its
+/// file's size) and `SNAPSHOT_HEADROOM_BYTES` after it.
+fn room_for_a_copy(store: &Path, dir: &Path) -> Result<(), String> {
+    let needed = std::fs::metadata(store)
+        .map_or(0, |m| m.len())
+        .saturating_add(SNAPSHOT_HEADROOM_BYTES);
+    let stats = nix::sys::statvfs::statvfs(dir)
+        .map_err(|e| format!("cannot tell the free space for a snapshot: {e}"))?;
+    let free = stats
+        .blocks_available()
+        .saturating_mul(stats.fragment_size());
+    if free < needed {
+        return Err(format!(
+            "not enough free disk for a snapshot: {} MiB free, {} MiB needed (the store's size and {} MiB to spare)",
+            free >> 20,
+            needed >> 20,
+            SNAPSHOT_HEADROOM_BYTES >> 20
+        ));
+    }
+    Ok(())
 }
 
 /// Snapshots a killed reader left behind.

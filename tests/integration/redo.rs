@@ -125,3 +125,56 @@ async fn a_store_moves_between_the_two_modes_with_nothing_lost() {
         assert_eq!(status, 200);
     }
 }
+
+/// The snapshot socket of a store held alone (src/store/snapshot.rs), in
+/// a directory only berth's user may enter: a request that is not one gets
+/// an error line and makes no file; a reader that goes away before its
+/// answer leaves no snapshot behind; a good request gets a file in that
+/// directory.
+#[tokio::test]
+async fn the_snapshot_socket_refuses_bad_requests_and_cleans_up_after_readers_that_leave() {
+    use std::io::{BufRead, Read, Write};
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::net::UnixStream;
+    let s = Server::start(Options::default().arg("--exclusive-store")).await;
+    s.submit_ok("snap", json!({})).await;
+    let dir = s.dir.join("data/snapshots");
+    let mode = std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o700, "{mode:o}");
+    let socket = dir.join("berth.sock");
+    let too_long = format!("snapshot {}\n", "a".repeat(200));
+    for bad in [
+        "hello\n",
+        "snapshot everything\n",
+        &too_long,
+        "snapshot audit",
+    ] {
+        let mut c = UnixStream::connect(&socket).unwrap();
+        c.write_all(bad.as_bytes()).unwrap();
+        c.shutdown(std::net::Shutdown::Write).unwrap();
+        let mut answer = String::new();
+        c.read_to_string(&mut answer).unwrap();
+        assert!(answer.starts_with("error "), "{bad:?}: {answer}");
+    }
+    // Readers that ask and leave at once.
+    for _ in 0..3 {
+        let mut c = UnixStream::connect(&socket).unwrap();
+        c.write_all(b"snapshot all\n").unwrap();
+    }
+    // One at a time: by this answer, the ones above are done with.
+    let c = UnixStream::connect(&socket).unwrap();
+    (&c).write_all(b"snapshot audit\n").unwrap();
+    let mut answer = String::new();
+    std::io::BufReader::new(&c).read_line(&mut answer).unwrap();
+    let name = answer
+        .trim_end()
+        .strip_prefix("ok ")
+        .unwrap_or_else(|| panic!("{answer}"));
+    assert!(dir.join(name).is_file(), "{name}");
+    std::fs::remove_file(dir.join(name)).unwrap();
+    let left: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(left, vec!["berth.sock".to_string()], "left behind");
+}
