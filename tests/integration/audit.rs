@@ -946,13 +946,13 @@ async fn proofs_verify_against_the_published_roots() {
 
 /// A store held alone (`--exclusive-store`: one fdatasync per commit,
 /// redb's own commits durable only at checkpoints, here a minute apart) is
-/// verified and exported while berth runs, from a snapshot berth copies:
-/// each acknowledged write is in what the reader sees at once, though the
-/// file itself holds none of them yet. Nothing is left in `snapshots/`
-/// afterwards; stopped, the file verifies alone; a server with
-/// `--shared-store` opens it again.
+/// verified, pushed and exported while berth runs, from a snapshot berth
+/// copies: each acknowledged write is in what the reader sees at once,
+/// though the file itself holds none of them yet. Nothing is left in
+/// `snapshots/` afterwards; stopped, the file verifies alone; a server
+/// without the flag opens it again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_store_held_alone_is_verified_and_exported_while_berth_runs() {
+async fn a_store_held_alone_is_verified_pushed_and_exported_while_berth_runs() {
     let mut s = Server::start(
         Options::default()
             .arg("--exclusive-store")
@@ -975,6 +975,18 @@ async fn a_store_held_alone_is_verified_and_exported_while_berth_runs() {
         );
         size = report["size"].as_u64().unwrap();
     }
+    // The witness gets the head of what was acknowledged, live.
+    let (sink, _sink_task) = json_server(Arc::new(|_body: Value| (200, json!({"ok": true})))).await;
+    let (code, out) = berth(&[
+        "audit",
+        "push-head",
+        "--sink",
+        &sink,
+        "--data-dir",
+        data.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains(&format!("pushed head: size {size},")), "{out}");
     let sqlite = s.dir.join("live.sqlite");
     let (code, out) = berth(&[
         "export",
