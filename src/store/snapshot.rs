@@ -49,6 +49,8 @@ const MAX_REQUEST_BYTES: u64 = 64;
 const MAX_DRAIN_BYTES: u64 = 64 << 10;
 /// An answer line is at most this long (an error's text included).
 const MAX_ANSWER_BYTES: u64 = 4096;
+/// How long the server pauses after a failed accept before the next.
+const ACCEPT_RETRY: Duration = Duration::from_millis(100);
 /// How long the server waits for a connected reader's request line.
 const REQUEST_WAIT: Duration = Duration::from_secs(5);
 /// How long a reader waits for its snapshot: a copy of a large store (an
@@ -162,8 +164,11 @@ pub(super) fn serve(
                 if stopped.load(Ordering::SeqCst) {
                     return;
                 }
-                let Ok(conn) = conn else { continue };
-                answer(&current, &store, &dir, conn);
+                match conn {
+                    Ok(conn) => answer(&current, &store, &dir, conn),
+                    // Out of file descriptors, say: no busy loop meanwhile.
+                    Err(_) => std::thread::sleep(ACCEPT_RETRY),
+                }
             }
         });
     if let Err(e) = spawned {
