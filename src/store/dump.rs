@@ -592,10 +592,7 @@ pub fn inspect(path: &Path) -> StoreResult<Inspection> {
         .set_concurrency_mode(redb::ConcurrencyMode::SingleWriter)
         .create(path)
         .map_err(|e| match e {
-            redb::DatabaseError::DatabaseAlreadyOpen => StoreError::other(format!(
-                "{} is in use: stop berth serve on this data dir first",
-                path.display()
-            )),
+            redb::DatabaseError::DatabaseAlreadyOpen => StoreError::in_use(path),
             other => StoreError::from(other),
         })?;
     let rx = Rx {

@@ -71,6 +71,14 @@ impl StoreError {
             detail: "the store is reopening its file after an I/O error".into(),
         }
     }
+    /// A running `berth serve` holds the store at `path` (an import or an
+    /// inspection must not touch it).
+    pub(super) fn in_use(path: &std::path::Path) -> Self {
+        StoreError::other(format!(
+            "{} is in use: stop berth serve on this data dir first",
+            path.display()
+        ))
+    }
     pub(super) fn closed() -> Self {
         Self {
             kind: StoreErrorKind::Closed,

@@ -141,6 +141,43 @@ fn preallocate(file: &std::fs::File, from: u64) -> std::io::Result<()> {
     file.sync_all()
 }
 
+/// One group commit's record, built in place: the header's bytes come
+/// first, the batch's rows are appended behind them as its jobs run, and
+/// `RedoLog::append` fills the header in and writes it all in one call (no
+/// copy of the rows). Kept between commits, so a commit does not allocate
+/// and free a buffer of its size each time: glibc's malloc consolidates
+/// its free lists on every free of 64 KiB or more, which a 32-submit
+/// batch is.
+#[derive(Default)]
+pub struct RecordBuf {
+    bytes: Vec<u8>,
+}
+
+/// A record buffer that grew past this (a large batch of log chunks) is
+/// given back when the next record starts rather than kept.
+const KEPT_RECORD_BYTES: usize = 4 << 20;
+
+impl RecordBuf {
+    /// Empties the buffer for the next commit's rows.
+    pub fn start(&mut self) {
+        if self.bytes.capacity() > KEPT_RECORD_BYTES {
+            self.bytes = Vec::new();
+        }
+        self.bytes.clear();
+        self.bytes.resize(HEADER, 0);
+    }
+
+    pub fn push_rows(&mut self, rows: &[u8]) {
+        debug_assert!(self.bytes.len() >= HEADER, "rows before `start`");
+        self.bytes.extend_from_slice(rows);
+    }
+
+    /// The rows pushed since `start`.
+    pub fn rows(&self) -> &[u8] {
+        self.bytes.get(HEADER..).unwrap_or_default()
+    }
+}
+
 /// The append side, owned by the writer thread.
 pub struct RedoLog {
     file: std::fs::File,
@@ -151,16 +188,7 @@ pub struct RedoLog {
     layout: u32,
     /// How long between checkpoints, at most.
     pub checkpoint_every: Duration,
-    /// The record being written, kept between appends so a group commit
-    /// does not allocate (and free) a buffer of its size each time:
-    /// glibc's malloc consolidates its free lists on every free of 64 KiB
-    /// or more, which a 32-submit batch is.
-    record: Vec<u8>,
 }
-
-/// A record buffer that grew past this (a large batch of log chunks) is
-/// given back after its append rather than kept.
-const KEPT_RECORD_BYTES: usize = 4 << 20;
 
 fn io_error(e: std::io::Error) -> StoreError {
     StoreError::from(e)
@@ -218,7 +246,6 @@ impl RedoLog {
             generation,
             layout,
             checkpoint_every,
-            record: Vec::new(),
         })
     }
 
@@ -227,40 +254,34 @@ impl RedoLog {
         self.end
     }
 
-    /// Appends one record and syncs it. On failure the log is cut back to
-    /// where it was (best effort; a torn tail is ignored by the replay).
-    pub fn append(&mut self, payload: &[u8]) -> StoreResult<()> {
-        if payload.len() > MAX_RECORD_BYTES {
+    /// Appends `record` (its header filled in here) and syncs it. On
+    /// failure the log is cut back to where it was (best effort; a torn
+    /// tail is ignored by the replay).
+    pub fn append(&mut self, record: &mut RecordBuf) -> StoreResult<()> {
+        let payload_len = record.rows().len();
+        if payload_len > MAX_RECORD_BYTES {
             return Err(StoreError::other(format!(
-                "one commit's rows are {} bytes, over the redo log's {MAX_RECORD_BYTES}",
-                payload.len()
+                "one commit's rows are {payload_len} bytes, over the redo log's {MAX_RECORD_BYTES}"
             )));
         }
-        let mut record = std::mem::take(&mut self.record);
-        record.clear();
-        record.reserve(HEADER + payload.len());
-        record.extend_from_slice(&MAGIC);
-        record.extend_from_slice(&(payload.len() as u32).to_le_bytes());
         let mut checked = [0u8; 12];
         checked[..8].copy_from_slice(&self.generation.to_le_bytes());
         checked[8..].copy_from_slice(&self.layout.to_le_bytes());
         let mut crc = crc32fast::Hasher::new();
         crc.update(&checked);
-        crc.update(payload);
-        record.extend_from_slice(&crc.finalize().to_le_bytes());
-        record.extend_from_slice(&checked);
-        record.extend_from_slice(payload);
+        crc.update(record.rows());
+        let bytes = &mut record.bytes;
+        bytes[..4].copy_from_slice(&MAGIC);
+        bytes[4..8].copy_from_slice(&(payload_len as u32).to_le_bytes());
+        bytes[8..12].copy_from_slice(&crc.finalize().to_le_bytes());
+        bytes[12..HEADER].copy_from_slice(&checked);
         let written = self
             .file
-            .write_all_at(&record, self.end)
+            .write_all_at(bytes, self.end)
             .and_then(|()| self.file.sync_data());
-        let length = record.len() as u64;
-        if record.capacity() <= KEPT_RECORD_BYTES {
-            self.record = record;
-        }
         match written {
             Ok(()) => {
-                self.end += length;
+                self.end += bytes.len() as u64;
                 Ok(())
             }
             Err(e) => {
@@ -393,12 +414,7 @@ pub fn unapplied(store: &Path) -> StoreResult<bool> {
     {
         Ok(db) => db,
         // A server holds it alone (its log is live, not left over).
-        Err(redb::DatabaseError::DatabaseAlreadyOpen) => {
-            return Err(StoreError::other(format!(
-                "{} is in use: stop berth serve on this data dir first",
-                store.display()
-            )))
-        }
+        Err(redb::DatabaseError::DatabaseAlreadyOpen) => return Err(StoreError::in_use(store)),
         Err(_) => return Ok(true),
     };
     let txn = redb::ReadableDatabase::begin_read(&db)?;
@@ -596,62 +612,38 @@ pub(super) fn records_in(path: &Path) -> usize {
 /// Every row of `table` as redb's bytes, for tests that compare stores.
 #[cfg(test)]
 pub(super) fn raw_rows(txn: &redb::ReadTransaction, table: Table) -> Vec<(Vec<u8>, Vec<u8>)> {
-    fn rows<K: Key + 'static, V: Value + 'static>(
-        txn: &redb::ReadTransaction,
-        def: TableDefinition<K, V>,
-    ) -> Vec<(Vec<u8>, Vec<u8>)> {
-        let t = txn.open_table(def).unwrap();
-        t.iter()
-            .unwrap()
-            .map(|e| {
-                let (k, v) = e.unwrap();
-                let key = {
-                    let value = k.value();
-                    let bytes = K::as_bytes(&value).as_ref().to_vec();
-                    bytes
-                };
-                let row = {
-                    let value = v.value();
-                    let bytes = V::as_bytes(&value).as_ref().to_vec();
-                    bytes
-                };
-                (key, row)
-            })
-            .collect()
+    struct Rows<'t>(&'t redb::ReadTransaction);
+    impl EachTable for Rows<'_> {
+        type Output = Vec<(Vec<u8>, Vec<u8>)>;
+        fn with<K: Key + 'static, V: Value + 'static>(
+            &mut self,
+            def: TableDefinition<'static, K, V>,
+        ) -> Self::Output {
+            let t = self.0.open_table(def).unwrap();
+            t.iter()
+                .unwrap()
+                .map(|e| {
+                    let (k, v) = e.unwrap();
+                    let key = K::as_bytes(&k.value()).as_ref().to_vec();
+                    let row = V::as_bytes(&v.value()).as_ref().to_vec();
+                    (key, row)
+                })
+                .collect()
+        }
     }
-    match table {
-        Table::Meta => rows(txn, META),
-        Table::Sources => rows(txn, SOURCES),
-        Table::DescribeCache => rows(txn, DESCRIBE_CACHE),
-        Table::Deployments => rows(txn, DEPLOYMENTS),
-        Table::Builds => rows(txn, BUILDS),
-        Table::BuildSnapshots => rows(txn, BUILD_SNAPSHOTS),
-        Table::LogChunks => rows(txn, LOG_CHUNKS),
-        Table::BuildEvents => rows(txn, BUILD_EVENTS),
-        Table::DeploymentEvents => rows(txn, DEPLOYMENT_EVENTS),
-        Table::Callbacks => rows(txn, CALLBACKS),
-        Table::Idempotency => rows(txn, IDEMPOTENCY),
-        Table::UpdateTries => rows(txn, UPDATE_TRIES),
-        Table::SbomComponents => rows(txn, SBOM_COMPONENTS),
-        Table::SbomNodes => rows(txn, SBOM_NODES),
-        Table::AuditEvents => rows(txn, AUDIT_EVENTS),
-        Table::MerkleNodes => rows(txn, MERKLE_NODES),
-        Table::DeploymentBuilds => rows(txn, DEPLOYMENT_BUILDS),
-        Table::Queued => rows(txn, QUEUED),
-        Table::Running => rows(txn, RUNNING),
-        Table::LogIndex => rows(txn, LOG_INDEX),
-        Table::IdempotencyExpiry => rows(txn, IDEMPOTENCY_EXPIRY),
-        Table::AuditByDeployment => rows(txn, AUDIT_BY_DEPLOYMENT),
-        Table::AuditByActor => rows(txn, AUDIT_BY_ACTOR),
-        Table::Webhooks => rows(txn, WEBHOOKS),
-        Table::WebhookDeliveries => rows(txn, WEBHOOK_DELIVERIES),
-        Table::WebhookDue => rows(txn, WEBHOOK_DUE),
-    }
+    table.visit(&mut Rows(txn))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn record_of(ops: Ops) -> RecordBuf {
+        let mut record = RecordBuf::default();
+        record.start();
+        record.push_rows(&ops.into_bytes());
+        record
+    }
 
     #[test]
     fn a_torn_or_foreign_tail_ends_the_records_and_the_rest_is_read_back() {
@@ -663,14 +655,14 @@ mod tests {
         for i in 0..3u8 {
             let mut ops = Ops::default();
             ops.insert(Table::Meta, b"k", &[i]);
-            log.append(&ops.into_bytes()).unwrap();
+            log.append(&mut record_of(ops)).unwrap();
         }
         assert_eq!(records_in(&path_of(&store)), 3);
         // A torn tail: half of a fourth record.
         let whole = log.bytes();
         let mut ops = Ops::default();
         ops.insert(Table::Meta, b"k", &[9; 100]);
-        log.append(&ops.into_bytes()).unwrap();
+        log.append(&mut record_of(ops)).unwrap();
         let f = std::fs::OpenOptions::new()
             .write(true)
             .open(path_of(&store))

@@ -180,18 +180,12 @@ fn checkpoint_with(db: &Database, log: &mut RedoLog) -> StoreResult<()> {
     log.restart(log.generation + 1)
 }
 
-/// The batch's redo bytes are gathered in one buffer kept between batches
-/// (see `RedoLog::record`); one that grew past this is given back.
-const KEPT_OPS_BYTES: usize = 4 << 20;
-
 pub(super) fn writer_loop(shared: Arc<Shared>, mut rx: mpsc::Receiver<WriteJob>) {
     let mut last_checkpoint = std::time::Instant::now();
-    let mut ops: Vec<u8> = Vec::new();
+    // The batch's rows go straight into the redo record (`RecordBuf`).
+    let mut record = redo::RecordBuf::default();
     while let Some(first) = rx.blocking_recv() {
-        if ops.capacity() > KEPT_OPS_BYTES {
-            ops = Vec::new();
-        }
-        ops.clear();
+        record.start();
         let mut batch = vec![first];
         while batch.len() < MAX_JOBS_PER_COMMIT {
             match rx.try_recv() {
@@ -229,7 +223,7 @@ pub(super) fn writer_loop(shared: Arc<Shared>, mut rx: mpsc::Receiver<WriteJob>)
             let run = (job.run)(&txn, log.is_some());
             failed.push(run.failure);
             hooks.extend(run.hooks);
-            ops.extend_from_slice(&run.ops);
+            record.push_rows(&run.ops);
         }
         let job_failed = failed.iter().any(Option::is_some);
         let commit_error = if job_failed {
@@ -237,7 +231,7 @@ pub(super) fn writer_loop(shared: Arc<Shared>, mut rx: mpsc::Receiver<WriteJob>)
             let _ = txn.abort();
             None
         } else {
-            commit(txn, log.as_deref_mut(), &ops).err()
+            commit(txn, log.as_deref_mut(), &mut record).err()
         };
         if !job_failed && commit_error.is_none() {
             hooks.into_iter().for_each(|hook| hook());
@@ -312,23 +306,27 @@ fn begin(db: &Database, logged: bool) -> StoreResult<WriteTransaction> {
 /// Commits a batch: with a redo log, its rows are appended and synced
 /// first (a log that cannot be written aborts the transaction), and a
 /// redb commit that fails after that takes the record back.
-fn commit(txn: WriteTransaction, log: Option<&mut RedoLog>, ops: &[u8]) -> StoreResult<()> {
+fn commit(
+    txn: WriteTransaction,
+    log: Option<&mut RedoLog>,
+    record: &mut redo::RecordBuf,
+) -> StoreResult<()> {
     let Some(log) = log else {
         return txn.commit().map_err(StoreError::from);
     };
-    if ops.is_empty() {
+    if record.rows().is_empty() {
         return txn.commit().map_err(StoreError::from);
     }
     let end = log.bytes();
-    let appended = match crate::failpoints::hit_in("redo.append", ops) {
+    let appended = match crate::failpoints::hit_in("redo.append", record.rows()) {
         true => Err(StoreError::injected("redo.append")),
-        false => log.append(ops),
+        false => log.append(record),
     };
     if let Err(e) = appended {
         let _ = txn.abort();
         return Err(e);
     }
-    let committed = match crate::failpoints::hit_in("redo.commit", ops) {
+    let committed = match crate::failpoints::hit_in("redo.commit", record.rows()) {
         true => {
             let _ = txn.abort();
             Err(StoreError::injected("redo.commit"))

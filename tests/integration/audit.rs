@@ -45,6 +45,18 @@ async fn alice_events(s: &Server) -> Vec<Value> {
     out
 }
 
+/// `berth audit push-head` of the store in `data` to `sink`: (exit code, output).
+fn push_head(sink: &str, data: &Path) -> (i32, String) {
+    berth(&[
+        "audit",
+        "push-head",
+        "--sink",
+        sink,
+        "--data-dir",
+        data.to_str().unwrap(),
+    ])
+}
+
 fn verify_json(data: &Path) -> (i32, Value) {
     let (code, out) = berth(&[
         "audit",
@@ -737,17 +749,7 @@ async fn verify_finds_each_tampering_and_the_witness_catches_a_rewrite() {
         Err(e) => (409, json!({"error": e})),
     }))
     .await;
-    let push = |data: &Path| {
-        berth(&[
-            "audit",
-            "push-head",
-            "--sink",
-            &sink,
-            "--data-dir",
-            data.to_str().unwrap(),
-        ])
-        .0
-    };
+    let push = |data: &Path| push_head(&sink, data).0;
 
     some_events(&s, 6, "one").await;
     // verify passes while the server writes events.
@@ -977,14 +979,7 @@ async fn a_store_held_alone_is_verified_pushed_and_exported_while_berth_runs() {
     }
     // The witness gets the head of what was acknowledged, live.
     let (sink, _sink_task) = json_server(Arc::new(|_body: Value| (200, json!({"ok": true})))).await;
-    let (code, out) = berth(&[
-        "audit",
-        "push-head",
-        "--sink",
-        &sink,
-        "--data-dir",
-        data.to_str().unwrap(),
-    ]);
+    let (code, out) = push_head(&sink, &data);
     assert_eq!(code, 0, "{out}");
     assert!(out.contains(&format!("pushed head: size {size},")), "{out}");
     let sqlite = s.dir.join("live.sqlite");
