@@ -37,12 +37,16 @@ fn small_data_dir(test: &str, dir: &std::path::Path, size: &str) -> Option<Mount
 async fn a_full_disk_refuses_writes_keeps_reads_and_recovers() {
     let dir = temp_dir("disk");
     let test = "disk::a_full_disk_refuses_writes_keeps_reads_and_recovers";
-    let Some(_mount) = small_data_dir(test, &dir, "4m") else {
+    // 8 MiB, of which the filler takes all but ~2.5 MB: the disk fills
+    // after a few submits, and once the filler goes there is room for
+    // every build stored meanwhile to run to its end (with 4 MiB and a
+    // 1.5 MB filler, builds' logs could fill it again under load).
+    let Some(_mount) = small_data_dir(test, &dir, "8m") else {
         return;
     };
     let data = dir.join("data");
     let filler = data.join("filler");
-    std::fs::write(&filler, vec![0u8; 1_500_000]).unwrap();
+    std::fs::write(&filler, vec![0u8; 1_500_000 + (4 << 20)]).unwrap();
     let s = Server::start_in(
         dir.clone(),
         Options::default()
