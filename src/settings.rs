@@ -391,8 +391,8 @@ pub struct Settings {
     /// catches up at each checkpoint. `berth audit verify`, `audit
     /// push-head` and `export` then read a snapshot berth copies for them
     /// (over `snapshots/berth.sock` in the data dir, which needs a file
-    /// system with Unix sockets). On a full disk, reads as well as writes
-    /// answer 503 until there is room again.
+    /// system with Unix sockets). On a full disk, writes answer 503 and
+    /// reads go on, as without it.
     #[arg(long, env = "BERTH_EXCLUSIVE_STORE")]
     pub exclusive_store: bool,
 

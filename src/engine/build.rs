@@ -21,7 +21,7 @@ use super::{lock, Engine};
 use crate::events::{Channel, Frame, Hub};
 use crate::model::*;
 use crate::store::Lookup;
-use crate::store::{StoreResult, Tx};
+use crate::store::{StoreResult, Tx, Urgency};
 
 /// Pauses between attempts of a build's final commit (a full disk).
 const FINAL_COMMIT_FIRST_PAUSE: Duration = Duration::from_millis(100);
@@ -376,7 +376,9 @@ impl Engine {
             let (finished, hub) = (finished.clone(), self.hub.clone());
             let attempt = self
                 .store
-                .write(move |tx| finish_tx(tx, &hub, build_id, &finished))
+                .write_with(Urgency::Must, move |tx| {
+                    finish_tx(tx, &hub, build_id, &finished)
+                })
                 .await;
             match attempt {
                 Err(e) if e.is_transient() && !self.stopping.load(Ordering::SeqCst) => {
@@ -408,7 +410,9 @@ impl Engine {
                 let hub = self.hub.clone();
                 match self
                     .store
-                    .write(move |tx| finish_tx(tx, &hub, build_id, &bare))
+                    .write_with(Urgency::Must, move |tx| {
+                        finish_tx(tx, &hub, build_id, &bare)
+                    })
                     .await
                 {
                     Ok(()) => (true, false),

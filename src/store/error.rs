@@ -79,6 +79,18 @@ impl StoreError {
             path.display()
         ))
     }
+    /// The redo log reached `limit` because checkpoints keep failing
+    /// (`redo::MAX_LOG_BYTES`): most likely the disk is full.
+    pub(super) fn log_full(limit: u64) -> Self {
+        Self {
+            kind: StoreErrorKind::DiskFull,
+            detail: format!(
+                "the redo log reached its limit of {} MiB because checkpoints keep failing \
+                 (the server's log says why; most likely the disk is full)",
+                limit >> 20
+            ),
+        }
+    }
     pub(super) fn closed() -> Self {
         Self {
             kind: StoreErrorKind::Closed,

@@ -34,6 +34,7 @@ pub use records::{
     ChunkPlace, DeliveryRecord, DeliveryStatus, IdempotencyIdentity, IdempotencyRecord,
     PendingCallback, Principal, StoredEvent, WebhookRecord,
 };
+pub use redo::Urgency;
 pub use rx::Rx;
 pub use tx::Tx;
 pub use writer::Hook;
@@ -113,19 +114,34 @@ impl Store {
             _ => e,
         })?;
         // Whatever mode wrote a redo log last, its acknowledged rows go
-        // into the file before anything reads it.
-        let next_generation = redo::replay(&db, path, LAYOUT_VERSION)?;
+        // into the file before anything reads it: durably where the disk
+        // allows; on a full one a store held alone keeps them in the log
+        // (and in memory) until a checkpoint can write them.
+        let (db, resume) = match redo::replay(&db, path, LAYOUT_VERSION, redo::Replay::Checkpoint) {
+            Ok(resume) => (db, resume),
+            Err(e) if e.kind == StoreErrorKind::DiskFull && sharing != Sharing::LiveReaders => {
+                tracing::warn!(error = %e, "cannot checkpoint the redo log at open (disk full); it stays the store's truth until a checkpoint can");
+                // redb refuses every call after a failed commit.
+                drop(db);
+                let db = open_database(path, sharing)?;
+                let resume = redo::replay(&db, path, LAYOUT_VERSION, redo::Replay::KeepLog)?;
+                (db, resume)
+            }
+            Err(e) => return Err(e),
+        };
         init_schema(&db)?;
         let redo = match sharing {
             // redb commits non-durably only when no other process may
             // read the file (`redo.rs`).
             Sharing::Exclusive { checkpoint_every } => {
-                Some(std::sync::Mutex::new(redo::RedoLog::open(
+                let mut log = redo::RedoLog::open(
                     &redo::path_of(path),
-                    next_generation,
+                    resume.generation,
                     LAYOUT_VERSION,
                     checkpoint_every,
-                )?))
+                )?;
+                log.resume(resume);
+                Some(std::sync::Mutex::new(log))
             }
             Sharing::LiveReaders => None,
         };
@@ -169,7 +185,18 @@ impl Store {
     /// commit is durable. The job must not write when it returns a refusal.
     /// It may run twice (a second time alone, when its batch failed because
     /// of another job), so it captures what it needs by clone or reference.
-    pub async fn write<T, F>(&self, mut job: F) -> StoreResult<T>
+    pub async fn write<T, F>(&self, job: F) -> StoreResult<T>
+    where
+        T: Send + 'static,
+        F: FnMut(&Tx) -> StoreResult<T> + Send + 'static,
+    {
+        self.write_with(Urgency::May, job).await
+    }
+
+    /// As `write`, for a commit that must land for nothing to stay stuck
+    /// (a build's final commit, a restart's recovery): on a full disk it may
+    /// take the redo log's reserve (`redo::RESERVED_BYTES`).
+    pub async fn write_with<T, F>(&self, urgency: Urgency, mut job: F) -> StoreResult<T>
     where
         T: Send + 'static,
         F: FnMut(&Tx) -> StoreResult<T> + Send + 'static,
@@ -203,7 +230,11 @@ impl Store {
             let _ = done_tx.send(outcome);
         });
         self.writer
-            .send(WriteJob { run, finish })
+            .send(WriteJob {
+                run,
+                urgency,
+                finish,
+            })
             .await
             .map_err(|_| StoreError::closed())?;
         done_rx.await.map_err(|_| StoreError::closed())?

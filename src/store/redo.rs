@@ -52,6 +52,12 @@ const CHECKPOINT_INTERVAL: Duration = Duration::from_millis(200);
 /// 946 ms and 30.6 MiB in 901 ms (26-29 ms per MiB, `cargo bench --bench
 /// submit`), so 24 MiB leaves a third of that second to spare.
 pub const CHECKPOINT_BYTES: u64 = 24 << 20;
+/// The log's length at most. Past `CHECKPOINT_BYTES` the log keeps growing
+/// only while checkpoints fail (a full disk: they are retried with a
+/// backoff, `writer.rs`); up to here commits go on into it, and past it
+/// they are refused as a full disk. It bounds the longest replay at open
+/// to about 1.6 s (at 26-34 ms per MiB), the full-disk case only.
+pub const MAX_LOG_BYTES: u64 = 2 * CHECKPOINT_BYTES;
 /// The log's bytes written (zeros) when it is created: a record written
 /// over bytes the file already has leaves its size alone, so fdatasync
 /// writes the data and not the inode as well (half the I/O of a growing
@@ -129,16 +135,45 @@ impl Ops {
     }
 }
 
-/// Writes the log's zeros from `from` to `PREALLOCATED_BYTES`, synced.
-fn preallocate(file: &std::fs::File, from: u64) -> std::io::Result<()> {
+/// The last bytes of the log's written room that only a commit berth
+/// must land to leave nothing stuck may use (`Urgency::Must`: a build's
+/// final commit, a restart's recovery): on a full disk the log cannot
+/// grow, and without them a build whose output filled the disk would stay
+/// `running` until space returned. A final commit is a few KB (its last
+/// log chunk at most `--log-chunk-bytes` compressed), so 1 MiB holds
+/// dozens.
+pub const RESERVED_BYTES: u64 = 1 << 20;
+/// The log grows by this much at a time once past its preallocation, with
+/// zeros written (a record then overwrites room already held, as before).
+const GROW_BYTES: u64 = 1 << 20;
+
+/// How much a commit may take of the log's room.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Urgency {
+    /// Any commit: it leaves `RESERVED_BYTES` free.
+    May,
+    /// A commit that must land for nothing to stay stuck: it may use the
+    /// reserve.
+    Must,
+}
+
+/// Writes zeros from `from` up to `to`, synced; on a failure (a full
+/// disk) the file is cut back to `from`.
+fn write_zeros(file: &std::fs::File, from: u64, to: u64) -> std::io::Result<()> {
     let zeros = vec![0u8; 1 << 20];
     let mut at = from;
-    while at < PREALLOCATED_BYTES {
-        let n = (PREALLOCATED_BYTES - at).min(zeros.len() as u64) as usize;
-        file.write_all_at(&zeros[..n], at)?;
-        at += n as u64;
+    let written = (|| {
+        while at < to {
+            let n = (to - at).min(zeros.len() as u64) as usize;
+            file.write_all_at(&zeros[..n], at)?;
+            at += n as u64;
+        }
+        file.sync_all()
+    })();
+    if written.is_err() {
+        let _ = file.set_len(from);
     }
-    file.sync_all()
+    written
 }
 
 /// One group commit's record, built in place: the header's bytes come
@@ -183,6 +218,9 @@ pub struct RedoLog {
     file: std::fs::File,
     /// Where the next record goes (the log's valid length).
     end: u64,
+    /// How many bytes of the file are written (zeros or records): room a
+    /// record takes without the disk giving a block.
+    room: u64,
     /// The generation of records written now (the last checkpoint's + 1).
     pub generation: u64,
     layout: u32,
@@ -213,13 +251,23 @@ impl RedoLog {
             .open(path)
             .map_err(io_error)?;
         let len = file.metadata().map_err(io_error)?.len();
+        let mut room = len;
         if len < PREALLOCATED_BYTES {
-            if let Err(e) = preallocate(&file, len) {
-                // A disk with less room than that: the log grows as it is
-                // written instead (each sync then writes the size too).
-                tracing::warn!(error = %e, bytes = PREALLOCATED_BYTES,
-                    "cannot preallocate the redo log; it grows as it is written");
-                file.set_len(len).map_err(io_error)?;
+            match write_zeros(&file, len, PREALLOCATED_BYTES) {
+                Ok(()) => room = PREALLOCATED_BYTES,
+                Err(e) => {
+                    // A disk with less room than that: the log grows as it
+                    // is written instead, but holds its reserve at least.
+                    tracing::warn!(error = %e, bytes = PREALLOCATED_BYTES,
+                        "cannot preallocate the redo log; it grows as it is written");
+                    if len < RESERVED_BYTES {
+                        match write_zeros(&file, len, RESERVED_BYTES) {
+                            Ok(()) => room = RESERVED_BYTES,
+                            Err(e) => tracing::warn!(error = %e, bytes = RESERVED_BYTES,
+                                "cannot reserve the redo log's room for final commits"),
+                        }
+                    }
+                }
             }
         }
         // Out of the page cache: the zeros were written in large folios,
@@ -243,6 +291,7 @@ impl RedoLog {
         Ok(RedoLog {
             file,
             end: 0,
+            room,
             generation,
             layout,
             checkpoint_every,
@@ -257,13 +306,18 @@ impl RedoLog {
     /// Appends `record` (its header filled in here) and syncs it. On
     /// failure the log is cut back to where it was (best effort; a torn
     /// tail is ignored by the replay).
-    pub fn append(&mut self, record: &mut RecordBuf) -> StoreResult<()> {
+    pub fn append(&mut self, record: &mut RecordBuf, urgency: Urgency) -> StoreResult<()> {
         let payload_len = record.rows().len();
         if payload_len > MAX_RECORD_BYTES {
             return Err(StoreError::other(format!(
                 "one commit's rows are {payload_len} bytes, over the redo log's {MAX_RECORD_BYTES}"
             )));
         }
+        let after = self.end + (HEADER + payload_len) as u64;
+        if after > MAX_LOG_BYTES && urgency == Urgency::May {
+            return Err(StoreError::log_full(MAX_LOG_BYTES));
+        }
+        self.make_room(after, urgency)?;
         let mut checked = [0u8; 12];
         checked[..8].copy_from_slice(&self.generation.to_le_bytes());
         checked[8..].copy_from_slice(&self.layout.to_le_bytes());
@@ -287,6 +341,35 @@ impl RedoLog {
             Err(e) => {
                 // Whatever part of it reached the disk must never replay.
                 let _ = self.void_at(self.end);
+                Err(io_error(e))
+            }
+        }
+    }
+
+    /// Grows the log's written room, when needed, so a record ending at
+    /// `after` fits with the reserve left over (`Urgency::May`) or at all
+    /// (`Urgency::Must`). A disk that cannot give the room refuses the
+    /// record, as a full disk, before any of it is written.
+    fn make_room(&mut self, after: u64, urgency: Urgency) -> StoreResult<()> {
+        let needed = match urgency {
+            Urgency::May => after + RESERVED_BYTES,
+            Urgency::Must => after,
+        };
+        if needed <= self.room {
+            return Ok(());
+        }
+        let to = needed.div_ceil(GROW_BYTES) * GROW_BYTES;
+        match write_zeros(&self.file, self.room, to) {
+            Ok(()) => {
+                self.room = to;
+                Ok(())
+            }
+            Err(e) => {
+                // Perhaps a smaller step still fits what this one needs.
+                if write_zeros(&self.file, self.room, needed).is_ok() {
+                    self.room = needed;
+                    return Ok(());
+                }
                 Err(io_error(e))
             }
         }
@@ -317,6 +400,13 @@ impl RedoLog {
         self.end = 0;
         Ok(())
     }
+
+    /// After a replay: writing goes on where it says (behind the records
+    /// a `Replay::KeepLog` left the only durable copy of, or from the start).
+    pub fn resume(&mut self, at: Resume) {
+        self.generation = at.generation;
+        self.end = at.end;
+    }
 }
 
 /// The generation of the last checkpoint recorded in `txn`'s `meta`.
@@ -338,6 +428,8 @@ pub fn record_generation(txn: &WriteTransaction, generation: u64) -> StoreResult
 
 /// One valid record of the log.
 struct Record {
+    /// Its offset in the log.
+    start: u64,
     generation: u64,
     layout: u32,
     payload: Vec<u8>,
@@ -387,6 +479,7 @@ fn read_records(path: &Path) -> StoreResult<Vec<Record>> {
             break;
         }
         records.push(Record {
+            start: at as u64,
             generation,
             layout: u32::from_le_bytes(layout),
             payload: payload.to_vec(),
@@ -448,15 +541,40 @@ pub fn pending(
         .any(|r| r.generation > durable))
 }
 
-/// Applies every record of the log written after the last checkpoint, in
-/// one durable commit that records their generation as checkpointed.
-/// Returns the generation to write next.
-pub fn replay(db: &Database, store: &Path, layout: u32) -> StoreResult<u64> {
+/// How a replay commits what it applies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Replay {
+    /// In one durable commit that records the records' generation as
+    /// checkpointed: the log is then written from its start again (at
+    /// open, where a start may write).
+    Checkpoint,
+    /// In one non-durable commit: the log stays the truth for those rows,
+    /// and writing goes on behind its last record (a reopen after an I/O
+    /// error, perhaps a full disk: it must not need to write the store
+    /// file to serve reads again).
+    KeepLog,
+}
+
+/// Where the log is written next after a replay.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Resume {
+    pub generation: u64,
+    pub end: u64,
+}
+
+/// Applies every record of the log written after the last checkpoint in
+/// one commit, durable or not as `how` says.
+pub fn replay(db: &Database, store: &Path, layout: u32, how: Replay) -> StoreResult<Resume> {
     let path = path_of(store);
     let records = read_records(&path)?;
-    let txn = db.begin_write()?;
+    let mut txn = db.begin_write()?;
+    if how == Replay::KeepLog {
+        txn.set_durability(redb::Durability::None)
+            .map_err(|e| StoreError::other(e.to_string()))?;
+    }
     let durable = durable_generation(&txn.open_table(META)?)?;
     let mut last = durable;
+    let mut end = 0;
     let mut applied = 0usize;
     for record in records.iter().filter(|r| r.generation > durable) {
         if record.layout != layout {
@@ -467,18 +585,39 @@ pub fn replay(db: &Database, store: &Path, layout: u32) -> StoreResult<u64> {
                 record.layout
             )));
         }
+        // Generations only grow along the log, so the records newer than
+        // the checkpoint are its prefix: writing resumes right behind it.
+        debug_assert_eq!(record.start, end, "an unapplied record after a stale one");
         apply_payload(&txn, &record.payload)?;
         last = last.max(record.generation);
+        end = record.start + (HEADER + record.payload.len()) as u64;
         applied += 1;
     }
-    record_generation(&txn, last)?;
+    let resume = match how {
+        Replay::Checkpoint => {
+            record_generation(&txn, last)?;
+            // The log stays as it is: its records are all checkpointed
+            // now, and the writer writes over them from the start.
+            Resume {
+                generation: last + 1,
+                end: 0,
+            }
+        }
+        Replay::KeepLog if applied == 0 => Resume {
+            generation: durable + 1,
+            end: 0,
+        },
+        Replay::KeepLog => Resume {
+            generation: last,
+            end,
+        },
+    };
     txn.commit()?;
     if applied > 0 {
-        tracing::info!(records = applied, path = %path.display(), "applied the redo log's acknowledged writes to the store");
+        tracing::info!(records = applied, path = %path.display(), durable = how == Replay::Checkpoint,
+            "applied the redo log's acknowledged writes to the store");
     }
-    // The log stays as it is: its records are all checkpointed now, and
-    // the writer writes over them from the start.
-    Ok(last + 1)
+    Ok(resume)
 }
 
 /// A reader over one record's payload.
@@ -638,6 +777,15 @@ pub(super) fn raw_rows(txn: &redb::ReadTransaction, table: Table) -> Vec<(Vec<u8
 mod tests {
     use super::*;
 
+    /// A new, empty directory for one test, and the store path in it.
+    fn fresh(tag: &str) -> (PathBuf, PathBuf) {
+        let dir = std::env::temp_dir().join(format!("berth-redo-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let store = dir.join("berth.redb");
+        (dir, store)
+    }
+
     fn record_of(ops: Ops) -> RecordBuf {
         let mut record = RecordBuf::default();
         record.start();
@@ -647,22 +795,19 @@ mod tests {
 
     #[test]
     fn a_torn_or_foreign_tail_ends_the_records_and_the_rest_is_read_back() {
-        let dir = std::env::temp_dir().join(format!("berth-redo-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        let store = dir.join("berth.redb");
+        let (dir, store) = fresh("tail");
         let mut log = RedoLog::open(&path_of(&store), 1, 8, CHECKPOINT_INTERVAL).unwrap();
         for i in 0..3u8 {
             let mut ops = Ops::default();
             ops.insert(Table::Meta, b"k", &[i]);
-            log.append(&mut record_of(ops)).unwrap();
+            log.append(&mut record_of(ops), Urgency::May).unwrap();
         }
         assert_eq!(records_in(&path_of(&store)), 3);
         // A torn tail: half of a fourth record.
         let whole = log.bytes();
         let mut ops = Ops::default();
         ops.insert(Table::Meta, b"k", &[9; 100]);
-        log.append(&mut record_of(ops)).unwrap();
+        log.append(&mut record_of(ops), Urgency::May).unwrap();
         let f = std::fs::OpenOptions::new()
             .write(true)
             .open(path_of(&store))
@@ -675,6 +820,98 @@ mod tests {
         bytes[third] ^= 0xff;
         std::fs::write(path_of(&store), &bytes).unwrap();
         assert_eq!(records_in(&path_of(&store)), 2);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    fn meta_of(db: &Database, key: &str) -> Option<Vec<u8>> {
+        let txn = redb::ReadableDatabase::begin_read(db).unwrap();
+        let meta = txn.open_table(META).unwrap();
+        meta.get(key).unwrap().map(|v| v.value().to_vec())
+    }
+
+    fn exclusive(path: &Path) -> Database {
+        Database::builder()
+            .set_concurrency_mode(redb::ConcurrencyMode::ExclusiveWriter)
+            .create(path)
+            .unwrap()
+    }
+
+    #[test]
+    fn a_replay_that_keeps_the_log_resumes_behind_it_and_a_later_checkpoint_applies_all() {
+        let (dir, store) = fresh("keep");
+        let db = exclusive(&store);
+        let txn = db.begin_write().unwrap();
+        txn.open_table(META).unwrap();
+        txn.commit().unwrap();
+        let mut log = RedoLog::open(&path_of(&store), 1, 8, CHECKPOINT_INTERVAL).unwrap();
+        for i in 0..3u8 {
+            let mut ops = Ops::default();
+            ops.insert(Table::Meta, format!("k{i}").as_bytes(), &[i]);
+            log.append(&mut record_of(ops), Urgency::May).unwrap();
+        }
+        let written = log.bytes();
+        // As a reopen after a failed checkpoint does: the rows are back,
+        // nothing was made durable, and the log goes on behind them.
+        let at = replay(&db, &store, 8, Replay::KeepLog).unwrap();
+        assert_eq!(
+            at,
+            Resume {
+                generation: 1,
+                end: written
+            }
+        );
+        assert_eq!(meta_of(&db, "k2"), Some(vec![2]));
+        assert_eq!(
+            meta_of(&db, GENERATION_KEY),
+            None,
+            "a kept log records no checkpoint"
+        );
+        log.resume(at);
+        let mut ops = Ops::default();
+        ops.insert(Table::Meta, b"k3", &[3]);
+        log.append(&mut record_of(ops), Urgency::May).unwrap();
+        assert_eq!(records_in(&path_of(&store)), 4);
+        // A crash now (the files as they are on disk, copied while the
+        // handle is open: a clean drop would make them durable): the file
+        // has none of them, and a start applies all four.
+        let copy = dir.join("copy");
+        std::fs::create_dir_all(&copy).unwrap();
+        std::fs::copy(&store, copy.join("berth.redb")).unwrap();
+        std::fs::copy(path_of(&store), path_of(&copy.join("berth.redb"))).unwrap();
+        drop(db);
+        let store = copy.join("berth.redb");
+        let db = exclusive(&store);
+        assert_eq!(
+            meta_of(&db, "k0"),
+            None,
+            "a non-durable commit reached the file"
+        );
+        let at = replay(&db, &store, 8, Replay::Checkpoint).unwrap();
+        assert_eq!(
+            at,
+            Resume {
+                generation: 2,
+                end: 0
+            }
+        );
+        for i in 0..4u8 {
+            assert_eq!(meta_of(&db, &format!("k{i}")), Some(vec![i]));
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_record_past_the_logs_limit_is_refused_as_a_full_disk_and_writes_nothing() {
+        let (dir, store) = fresh("limit");
+        let mut log = RedoLog::open(&path_of(&store), 1, 8, CHECKPOINT_INTERVAL).unwrap();
+        // As if checkpoints had failed until the log was nearly at its limit.
+        log.end = MAX_LOG_BYTES - 64;
+        let mut ops = Ops::default();
+        ops.insert(Table::Meta, b"k", &[0; 64]);
+        let e = log.append(&mut record_of(ops), Urgency::May).unwrap_err();
+        assert_eq!(e.kind, super::super::StoreErrorKind::DiskFull, "{e}");
+        assert_eq!(log.bytes(), MAX_LOG_BYTES - 64);
+        assert!(std::fs::metadata(path_of(&store)).unwrap().len() <= PREALLOCATED_BYTES);
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

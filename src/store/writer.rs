@@ -11,6 +11,13 @@
 //! `block_in_place` on a runtime worker). A build's final commit is retried
 //! with backoff by its caller, so no build stays `running` once the disk
 //! recovers (tests/integration/disk.rs, on a small tmpfs).
+//!
+//! With a redo log, a log that refuses an append (a full disk) aborts the
+//! batch and leaves the handle whole (`Refused::handle_lost` is false), so
+//! nothing is reopened; a checkpoint that fails loses the handle, which is
+//! reopened at once (the reopen writes nothing to the store file:
+//! `redo::Replay::KeepLog`), and the next checkpoint waits
+//! `CHECKPOINT_RETRY_MIN`, doubling to `CHECKPOINT_RETRY_MAX`.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -42,6 +49,8 @@ pub(super) type RunJob = dyn FnMut(&WriteTransaction, bool) -> JobRun + Send;
 /// with the kept result, or with the error that kept it from landing.
 pub(super) struct WriteJob {
     pub(super) run: Box<RunJob>,
+    /// How much of the redo log's room it may take (`redo::Urgency`).
+    pub(super) urgency: redo::Urgency,
     pub(super) finish: Box<dyn FnOnce(Option<StoreError>) + Send>,
 }
 
@@ -103,11 +112,20 @@ impl Shared {
         drop(old_ro);
         for _ in 0..REOPEN_ATTEMPTS {
             // The commits redb held only in memory went with the old
-            // handle; the log has every acknowledged one.
+            // handle; the log has every acknowledged one. They are applied
+            // again non-durably and the log goes on behind them: a reopen
+            // writes nothing to the store file, so it succeeds on the full
+            // disk that perhaps made the handle fail (the next checkpoint
+            // that succeeds makes them durable).
             let reopened = open_database(&self.path, self.sharing).and_then(|db| {
                 if let Some(mut log) = self.redo_log() {
-                    let next = super::redo::replay(&db, &self.path, super::LAYOUT_VERSION)?;
-                    log.restart(next)?;
+                    let at = super::redo::replay(
+                        &db,
+                        &self.path,
+                        super::LAYOUT_VERSION,
+                        super::redo::Replay::KeepLog,
+                    )?;
+                    log.resume(at);
                 }
                 Ok(db)
             });
@@ -180,8 +198,18 @@ fn checkpoint_with(db: &Database, log: &mut RedoLog) -> StoreResult<()> {
     log.restart(log.generation + 1)
 }
 
+/// After a checkpoint fails, the next waits this long, doubling with
+/// each failure up to `CHECKPOINT_RETRY_MAX`: a failed checkpoint costs a
+/// reopen (redb refuses every call after it), whose replay of the log
+/// holds reads up for a moment, so a full disk must not bring one every
+/// `--checkpoint-interval`. Commits go on meanwhile, into the log.
+const CHECKPOINT_RETRY_MIN: std::time::Duration = std::time::Duration::from_millis(500);
+const CHECKPOINT_RETRY_MAX: std::time::Duration = std::time::Duration::from_secs(5);
+
 pub(super) fn writer_loop(shared: Arc<Shared>, mut rx: mpsc::Receiver<WriteJob>) {
     let mut last_checkpoint = std::time::Instant::now();
+    // Zero while checkpoints succeed; else the pause before the next try.
+    let mut checkpoint_retry = std::time::Duration::ZERO;
     // The batch's rows go straight into the redo record (`RecordBuf`).
     let mut record = redo::RecordBuf::default();
     while let Some(first) = rx.blocking_recv() {
@@ -226,30 +254,52 @@ pub(super) fn writer_loop(shared: Arc<Shared>, mut rx: mpsc::Receiver<WriteJob>)
             record.push_rows(&run.ops);
         }
         let job_failed = failed.iter().any(Option::is_some);
-        let commit_error = if job_failed {
+        let refused = if job_failed {
             // A job failed part-way: nothing of this batch may land.
             let _ = txn.abort();
             None
         } else {
-            commit(txn, log.as_deref_mut(), &mut record).err()
+            // A batch takes the reserve only if every job in it may.
+            let urgency = match batch.iter().all(|j| j.urgency == redo::Urgency::Must) {
+                true => redo::Urgency::Must,
+                false => redo::Urgency::May,
+            };
+            commit(txn, log.as_deref_mut(), &mut record, urgency).err()
         };
-        if !job_failed && commit_error.is_none() {
+        if !job_failed && refused.is_none() {
             hooks.into_iter().for_each(|hook| hook());
             batch.into_iter().for_each(|job| (job.finish)(None));
+            let mut handle_lost = false;
             if let Some(log) = log.as_deref_mut() {
-                if last_checkpoint.elapsed() >= log.checkpoint_every
-                    || log.bytes() >= redo::CHECKPOINT_BYTES
-                {
+                let due = last_checkpoint.elapsed() >= log.checkpoint_every.max(checkpoint_retry)
+                    || (log.bytes() >= redo::CHECKPOINT_BYTES
+                        && last_checkpoint.elapsed() >= checkpoint_retry);
+                if due {
                     last_checkpoint = std::time::Instant::now();
-                    if let Err(e) = checkpoint_with(&db, log) {
-                        // The log still holds every commit since the last
-                        // one; the next checkpoint tries again.
-                        tracing::error!(error = %e, "store checkpoint failed");
+                    match checkpoint_with(&db, log) {
+                        Ok(()) => checkpoint_retry = std::time::Duration::ZERO,
+                        Err(e) => {
+                            // The log still holds every commit since the
+                            // last one; a later checkpoint tries again.
+                            checkpoint_retry = (checkpoint_retry * 2)
+                                .clamp(CHECKPOINT_RETRY_MIN, CHECKPOINT_RETRY_MAX);
+                            tracing::error!(error = %e, retry_in = ?checkpoint_retry, log_bytes = log.bytes(),
+                                "store checkpoint failed; commits go on into the redo log");
+                            handle_lost = e.is_transient();
+                        }
                     }
                 }
             }
+            if handle_lost {
+                // Now, so the next batch does not meet the failed handle.
+                drop(log);
+                drop(db);
+                shared.reopen();
+            }
             continue;
         }
+        let commit_error = refused.as_ref().map(|r| r.error.clone());
+        let handle_lost = refused.as_ref().is_some_and(|r| r.handle_lost);
         drop(hooks);
         if let Some(e) = &commit_error {
             tracing::error!(error = %e, jobs = batch.len(), "store commit failed");
@@ -262,35 +312,50 @@ pub(super) fn writer_loop(shared: Arc<Shared>, mut rx: mpsc::Receiver<WriteJob>)
             );
         }
         let mut db = Some(db);
-        if commit_error.as_ref().is_some_and(StoreError::is_transient) {
-            drop(log.take());
-            drop(db.take());
-            shared.reopen();
-            db = shared.current();
-            log = shared.redo_log();
+        if handle_lost {
+            renew(&shared, &mut db, &mut log);
         }
         // The batch did not land. A job that failed by itself gets its own
         // error; every other job runs again, alone, so one job's error (or
         // one too large for the disk) never fails its batch-mates.
         for (job, failure) in batch.into_iter().zip(failed) {
-            match (failure, &db, &commit_error) {
-                (Some(e), _, _) => (job.finish)(Some(e)),
+            let poisoned = match (failure, &db, &commit_error) {
+                (Some(e), _, _) => {
+                    (job.finish)(Some(e));
+                    false
+                }
                 (None, _, Some(e)) if !e.is_transient() && !job_failed => {
-                    (job.finish)(Some(e.clone()))
+                    (job.finish)(Some(e.clone()));
+                    false
                 }
                 (None, Some(db), _) => {
-                    if let Some(poisoned) = run_alone(db, job, log.as_deref_mut()) {
-                        if poisoned {
-                            drop(log.take());
-                            shared.reopen();
-                            log = shared.redo_log();
-                        }
-                    }
+                    run_alone(db, job, log.as_deref_mut(), &mut record) == Some(true)
                 }
-                (None, None, _) => (job.finish)(Some(closed_or_reopening(&shared))),
+                (None, None, _) => {
+                    (job.finish)(Some(closed_or_reopening(&shared)));
+                    false
+                }
+            };
+            if poisoned {
+                // The next job runs on a fresh handle, not the failed one.
+                renew(&shared, &mut db, &mut log);
             }
         }
     }
+}
+
+/// Lets go of a failed handle (and the log's lock, taken again after, in
+/// the one lock order) and reopens the file.
+fn renew<'s>(
+    shared: &'s Shared,
+    db: &mut Option<Arc<Database>>,
+    log: &mut Option<std::sync::MutexGuard<'s, RedoLog>>,
+) {
+    drop(log.take());
+    drop(db.take());
+    shared.reopen();
+    *db = shared.current();
+    *log = shared.redo_log();
 }
 
 /// A write transaction: non-durable when a redo log makes it durable.
@@ -303,6 +368,21 @@ fn begin(db: &Database, logged: bool) -> StoreResult<WriteTransaction> {
     Ok(txn)
 }
 
+/// A commit that did not land: why, and whether the handle went with it
+/// (redb refuses every call after an I/O error in its commit; a redo log
+/// that refused an append aborted the transaction and left it whole).
+struct Refused {
+    error: StoreError,
+    handle_lost: bool,
+}
+
+impl Refused {
+    fn by_redb(error: StoreError) -> Refused {
+        let handle_lost = error.is_transient();
+        Refused { error, handle_lost }
+    }
+}
+
 /// Commits a batch: with a redo log, its rows are appended and synced
 /// first (a log that cannot be written aborts the transaction), and a
 /// redb commit that fails after that takes the record back.
@@ -310,21 +390,25 @@ fn commit(
     txn: WriteTransaction,
     log: Option<&mut RedoLog>,
     record: &mut redo::RecordBuf,
-) -> StoreResult<()> {
+    urgency: redo::Urgency,
+) -> Result<(), Refused> {
     let Some(log) = log else {
-        return txn.commit().map_err(StoreError::from);
+        return txn.commit().map_err(|e| Refused::by_redb(e.into()));
     };
     if record.rows().is_empty() {
-        return txn.commit().map_err(StoreError::from);
+        return txn.commit().map_err(|e| Refused::by_redb(e.into()));
     }
     let end = log.bytes();
     let appended = match crate::failpoints::hit_in("redo.append", record.rows()) {
         true => Err(StoreError::injected("redo.append")),
-        false => log.append(record),
+        false => log.append(record, urgency),
     };
-    if let Err(e) = appended {
+    if let Err(error) = appended {
         let _ = txn.abort();
-        return Err(e);
+        return Err(Refused {
+            error,
+            handle_lost: false,
+        });
     }
     let committed = match crate::failpoints::hit_in("redo.commit", record.rows()) {
         true => {
@@ -337,7 +421,7 @@ fn commit(
         if let Err(undo) = log.take_back(end) {
             tracing::error!(error = %undo, "cannot take a refused commit back out of the redo log");
         }
-        return Err(e);
+        return Err(Refused::by_redb(e));
     }
     Ok(())
 }
@@ -363,50 +447,43 @@ fn closed_or_reopening(shared: &Shared) -> StoreError {
     }
 }
 
-/// Runs one job in its own transaction, committed durably (with a redo
-/// log, as a checkpoint). Returns `Some(true)` when the handle must be
-/// reopened (an I/O error), `Some(false)` on another failure, `None` when
-/// it committed.
-fn run_alone(db: &Database, mut job: WriteJob, log: Option<&mut RedoLog>) -> Option<bool> {
-    let txn = match db.begin_write() {
+/// Runs one job in its own transaction, committed as any batch is (with a
+/// redo log, through it: a full disk then refuses the append, cheaply,
+/// and leaves the handle whole). Returns `Some(true)` when the handle must
+/// be reopened (an I/O error in redb's commit), `Some(false)` on another
+/// failure, `None` when it committed.
+fn run_alone(
+    db: &Database,
+    mut job: WriteJob,
+    log: Option<&mut RedoLog>,
+    record: &mut redo::RecordBuf,
+) -> Option<bool> {
+    let txn = match begin(db, log.is_some()) {
         Ok(t) => t,
-        Err(e) => {
-            let err = StoreError::from(e);
+        Err(err) => {
             let transient = err.is_transient();
             (job.finish)(Some(err));
             return Some(transient);
         }
     };
-    let run = (job.run)(&txn, false);
+    record.start();
+    let run = (job.run)(&txn, log.is_some());
     if let Some(e) = run.failure {
         let _ = txn.abort();
         (job.finish)(Some(e));
         return Some(false);
     }
-    // A durable commit with a log beside it must be a checkpoint: a later
-    // replay of older records over it would undo it.
-    let generation = log.as_ref().map(|l| l.generation);
-    let recorded = match generation {
-        Some(g) => redo::record_generation(&txn, g),
-        None => Ok(()),
-    };
-    let committed = recorded.and_then(|()| txn.commit().map_err(StoreError::from));
-    match committed {
+    record.push_rows(&run.ops);
+    match commit(txn, log, record, job.urgency) {
         Ok(()) => {
-            if let Some(log) = log {
-                if let Err(e) = log.restart(log.generation + 1) {
-                    tracing::error!(error = %e, "cannot start the redo log again after a checkpoint");
-                }
-            }
             run.hooks.into_iter().for_each(|hook| hook());
             (job.finish)(None);
             None
         }
-        Err(err) => {
-            tracing::error!(error = %err, "store commit of a re-run job failed");
-            let transient = err.is_transient();
-            (job.finish)(Some(err));
-            Some(transient)
+        Err(refused) => {
+            tracing::error!(error = %refused.error, "store commit of a re-run job failed");
+            (job.finish)(Some(refused.error));
+            Some(refused.handle_lost)
         }
     }
 }

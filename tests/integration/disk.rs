@@ -35,8 +35,28 @@ fn small_data_dir(test: &str, dir: &std::path::Path, size: &str) -> Option<Mount
 
 #[tokio::test]
 async fn a_full_disk_refuses_writes_keeps_reads_and_recovers() {
+    full_disk(
+        "disk::a_full_disk_refuses_writes_keeps_reads_and_recovers",
+        &[],
+    )
+    .await
+}
+
+/// The same with a redo log (`--exclusive-store`): the commits a failed
+/// checkpoint could not write stay in the log, the reopen that follows
+/// writes nothing to the store file, so reads go on; and a restart on the
+/// full disk serves every acknowledged write.
+#[tokio::test]
+async fn a_full_disk_under_a_store_held_alone_refuses_writes_keeps_reads_and_recovers() {
+    full_disk(
+        "disk::a_full_disk_under_a_store_held_alone_refuses_writes_keeps_reads_and_recovers",
+        &["--exclusive-store"],
+    )
+    .await
+}
+
+async fn full_disk(test: &str, extra: &[&str]) {
     let dir = temp_dir("disk");
-    let test = "disk::a_full_disk_refuses_writes_keeps_reads_and_recovers";
     // 8 MiB, of which the filler takes all but ~2.5 MB: the disk fills
     // after a few submits, and once the filler goes there is room for
     // every build stored meanwhile to run to its end (with 4 MiB and a
@@ -47,15 +67,15 @@ async fn a_full_disk_refuses_writes_keeps_reads_and_recovers() {
     let data = dir.join("data");
     let filler = data.join("filler");
     std::fs::write(&filler, vec![0u8; 1_500_000 + (4 << 20)]).unwrap();
-    let s = Server::start_in(
-        dir.clone(),
-        Options::default()
-            .arg("--eval-slots")
-            .arg("0")
-            .arg("--build-slots")
-            .arg("1"),
-    )
-    .await;
+    let mut options = Options::default()
+        .arg("--eval-slots")
+        .arg("0")
+        .arg("--build-slots")
+        .arg("1");
+    for a in extra {
+        options = options.arg(a);
+    }
+    let mut s = Server::start_in(dir.clone(), options).await;
     let pad = "x".repeat(60_000);
     let (mut stored, mut refused_full) = (0, 0);
     for i in 0..200 {
@@ -84,6 +104,33 @@ async fn a_full_disk_refuses_writes_keeps_reads_and_recovers() {
     let (status, list) = s.json("/v1/deployments?limit=200").await;
     assert_eq!(status, 200, "{list}");
     assert_eq!(list["items"].as_array().unwrap().len(), stored);
+    if !extra.is_empty() {
+        // Past a checkpoint's retry (they fail on this disk), and again
+        // after a kill -9 and a start on the full disk.
+        tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+        let (status, list) = s.json("/v1/deployments?limit=200").await;
+        assert_eq!(status, 200, "{list}");
+        assert_eq!(list["items"].as_array().unwrap().len(), stored);
+        // A start on the full disk: the log's reserve takes the recovery
+        // of the interrupted build, so berth is ready, with every
+        // acknowledged write, and still refuses new ones.
+        s.kill();
+        s.launch().await;
+        let (status, list) = s.json("/v1/deployments?limit=200").await;
+        assert_eq!(status, 200, "{list}");
+        assert_eq!(list["items"].as_array().unwrap().len(), stored);
+        let (status, body) = s
+            .submit(
+                "refused",
+                json!({"configuration": {"pad": pad}, "mode": "enqueue"}),
+            )
+            .await;
+        assert_eq!(
+            (status, &body["reason"]),
+            (503, &json!("disk_full")),
+            "{body}"
+        );
+    }
     // Space returns: writes work again, without a restart.
     std::fs::remove_file(&filler).unwrap();
     eventually("writes work again", || async {
@@ -123,7 +170,25 @@ async fn a_full_disk_refuses_writes_keeps_reads_and_recovers() {
 /// though chunks compress and commit two at a time.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_log_that_fills_the_disk_fails_its_build_and_keeps_a_whole_prefix() {
-    let test = "disk::a_log_that_fills_the_disk_fails_its_build_and_keeps_a_whole_prefix";
+    log_fills_disk(
+        "disk::a_log_that_fills_the_disk_fails_its_build_and_keeps_a_whole_prefix",
+        &[],
+    )
+    .await
+}
+
+/// The same with a redo log, whose records the build's chunks fill.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_log_that_fills_the_disk_under_a_store_held_alone_fails_its_build_and_keeps_a_whole_prefix(
+) {
+    log_fills_disk(
+        "disk::a_log_that_fills_the_disk_under_a_store_held_alone_fails_its_build_and_keeps_a_whole_prefix",
+        &["--exclusive-store"],
+    )
+    .await
+}
+
+async fn log_fills_disk(test: &str, extra: &[&str]) {
     let dir = temp_dir("disk-log");
     let Some(_mount) = small_data_dir(test, &dir, "8m") else {
         return;
@@ -140,7 +205,11 @@ async fn a_log_that_fills_the_disk_fails_its_build_and_keeps_a_whole_prefix() {
             "{SCRIPT_PRELUDE}\nhead -c 12000000 /dev/urandom | od -Ad -tx1 -w16 -v\nprintf '%s' '{{\"nodes\":[]}}' > \"$BERTH_RESULT\"\n"
         ),
     );
-    let s = Server::start_in(dir.clone(), Options::default().deployer(&deployer)).await;
+    let mut options = Options::default().deployer(&deployer);
+    for a in extra {
+        options = options.arg(a);
+    }
+    let s = Server::start_in(dir.clone(), options).await;
     let b = s.submit_ok("noisy", json!({})).await;
     let build = s.wait_build(&b, "failed").await;
     assert_eq!(build["failure"]["reason"], "disk_full", "{build}");

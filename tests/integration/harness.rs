@@ -243,6 +243,25 @@ impl Server {
 
     /// Waits for a spawned binary to listen and be ready; reads its token.
     pub async fn wait_ready(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        self.wait_listening().await;
+        loop {
+            if let Ok(r) = self.http.get(format!("{}/readyz", self.base)).send().await {
+                if r.status() == 200 {
+                    break;
+                }
+            }
+            assert!(
+                Instant::now() < deadline,
+                "berth did not become ready; log:\n{}",
+                self.log()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Waits for a spawned binary to listen (ready or not); reads its token.
+    pub async fn wait_listening(&mut self) {
         let address_file = self.dir.join("address");
         let deadline = Instant::now() + Duration::from_secs(30);
         let address = loop {
@@ -267,19 +286,6 @@ impl Server {
             tokio::time::sleep(Duration::from_millis(20)).await;
         };
         self.base = format!("http://{address}");
-        loop {
-            if let Ok(r) = self.http.get(format!("{}/readyz", self.base)).send().await {
-                if r.status() == 200 {
-                    break;
-                }
-            }
-            assert!(
-                Instant::now() < deadline,
-                "berth did not become ready; log:\n{}",
-                self.log()
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
         self.token = std::fs::read_to_string(self.dir.join("data/service-token"))
             .unwrap()
             .trim()
