@@ -489,13 +489,7 @@ fn main() {
                     ("BENCH_RATE", rate.to_string()),
                     ("BENCH_GO_FILE", here.join("go-d").display().to_string()),
                 ],
-                &[
-                    "--exclusive-store",
-                    "--build-slots",
-                    "1",
-                    "--eval-slots",
-                    "0",
-                ],
+                &["--build-slots", "1", "--eval-slots", "0"],
             )
             .await;
             // The fan-out's build first: it takes the one slot and waits
@@ -537,7 +531,7 @@ fn main() {
             Some(p99 < SSE_P99_GOAL_MS),
         );
         common::record(
-            "submits/s, 32 connections, during that fan-out (--exclusive-store)",
+            "submits/s, 32 connections, during that fan-out (default: redo log)",
             &format!("{loaded:.0}/s"),
             &format!("alone on the same server, before and after it: {solo:.0}/s"),
             loaded / solo,

@@ -301,8 +301,8 @@ fn main() {
         restore,
     );
 
-    // The same export while `berth serve --exclusive-store` holds the
-    // store: it reads a snapshot the server copies for it
+    // The same export while `berth serve` holds the store (alone, its
+    // default): it reads a snapshot the server copies for it
     // (src/store/snapshot.rs), so its cost over the stopped store's export
     // is that copy.
     let deployer = dir.join("idle.sh");
@@ -311,12 +311,7 @@ fn main() {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let rt = tokio::runtime::Runtime::new().unwrap();
     let mut server = rt
-        .block_on(common::start_berth(
-            &dir,
-            &deployer,
-            &["--exclusive-store"],
-            &[],
-        ))
+        .block_on(common::start_berth(&dir, &deployer, &[], &[]))
         .child;
     let live_sqlite = dir.join("live.sqlite");
     let export_live = run(Command::new(berth)
@@ -329,7 +324,7 @@ fn main() {
     );
     let _ = server.wait();
     common::record(
-        "export to SQLite while berth serve --exclusive-store holds the store (from its snapshot)",
+        "export to SQLite while berth serve holds the store (from its snapshot)",
         &format!("{export_live:.2} s"),
         &format!("the same export of the stopped store: {export_sqlite:.2} s"),
         export_sqlite / export_live,
@@ -337,7 +332,7 @@ fn main() {
         true,
     );
     println!(
-        "| export to SQLite, live, --exclusive-store (snapshot) | {export_live:.2} s | the stopped store's export: {export_sqlite:.2} s | {:.2}x |",
+        "| export to SQLite, live (snapshot) | {export_live:.2} s | the stopped store's export: {export_sqlite:.2} s | {:.2}x |",
         export_sqlite / export_live
     );
 

@@ -288,8 +288,8 @@ fn redb_floor(dir: &std::path::Path, mode: redb::ConcurrencyMode) -> f64 {
 }
 
 /// The redo path's floor in bare redb: commits of `TABLES_PER_SUBMIT`
-/// one-row inserts (~300 B each), non-durable (`Durability::None`, as with
-/// `--exclusive-store`), with an `Immediate` commit every 200 ms (the
+/// one-row inserts (~300 B each), non-durable (`Durability::None`, as a
+/// store held alone, the default, commits), with an `Immediate` commit every 200 ms (the
 /// default checkpoint; none when `checkpoint_every` is `None`), spread
 /// over `tables` tables under kind-prefixed keys: 13 is today's layout, 2 a
 /// deployment-scoped and a build-scoped table, 1 everything in one.
@@ -497,7 +497,7 @@ fn main() {
     // wrk as the load (a lean client: a heavy one on these 2 cores would
     // measure itself).
     let dir = root.join("throughput");
-    let (child, base, token) = start(&dir, &rt);
+    let (child, base, token) = start_with(&dir, &rt, &["--shared-store"]);
     let (fsyncs, fsync_p99) = fsync_rate(&dir);
     let sqlite_one = sqlite_rate(&dir, 1);
     let sqlite_many = sqlite_rate(&dir, 32);
@@ -520,10 +520,10 @@ fn main() {
         (0.0, 0.0)
     };
     stop(child, &dir);
-    // The same load on a store held alone (--exclusive-store: one
+    // The same load on a store held alone (the default: one
     // fdatasync per commit), and the storage floor in both modes.
     let dir = root.join("exclusive");
-    let (child, base, token) = start_with(&dir, &rt, &["--exclusive-store"]);
+    let (child, base, token) = start(&dir, &rt);
     let mut pages_alone = 0.0;
     let mut writer_us_per_submit = 0.0;
     let exclusive = if wrk_here {
@@ -545,7 +545,7 @@ fn main() {
     // phases above give every submit a new deployment, the case with the
     // most pages per submit).
     let fleet_dir = root.join("fleet");
-    let (child, base, token) = start_with(&fleet_dir, &rt, &["--exclusive-store"]);
+    let (child, base, token) = start(&fleet_dir, &rt);
     let fleet = if wrk_here {
         (
             common::wrk_submits_to(&base, &token, 1, PHASE, FLEET),
@@ -561,15 +561,15 @@ fn main() {
     if wrk_here {
         let fsync = format!("128 B append + fdatasync loop: {fsyncs:.0}/s");
         for (figure, (rate, p99), goal) in [
-            ("submits/s, 1 connection", one, 0.5),
-            ("submits/s, 32 connections", many, 3.0),
+            ("submits/s, 1 connection, --shared-store", one, 0.5),
+            ("submits/s, 32 connections, --shared-store", many, 3.0),
             (
-                "submits/s, 1 connection, --exclusive-store (redo log)",
+                "submits/s, 1 connection (default: redo log)",
                 exclusive.0,
                 0.5,
             ),
             (
-                "submits/s, 32 connections, --exclusive-store (redo log)",
+                "submits/s, 32 connections (default: redo log)",
                 exclusive.1,
                 3.0,
             ),
@@ -588,7 +588,7 @@ fn main() {
         {
             common::record(
                 &format!(
-                    "submits/s, {connections} connection(s), --exclusive-store, to {FLEET} deployments in turn"
+                    "submits/s, {connections} connection(s) (default), to {FLEET} deployments in turn"
                 ),
                 &format!("{rate:.0}/s (p99 {p99:.1} ms)"),
                 &format!("a new deployment per submit, same run: {:.0}/s", other.0),
@@ -598,7 +598,7 @@ fn main() {
             );
         }
         common::record(
-            "submit vs its storage floor, 1 connection",
+            "submit vs its storage floor, 1 connection, --shared-store",
             &format!("{:.0}/s", one.0),
             &format!(
                 "bare redb, {TABLES_PER_SUBMIT} one-row inserts per commit, SingleWriter: {floor_shared:.0}/s"
@@ -608,7 +608,7 @@ fn main() {
             true,
         );
         common::record(
-            "submit vs its storage floor, 1 connection, --exclusive-store",
+            "submit vs its storage floor, 1 connection (default)",
             &format!("{:.0}/s", exclusive.0 .0),
             &format!("bare redb as above, ExclusiveWriter: {floor_alone:.0}/s"),
             exclusive.0 .0 / floor_alone,
@@ -616,7 +616,7 @@ fn main() {
             true,
         );
         common::record(
-            "submit vs the disk floor of its writes, 1 connection",
+            "submit vs the disk floor of its writes, 1 connection, --shared-store",
             &format!("{:.0}/s ({pages_per_submit:.0} pages written per submit)", one.0),
             &format!(
                 "{pages_per_submit:.0} scattered 4 KiB pages + fdatasync + header + fdatasync: {disk_floor:.0}/s"
@@ -626,7 +626,7 @@ fn main() {
             true,
         );
         common::record(
-            "submit vs the HTTP floor, 32 connections",
+            "submit vs the HTTP floor, 32 connections, --shared-store",
             &format!("{:.0}/s", many.0),
             &format!("GET /healthz, same server and wrk: {healthz:.0}/s"),
             many.0 / healthz,
@@ -634,7 +634,7 @@ fn main() {
             true,
         );
         common::record(
-            "submits/s, 1 writer",
+            "submits/s, 1 writer, --shared-store",
             &format!("{:.0}/s", one.0),
             &format!("SQLite WAL synchronous=FULL, same transaction: {sqlite_one:.0}/s"),
             one.0 / sqlite_one,
@@ -642,7 +642,7 @@ fn main() {
             true,
         );
         common::record(
-            "submits/s, 32 writers",
+            "submits/s, 32 writers, --shared-store",
             &format!("{:.0}/s", many.0),
             &format!("SQLite as above, 32 writers: {sqlite_many:.0}/s"),
             many.0 / sqlite_many,
@@ -650,7 +650,7 @@ fn main() {
             true,
         );
         common::record(
-            "submits/s, 1 writer, --exclusive-store (redo log)",
+            "submits/s, 1 writer (default: redo log)",
             &format!("{:.0}/s", exclusive.0 .0),
             &format!("SQLite WAL synchronous=FULL, same transaction: {sqlite_one:.0}/s"),
             exclusive.0 .0 / sqlite_one,
@@ -658,7 +658,7 @@ fn main() {
             true,
         );
         common::record(
-            "submits/s, 32 writers, --exclusive-store (redo log)",
+            "submits/s, 32 writers (default: redo log)",
             &format!("{:.0}/s", exclusive.1 .0),
             &format!("SQLite as above, 32 writers: {sqlite_many:.0}/s"),
             exclusive.1 .0 / sqlite_many,
@@ -668,7 +668,7 @@ fn main() {
         // Against the tails under it, same run: one fdatasync, and the
         // cheapest request (its p99 is this machine's scheduling tail).
         common::record_with_goal(
-            "p99 of a submit, 1 connection, --exclusive-store (redo log)",
+            "p99 of a submit, 1 connection (default: redo log)",
             &format!("{:.2} ms", exclusive.0 .1),
             &format!(
                 "fdatasync loop p99 {fsync_p99:.2} ms; GET /healthz p99 at 1 connection {healthz_one_p99:.2} ms"
@@ -678,7 +678,7 @@ fn main() {
             Some(exclusive.0 .1 < 2.0),
         );
         common::record(
-            "pages written per submit, 1 connection, --exclusive-store (redo log, checkpoints included)",
+            "pages written per submit, 1 connection (default: redo log, checkpoints included)",
             &format!("{pages_alone:.1}"),
             &format!("shared store, same run: {pages_per_submit:.0}"),
             pages_alone / pages_per_submit.max(1.0),
@@ -686,7 +686,7 @@ fn main() {
             false,
         );
         println!(
-            "the store writer thread's CPU per submit at 32 connections, --exclusive-store: {writer_us_per_submit:.0} us"
+            "the store writer thread's CPU per submit at 32 connections (default): {writer_us_per_submit:.0} us"
         );
     }
 
@@ -755,22 +755,18 @@ fn main() {
     // gets (no checkpoint in the minute it is given, and rows short of the
     // `CHECKPOINT_BYTES` that would force one): the next start replays
     // all of it.
-    let (child, base, token) = start_with(
-        &dir,
-        &rt,
-        &["--exclusive-store", "--checkpoint-interval", "60s"],
-    );
+    let (child, base, token) = start_with(&dir, &rt, &["--checkpoint-interval", "60s"]);
     rt.block_on(submit_many(&base, &token, FULL_LOG_SUBMITS, 0));
     stop(child, &dir);
     let redo_bytes = std::fs::metadata(dir.join("data/berth.redo"))
         .map(|m| m.len())
         .unwrap_or(0);
     let spawned = Instant::now();
-    let (child, _, _) = start_with(&dir, &rt, &["--exclusive-store"]);
+    let (child, _, _) = start(&dir, &rt);
     let replayed_start = spawned.elapsed();
     stop(child, &dir);
     common::record(
-        "startup, 100,000 builds, --exclusive-store after kill -9",
+        "startup, 100,000 builds, after kill -9 (default: redo log)",
         &format!(
             "{:.0} ms to ready, replaying a redo log of {:.1} MiB (10,000 submits' rows, near the most it holds)",
             replayed_start.as_secs_f64() * 1000.0,

@@ -59,7 +59,7 @@ let
       LogExtraFields = "BERTH_AUDIT=1";
       ProtectSystem = "strict";
       ReadOnlyPaths = [ "${dataDir}/berth.redb" ];
-      # A berth holding the store alone (--exclusive-store) answers with a
+      # A berth holding the store alone (the default) answers with a
       # snapshot in snapshots/, which the reader deletes when done.
       ReadWritePaths = [ "-${dataDir}/snapshots" ] ++ optionals readWrite [ dataDir ];
       InaccessiblePaths = secrets ++ hidden;
@@ -154,7 +154,7 @@ in
       denialInterval = mkOption { type = types.nullOr types.str; default = null; description = "Anonymous denials are recorded once per interval (default 60s)."; };
       origin = mkOption { type = types.nullOr types.str; default = null; description = "Checkpoint origin line (default berth/<hostname>/audit)."; };
     };
-    extraArgs = mkOption { type = types.listOf types.str; default = [ ]; description = "More `berth serve` flags (--exclusive-store too: the audit timers then read a snapshot berth copies for them)."; };
+    extraArgs = mkOption { type = types.listOf types.str; default = [ ]; description = "More `berth serve` flags (--shared-store too: the audit timers then read the live store file itself)."; };
   };
 
   config = mkIf cfg.enable {

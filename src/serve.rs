@@ -180,12 +180,12 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
             .await
             .map_err(|e| format!("--import-from: {e}"))??;
     }
-    let sharing = if settings.exclusive_store {
+    let sharing = if settings.shared_store {
+        crate::store::Sharing::LiveReaders
+    } else {
         crate::store::Sharing::Exclusive {
             checkpoint_every: settings.checkpoint_interval,
         }
-    } else {
-        crate::store::Sharing::LiveReaders
     };
     let store = Store::open_shared(&settings.db_path(), sharing).map_err(|e| {
         let path = settings.db_path();

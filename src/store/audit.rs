@@ -336,9 +336,9 @@ enum OpenFailure {
 use OpenFailure::{Failed, Held};
 
 /// The store opened read-only beside a running server (`berth audit
-/// verify`, `push-head`, `export`). A server in the default mode opens
+/// verify`, `push-head`, `export`). A server with `--shared-store` opens
 /// redb in `SingleWriter` mode, so other processes may read the file and
-/// follow its commits; one holding it alone (`--exclusive-store`) is asked
+/// follow its commits; one holding it alone (the default) is asked
 /// for a snapshot of what the reader needs instead (`snapshot.rs`), which
 /// is read here the same way and deleted when this is dropped.
 pub struct ReadOnlyStore {

@@ -97,7 +97,7 @@ const MIGRATIONS: [Migration; 7] = [
     },
 ];
 
-/// v8: a store held alone (`--exclusive-store`) keeps a redo log,
+/// v8: a store held alone (then `--exclusive-store`, now the default) keeps a redo log,
 /// `berth.redo`, whose rows are part of the store until a checkpoint puts
 /// them into the file. No row changes; the version stops a berth that does
 /// not know the log from opening the store and missing them.

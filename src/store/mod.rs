@@ -65,15 +65,15 @@ pub(crate) const MAX_JOBS_PER_COMMIT: usize = 256;
 pub enum Sharing {
     /// `berth audit verify`, `push-head` and `export` may read the live
     /// file from their own processes (redb's `SingleWriter`). redb then
-    /// commits in two phases: two fdatasyncs per commit. `berth serve`'s
-    /// default.
+    /// commits in two phases: two fdatasyncs per commit. `berth serve
+    /// --shared-store`; the default of `Store::open` (tests, tools).
     #[default]
     LiveReaders,
     /// This process alone (redb's `ExclusiveWriter`, a whole-file lock):
     /// a commit is an append to the redo log and one fdatasync (`redo`),
     /// with a checkpoint at most `checkpoint_every` apart; the readers
     /// above read a snapshot this process copies for them (`snapshot`).
-    /// `berth serve --exclusive-store`.
+    /// `berth serve`'s default.
     Exclusive {
         checkpoint_every: std::time::Duration,
     },

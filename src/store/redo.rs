@@ -1,5 +1,6 @@
 //! The redo log in front of redb (`berth.redo` beside `berth.redb`), used
-//! when berth holds the store alone (`--exclusive-store`).
+//! when berth holds the store alone (`berth serve`'s default; not with
+//! `--shared-store`).
 //!
 //! Why it exists: a redb commit that is durable on its own writes every
 //! page its copy-on-write B-trees dirtied (about 37 for a submit) and syncs

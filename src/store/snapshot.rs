@@ -1,6 +1,6 @@
-//! Reading a store that `berth serve` holds alone (`--exclusive-store`)
-//! from another process: `berth audit verify`, `audit push-head` and
-//! `berth export` while the server runs.
+//! Reading a store that `berth serve` holds alone (its default; not with
+//! `--shared-store`) from another process: `berth audit verify`, `audit
+//! push-head` and `berth export` while the server runs.
 //!
 //! Why it exists: held alone, redb locks the whole file, and the newest
 //! commits are in the server's memory and its redo log until the next
@@ -370,7 +370,8 @@ pub fn request(store: &Path, scope: Scope) -> StoreResult<SnapshotFile> {
     let socket = socket_of(store);
     let unreachable = |e: std::io::Error| {
         StoreError::other(format!(
-            "berth serve holds the store alone (--exclusive-store) and did not answer for a snapshot on {}: {e}",
+            "berth serve holds the store alone and did not answer for a snapshot on {}: {e} \
+             (on a file system without Unix sockets, run berth serve --shared-store to read the live file)",
             socket.display()
         ))
     };

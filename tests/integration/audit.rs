@@ -946,22 +946,16 @@ async fn proofs_verify_against_the_published_roots() {
     assert_eq!(s.json("/v1/audit/consistency?from=5&to=3").await.0, 404);
 }
 
-/// A store held alone (`--exclusive-store`: one fdatasync per commit,
+/// A store held alone (the default: one fdatasync per commit,
 /// redb's own commits durable only at checkpoints, here a minute apart) is
 /// verified, pushed and exported while berth runs, from a snapshot berth
 /// copies: each acknowledged write is in what the reader sees at once,
 /// though the file itself holds none of them yet. Nothing is left in
 /// `snapshots/` afterwards; stopped, the file verifies alone; a server
-/// without the flag opens it again.
+/// with `--shared-store` opens it again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_held_alone_is_verified_pushed_and_exported_while_berth_runs() {
-    let mut s = Server::start(
-        Options::default()
-            .arg("--exclusive-store")
-            .arg("--checkpoint-interval")
-            .arg("60s"),
-    )
-    .await;
+    let mut s = Server::start(Options::default().arg("--checkpoint-interval").arg("60s")).await;
     let data = s.dir.join("data");
     let (code, report) = verify_json(&data);
     assert_eq!(code, 0, "{report}");
@@ -1007,7 +1001,7 @@ async fn a_store_held_alone_is_verified_pushed_and_exported_while_berth_runs() {
     assert_eq!(code, 0, "{report}");
     assert_eq!(report["size"].as_u64().unwrap(), size, "{report}");
     // The same file, shared again.
-    s.args.retain(|a| a != "--exclusive-store");
+    s.args.push("--shared-store".into());
     s.launch().await;
     let (code, report) = verify_json(&data);
     assert_eq!(code, 0, "{report}");

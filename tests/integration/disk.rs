@@ -33,29 +33,47 @@ fn small_data_dir(test: &str, dir: &std::path::Path, size: &str) -> Option<Mount
     Some(Mount(data))
 }
 
+/// With the store held alone (the default, a redo log): the commits a
+/// failed checkpoint could not write stay in the log, the reopen that
+/// follows writes nothing to the store file, so reads go on; and a restart
+/// on the full disk is ready with every acknowledged write.
 #[tokio::test]
 async fn a_full_disk_refuses_writes_keeps_reads_and_recovers() {
     full_disk(
         "disk::a_full_disk_refuses_writes_keeps_reads_and_recovers",
-        &[],
+        Mode::HeldAlone,
     )
     .await
 }
 
-/// The same with a redo log (`--exclusive-store`): the commits a failed
-/// checkpoint could not write stay in the log, the reopen that follows
-/// writes nothing to the store file, so reads go on; and a restart on the
-/// full disk serves every acknowledged write.
+/// The same with a shared store: every commit is redb's own.
 #[tokio::test]
-async fn a_full_disk_under_a_store_held_alone_refuses_writes_keeps_reads_and_recovers() {
+async fn a_full_disk_under_a_shared_store_refuses_writes_keeps_reads_and_recovers() {
     full_disk(
-        "disk::a_full_disk_under_a_store_held_alone_refuses_writes_keeps_reads_and_recovers",
-        &["--exclusive-store"],
+        "disk::a_full_disk_under_a_shared_store_refuses_writes_keeps_reads_and_recovers",
+        Mode::Shared,
     )
     .await
 }
 
-async fn full_disk(test: &str, extra: &[&str]) {
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// `berth serve`'s default.
+    HeldAlone,
+    /// `--shared-store`.
+    Shared,
+}
+
+impl Mode {
+    fn options(self) -> Options {
+        match self {
+            Mode::HeldAlone => Options::default(),
+            Mode::Shared => Options::default().arg("--shared-store"),
+        }
+    }
+}
+
+async fn full_disk(test: &str, mode: Mode) {
     let dir = temp_dir("disk");
     // 8 MiB, of which the filler takes all but ~2.5 MB: the disk fills
     // after a few submits, and once the filler goes there is room for
@@ -67,14 +85,12 @@ async fn full_disk(test: &str, extra: &[&str]) {
     let data = dir.join("data");
     let filler = data.join("filler");
     std::fs::write(&filler, vec![0u8; 1_500_000 + (4 << 20)]).unwrap();
-    let mut options = Options::default()
+    let options = mode
+        .options()
         .arg("--eval-slots")
         .arg("0")
         .arg("--build-slots")
         .arg("1");
-    for a in extra {
-        options = options.arg(a);
-    }
     let mut s = Server::start_in(dir.clone(), options).await;
     let pad = "x".repeat(60_000);
     let (mut stored, mut refused_full) = (0, 0);
@@ -104,7 +120,7 @@ async fn full_disk(test: &str, extra: &[&str]) {
     let (status, list) = s.json("/v1/deployments?limit=200").await;
     assert_eq!(status, 200, "{list}");
     assert_eq!(list["items"].as_array().unwrap().len(), stored);
-    if !extra.is_empty() {
+    if mode == Mode::HeldAlone {
         // Past a checkpoint's retry (they fail on this disk), and again
         // after a kill -9 and a start on the full disk.
         tokio::time::sleep(std::time::Duration::from_secs(2)).await;
@@ -168,27 +184,28 @@ async fn full_disk(test: &str, extra: &[&str]) {
 /// A log that fills the disk mid-build: the build fails with `disk_full`,
 /// and what was stored of its log is a whole prefix, with no gap, even
 /// though chunks compress and commit two at a time.
+/// (The build's chunks fill the redo log's records; its final commit lands
+/// in the log's reserve.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_log_that_fills_the_disk_fails_its_build_and_keeps_a_whole_prefix() {
     log_fills_disk(
         "disk::a_log_that_fills_the_disk_fails_its_build_and_keeps_a_whole_prefix",
-        &[],
+        Mode::HeldAlone,
     )
     .await
 }
 
-/// The same with a redo log, whose records the build's chunks fill.
+/// The same with a shared store.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_log_that_fills_the_disk_under_a_store_held_alone_fails_its_build_and_keeps_a_whole_prefix(
-) {
+async fn a_log_that_fills_the_disk_under_a_shared_store_fails_its_build_and_keeps_a_whole_prefix() {
     log_fills_disk(
-        "disk::a_log_that_fills_the_disk_under_a_store_held_alone_fails_its_build_and_keeps_a_whole_prefix",
-        &["--exclusive-store"],
+        "disk::a_log_that_fills_the_disk_under_a_shared_store_fails_its_build_and_keeps_a_whole_prefix",
+        Mode::Shared,
     )
     .await
 }
 
-async fn log_fills_disk(test: &str, extra: &[&str]) {
+async fn log_fills_disk(test: &str, mode: Mode) {
     let dir = temp_dir("disk-log");
     let Some(_mount) = small_data_dir(test, &dir, "8m") else {
         return;
@@ -205,11 +222,7 @@ async fn log_fills_disk(test: &str, extra: &[&str]) {
             "{SCRIPT_PRELUDE}\nhead -c 12000000 /dev/urandom | od -Ad -tx1 -w16 -v\nprintf '%s' '{{\"nodes\":[]}}' > \"$BERTH_RESULT\"\n"
         ),
     );
-    let mut options = Options::default().deployer(&deployer);
-    for a in extra {
-        options = options.arg(a);
-    }
-    let s = Server::start_in(dir.clone(), options).await;
+    let s = Server::start_in(dir.clone(), mode.options().deployer(&deployer)).await;
     let b = s.submit_ok("noisy", json!({})).await;
     let build = s.wait_build(&b, "failed").await;
     assert_eq!(build["failure"]["reason"], "disk_full", "{build}");
@@ -244,7 +257,7 @@ async fn a_store_held_alone_starts_on_a_disk_too_small_for_its_log() {
     let Some(_mount) = small_data_dir(test, &dir, "4m") else {
         return;
     };
-    let mut s = Server::start_in(dir.clone(), Options::default().arg("--exclusive-store")).await;
+    let mut s = Server::start_in(dir.clone(), Options::default()).await;
     let log = dir.join("data/berth.redo");
     let log_bytes = std::fs::metadata(&log).unwrap().len();
     assert!(

@@ -175,7 +175,6 @@ async fn a_redo_log_that_fails_refuses_the_batch_and_no_restart_brings_it_back()
     for place in ["redo.append", "redo.commit"] {
         let mut s = Server::start(
             Options::default()
-                .arg("--exclusive-store")
                 .arg("--checkpoint-interval")
                 .arg("60s")
                 .env("FAILPOINTS", &format!("{place}=return(refused)")),

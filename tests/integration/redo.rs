@@ -1,4 +1,4 @@
-//! The redo log of a store held alone (`--exclusive-store`,
+//! The redo log of a store held alone (`berth serve`'s default,
 //! src/store/redo.rs): a commit is one append to `berth.redo` and one
 //! sync; redb's own commits are non-durable until a checkpoint. After a
 //! kill -9 the next start applies the log; until then a reader of the file
@@ -19,13 +19,7 @@ fn redo_len(s: &Server) -> u64 {
 #[tokio::test]
 async fn after_a_kill_the_redo_log_is_applied_and_readers_wait_for_it() {
     // No checkpoint before the kill: every submit's rows are only in the log.
-    let mut s = Server::start(
-        Options::default()
-            .arg("--exclusive-store")
-            .arg("--checkpoint-interval")
-            .arg("60s"),
-    )
-    .await;
+    let mut s = Server::start(Options::default().arg("--checkpoint-interval").arg("60s")).await;
     let mut builds = Vec::new();
     for i in 0..5 {
         let (status, body) = s
@@ -104,10 +98,10 @@ async fn after_a_kill_the_redo_log_is_applied_and_readers_wait_for_it() {
 async fn a_store_moves_between_the_two_modes_with_nothing_lost() {
     // Held alone first, killed with rows only in the log; then opened
     // shared: the shared start applies them too.
-    let mut s = Server::start(Options::default().arg("--exclusive-store")).await;
+    let mut s = Server::start(Options::default()).await;
     let b = s.submit_ok("moved", json!({})).await;
     s.kill();
-    s.args.retain(|a| a != "--exclusive-store");
+    s.args.push("--shared-store".into());
     s.launch().await;
     let (status, _) = s.json(&format!("/v1/builds/{b}")).await;
     assert_eq!(status, 200);
@@ -118,7 +112,7 @@ async fn a_store_moves_between_the_two_modes_with_nothing_lost() {
     assert_eq!(code, 0, "{report}");
     let b2 = s.submit_ok("moved", json!({})).await;
     s.kill();
-    s.args.push("--exclusive-store".into());
+    s.args.retain(|a| a != "--shared-store");
     s.launch().await;
     for id in [&b, &b2] {
         let (status, _) = s.json(&format!("/v1/builds/{id}")).await;
@@ -136,7 +130,7 @@ async fn the_snapshot_socket_refuses_bad_requests_and_cleans_up_after_readers_th
     use std::io::{BufRead, Read, Write};
     use std::os::unix::fs::PermissionsExt;
     use std::os::unix::net::UnixStream;
-    let s = Server::start(Options::default().arg("--exclusive-store")).await;
+    let s = Server::start(Options::default()).await;
     s.submit_ok("snap", json!({})).await;
     let dir = s.dir.join("data/snapshots");
     let mode = std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777;

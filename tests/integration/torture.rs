@@ -154,17 +154,18 @@ pub(crate) fn spawn_clients(s: &Server, seed: u64, known_builds: &[String]) -> T
     (log, builds, clients)
 }
 
+/// With a shared store (`--shared-store`): every commit is redb's own.
 #[tokio::test]
 async fn kill_9_at_random_instants_loses_nothing_acknowledged() {
-    kill_trials(&[], 10).await;
+    kill_trials(&["--shared-store"], 10).await;
 }
 
-/// The same with the store held alone: every commit through the redo log
-/// (src/store/redo.rs); the audit chain is verified beside the running
-/// server from the snapshot it copies (src/store/snapshot.rs).
+/// The same with the store held alone (the default): every commit through
+/// the redo log (src/store/redo.rs); the audit chain is verified beside
+/// the running server from the snapshot it copies (src/store/snapshot.rs).
 #[tokio::test]
 async fn kill_9_with_the_redo_log_loses_nothing_acknowledged() {
-    kill_trials(&["--exclusive-store"], 5).await;
+    kill_trials(&[], 5).await;
 }
 
 async fn kill_trials(args: &[&str], default_trials: u64) {
