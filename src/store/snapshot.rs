@@ -211,19 +211,22 @@ fn answer(current: &Current, store: &Path, dir: &Path, conn: UnixStream) {
         return;
     };
     remove_abandoned(dir);
-    if let Err(why) = room_for_a_copy(store, dir) {
-        tracing::warn!(%why, "a snapshot for a reader was refused");
-        let _ = reply(&conn, &format!("error {why}"));
-        return;
-    }
     let name = format!("snapshot-{}.redb", uuid::Uuid::now_v7().simple());
     let path = dir.join(&name);
     let started = std::time::Instant::now();
-    if let Err(e) = copy(current, &path, scope) {
-        let _ = std::fs::remove_file(&path);
-        tracing::error!(error = %e, scope = scope.word(), "a snapshot for a reader failed");
-        let _ = reply(&conn, &format!("error the snapshot failed: {e}"));
-        return;
+    match copy(current, store, dir, &path, scope) {
+        Ok(()) => {}
+        Err(Failed::NoRoom(why)) => {
+            tracing::warn!(%why, "a snapshot for a reader was refused");
+            let _ = reply(&conn, &format!("error {why}"));
+            return;
+        }
+        Err(Failed::Store(e)) => {
+            let _ = std::fs::remove_file(&path);
+            tracing::error!(error = %e, scope = scope.word(), "a snapshot for a reader failed");
+            let _ = reply(&conn, &format!("error the snapshot failed: {e}"));
+            return;
+        }
     }
     tracing::info!(
         scope = scope.word(),
@@ -273,12 +276,47 @@ fn read_line(conn: &UnixStream, max: u64, wait: Duration) -> std::io::Result<Str
     }
 }
 
-/// Whether the disk holding `dir` has room for a copy of the store (its
-/// file's size) and `SNAPSHOT_HEADROOM_BYTES` after it.
-fn room_for_a_copy(store: &Path, dir: &Path) -> Result<(), String> {
-    let needed = std::fs::metadata(store)
-        .map_or(0, |m| m.len())
-        .saturating_add(SNAPSHOT_HEADROOM_BYTES);
+/// Why a snapshot was not made.
+enum Failed {
+    /// Refused before anything was written: the disk lacks the room.
+    NoRoom(String),
+    Store(StoreError),
+}
+
+impl<E: Into<StoreError>> From<E> for Failed {
+    fn from(e: E) -> Failed {
+        Failed::Store(e.into())
+    }
+}
+
+/// The bytes a copy of `scope` takes at most: for the audit tables, what
+/// redb says they hold (their pages, used, bookkeeping and fragmented); for
+/// every table, the store file's size (walking every table of a large
+/// store to size it would read it all twice).
+fn copy_bytes(from: &redb::ReadTransaction, store: &Path, scope: Scope) -> StoreResult<u64> {
+    struct TableBytes<'a>(&'a redb::ReadTransaction);
+    impl EachTable for TableBytes<'_> {
+        type Output = StoreResult<u64>;
+        fn with<K: Key + 'static, V: Value + 'static>(
+            &mut self,
+            def: TableDefinition<'static, K, V>,
+        ) -> StoreResult<u64> {
+            let stats = redb::ReadableTableMetadata::stats(&self.0.open_table(def)?)?;
+            Ok(stats.stored_bytes() + stats.metadata_bytes() + stats.fragmented_bytes())
+        }
+    }
+    match scope {
+        Scope::Audit => scope.tables().into_iter().try_fold(0u64, |sum, table| {
+            Ok(sum.saturating_add(table.visit(&mut TableBytes(from))?))
+        }),
+        Scope::All => Ok(std::fs::metadata(store).map_or(0, |m| m.len())),
+    }
+}
+
+/// Whether the disk holding `dir` has room for a copy of `copy` bytes and
+/// `SNAPSHOT_HEADROOM_BYTES` after it.
+fn room_for_a_copy(copy: u64, dir: &Path) -> Result<(), String> {
+    let needed = copy.saturating_add(SNAPSHOT_HEADROOM_BYTES);
     let stats = nix::sys::statvfs::statvfs(dir)
         .map_err(|e| format!("cannot tell the free space for a snapshot: {e}"))?;
     let free = stats
@@ -286,7 +324,7 @@ fn room_for_a_copy(store: &Path, dir: &Path) -> Result<(), String> {
         .saturating_mul(stats.fragment_size());
     if free < needed {
         return Err(format!(
-            "not enough free disk for a snapshot: {} MiB free, {} MiB needed (the store's size and {} MiB to spare)",
+            "not enough free disk for a snapshot: {} MiB free, {} MiB needed (the copy's size and {} MiB to spare)",
             free >> 20,
             needed >> 20,
             SNAPSHOT_HEADROOM_BYTES >> 20
@@ -316,9 +354,18 @@ fn remove_abandoned(dir: &Path) {
 
 /// Copies `scope`'s tables as they are in one read transaction of the
 /// live store into a new store file at `to`.
-fn copy(current: &Current, to: &Path, scope: Scope) -> StoreResult<()> {
+/// Copies `scope`'s tables from one read transaction into a new file at
+/// `to`, once the disk is known to have room for it.
+fn copy(
+    current: &Current,
+    store: &Path,
+    dir: &Path,
+    to: &Path,
+    scope: Scope,
+) -> Result<(), Failed> {
     let db = current().ok_or_else(StoreError::reopening)?;
     let from = db.begin_read()?;
+    room_for_a_copy(copy_bytes(&from, store, scope)?, dir).map_err(Failed::NoRoom)?;
     let out = redb::Database::create(to)?;
     let txn = out.begin_write()?;
     for table in scope.tables() {

@@ -57,19 +57,6 @@ fn push_head(sink: &str, data: &Path) -> (i32, String) {
     ])
 }
 
-fn verify_json(data: &Path) -> (i32, Value) {
-    let (code, out) = berth(&[
-        "audit",
-        "verify",
-        "--json",
-        "--data-dir",
-        data.to_str().unwrap(),
-    ]);
-    let report: Value =
-        serde_json::from_str(out.trim()).unwrap_or_else(|_| panic!("not JSON: {out}"));
-    (code, report)
-}
-
 #[tokio::test]
 async fn every_audited_route_leaves_exactly_its_events_good_and_bad() {
     let dir = temp_dir("audit-routes");
@@ -990,11 +977,7 @@ async fn a_store_held_alone_is_verified_pushed_and_exported_while_berth_runs() {
         .query_row("select count(*) from builds", [], |r| r.get(0))
         .unwrap();
     assert_eq!(builds, 3, "the live export misses acknowledged builds");
-    let left: Vec<String> = std::fs::read_dir(data.join("snapshots"))
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .filter(|n| n != "berth.sock")
-        .collect();
+    let left = snapshots_left(&data);
     assert!(left.is_empty(), "snapshots left behind: {left:?}");
     assert!(s.terminate().success());
     let (code, report) = verify_json(&data);

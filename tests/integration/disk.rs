@@ -274,3 +274,58 @@ async fn a_store_held_alone_starts_on_a_disk_too_small_for_its_log() {
         assert_eq!(s.json(&format!("/v1/builds/{b}")).await.0, 200, "{b}");
     }
 }
+
+/// A snapshot for a live reader needs room for what it copies: on a disk
+/// with room for the audit tables but not for the whole store, `berth
+/// audit verify` runs beside the server and `berth export` is refused with
+/// why, leaving nothing behind.
+#[tokio::test]
+async fn a_snapshot_needs_room_for_its_own_copy_only() {
+    let test = "disk::a_snapshot_needs_room_for_its_own_copy_only";
+    let dir = temp_dir("disk-snapshot");
+    let Some(_mount) = small_data_dir(test, &dir, "160m") else {
+        return;
+    };
+    // ~16 MB of log that compresses little: the store grows past the
+    // audit tables by far.
+    let deployer = script(
+        &dir,
+        "loud.sh",
+        &format!(
+            "{SCRIPT_PRELUDE}\nhead -c 12000000 /dev/urandom | base64 -w 76\nprintf '%s' '{{\"nodes\":[]}}' > \"$BERTH_RESULT\"\n"
+        ),
+    );
+    let s = Server::start_in(dir.clone(), Options::default().deployer(&deployer)).await;
+    let b = s.submit_ok("loud", json!({})).await;
+    s.wait_build(&b, "succeeded").await;
+    let data = dir.join("data");
+    // Past a checkpoint, so the file holds the log's chunks.
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    let store_bytes = std::fs::metadata(data.join("berth.redb")).unwrap().len();
+    assert!(store_bytes > 10 << 20, "a {store_bytes}-byte store");
+    // Leave free the 64 MiB a snapshot keeps to spare and half the store.
+    let stats = nix::sys::statvfs::statvfs(&data).unwrap();
+    let free = stats.blocks_available() * stats.fragment_size();
+    let leave = (64 << 20) + store_bytes / 2;
+    std::fs::write(data.join("filler"), vec![0u8; (free - leave) as usize]).unwrap();
+    let (code, report) = verify_json(&data);
+    assert_eq!(code, 0, "{report}");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_berth"))
+        .args(["export", "--data-dir"])
+        .arg(&data)
+        .arg("--to")
+        .arg(format!("sqlite:{}", dir.join("out.sqlite").display()))
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "an export without room for its copy: {said}"
+    );
+    assert!(
+        said.contains("not enough free disk for a snapshot"),
+        "{said}"
+    );
+    let left = snapshots_left(&data);
+    assert!(left.is_empty(), "snapshots left behind: {left:?}");
+}

@@ -730,6 +730,29 @@ pub fn copy_dir(from: &Path, to: &Path) {
     }
 }
 
+/// `berth audit verify --json` on `data`: its exit code and report.
+pub fn verify_json(data: &Path) -> (i32, serde_json::Value) {
+    let (code, out) = berth(&[
+        "audit",
+        "verify",
+        "--json",
+        "--data-dir",
+        data.to_str().unwrap(),
+    ]);
+    let report: serde_json::Value =
+        serde_json::from_str(out.trim()).unwrap_or_else(|_| panic!("not JSON: {out}"));
+    (code, report)
+}
+
+/// The snapshot files in `data`/snapshots (the socket aside).
+pub fn snapshots_left(data: &Path) -> Vec<String> {
+    std::fs::read_dir(data.join("snapshots"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n != "berth.sock")
+        .collect()
+}
+
 pub fn berth(args: &[&str]) -> (i32, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_berth"))
         .args(args)

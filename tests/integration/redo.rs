@@ -82,15 +82,8 @@ async fn after_a_kill_the_redo_log_is_applied_and_readers_wait_for_it() {
         berth::store::redo::PREALLOCATED_BYTES,
         "the redo log grew"
     );
-    let (code, report) = berth(&[
-        "audit",
-        "verify",
-        "--json",
-        "--data-dir",
-        data.to_str().unwrap(),
-    ]);
+    let (code, report) = verify_json(&data);
     assert_eq!(code, 0, "{report}");
-    let report: serde_json::Value = serde_json::from_str(&report).unwrap();
     assert!(report["size"].as_u64().unwrap() >= 5, "{report}");
 }
 
