@@ -47,12 +47,14 @@ use super::{StoreError, StoreResult};
 /// tests (berth's own default is `--checkpoint-interval`'s).
 #[cfg(test)]
 const CHECKPOINT_INTERVAL: Duration = Duration::from_millis(200);
-/// A checkpoint is due sooner when the log has grown this far; it also
-/// bounds the replay at open, which must stay under a second: with
-/// 100,000 builds in the store a start replayed 36.3 MiB of records in
-/// 946 ms and 30.6 MiB in 901 ms (26-29 ms per MiB, `cargo bench --bench
-/// submit`), so 24 MiB leaves a third of that second to spare.
-pub const CHECKPOINT_BYTES: u64 = 24 << 20;
+/// A checkpoint is due sooner when the log has grown this far: to the
+/// end of its preallocated zeros less the reserve, so while checkpoints
+/// succeed the log never grows (nor writes zeros to). It also bounds the
+/// replay at open, which must stay under a second: with 100,000 builds in
+/// the store a start replayed 22.7 MiB of records in 777 ms on one day and
+/// a 24 MiB log in 1,014 ms on a slower one (`cargo bench --bench
+/// submit`), so 15 MiB leaves a third of that second to spare.
+pub const CHECKPOINT_BYTES: u64 = PREALLOCATED_BYTES - RESERVED_BYTES;
 /// The log's length at most. Past `CHECKPOINT_BYTES` the log keeps growing
 /// only while checkpoints fail (a full disk: they are retried with a
 /// backoff, `writer.rs`); up to here commits go on into it, and past it
