@@ -391,9 +391,9 @@ const SSE_CLIENTS: usize = 1_000;
 /// Builds in the store for the startup figure.
 const STARTUP_BUILDS: u64 = 100_000;
 /// Submits whose rows nearly fill the redo log before its forced
-/// checkpoint (`CHECKPOINT_BYTES`, 15 MiB; a submit's rows are ~2.4 KB
+/// checkpoint (`CHECKPOINT_BYTES`, 14 MiB; a submit's rows are ~2.4 KB
 /// here): the longest replay a start can meet.
-const FULL_LOG_SUBMITS: u64 = 6_400;
+const FULL_LOG_SUBMITS: u64 = 5_800;
 
 /// `count` submits over 32 connections to deployments `d{first}..`, each
 /// a new deployment or a build queued behind the last.

@@ -49,17 +49,17 @@ use super::{StoreError, StoreResult};
 const CHECKPOINT_INTERVAL: Duration = Duration::from_millis(200);
 /// A checkpoint is due sooner when the log has grown this far: to the
 /// end of its preallocated zeros less the reserve, so while checkpoints
-/// succeed the log never grows (nor writes zeros to). It also bounds the
-/// replay at open, which must stay under a second: with 100,000 builds in
-/// the store a start replayed 22.7 MiB of records in 777 ms on one day and
-/// a 24 MiB log in 1,014 ms on a slower one (`cargo bench --bench
-/// submit`), so 15 MiB leaves a third of that second to spare.
+/// succeed the log never grows and never writes zeros past them. It also
+/// bounds the replay at open, which must stay under a second: with
+/// 100,000 builds in the store a start replayed 22.7 MiB of records in
+/// 777 ms on one day, a 24 MiB log in 1,014 ms on a slower one and 15 MiB
+/// in 908 ms (`cargo bench --bench submit`), so 14 MiB keeps under it.
 pub const CHECKPOINT_BYTES: u64 = PREALLOCATED_BYTES - RESERVED_BYTES;
 /// The log's length at most. Past `CHECKPOINT_BYTES` the log keeps growing
 /// only while checkpoints fail (a full disk: they are retried with a
 /// backoff, `writer.rs`); up to here commits go on into it, and past it
 /// they are refused as a full disk. It bounds the longest replay at open
-/// to about 1.6 s (at 26-34 ms per MiB), the full-disk case only.
+/// to about twice a full log's, the full-disk case only.
 pub const MAX_LOG_BYTES: u64 = 2 * CHECKPOINT_BYTES;
 /// The log's bytes written (zeros) when it is created: a record written
 /// over bytes the file already has leaves its size alone, so fdatasync
@@ -142,10 +142,12 @@ impl Ops {
 /// must land to leave nothing stuck may use (`Urgency::Must`: a build's
 /// final commit, a restart's recovery): on a full disk the log cannot
 /// grow, and without them a build whose output filled the disk would stay
-/// `running` until space returned. A final commit is a few KB (its last
-/// log chunk at most `--log-chunk-bytes` compressed), so 1 MiB holds
-/// dozens.
-pub const RESERVED_BYTES: u64 = 1 << 20;
+/// `running` until space returned. A final commit carries its build's
+/// last log chunk, at most `LOG_CHUNK_BYTES` (1 MiB) before compression,
+/// so 2 MiB holds one of the worst (output that does not compress) and
+/// many of the usual few-KB ones. One larger than what is left waits, as
+/// any final commit on a full disk does, for space.
+pub const RESERVED_BYTES: u64 = 2 << 20;
 /// The log grows by this much at a time once past its preallocation, with
 /// zeros written (a record then overwrites room already held, as before).
 const GROW_BYTES: u64 = 1 << 20;
