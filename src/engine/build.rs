@@ -23,8 +23,8 @@ use crate::model::*;
 use crate::store::Lookup;
 use crate::store::{StoreResult, Tx, Urgency};
 
-/// Pauses between attempts of a build's final commit (a full disk).
-const FINAL_COMMIT_FIRST_PAUSE: Duration = Duration::from_millis(100);
+/// The longest pause between attempts of a build's final commit (a full
+/// disk).
 const FINAL_COMMIT_MAX_PAUSE: Duration = Duration::from_secs(30);
 
 impl Engine {
@@ -371,23 +371,15 @@ impl Engine {
         });
         // The final commit is retried until it lands (a full disk that
         // recovers): a build must not stay `running` without a job.
-        let mut pause = FINAL_COMMIT_FIRST_PAUSE;
-        let result = loop {
+        let result = {
             let (finished, hub) = (finished.clone(), self.hub.clone());
-            let attempt = self
-                .store
-                .write_with(Urgency::Must, move |tx| {
-                    finish_tx(tx, &hub, build_id, &finished)
-                })
-                .await;
-            match attempt {
-                Err(e) if e.is_transient() && !self.stopping.load(Ordering::SeqCst) => {
-                    tracing::warn!(error = %e, build = %format_build_id(build_id), "final commit of a build failed; retrying");
-                    tokio::time::sleep(pause).await;
-                    pause = (pause * 2).min(FINAL_COMMIT_MAX_PAUSE);
-                }
-                other => break other,
-            }
+            self.write_until_landed(
+                build_id,
+                "the final commit of a build",
+                FINAL_COMMIT_MAX_PAUSE,
+                move |tx| finish_tx(tx, &hub, build_id, &finished),
+            )
+            .await
         };
         // (stored at all, stored with the verdict as judged)
         let (stored, as_judged) = match result {

@@ -44,6 +44,10 @@ use crate::store::Store;
 use deployer::Described;
 use runner::DeployerCommand;
 
+/// The first pause before a write that must land is tried again
+/// (`Engine::write_until_landed`).
+const WRITE_RETRY_FIRST_PAUSE: std::time::Duration = std::time::Duration::from_millis(100);
+
 /// Counters shown on /metrics that are not in the store.
 #[derive(Default)]
 pub struct Metrics {
@@ -190,6 +194,44 @@ impl Engine {
         self.stopping
             .store(true, std::sync::atomic::Ordering::SeqCst);
         self.stop.send_replace(true);
+    }
+
+    /// Commits `job` as a write that must land (`Urgency::Must`: it may
+    /// take the redo log's reserve), again after each failure that may
+    /// pass (a full disk that recovers), pausing from
+    /// `WRITE_RETRY_FIRST_PAUSE` and doubling up to `max_pause`, until it
+    /// lands, fails for good, or berth is stopping. `what` names it, for
+    /// `build`, in the log.
+    pub(crate) async fn write_until_landed<T, F>(
+        &self,
+        build: BuildId,
+        what: &str,
+        max_pause: std::time::Duration,
+        job: F,
+    ) -> crate::store::StoreResult<T>
+    where
+        T: Send + 'static,
+        F: FnMut(&crate::store::Tx) -> crate::store::StoreResult<T> + Clone + Send + 'static,
+    {
+        let mut pause = WRITE_RETRY_FIRST_PAUSE;
+        loop {
+            let attempt = self
+                .store
+                .write_with(crate::store::Urgency::Must, job.clone())
+                .await;
+            match attempt {
+                Err(e)
+                    if e.is_transient()
+                        && !self.stopping.load(std::sync::atomic::Ordering::SeqCst) =>
+                {
+                    tracing::warn!(error = %e, build = %format_build_id(build), retry_in = ?pause,
+                        "{what} failed; retrying");
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(max_pause);
+                }
+                other => return other,
+            }
+        }
     }
 
     pub fn stop_signal(&self) -> watch::Receiver<bool> {

@@ -17,13 +17,12 @@ use super::{runner, Engine};
 use crate::events::Hub;
 use crate::model::*;
 use crate::store::Lookup;
-use crate::store::{StoreResult, Tx, Urgency};
+use crate::store::{StoreResult, Tx};
 
 /// How often an orphaned process group is checked while it is stopping.
 const ORPHAN_POLL: Duration = Duration::from_millis(100);
-/// Pauses between attempts of a recovery write that failed for a reason
-/// that may pass (a full disk): doubling from the first to the last.
-const RETRY_FIRST_PAUSE: Duration = Duration::from_millis(100);
+/// The longest pause between attempts of a recovery write that failed
+/// for a reason that may pass (a full disk).
 const RETRY_MAX_PAUSE: Duration = Duration::from_secs(5);
 
 impl Engine {
@@ -31,23 +30,15 @@ impl Engine {
         let _ = std::fs::remove_dir_all(self.settings.scratch_root());
         let running = self.store.read()?.running()?;
         for (build_id, deployment) in running {
-            let mut pause = RETRY_FIRST_PAUSE;
-            let orphan = loop {
-                let hub = self.hub.clone();
-                match self
-                    .store
-                    .write_with(Urgency::Must, move |tx| recover_tx(tx, &hub, build_id))
-                    .await
-                {
-                    Err(e) if e.is_transient() => {
-                        tracing::error!(error = %e, build = %format_build_id(build_id), retry_in = ?pause,
-                            "cannot mark an interrupted build failed yet; not ready until it is");
-                        tokio::time::sleep(pause).await;
-                        pause = (pause * 2).min(RETRY_MAX_PAUSE);
-                    }
-                    other => break other?,
-                }
-            };
+            let hub = self.hub.clone();
+            let orphan = self
+                .write_until_landed(
+                    build_id,
+                    "marking an interrupted build failed (not ready until it lands)",
+                    RETRY_MAX_PAUSE,
+                    move |tx| recover_tx(tx, &hub, build_id),
+                )
+                .await?;
             tracing::warn!(build = %format_build_id(build_id), %deployment, "build interrupted by restart: marked failed");
             if let Some(job) = orphan.filter(runner::group_may_be_ours) {
                 tracing::warn!(pid = job.pid, %deployment, "stopping the deployer that outlived the last run");

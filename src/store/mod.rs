@@ -119,7 +119,10 @@ impl Store {
         // (and in memory) until a checkpoint can write them.
         let (db, resume) = match redo::replay(&db, path, LAYOUT_VERSION, redo::Replay::Checkpoint) {
             Ok(resume) => (db, resume),
-            Err(e) if e.kind == StoreErrorKind::DiskFull && sharing != Sharing::LiveReaders => {
+            Err(e)
+                if e.kind == StoreErrorKind::DiskFull
+                    && matches!(sharing, Sharing::Exclusive { .. }) =>
+            {
                 tracing::warn!(error = %e, "cannot checkpoint the redo log at open (disk full); it stays the store's truth until a checkpoint can");
                 // redb refuses every call after a failed commit.
                 drop(db);
@@ -134,14 +137,12 @@ impl Store {
             // redb commits non-durably only when no other process may
             // read the file (`redo.rs`).
             Sharing::Exclusive { checkpoint_every } => {
-                let mut log = redo::RedoLog::open(
+                Some(std::sync::Mutex::new(redo::RedoLog::open(
                     &redo::path_of(path),
-                    resume.generation,
+                    resume,
                     LAYOUT_VERSION,
                     checkpoint_every,
-                )?;
-                log.resume(resume);
-                Some(std::sync::Mutex::new(log))
+                )?))
             }
             Sharing::LiveReaders => None,
         };

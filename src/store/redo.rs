@@ -239,11 +239,11 @@ fn io_error(e: std::io::Error) -> StoreError {
 
 impl RedoLog {
     /// Opens (or creates, durably named and preallocated) the log after
-    /// `replay` applied it: every record in it is then of a checkpointed
-    /// generation, so writing starts at its beginning.
+    /// `replay` applied it; writing goes on where the replay says (its
+    /// start after a checkpoint, behind the records a kept log holds).
     pub fn open(
         path: &Path,
-        generation: u64,
+        at: Resume,
         layout: u32,
         checkpoint_every: Duration,
     ) -> StoreResult<RedoLog> {
@@ -295,9 +295,9 @@ impl RedoLog {
         }
         Ok(RedoLog {
             file,
-            end: 0,
+            end: at.end,
             room,
-            generation,
+            generation: at.generation,
             layout,
             checkpoint_every,
         })
@@ -591,8 +591,8 @@ pub fn replay(db: &Database, store: &Path, layout: u32, how: Replay) -> StoreRes
             )));
         }
         // Generations only grow along the log, so the records newer than
-        // the checkpoint are its prefix: writing resumes right behind it.
-        debug_assert_eq!(record.start, end, "an unapplied record after a stale one");
+        // the checkpoint are its prefix; writing resumes right behind the
+        // last of them, whatever lies before it.
         apply_payload(&txn, &record.payload)?;
         last = last.max(record.generation);
         end = record.start + (HEADER + record.payload.len()) as u64;
@@ -791,6 +791,15 @@ mod tests {
         (dir, store)
     }
 
+    /// A new log beside `store`, generation 1, layout 8.
+    fn new_log(store: &Path) -> RedoLog {
+        let at = Resume {
+            generation: 1,
+            end: 0,
+        };
+        RedoLog::open(&path_of(store), at, 8, CHECKPOINT_INTERVAL).unwrap()
+    }
+
     fn record_of(ops: Ops) -> RecordBuf {
         let mut record = RecordBuf::default();
         record.start();
@@ -801,7 +810,7 @@ mod tests {
     #[test]
     fn a_torn_or_foreign_tail_ends_the_records_and_the_rest_is_read_back() {
         let (dir, store) = fresh("tail");
-        let mut log = RedoLog::open(&path_of(&store), 1, 8, CHECKPOINT_INTERVAL).unwrap();
+        let mut log = new_log(&store);
         for i in 0..3u8 {
             let mut ops = Ops::default();
             ops.insert(Table::Meta, b"k", &[i]);
@@ -848,7 +857,7 @@ mod tests {
         let txn = db.begin_write().unwrap();
         txn.open_table(META).unwrap();
         txn.commit().unwrap();
-        let mut log = RedoLog::open(&path_of(&store), 1, 8, CHECKPOINT_INTERVAL).unwrap();
+        let mut log = new_log(&store);
         for i in 0..3u8 {
             let mut ops = Ops::default();
             ops.insert(Table::Meta, format!("k{i}").as_bytes(), &[i]);
@@ -908,7 +917,7 @@ mod tests {
     #[test]
     fn a_record_past_the_logs_limit_is_refused_as_a_full_disk_and_writes_nothing() {
         let (dir, store) = fresh("limit");
-        let mut log = RedoLog::open(&path_of(&store), 1, 8, CHECKPOINT_INTERVAL).unwrap();
+        let mut log = new_log(&store);
         // As if checkpoints had failed until the log was nearly at its limit.
         log.end = MAX_LOG_BYTES - 64;
         let mut ops = Ops::default();
