@@ -11,14 +11,17 @@
 //! for that subject).
 //!
 //! The places (each a write job; the error fails it for good, not as a
-//! passing I/O error, so no retry hides it):
+//! passing I/O error, so no retry hides it, except where said):
 //! - `build.final_commit`: a build's final commit (subject: the build id);
 //! - `submit.job`: a submit's write job (subject: the deployment id);
 //! - `audit.alone`: the audit event of a call that changed nothing;
 //! - `redo.append`: a redo log append (the batch's transaction aborts);
 //! - `redo.commit`: redb's commit right after a redo log append (the
 //!   record is taken back out of the log). Both take as argument bytes the
-//!   batch's rows must hold (`redo.commit=return(dep-id)`).
+//!   batch's rows must hold (`redo.commit=return(dep-id)`);
+//! - `recover.job`: a start's write that marks an interrupted build failed
+//!   (subject: the build id). It fails as a full disk does, a failure that
+//!   may pass, so recovery retries it: `recover.job=3*return`.
 //!
 //! A failed place fails with `StoreError::injected`. This module is a leaf
 //! (it names no other module), so the store can use it too.

@@ -57,6 +57,9 @@ impl Engine {
 /// A build found `running` at start failed with `interrupted_by_restart`;
 /// returns its job, to stop the deployer if it outlived berth.
 pub fn recover_tx(tx: &Tx, hub: &Arc<Hub>, build_id: BuildId) -> StoreResult<Option<Job>> {
+    if crate::failpoints::hit("recover.job", &format_build_id(build_id)) {
+        return Err(crate::store::StoreError::injected_disk_full("recover.job"));
+    }
     let Some(mut b) = tx.build(build_id)? else {
         return Ok(None);
     };

@@ -52,6 +52,14 @@ impl StoreError {
     pub fn injected(name: &str) -> Self {
         Self::other(format!("failpoint {name}"))
     }
+    /// A failpoint that fails as a full disk does: a failure that may
+    /// pass, so the caller's retry is what the test sees.
+    pub fn injected_disk_full(name: &str) -> Self {
+        Self {
+            kind: StoreErrorKind::DiskFull,
+            detail: format!("failpoint {name} (as a full disk)"),
+        }
+    }
     pub fn other(detail: impl Into<String>) -> Self {
         Self {
             kind: StoreErrorKind::Other,

@@ -437,17 +437,36 @@ struct Record {
     start: u64,
     generation: u64,
     layout: u32,
-    payload: Vec<u8>,
+    /// Where its rows are in `Records::bytes` (not a copy: a log near its
+    /// limit is read once, so a replay holds it in memory once).
+    payload: std::ops::Range<usize>,
+}
+
+/// The log file as read, and its valid records.
+struct Records {
+    bytes: Vec<u8>,
+    valid: Vec<Record>,
+}
+
+impl Records {
+    fn payload(&self, record: &Record) -> &[u8] {
+        &self.bytes[record.payload.clone()]
+    }
 }
 
 /// The records of the log at `path` up to its first torn or foreign one.
-fn read_records(path: &Path) -> StoreResult<Vec<Record>> {
+fn read_records(path: &Path) -> StoreResult<Records> {
     let mut bytes = Vec::new();
     match std::fs::File::open(path) {
         Ok(mut f) => {
             f.read_to_end(&mut bytes).map_err(io_error)?;
         }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Ok(Records {
+                bytes,
+                valid: Vec::new(),
+            })
+        }
         Err(e) => return Err(io_error(e)),
     }
     let mut records = Vec::new();
@@ -487,11 +506,14 @@ fn read_records(path: &Path) -> StoreResult<Vec<Record>> {
             start: at as u64,
             generation,
             layout: u32::from_le_bytes(layout),
-            payload: payload.to_vec(),
+            payload: at + HEADER..at + HEADER + len,
         });
         at += HEADER + len;
     }
-    Ok(records)
+    Ok(Records {
+        bytes,
+        valid: records,
+    })
 }
 
 /// Whether the log beside `store` holds rows the store file lacks (berth
@@ -500,7 +522,7 @@ fn read_records(path: &Path) -> StoreResult<Vec<Record>> {
 /// cannot open to tell counts as yes.
 pub fn unapplied(store: &Path) -> StoreResult<bool> {
     let records = read_records(&path_of(store))?;
-    if records.is_empty() {
+    if records.valid.is_empty() {
         return Ok(false);
     }
     if !store.exists() {
@@ -542,6 +564,7 @@ pub fn pending(
 ) -> StoreResult<bool> {
     let durable = durable_generation(meta)?;
     Ok(read_records(&path_of(store))?
+        .valid
         .iter()
         .any(|r| r.generation > durable))
 }
@@ -581,7 +604,7 @@ pub fn replay(db: &Database, store: &Path, layout: u32, how: Replay) -> StoreRes
     let mut last = durable;
     let mut end = 0;
     let mut applied = 0usize;
-    for record in records.iter().filter(|r| r.generation > durable) {
+    for record in records.valid.iter().filter(|r| r.generation > durable) {
         if record.layout != layout {
             return Err(StoreError::corrupt(format!(
                 "{} holds rows of layout version {}, and this berth writes {layout}: \
@@ -593,7 +616,7 @@ pub fn replay(db: &Database, store: &Path, layout: u32, how: Replay) -> StoreRes
         // Generations only grow along the log, so the records newer than
         // the checkpoint are its prefix; writing resumes right behind the
         // last of them, whatever lies before it.
-        apply_payload(&txn, &record.payload)?;
+        apply_payload(&txn, records.payload(record))?;
         last = last.max(record.generation);
         end = record.start + (HEADER + record.payload.len()) as u64;
         applied += 1;
@@ -750,7 +773,7 @@ fn row<K: Key + 'static, V: Value + 'static>(
 /// Reads the file for tests.
 #[cfg(test)]
 pub(super) fn records_in(path: &Path) -> usize {
-    read_records(path).map(|r| r.len()).unwrap_or(0)
+    read_records(path).map(|r| r.valid.len()).unwrap_or(0)
 }
 
 /// Every row of `table` as redb's bytes, for tests that compare stores.

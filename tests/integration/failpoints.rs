@@ -202,3 +202,39 @@ async fn a_redo_log_that_fails_refuses_the_batch_and_no_restart_brings_it_back()
         s.kill();
     }
 }
+
+#[tokio::test]
+async fn a_restart_whose_recovery_meets_a_full_disk_stays_not_ready_and_retries_until_it_lands() {
+    if !available("failpoints::recovery_retry") {
+        return;
+    }
+    let (mut s, _gates, running) = server_with_a_running_build("recovery-retry", "alice").await;
+    s.kill();
+    // Recovery's write fails four times as on a full disk: it retries after
+    // 0.1, 0.2, 0.4 and 0.8 s, and berth answers meanwhile, not ready.
+    s.envs
+        .push(("FAILPOINTS".into(), "recover.job=4*return".into()));
+    s.spawn();
+    s.wait_listening().await;
+    let retrying =
+        "marking an interrupted build failed (not ready until it lands) failed; retrying";
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !s.log().contains(retrying) {
+        assert!(Instant::now() < deadline, "{}", s.log());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let readyz = s.http.get(s.url("/readyz")).send().await.unwrap().status();
+    assert_eq!(readyz, 503, "ready while recovery still retries");
+    let (status, body) = s
+        .submit("bob", json!({"configuration": {"n": 1}, "mode": "enqueue"}))
+        .await;
+    assert_eq!(status, 503, "a submit before recovery landed: {body}");
+    assert_eq!(body["code"], "unavailable", "{body}");
+    s.wait_ready().await;
+    assert_eq!(s.log().matches(retrying).count(), 4, "{}", s.log());
+    let b = s.build(&running).await;
+    assert_eq!(b["status"], "failed", "{b}");
+    assert_eq!(b["failure"]["reason"], "interrupted_by_restart", "{b}");
+    // Nothing acknowledged went missing and berth takes work again.
+    s.submit_ok("bob", json!({"n": 1})).await;
+}

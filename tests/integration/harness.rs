@@ -516,6 +516,28 @@ pub fn gated_deployer(dir: &Path) -> (PathBuf, PathBuf) {
     (script(dir, "gated.sh", &body), gates)
 }
 
+/// A server on a gated deployer (`--cancel-grace 1s`, so a restart stops
+/// an orphaned deployer fast) with one build of `deployment` running:
+/// the server, its gates and the running build's id.
+pub async fn server_with_a_running_build(
+    name: &str,
+    deployment: &str,
+) -> (Server, PathBuf, String) {
+    let dir = temp_dir(name);
+    let (deployer, gates) = gated_deployer(&dir);
+    let s = Server::start_in(
+        dir,
+        Options::default()
+            .deployer(&deployer)
+            .arg("--cancel-grace")
+            .arg("1s"),
+    )
+    .await;
+    let running = s.submit_ok(deployment, json!({"n": 1})).await;
+    s.wait_build(&running, "running").await;
+    (s, gates, running)
+}
+
 pub fn open_gate(gates: &Path, deployment: &str) {
     std::fs::write(gates.join(deployment), b"").unwrap();
 }

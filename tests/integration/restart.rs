@@ -7,20 +7,9 @@ use crate::harness::*;
 
 #[tokio::test]
 async fn kill_9_mid_build_then_restart() {
-    let dir = temp_dir("restart");
-    let (deployer, gates) = gated_deployer(&dir);
-    let mut s = Server::start_in(
-        dir,
-        Options::default()
-            .deployer(&deployer)
-            .arg("--cancel-grace")
-            .arg("1s"),
-    )
-    .await;
-    let running = s.submit_ok("alice", json!({"n": 1})).await;
+    let (mut s, gates, running) = server_with_a_running_build("restart", "alice").await;
     let queued = s.submit_ok("alice", json!({"n": 2})).await;
     let other = s.submit_ok("bob", json!({"n": 1})).await;
-    s.wait_build(&running, "running").await;
     s.wait_build(&other, "running").await;
     open_gate(&gates, "bob");
     s.wait_build(&other, "succeeded").await;
