@@ -7,8 +7,8 @@
 //! in the same run; the floors under it (bare redb with the same table
 //! count, durable and, as the redo path commits, non-durable with
 //! checkpoints, in 13, 2 or 1 tables and without checkpoints; the disk
-//! writing as many scattered pages as a submit dirties; `/healthz` over
-//! HTTP); RSS of the idle server and with 10,000 deployments; startup with
+//! writing as many scattered pages as a submit dirties; `/healthz` and a
+//! read of one deployment over HTTP, the request under a submit); RSS of the idle server and with 10,000 deployments; startup with
 //! 100,000 builds.
 //!
 //! Run: `cargo bench --bench submit` (release build of berth);
@@ -58,14 +58,22 @@ fn wrk_phase(base: &str, token: &str, connections: usize) -> (f64, f64) {
 /// `wrk` on `GET /healthz` for `PHASE`: the HTTP floor on these 2 cores,
 /// load generator included: (requests/s, p99 in ms).
 fn healthz_rate(base: &str, connections: usize) -> (f64, f64) {
+    get_rate(base, "/healthz", None, connections)
+}
+
+/// `wrk` on `GET path` for `PHASE`, with the bearer token when given:
+/// (requests/s, p99 in ms).
+fn get_rate(base: &str, path: &str, token: Option<&str>, connections: usize) -> (f64, f64) {
     let threads = connections.min(2).to_string();
-    let out = Command::new("wrk")
-        .args(["-t", &threads, "-c", &connections.to_string()])
+    let mut wrk = Command::new("wrk");
+    wrk.args(["-t", &threads, "-c", &connections.to_string()])
         .args(["-d", &format!("{}s", PHASE.as_secs())])
-        .arg("--latency")
-        .arg(format!("{base}/healthz"))
-        .output()
-        .expect("run wrk");
+        .arg("--latency");
+    if let Some(token) = token {
+        wrk.arg("-H")
+            .arg(format!("Authorization: Bearer {}", token.trim()));
+    }
+    let out = wrk.arg(format!("{base}{path}")).output().expect("run wrk");
     let text = String::from_utf8_lossy(&out.stdout);
     let rate = text
         .lines()
@@ -539,6 +547,18 @@ fn main() {
     } else {
         ((0.0, 0.0), (0.0, 0.0))
     };
+    // The request floor under a submit: a read of one deployment (routing,
+    // auth, a read transaction, a JSON reply) on the same server and wrk.
+    let read_floor = if wrk_here {
+        rt.block_on(submit_many(&base, &token, 1, 0));
+        let path = "/v1/deployments/d0";
+        (
+            get_rate(&base, path, Some(&token), 1).0,
+            get_rate(&base, path, Some(&token), 32).0,
+        )
+    } else {
+        (0.0, 0.0)
+    };
     stop(child, &dir);
     // The same on a fleet that keeps deploying: FLEET deployments, each
     // submitted to in turn, so their rows rewrite the same leaves (the
@@ -630,6 +650,33 @@ fn main() {
             &format!("{:.0}/s", many.0),
             &format!("GET /healthz, same server and wrk: {healthz:.0}/s"),
             many.0 / healthz,
+            None,
+            true,
+        );
+        // What a submit could reach at one connection if everything but
+        // its request and one fdatasync were free: the two in sequence.
+        let ceiling = 1.0 / (1.0 / read_floor.0 + 1.0 / fsyncs);
+        common::record(
+            "submit vs its request floor, 1 connection (default)",
+            &format!("{:.0}/s", exclusive.0 .0),
+            &format!(
+                "GET of one deployment ({:.0}/s) then one fdatasync, in sequence: {ceiling:.0}/s ({:.2}x the fdatasync loop)",
+                read_floor.0,
+                ceiling / fsyncs
+            ),
+            exclusive.0 .0 / ceiling,
+            None,
+            true,
+        );
+        common::record(
+            "submit vs its request floor, 32 connections (default)",
+            &format!("{:.0}/s", exclusive.1 .0),
+            &format!(
+                "GET of one deployment, same server and wrk: {:.0}/s ({:.2}x the fdatasync loop)",
+                read_floor.1,
+                read_floor.1 / fsyncs
+            ),
+            exclusive.1 .0 / read_floor.1,
             None,
             true,
         );
