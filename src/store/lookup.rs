@@ -141,13 +141,13 @@ impl Lookup for super::Tx<'_> {
         &self,
         table: RecordTable<K>,
     ) -> StoreResult<impl ReadableTable<K, &'static [u8]> + '_> {
-        Ok(self.txn.open_table(table)?)
+        self.table_to_read(table)
     }
 
     fn open_deployment_builds(
         &self,
     ) -> StoreResult<impl ReadableTable<(&'static str, u128), ()> + '_> {
-        Ok(self.txn.open_table(DEPLOYMENT_BUILDS)?)
+        self.table_to_read(DEPLOYMENT_BUILDS)
     }
 }
 

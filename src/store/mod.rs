@@ -38,9 +38,7 @@ pub use redo::Urgency;
 pub use rx::Rx;
 pub use tx::Tx;
 pub use writer::Hook;
-use writer::{
-    open_database, pause_for_reopen, writer_loop, JobRun, Shared, WriteJob, READ_WAIT_ATTEMPTS,
-};
+use writer::{open_database, pause_for_reopen, writer_loop, Shared, WriteJob, READ_WAIT_ATTEMPTS};
 
 use std::path::Path;
 use std::sync::Arc;
@@ -205,17 +203,11 @@ impl Store {
         let (done_tx, done_rx) = oneshot::channel::<StoreResult<T>>();
         let kept: Arc<std::sync::Mutex<Option<StoreResult<T>>>> = Arc::default();
         let keep = kept.clone();
-        let run = Box::new(move |txn: &WriteTransaction, logged: bool| {
-            let tx = Tx::new(txn, logged);
-            let result = job(&tx);
+        let run = Box::new(move |tx: &Tx| {
+            let result = job(tx);
             let failure = result.as_ref().err().cloned();
-            let Tx { hooks, ops, .. } = tx;
             *keep.lock().unwrap_or_else(|p| p.into_inner()) = Some(result);
-            JobRun {
-                failure,
-                hooks: hooks.into_inner(),
-                ops: ops.map(|o| o.into_inner().into_bytes()).unwrap_or_default(),
-            }
+            failure
         });
         let finish = Box::new(move |error: Option<StoreError>| {
             let outcome = match error {
@@ -321,11 +313,14 @@ fn decode<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> StoreResult<T> {
 }
 
 /// Stores `value` under `key` in `table`.
-fn put_record<'k, K: redb::Key + 'static, T: Serialize>(
-    mut table: logged::Logged<'_, K, &'static [u8]>,
+fn put_record<'k, 'txn, K: redb::Key + 'static, T: Serialize>(
+    mut table: logged::Logged<'_, 'txn, K, &'static [u8]>,
     key: impl std::borrow::Borrow<K::SelfType<'k>>,
     value: &T,
-) -> StoreResult<()> {
+) -> StoreResult<()>
+where
+    logged::Open<'txn>: logged::Keep<'txn, K, &'static [u8]>,
+{
     table.insert(key, codec::encode(value).as_slice())?;
     Ok(())
 }
@@ -412,6 +407,57 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         (Store::open(&dir.join("berth.redb")).unwrap(), dir)
+    }
+
+    /// One batch's jobs share a `Tx` whose tables stay open between them:
+    /// a table taken again sees what the batch wrote to it, a read through
+    /// `Lookup` closes the kept one first (redb opens a table once at a
+    /// time) and sees the same rows, emptying a table closes it too, and
+    /// everything the batch wrote commits, in the redo ops as well.
+    #[test]
+    fn a_batch_keeps_its_tables_open_between_jobs_and_commits_what_they_wrote() {
+        use redb::ReadableTableMetadata;
+        let dir = std::env::temp_dir().join(format!("berth-store-{}-kept", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let db = redb::Database::create(dir.join("kept.redb")).unwrap();
+        let source = |n: u32| Source {
+            url: format!("https://example.org/{n}"),
+            rev: "main".into(),
+            digest: format!("sha256:{n:064}"),
+        };
+        let txn = db.begin_write().unwrap();
+        let tx = Tx::new(&txn, true);
+        tx.put_source(&source(1)).unwrap();
+        tx.put_source(&source(2)).unwrap();
+        assert_eq!(tx.source(&source(1).digest).unwrap(), Some(source(1)));
+        tx.put_source(&source(3)).unwrap();
+        {
+            // Two tables in use at once, one of them taken from the batch.
+            let sources = tx.table(SOURCES).unwrap();
+            let describe = tx.table(DESCRIBE_CACHE).unwrap();
+            assert_eq!(sources.len().unwrap(), 3);
+            assert_eq!(describe.len().unwrap(), 0);
+            // The same table twice at once is refused, as redb refuses it.
+            assert!(tx.table(SOURCES).is_err());
+        }
+        tx.put_describe("digest", "{}").unwrap();
+        tx.clear(DESCRIBE_CACHE).unwrap();
+        tx.put_describe("again", "{}").unwrap();
+        let (hooks, ops) = tx.finish();
+        assert!(hooks.is_empty());
+        assert!(!ops.is_empty(), "the batch's rows are in its redo ops");
+        txn.commit().unwrap();
+        let read = redb::ReadableDatabase::begin_read(&db).unwrap();
+        let rx = Rx { txn: read };
+        for n in 1..=3 {
+            assert_eq!(rx.source(&source(n).digest).unwrap(), Some(source(n)));
+        }
+        let describe = rx.txn.open_table(DESCRIBE_CACHE).unwrap();
+        assert_eq!(describe.len().unwrap(), 1);
+        assert!(describe.get("again").unwrap().is_some());
+        drop((describe, rx, db));
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     /// The rows a write job changes all reach the redo log: a copy of the

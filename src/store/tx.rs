@@ -3,7 +3,7 @@
 
 use redb::{ReadableTable, TableHandle, WriteTransaction};
 
-use super::logged::Logged;
+use super::logged::{Keep, Logged, Open, OpenTables};
 use super::redo::Ops;
 use super::tables::*;
 use super::writer::Hook;
@@ -22,19 +22,23 @@ fn logged_id(name: &str) -> StoreResult<Table> {
     Table::named(name).ok_or_else(|| StoreError::other("a table missing from `enum Table`"))
 }
 
-/// Typed access inside a write transaction.
+/// Typed access inside a write transaction, shared by the jobs of one
+/// batch (they commit together or not at all).
 pub struct Tx<'a> {
     pub(super) txn: &'a WriteTransaction,
+    /// The batch's tables not in use right now, kept open (`logged.rs`).
+    open: OpenTables<'a>,
     pub(super) hooks: std::cell::RefCell<Vec<Hook>>,
-    /// The rows this job writes, for the redo log (`None`: no log).
+    /// The rows the batch writes, for the redo log (`None`: no log).
     pub(super) ops: Option<std::cell::RefCell<Ops>>,
 }
 
 impl<'a> Tx<'a> {
-    /// A job's access to `txn`; `logged` when the store keeps a redo log.
+    /// Access to `txn`; `logged` when the store keeps a redo log.
     pub(super) fn new(txn: &'a WriteTransaction, logged: bool) -> Tx<'a> {
         Tx {
             txn,
+            open: OpenTables::new(),
             hooks: std::cell::RefCell::new(Vec::new()),
             ops: logged.then(|| {
                 std::cell::RefCell::new(Ops::with_capacity(super::redo::OPS_INITIAL_BYTES))
@@ -42,30 +46,60 @@ impl<'a> Tx<'a> {
         }
     }
 
-    /// Opens a table for this job: every write to it is also a redo op.
+    /// What the batch's jobs left to do after the commit and to log: its
+    /// hooks and redo ops. Closes its tables (so the transaction can commit).
+    pub(super) fn finish(self) -> (Vec<Hook>, Vec<u8>) {
+        let Tx { hooks, ops, .. } = self;
+        (
+            hooks.into_inner(),
+            ops.map(|o| o.into_inner().into_bytes()).unwrap_or_default(),
+        )
+    }
+
+    /// Opens a table (or takes the one the batch keeps open): every write
+    /// to it is also a redo op.
     pub(super) fn table<K: redb::Key + 'static, V: redb::Value + 'static>(
         &self,
         def: redb::TableDefinition<'static, K, V>,
-    ) -> StoreResult<Logged<'_, K, V>> {
-        // The table's name in the ops, looked up only when there is a log.
-        let log = match &self.ops {
-            Some(ops) => Some((ops, logged_id(def.name())?)),
-            None => None,
+    ) -> StoreResult<Logged<'_, 'a, K, V>>
+    where
+        Open<'a>: Keep<'a, K, V>,
+    {
+        let name = logged_id(def.name())?;
+        let table = match self.open.take(name) {
+            Some(kept) => kept.take().map_err(|_| {
+                StoreError::other("a table was kept open with other key or value types")
+            })?,
+            None => self.txn.open_table(def)?,
         };
         Ok(Logged {
-            table: self.txn.open_table(def)?,
-            log,
+            table: Some(table),
+            name,
+            kept: &self.open,
+            log: self.ops.as_ref(),
         })
     }
 
+    /// Opens a table for reading only, as redb's own table, closing the
+    /// one the batch keeps open first (redb opens a table once at a time).
+    pub(super) fn table_to_read<K: redb::Key + 'static, V: redb::Value + 'static>(
+        &self,
+        def: redb::TableDefinition<'static, K, V>,
+    ) -> StoreResult<redb::Table<'a, K, V>> {
+        self.open.close(logged_id(def.name())?);
+        Ok(self.txn.open_table(def)?)
+    }
+
     /// Empties a whole table (`--reset-dev-state`).
-    fn clear<K: redb::Key + 'static, V: redb::Value + 'static>(
+    pub(super) fn clear<K: redb::Key + 'static, V: redb::Value + 'static>(
         &self,
         def: redb::TableDefinition<'static, K, V>,
     ) -> StoreResult<()> {
+        let name = logged_id(def.name())?;
         if let Some(ops) = &self.ops {
-            ops.borrow_mut().clear(logged_id(def.name())?);
+            ops.borrow_mut().clear(name);
         }
+        self.open.close(name);
         self.txn.delete_table(def)?;
         self.txn.open_table(def)?;
         Ok(())

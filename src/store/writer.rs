@@ -26,22 +26,15 @@ use redb::{Database, Durability, WriteTransaction};
 use tokio::sync::mpsc;
 
 use super::redo::{self, RedoLog};
-use super::{StoreError, StoreResult, MAX_JOBS_PER_COMMIT};
+use super::{StoreError, StoreResult, Tx, MAX_JOBS_PER_COMMIT};
 
 /// Work to run after the transaction that queued it is durable (publishing
 /// events to live subscribers), in commit order.
 pub type Hook = Box<dyn FnOnce() + Send>;
-/// What a job's body did in a transaction: the error it failed with (the
-/// batch then aborts), its after-commit hooks, and the rows it wrote as
-/// redo ops (empty without a redo log).
-pub(super) struct JobRun {
-    pub(super) failure: Option<StoreError>,
-    pub(super) hooks: Vec<Hook>,
-    pub(super) ops: Vec<u8>,
-}
-
-/// A job's body: runs in the transaction; records redo ops when asked.
-pub(super) type RunJob = dyn FnMut(&WriteTransaction, bool) -> JobRun + Send;
+/// A job's body: runs in the batch's transaction (its hooks and redo ops
+/// go into the batch's `Tx`); the error it failed with, if any (the batch
+/// then aborts).
+pub(super) type RunJob = dyn FnMut(&Tx<'_>) -> Option<StoreError> + Send;
 
 /// One write job. `run` executes its body in a transaction and keeps the
 /// result; it may run twice: when its batch fails because of another job
@@ -245,14 +238,20 @@ pub(super) fn writer_loop(shared: Arc<Shared>, mut rx: mpsc::Receiver<WriteJob>)
                 continue;
             }
         };
+        let tx = Tx::new(&txn, log.is_some());
         let mut failed = Vec::with_capacity(batch.len());
-        let mut hooks = Vec::new();
         for job in batch.iter_mut() {
-            let run = (job.run)(&txn, log.is_some());
-            failed.push(run.failure);
-            hooks.extend(run.hooks);
-            record.push_rows(&run.ops);
+            let failure = (job.run)(&tx);
+            let stop = failure.is_some();
+            failed.push(failure);
+            if stop {
+                // Nothing of this batch will land: the rest run alone.
+                break;
+            }
         }
+        failed.resize_with(batch.len(), || None);
+        let (hooks, ops) = tx.finish();
+        record.push_rows(&ops);
         let job_failed = failed.iter().any(Option::is_some);
         let refused = if job_failed {
             // A job failed part-way: nothing of this batch may land.
@@ -467,16 +466,18 @@ fn run_alone(
         }
     };
     record.start();
-    let run = (job.run)(&txn, log.is_some());
-    if let Some(e) = run.failure {
+    let tx = Tx::new(&txn, log.is_some());
+    let failure = (job.run)(&tx);
+    let (hooks, ops) = tx.finish();
+    if let Some(e) = failure {
         let _ = txn.abort();
         (job.finish)(Some(e));
         return Some(false);
     }
-    record.push_rows(&run.ops);
+    record.push_rows(&ops);
     match commit(txn, log, record, job.urgency) {
         Ok(()) => {
-            run.hooks.into_iter().for_each(|hook| hook());
+            hooks.into_iter().for_each(|hook| hook());
             (job.finish)(None);
             None
         }
