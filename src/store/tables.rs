@@ -363,6 +363,12 @@ mod tests {
     fn every_table_is_listed_once_and_each_index_is_rebuilt_from_a_carried_table() {
         let names: std::collections::HashSet<&str> = Table::ALL.iter().map(|t| t.name()).collect();
         assert_eq!(names.len(), Table::ALL.len(), "two tables share a name");
+        // A batch's kept-open tables (`logged::OpenTables`) are indexed by
+        // the variant's number: one slot each, below `ALL.len()`.
+        let slots: std::collections::HashSet<usize> =
+            Table::ALL.iter().map(|t| *t as usize).collect();
+        assert_eq!(slots.len(), Table::ALL.len());
+        assert!(slots.iter().all(|slot| *slot < Table::ALL.len()));
         let mut seen_rebuilt = false;
         for t in Table::ALL {
             match t.export() {
