@@ -369,6 +369,22 @@ impl Engine {
             last_seq_used,
             log_gaps: outcome.log.gaps.clone(),
         });
+        // A destroy whose deployer succeeded has nothing left behind its
+        // work dir: it goes before the commit that says so, so a reader who
+        // sees `succeeded` (or the deployment `idle`) never finds it still
+        // there. Were that commit to fail, the dir is gone all the same,
+        // which is true to what the deployer did; a destroy run again finds
+        // nothing to take down.
+        if kind == BuildKind::Destroy && status == BuildStatus::Succeeded {
+            let work_dir = self.settings.work_dir(&build.deployment);
+            match std::fs::remove_dir_all(&work_dir) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    tracing::warn!(error = %e, dir = %work_dir.display(), build = %format_build_id(build.id), "cannot remove the work dir of a destroyed deployment; remove it by hand")
+                }
+            }
+        }
         // The final commit is retried until it lands (a full disk that
         // recovers): a build must not stay `running` without a job.
         let result = {
@@ -417,7 +433,6 @@ impl Engine {
         };
         let _ = std::fs::remove_dir_all(&outcome.root);
         if as_judged && kind == BuildKind::Destroy && status == BuildStatus::Succeeded {
-            let _ = std::fs::remove_dir_all(self.settings.work_dir(&build.deployment));
             self.callbacks_wake.notify_one();
         }
         stored
