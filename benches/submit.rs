@@ -297,12 +297,16 @@ fn redb_floor(dir: &std::path::Path, mode: redb::ConcurrencyMode) -> f64 {
 
 /// The redo path's floor in bare redb: commits of `TABLES_PER_SUBMIT`
 /// one-row inserts (~300 B each), non-durable (`Durability::None`, as a
-/// store held alone, the default, commits), with an `Immediate` commit every 200 ms (the
-/// default checkpoint; none when `checkpoint_every` is `None`), spread
+/// store held alone, the default, commits), with an `Immediate` commit every
+/// `FLOOR_CHECKPOINT_EVERY` (berth's default checkpoint; none when
+/// `checkpoint_every` is `None`), spread
 /// over `tables` tables under kind-prefixed keys: 13 is today's layout, 2 a
 /// deployment-scoped and a build-scoped table, 1 everything in one.
 /// Commits/s, with no log and no HTTP: what co-locating a submit's rows, or
 /// cheaper checkpoints, could buy on the writer thread.
+/// berth's default `--checkpoint-interval`, for the floors above.
+const FLOOR_CHECKPOINT_EVERY: Duration = Duration::from_millis(50);
+
 fn redb_nondurable_floor(
     dir: &std::path::Path,
     tables: usize,
@@ -477,12 +481,13 @@ fn main() {
     // What co-locating a submit's rows, or cheaper checkpoints, could buy
     // (BENCH_ONLY=floors: just these).
     std::fs::create_dir_all(&root).unwrap();
-    let every = Some(Duration::from_millis(200));
+    let every = Some(FLOOR_CHECKPOINT_EVERY);
+    let interval = format!("{} ms checkpoints", FLOOR_CHECKPOINT_EVERY.as_millis());
     let today = redb_nondurable_floor(&root, TABLES_PER_SUBMIT, every);
     for (tables, checkpoints) in [(2, every), (1, every), (TABLES_PER_SUBMIT, None)] {
         let rate = redb_nondurable_floor(&root, tables, checkpoints);
         let how = match checkpoints {
-            Some(_) => "200 ms checkpoints",
+            Some(_) => interval.as_str(),
             None => "no checkpoints",
         };
         common::record(
@@ -490,7 +495,7 @@ fn main() {
                 "bare redb, {TABLES_PER_SUBMIT} one-row inserts per non-durable commit, {how}, in {tables} table(s)"
             ),
             &format!("{rate:.0}/s"),
-            &format!("in {TABLES_PER_SUBMIT} tables with 200 ms checkpoints (the redo path's layout): {today:.0}/s"),
+            &format!("in {TABLES_PER_SUBMIT} tables with {interval} (the redo path's layout): {today:.0}/s"),
             rate / today,
             None,
             true,

@@ -46,7 +46,7 @@ use super::{StoreError, StoreResult};
 /// How often the writer makes redb durable and empties the log, for
 /// tests (berth's own default is `--checkpoint-interval`'s).
 #[cfg(test)]
-const CHECKPOINT_INTERVAL: Duration = Duration::from_millis(200);
+const CHECKPOINT_INTERVAL: Duration = Duration::from_millis(50);
 /// A checkpoint is due sooner when the log has grown this far: to the
 /// end of its preallocated zeros less the reserve, so while checkpoints
 /// succeed the log never grows and never writes zeros past them. It also
