@@ -295,28 +295,43 @@ fn redb_floor(dir: &std::path::Path, mode: redb::ConcurrencyMode) -> f64 {
     n as f64 / start.elapsed().as_secs_f64()
 }
 
+/// berth's default `--checkpoint-interval`, for the floors below.
+const FLOOR_CHECKPOINT_EVERY: Duration = Duration::from_millis(50);
+
+/// How a floor's row keys are laid out in a table holding several kinds.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum KeyOrder {
+    /// The kind, then the submit's id: a submit's rows sit in as many
+    /// places in the tree as it has kinds (a table per kind, merged).
+    KindFirst,
+    /// The submit's id, then the kind: a submit's rows sit side by side,
+    /// in one leaf (what keying every row of a deployment by its id
+    /// first would do).
+    SubmitFirst,
+}
+
 /// The redo path's floor in bare redb: commits of `TABLES_PER_SUBMIT`
 /// one-row inserts (~300 B each), non-durable (`Durability::None`, as a
 /// store held alone, the default, commits), with an `Immediate` commit every
 /// `FLOOR_CHECKPOINT_EVERY` (berth's default checkpoint; none when
 /// `checkpoint_every` is `None`), spread
-/// over `tables` tables under kind-prefixed keys: 13 is today's layout, 2 a
-/// deployment-scoped and a build-scoped table, 1 everything in one.
+/// over `tables` tables under keys of the kind and the submit's id in
+/// `order`: 13 tables is today's layout, 2 a deployment-scoped and a
+/// build-scoped table, 1 everything in one.
 /// Commits/s, with no log and no HTTP: what co-locating a submit's rows, or
 /// cheaper checkpoints, could buy on the writer thread.
-/// berth's default `--checkpoint-interval`, for the floors above.
-const FLOOR_CHECKPOINT_EVERY: Duration = Duration::from_millis(50);
-
 fn redb_nondurable_floor(
     dir: &std::path::Path,
     tables: usize,
     checkpoint_every: Option<Duration>,
+    order: KeyOrder,
 ) -> f64 {
     use redb::{Durability, TableDefinition};
     assert!((1..=TABLES_PER_SUBMIT).contains(&tables));
     let path = dir.join(format!(
-        "floor-nondurable-{tables}-{}.redb",
-        checkpoint_every.is_some()
+        "floor-nondurable-{tables}-{}-{}.redb",
+        checkpoint_every.is_some(),
+        order == KeyOrder::SubmitFirst
     ));
     let _ = std::fs::remove_file(&path);
     let db = redb::Database::builder()
@@ -345,13 +360,104 @@ fn redb_nondurable_floor(
         // Row `r` goes to table `r % tables`, its key prefixed by its kind
         // (so one table holds them all apart), then a scattered id.
         for r in 0..TABLES_PER_SUBMIT {
+            let id = n.wrapping_mul(0x9e37_79b9_7f4a_7c15).to_be_bytes();
             key.clear();
-            key.push(r as u8);
-            key.extend_from_slice(&(n.wrapping_mul(0x9e37_79b9_7f4a_7c15)).to_be_bytes());
+            match order {
+                KeyOrder::KindFirst => {
+                    key.push(r as u8);
+                    key.extend_from_slice(&id);
+                }
+                KeyOrder::SubmitFirst => {
+                    key.extend_from_slice(&id);
+                    key.push(r as u8);
+                }
+            }
             txn.open_table(defs[r % tables])
                 .unwrap()
                 .insert(key.as_slice(), value.as_slice())
                 .unwrap();
+        }
+        txn.commit().unwrap();
+    }
+    n as f64 / start.elapsed().as_secs_f64()
+}
+
+/// A submit's rows by what keys them (berth's 13 tables): four by the
+/// deployment id (the deployment, its build index, its event, its audit
+/// index), one by the caller's idempotency key, four by the build id,
+/// which grows (the build, its queue entry, its event, its snapshot), and
+/// four by ids of their own that grow (the key's expiry, the audit event,
+/// the actor index, a Merkle node), which no other row of a submit shares.
+const ROWS_BY_DEPLOYMENT: usize = 4;
+const ROWS_BY_IDEMPOTENCY_KEY: usize = 1;
+const ROWS_BY_BUILD: usize = 4;
+const ROWS_ALONE: usize = 4;
+
+/// Bare redb doing a submit's inserts with berth's key pattern (random
+/// deployment ids and idempotency keys, growing build and audit ids),
+/// non-durable with `FLOOR_CHECKPOINT_EVERY` checkpoints: in a table per
+/// row (today's layout), or `colocated` in one table per owner keyed by
+/// the owner's id first, so a submit's rows of one owner share a leaf
+/// (seven tables: the deployment's, the idempotency key's, the build's,
+/// and the four rows alone); `per_commit` submits to a commit, as a group
+/// commit folds them. Submits/s.
+fn redb_owner_floor(dir: &std::path::Path, colocated: bool, per_commit: u64) -> f64 {
+    use redb::{Durability, TableDefinition};
+    const ROWS: usize = ROWS_BY_DEPLOYMENT + ROWS_BY_IDEMPOTENCY_KEY + ROWS_BY_BUILD + ROWS_ALONE;
+    assert_eq!(ROWS, TABLES_PER_SUBMIT);
+    let path = dir.join(format!("floor-owner-{colocated}-{per_commit}.redb"));
+    let _ = std::fs::remove_file(&path);
+    let db = redb::Database::builder()
+        .set_concurrency_mode(redb::ConcurrencyMode::ExclusiveWriter)
+        .create(&path)
+        .unwrap();
+    let names: Vec<String> = (0..ROWS).map(|t| format!("t{t}")).collect();
+    let defs: Vec<TableDefinition<&[u8], &[u8]>> = names
+        .iter()
+        .map(|n| TableDefinition::new(n.as_str()))
+        .collect();
+    let value = vec![7u8; 300];
+    let mut last_checkpoint = Instant::now();
+    let start = Instant::now();
+    let mut n = 0u64;
+    let mut key = Vec::with_capacity(64);
+    while start.elapsed() < PHASE {
+        let mut txn = db.begin_write().unwrap();
+        if last_checkpoint.elapsed() >= FLOOR_CHECKPOINT_EVERY {
+            last_checkpoint = Instant::now();
+        } else {
+            txn.set_durability(Durability::None).unwrap();
+        }
+        for _ in 0..per_commit {
+            n += 1;
+            let deployment = n.wrapping_mul(0x9e37_79b9_7f4a_7c15).to_be_bytes();
+            let idempotency_key = n.wrapping_mul(0xc2b2_ae3d_27d4_eb4f).to_be_bytes();
+            let growing = n.to_be_bytes();
+            for r in 0..ROWS {
+                // (the table of its owner when co-located, the owner's id)
+                let (owner, id) = if r < ROWS_BY_DEPLOYMENT {
+                    (0, deployment)
+                } else if r < ROWS_BY_DEPLOYMENT + ROWS_BY_IDEMPOTENCY_KEY {
+                    (1, idempotency_key)
+                } else if r < ROWS_BY_DEPLOYMENT + ROWS_BY_IDEMPOTENCY_KEY + ROWS_BY_BUILD {
+                    (2, growing)
+                } else {
+                    (r, growing)
+                };
+                key.clear();
+                key.extend_from_slice(&id);
+                let table = match colocated {
+                    true => {
+                        key.push(r as u8);
+                        owner
+                    }
+                    false => r,
+                };
+                txn.open_table(defs[table])
+                    .unwrap()
+                    .insert(key.as_slice(), value.as_slice())
+                    .unwrap();
+            }
         }
         txn.commit().unwrap();
     }
@@ -483,20 +589,43 @@ fn main() {
     std::fs::create_dir_all(&root).unwrap();
     let every = Some(FLOOR_CHECKPOINT_EVERY);
     let interval = format!("{} ms checkpoints", FLOOR_CHECKPOINT_EVERY.as_millis());
-    let today = redb_nondurable_floor(&root, TABLES_PER_SUBMIT, every);
-    for (tables, checkpoints) in [(2, every), (1, every), (TABLES_PER_SUBMIT, None)] {
-        let rate = redb_nondurable_floor(&root, tables, checkpoints);
+    let today = redb_nondurable_floor(&root, TABLES_PER_SUBMIT, every, KeyOrder::KindFirst);
+    for (tables, checkpoints, order) in [
+        (2, every, KeyOrder::KindFirst),
+        (1, every, KeyOrder::KindFirst),
+        (1, every, KeyOrder::SubmitFirst),
+        (TABLES_PER_SUBMIT, None, KeyOrder::KindFirst),
+    ] {
+        let rate = redb_nondurable_floor(&root, tables, checkpoints, order);
         let how = match checkpoints {
             Some(_) => interval.as_str(),
             None => "no checkpoints",
         };
+        let keyed = match order {
+            KeyOrder::KindFirst => "",
+            KeyOrder::SubmitFirst => ", keyed by the submit first (its rows in one leaf)",
+        };
         common::record(
             &format!(
-                "bare redb, {TABLES_PER_SUBMIT} one-row inserts per non-durable commit, {how}, in {tables} table(s)"
+                "bare redb, {TABLES_PER_SUBMIT} one-row inserts per non-durable commit, {how}, in {tables} table(s){keyed}"
             ),
             &format!("{rate:.0}/s"),
             &format!("in {TABLES_PER_SUBMIT} tables with {interval} (the redo path's layout): {today:.0}/s"),
             rate / today,
+            None,
+            true,
+        );
+    }
+    // A lone submit per commit (one connection) and a group commit's
+    // worth (~14 at 32 connections).
+    for per_commit in [1, 14] {
+        let per_row = redb_owner_floor(&root, false, per_commit);
+        let by_owner = redb_owner_floor(&root, true, per_commit);
+        common::record(
+            &format!("bare redb, {per_commit} submit(s) per non-durable commit, each {TABLES_PER_SUBMIT} rows with berth's keys, {interval}, in a table per owner keyed by the owner first (7 tables)"),
+            &format!("{by_owner:.0} submits/s"),
+            &format!("in a table per row (today's layout): {per_row:.0}/s"),
+            by_owner / per_row,
             None,
             true,
         );
