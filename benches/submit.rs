@@ -393,19 +393,29 @@ const ROWS_BY_IDEMPOTENCY_KEY: usize = 1;
 const ROWS_BY_BUILD: usize = 4;
 const ROWS_ALONE: usize = 4;
 
+/// Which of a submit's rows share a table, keyed by their owner's id first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Colocation {
+    /// A table per row: today's layout.
+    PerRow,
+    /// The deployment's four rows in one table, the rest a table each.
+    Deployment,
+    /// A table per owner: the deployment's, the idempotency key's, the
+    /// build's, and the four rows alone (seven tables).
+    ByOwner,
+}
+
 /// Bare redb doing a submit's inserts with berth's key pattern (random
 /// deployment ids and idempotency keys, growing build and audit ids),
-/// non-durable with `FLOOR_CHECKPOINT_EVERY` checkpoints: in a table per
-/// row (today's layout), or `colocated` in one table per owner keyed by
-/// the owner's id first, so a submit's rows of one owner share a leaf
-/// (seven tables: the deployment's, the idempotency key's, the build's,
-/// and the four rows alone); `per_commit` submits to a commit, as a group
-/// commit folds them. Submits/s.
-fn redb_owner_floor(dir: &std::path::Path, colocated: bool, per_commit: u64) -> f64 {
+/// non-durable with `FLOOR_CHECKPOINT_EVERY` checkpoints, laid out as
+/// `colocation` says (rows that share a table are keyed by their owner's
+/// id first, so a submit's rows of one owner share a leaf); `per_commit`
+/// submits to a commit, as a group commit folds them. Submits/s.
+fn redb_owner_floor(dir: &std::path::Path, colocation: Colocation, per_commit: u64) -> f64 {
     use redb::{Durability, TableDefinition};
     const ROWS: usize = ROWS_BY_DEPLOYMENT + ROWS_BY_IDEMPOTENCY_KEY + ROWS_BY_BUILD + ROWS_ALONE;
     assert_eq!(ROWS, TABLES_PER_SUBMIT);
-    let path = dir.join(format!("floor-owner-{colocated}-{per_commit}.redb"));
+    let path = dir.join(format!("floor-owner-{colocation:?}-{per_commit}.redb"));
     let _ = std::fs::remove_file(&path);
     let db = redb::Database::builder()
         .set_concurrency_mode(redb::ConcurrencyMode::ExclusiveWriter)
@@ -446,7 +456,12 @@ fn redb_owner_floor(dir: &std::path::Path, colocated: bool, per_commit: u64) -> 
                 };
                 key.clear();
                 key.extend_from_slice(&id);
-                let table = match colocated {
+                let shared = match colocation {
+                    Colocation::PerRow => false,
+                    Colocation::Deployment => owner == 0,
+                    Colocation::ByOwner => true,
+                };
+                let table = match shared {
                     true => {
                         key.push(r as u8);
                         owner
@@ -619,16 +634,27 @@ fn main() {
     // A lone submit per commit (one connection) and a group commit's
     // worth (~14 at 32 connections).
     for per_commit in [1, 14] {
-        let per_row = redb_owner_floor(&root, false, per_commit);
-        let by_owner = redb_owner_floor(&root, true, per_commit);
-        common::record(
-            &format!("bare redb, {per_commit} submit(s) per non-durable commit, each {TABLES_PER_SUBMIT} rows with berth's keys, {interval}, in a table per owner keyed by the owner first (7 tables)"),
-            &format!("{by_owner:.0} submits/s"),
-            &format!("in a table per row (today's layout): {per_row:.0}/s"),
-            by_owner / per_row,
-            None,
-            true,
-        );
+        let per_row = redb_owner_floor(&root, Colocation::PerRow, per_commit);
+        for (colocation, how) in [
+            (
+                Colocation::Deployment,
+                "the deployment's 4 rows in one table keyed by its id first (10 tables)",
+            ),
+            (
+                Colocation::ByOwner,
+                "in a table per owner keyed by the owner first (7 tables)",
+            ),
+        ] {
+            let rate = redb_owner_floor(&root, colocation, per_commit);
+            common::record(
+                &format!("bare redb, {per_commit} submit(s) per non-durable commit, each {TABLES_PER_SUBMIT} rows with berth's keys, {interval}, {how}"),
+                &format!("{rate:.0} submits/s"),
+                &format!("in a table per row (today's layout): {per_row:.0}/s"),
+                rate / per_row,
+                None,
+                true,
+            );
+        }
     }
     if std::env::var("BENCH_ONLY").as_deref() == Ok("floors") {
         let _ = std::fs::remove_dir_all(&root);
