@@ -298,6 +298,54 @@ fn redb_floor(dir: &std::path::Path, mode: redb::ConcurrencyMode) -> f64 {
 /// berth's default `--checkpoint-interval`, for the floors below.
 const FLOOR_CHECKPOINT_EVERY: Duration = Duration::from_millis(50);
 
+/// A fresh bare redb file for a floor, held alone as berth holds its
+/// store, with tables of byte keys and values, committing as the redo
+/// path does: non-durably, with an `Immediate` commit every
+/// `checkpoint_every` (none when `None`).
+struct FloorDb {
+    db: redb::Database,
+    names: Vec<String>,
+    checkpoint_every: Option<Duration>,
+    last_checkpoint: Instant,
+}
+
+impl FloorDb {
+    fn create(
+        path: &std::path::Path,
+        tables: usize,
+        checkpoint_every: Option<Duration>,
+    ) -> FloorDb {
+        let _ = std::fs::remove_file(path);
+        let db = redb::Database::builder()
+            .set_concurrency_mode(redb::ConcurrencyMode::ExclusiveWriter)
+            .create(path)
+            .unwrap();
+        FloorDb {
+            db,
+            names: (0..tables).map(|t| format!("t{t}")).collect(),
+            checkpoint_every,
+            last_checkpoint: Instant::now(),
+        }
+    }
+
+    /// The next commit's transaction: durable when a checkpoint is due.
+    fn begin(&mut self) -> redb::WriteTransaction {
+        let mut txn = self.db.begin_write().unwrap();
+        let every = self.checkpoint_every;
+        if every.is_some_and(|every| self.last_checkpoint.elapsed() >= every) {
+            self.last_checkpoint = Instant::now();
+        } else {
+            txn.set_durability(redb::Durability::None).unwrap();
+        }
+        txn
+    }
+
+    fn insert(&self, txn: &redb::WriteTransaction, table: usize, key: &[u8], value: &[u8]) {
+        let def = redb::TableDefinition::<&[u8], &[u8]>::new(self.names[table].as_str());
+        txn.open_table(def).unwrap().insert(key, value).unwrap();
+    }
+}
+
 /// How a floor's row keys are laid out in a table holding several kinds.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum KeyOrder {
@@ -326,37 +374,20 @@ fn redb_nondurable_floor(
     checkpoint_every: Option<Duration>,
     order: KeyOrder,
 ) -> f64 {
-    use redb::{Durability, TableDefinition};
     assert!((1..=TABLES_PER_SUBMIT).contains(&tables));
     let path = dir.join(format!(
         "floor-nondurable-{tables}-{}-{}.redb",
         checkpoint_every.is_some(),
         order == KeyOrder::SubmitFirst
     ));
-    let _ = std::fs::remove_file(&path);
-    let db = redb::Database::builder()
-        .set_concurrency_mode(redb::ConcurrencyMode::ExclusiveWriter)
-        .create(&path)
-        .unwrap();
-    let names: Vec<String> = (0..tables).map(|t| format!("t{t}")).collect();
-    let defs: Vec<TableDefinition<&[u8], &[u8]>> = names
-        .iter()
-        .map(|n| TableDefinition::new(n.as_str()))
-        .collect();
+    let mut floor = FloorDb::create(&path, tables, checkpoint_every);
     let value = vec![7u8; 300];
-    let mut last_checkpoint = Instant::now();
     let start = Instant::now();
     let mut n = 0u64;
     let mut key = Vec::with_capacity(64);
     while start.elapsed() < PHASE {
         n += 1;
-        let mut txn = db.begin_write().unwrap();
-        let durable = checkpoint_every.is_some_and(|every| last_checkpoint.elapsed() >= every);
-        if durable {
-            last_checkpoint = Instant::now();
-        } else {
-            txn.set_durability(Durability::None).unwrap();
-        }
+        let txn = floor.begin();
         // Row `r` goes to table `r % tables`, its key prefixed by its kind
         // (so one table holds them all apart), then a scattered id.
         for r in 0..TABLES_PER_SUBMIT {
@@ -372,10 +403,7 @@ fn redb_nondurable_floor(
                     key.push(r as u8);
                 }
             }
-            txn.open_table(defs[r % tables])
-                .unwrap()
-                .insert(key.as_slice(), value.as_slice())
-                .unwrap();
+            floor.insert(&txn, r % tables, &key, &value);
         }
         txn.commit().unwrap();
     }
@@ -412,32 +440,16 @@ enum Colocation {
 /// id first, so a submit's rows of one owner share a leaf); `per_commit`
 /// submits to a commit, as a group commit folds them. Submits/s.
 fn redb_owner_floor(dir: &std::path::Path, colocation: Colocation, per_commit: u64) -> f64 {
-    use redb::{Durability, TableDefinition};
     const ROWS: usize = ROWS_BY_DEPLOYMENT + ROWS_BY_IDEMPOTENCY_KEY + ROWS_BY_BUILD + ROWS_ALONE;
     assert_eq!(ROWS, TABLES_PER_SUBMIT);
     let path = dir.join(format!("floor-owner-{colocation:?}-{per_commit}.redb"));
-    let _ = std::fs::remove_file(&path);
-    let db = redb::Database::builder()
-        .set_concurrency_mode(redb::ConcurrencyMode::ExclusiveWriter)
-        .create(&path)
-        .unwrap();
-    let names: Vec<String> = (0..ROWS).map(|t| format!("t{t}")).collect();
-    let defs: Vec<TableDefinition<&[u8], &[u8]>> = names
-        .iter()
-        .map(|n| TableDefinition::new(n.as_str()))
-        .collect();
+    let mut floor = FloorDb::create(&path, ROWS, Some(FLOOR_CHECKPOINT_EVERY));
     let value = vec![7u8; 300];
-    let mut last_checkpoint = Instant::now();
     let start = Instant::now();
     let mut n = 0u64;
     let mut key = Vec::with_capacity(64);
     while start.elapsed() < PHASE {
-        let mut txn = db.begin_write().unwrap();
-        if last_checkpoint.elapsed() >= FLOOR_CHECKPOINT_EVERY {
-            last_checkpoint = Instant::now();
-        } else {
-            txn.set_durability(Durability::None).unwrap();
-        }
+        let txn = floor.begin();
         for _ in 0..per_commit {
             n += 1;
             let deployment = n.wrapping_mul(0x9e37_79b9_7f4a_7c15).to_be_bytes();
@@ -468,10 +480,7 @@ fn redb_owner_floor(dir: &std::path::Path, colocation: Colocation, per_commit: u
                     }
                     false => r,
                 };
-                txn.open_table(defs[table])
-                    .unwrap()
-                    .insert(key.as_slice(), value.as_slice())
-                    .unwrap();
+                floor.insert(&txn, table, &key, &value);
             }
         }
         txn.commit().unwrap();
