@@ -21,22 +21,61 @@ pub fn now_millis() -> Millis {
 }
 
 /// RFC 3339 UTC with milliseconds, as every API time is written.
+///
+/// The digits are written by hand rather than through `format!`: a submit
+/// formats nine times (build and deployment summaries, events, its reply)
+/// on the store's single writer thread, where `format!`'s machinery was
+/// 2.8% of that thread's time at 32 connections. The calendar arithmetic
+/// stays `time`'s.
 pub fn format_time(ms: Millis) -> String {
     let nanos = i128::from(ms) * 1_000_000;
-    match time::OffsetDateTime::from_unix_timestamp_nanos(nanos) {
-        Ok(t) => format!(
-            "{:04}-{:02}-{:02}T{:02}:{:02}:{:02}.{:03}Z",
-            t.year(),
-            u8::from(t.month()),
-            t.day(),
-            t.hour(),
-            t.minute(),
-            t.second(),
-            t.millisecond()
-        ),
-        Err(_) => "1970-01-01T00:00:00.000Z".to_string(),
+    let Ok(t) = time::OffsetDateTime::from_unix_timestamp_nanos(nanos) else {
+        return UNREPRESENTABLE_TIME.to_string();
+    };
+    let (year, month, day) = t.to_calendar_date();
+    let (hour, minute, second, milli) = t.to_hms_milli();
+    let year = match u16::try_from(year) {
+        Ok(year) if year <= 9999 => year,
+        // Outside RFC 3339's four digits (a `time` built with large dates,
+        // or a year before 0): written as `format!` writes it.
+        _ => {
+            return format!(
+                "{year:04}-{:02}-{day:02}T{hour:02}:{minute:02}:{second:02}.{milli:03}Z",
+                u8::from(month)
+            )
+        }
+    };
+    let mut out = String::with_capacity(RFC3339_MILLIS_LEN);
+    fn digits(out: &mut String, value: u16, width: u32) {
+        for place in (0..width).rev() {
+            let digit = (value / 10u16.pow(place) % 10) as u8;
+            out.push(char::from(b'0' + digit));
+        }
     }
+    digits(&mut out, year, 4);
+    out.push('-');
+    digits(&mut out, u8::from(month).into(), 2);
+    out.push('-');
+    digits(&mut out, day.into(), 2);
+    out.push('T');
+    digits(&mut out, hour.into(), 2);
+    out.push(':');
+    digits(&mut out, minute.into(), 2);
+    out.push(':');
+    digits(&mut out, second.into(), 2);
+    out.push('.');
+    digits(&mut out, milli, 3);
+    out.push('Z');
+    debug_assert_eq!(out.len(), RFC3339_MILLIS_LEN);
+    out
 }
+
+/// `YYYY-MM-DDTHH:MM:SS.mmmZ`.
+const RFC3339_MILLIS_LEN: usize = 24;
+
+/// What a time outside `time`'s range (+-9999 years) is shown as: no
+/// stored time is, since berth writes only its own clock's.
+const UNREPRESENTABLE_TIME: &str = "1970-01-01T00:00:00.000Z";
 
 /// The inverse of `format_time` (any RFC 3339 time, to the millisecond).
 pub fn parse_time(text: &str) -> Option<Millis> {
@@ -698,5 +737,43 @@ mod as_json_text {
     ) -> Result<T, D::Error> {
         let text = String::deserialize(d)?;
         serde_json::from_str(&text).map_err(serde::de::Error::custom)
+    }
+}
+
+#[cfg(test)]
+mod time_tests {
+    use super::*;
+
+    /// The hand-written digits agree with `time`'s own RFC 3339 writer
+    /// (which drops a zero millisecond part, so it is compared padded).
+    #[test]
+    fn format_time_writes_what_time_writes_and_parse_time_reads_it_back() {
+        let mut samples = vec![0, 1, 999, 1_000, -1, -86_400_000, 253_402_300_799_999];
+        let mut x: i64 = 0x5DEE_CE66;
+        for _ in 0..10_000 {
+            // A linear congruential walk over 0..=9999-12-31.
+            x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+            samples.push(x.rem_euclid(253_402_300_800_000));
+        }
+        for ms in samples {
+            let ours = format_time(ms);
+            let t = time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(ms) * 1_000_000)
+                .expect("in range");
+            let theirs = t
+                .format(&time::format_description::well_known::Rfc3339)
+                .expect("formats");
+            let padded = match theirs.find('.') {
+                Some(dot) => format!(
+                    "{}{:0<3}Z",
+                    &theirs[..=dot],
+                    &theirs[dot + 1..theirs.len() - 1]
+                ),
+                None => format!("{}.000Z", &theirs[..theirs.len() - 1]),
+            };
+            assert_eq!(ours, padded, "{ms}");
+            assert_eq!(ours.len(), RFC3339_MILLIS_LEN);
+            assert_eq!(parse_time(&ours), Some(ms), "{ours}");
+        }
+        assert_eq!(format_time(i64::MAX), UNREPRESENTABLE_TIME);
     }
 }

@@ -620,22 +620,29 @@ pub fn path_segments(path: &str) -> Vec<String> {
 }
 
 /// The params of `template` in `segments`, if it matches.
+///
+/// Every request is matched against every route (the others' methods
+/// answer a 405's `Allow`), so a template that does not match costs no
+/// allocation: the segments are checked first and copied only after.
 pub fn match_template(template: &'static str, segments: &[String]) -> Option<Params> {
-    let parts: Vec<&'static str> = template.trim_start_matches('/').split('/').collect();
-    if parts.len() != segments.len() {
+    let parts = || template.trim_start_matches('/').split('/');
+    let param_name = |part: &'static str| part.strip_prefix('{').and_then(|p| p.strip_suffix('}'));
+    if parts().count() != segments.len() {
         return None;
     }
-    let mut params = Params::new();
-    for (part, seg) in parts.iter().zip(segments) {
-        if let Some(name) = part.strip_prefix('{').and_then(|p| p.strip_suffix('}')) {
-            if seg.is_empty() {
-                return None;
-            }
-            params.insert(name, seg.clone());
-        } else if part != seg {
-            return None;
-        }
+    let matches = parts()
+        .zip(segments)
+        .all(|(part, seg)| match param_name(part) {
+            Some(_) => !seg.is_empty(),
+            None => part == seg,
+        });
+    if !matches {
+        return None;
     }
+    let params = parts()
+        .zip(segments)
+        .filter_map(|(part, seg)| param_name(part).map(|name| (name, seg.clone())))
+        .collect();
     Some(params)
 }
 

@@ -446,11 +446,18 @@ impl<'t, 'a> Change<'t, 'a> {
             d.id, b.deployment,
             "a build changed with another deployment"
         );
-        events::build_status(self.tx, self.hub, b, self.now)?;
+        let summary = events::build_status(self.tx, self.hub, b, self.now)?;
         self.notify_build(b)?;
         after_event(b);
+        // The deployment channel's `build` event carries the status event's
+        // text: `after_event` sets log seqs, never what a summary shows.
+        debug_assert_eq!(
+            serde_json::to_string(&b.summary()).ok().as_deref(),
+            Some(summary.as_str()),
+            "after_event changed what the status event showed"
+        );
         self.bump(d);
-        events::deployment_changed(self.tx, self.hub, d, Some(b), self.now)?;
+        events::deployment_changed(self.tx, self.hub, d, Some((b, summary)), self.now)?;
         self.tx.put_build(b)?;
         self.tx.put_deployment(d)
     }

@@ -41,29 +41,36 @@ pub enum Channel {
 
 /// Stores a build's status event (with the build summary) and publishes it
 /// after the commit. Only `engine::transition` calls this (and stores the
-/// build record after it, with the seq it took).
-pub fn build_status(tx: &Tx, hub: &Arc<Hub>, b: &mut BuildRecord, now: Millis) -> StoreResult<()> {
+/// build record after it, with the seq it took). Returns the summary as
+/// the event carries it, for the deployment channel's `build` event of the
+/// same change (`deployment_changed`), which carries the same text.
+pub fn build_status(
+    tx: &Tx,
+    hub: &Arc<Hub>,
+    b: &mut BuildRecord,
+    now: Millis,
+) -> StoreResult<String> {
     let seq = b.event_seq + 1;
     b.event_seq = seq;
     b.seq_reserved = b.seq_reserved.max(seq);
-    let data = event_json(&b.summary())?;
+    let summary = event_json(&b.summary())?;
     tx.put_build_event(
         b.id,
         seq,
         &StoredEvent {
             event: BuildEvent::Status.name().into(),
-            data: data.clone(),
+            data: summary.clone(),
             at: now,
         },
     )?;
-    let (hub, id, last) = (hub.clone(), b.id, b.status.is_finished());
+    let (hub, id, last, data) = (hub.clone(), b.id, b.status.is_finished(), summary.clone());
     tx.after_commit(move || {
         hub.publish(
             &Channel::Build(id),
             Frame::new(seq, BuildEvent::Status.name(), data, last),
         )
     });
-    Ok(())
+    Ok(summary)
 }
 
 /// The events a build channel stores besides its log lines.
@@ -130,25 +137,30 @@ fn event_json(summary: &impl serde::Serialize) -> StoreResult<String> {
 }
 
 /// Only `engine::transition` calls this. Stores the deployment-channel
-/// events of a change: `build` (when a build
-/// changed) then `deployment` with the summary after the change.
+/// events of a change: `build` (when a build changed: the build and the
+/// summary its status event carries, `build_status`) then `deployment`
+/// with the summary after the change.
 pub fn deployment_changed(
     tx: &Tx,
     hub: &Arc<Hub>,
     d: &mut DeploymentRecord,
-    changed: Option<&BuildRecord>,
+    changed: Option<(&BuildRecord, String)>,
     now: Millis,
 ) -> StoreResult<()> {
-    if let Some(b) = changed {
-        let data = event_json(&b.summary())?;
-        deployment_event(tx, hub, d, "build", data, now)?;
+    if let Some((_, summary)) = &changed {
+        deployment_event(tx, hub, d, "build", summary.clone(), now)?;
     }
+    let changed = changed.map(|(b, _)| b);
+    let stored;
     let last_build = match (d.last_build, changed) {
-        (Some(id), Some(b)) if id == b.id => Some(b.clone()),
-        (Some(id), _) => tx.build(id)?,
+        (Some(id), Some(b)) if id == b.id => Some(b),
+        (Some(id), _) => {
+            stored = tx.build(id)?;
+            stored.as_ref()
+        }
         (None, _) => None,
     };
-    let data = event_json(&d.summary(last_build.as_ref()))?;
+    let data = event_json(&d.summary(last_build))?;
     deployment_event(tx, hub, d, "deployment", data, now)
 }
 
