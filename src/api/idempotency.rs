@@ -101,7 +101,7 @@ pub fn valid_key(key: &str) -> bool {
 /// SHA-256 of the RFC 8785 form of {path params, query, body, If-Match}:
 /// a retry with another precondition is another request (a conflict), not
 /// a replay of the first one's answer.
-pub fn fingerprint(req: &Request) -> Vec<u8> {
+pub fn fingerprint(req: &Request) -> Result<Vec<u8>, ApiError> {
     let params: serde_json::Map<String, Value> = req
         .params
         .iter()
@@ -119,7 +119,12 @@ pub fn fingerprint(req: &Request) -> Vec<u8> {
         .get("if-match")
         .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
     let doc = json!({"params": params, "query": query, "body": body, "if_match": if_match});
-    Sha256::digest(crate::derive::canonical(&doc).as_bytes()).to_vec()
+    let text = crate::derive::canonical(&doc).map_err(|e| {
+        // Not the request's values: only why it could not be written.
+        tracing::error!(error = %e, "cannot write a request's fingerprint");
+        ApiError::internal()
+    })?;
+    Ok(Sha256::digest(text.as_bytes()).to_vec())
 }
 
 /// Whose key this is: distinct per principal, so a trusted backend naming
@@ -176,7 +181,7 @@ where
     F: FnOnce(Write) -> Fut,
     Fut: Future<Output = Result<Reply, ApiError>> + 'a,
 {
-    let fp = fingerprint(req);
+    let fp = fingerprint(req)?;
     let now = now_millis();
     if let Some(stored) = ctx
         .engine

@@ -326,9 +326,11 @@ pub fn apply_renames<'a>(
     Renamed { apps: map, origin }
 }
 
-/// RFC 8785 canonical text (used for fingerprints).
-pub fn canonical(value: &Value) -> String {
-    serde_jcs::to_string(value).unwrap_or_default()
+/// RFC 8785 canonical text (used for fingerprints). An error is passed on,
+/// never replaced by a default text: two requests must never share a
+/// fingerprint because neither could be written.
+pub fn canonical(value: &Value) -> Result<String, serde_json::Error> {
+    serde_jcs::to_string(value)
 }
 
 /// Equality of JSON values as RFC 8785 sees them: member order never
