@@ -627,17 +627,24 @@ pub fn path_segments(path: &str) -> Vec<String> {
 pub fn match_template(template: &'static str, segments: &[String]) -> Option<Params> {
     let parts = || template.trim_start_matches('/').split('/');
     let param_name = |part: &'static str| part.strip_prefix('{').and_then(|p| p.strip_suffix('}'));
-    if parts().count() != segments.len() {
-        return None;
-    }
-    let matches = parts()
-        .zip(segments)
-        .all(|(part, seg)| match param_name(part) {
-            Some(_) => !seg.is_empty(),
-            None => part == seg,
-        });
-    if !matches {
-        return None;
+    // One pass that stops at the first segment that differs (most routes
+    // differ by their second or third).
+    let (mut unmatched, mut remaining) = (parts(), segments.iter());
+    loop {
+        match (unmatched.next(), remaining.next()) {
+            (None, None) => break,
+            (Some(part), Some(seg)) => {
+                let fits = match param_name(part) {
+                    Some(_) => !seg.is_empty(),
+                    None => part == seg,
+                };
+                if !fits {
+                    return None;
+                }
+            }
+            // One is longer than the other.
+            (Some(_), None) | (None, Some(_)) => return None,
+        }
     }
     let params = parts()
         .zip(segments)
