@@ -32,6 +32,47 @@ pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, String> {
 mod tests {
     use super::*;
 
+    /// A byte field as one run (`serde_bytes`, as `IdempotencyRecord`'s)
+    /// is encoded exactly as the sequence of `u8` that records stored
+    /// before it held, so both read the other's bytes: no record changes.
+    #[test]
+    fn bytes_as_one_run_encode_as_a_sequence_of_bytes_did() {
+        #[derive(serde::Serialize, serde::Deserialize, PartialEq, Debug)]
+        struct AsSequence {
+            body: Vec<u8>,
+            after: u16,
+        }
+        #[derive(serde::Serialize, serde::Deserialize, PartialEq, Debug)]
+        struct AsRun {
+            #[serde(with = "serde_bytes")]
+            body: Vec<u8>,
+            after: u16,
+        }
+        for len in [0usize, 1, 250, 251, 600, 70_000] {
+            let body: Vec<u8> = (0..len).map(|i| (i * 7 % 256) as u8).collect();
+            let old = encode(&AsSequence {
+                body: body.clone(),
+                after: 513,
+            });
+            let new = encode(&AsRun {
+                body: body.clone(),
+                after: 513,
+            });
+            assert_eq!(old, new, "{len} bytes");
+            assert_eq!(
+                decode::<AsRun>(&old).unwrap(),
+                AsRun {
+                    body: body.clone(),
+                    after: 513
+                }
+            );
+            assert_eq!(
+                decode::<AsSequence>(&new).unwrap(),
+                AsSequence { body, after: 513 }
+            );
+        }
+    }
+
     #[test]
     fn round_trip_and_version_check() {
         let bytes = encode(&("alice".to_string(), 7u64));
