@@ -147,10 +147,13 @@ pub fn deployment_changed(
     changed: Option<(&BuildRecord, String)>,
     now: Millis,
 ) -> StoreResult<()> {
-    if let Some((_, summary)) = &changed {
-        deployment_event(tx, hub, d, "build", summary.clone(), now)?;
-    }
-    let changed = changed.map(|(b, _)| b);
+    let changed = match changed {
+        Some((b, summary)) => {
+            deployment_event(tx, hub, d, "build", summary, now)?;
+            Some(b)
+        }
+        None => None,
+    };
     let stored;
     let last_build = match (d.last_build, changed) {
         (Some(id), Some(b)) if id == b.id => Some(b),
