@@ -146,12 +146,7 @@ pub fn list(ctx: &Ctx, req: &Request, caller: &Caller) -> Result<Reply, ApiError
         None => None,
     };
     let rx = ctx.engine.store.read()?;
-    let mut events = rx.audit_indexed(
-        crate::store::tables::AUDIT_BY_ACTOR,
-        &actor.key(),
-        before,
-        limit + 1,
-    )?;
+    let mut events = rx.audit_of_actor(&actor.key(), before, limit + 1)?;
     let next_cursor = if events.len() > limit {
         events.truncate(limit);
         events.last().map(|e| {

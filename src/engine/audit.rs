@@ -59,12 +59,7 @@ impl<O: Audited> Record<O> {
 /// The last events of a deployment, denied calls left out (the read's
 /// `audit` field).
 pub fn of_deployment(rx: &impl AuditLookup, id: &str) -> StoreResult<Vec<Event>> {
-    rx.audit_indexed(
-        crate::store::tables::AUDIT_BY_DEPLOYMENT,
-        id,
-        None,
-        crate::audit::DEPLOYMENT_READ_EVENTS,
-    )
+    rx.audit_of_deployment(id, None, crate::audit::DEPLOYMENT_READ_EVENTS)
 }
 
 /// Anonymous denials in the current interval (audit.md): the first is

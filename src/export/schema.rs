@@ -218,7 +218,8 @@ pub const TABLES: &[RelTable] = &[
     },
     RelTable {
         name: "deployment_events",
-        store_table: Table::DeploymentEvents,
+        // Its events only: the other parts are indexes.
+        store_table: Table::DeploymentRows,
         columns: &[
             col("deployment_id", Text),
             col("seq", Int),
@@ -717,7 +718,7 @@ fn row_of(table: &RelTable, values: Vec<Value>) -> Result<Row, String> {
                 at: c.time("at")?,
             },
         },
-        Table::DeploymentEvents => Row::DeploymentEvent {
+        Table::DeploymentRows => Row::DeploymentEvent {
             deployment: c.text("deployment_id")?,
             seq: c.u64("seq")?,
             event: StoredEvent {
@@ -855,12 +856,10 @@ fn row_of(table: &RelTable, values: Vec<Value>) -> Result<Row, String> {
             index: c.u64("position")?,
             hash: c.hash("hash")?,
         },
-        Table::DeploymentBuilds
-        | Table::Queued
+        Table::Queued
         | Table::Running
         | Table::LogIndex
         | Table::IdempotencyExpiry
-        | Table::AuditByDeployment
         | Table::AuditByActor
         | Table::WebhookDue => {
             return Err(format!(

@@ -29,9 +29,6 @@ fn row_hash(row: &[u8]) -> StoreResult<Hash> {
 const WALK_BATCH: usize = 1024;
 const WALK_BATCHES_IN_FLIGHT: usize = 8;
 
-/// An empty index value.
-const EMPTY: &[u8] = &[];
-
 impl From<MissingNode> for StoreError {
     fn from(m: MissingNode) -> Self {
         StoreError::corrupt(format!(
@@ -92,25 +89,49 @@ pub trait AuditLookup: Lookup {
             .transpose()
     }
 
-    /// The newest `limit` events of an index (`AUDIT_BY_DEPLOYMENT` or
-    /// `AUDIT_BY_ACTOR`) under `key`, below seq `before`, newest first.
-    fn audit_indexed(
+    /// A deployment's newest `limit` events other than denied calls,
+    /// below seq `before`, newest first.
+    fn audit_of_deployment(
         &self,
-        index: redb::TableDefinition<'static, (&'static str, u64), &'static [u8]>,
-        key: &str,
+        deployment: &str,
         before: Option<u64>,
         limit: usize,
     ) -> StoreResult<Vec<Event>> {
-        let table = self.open(index)?;
-        let end = before.unwrap_or(u64::MAX);
+        let index = self.open(DEPLOYMENT_ROWS)?;
+        let end = before.map_or(u128::MAX, u128::from);
+        let range = Part::Audit.key(deployment, 0)..Part::Audit.key(deployment, end);
         let mut seqs = Vec::new();
-        for entry in table.range((key, 0u64)..(key, end))?.rev() {
-            let (k, _) = entry?;
-            seqs.push(k.value().1);
+        for entry in index.range(range)?.rev() {
+            seqs.push(super::row_seq(entry?.0.value().2)?);
             if seqs.len() >= limit {
                 break;
             }
         }
+        self.audit_events_at(seqs)
+    }
+
+    /// An actor's newest `limit` events, denied calls included, below seq
+    /// `before`, newest first.
+    fn audit_of_actor(
+        &self,
+        actor_key: &str,
+        before: Option<u64>,
+        limit: usize,
+    ) -> StoreResult<Vec<Event>> {
+        let index = self.open(AUDIT_BY_ACTOR)?;
+        let end = before.unwrap_or(u64::MAX);
+        let mut seqs = Vec::new();
+        for entry in index.range((actor_key, 0u64)..(actor_key, end))?.rev() {
+            seqs.push(entry?.0.value().1);
+            if seqs.len() >= limit {
+                break;
+            }
+        }
+        self.audit_events_at(seqs)
+    }
+
+    /// The events at `seqs` that are still kept, in that order.
+    fn audit_events_at(&self, seqs: Vec<u64>) -> StoreResult<Vec<Event>> {
         let mut out = Vec::with_capacity(seqs.len());
         for seq in seqs {
             if let Some(e) = self.audit_event(seq)? {
@@ -164,8 +185,8 @@ impl Tx<'_> {
         events.insert(seq, sealed.row.as_slice())?;
         drop(events);
         if let (Some(d), false) = (&draft.deployment, draft.result == Outcome::Denied) {
-            self.table(AUDIT_BY_DEPLOYMENT)?
-                .insert((d.as_str(), seq), EMPTY)?;
+            self.table(DEPLOYMENT_ROWS)?
+                .insert(Part::Audit.key(d, seq.into()), EMPTY)?;
         }
         if let Some(actor) = &draft.actor {
             self.table(AUDIT_BY_ACTOR)?
@@ -217,12 +238,12 @@ impl Tx<'_> {
             })?,
             last.at.clone(),
         );
-        let mut by_deployment = self.table(AUDIT_BY_DEPLOYMENT)?;
+        let mut by_deployment = self.table(DEPLOYMENT_ROWS)?;
         let mut by_actor = self.table(AUDIT_BY_ACTOR)?;
         for (seq, e) in &removed {
             events.remove(*seq)?;
             if let Some(d) = &e.deployment {
-                by_deployment.remove((d.as_str(), *seq))?;
+                by_deployment.remove(Part::Audit.key(d, (*seq).into()))?;
             }
             if let Some(a) = &e.actor {
                 by_actor.remove((a.key().as_str(), *seq))?;
@@ -538,8 +559,7 @@ mod tests {
         }
         // Index entries of removed events are gone with them.
         let kept = rx
-            .audit_indexed(
-                AUDIT_BY_ACTOR,
+            .audit_of_actor(
                 &Actor {
                     subject: "user0".into(),
                     issuer: None,

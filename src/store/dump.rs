@@ -118,7 +118,7 @@ impl Row {
             Row::Snapshots { .. } => Table::BuildSnapshots,
             Row::LogChunk { .. } => Table::LogChunks,
             Row::BuildEvent { .. } => Table::BuildEvents,
-            Row::DeploymentEvent { .. } => Table::DeploymentEvents,
+            Row::DeploymentEvent { .. } => Table::DeploymentRows,
             Row::Callback { .. } => Table::Callbacks,
             Row::Idempotency { .. } => Table::Idempotency,
             Row::UpdateTry { .. } => Table::UpdateTries,
@@ -169,7 +169,17 @@ impl Rx {
             Table::BuildSnapshots => txn.open_table(BUILD_SNAPSHOTS)?.len()?,
             Table::LogChunks => txn.open_table(LOG_CHUNKS)?.len()?,
             Table::BuildEvents => txn.open_table(BUILD_EVENTS)?.len()?,
-            Table::DeploymentEvents => txn.open_table(DEPLOYMENT_EVENTS)?.len()?,
+            // Only its events are carried (the other parts are indexes):
+            // counted one by one, as redb counts only whole tables.
+            Table::DeploymentRows => {
+                let mut events = 0;
+                for entry in txn.open_table(DEPLOYMENT_ROWS)?.iter()? {
+                    if entry?.0.value().1 == Part::Event as u8 {
+                        events += 1;
+                    }
+                }
+                events
+            }
             Table::Callbacks => txn.open_table(CALLBACKS)?.len()?,
             Table::Idempotency => txn.open_table(IDEMPOTENCY)?.len()?,
             Table::UpdateTries => txn.open_table(UPDATE_TRIES)?.len()?,
@@ -179,12 +189,10 @@ impl Rx {
             Table::MerkleNodes => txn.open_table(MERKLE_NODES)?.len()?,
             Table::Webhooks => txn.open_table(WEBHOOKS)?.len()?,
             Table::WebhookDeliveries => txn.open_table(WEBHOOK_DELIVERIES)?.len()?,
-            Table::DeploymentBuilds
-            | Table::Queued
+            Table::Queued
             | Table::Running
             | Table::LogIndex
             | Table::IdempotencyExpiry
-            | Table::AuditByDeployment
             | Table::AuditByActor
             | Table::WebhookDue => return Err(rebuilt_not_carried(table)),
         })
@@ -270,15 +278,24 @@ impl Rx {
                     })?;
                 }
             }
-            Table::DeploymentEvents => {
-                for entry in txn.open_table(DEPLOYMENT_EVENTS)?.iter()? {
+            Table::DeploymentRows => {
+                for entry in txn.open_table(DEPLOYMENT_ROWS)?.iter()? {
                     let (k, v) = entry?;
-                    let (deployment, seq) = k.value();
-                    each(Row::DeploymentEvent {
-                        deployment: deployment.to_string(),
-                        seq,
-                        event: decode(v.value())?,
-                    })?;
+                    let (deployment, part, number) = k.value();
+                    match Part::of(part) {
+                        Some(Part::Event) => each(Row::DeploymentEvent {
+                            deployment: deployment.to_string(),
+                            seq: super::row_seq(number)?,
+                            event: decode(v.value())?,
+                        })?,
+                        // Indexes: the import writes them again.
+                        Some(Part::Build | Part::Audit) => {}
+                        None => {
+                            return Err(StoreError::corrupt(
+                                "a deployment row of a kind no berth writes",
+                            ))
+                        }
+                    }
                 }
             }
             Table::Callbacks => {
@@ -379,12 +396,10 @@ impl Rx {
                     })?;
                 }
             }
-            Table::DeploymentBuilds
-            | Table::Queued
+            Table::Queued
             | Table::Running
             | Table::LogIndex
             | Table::IdempotencyExpiry
-            | Table::AuditByDeployment
             | Table::AuditByActor
             | Table::WebhookDue => return Err(rebuilt_not_carried(table)),
         }
@@ -527,8 +542,8 @@ impl Loader {
                 // The same entries `Tx::append_audit` writes.
                 if let (Some(d), false) = (&event.deployment, event.result == Outcome::Denied) {
                     self.txn
-                        .open_table(AUDIT_BY_DEPLOYMENT)?
-                        .insert((d.as_str(), seq), [].as_slice())?;
+                        .open_table(DEPLOYMENT_ROWS)?
+                        .insert(Part::Audit.key(d, seq.into()), EMPTY)?;
                 }
                 if let Some(actor) = &event.actor {
                     self.txn

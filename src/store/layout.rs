@@ -25,13 +25,23 @@
 //! | 6 | an idempotency record holds its identity part by part (the export needs them apart) |
 //! | 5 | safe deploys: a build's `rollback_of` and `log_gaps`, a deployment's `auto_rollback` and its deployed nodes' fingerprints (every build and deployment record rewritten) |
 //! | 7 | webhooks: `webhooks`, `webhook_deliveries` and their `webhook_due` index (new tables, empty) |
+//! | 8 | a redo log beside a store held alone (no row changes) |
+//! | 9 | `deployment_rows`: a deployment's builds index, channel events and audit index in one table (the three tables before it removed) |
 //!
 //! Releases before version 2 existed wrote version 1 but may already hold
 //! any of the later indexes (they were added by presence checks), so each
 //! migration rebuilds its index from the rows it indexes rather than
 //! assume it is absent. Every migration is tested on the store file in
 //! `tests/data/store-v1` (written by the last release that wrote version 1)
-//! and on a store whose index was removed.
+//! and on a store whose index was removed; the step to 9 also on
+//! `tests/data/store-v8-crashed`, a store of layout 8 killed with most of
+//! its rows still in its redo log.
+//!
+//! A redo log is written at the layout of its berth. A berth applies a log
+//! of the layout before its own (its rows name tables that layout had,
+//! `Retired` keeps their definitions) to a file still at that layout, and
+//! only then migrates; an older log than that is refused at open with the
+//! advice to run the berth that wrote it once (`redo::replay`).
 
 use redb::{Database, ReadableTable, ReadableTableMetadata, WriteTransaction};
 
@@ -44,7 +54,7 @@ use super::{
 use crate::model::BuildId;
 
 /// The layout this binary writes and reads.
-pub const LAYOUT_VERSION: u32 = 8;
+pub const LAYOUT_VERSION: u32 = 9;
 
 /// The `meta` key holding the layout version (u32 LE). Its name predates
 /// the word "layout" and stays, so every release finds it.
@@ -59,7 +69,7 @@ struct Migration {
 }
 
 /// Every migration, in order; `MIGRATIONS[i].to == i + 2`.
-const MIGRATIONS: [Migration; 7] = [
+const MIGRATIONS: [Migration; 8] = [
     Migration {
         to: 2,
         what: "index every build's log chunks",
@@ -95,7 +105,122 @@ const MIGRATIONS: [Migration; 7] = [
         what: "allow a redo log beside the store",
         run: redo_log_beside,
     },
+    Migration {
+        to: 9,
+        what: "file each deployment's builds, events and audit index in one table",
+        run: deployment_rows_in_one_table,
+    },
 ];
+
+/// The tables a layout removed, with the definitions they had, so a redo
+/// log written at the layout before (whose rows name them) can still be
+/// applied to a file of that layout before it migrates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Retired {
+    /// Until layout 8: (deployment id, build id) -> ().
+    DeploymentBuilds,
+    /// Until layout 8: (deployment id, seq) -> `StoredEvent`.
+    DeploymentEvents,
+    /// Until layout 8: (deployment id, audit seq) -> empty.
+    AuditByDeployment,
+}
+
+mod v8 {
+    use redb::TableDefinition;
+
+    use super::Retired;
+
+    pub const DEPLOYMENT_BUILDS: TableDefinition<(&str, u128), ()> =
+        TableDefinition::new(Retired::DeploymentBuilds.name());
+    pub const DEPLOYMENT_EVENTS: TableDefinition<(&str, u64), &[u8]> =
+        TableDefinition::new(Retired::DeploymentEvents.name());
+    pub const AUDIT_BY_DEPLOYMENT: TableDefinition<(&str, u64), &[u8]> =
+        TableDefinition::new(Retired::AuditByDeployment.name());
+}
+
+impl Retired {
+    const AFTER_8: [Retired; 3] = [
+        Retired::DeploymentBuilds,
+        Retired::DeploymentEvents,
+        Retired::AuditByDeployment,
+    ];
+
+    /// Whether a redo log of `layout` can be applied by this berth (to a
+    /// file of that layout, before it migrates).
+    pub fn replayable(layout: u32) -> bool {
+        layout == LAYOUT_VERSION || layout == 8
+    }
+
+    /// The table named `name` in a redo log of `layout`: one of today's,
+    /// or one that layout had and a later one removed.
+    pub fn named(layout: u32, name: &[u8]) -> Option<Result<Table, Retired>> {
+        let retired: &[Retired] = match layout {
+            8 => &Retired::AFTER_8,
+            _ => &[],
+        };
+        if let Some(r) = retired.iter().find(|r| r.name().as_bytes() == name) {
+            return Some(Err(*r));
+        }
+        Table::ALL
+            .into_iter()
+            .find(|t| t.name().as_bytes() == name)
+            .map(Ok)
+    }
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            Retired::DeploymentBuilds => "deployment_builds",
+            Retired::DeploymentEvents => "deployment_events",
+            Retired::AuditByDeployment => "audit_by_deployment",
+        }
+    }
+
+    /// Runs `each` with the table's definition (as `Table::visit`).
+    pub fn visit<E: EachTable>(self, each: &mut E) -> E::Output {
+        match self {
+            Retired::DeploymentBuilds => each.with(v8::DEPLOYMENT_BUILDS),
+            Retired::DeploymentEvents => each.with(v8::DEPLOYMENT_EVENTS),
+            Retired::AuditByDeployment => each.with(v8::AUDIT_BY_DEPLOYMENT),
+        }
+    }
+}
+
+/// v9: `deployment_rows` takes the rows of `deployment_builds`,
+/// `deployment_events` and `audit_by_deployment` (keys widened, values as
+/// they were), and those three go.
+fn deployment_rows_in_one_table(txn: &WriteTransaction) -> StoreResult<()> {
+    let mut rows = txn.open_table(DEPLOYMENT_ROWS)?;
+    let before = rows.len()?;
+    let mut moved = 0u64;
+    for entry in txn.open_table(v8::DEPLOYMENT_BUILDS)?.iter()? {
+        let (k, _) = entry?;
+        let (deployment, build) = k.value();
+        rows.insert(Part::Build.key(deployment, build), EMPTY)?;
+        moved += 1;
+    }
+    for entry in txn.open_table(v8::DEPLOYMENT_EVENTS)?.iter()? {
+        let (k, v) = entry?;
+        let (deployment, seq) = k.value();
+        rows.insert(Part::Event.key(deployment, seq.into()), v.value())?;
+        moved += 1;
+    }
+    for entry in txn.open_table(v8::AUDIT_BY_DEPLOYMENT)?.iter()? {
+        let (k, _) = entry?;
+        let (deployment, seq) = k.value();
+        rows.insert(Part::Audit.key(deployment, seq.into()), EMPTY)?;
+        moved += 1;
+    }
+    assert_eq!(
+        rows.len()?,
+        before + moved,
+        "each moved row has a key of its own"
+    );
+    drop(rows);
+    txn.delete_table(v8::DEPLOYMENT_BUILDS)?;
+    txn.delete_table(v8::DEPLOYMENT_EVENTS)?;
+    txn.delete_table(v8::AUDIT_BY_DEPLOYMENT)?;
+    Ok(())
+}
 
 /// v8: a store held alone (then `--exclusive-store`, now the default) keeps a redo log,
 /// `berth.redo`, whose rows are part of the store until a checkpoint puts
@@ -115,7 +240,7 @@ fn webhook_tables(txn: &WriteTransaction) -> StoreResult<()> {
 }
 
 /// The version a file records; `None` for a file berth never opened.
-fn recorded_version(txn: &WriteTransaction) -> StoreResult<Option<u32>> {
+pub(super) fn recorded_version(txn: &WriteTransaction) -> StoreResult<Option<u32>> {
     let meta = txn.open_table(META)?;
     let Some(bytes) = meta.get(VERSION_KEY)?.map(|v| v.value().to_vec()) else {
         return Ok(None);
@@ -607,6 +732,74 @@ mod tests {
             .unwrap()
             .is_some());
         drop(index);
+        drop(txn);
+        drop(db);
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    /// Layout 8's three per-deployment tables move into `deployment_rows`
+    /// row for row (values as they were, each under its part) and are
+    /// gone from the file afterwards.
+    #[test]
+    fn the_step_to_9_moves_each_deployment_row_under_its_part_and_drops_the_old_tables() {
+        let (db, dir) = temp_db("rows");
+        open_layout(&db).unwrap();
+        let (build_a, build_b) = (1u128 << 80, 2u128 << 80);
+        {
+            let txn = db.begin_write().unwrap();
+            let mut builds = txn.open_table(v8::DEPLOYMENT_BUILDS).unwrap();
+            builds.insert(("alpha", build_a), ()).unwrap();
+            builds.insert(("alpha", build_b), ()).unwrap();
+            builds.insert(("beta", build_a + 1), ()).unwrap();
+            drop(builds);
+            let mut events = txn.open_table(v8::DEPLOYMENT_EVENTS).unwrap();
+            events.insert(("alpha", 1), b"one".as_slice()).unwrap();
+            events.insert(("alpha", 2), b"two".as_slice()).unwrap();
+            drop(events);
+            let mut audit = txn.open_table(v8::AUDIT_BY_DEPLOYMENT).unwrap();
+            audit.insert(("beta", 40), EMPTY).unwrap();
+            drop(audit);
+            record_version(&txn, 8).unwrap();
+            txn.commit().unwrap();
+        }
+        open_layout(&db).unwrap();
+        assert_eq!(version(&db), LAYOUT_VERSION);
+        let txn = db.begin_write().unwrap();
+        let rows: Vec<(String, u8, u128, Vec<u8>)> = txn
+            .open_table(DEPLOYMENT_ROWS)
+            .unwrap()
+            .iter()
+            .unwrap()
+            .map(|e| {
+                let (k, v) = e.unwrap();
+                let (d, part, n) = k.value();
+                (d.to_string(), part, n, v.value().to_vec())
+            })
+            .collect();
+        let row =
+            |d: &str, part: Part, n: u128, v: &[u8]| (d.to_string(), part as u8, n, v.to_vec());
+        assert_eq!(
+            rows,
+            vec![
+                row("alpha", Part::Build, build_a, b""),
+                row("alpha", Part::Build, build_b, b""),
+                row("alpha", Part::Event, 1, b"one"),
+                row("alpha", Part::Event, 2, b"two"),
+                row("beta", Part::Build, build_a + 1, b""),
+                row("beta", Part::Audit, 40, b""),
+            ]
+        );
+        let names: Vec<String> = txn
+            .list_tables()
+            .unwrap()
+            .map(|t| redb::TableHandle::name(&t).to_string())
+            .collect();
+        for gone in Retired::AFTER_8 {
+            assert!(
+                !names.iter().any(|n| n == gone.name()),
+                "{gone:?} is still in the file"
+            );
+        }
         drop(txn);
         drop(db);
         let _ = std::fs::remove_dir_all(dir);

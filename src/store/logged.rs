@@ -28,7 +28,7 @@ pub(super) enum Open<'txn> {
     Id(redb::Table<'txn, u128, &'static [u8]>),
     Seq(redb::Table<'txn, u64, &'static [u8]>),
     IdToStr(redb::Table<'txn, u128, &'static str>),
-    StrId(redb::Table<'txn, (&'static str, u128), ()>),
+    StrPartNumber(redb::Table<'txn, (&'static str, u8, u128), &'static [u8]>),
     StrSeq(redb::Table<'txn, (&'static str, u64), &'static [u8]>),
     IdSeq(redb::Table<'txn, (u128, u64), &'static [u8]>),
     IdChunk(redb::Table<'txn, (u128, u32), &'static [u8]>),
@@ -69,7 +69,7 @@ keep! {
     Id: u128, &'static [u8];
     Seq: u64, &'static [u8];
     IdToStr: u128, &'static str;
-    StrId: (&'static str, u128), ();
+    StrPartNumber: (&'static str, u8, u128), &'static [u8];
     StrSeq: (&'static str, u64), &'static [u8];
     IdSeq: (u128, u64), &'static [u8];
     IdChunk: (u128, u32), &'static [u8];

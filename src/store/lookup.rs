@@ -107,11 +107,6 @@ pub trait Lookup {
         get_record(&self.open(IDEMPOTENCY)?, key)
     }
 
-    /// Opens the index of each deployment's builds.
-    fn open_deployment_builds(
-        &self,
-    ) -> StoreResult<impl ReadableTable<(&'static str, u128), ()> + '_>;
-
     /// The newest succeeded deploy build of `d` older than its deployed
     /// one: what a rollback without a target returns to (lifecycle.md
     /// "Rollback"). Reads builds newest first, at most `--keep-builds`.
@@ -119,12 +114,12 @@ pub trait Lookup {
         let Some(deployed) = &d.deployed else {
             return Ok(None);
         };
-        let index = self.open_deployment_builds()?;
+        let index = self.open(DEPLOYMENT_ROWS)?;
         let builds = self.open(BUILDS)?;
-        let range = index.range((d.id.as_str(), 0u128)..(d.id.as_str(), deployed.build_id))?;
-        for entry in range.rev() {
+        let range = Part::Build.key(&d.id, 0)..Part::Build.key(&d.id, deployed.build_id);
+        for entry in index.range(range)?.rev() {
             let (k, _) = entry?;
-            let id = k.value().1;
+            let id = k.value().2;
             let Some(b) = get_record::<u128, BuildRecord>(&builds, id)? else {
                 continue;
             };
@@ -143,12 +138,6 @@ impl Lookup for super::Tx<'_> {
     ) -> StoreResult<impl ReadableTable<K, &'static [u8]> + '_> {
         self.table_to_read(table)
     }
-
-    fn open_deployment_builds(
-        &self,
-    ) -> StoreResult<impl ReadableTable<(&'static str, u128), ()> + '_> {
-        self.table_to_read(DEPLOYMENT_BUILDS)
-    }
 }
 
 impl Lookup for super::Rx {
@@ -157,11 +146,5 @@ impl Lookup for super::Rx {
         table: RecordTable<K>,
     ) -> StoreResult<impl ReadableTable<K, &'static [u8]> + '_> {
         Ok(self.txn.open_table(table)?)
-    }
-
-    fn open_deployment_builds(
-        &self,
-    ) -> StoreResult<impl ReadableTable<(&'static str, u128), ()> + '_> {
-        Ok(self.txn.open_table(DEPLOYMENT_BUILDS)?)
     }
 }

@@ -308,6 +308,12 @@ fn init_schema(db: &Database) -> StoreResult<()> {
     layout::open_layout(db)
 }
 
+/// The seq a `DEPLOYMENT_ROWS` key's number holds (an event's or an audit
+/// event's: u64, stored widened).
+fn row_seq(number: u128) -> StoreResult<u64> {
+    u64::try_from(number).map_err(|_| StoreError::corrupt("a deployment row's seq is not a u64"))
+}
+
 fn decode<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> StoreResult<T> {
     codec::decode(bytes).map_err(StoreError::corrupt)
 }

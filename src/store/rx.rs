@@ -5,7 +5,7 @@ use redb::{ReadTransaction, ReadableTable, ReadableTableMetadata};
 
 use super::tables::*;
 use super::{
-    decode, decode_counts, split_component_row, ChunkPlace, PendingCallback, StoreError,
+    decode, decode_counts, row_seq, split_component_row, ChunkPlace, PendingCallback, StoreError,
     StoreResult, StoredEvent, BUILD_COUNTS_KEY,
 };
 use crate::model::{BuildId, BuildRecord, DeploymentRecord, NodeSbom};
@@ -51,17 +51,18 @@ impl Rx {
         before: Option<BuildId>,
         limit: usize,
     ) -> StoreResult<Vec<BuildRecord>> {
-        let index = self.txn.open_table(DEPLOYMENT_BUILDS)?;
+        let index = self.txn.open_table(DEPLOYMENT_ROWS)?;
         let builds = self.txn.open_table(BUILDS)?;
-        let upper = before.unwrap_or(u128::MAX);
-        let range = index.range((deployment, 0u128)..(deployment, upper))?;
+        let range = match before {
+            Some(before) => {
+                index.range(Part::Build.key(deployment, 0)..Part::Build.key(deployment, before))?
+            }
+            None => index.range(Part::Build.all(deployment))?,
+        };
         let mut out = Vec::new();
         for entry in range.rev() {
             let (k, _) = entry?;
-            let (_, id) = k.value();
-            if before.is_none() && id == u128::MAX {
-                continue;
-            }
+            let (_, _, id) = k.value();
             if let Some(v) = builds.get(id)? {
                 out.push(decode(v.value())?);
             }
@@ -74,9 +75,9 @@ impl Rx {
 
     /// How many builds a deployment has (from the index; nothing decoded).
     pub fn build_count(&self, deployment: &str) -> StoreResult<usize> {
-        let index = self.txn.open_table(DEPLOYMENT_BUILDS)?;
+        let index = self.txn.open_table(DEPLOYMENT_ROWS)?;
         let mut n = 0;
-        for entry in index.range((deployment, 0u128)..=(deployment, u128::MAX))? {
+        for entry in index.range(Part::Build.all(deployment))? {
             entry?;
             n += 1;
         }
@@ -182,11 +183,12 @@ impl Rx {
         after: u64,
         limit: usize,
     ) -> StoreResult<Vec<(u64, StoredEvent)>> {
-        let t = self.txn.open_table(DEPLOYMENT_EVENTS)?;
+        let t = self.txn.open_table(DEPLOYMENT_ROWS)?;
         let mut out = Vec::new();
-        for entry in t.range((deployment, after.saturating_add(1))..=(deployment, u64::MAX))? {
+        let from = u128::from(after) + 1;
+        for entry in t.range(Part::Event.range(deployment, from, u64::MAX.into()))? {
             let (k, v) = entry?;
-            out.push((k.value().1, decode(v.value())?));
+            out.push((row_seq(k.value().2)?, decode(v.value())?));
             if out.len() >= limit {
                 break;
             }
@@ -196,12 +198,9 @@ impl Rx {
 
     /// The oldest kept event seq of a deployment's channel.
     pub fn first_deployment_event(&self, deployment: &str) -> StoreResult<Option<u64>> {
-        let t = self.txn.open_table(DEPLOYMENT_EVENTS)?;
-        let first = t
-            .range((deployment, 0u64)..=(deployment, u64::MAX))?
-            .next()
-            .transpose()?;
-        Ok(first.map(|(k, _)| k.value().1))
+        let t = self.txn.open_table(DEPLOYMENT_ROWS)?;
+        let first = t.range(Part::Event.all(deployment))?.next().transpose()?;
+        first.map(|(k, _)| row_seq(k.value().2)).transpose()
     }
 
     /// Every deployment id (for sweeps).

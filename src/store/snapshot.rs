@@ -96,7 +96,9 @@ impl Scope {
                 Table::Meta,
                 Table::AuditEvents,
                 Table::MerkleNodes,
-                Table::AuditByDeployment,
+                // Not `DeploymentRows`: its audit part is an index that
+                // verify and push-head do not read, beside every
+                // deployment's events.
                 Table::AuditByActor,
             ],
             Scope::All => Table::ALL.to_vec(),

@@ -23,10 +23,6 @@ pub const DEPLOYMENTS: TableDefinition<&str, &[u8]> =
 /// Build id (UUIDv7 as u128, so time-ordered) -> `BuildRecord`.
 pub const BUILDS: TableDefinition<u128, &[u8]> = TableDefinition::new(Table::Builds.name());
 
-/// (deployment id, build id) -> (): the builds of one deployment, in order.
-pub const DEPLOYMENT_BUILDS: TableDefinition<(&str, u128), ()> =
-    TableDefinition::new(Table::DeploymentBuilds.name());
-
 /// Build id -> deployment id for every queued build; key order is queue order.
 pub const QUEUED: TableDefinition<u128, &str> = TableDefinition::new(Table::Queued.name());
 
@@ -52,9 +48,67 @@ pub const DESCRIBE_CACHE: TableDefinition<&str, &[u8]> =
 /// Destroy build id -> `PendingCallback`.
 pub const CALLBACKS: TableDefinition<u128, &[u8]> = TableDefinition::new(Table::Callbacks.name());
 
-/// (deployment id, event seq) -> `StoredEvent`: the deployment channel.
-pub const DEPLOYMENT_EVENTS: TableDefinition<(&str, u64), &[u8]> =
-    TableDefinition::new(Table::DeploymentEvents.name());
+/// (deployment id, part, number) -> bytes: every row filed under one
+/// deployment apart from its record, by `Part`: its builds, its channel's
+/// events, its audit events. One B-tree rather than three because a submit
+/// writes one row of each, and here they share a leaf and one path of
+/// copied pages: merging the three (layout 9) took ~13% of the writer
+/// thread's instructions per submit (`tools/writer-instructions`). The
+/// number is a build id (u128) or a seq (u64, widened).
+pub const DEPLOYMENT_ROWS: TableDefinition<(&str, u8, u128), &[u8]> =
+    TableDefinition::new(Table::DeploymentRows.name());
+
+/// The value of a row that is all key (an index row).
+pub const EMPTY: &[u8] = &[];
+
+/// The kinds of row in `DEPLOYMENT_ROWS`, by the key's second member.
+/// Stored: a part's number never changes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Part {
+    /// number = build id, value empty: the deployment's builds, in order
+    /// (an index: an import writes it again from the builds).
+    Build = 1,
+    /// number = event seq, value `StoredEvent`: the deployment channel
+    /// (carried by an export).
+    Event = 2,
+    /// number = audit seq, value empty: the deployment's audit events other
+    /// than denied calls, for the deployment read's last 20 (an index: an
+    /// import writes it again from the audit events).
+    Audit = 3,
+}
+
+/// A key of `DEPLOYMENT_ROWS`.
+pub type DeploymentRowKey<'a> = (&'a str, u8, u128);
+
+impl Part {
+    /// The key of `deployment`'s row `number` of this part.
+    pub fn key(self, deployment: &str, number: u128) -> DeploymentRowKey<'_> {
+        (deployment, self as u8, number)
+    }
+
+    /// The keys of `deployment`'s rows of this part numbered `from..=to`.
+    pub fn range(
+        self,
+        deployment: &str,
+        from: u128,
+        to: u128,
+    ) -> std::ops::RangeInclusive<DeploymentRowKey<'_>> {
+        self.key(deployment, from)..=self.key(deployment, to)
+    }
+
+    /// Every row of this part of `deployment`.
+    pub fn all(self, deployment: &str) -> std::ops::RangeInclusive<DeploymentRowKey<'_>> {
+        self.range(deployment, 0, u128::MAX)
+    }
+
+    /// The part a stored key names; `None` for a number no berth writes.
+    pub fn of(stored: u8) -> Option<Part> {
+        [Part::Build, Part::Event, Part::Audit]
+            .into_iter()
+            .find(|p| *p as u8 == stored)
+    }
+}
 
 /// (build id, event seq) -> `StoredEvent`: a build's status events (its log
 /// lines live in `LOG_CHUNKS`, their seqs follow from the build record).
@@ -101,11 +155,6 @@ pub const IDEMPOTENCY_EXPIRY: TableDefinition<(i64, &str), ()> =
 pub const AUDIT_EVENTS: TableDefinition<u64, &[u8]> =
     TableDefinition::new(Table::AuditEvents.name());
 
-/// (deployment id, audit seq) -> empty: a deployment's events other than
-/// denied calls, for the deployment read's last 20.
-pub const AUDIT_BY_DEPLOYMENT: TableDefinition<(&str, u64), &[u8]> =
-    TableDefinition::new(Table::AuditByDeployment.name());
-
 /// ("subject\0issuer", audit seq) -> empty: one actor's events, denied
 /// calls included (`GET /v1/audit`).
 pub const AUDIT_BY_ACTOR: TableDefinition<(&str, u64), &[u8]> =
@@ -147,7 +196,7 @@ pub enum Table {
     BuildSnapshots,
     LogChunks,
     BuildEvents,
-    DeploymentEvents,
+    DeploymentRows,
     Callbacks,
     Idempotency,
     UpdateTries,
@@ -155,12 +204,10 @@ pub enum Table {
     SbomNodes,
     AuditEvents,
     MerkleNodes,
-    DeploymentBuilds,
     Queued,
     Running,
     LogIndex,
     IdempotencyExpiry,
-    AuditByDeployment,
     AuditByActor,
     Webhooks,
     WebhookDeliveries,
@@ -171,6 +218,9 @@ pub enum Table {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ExportKind {
     /// Its rows go out one by one, decoded, and come back in an import.
+    /// `DeploymentRows` is carried for its `Part::Event` rows; its other
+    /// parts are indexes the import writes again (from the builds and the
+    /// audit events), as for a `Rebuilt` table.
     Carried,
     /// An index: an import writes it again from the rows of `from`.
     Rebuilt { from: Table },
@@ -180,7 +230,7 @@ impl Table {
     /// Every table. The carried ones come first, in the order an import
     /// writes them (a row's parent before the row: builds before their
     /// logs), then the rebuilt indexes.
-    pub const ALL: [Table; 26] = [
+    pub const ALL: [Table; 24] = [
         Table::Meta,
         Table::Sources,
         Table::DescribeCache,
@@ -189,7 +239,7 @@ impl Table {
         Table::BuildSnapshots,
         Table::LogChunks,
         Table::BuildEvents,
-        Table::DeploymentEvents,
+        Table::DeploymentRows,
         Table::Callbacks,
         Table::Idempotency,
         Table::UpdateTries,
@@ -199,12 +249,10 @@ impl Table {
         Table::MerkleNodes,
         Table::Webhooks,
         Table::WebhookDeliveries,
-        Table::DeploymentBuilds,
         Table::Queued,
         Table::Running,
         Table::LogIndex,
         Table::IdempotencyExpiry,
-        Table::AuditByDeployment,
         Table::AuditByActor,
         Table::WebhookDue,
     ];
@@ -221,7 +269,6 @@ impl Table {
             Table::Meta => "meta",
             Table::Deployments => "deployments",
             Table::Builds => "builds",
-            Table::DeploymentBuilds => "deployment_builds",
             Table::Queued => "queued",
             Table::Running => "running",
             Table::LogChunks => "log_chunks",
@@ -229,7 +276,7 @@ impl Table {
             Table::Sources => "sources",
             Table::DescribeCache => "describe_cache",
             Table::Callbacks => "callbacks",
-            Table::DeploymentEvents => "deployment_events",
+            Table::DeploymentRows => "deployment_rows",
             Table::BuildEvents => "build_events",
             Table::BuildSnapshots => "build_snapshots",
             Table::UpdateTries => "update_tries",
@@ -238,7 +285,6 @@ impl Table {
             Table::LogIndex => "log_index",
             Table::IdempotencyExpiry => "idempotency_expiry",
             Table::AuditEvents => "audit_events",
-            Table::AuditByDeployment => "audit_by_deployment",
             Table::AuditByActor => "audit_by_actor",
             Table::MerkleNodes => "merkle_nodes",
             Table::Webhooks => "webhooks",
@@ -259,7 +305,7 @@ impl Table {
             | Table::BuildSnapshots
             | Table::LogChunks
             | Table::BuildEvents
-            | Table::DeploymentEvents
+            | Table::DeploymentRows
             | Table::Callbacks
             | Table::Idempotency
             | Table::UpdateTries
@@ -269,7 +315,7 @@ impl Table {
             | Table::MerkleNodes
             | Table::Webhooks
             | Table::WebhookDeliveries => Carried,
-            Table::DeploymentBuilds | Table::Queued | Table::Running => Rebuilt {
+            Table::Queued | Table::Running => Rebuilt {
                 from: Table::Builds,
             },
             Table::LogIndex => Rebuilt {
@@ -278,7 +324,7 @@ impl Table {
             Table::IdempotencyExpiry => Rebuilt {
                 from: Table::Idempotency,
             },
-            Table::AuditByDeployment | Table::AuditByActor => Rebuilt {
+            Table::AuditByActor => Rebuilt {
                 from: Table::AuditEvents,
             },
             Table::WebhookDue => Rebuilt {
@@ -324,7 +370,7 @@ impl Table {
             Table::BuildSnapshots => each.with(BUILD_SNAPSHOTS),
             Table::LogChunks => each.with(LOG_CHUNKS),
             Table::BuildEvents => each.with(BUILD_EVENTS),
-            Table::DeploymentEvents => each.with(DEPLOYMENT_EVENTS),
+            Table::DeploymentRows => each.with(DEPLOYMENT_ROWS),
             Table::Callbacks => each.with(CALLBACKS),
             Table::Idempotency => each.with(IDEMPOTENCY),
             Table::UpdateTries => each.with(UPDATE_TRIES),
@@ -332,12 +378,10 @@ impl Table {
             Table::SbomNodes => each.with(SBOM_NODES),
             Table::AuditEvents => each.with(AUDIT_EVENTS),
             Table::MerkleNodes => each.with(MERKLE_NODES),
-            Table::DeploymentBuilds => each.with(DEPLOYMENT_BUILDS),
             Table::Queued => each.with(QUEUED),
             Table::Running => each.with(RUNNING),
             Table::LogIndex => each.with(LOG_INDEX),
             Table::IdempotencyExpiry => each.with(IDEMPOTENCY_EXPIRY),
-            Table::AuditByDeployment => each.with(AUDIT_BY_DEPLOYMENT),
             Table::AuditByActor => each.with(AUDIT_BY_ACTOR),
             Table::Webhooks => each.with(WEBHOOKS),
             Table::WebhookDeliveries => each.with(WEBHOOK_DELIVERIES),

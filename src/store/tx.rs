@@ -116,7 +116,11 @@ impl<'a> Tx<'a> {
         seq: u64,
         e: &StoredEvent,
     ) -> StoreResult<()> {
-        put_record(self.table(DEPLOYMENT_EVENTS)?, (deployment, seq), e)
+        put_record(
+            self.table(DEPLOYMENT_ROWS)?,
+            Part::Event.key(deployment, seq.into()),
+            e,
+        )
     }
 
     pub fn put_build_event(&self, build: BuildId, seq: u64, e: &StoredEvent) -> StoreResult<()> {
@@ -131,18 +135,19 @@ impl<'a> Tx<'a> {
         below: u64,
         before: Millis,
     ) -> StoreResult<usize> {
-        let mut t = self.table(DEPLOYMENT_EVENTS)?;
+        let mut t = self.table(DEPLOYMENT_ROWS)?;
         let mut doomed = Vec::new();
-        for entry in t.range((deployment, 0u64)..(deployment, below))? {
+        let range = Part::Event.key(deployment, 0)..Part::Event.key(deployment, below.into());
+        for entry in t.range(range)? {
             let (k, v) = entry?;
             let e: StoredEvent = decode(v.value())?;
             if e.at >= before {
                 break;
             }
-            doomed.push(k.value().1);
+            doomed.push(k.value().2);
         }
         for seq in &doomed {
-            t.remove((deployment, *seq))?;
+            t.remove(Part::Event.key(deployment, *seq))?;
         }
         Ok(doomed.len())
     }
@@ -156,8 +161,8 @@ impl<'a> Tx<'a> {
         use crate::model::BuildStatus::*;
         self.table(BUILDS)?
             .insert(b.id, codec::encode(b).as_slice())?;
-        self.table(DEPLOYMENT_BUILDS)?
-            .insert((b.deployment.as_str(), b.id), ())?;
+        self.table(DEPLOYMENT_ROWS)?
+            .insert(Part::Build.key(&b.deployment, b.id), EMPTY)?;
         let mut queued = self.table(QUEUED)?;
         let mut running = self.table(RUNNING)?;
         match b.status {
@@ -364,15 +369,12 @@ impl<'a> Tx<'a> {
     /// The builds of a deployment, newest first, as (id, created_at, status).
     /// A deployment's builds, newest first, as retention judges them.
     pub fn build_ages(&self, deployment: &str) -> StoreResult<Vec<BuildRecord>> {
-        let index = self.table(DEPLOYMENT_BUILDS)?;
+        let index = self.table(DEPLOYMENT_ROWS)?;
         let builds = self.table(BUILDS)?;
         let mut out = Vec::new();
-        for entry in index
-            .range((deployment, 0u128)..=(deployment, u128::MAX))?
-            .rev()
-        {
+        for entry in index.range(Part::Build.all(deployment))?.rev() {
             let (k, _) = entry?;
-            let id = k.value().1;
+            let id = k.value().2;
             if let Some(v) = builds.get(id)? {
                 out.push(decode(v.value())?);
             }
@@ -421,7 +423,8 @@ impl<'a> Tx<'a> {
             self.shift_build_count(Some(b.status), None)?;
         }
         self.table(BUILD_SNAPSHOTS)?.remove(id)?;
-        self.table(DEPLOYMENT_BUILDS)?.remove((deployment, id))?;
+        self.table(DEPLOYMENT_ROWS)?
+            .remove(Part::Build.key(deployment, id))?;
         self.table(CALLBACKS)?.remove(id)?;
         let mut chunks = self.table(LOG_CHUNKS)?;
         chunks.retain_in((id, 0u32)..=(id, u32::MAX), |_, _| false)?;
@@ -440,7 +443,6 @@ impl<'a> Tx<'a> {
         clear!(
             DEPLOYMENTS,
             BUILDS,
-            DEPLOYMENT_BUILDS,
             QUEUED,
             RUNNING,
             LOG_CHUNKS,
@@ -448,13 +450,16 @@ impl<'a> Tx<'a> {
             IDEMPOTENCY,
             IDEMPOTENCY_EXPIRY,
             CALLBACKS,
-            DEPLOYMENT_EVENTS,
             BUILD_EVENTS,
             BUILD_SNAPSHOTS,
             UPDATE_TRIES,
             SBOM_NODES,
             SBOM_COMPONENTS
         );
+        // The audit chain outlives a reset (it records the reset), and so
+        // does its by-deployment index; builds and events go.
+        self.table(DEPLOYMENT_ROWS)?
+            .retain_in::<DeploymentRowKey>(.., |(_, part, _), _| part == Part::Audit as u8)?;
         self.table(META)?
             .insert(BUILD_COUNTS_KEY, encode_counts(&[0; 5]).as_slice())?;
         Ok(())

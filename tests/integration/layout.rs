@@ -5,8 +5,9 @@
 //!
 //! `tests/data/store-v1` holds a store written by the last release of
 //! layout version 1 and that release's answers to every read below
-//! (`reads.json`); `tools/make-store-fixture` is the command that made
-//! both, and says how.
+//! (`reads.json`); `tests/data/store-v8-crashed` the same of a berth of
+//! layout 8 killed with most rows still in its redo log (`berth.redo`).
+//! `tools/make-store-fixture` is the command that made them, and says how.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -15,17 +16,43 @@ use serde_json::Value;
 
 use crate::harness::*;
 
-fn fixture() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/store-v1")
+fn fixture_named(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data")
+        .join(name)
 }
 
 /// A data dir holding a copy of the fixture store (never the file itself:
 /// opening it migrates it).
 fn data_dir_with_fixture(tag: &str) -> PathBuf {
+    data_dir_with(tag, "store-v1")
+}
+
+/// A data dir holding a copy of the fixture `name`: its store, and its
+/// redo log if it has one.
+fn data_dir_with(tag: &str, name: &str) -> PathBuf {
     let dir = temp_dir(tag);
     std::fs::create_dir_all(dir.join("data")).unwrap();
-    std::fs::copy(fixture().join("berth.redb"), dir.join("data/berth.redb")).unwrap();
+    for file in ["berth.redb", "berth.redo"] {
+        let from = fixture_named(name).join(file);
+        if from.exists() {
+            std::fs::copy(from, dir.join("data").join(file)).unwrap();
+        }
+    }
     dir
+}
+
+/// The names of the tables in the store file at `path`.
+fn tables_in(path: &Path) -> Vec<String> {
+    let db = redb::Database::open(path).unwrap();
+    let txn = redb::ReadableDatabase::begin_read(&db).unwrap();
+    let mut names: Vec<String> = txn
+        .list_tables()
+        .unwrap()
+        .map(|t| redb::TableHandle::name(&t).to_string())
+        .collect();
+    names.sort();
+    names
 }
 
 /// `new` holds everything `old` held, equal: members added by a later
@@ -55,23 +82,53 @@ fn assert_contains(new: &Value, old: &Value, at: &str) {
 
 #[tokio::test]
 async fn a_store_of_the_previous_layout_migrates_and_reads_back_equal() {
+    migrates_and_reads_back_equal(
+        "store-v1",
+        &[
+            "index every build's log chunks",
+            "index idempotency records by expiry",
+            "count builds by status",
+            "file each deployment's builds, events and audit index in one table",
+        ],
+    )
+    .await;
+}
+
+/// A berth of layout 8 killed with its rows in its redo log: this berth
+/// applies that log (written at the layout before its own) to the file
+/// first, then migrates it, and every read answers as that berth did.
+#[tokio::test]
+async fn a_store_of_layout_8_killed_with_rows_in_its_redo_log_applies_them_then_migrates() {
+    let redo = fixture_named("store-v8-crashed").join("berth.redo");
+    assert!(
+        std::fs::metadata(&redo).unwrap().len() > 4096,
+        "the fixture's redo log holds records"
+    );
+    migrates_and_reads_back_equal(
+        "store-v8-crashed",
+        &[
+            "applied the redo log's acknowledged writes",
+            "file each deployment's builds, events and audit index in one table",
+        ],
+    )
+    .await;
+}
+
+/// Opens a copy of the fixture `name`, checks the log names each of
+/// `steps` (migrations, the redo log applied), then every read the fixture
+/// recorded, the audit chain, the file's tables, and a restart.
+async fn migrates_and_reads_back_equal(name: &str, steps: &[&str]) {
     let reads: Vec<Value> = serde_json::from_str(
-        &std::fs::read_to_string(fixture().join("reads.json")).expect("tests/data/store-v1"),
+        &std::fs::read_to_string(fixture_named(name).join("reads.json"))
+            .unwrap_or_else(|e| panic!("tests/data/{name}/reads.json: {e}")),
     )
     .unwrap();
     assert!(reads.len() > 20, "the fixture records its reads");
-    let dir = data_dir_with_fixture("layout");
+    let dir = data_dir_with(&format!("layout-{name}"), name);
     let mut s = Server::start_in(dir.clone(), Options::default()).await;
     let log = s.log();
-    for step in [
-        "index every build's log chunks",
-        "index idempotency records by expiry",
-        "count builds by status",
-    ] {
-        assert!(
-            log.contains(step),
-            "no migration step {step:?} at open:\n{log}"
-        );
+    for step in steps {
+        assert!(log.contains(step), "no step {step:?} at open:\n{log}");
     }
     let mut compared = 0;
     for read in &reads {
@@ -101,6 +158,22 @@ async fn a_store_of_the_previous_layout_migrates_and_reads_back_equal() {
         verify.status.success(),
         "{}",
         String::from_utf8_lossy(&verify.stdout)
+    );
+    // The tables layout 9 replaced are gone from the file.
+    let tables = tables_in(&dir.join("data/berth.redb"));
+    for gone in [
+        "deployment_builds",
+        "deployment_events",
+        "audit_by_deployment",
+    ] {
+        assert!(
+            !tables.contains(&gone.to_string()),
+            "{gone} is still in {tables:?}"
+        );
+    }
+    assert!(
+        tables.contains(&"deployment_rows".to_string()),
+        "{tables:?}"
     );
     std::fs::write(dir.join("server.log"), "").unwrap();
     s.launch().await;
