@@ -177,38 +177,47 @@ const TABLES_PER_SUBMIT: usize = 13;
 const FLEET: usize = 100;
 
 /// The floor under berth's submit: bare redb, one write transaction per
+/// CPU time (user + system) of berth's store writer thread so far, in us.
+fn writer_cpu_us(pid: u32) -> f64 {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .expect("read /proc/<berth>/task (the writer's CPU row needs it)");
+    for task in tasks.flatten() {
+        let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+        if comm.starts_with("berth-store-wri") {
+            return stat_cpu_us(&task.path().join("stat"));
+        }
+    }
+    panic!("berth has no store writer thread to measure");
+}
+
+/// CPU time (user + system) of the whole berth process so far (every
+/// thread, children not included), in us.
+fn process_cpu_us(pid: u32) -> f64 {
+    stat_cpu_us(std::path::Path::new(&format!("/proc/{pid}/stat")))
+}
+
+/// utime + stime of a `/proc/.../stat` file, in us. A figure built on an
+/// unreadable count would be wrong, so it stops the bench instead.
+fn stat_cpu_us(path: &std::path::Path) -> f64 {
+    let ticks_per_s = 100.0; // USER_HZ on Linux
+    let stat =
+        std::fs::read_to_string(path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
+    // Fields after the ")" of the name: utime and stime are 12th and 13th.
+    let rest = stat.rsplit(')').next().unwrap_or("");
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let field = |i: usize| -> f64 {
+        fields
+            .get(i)
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or_else(|| panic!("{}: field {i} is not a number", path.display()))
+    };
+    (field(11) + field(12)) / ticks_per_s * 1e6
+}
+
 /// Bytes a process has caused to be written to storage so far
 /// (`/proc/<pid>/io`, counted when it dirties page-cache pages).
 /// A figure built on an unreadable count would be wrong, so it stops the
 /// bench instead.
-/// CPU time (user + system) of berth's store writer thread so far, in us.
-fn writer_cpu_us(pid: u32) -> f64 {
-    let ticks_per_s = 100.0; // USER_HZ on Linux
-    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
-        return 0.0;
-    };
-    for task in tasks.flatten() {
-        let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
-        if !comm.starts_with("berth-store-wri") {
-            continue;
-        }
-        let stat = std::fs::read_to_string(task.path().join("stat")).unwrap_or_default();
-        // Fields after the ")" of the name: utime and stime are 12th and 13th.
-        let rest = stat.rsplit(')').next().unwrap_or("");
-        let fields: Vec<&str> = rest.split_whitespace().collect();
-        let ticks: f64 = fields
-            .get(11)
-            .and_then(|u| u.parse::<f64>().ok())
-            .unwrap_or(0.0)
-            + fields
-                .get(12)
-                .and_then(|s| s.parse::<f64>().ok())
-                .unwrap_or(0.0);
-        return ticks / ticks_per_s * 1e6;
-    }
-    0.0
-}
-
 fn storage_write_bytes(pid: u32) -> u64 {
     let io = std::fs::read_to_string(format!("/proc/{pid}/io"))
         .expect("read /proc/<berth>/io (the disk-floor row needs it)");
@@ -706,15 +715,22 @@ fn main() {
     let (child, base, token) = start(&dir, &rt);
     let mut pages_alone = 0.0;
     let mut writer_us_per_submit = 0.0;
+    // berth's CPU per submit, every thread, at 1 and 32 connections.
+    let mut cpu_per_submit = (0.0, 0.0);
     let exclusive = if wrk_here {
         let before = storage_write_bytes(child.id());
+        let cpu_before = process_cpu_us(child.id());
         let one = wrk_phase(&base, &token, 1);
+        cpu_per_submit.0 =
+            (process_cpu_us(child.id()) - cpu_before) / (one.0 * PHASE.as_secs_f64());
         let written = storage_write_bytes(child.id()) - before;
         pages_alone = written as f64 / 4096.0 / (one.0 * PHASE.as_secs_f64());
-        let cpu_before = writer_cpu_us(child.id());
+        let (cpu_before, writer_before) = (process_cpu_us(child.id()), writer_cpu_us(child.id()));
         let many = wrk_phase(&base, &token, 32);
         writer_us_per_submit =
-            (writer_cpu_us(child.id()) - cpu_before) / (many.0 * PHASE.as_secs_f64());
+            (writer_cpu_us(child.id()) - writer_before) / (many.0 * PHASE.as_secs_f64());
+        cpu_per_submit.1 =
+            (process_cpu_us(child.id()) - cpu_before) / (many.0 * PHASE.as_secs_f64());
         (one, many)
     } else {
         ((0.0, 0.0), (0.0, 0.0))
@@ -906,6 +922,39 @@ fn main() {
         );
         println!(
             "the store writer thread's CPU per submit at 32 connections (default): {writer_us_per_submit:.0} us"
+        );
+        // Where a submit's time goes, as a floor: at one connection the
+        // request is served one at a time, so its time is at least berth's
+        // CPU for it plus one fdatasync; at 32 the cores are shared, so the
+        // rate is at most the cores over berth's CPU per submit (wrk, on
+        // the same cores, takes its share of them too).
+        let fsync_us = 1e6 / fsyncs.max(1.0);
+        let one_us = 1e6 / exclusive.0 .0.max(1.0);
+        common::record(
+            "time per submit, 1 connection (default), against berth's CPU per submit (every thread) plus one fdatasync",
+            &format!("{one_us:.0} us ({:.0}/s)", exclusive.0 .0),
+            &format!(
+                "berth's CPU {:.0} us + the fdatasync loop's mean {fsync_us:.0} us = {:.0} us",
+                cpu_per_submit.0,
+                cpu_per_submit.0 + fsync_us
+            ),
+            one_us / (cpu_per_submit.0 + fsync_us).max(1.0),
+            None,
+            false,
+        );
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+        let cpu_bound = cores * 1e6 / cpu_per_submit.1.max(1.0);
+        common::record(
+            "submits/s, 32 connections (default), against what the cores allow at berth's CPU per submit",
+            &format!("{:.0}/s (berth's CPU {:.0} us per submit, every thread)", exclusive.1 .0, cpu_per_submit.1),
+            &format!(
+                "{cores:.0} cores / {:.0} us = {cpu_bound:.0}/s with nothing else running; 3x the fdatasync loop would need <= {:.0} us",
+                cpu_per_submit.1,
+                cores * 1e6 / (3.0 * fsyncs.max(1.0))
+            ),
+            exclusive.1 .0 / cpu_bound.max(1.0),
+            None,
+            true,
         );
     }
 
