@@ -371,13 +371,14 @@ pub struct ReadOnlyStore {
 impl ReadOnlyStore {
     /// Opens the store at `path` for a reader that needs `scope`'s tables.
     pub fn open(path: &Path, scope: super::snapshot::Scope) -> StoreResult<ReadOnlyStore> {
-        match ReadOnlyStore::open_file(path) {
+        match ReadOnlyStore::open_file(path, scope) {
             Err(Held) => {
                 let snapshot = super::snapshot::request(path, scope)?;
-                let mut store = ReadOnlyStore::open_file(&snapshot.path).map_err(|e| match e {
-                    Held => StoreError::other("a snapshot file is held by another process"),
-                    Failed(e) => e,
-                })?;
+                let mut store =
+                    ReadOnlyStore::open_file(&snapshot.path, scope).map_err(|e| match e {
+                        Held => StoreError::other("a snapshot file is held by another process"),
+                        Failed(e) => e,
+                    })?;
                 store._snapshot = Some(snapshot);
                 Ok(store)
             }
@@ -386,7 +387,7 @@ impl ReadOnlyStore {
         }
     }
 
-    fn open_file(path: &Path) -> Result<ReadOnlyStore, OpenFailure> {
+    fn open_file(path: &Path, scope: super::snapshot::Scope) -> Result<ReadOnlyStore, OpenFailure> {
         let db = redb::Database::builder()
             .set_concurrency_mode(redb::ConcurrencyMode::SingleWriter)
             .open_read_only(path)
@@ -401,11 +402,11 @@ impl ReadOnlyStore {
             db,
             _snapshot: None,
         };
-        store.check(path).map_err(Failed)?;
+        store.check(path, scope).map_err(Failed)?;
         Ok(store)
     }
 
-    fn check(&self, path: &Path) -> StoreResult<()> {
+    fn check(&self, path: &Path, scope: super::snapshot::Scope) -> StoreResult<()> {
         // A redo log still holding acknowledged rows (a store held alone,
         // then killed): the file alone is older than what was answered.
         let pending = super::redo::pending(path, &self.read()?.txn.open_table(META)?)?;
@@ -427,7 +428,23 @@ impl ReadOnlyStore {
                 super::LAYOUT_VERSION
             )));
         }
-        Ok(())
+        // An export reads every table in this berth's layout, and a file
+        // of an older one has some elsewhere (layout 9 moved a
+        // deployment's events): it would miss rows or fail part-way. The
+        // audit chain's tables have kept their layout, so verify and
+        // push-head read any older file.
+        let older = self
+            .read()?
+            .layout_version()?
+            .filter(|v| *v < super::LAYOUT_VERSION);
+        match (scope, older) {
+            (super::snapshot::Scope::All, Some(version)) => Err(StoreError::other(format!(
+                "the store has layout version {version}, older than this berth's {}: start \
+                 `berth serve` on it once (it migrates the store at start), then export",
+                super::LAYOUT_VERSION
+            ))),
+            (super::snapshot::Scope::All | super::snapshot::Scope::Audit, _) => Ok(()),
+        }
     }
 
     pub fn read(&self) -> StoreResult<Rx> {

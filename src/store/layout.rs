@@ -138,7 +138,22 @@ mod v8 {
         TableDefinition::new(Retired::AuditByDeployment.name());
 }
 
+/// The layout before this berth's: a redo log written at it is applied
+/// (to a file still at it) before the file migrates. Logs of older layouts
+/// are refused: only the step from it is known to touch the tables a log
+/// names (layout 8 was the first with a redo log at all).
+pub const LOG_LAYOUT_BEFORE: u32 = 8;
+
+/// A table a redo record names: one of this layout's, or one the layout
+/// the log was written at had and this one removed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LoggedTable {
+    Current(Table),
+    Retired(Retired),
+}
+
 impl Retired {
+    /// The tables layout 9 removed (they were layout 8's).
     const AFTER_8: [Retired; 3] = [
         Retired::DeploymentBuilds,
         Retired::DeploymentEvents,
@@ -148,23 +163,23 @@ impl Retired {
     /// Whether a redo log of `layout` can be applied by this berth (to a
     /// file of that layout, before it migrates).
     pub fn replayable(layout: u32) -> bool {
-        layout == LAYOUT_VERSION || layout == 8
+        layout == LAYOUT_VERSION || layout == LOG_LAYOUT_BEFORE
     }
 
     /// The table named `name` in a redo log of `layout`: one of today's,
     /// or one that layout had and a later one removed.
-    pub fn named(layout: u32, name: &[u8]) -> Option<Result<Table, Retired>> {
+    pub fn named(layout: u32, name: &[u8]) -> Option<LoggedTable> {
         let retired: &[Retired] = match layout {
-            8 => &Retired::AFTER_8,
+            LOG_LAYOUT_BEFORE => &Retired::AFTER_8,
             _ => &[],
         };
         if let Some(r) = retired.iter().find(|r| r.name().as_bytes() == name) {
-            return Some(Err(*r));
+            return Some(LoggedTable::Retired(*r));
         }
         Table::ALL
             .into_iter()
             .find(|t| t.name().as_bytes() == name)
-            .map(Ok)
+            .map(LoggedTable::Current)
     }
 
     pub const fn name(self) -> &'static str {

@@ -40,7 +40,7 @@ use std::time::Duration;
 
 use redb::{Database, Key, ReadableTable, TableDefinition, Value, WriteTransaction};
 
-use super::layout::Retired;
+use super::layout::{LoggedTable, Retired};
 use super::tables::*;
 use super::{StoreError, StoreResult};
 
@@ -722,7 +722,7 @@ fn apply_payload(txn: &WriteTransaction, payload: &[u8], layout: u32) -> StoreRe
 /// or no key (the whole table emptied).
 fn apply(
     txn: &WriteTransaction,
-    table: Result<Table, Retired>,
+    table: LoggedTable,
     key: Option<&[u8]>,
     value: Option<&[u8]>,
 ) -> StoreResult<()> {
@@ -742,8 +742,8 @@ fn apply(
     }
     let mut row = Row { txn, key, value };
     match table {
-        Ok(table) => table.visit(&mut row),
-        Err(retired) => retired.visit(&mut row),
+        LoggedTable::Current(table) => table.visit(&mut row),
+        LoggedTable::Retired(retired) => retired.visit(&mut row),
     }
 }
 

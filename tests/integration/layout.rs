@@ -232,3 +232,51 @@ async fn a_store_newer_than_this_berth_is_refused_with_both_versions() {
     );
     assert_eq!(version(&path), 99, "a refused store was migrated");
 }
+
+/// A stopped store of an older layout: `berth export` refuses it with the
+/// advice to start `berth serve` on it once (an export reads every table
+/// in this berth's layout, and layout 9 moved a deployment's events), and
+/// writes nothing; `berth audit verify` reads it as it is (the chain's
+/// tables kept their layout) and leaves it unmigrated.
+#[tokio::test]
+async fn an_export_of_a_stopped_older_store_is_refused_with_advice_and_verify_reads_it() {
+    let dir = data_dir_with_fixture("layout-export-older");
+    let data = dir.join("data");
+    let target = dir.join("export.sqlite");
+    let out = Command::new(env!("CARGO_BIN_EXE_berth"))
+        .args(["export", "--data-dir"])
+        .arg(&data)
+        .arg("--to")
+        .arg(format!("sqlite:{}", target.display()))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("layout version 1, older than")
+            && stderr.contains("start `berth serve` on it once"),
+        "{stderr}"
+    );
+    assert!(
+        !target.exists(),
+        "a refused export wrote {}",
+        target.display()
+    );
+    let verify = Command::new(env!("CARGO_BIN_EXE_berth"))
+        .args(["audit", "verify", "--data-dir"])
+        .arg(&data)
+        .output()
+        .unwrap();
+    assert!(
+        verify.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&verify.stdout),
+        String::from_utf8_lossy(&verify.stderr)
+    );
+    let tables = tables_in(&data.join("berth.redb"));
+    assert!(
+        tables.contains(&"deployment_events".to_string())
+            && !tables.contains(&"deployment_rows".to_string()),
+        "a read-only command migrated the store: {tables:?}"
+    );
+}
