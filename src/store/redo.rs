@@ -966,16 +966,29 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
-    /// A store file at `layout` with a log of `log_layout` beside it
-    /// holding one insert into layout 8's `deployment_events` (a table
-    /// layout 9 removed), and the row's key.
+    /// Layout 8's `deployment_events` (a table layout 9 removed).
+    const EVENTS_AT_8: TableDefinition<(&str, u64), &[u8]> =
+        TableDefinition::new("deployment_events");
+
+    /// The row of ("alpha", 7) in layout 8's `deployment_events`.
+    fn event_at_8(db: &Database) -> Option<Vec<u8>> {
+        let txn = redb::ReadableDatabase::begin_read(db).unwrap();
+        let events = txn.open_table(EVENTS_AT_8).unwrap();
+        let row = events
+            .get(("alpha", 7))
+            .unwrap()
+            .map(|v| v.value().to_vec());
+        row
+    }
+
+    /// A store file recording `layout`, with an empty `deployment_events`
+    /// of layout 8, and beside it a log written at `log_layout` holding one
+    /// insert into that table: ("alpha", 7) -> "row".
     fn a_layout_8_row_in_the_log(
         tag: &str,
         layout: u32,
         log_layout: u32,
     ) -> (PathBuf, PathBuf, Database) {
-        const EVENTS_AT_8: TableDefinition<(&str, u64), &[u8]> =
-            TableDefinition::new("deployment_events");
         let (dir, store) = fresh(tag);
         let db = exclusive(&store);
         let txn = db.begin_write().unwrap();
@@ -1006,9 +1019,8 @@ mod tests {
 
     #[test]
     fn a_log_of_the_layout_before_is_applied_to_a_file_of_that_layout_before_it_migrates() {
-        const EVENTS_AT_8: TableDefinition<(&str, u64), &[u8]> =
-            TableDefinition::new("deployment_events");
-        let (dir, store, db) = a_layout_8_row_in_the_log("older", 8, 8);
+        let before = super::super::layout::LOG_LAYOUT_BEFORE;
+        let (dir, store, db) = a_layout_8_row_in_the_log("older", before, before);
         // Not while keeping the log: the migration that follows would
         // make the file durable at layout 9 with those rows' generation
         // unrecorded, and a later start would meet them again.
@@ -1019,25 +1031,20 @@ mod tests {
             drop(db);
             exclusive(&store)
         };
+        assert_eq!(event_at_8(&db), None, "a refused replay wrote its row");
         replay(&db, &store, LAYOUT, Replay::Checkpoint).unwrap();
-        let txn = redb::ReadableDatabase::begin_read(&db).unwrap();
-        let events = txn.open_table(EVENTS_AT_8).unwrap();
-        assert_eq!(
-            events
-                .get(("alpha", 7))
-                .unwrap()
-                .map(|v| v.value().to_vec()),
-            Some(b"row".to_vec())
-        );
-        drop((events, txn, db));
+        assert_eq!(event_at_8(&db), Some(b"row".to_vec()));
+        assert!(meta_of(&db, GENERATION_KEY).is_some(), "applied durably");
+        drop(db);
         let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
     fn a_log_of_another_layout_than_its_file_or_an_older_one_is_refused_and_changes_nothing() {
-        // Layout 8's rows beside a file already at 9, and a log of 7 (no
-        // berth of 7 wrote one; the check does not depend on that).
-        for (tag, file, log) in [("newer-file", LAYOUT, 8), ("seven", 7, 7)] {
+        // Layout 8's rows beside a file already at this layout, and a log
+        // of 7 (no berth of 7 wrote one; the check does not depend on that).
+        let before = super::super::layout::LOG_LAYOUT_BEFORE;
+        for (tag, file, log) in [("newer-file", LAYOUT, before), ("seven", 7, 7)] {
             let (dir, store, db) = a_layout_8_row_in_the_log(tag, file, log);
             let e = replay(&db, &store, LAYOUT, Replay::Checkpoint).unwrap_err();
             assert!(
@@ -1048,6 +1055,11 @@ mod tests {
                 meta_of(&db, GENERATION_KEY),
                 None,
                 "{tag}: a checkpoint was recorded"
+            );
+            assert_eq!(
+                event_at_8(&db),
+                None,
+                "{tag}: a refused replay wrote its row"
             );
             drop(db);
             let _ = std::fs::remove_dir_all(&dir);

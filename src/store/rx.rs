@@ -185,8 +185,11 @@ impl Rx {
     ) -> StoreResult<Vec<(u64, StoredEvent)>> {
         let t = self.txn.open_table(DEPLOYMENT_ROWS)?;
         let mut out = Vec::new();
-        let from = u128::from(after) + 1;
-        for entry in t.range(Part::Event.range(deployment, from, u64::MAX.into()))? {
+        // No event follows the largest seq (a client's cursor may name it).
+        let Some(from) = after.checked_add(1) else {
+            return Ok(Vec::new());
+        };
+        for entry in t.range(Part::Event.range(deployment, from.into(), u64::MAX.into()))? {
             let (k, v) = entry?;
             out.push((row_seq(k.value().2)?, decode(v.value())?));
             if out.len() >= limit {
