@@ -100,13 +100,12 @@ pub trait AuditLookup: Lookup {
         let index = self.open(DEPLOYMENT_ROWS)?;
         let end = before.map_or(u128::MAX, u128::from);
         let range = Part::Audit.key(deployment, 0)..Part::Audit.key(deployment, end);
-        let mut seqs = Vec::new();
-        for entry in index.range(range)?.rev() {
-            seqs.push(super::row_seq(entry?.0.value().2)?);
-            if seqs.len() >= limit {
-                break;
-            }
-        }
+        let seqs = index
+            .range(range)?
+            .rev()
+            .take(limit)
+            .map(|entry| super::row_seq(entry?.0.value().2))
+            .collect::<StoreResult<Vec<u64>>>()?;
         self.audit_events_at(seqs)
     }
 
@@ -120,13 +119,12 @@ pub trait AuditLookup: Lookup {
     ) -> StoreResult<Vec<Event>> {
         let index = self.open(AUDIT_BY_ACTOR)?;
         let end = before.unwrap_or(u64::MAX);
-        let mut seqs = Vec::new();
-        for entry in index.range((actor_key, 0u64)..(actor_key, end))?.rev() {
-            seqs.push(entry?.0.value().1);
-            if seqs.len() >= limit {
-                break;
-            }
-        }
+        let seqs = index
+            .range((actor_key, 0u64)..(actor_key, end))?
+            .rev()
+            .take(limit)
+            .map(|entry| Ok(entry?.0.value().1))
+            .collect::<StoreResult<Vec<u64>>>()?;
         self.audit_events_at(seqs)
     }
 

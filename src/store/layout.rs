@@ -221,22 +221,9 @@ fn deployment_rows_in_one_table(txn: &WriteTransaction) -> StoreResult<()> {
                 Ok((deployment.to_string(), build, Vec::new()))
             })),
         )?,
-        OldRows::new(
-            Part::Event,
-            Box::new(events.iter()?.map(|entry| {
-                let (k, v) = entry?;
-                let (deployment, seq) = k.value();
-                Ok((deployment.to_string(), seq.into(), v.value().to_vec()))
-            })),
-        )?,
-        OldRows::new(
-            Part::Audit,
-            Box::new(audit.iter()?.map(|entry| {
-                let (k, _) = entry?;
-                let (deployment, seq) = k.value();
-                Ok((deployment.to_string(), seq.into(), Vec::new()))
-            })),
-        )?,
+        OldRows::new(Part::Event, seq_rows(&events)?)?,
+        // Its values are empty, as they stay.
+        OldRows::new(Part::Audit, seq_rows(&audit)?)?,
     ];
     let mut rows = txn.open_table(DEPLOYMENT_ROWS)?;
     let before = rows.len()?;
@@ -266,6 +253,17 @@ fn deployment_rows_in_one_table(txn: &WriteTransaction) -> StoreResult<()> {
     txn.delete_table(v8::DEPLOYMENT_EVENTS)?;
     txn.delete_table(v8::AUDIT_BY_DEPLOYMENT)?;
     Ok(())
+}
+
+/// The rows of an old table keyed (deployment, seq), values as stored.
+fn seq_rows<'t>(
+    table: &'t redb::Table<'_, (&'static str, u64), &'static [u8]>,
+) -> StoreResult<OldRowsIter<'t>> {
+    Ok(Box::new(table.iter()?.map(|entry| {
+        let (k, v) = entry?;
+        let (deployment, seq) = k.value();
+        Ok((deployment.to_string(), seq.into(), v.value().to_vec()))
+    })))
 }
 
 /// A row of an old table: (deployment, number, value).
