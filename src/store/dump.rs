@@ -440,7 +440,7 @@ impl Loader {
 
     /// Writes one row and the index entries it implies.
     pub fn load(&mut self, row: Row) -> StoreResult<()> {
-        let tx = Tx::new(&self.txn, false);
+        let tx = Tx::new(&self.txn, None);
         match row {
             // The new file is in this berth's layout (every index is
             // rebuilt as it loads) and its counts are taken from its own

@@ -327,7 +327,7 @@ fn put_record<'k, 'txn, K: redb::Key + 'static, T: Serialize>(
 where
     logged::Open<'txn>: logged::Keep<'txn, K, &'static [u8]>,
 {
-    table.insert(key, codec::encode(value).as_slice())?;
+    codec::with_encoded(value, |bytes| table.insert(key, bytes))?;
     Ok(())
 }
 
@@ -433,7 +433,7 @@ mod tests {
             digest: format!("sha256:{n:064}"),
         };
         let txn = db.begin_write().unwrap();
-        let tx = Tx::new(&txn, true);
+        let tx = Tx::new(&txn, Some(super::redo::Ops::default()));
         tx.put_source(&source(1)).unwrap();
         tx.put_source(&source(2)).unwrap();
         assert_eq!(tx.source(&source(1).digest).unwrap(), Some(source(1)));
@@ -452,6 +452,7 @@ mod tests {
         tx.put_describe("again", "{}").unwrap();
         let (hooks, ops) = tx.finish();
         assert!(hooks.is_empty());
+        let ops = ops.expect("a logged Tx gives its ops back").into_bytes();
         assert!(!ops.is_empty(), "the batch's rows are in its redo ops");
         txn.commit().unwrap();
         let read = redb::ReadableDatabase::begin_read(&db).unwrap();

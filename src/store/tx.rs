@@ -34,26 +34,23 @@ pub struct Tx<'a> {
 }
 
 impl<'a> Tx<'a> {
-    /// Access to `txn`; `logged` when the store keeps a redo log.
-    pub(super) fn new(txn: &'a WriteTransaction, logged: bool) -> Tx<'a> {
+    /// Access to `txn`; `ops` (the redo record's buffer, `RecordBuf::lend`)
+    /// when the store keeps a redo log.
+    pub(super) fn new(txn: &'a WriteTransaction, ops: Option<Ops>) -> Tx<'a> {
         Tx {
             txn,
             open: OpenTables::new(),
             hooks: std::cell::RefCell::new(Vec::new()),
-            ops: logged.then(|| {
-                std::cell::RefCell::new(Ops::with_capacity(super::redo::OPS_INITIAL_BYTES))
-            }),
+            ops: ops.map(std::cell::RefCell::new),
         }
     }
 
     /// What the batch's jobs left to do after the commit and to log: its
-    /// hooks and redo ops. Closes its tables (so the transaction can commit).
-    pub(super) fn finish(self) -> (Vec<Hook>, Vec<u8>) {
+    /// hooks and the redo ops (`Tx::new`'s, with the rows appended).
+    /// Closes its tables (so the transaction can commit).
+    pub(super) fn finish(self) -> (Vec<Hook>, Option<Ops>) {
         let Tx { hooks, ops, .. } = self;
-        (
-            hooks.into_inner(),
-            ops.map(|o| o.into_inner().into_bytes()).unwrap_or_default(),
-        )
+        (hooks.into_inner(), ops.map(|o| o.into_inner()))
     }
 
     /// Opens a table (or takes the one the batch keeps open): every write
@@ -159,8 +156,9 @@ impl<'a> Tx<'a> {
     /// Stores a build and keeps the queued/running indexes in step with its status.
     pub fn put_build(&self, b: &BuildRecord) -> StoreResult<()> {
         use crate::model::BuildStatus::*;
-        self.table(BUILDS)?
-            .insert(b.id, codec::encode(b).as_slice())?;
+        let mut builds = self.table(BUILDS)?;
+        codec::with_encoded(b, |bytes| builds.insert(b.id, bytes))?;
+        drop(builds);
         self.table(DEPLOYMENT_ROWS)?
             .insert(Part::Build.key(&b.deployment, b.id), EMPTY)?;
         let mut queued = self.table(QUEUED)?;

@@ -238,7 +238,7 @@ pub(super) fn writer_loop(shared: Arc<Shared>, mut rx: mpsc::Receiver<WriteJob>)
                 continue;
             }
         };
-        let tx = Tx::new(&txn, log.is_some());
+        let tx = Tx::new(&txn, log.is_some().then(|| record.lend()));
         let mut failed = Vec::with_capacity(batch.len());
         for job in batch.iter_mut() {
             let failure = (job.run)(&tx);
@@ -251,7 +251,9 @@ pub(super) fn writer_loop(shared: Arc<Shared>, mut rx: mpsc::Receiver<WriteJob>)
         }
         failed.resize_with(batch.len(), || None);
         let (hooks, ops) = tx.finish();
-        record.push_rows(&ops);
+        if let Some(ops) = ops {
+            record.take_back(ops);
+        }
         let job_failed = failed.iter().any(Option::is_some);
         let refused = if job_failed {
             // A job failed part-way: nothing of this batch may land.
@@ -466,15 +468,17 @@ fn run_alone(
         }
     };
     record.start();
-    let tx = Tx::new(&txn, log.is_some());
+    let tx = Tx::new(&txn, log.is_some().then(|| record.lend()));
     let failure = (job.run)(&tx);
     let (hooks, ops) = tx.finish();
+    if let Some(ops) = ops {
+        record.take_back(ops);
+    }
     if let Some(e) = failure {
         let _ = txn.abort();
         (job.finish)(Some(e));
         return Some(false);
     }
-    record.push_rows(&ops);
     match commit(txn, log, record, job.urgency) {
         Ok(()) => {
             hooks.into_iter().for_each(|hook| hook());
