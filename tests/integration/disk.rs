@@ -8,7 +8,7 @@ use serde_json::json;
 
 use crate::harness::*;
 
-struct Mount(std::path::PathBuf);
+pub struct Mount(std::path::PathBuf);
 
 impl Drop for Mount {
     fn drop(&mut self) {
@@ -19,7 +19,7 @@ impl Drop for Mount {
 /// `dir`/data as a tmpfs of `size`: only the data dir is small, the
 /// server's own log stays writable. `None` (the test says skipped) where
 /// a tmpfs cannot be mounted.
-fn small_data_dir(test: &str, dir: &std::path::Path, size: &str) -> Option<Mount> {
+pub fn small_data_dir(test: &str, dir: &std::path::Path, size: &str) -> Option<Mount> {
     let data = dir.join("data");
     std::fs::create_dir_all(&data).unwrap();
     let mounted = Command::new("mount")
