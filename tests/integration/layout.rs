@@ -228,18 +228,6 @@ async fn a_store_newer_than_this_berth_is_refused_with_both_versions() {
     let dir = data_dir_with_fixture("layout-newer");
     let path = dir.join("data/berth.redb");
     const META: redb::TableDefinition<&str, &[u8]> = redb::TableDefinition::new("meta");
-    let version = |path: &Path| {
-        let db = redb::Database::create(path).unwrap();
-        let txn = redb::ReadableDatabase::begin_read(&db).unwrap();
-        let meta = txn.open_table(META).unwrap();
-        let v = meta
-            .get("schema_version")
-            .unwrap()
-            .unwrap()
-            .value()
-            .to_vec();
-        u32::from_le_bytes(v.try_into().unwrap())
-    };
     {
         let db = redb::Database::create(&path).unwrap();
         let txn = db.begin_write().unwrap();
@@ -261,7 +249,7 @@ async fn a_store_newer_than_this_berth_is_refused_with_both_versions() {
         stderr.contains("layout version 99") && stderr.contains(&current),
         "{stderr}"
     );
-    assert_eq!(version(&path), 99, "a refused store was migrated");
+    assert_eq!(recorded_layout(&path), 99, "a refused store was migrated");
 }
 
 /// A stopped store of an older layout: `berth export` refuses it with the
