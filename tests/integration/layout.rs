@@ -314,39 +314,83 @@ async fn an_export_of_a_stopped_older_store_is_refused_with_advice_and_verify_re
 async fn a_start_on_a_full_disk_that_must_replay_before_migrating_stops_and_the_next_finishes() {
     full_disk_start(
         "layout::a_start_on_a_full_disk_that_must_replay_before_migrating_stops_and_the_next_finishes",
-        "store-v8-crashed",
+        &fixture_named("store-v8-crashed"),
+        &recorded_reads("store-v8-crashed"),
+        "must go into the store before it moves to layout 9",
     )
     .await;
 }
 
-/// `fixture` (a store with a redo log) copied sparse onto a full disk:
-/// the start fails as a full disk, the next one with room finishes.
-async fn full_disk_start(test: &str, fixture: &str) {
-    let reads = recorded_reads(fixture);
+/// The step to layout 9 itself on a disk without room: `store-v8-crashed`
+/// with its log applied (as the berth that wrote it would at its next
+/// start) and its file compacted, so the file keeps no free pages and the
+/// migration, which writes each deployment's rows into a new table before
+/// it frees the old ones, needs new blocks. The start stops with the same
+/// error and leaves the file at layout 8; with room the next migrates, and
+/// every read answers as the killed berth did. (Copied whole, the fixture
+/// migrates within its own free pages and a full disk never stops it.)
+#[tokio::test]
+async fn a_start_on_a_full_disk_whose_migration_needs_room_stops_and_the_next_finishes() {
+    let compacted = temp_dir("layout-full-disk-compacted");
+    std::fs::create_dir_all(&compacted).unwrap();
+    let store = compacted.join("berth.redb");
+    for file in ["berth.redb", "berth.redo"] {
+        std::fs::copy(
+            fixture_named("store-v8-crashed").join(file),
+            compacted.join(file),
+        )
+        .unwrap();
+    }
+    {
+        let mut db = redb::Database::create(&store).unwrap();
+        // Layout 8's records into the layout 8 file, durably.
+        berth::store::redo::replay(&db, &store, 8, berth::store::redo::Replay::Checkpoint).unwrap();
+        while db.compact().unwrap() {}
+    }
+    std::fs::remove_file(compacted.join("berth.redo")).unwrap();
+    assert_eq!(recorded_layout(&store), 8);
+    full_disk_start(
+        "layout::a_start_on_a_full_disk_whose_migration_needs_room_stops_and_the_next_finishes",
+        &compacted,
+        &recorded_reads("store-v8-crashed"),
+        "migrating the store: file each deployment's builds, events and audit index in one table",
+    )
+    .await;
+}
+
+/// The store in `from` (with its redo log, if it has one) copied sparse
+/// onto a full disk: the start fails as a full disk, having got as far as
+/// `got_to` says (in its error or its log), and changes nothing; the next
+/// one with room migrates and reads back `reads`.
+async fn full_disk_start(test: &str, from: &Path, reads: &[Value], got_to: &str) {
     let dir = temp_dir("layout-full-disk");
     let Some(_mount) = crate::disk::small_data_dir(test, &dir, "4m") else {
         return;
     };
     let data = dir.join("data");
     let store = data.join("berth.redb");
+    let with_log = from.join("berth.redo").exists();
     // Copied sparse, as a backup tool restores a file: the file's free
     // pages (zeros) take no room on the disk, so the replay's writes into
     // them need new blocks. (Copied whole, the replay and the migration
     // fit in the file's own free pages, and a full disk stops neither;
-    // the same holds for store-v1's migration even copied sparse, so the
-    // migration steps themselves never meet the full disk here.)
+    // the same holds for store-v1's migration even copied sparse: a
+    // compacted file has no free pages to fit in.)
     for file in ["berth.redb", "berth.redo"] {
+        if file == "berth.redo" && !with_log {
+            continue;
+        }
         let copied = Command::new("cp")
             .arg("--sparse=always")
-            .arg(fixture_named(fixture).join(file))
+            .arg(from.join(file))
             .arg(data.join(file))
             .status()
             .unwrap();
         assert!(copied.success(), "cp --sparse=always {file}");
     }
     // The secrets a first start writes before it opens the store, made by
-    // a start elsewhere: then the only write before the replay is the
-    // replay's, and not one page is free for it.
+    // a start elsewhere: then the only writes before the failure are the
+    // store's own, and not one page is free for them.
     let elsewhere = temp_dir("layout-full-disk-secrets");
     let mut first = Server::start_in(elsewhere.clone(), Options::default()).await;
     assert!(first.terminate().success());
@@ -374,14 +418,19 @@ async fn full_disk_start(test: &str, fixture: &str) {
             let _ = child.wait();
             let mut stderr = String::new();
             let _ = std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr);
-            panic!("berth started on a full disk: the replay wrote nothing:\n{stderr}");
+            panic!("berth started on a full disk: nothing it wrote at open needed new blocks:\n{stderr}");
         }
         std::thread::sleep(std::time::Duration::from_millis(50));
     };
     let mut stderr = String::new();
     std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
     assert!(!status.success(), "{stderr}");
-    for says in ["the disk is full", "Nothing is lost", "Free some space"] {
+    for says in [
+        "the disk is full",
+        "Nothing is lost",
+        "Free some space",
+        got_to,
+    ] {
         assert!(
             stderr.contains(says),
             "the error does not say {says:?}:\n{stderr}"
@@ -390,12 +439,14 @@ async fn full_disk_start(test: &str, fixture: &str) {
     assert_eq!(
         recorded_layout(&store),
         8,
-        "the file moved before its log went in"
+        "the failed start moved the file to another layout"
     );
-    assert!(
-        data.join("berth.redo").metadata().unwrap().len() > 0,
-        "the failed start lost the redo log"
-    );
+    if with_log {
+        assert!(
+            data.join("berth.redo").metadata().unwrap().len() > 0,
+            "the failed start lost the redo log"
+        );
+    }
 
     std::fs::remove_file(&filler).unwrap();
     let mut s = Server::start_in(dir.clone(), Options::default()).await;
@@ -405,7 +456,7 @@ async fn full_disk_start(test: &str, fixture: &str) {
         "the start with room did not migrate:\n{}",
         s.log()
     );
-    reads_back_equal(&s, &reads).await;
+    reads_back_equal(&s, reads).await;
     let status = s.terminate();
     assert!(status.success(), "{}", s.log());
     assert_eq!(recorded_layout(&store), berth::store::LAYOUT_VERSION);
