@@ -374,8 +374,8 @@ async fn full_disk_start(test: &str, from: &Path, reads: &[Value], got_to: &str)
     // pages (zeros) take no room on the disk, so the replay's writes into
     // them need new blocks. (Copied whole, the replay and the migration
     // fit in the file's own free pages, and a full disk stops neither;
-    // the same holds for store-v1's migration even copied sparse: a
-    // compacted file has no free pages to fit in.)
+    // store-v1's migration fits even copied sparse. A compacted file has
+    // no free pages to fit anything in.)
     for file in ["berth.redb", "berth.redo"] {
         if file == "berth.redo" && !with_log {
             continue;
