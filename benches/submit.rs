@@ -6,7 +6,8 @@
 //! transaction (WAL, synchronous=FULL; 1 and 32 writers) on the same disk
 //! in the same run; the floors under it (bare redb with the same table
 //! count, durable and, as the redo path commits, non-durable with
-//! checkpoints, in 13, 2 or 1 tables and without checkpoints; the disk
+//! checkpoints, in 13, 2 or 1 tables and without checkpoints, and with a
+//! submit's rows kept in memory and written once per checkpoint; the disk
 //! writing as many scattered pages as a submit dirties; `/healthz` and a
 //! read of one deployment over HTTP, the request under a submit); RSS of the idle server and with 10,000 deployments; startup with
 //! 100,000 builds.
