@@ -31,40 +31,53 @@ fn digest(dir: &Path) -> String {
 
 /// Whether Nix is here and can build into /nix/store; says why not.
 pub(crate) fn nix_can_build(test: &str) -> bool {
+    match NIX_BUILDS.get_or_init(probe_nix_build) {
+        Ok(()) => true,
+        Err(why) => {
+            skip(test, why);
+            false
+        }
+    }
+}
+
+/// The probe's verdict, made once per run: the Nix tests start together,
+/// and a probe each at once met the others in Nix's own database ("SQLite
+/// database '/nix/var/nix/db/db.sqlite' is busy", seen in CI) and skipped
+/// a test that could run.
+static NIX_BUILDS: std::sync::OnceLock<Result<(), String>> = std::sync::OnceLock::new();
+
+/// Tries of the probe build while Nix's database is busy (another Nix
+/// process holds it), a second apart.
+const PROBE_ATTEMPTS: u32 = 5;
+
+fn probe_nix_build() -> Result<(), String> {
     if Command::new("nix-instantiate")
         .arg("--version")
         .output()
         .is_err()
     {
-        skip(
-            test,
-            "no nix-instantiate (Debian's nix-bin; .ci/run installs it)",
-        );
-        return false;
+        return Err("no nix-instantiate (Debian's nix-bin; .ci/run installs it)".to_string());
     }
-    let built = Command::new("nix-build")
-        .args(["--no-out-link", "--option", "substituters", "", "-E"])
-        .arg("builtins.derivation { name = \"berth-probe\"; system = builtins.currentSystem; builder = \"/bin/sh\"; args = [ \"-c\" \"echo ok > $out\" ]; }")
-        .output();
-    match built {
-        Ok(o) if o.status.success() => true,
-        Ok(o) => {
-            skip(
-                test,
-                &format!(
-                    "Nix cannot build here (no /nix/store writes?): {}",
-                    String::from_utf8_lossy(&o.stderr)
-                        .lines()
-                        .last()
-                        .unwrap_or("")
-                ),
-            );
-            false
+    let mut attempt = 1;
+    loop {
+        let built = Command::new("nix-build")
+            .args(["--no-out-link", "--option", "substituters", "", "-E"])
+            .arg("builtins.derivation { name = \"berth-probe\"; system = builtins.currentSystem; builder = \"/bin/sh\"; args = [ \"-c\" \"echo ok > $out\" ]; }")
+            .output()
+            .map_err(|e| format!("cannot run nix-build: {e}"))?;
+        if built.status.success() {
+            return Ok(());
         }
-        Err(e) => {
-            skip(test, &format!("cannot run nix-build: {e}"));
-            false
+        let stderr = String::from_utf8_lossy(&built.stderr);
+        let last = stderr.lines().last().unwrap_or("").to_string();
+        if last.contains("is busy") && attempt < PROBE_ATTEMPTS {
+            attempt += 1;
+            std::thread::sleep(std::time::Duration::from_secs(1));
+            continue;
         }
+        return Err(format!(
+            "Nix cannot build here (no /nix/store writes?): {last}"
+        ));
     }
 }
 
