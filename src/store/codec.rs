@@ -9,11 +9,18 @@ use serde::{de::DeserializeOwned, Serialize};
 pub const RECORD_VERSION: u8 = 1;
 
 pub fn encode<T: Serialize>(value: &T) -> Vec<u8> {
-    let mut out = vec![RECORD_VERSION];
-    // Encoding plain structs into a Vec cannot fail.
-    bincode::serde::encode_into_std_write(value, &mut out, bincode::config::standard())
-        .expect("bincode encoding into a Vec");
+    let mut out = Vec::new();
+    encode_into(value, &mut out);
     out
+}
+
+/// Writes `value`'s record bytes (version byte, then bincode) at the end of
+/// `out`.
+fn encode_into<T: Serialize>(value: &T, out: &mut Vec<u8>) {
+    out.push(RECORD_VERSION);
+    // Encoding plain structs into a Vec cannot fail.
+    bincode::serde::encode_into_std_write(value, out, bincode::config::standard())
+        .expect("bincode encoding into a Vec");
 }
 
 /// A scratch buffer that grew past this (a large record) is given back
@@ -32,9 +39,7 @@ pub fn with_encoded<T: Serialize, R>(value: &T, use_bytes: impl FnOnce(&[u8]) ->
     SCRATCH.with(|scratch| match scratch.try_borrow_mut() {
         Ok(mut buffer) => {
             buffer.clear();
-            buffer.push(RECORD_VERSION);
-            bincode::serde::encode_into_std_write(value, &mut *buffer, bincode::config::standard())
-                .expect("bincode encoding into a Vec");
+            encode_into(value, &mut buffer);
             let result = use_bytes(&buffer);
             if buffer.capacity() > KEPT_SCRATCH_BYTES {
                 *buffer = Vec::new();

@@ -858,10 +858,15 @@ mod tests {
     }
 
     fn record_of(ops: Ops) -> RecordBuf {
+        record_of_rows(&ops.into_bytes())
+    }
+
+    /// A record holding `rows` (encoded redo ops), made as the writer makes one.
+    fn record_of_rows(rows: &[u8]) -> RecordBuf {
         let mut record = RecordBuf::default();
         record.start();
         let mut lent = record.lend();
-        lent.bytes.extend_from_slice(&ops.into_bytes());
+        lent.bytes.extend_from_slice(rows);
         record.take_back(lent);
         record
     }
@@ -1015,13 +1020,8 @@ mod tests {
         rows.extend_from_slice(&key);
         rows.extend_from_slice(&3u32.to_le_bytes());
         rows.extend_from_slice(b"row");
-        let mut record = RecordBuf::default();
-        record.start();
-        let mut lent = record.lend();
-        lent.bytes.extend_from_slice(&rows);
-        record.take_back(lent);
         new_log_of(&store, log_layout)
-            .append(&mut record, Urgency::May)
+            .append(&mut record_of_rows(&rows), Urgency::May)
             .unwrap();
         (dir, store, db)
     }
