@@ -114,9 +114,6 @@ async fn a_store_of_layout_8_killed_with_rows_in_its_redo_log_applies_them_then_
     .await;
 }
 
-/// Opens a copy of the fixture `name`, checks the log names each of
-/// `steps` (migrations, the redo log applied), then every read the fixture
-/// recorded, the audit chain, the file's tables, and a restart.
 /// The reads the berth that wrote fixture `name` answered.
 fn recorded_reads(name: &str) -> Vec<Value> {
     let reads: Vec<Value> = serde_json::from_str(
@@ -163,7 +160,7 @@ fn audit_verifies(dir: &Path) {
 
 /// The layout version the store file at `path` records.
 fn recorded_layout(path: &Path) -> u32 {
-    const META: redb::TableDefinition<&str, &[u8]> = redb::TableDefinition::new("meta");
+    use berth::store::tables::META;
     let db = redb::Database::open(path).unwrap();
     let txn = redb::ReadableDatabase::begin_read(&db).unwrap();
     let meta = txn.open_table(META).unwrap();
@@ -176,6 +173,9 @@ fn recorded_layout(path: &Path) -> u32 {
     u32::from_le_bytes(v.try_into().unwrap())
 }
 
+/// Opens a copy of the fixture `name`, checks the log names each of
+/// `steps` (migrations, the redo log applied), then every read the fixture
+/// recorded, the audit chain, the file's tables, and a restart.
 async fn migrates_and_reads_back_equal(name: &str, steps: &[&str]) {
     let reads = recorded_reads(name);
     let dir = data_dir_with(&format!("layout-{name}"), name);
@@ -227,11 +227,10 @@ async fn migrates_and_reads_back_equal(name: &str, steps: &[&str]) {
 async fn a_store_newer_than_this_berth_is_refused_with_both_versions() {
     let dir = data_dir_with_fixture("layout-newer");
     let path = dir.join("data/berth.redb");
-    const META: redb::TableDefinition<&str, &[u8]> = redb::TableDefinition::new("meta");
     {
         let db = redb::Database::create(&path).unwrap();
         let txn = db.begin_write().unwrap();
-        txn.open_table(META)
+        txn.open_table(berth::store::tables::META)
             .unwrap()
             .insert("schema_version", 99u32.to_le_bytes().as_slice())
             .unwrap();
