@@ -289,7 +289,7 @@ impl Rx {
     /// Rows and bytes of the kept events (a baseline for verify: reading
     /// without checking).
     pub fn count_audit_rows(&self) -> StoreResult<(u64, u64)> {
-        let events = self.txn.open_table(AUDIT_EVENTS)?;
+        let events = self.rows(AUDIT_EVENTS)?;
         let (mut rows, mut bytes) = (0u64, 0u64);
         for entry in events.iter()? {
             let (_, v) = entry?;
@@ -303,7 +303,7 @@ impl Rx {
     /// rows from redb while another hashes them, in batches, so reading
     /// and hashing overlap on two cores.
     pub fn walk_audit(&self, walk: &mut Walk) -> StoreResult<()> {
-        let events = self.txn.open_table(AUDIT_EVENTS)?;
+        let events = self.rows(AUDIT_EVENTS)?;
         /// Rows in one buffer: (seq, end offset) per row.
         #[derive(Default)]
         struct Batch {
@@ -448,6 +448,7 @@ impl ReadOnlyStore {
     pub fn read(&self) -> StoreResult<Rx> {
         Ok(Rx {
             txn: self.db.begin_read()?,
+            seen: None,
         })
     }
 }

@@ -156,6 +156,9 @@ type Sink<'a> = &'a mut dyn FnMut(Row) -> StoreResult<()>;
 impl Rx {
     /// How many rows a carried table holds (for progress).
     pub fn carried_rows(&self, table: Table) -> StoreResult<u64> {
+        // An export reads a stopped store or a snapshot, never the live
+        // one (whose rows since the last checkpoint are in its overlay).
+        debug_assert!(self.seen.is_none(), "an export of the live store");
         if !self.has_table(table)? {
             return Ok(0);
         }
@@ -207,6 +210,7 @@ impl Rx {
 
     /// Every row of the carried `table`, in key order, to `each`.
     pub fn dump(&self, table: Table, each: Sink<'_>) -> StoreResult<()> {
+        debug_assert!(self.seen.is_none(), "an export of the live store");
         if !self.has_table(table)? {
             return Ok(());
         }
@@ -612,6 +616,7 @@ pub fn inspect(path: &Path) -> StoreResult<Inspection> {
         })?;
     let rx = Rx {
         txn: redb::ReadableDatabase::begin_read(&db)?,
+        seen: None,
     };
     let holds_state = rx.carried_rows(Table::Deployments)? > 0
         || rx.carried_rows(Table::Builds)? > 0

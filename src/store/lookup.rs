@@ -5,7 +5,8 @@
 use redb::{ReadableTable, TableDefinition};
 
 use super::tables::*;
-use super::{decode, get_record, DeliveryRecord, IdempotencyRecord, StoreResult, WebhookRecord};
+use super::view::Rows;
+use super::{decode, DeliveryRecord, IdempotencyRecord, StoreResult, WebhookRecord};
 use crate::model::{
     BuildId, BuildKind, BuildRecord, BuildSnapshots, BuildStatus, DeploymentRecord, NodeSbom,
     Source, UpdateTry,
@@ -16,30 +17,30 @@ type RecordTable<K> = TableDefinition<'static, K, &'static [u8]>;
 
 /// Lookups of single records by key, in a read or a write transaction.
 pub trait Lookup {
-    /// Opens `table` for reading in this transaction.
+    /// Opens `table` for reading in this transaction, as it sees it.
     fn open<K: redb::Key + 'static>(
         &self,
         table: RecordTable<K>,
-    ) -> StoreResult<impl ReadableTable<K, &'static [u8]> + '_>;
+    ) -> StoreResult<Rows<'_, K, &'static [u8], impl ReadableTable<K, &'static [u8]> + '_>>;
 
     fn deployment(&self, id: &str) -> StoreResult<Option<DeploymentRecord>> {
-        get_record(&self.open(DEPLOYMENTS)?, id)
+        self.open(DEPLOYMENTS)?.record(id)
     }
 
     fn build(&self, id: BuildId) -> StoreResult<Option<BuildRecord>> {
-        get_record(&self.open(BUILDS)?, id)
+        self.open(BUILDS)?.record(id)
     }
 
     fn build_snapshots(&self, id: BuildId) -> StoreResult<Option<BuildSnapshots>> {
-        get_record(&self.open(BUILD_SNAPSHOTS)?, id)
+        self.open(BUILD_SNAPSHOTS)?.record(id)
     }
 
     fn source(&self, digest: &str) -> StoreResult<Option<Source>> {
-        get_record(&self.open(SOURCES)?, digest)
+        self.open(SOURCES)?.record(digest)
     }
 
     fn update_try(&self, deployment: &str) -> StoreResult<Option<UpdateTry>> {
-        get_record(&self.open(UPDATE_TRIES)?, deployment)
+        self.open(UPDATE_TRIES)?.record(deployment)
     }
 
     /// A deployment's SBOM nodes, by node name.
@@ -58,7 +59,7 @@ pub trait Lookup {
     }
 
     fn webhook(&self, id: u128) -> StoreResult<Option<WebhookRecord>> {
-        get_record(&self.open(WEBHOOKS)?, id)
+        self.open(WEBHOOKS)?.record(id)
     }
 
     /// Every subscription, oldest first (at most `--max-webhooks`).
@@ -73,8 +74,7 @@ pub trait Lookup {
     }
 
     fn delivery(&self, webhook: u128, id: u128) -> StoreResult<Option<DeliveryRecord>> {
-        let t = self.open_deliveries()?;
-        get_record(&t, (webhook, id))
+        self.open_deliveries()?.record((webhook, id))
     }
 
     /// A subscription's deliveries, newest first, older than `before`,
@@ -99,12 +99,17 @@ pub trait Lookup {
     }
 
     /// Opens the deliveries table (its key is a pair).
-    fn open_deliveries(&self) -> StoreResult<impl ReadableTable<(u128, u128), &'static [u8]> + '_> {
+    #[allow(clippy::type_complexity)]
+    fn open_deliveries(
+        &self,
+    ) -> StoreResult<
+        Rows<'_, (u128, u128), &'static [u8], impl ReadableTable<(u128, u128), &'static [u8]> + '_>,
+    > {
         self.open(WEBHOOK_DELIVERIES)
     }
 
     fn idempotency(&self, key: &str) -> StoreResult<Option<IdempotencyRecord>> {
-        get_record(&self.open(IDEMPOTENCY)?, key)
+        self.open(IDEMPOTENCY)?.record(key)
     }
 
     /// The newest succeeded deploy build of `d` older than its deployed
@@ -120,7 +125,7 @@ pub trait Lookup {
         for entry in index.range(range)?.rev() {
             let (k, _) = entry?;
             let id = k.value().2;
-            let Some(b) = get_record::<u128, BuildRecord>(&builds, id)? else {
+            let Some(b) = builds.record::<BuildRecord>(id)? else {
                 continue;
             };
             if b.kind == BuildKind::Deploy && b.status == BuildStatus::Succeeded {
@@ -135,8 +140,8 @@ impl Lookup for super::Tx<'_> {
     fn open<K: redb::Key + 'static>(
         &self,
         table: RecordTable<K>,
-    ) -> StoreResult<impl ReadableTable<K, &'static [u8]> + '_> {
-        self.table_to_read(table)
+    ) -> StoreResult<Rows<'_, K, &'static [u8], impl ReadableTable<K, &'static [u8]> + '_>> {
+        Ok(Rows::stored(self.table_to_read(table)?))
     }
 }
 
@@ -144,7 +149,7 @@ impl Lookup for super::Rx {
     fn open<K: redb::Key + 'static>(
         &self,
         table: RecordTable<K>,
-    ) -> StoreResult<impl ReadableTable<K, &'static [u8]> + '_> {
-        Ok(self.txn.open_table(table)?)
+    ) -> StoreResult<Rows<'_, K, &'static [u8], impl ReadableTable<K, &'static [u8]> + '_>> {
+        self.rows(table)
     }
 }

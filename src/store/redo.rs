@@ -237,6 +237,10 @@ pub struct RedoLog {
     layout: u32,
     /// How long between checkpoints, at most.
     pub checkpoint_every: Duration,
+    /// The write transaction holding every row logged since the last
+    /// checkpoint, which the next one commits durably (`writer.rs`):
+    /// kept with the log, under its lock, since the two go together.
+    pub(super) pending: Option<WriteTransaction>,
 }
 
 fn io_error(e: std::io::Error) -> StoreError {
@@ -306,6 +310,7 @@ impl RedoLog {
             generation: at.generation,
             layout,
             checkpoint_every,
+            pending: None,
         })
     }
 
@@ -693,6 +698,32 @@ impl<'a> Cursor<'a> {
     }
 }
 
+/// One record's rows, as written by this berth (the writer publishes a
+/// batch's rows to readers from its record, `overlay.rs`).
+pub(super) fn ops_in(payload: &[u8]) -> StoreResult<Vec<super::overlay::Op<'_>>> {
+    use super::overlay::Op;
+    let mut c = Cursor { bytes: payload };
+    let mut ops = Vec::new();
+    while !c.bytes.is_empty() {
+        let name_len = c.take(1)?[0] as usize;
+        let table = std::str::from_utf8(c.take(name_len)?)
+            .ok()
+            .and_then(Table::named)
+            .ok_or_else(|| StoreError::corrupt("a redo record names a table this berth lacks"))?;
+        ops.push(match c.take(1)?[0] {
+            OP_INSERT => Op::Insert(table, c.sized()?, c.sized()?),
+            OP_REMOVE => Op::Remove(table, c.sized()?),
+            OP_CLEAR => Op::Clear(table),
+            _ => {
+                return Err(StoreError::corrupt(
+                    "a redo record holds an unknown operation",
+                ))
+            }
+        });
+    }
+    Ok(ops)
+}
+
 /// Applies one record's rows, written at `layout`.
 fn apply_payload(txn: &WriteTransaction, payload: &[u8], layout: u32) -> StoreResult<()> {
     let mut c = Cursor { bytes: payload };
@@ -719,6 +750,29 @@ fn apply_payload(txn: &WriteTransaction, payload: &[u8], layout: u32) -> StoreRe
                 ))
             }
         }
+    }
+    Ok(())
+}
+
+/// The overlay's rows of one table written again into a new pending
+/// transaction (`writer::restore`): the table emptied first if the
+/// overlay emptied it.
+pub(super) fn apply_rows(
+    txn: &WriteTransaction,
+    table: Table,
+    cleared: bool,
+    rows: &[super::overlay::OverlayRow],
+) -> StoreResult<()> {
+    if cleared {
+        apply(txn, LoggedTable::Current(table), None, None)?;
+    }
+    for (key, value) in rows {
+        apply(
+            txn,
+            LoggedTable::Current(table),
+            Some(key),
+            value.as_deref(),
+        )?;
     }
     Ok(())
 }
@@ -805,15 +859,15 @@ pub(super) fn records_in(path: &Path) -> usize {
 
 /// Every row of `table` as redb's bytes, for tests that compare stores.
 #[cfg(test)]
-pub(super) fn raw_rows(txn: &redb::ReadTransaction, table: Table) -> Vec<(Vec<u8>, Vec<u8>)> {
-    struct Rows<'t>(&'t redb::ReadTransaction);
+pub(super) fn raw_rows(rx: &super::Rx, table: Table) -> Vec<(Vec<u8>, Vec<u8>)> {
+    struct Rows<'t>(&'t super::Rx);
     impl EachTable for Rows<'_> {
         type Output = Vec<(Vec<u8>, Vec<u8>)>;
         fn with<K: Key + 'static, V: Value + 'static>(
             &mut self,
             def: TableDefinition<'static, K, V>,
         ) -> Self::Output {
-            let t = self.0.open_table(def).unwrap();
+            let t = self.0.rows(def).unwrap();
             t.iter()
                 .unwrap()
                 .map(|e| {
@@ -825,7 +879,7 @@ pub(super) fn raw_rows(txn: &redb::ReadTransaction, table: Table) -> Vec<(Vec<u8
                 .collect()
         }
     }
-    table.visit(&mut Rows(txn))
+    table.visit(&mut Rows(rx))
 }
 
 #[cfg(test)]

@@ -1,28 +1,61 @@
 //! Typed reads inside a read transaction: a consistent snapshot (MVCC),
 //! on the caller's thread.
 
-use redb::{ReadTransaction, ReadableTable, ReadableTableMetadata};
+use redb::ReadTransaction;
 
+use super::overlay::Seen;
 use super::tables::*;
+use super::view::Rows;
 use super::{
     decode, decode_counts, row_seq, split_component_row, ChunkPlace, PendingCallback, StoreError,
     StoreResult, StoredEvent, BUILD_COUNTS_KEY,
 };
 use crate::model::{BuildId, BuildRecord, DeploymentRecord, NodeSbom};
 
-/// Typed access inside a read transaction (a consistent snapshot).
+/// Typed access inside a read transaction (a consistent snapshot): redb's
+/// read transaction and what the reader sees of the overlay, taken
+/// together (`overlay::Overlay::begin`).
 pub struct Rx {
     pub(super) txn: ReadTransaction,
+    /// `None` for a file no berth writes (a reader of a snapshot).
+    pub(super) seen: Option<Seen>,
 }
 
 impl Rx {
+    /// Opens `def` as this reader sees it: redb's rows and the overlay's.
+    pub(super) fn rows<K: redb::Key + 'static, V: redb::Value + 'static>(
+        &self,
+        def: redb::TableDefinition<'static, K, V>,
+    ) -> StoreResult<Rows<'_, K, V, redb::ReadOnlyTable<K, V>>> {
+        self.with_overlay(self.txn.open_table(def)?, def)
+    }
+
+    fn with_overlay<K: redb::Key + 'static, V: redb::Value + 'static>(
+        &self,
+        stored: redb::ReadOnlyTable<K, V>,
+        def: redb::TableDefinition<'static, K, V>,
+    ) -> StoreResult<Rows<'_, K, V, redb::ReadOnlyTable<K, V>>> {
+        let overlay = match &self.seen {
+            Some(seen) => Some((
+                seen,
+                super::view::table_named(redb::TableHandle::name(&def))?,
+            )),
+            None => None,
+        };
+        Ok(Rows {
+            stored,
+            overlay,
+            types: std::marker::PhantomData,
+        })
+    }
+
     /// Deployments with id > `after`, in id order, at most `limit`.
     pub fn deployments_after(
         &self,
         after: Option<&str>,
         limit: usize,
     ) -> StoreResult<Vec<DeploymentRecord>> {
-        let t = self.txn.open_table(DEPLOYMENTS)?;
+        let t = self.rows(DEPLOYMENTS)?;
         let mut out = Vec::new();
         let iter = match after {
             Some(a) => {
@@ -41,7 +74,7 @@ impl Rx {
     }
 
     pub fn deployment_count(&self) -> StoreResult<u64> {
-        Ok(self.txn.open_table(DEPLOYMENTS)?.len()?)
+        Ok(self.rows(DEPLOYMENTS)?.len()?)
     }
 
     /// Builds of one deployment older than `before`, newest first.
@@ -51,8 +84,8 @@ impl Rx {
         before: Option<BuildId>,
         limit: usize,
     ) -> StoreResult<Vec<BuildRecord>> {
-        let index = self.txn.open_table(DEPLOYMENT_ROWS)?;
-        let builds = self.txn.open_table(BUILDS)?;
+        let index = self.rows(DEPLOYMENT_ROWS)?;
+        let builds = self.rows(BUILDS)?;
         let range = match before {
             Some(before) => {
                 index.range(Part::Build.key(deployment, 0)..Part::Build.key(deployment, before))?
@@ -75,7 +108,7 @@ impl Rx {
 
     /// How many builds a deployment has (from the index; nothing decoded).
     pub fn build_count(&self, deployment: &str) -> StoreResult<usize> {
-        let index = self.txn.open_table(DEPLOYMENT_ROWS)?;
+        let index = self.rows(DEPLOYMENT_ROWS)?;
         let mut n = 0;
         for entry in index.range(Part::Build.all(deployment))? {
             entry?;
@@ -86,7 +119,7 @@ impl Rx {
 
     /// Every queued build id with its deployment, oldest first.
     pub fn queued(&self) -> StoreResult<Vec<(BuildId, String)>> {
-        let t = self.txn.open_table(QUEUED)?;
+        let t = self.rows(QUEUED)?;
         let mut out = Vec::new();
         for entry in t.iter()? {
             let (k, v) = entry?;
@@ -96,7 +129,7 @@ impl Rx {
     }
 
     pub fn running(&self) -> StoreResult<Vec<(BuildId, String)>> {
-        let t = self.txn.open_table(RUNNING)?;
+        let t = self.rows(RUNNING)?;
         let mut out = Vec::new();
         for entry in t.iter()? {
             let (k, v) = entry?;
@@ -108,7 +141,7 @@ impl Rx {
     /// The layout version the file records (`None`: never opened by berth).
     pub fn layout_version(&self) -> StoreResult<Option<u32>> {
         let meta = match self.txn.open_table(META) {
-            Ok(meta) => meta,
+            Ok(meta) => self.with_overlay(meta, META)?,
             Err(redb::TableError::TableDoesNotExist(_)) => return Ok(None),
             Err(e) => return Err(e.into()),
         };
@@ -122,7 +155,7 @@ impl Rx {
 
     /// Every build by status, as kept by each status change.
     pub fn build_status_counts(&self) -> StoreResult<[u64; 5]> {
-        match self.txn.open_table(META)?.get(BUILD_COUNTS_KEY)? {
+        match self.rows(META)?.get(BUILD_COUNTS_KEY)? {
             Some(v) => decode_counts(v.value()),
             // Every layout since version 4 has them (`layout`).
             None => Err(StoreError::corrupt("meta.build_counts is missing")),
@@ -133,7 +166,7 @@ impl Rx {
     /// chunk is indexed (the layout migration to version 2 indexed the
     /// older ones), so an index that disagrees with the build is damage.
     pub fn log_index(&self, build: BuildId, chunks: u32) -> StoreResult<Vec<ChunkPlace>> {
-        let t = self.txn.open_table(LOG_INDEX)?;
+        let t = self.rows(LOG_INDEX)?;
         let mut out = Vec::with_capacity(chunks as usize);
         for entry in t.range((build, 0u32)..=(build, u32::MAX))? {
             let (k, v) = entry?;
@@ -154,7 +187,7 @@ impl Rx {
 
     /// One compressed log chunk (without its header).
     pub fn log_chunk(&self, build: BuildId, number: u32) -> StoreResult<Option<Vec<u8>>> {
-        let t = self.txn.open_table(LOG_CHUNKS)?;
+        let t = self.rows(LOG_CHUNKS)?;
         let Some(v) = t.get((build, number))? else {
             return Ok(None);
         };
@@ -167,7 +200,7 @@ impl Rx {
 
     /// A build's stored status events, in seq order.
     pub fn build_events(&self, build: BuildId) -> StoreResult<Vec<(u64, StoredEvent)>> {
-        let t = self.txn.open_table(BUILD_EVENTS)?;
+        let t = self.rows(BUILD_EVENTS)?;
         let mut out = Vec::new();
         for entry in t.range((build, 0u64)..=(build, u64::MAX))? {
             let (k, v) = entry?;
@@ -183,7 +216,7 @@ impl Rx {
         after: u64,
         limit: usize,
     ) -> StoreResult<Vec<(u64, StoredEvent)>> {
-        let t = self.txn.open_table(DEPLOYMENT_ROWS)?;
+        let t = self.rows(DEPLOYMENT_ROWS)?;
         let mut out = Vec::new();
         // No event follows the largest seq (a client's cursor may name it).
         let Some(from) = after.checked_add(1) else {
@@ -201,14 +234,14 @@ impl Rx {
 
     /// The oldest kept event seq of a deployment's channel.
     pub fn first_deployment_event(&self, deployment: &str) -> StoreResult<Option<u64>> {
-        let t = self.txn.open_table(DEPLOYMENT_ROWS)?;
+        let t = self.rows(DEPLOYMENT_ROWS)?;
         let first = t.range(Part::Event.all(deployment))?.next().transpose()?;
         first.map(|(k, _)| row_seq(k.value().2)).transpose()
     }
 
     /// Every deployment id (for sweeps).
     pub fn deployment_ids(&self) -> StoreResult<Vec<String>> {
-        let t = self.txn.open_table(DEPLOYMENTS)?;
+        let t = self.rows(DEPLOYMENTS)?;
         let mut out = Vec::new();
         for entry in t.iter()? {
             out.push(entry?.0.value().to_string());
@@ -217,7 +250,7 @@ impl Rx {
     }
 
     pub fn describe(&self, digest: &str) -> StoreResult<Option<String>> {
-        let t = self.txn.open_table(DESCRIBE_CACHE)?;
+        let t = self.rows(DESCRIBE_CACHE)?;
         let v = t.get(digest)?;
         Ok(v.map(|v| String::from_utf8_lossy(v.value()).into_owned()))
     }
@@ -225,7 +258,7 @@ impl Rx {
     /// Pending webhook deliveries due at `now`, soonest first, at most
     /// `limit`: (webhook, delivery).
     pub fn due_deliveries(&self, now: i64, limit: usize) -> StoreResult<Vec<(u128, u128)>> {
-        let t = self.txn.open_table(WEBHOOK_DUE)?;
+        let t = self.rows(WEBHOOK_DUE)?;
         let mut out = Vec::new();
         for entry in t.range((i64::MIN, 0u128, 0u128)..=(now, u128::MAX, u128::MAX))? {
             let (k, _) = entry?;
@@ -240,11 +273,11 @@ impl Rx {
 
     /// Pending webhook deliveries (`/metrics`).
     pub fn pending_deliveries(&self) -> StoreResult<u64> {
-        Ok(self.txn.open_table(WEBHOOK_DUE)?.len()?)
+        Ok(self.rows(WEBHOOK_DUE)?.len()?)
     }
 
     pub fn callbacks(&self) -> StoreResult<Vec<(BuildId, PendingCallback)>> {
-        let t = self.txn.open_table(CALLBACKS)?;
+        let t = self.rows(CALLBACKS)?;
         let mut out = Vec::new();
         for entry in t.iter()? {
             let (k, v) = entry?;
@@ -254,8 +287,7 @@ impl Rx {
     }
 
     pub fn sbom_node(&self, deployment: &str, node: &str) -> StoreResult<Option<NodeSbom>> {
-        self.txn
-            .open_table(SBOM_NODES)?
+        self.rows(SBOM_NODES)?
             .get((deployment, node))?
             .map(|v| decode(v.value()))
             .transpose()
@@ -267,7 +299,7 @@ impl Rx {
         hash: &[u8; 32],
         f: impl FnOnce(&[u8]) -> R,
     ) -> StoreResult<Option<R>> {
-        let t = self.txn.open_table(SBOM_COMPONENTS)?;
+        let t = self.rows(SBOM_COMPONENTS)?;
         let Some(row) = t.get(hash.as_slice())? else {
             return Ok(None);
         };
@@ -276,7 +308,7 @@ impl Rx {
 
     /// A component's compressed text.
     pub fn component(&self, hash: &[u8; 32]) -> StoreResult<Option<Vec<u8>>> {
-        let t = self.txn.open_table(SBOM_COMPONENTS)?;
+        let t = self.rows(SBOM_COMPONENTS)?;
         let Some(row) = t.get(hash.as_slice())? else {
             return Ok(None);
         };
@@ -285,22 +317,18 @@ impl Rx {
 
     /// Whether a component is stored.
     pub fn has_component(&self, hash: &[u8; 32]) -> StoreResult<bool> {
-        Ok(self
-            .txn
-            .open_table(SBOM_COMPONENTS)?
-            .get(hash.as_slice())?
-            .is_some())
+        Ok(self.rows(SBOM_COMPONENTS)?.get(hash.as_slice())?.is_some())
     }
 
     /// Stored components (distinct, across every deployment).
     pub fn component_count(&self) -> StoreResult<u64> {
-        Ok(self.txn.open_table(SBOM_COMPONENTS)?.len()?)
+        Ok(self.rows(SBOM_COMPONENTS)?.len()?)
     }
 
     /// Stored components and the bytes they take (compressed, with their
     /// reference counts).
     pub fn component_totals(&self) -> StoreResult<(u64, u64)> {
-        let t = self.txn.open_table(SBOM_COMPONENTS)?;
+        let t = self.rows(SBOM_COMPONENTS)?;
         let mut bytes = 0u64;
         for entry in t.iter()? {
             let (k, v) = entry?;

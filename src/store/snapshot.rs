@@ -31,7 +31,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use redb::{Key, ReadableDatabase, ReadableTable, TableDefinition, Value};
+use redb::{Key, TableDefinition, Value};
 
 use super::tables::{EachTable, Table};
 use super::{StoreError, StoreResult};
@@ -136,14 +136,14 @@ impl Drop for SnapshotServer {
 
 /// The live handle to copy from: `None` once the store is gone (closed,
 /// or reopening after an I/O error).
-pub(super) type Current = dyn Fn() -> Option<Arc<redb::Database>> + Send;
+pub(super) type Current = dyn Fn() -> StoreResult<super::Rx> + Send;
 
 /// Starts answering snapshot requests for the store at `store`, read
 /// through `current`. A socket that cannot be made (a path too long for
 /// one, a file system without sockets) costs only the live readers, so it
 /// is logged, not fatal.
 pub(super) fn serve(
-    current: impl Fn() -> Option<Arc<redb::Database>> + Send + 'static,
+    current: impl Fn() -> StoreResult<super::Rx> + Send + 'static,
     store: &Path,
 ) -> Option<SnapshotServer> {
     let dir = dir_of(store);
@@ -365,9 +365,11 @@ fn copy(
     to: &Path,
     scope: Scope,
 ) -> Result<(), Failed> {
-    let db = current().ok_or_else(StoreError::reopening)?;
-    let from = db.begin_read()?;
-    room_for_a_copy(copy_bytes(&from, store, scope)?, dir).map_err(Failed::NoRoom)?;
+    // A reader of the live store: the rows acknowledged since the last
+    // checkpoint come from the overlay, so the copy holds every write
+    // acknowledged before the request.
+    let from = current()?;
+    room_for_a_copy(copy_bytes(&from.txn, store, scope)?, dir).map_err(Failed::NoRoom)?;
     let out = redb::Database::create(to)?;
     let txn = out.begin_write()?;
     for table in scope.tables() {
@@ -383,7 +385,7 @@ fn copy(
 }
 
 struct CopyTable<'a> {
-    from: &'a redb::ReadTransaction,
+    from: &'a super::Rx,
     to: &'a redb::WriteTransaction,
 }
 
@@ -393,7 +395,7 @@ impl EachTable for CopyTable<'_> {
         &mut self,
         def: TableDefinition<'static, K, V>,
     ) -> StoreResult<()> {
-        let source = self.from.open_table(def)?;
+        let source = self.from.rows(def)?;
         let mut target = self.to.open_table(def)?;
         for row in source.iter()? {
             let (key, value) = row?;

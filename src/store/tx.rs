@@ -19,7 +19,7 @@ use crate::model::{
 
 /// A table's entry in `enum Table`, which the redo log names it by.
 fn logged_id(name: &str) -> StoreResult<Table> {
-    Table::named(name).ok_or_else(|| StoreError::other("a table missing from `enum Table`"))
+    super::view::table_named(name)
 }
 
 /// Typed access inside a write transaction, shared by the jobs of one

@@ -22,9 +22,10 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use redb::{Database, Durability, WriteTransaction};
+use redb::{Database, Durability, ReadableDatabase, WriteTransaction};
 use tokio::sync::mpsc;
 
+use super::overlay::Overlay;
 use super::redo::{self, RedoLog};
 use super::{StoreError, StoreResult, Tx, MAX_JOBS_PER_COMMIT};
 
@@ -64,10 +65,13 @@ pub(super) struct Shared {
     /// before any write transaction begins, by every user, so the two
     /// locks are always taken in one order.
     pub(super) redo: Option<std::sync::Mutex<RedoLog>>,
+    /// The rows logged since the last checkpoint, for readers (empty
+    /// without a redo log).
+    pub(super) overlay: Overlay,
 }
 
 impl Shared {
-    fn redo_log(&self) -> Option<std::sync::MutexGuard<'_, RedoLog>> {
+    pub(super) fn redo_log(&self) -> Option<std::sync::MutexGuard<'_, RedoLog>> {
         self.redo
             .as_ref()
             .map(|m| m.lock().unwrap_or_else(|p| p.into_inner()))
@@ -83,7 +87,23 @@ impl Shared {
         let Some(db) = self.current() else {
             return Err(StoreError::reopening());
         };
-        checkpoint_with(&db, &mut log)
+        checkpoint_with(&db, &mut log, &self.overlay)
+    }
+
+    /// A reader: redb's read transaction and, with a redo log, what it
+    /// sees of the overlay, taken together.
+    pub(super) fn begin_read(&self, db: &Database) -> StoreResult<super::Rx> {
+        if self.redo.is_none() {
+            return Ok(super::Rx {
+                txn: db.begin_read()?,
+                seen: None,
+            });
+        }
+        let (txn, seen) = self.overlay.begin(|| db.begin_read())?;
+        Ok(super::Rx {
+            txn,
+            seen: Some(seen),
+        })
     }
 
     pub(super) fn current(&self) -> Option<Arc<Database>> {
@@ -94,6 +114,11 @@ impl Shared {
     /// old read transactions still hold the file. Leaves `None` when it
     /// cannot open yet (the next write tries again).
     pub(super) fn reopen(&self) {
+        // The rows of an open write transaction are all in the log, which
+        // the reopen applies again.
+        if let Some(mut log) = self.redo_log() {
+            drop(log.pending.take());
+        }
         let old = self.db.write().unwrap_or_else(|p| p.into_inner()).take();
         drop(old);
         // The read-only handle (if any) would keep the writer out.
@@ -126,6 +151,8 @@ impl Shared {
                 Ok(db) => {
                     tracing::warn!(path = %self.path.display(), "store reopened after an I/O error");
                     *self.db.write().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(db));
+                    // redb's commits now hold every row the overlay did.
+                    self.overlay.restart();
                     return;
                 }
                 Err(e) => {
@@ -180,15 +207,40 @@ pub(super) fn open_database(path: &Path, sharing: super::Sharing) -> StoreResult
         .create(path)?)
 }
 
-/// A checkpoint: one `Immediate` commit recording `log`'s generation, then
-/// the log starts again one generation on (see `redo.rs`).
-fn checkpoint_with(db: &Database, log: &mut RedoLog) -> StoreResult<()> {
-    let mut txn = db.begin_write()?;
-    txn.set_durability(Durability::Immediate)
-        .map_err(|e| StoreError::other(e.to_string()))?;
-    redo::record_generation(&txn, log.generation)?;
-    txn.commit()?;
+/// A checkpoint: the pending write transaction (every row logged since
+/// the last checkpoint) commits durably, recording `log`'s generation;
+/// then readers find its rows in redb, the overlay starts a new
+/// generation, and the log starts again one generation on (see
+/// `redo.rs`). A commit that fails without losing the handle (not an I/O
+/// error) leaves the rows in a new pending transaction, given again from
+/// the overlay.
+fn checkpoint_with(db: &Database, log: &mut RedoLog, overlay: &Overlay) -> StoreResult<()> {
+    let txn = match log.pending.take() {
+        Some(txn) => txn,
+        None => begin(db)?,
+    };
+    let committed = redo::record_generation(&txn, log.generation)
+        .and_then(|()| txn.commit().map_err(StoreError::from));
+    if let Err(e) = committed {
+        if !e.is_transient() {
+            log.pending = Some(restore(db, overlay)?);
+        }
+        return Err(e);
+    }
+    overlay.restart();
     log.restart(log.generation + 1)
+}
+
+/// A new pending write transaction holding the overlay's rows: what an
+/// aborted one held (a batch that failed part-way, or a checkpoint whose
+/// commit failed), since the overlay holds every row logged since the
+/// last checkpoint and nothing else.
+fn restore(db: &Database, overlay: &Overlay) -> StoreResult<WriteTransaction> {
+    let txn = begin(db)?;
+    for (table, cleared, rows) in overlay.latest() {
+        redo::apply_rows(&txn, table, cleared, &rows)?;
+    }
+    Ok(txn)
 }
 
 /// After a checkpoint fails, the next waits this long, doubling with
@@ -223,7 +275,7 @@ pub(super) fn writer_loop(shared: Arc<Shared>, mut rx: mpsc::Receiver<WriteJob>)
         };
         // Before the transaction: the one lock order (`Shared::redo`).
         let mut log = shared.redo_log();
-        let txn = match begin(&db, log.is_some()) {
+        let txn = match pending_or_begin(&db, log.as_deref_mut()) {
             Ok(t) => t,
             Err(err) => {
                 tracing::error!(error = %err, "store write transaction could not start");
@@ -257,15 +309,22 @@ pub(super) fn writer_loop(shared: Arc<Shared>, mut rx: mpsc::Receiver<WriteJob>)
         let job_failed = failed.iter().any(Option::is_some);
         let refused = if job_failed {
             // A job failed part-way: nothing of this batch may land.
-            let _ = txn.abort();
-            None
+            abandon(txn, &db, log.as_deref_mut(), &shared.overlay).err()
         } else {
             // A batch takes the reserve only if every job in it may.
             let urgency = match batch.iter().all(|j| j.urgency == redo::Urgency::Must) {
                 true => redo::Urgency::Must,
                 false => redo::Urgency::May,
             };
-            commit(txn, log.as_deref_mut(), &mut record, urgency).err()
+            commit(
+                txn,
+                &db,
+                log.as_deref_mut(),
+                &shared.overlay,
+                &mut record,
+                urgency,
+            )
+            .err()
         };
         if !job_failed && refused.is_none() {
             hooks.into_iter().for_each(|hook| hook());
@@ -277,7 +336,7 @@ pub(super) fn writer_loop(shared: Arc<Shared>, mut rx: mpsc::Receiver<WriteJob>)
                         && last_checkpoint.elapsed() >= checkpoint_retry);
                 if due {
                     last_checkpoint = std::time::Instant::now();
-                    match checkpoint_with(&db, log) {
+                    match checkpoint_with(&db, log, &shared.overlay) {
                         Ok(()) => checkpoint_retry = std::time::Duration::ZERO,
                         Err(e) => {
                             // The log still holds every commit since the
@@ -286,7 +345,7 @@ pub(super) fn writer_loop(shared: Arc<Shared>, mut rx: mpsc::Receiver<WriteJob>)
                                 .clamp(CHECKPOINT_RETRY_MIN, CHECKPOINT_RETRY_MAX);
                             tracing::error!(error = %e, retry_in = ?checkpoint_retry, log_bytes = log.bytes(),
                                 "store checkpoint failed; commits go on into the redo log");
-                            handle_lost = e.is_transient();
+                            handle_lost = e.is_transient() || log.pending.is_none();
                         }
                     }
                 }
@@ -330,7 +389,8 @@ pub(super) fn writer_loop(shared: Arc<Shared>, mut rx: mpsc::Receiver<WriteJob>)
                     false
                 }
                 (None, Some(db), _) => {
-                    run_alone(db, job, log.as_deref_mut(), &mut record) == Some(true)
+                    run_alone(db, job, log.as_deref_mut(), &shared.overlay, &mut record)
+                        == Some(true)
                 }
                 (None, None, _) => {
                     (job.finish)(Some(closed_or_reopening(&shared)));
@@ -359,14 +419,23 @@ fn renew<'s>(
     *log = shared.redo_log();
 }
 
-/// A write transaction: non-durable when a redo log makes it durable.
-fn begin(db: &Database, logged: bool) -> StoreResult<WriteTransaction> {
+/// A write transaction, committed durably: without a redo log, by its
+/// batch; with one, by the next checkpoint.
+fn begin(db: &Database) -> StoreResult<WriteTransaction> {
     let mut txn = db.begin_write()?;
-    if logged {
-        txn.set_durability(Durability::None)
-            .map_err(|e| StoreError::other(e.to_string()))?;
-    }
+    txn.set_durability(Durability::Immediate)
+        .map_err(|e| StoreError::other(e.to_string()))?;
     Ok(txn)
+}
+
+/// The transaction a batch runs in: with a redo log, the pending one that
+/// holds every row logged since the last checkpoint (a new one after a
+/// checkpoint); without, its own.
+fn pending_or_begin(db: &Database, log: Option<&mut RedoLog>) -> StoreResult<WriteTransaction> {
+    match log.and_then(|log| log.pending.take()) {
+        Some(txn) => Ok(txn),
+        None => begin(db),
+    }
 }
 
 /// A commit that did not land: why, and whether the handle went with it
@@ -384,12 +453,45 @@ impl Refused {
     }
 }
 
-/// Commits a batch: with a redo log, its rows are appended and synced
-/// first (a log that cannot be written aborts the transaction), and a
-/// redb commit that fails after that takes the record back.
+/// Drops what a batch wrote: without a redo log its transaction aborts;
+/// with one, the pending transaction held earlier batches' rows too, so a
+/// new one is given them again from the overlay (`restore`). A restore
+/// that fails loses the handle (the reopen replays the log).
+fn abandon(
+    txn: WriteTransaction,
+    db: &Database,
+    log: Option<&mut RedoLog>,
+    overlay: &Overlay,
+) -> Result<(), Refused> {
+    let _ = txn.abort();
+    let Some(log) = log else {
+        return Ok(());
+    };
+    match restore(db, overlay) {
+        Ok(txn) => {
+            log.pending = Some(txn);
+            Ok(())
+        }
+        Err(error) => {
+            tracing::error!(error = %error, "cannot restore the pending transaction; reopening the store");
+            Err(Refused {
+                error,
+                handle_lost: true,
+            })
+        }
+    }
+}
+
+/// Commits a batch. Without a redo log, redb's durable commit. With one,
+/// its rows are appended to the log and synced, then published to
+/// readers (the overlay), and the transaction stays pending until the
+/// next checkpoint; a log that cannot be written drops the batch's rows
+/// (`abandon`).
 fn commit(
     txn: WriteTransaction,
+    db: &Database,
     log: Option<&mut RedoLog>,
+    overlay: &Overlay,
     record: &mut redo::RecordBuf,
     urgency: redo::Urgency,
 ) -> Result<(), Refused> {
@@ -397,7 +499,8 @@ fn commit(
         return txn.commit().map_err(|e| Refused::by_redb(e.into()));
     };
     if record.rows().is_empty() {
-        return txn.commit().map_err(|e| Refused::by_redb(e.into()));
+        log.pending = Some(txn);
+        return Ok(());
     }
     let end = log.bytes();
     let appended = match crate::failpoints::hit_in("redo.append", record.rows()) {
@@ -405,25 +508,27 @@ fn commit(
         false => log.append(record, urgency),
     };
     if let Err(error) = appended {
-        let _ = txn.abort();
+        abandon(txn, db, Some(log), overlay)?;
         return Err(Refused {
             error,
             handle_lost: false,
         });
     }
-    let committed = match crate::failpoints::hit_in("redo.commit", record.rows()) {
-        true => {
-            let _ = txn.abort();
-            Err(StoreError::injected("redo.commit"))
-        }
-        false => txn.commit().map_err(StoreError::from),
+    let published = match crate::failpoints::hit_in("redo.commit", record.rows()) {
+        true => Err(StoreError::injected("redo.commit")),
+        false => redo::ops_in(record.rows()).map(|ops| overlay.publish(ops)),
     };
-    if let Err(e) = committed {
+    if let Err(error) = published {
         if let Err(undo) = log.take_back(end) {
             tracing::error!(error = %undo, "cannot take a refused commit back out of the redo log");
         }
-        return Err(Refused::by_redb(e));
+        abandon(txn, db, Some(log), overlay)?;
+        return Err(Refused {
+            error,
+            handle_lost: false,
+        });
     }
+    log.pending = Some(txn);
     Ok(())
 }
 
@@ -448,18 +553,20 @@ fn closed_or_reopening(shared: &Shared) -> StoreError {
     }
 }
 
-/// Runs one job in its own transaction, committed as any batch is (with a
-/// redo log, through it: a full disk then refuses the append, cheaply,
-/// and leaves the handle whole). Returns `Some(true)` when the handle must
-/// be reopened (an I/O error in redb's commit), `Some(false)` on another
-/// failure, `None` when it committed.
+/// Runs one job in a transaction of its own (with a redo log, the pending
+/// one, with nothing of another job in it), committed as any batch is
+/// (with a redo log, through it: a full disk then refuses the append,
+/// cheaply, and leaves the handle whole). Returns `Some(true)` when the
+/// handle must be reopened (an I/O error in redb), `Some(false)` on
+/// another failure, `None` when it committed.
 fn run_alone(
     db: &Database,
     mut job: WriteJob,
-    log: Option<&mut RedoLog>,
+    mut log: Option<&mut RedoLog>,
+    overlay: &Overlay,
     record: &mut redo::RecordBuf,
 ) -> Option<bool> {
-    let txn = match begin(db, log.is_some()) {
+    let txn = match pending_or_begin(db, log.as_deref_mut()) {
         Ok(t) => t,
         Err(err) => {
             let transient = err.is_transient();
@@ -475,11 +582,11 @@ fn run_alone(
         record.take_back(ops);
     }
     if let Some(e) = failure {
-        let _ = txn.abort();
+        let lost = abandon(txn, db, log, overlay).is_err();
         (job.finish)(Some(e));
-        return Some(false);
+        return Some(lost);
     }
-    match commit(txn, log, record, job.urgency) {
+    match commit(txn, db, log, overlay, record, job.urgency) {
         Ok(()) => {
             hooks.into_iter().for_each(|hook| hook());
             (job.finish)(None);
