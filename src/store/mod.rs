@@ -154,6 +154,7 @@ impl Store {
             sharing,
             redo,
             overlay: overlay::Overlay::default(),
+            sweeper: std::sync::Mutex::new(None),
         });
         // Readers in other processes cannot open a file held alone: they
         // ask for a snapshot (`snapshot.rs`), read from the live handle.

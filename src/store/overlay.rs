@@ -58,6 +58,50 @@ impl Ord for RowKey {
 /// A row's value as a batch left it: `None` when the batch removed it.
 pub(super) type Version = Option<Arc<[u8]>>;
 
+/// A row's versions in batch order: most rows of a generation are
+/// written once, so one version is kept without a `Vec` of its own (an
+/// allocation less per row, on the writer thread).
+enum Versions {
+    One((u64, Version)),
+    Many(Vec<(u64, Version)>),
+}
+
+impl Versions {
+    fn as_slice(&self) -> &[(u64, Version)] {
+        match self {
+            Versions::One(v) => std::slice::from_ref(v),
+            Versions::Many(vs) => vs,
+        }
+    }
+
+    fn last_mut(&mut self) -> Option<&mut (u64, Version)> {
+        match self {
+            Versions::One(v) => Some(v),
+            Versions::Many(vs) => vs.last_mut(),
+        }
+    }
+
+    fn push(&mut self, version: (u64, Version)) {
+        *self = match std::mem::replace(self, Versions::Many(Vec::new())) {
+            Versions::One(first) => Versions::Many(vec![first, version]),
+            Versions::Many(vs) if vs.is_empty() => Versions::One(version),
+            Versions::Many(mut vs) => {
+                vs.push(version);
+                Versions::Many(vs)
+            }
+        };
+    }
+
+    fn pop(&mut self) {
+        match self {
+            Versions::One(_) => *self = Versions::Many(Vec::new()),
+            Versions::Many(vs) => {
+                vs.pop();
+            }
+        }
+    }
+}
+
 /// One table's rows written in a generation, each with its versions in
 /// batch order.
 struct TableRows {
@@ -68,7 +112,7 @@ struct TableRows {
     /// the first on, redb's rows of the table are not there, and from
     /// each on, no version written before it.
     clears: Vec<u64>,
-    rows: BTreeMap<RowKey, Vec<(u64, Version)>>,
+    rows: BTreeMap<RowKey, Versions>,
 }
 
 impl TableRows {
@@ -200,33 +244,41 @@ impl Overlay {
 
     /// Adds one batch's rows (after its sync), visible to readers that
     /// begin from now on.
+    ///
+    /// Called only by the holder of the redo log's lock (the writer, or a
+    /// checkpoint at close), as `restart` is, so the two never interleave.
     pub(super) fn publish<'a>(&self, ops: impl IntoIterator<Item = Op<'a>>) {
-        let mut state = self.lock();
-        let seq = state.published + 1;
+        // Keys and values are copied before any lock is taken, so readers
+        // never wait on the allocations; the new versions are invisible
+        // until `published` names their batch.
+        let staged: Vec<(Table, Option<(RowKey, Version)>)> = ops
+            .into_iter()
+            .map(|op| match op {
+                Op::Insert(table, key, value) => {
+                    (table, Some((row_key(table, key), Some(value.into()))))
+                }
+                Op::Remove(table, key) => (table, Some((row_key(table, key), None))),
+                Op::Clear(table) => (table, None),
+            })
+            .collect();
+        let (generation, seq) = {
+            let state = self.lock();
+            (state.current.clone(), state.published + 1)
+        };
         {
-            let mut tables = state
-                .current
-                .tables
-                .write()
-                .unwrap_or_else(|p| p.into_inner());
-            for op in ops {
-                match op {
-                    Op::Insert(table, key, value) => push(
-                        rows_of_mut(&mut tables, table),
-                        key,
-                        seq,
-                        Some(value.into()),
-                    ),
-                    Op::Remove(table, key) => push(rows_of_mut(&mut tables, table), key, seq, None),
-                    Op::Clear(table) => {
-                        let rows = rows_of_mut(&mut tables, table);
+            let mut tables = generation.tables.write().unwrap_or_else(|p| p.into_inner());
+            for (table, row) in staged {
+                let rows = rows_of_mut(&mut tables, table);
+                match row {
+                    Some((key, version)) => push(rows, key, seq, version),
+                    None => {
                         // What this batch wrote before the clear goes
                         // with it (a version of this batch is after it).
                         rows.rows.retain(|_, versions| {
-                            if versions.last().is_some_and(|(s, _)| *s == seq) {
+                            if versions.as_slice().last().is_some_and(|(s, _)| *s == seq) {
                                 versions.pop();
                             }
-                            !versions.is_empty()
+                            !versions.as_slice().is_empty()
                         });
                         if rows.clears.last() != Some(&seq) {
                             rows.clears.push(seq);
@@ -235,14 +287,17 @@ impl Overlay {
                 }
             }
         }
-        state.published = seq;
+        self.lock().published = seq;
     }
 
     /// Starts a new generation: redb now holds every row of the old one
-    /// durably (a checkpoint), or again (a reopen's replay).
-    pub(super) fn restart(&self) {
+    /// durably (a checkpoint), or again (a reopen's replay). Returns the
+    /// old one, for the caller to drop where its thousands of rows' frees
+    /// cost no writer time (readers that began before may still hold it).
+    #[must_use = "the old generation is dropped where the caller says"]
+    pub(super) fn restart(&self) -> Arc<Generation> {
         let mut state = self.lock();
-        state.current = Arc::new(Generation::new());
+        std::mem::replace(&mut state.current, Arc::new(Generation::new()))
     }
 
     /// Every row of the generation being written, as its last batch left
@@ -264,7 +319,7 @@ impl Overlay {
                     .rows
                     .iter()
                     .filter_map(|(k, versions)| {
-                        let (seq, v) = versions.last()?;
+                        let (seq, v) = versions.as_slice().last()?;
                         // A version from before the last clear went with it.
                         let cleared = t.clears.last().is_some_and(|c| seq < c);
                         (!cleared).then(|| (k.bytes.clone(), v.clone()))
@@ -293,14 +348,27 @@ fn rows_of_mut(tables: &mut [TableRows], table: Table) -> &mut TableRows {
     rows
 }
 
-fn push(rows: &mut TableRows, key: &[u8], seq: u64, version: Version) {
-    let key = rows.key(key);
-    let versions = rows.rows.entry(key).or_default();
-    debug_assert!(versions.last().is_none_or(|(s, _)| *s <= seq));
-    match versions.last_mut() {
-        // A batch that wrote a row twice keeps its last value.
-        Some((s, v)) if *s == seq => *v = version,
-        _ => versions.push((seq, version)),
+fn row_key(table: Table, key: &[u8]) -> RowKey {
+    RowKey {
+        bytes: key.into(),
+        compare: compare_of(table),
+    }
+}
+
+fn push(rows: &mut TableRows, key: RowKey, seq: u64, version: Version) {
+    match rows.rows.entry(key) {
+        std::collections::btree_map::Entry::Vacant(e) => {
+            e.insert(Versions::One((seq, version)));
+        }
+        std::collections::btree_map::Entry::Occupied(mut e) => {
+            let versions = e.get_mut();
+            debug_assert!(versions.as_slice().last().is_none_or(|(s, _)| *s <= seq));
+            match versions.last_mut() {
+                // A batch that wrote a row twice keeps its last value.
+                Some((s, v)) if *s == seq => *v = version,
+                _ => versions.push((seq, version)),
+            }
+        }
     }
 }
 
@@ -322,7 +390,7 @@ impl Seen {
             match rows
                 .rows
                 .get(&rows.key(key))
-                .and_then(|v| rows.visible(v, self.upto))
+                .and_then(|v| rows.visible(v.as_slice(), self.upto))
             {
                 Some(v) => Found::Here(v.clone()),
                 None if hidden => Found::Here(None),
@@ -357,7 +425,7 @@ impl Seen {
             rows.rows
                 .range((bound(start), bound(end)))
                 .filter_map(|(k, versions)| {
-                    let v = rows.visible(versions, self.upto)?;
+                    let v = rows.visible(versions.as_slice(), self.upto)?;
                     Some((k.bytes.clone(), v.clone()))
                 })
                 .collect()
@@ -432,7 +500,7 @@ mod tests {
         );
         assert_eq!(late.get(Table::Builds, &one), Found::Stored);
         // A new generation after a checkpoint: the old reader keeps its.
-        o.restart();
+        drop(o.restart());
         let ((), after) = o.begin(|| Ok::<_, ()>(())).unwrap();
         assert_eq!(after.get(Table::Webhooks, &one), Found::Stored);
         assert_eq!(

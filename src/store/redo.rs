@@ -5,11 +5,12 @@
 //! Why it exists: a redb commit that is durable on its own writes every
 //! page its copy-on-write B-trees dirtied (about 37 for a submit) and syncs
 //! twice. With the log, a group commit is one append of the rows it wrote
-//! and one fdatasync; the redb transaction commits non-durably (visible to
-//! this process's readers at once), and a checkpoint every
-//! `CHECKPOINT_INTERVAL` (or `CHECKPOINT_BYTES` of log) makes redb durable
-//! with one `Immediate` commit and empties the log. At open, the records
-//! written after the last checkpoint are applied again.
+//! and one fdatasync; redb's write transaction stays open (`pending`),
+//! the rows reach this process's readers through the overlay
+//! (`overlay.rs`), and a checkpoint every `CHECKPOINT_INTERVAL` (or
+//! `CHECKPOINT_BYTES` of log) commits the transaction durably and empties
+//! the log. At open, the records written after the last checkpoint are
+//! applied again.
 //!
 //! The log is written from its start again after each checkpoint, over the
 //! bytes already there (created as `PREALLOCATED_BYTES` of zeros), so a
@@ -26,8 +27,9 @@
 //! that would have made it so did not return) and ends the replay.
 //!
 //! The order that keeps an answer honest: the batch's rows are appended and
-//! synced *before* the redb transaction commits. A log that cannot be
-//! written aborts the transaction, so a refused batch changes nothing.
+//! synced *before* any reader can see them. A log that cannot be written
+//! drops the batch's rows (`writer::abandon`), so a refused batch changes
+//! nothing.
 //!
 //! redb refuses non-durable commits when other processes may read the
 //! file, so the default shared store (`berth audit verify` and `export`
