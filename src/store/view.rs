@@ -232,59 +232,66 @@ fn next_of<K: Key + 'static, V: Value + 'static>(
     })
 }
 
-impl<'a, K: Key + 'static, V: Value + 'static> Iterator for Merged<'a, K, V> {
-    type Item = Result<RowPair<'a, K, V>, StorageError>;
-
-    fn next(&mut self) -> Option<Self::Item> {
+impl<'a, K: Key + 'static, V: Value + 'static> Merged<'a, K, V> {
+    /// The next row from the front (`forward`) or the back.
+    fn step(&mut self, forward: bool) -> Option<Result<RowPair<'a, K, V>, StorageError>> {
+        let Merged {
+            stored,
+            front,
+            back,
+            over,
+        } = self;
+        let (mine, other) = match forward {
+            true => (front, back),
+            false => (back, front),
+        };
         loop {
-            if self.front.is_none() {
-                match self.stored.as_mut().and_then(Iterator::next) {
-                    Some(Ok(row)) => self.front = Some(row),
+            if mine.is_none() {
+                let next = stored.as_mut().and_then(|s| match forward {
+                    true => s.next(),
+                    false => s.next_back(),
+                });
+                match next {
+                    Some(Ok(row)) => *mine = Some(row),
                     Some(Err(e)) => return Some(Err(e)),
-                    None => self.front = self.back.take(),
+                    // Spent from this end: the other end's row is the last.
+                    None => *mine = other.take(),
                 }
             }
-            let next = next_of(self.front.as_ref(), self.over.front(), true)?;
+            let over_next = match forward {
+                true => over.front(),
+                false => over.back(),
+            };
+            let next = next_of(mine.as_ref(), over_next, forward)?;
             if next == Next::Stored {
-                let (k, v) = self.front.take()?;
+                let (k, v) = mine.take()?;
                 return Some(Ok((Row::Stored(k), Row::Stored(v))));
             }
             if next == Next::Both {
-                self.front = None;
+                *mine = None;
             }
-            if let Some(row) = Self::overlay_row(self.over.pop_front()) {
+            let taken = match forward {
+                true => over.pop_front(),
+                false => over.pop_back(),
+            };
+            if let Some(row) = Self::overlay_row(taken) {
                 return Some(Ok(row));
             }
         }
     }
 }
 
+impl<'a, K: Key + 'static, V: Value + 'static> Iterator for Merged<'a, K, V> {
+    type Item = Result<RowPair<'a, K, V>, StorageError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        self.step(true)
+    }
+}
+
 impl<K: Key + 'static, V: Value + 'static> DoubleEndedIterator for Merged<'_, K, V> {
     fn next_back(&mut self) -> Option<Self::Item> {
-        loop {
-            if self.back.is_none() {
-                match self
-                    .stored
-                    .as_mut()
-                    .and_then(DoubleEndedIterator::next_back)
-                {
-                    Some(Ok(row)) => self.back = Some(row),
-                    Some(Err(e)) => return Some(Err(e)),
-                    None => self.back = self.front.take(),
-                }
-            }
-            let next = next_of(self.back.as_ref(), self.over.back(), false)?;
-            if next == Next::Stored {
-                let (k, v) = self.back.take()?;
-                return Some(Ok((Row::Stored(k), Row::Stored(v))));
-            }
-            if next == Next::Both {
-                self.back = None;
-            }
-            if let Some(row) = Self::overlay_row(self.over.pop_back()) {
-                return Some(Ok(row));
-            }
-        }
+        self.step(false)
     }
 }
 
