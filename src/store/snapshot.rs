@@ -63,6 +63,9 @@ const SNAPSHOT_MAX_AGE: Duration = Duration::from_secs(3600);
 /// store file's own size (an upper bound of any copy): a copy that filled
 /// the disk would make the server's next checkpoint fail.
 const SNAPSHOT_HEADROOM_BYTES: u64 = 64 << 20;
+// The copy's size below leaves out the rows since the last checkpoint
+// (the overlay's, copied too): at most a log's worth, inside the headroom.
+const _: () = assert!(SNAPSHOT_HEADROOM_BYTES > super::redo::MAX_LOG_BYTES);
 
 /// What a reader needs copied.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -294,7 +297,9 @@ impl<E: Into<StoreError>> From<E> for Failed {
 /// The bytes a copy of `scope` takes at most: for the audit tables, what
 /// redb says they hold (their pages, used, bookkeeping and fragmented); for
 /// every table, the store file's size (walking every table of a large
-/// store to size it would read it all twice).
+/// store to size it would read it all twice). The rows since the last
+/// checkpoint are not counted: they are at most a redo log's worth, which
+/// `SNAPSHOT_HEADROOM_BYTES` holds.
 fn copy_bytes(from: &redb::ReadTransaction, store: &Path, scope: Scope) -> StoreResult<u64> {
     struct TableBytes<'a>(&'a redb::ReadTransaction);
     impl EachTable for TableBytes<'_> {
