@@ -20,8 +20,9 @@
 //! aborted whole and a new one is given the overlay's rows again
 //! (`restore`), which are exactly the rows acknowledged since the last
 //! checkpoint. (Measured against one non-durable redb commit per batch:
-//! the writer's CPU per submit fell by about 40% at one connection; the
-//! README's "One transaction per checkpoint".)
+//! the writer's user CPU per submit fell by about a third at one
+//! connection, and not measurably at 32; the README's "One transaction
+//! per checkpoint".)
 //!
 //! With a redo log, a log that refuses an append (a full disk) aborts the
 //! batch and leaves the handle whole (`Refused::handle_lost` is false), so
@@ -108,7 +109,9 @@ impl Shared {
     /// Drops an overlay generation a checkpoint retired on a thread of
     /// its own (`berth-store-sweep`, started with the first): freeing a
     /// checkpoint's rows took ~4% of the writer thread at 32 connections.
-    /// Where that thread cannot start, it is dropped here.
+    /// Where that thread cannot start, it is dropped here. The channel
+    /// needs no bound: one generation comes per checkpoint, and freeing
+    /// one takes a fraction of the interval.
     pub(super) fn retire(&self, old: Arc<super::overlay::Generation>) {
         let mut sweeper = self.sweeper.lock().unwrap_or_else(|p| p.into_inner());
         if sweeper.is_none() {
