@@ -725,6 +725,68 @@ mod tests {
         let _ = std::fs::remove_dir_all(dir);
     }
 
+    /// With a redo log a failed batch aborts the pending transaction,
+    /// which also held the batches acknowledged before it since the last
+    /// checkpoint: they are given back (`writer::restore`) to readers, to
+    /// the next job's own reads and to a restart's replay, and the failed
+    /// batch's row to none of them.
+    #[tokio::test]
+    async fn a_failed_batch_after_acknowledged_ones_keeps_them_for_readers_jobs_and_a_restart() {
+        let dir = std::env::temp_dir().join(format!("berth-store-{}-restore", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("copy")).unwrap();
+        let path = dir.join("berth.redb");
+        let store = Store::open_shared(
+            &path,
+            Sharing::Exclusive {
+                checkpoint_every: std::time::Duration::from_secs(60),
+            },
+        )
+        .unwrap();
+        let source = |n: u32| Source {
+            url: format!("https://example.org/{n}"),
+            rev: "r".into(),
+            digest: format!("d{n}"),
+        };
+        for n in 1..=3 {
+            store
+                .write(move |tx| tx.put_source(&source(n)))
+                .await
+                .unwrap();
+        }
+        let failed = store
+            .write(move |tx| -> StoreResult<()> {
+                tx.put_source(&source(9))?;
+                Err(StoreError::corrupt("simulated failure after a write"))
+            })
+            .await;
+        assert!(failed.is_err());
+        let in_job = store
+            .write(move |tx| {
+                let kept: Vec<bool> = (1..=3)
+                    .map(|n| tx.source(&source(n).digest).map(|s| s.is_some()))
+                    .collect::<StoreResult<_>>()?;
+                Ok((kept, tx.source("d9")?.is_some()))
+            })
+            .await
+            .unwrap();
+        assert_eq!(in_job, (vec![true; 3], false), "what the next job read");
+        let check = |rx: &Rx| {
+            for n in 1..=3 {
+                assert_eq!(rx.source(&source(n).digest).unwrap(), Some(source(n)));
+            }
+            assert_eq!(rx.source("d9").unwrap(), None);
+        };
+        check(&store.read().unwrap());
+        // Nothing was checkpointed (60 s): the copy holds them only in its
+        // redo log, and its open replays them.
+        std::fs::copy(&path, dir.join("copy/berth.redb")).unwrap();
+        std::fs::copy(redo::path_of(&path), dir.join("copy/berth.redo")).unwrap();
+        let replayed = Store::open(&dir.join("copy/berth.redb")).unwrap();
+        check(&replayed.read().unwrap());
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
     #[tokio::test]
     async fn a_failed_job_aborts_its_batch_and_hooks_run_only_after_commit() {
         let (store, dir) = temp_store("hooks");
