@@ -420,6 +420,23 @@ mod tests {
     use super::*;
     use crate::model::Source;
 
+    /// A store held alone (with its redo log) in a new directory of its
+    /// own, with a `copy/` directory beside the store for a copy of it.
+    fn logged_store(
+        tag: &str,
+        checkpoint_every: std::time::Duration,
+    ) -> (Store, std::path::PathBuf) {
+        let dir = std::env::temp_dir().join(format!("berth-store-{}-{tag}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("copy")).unwrap();
+        let store = Store::open_shared(
+            &dir.join("berth.redb"),
+            Sharing::Exclusive { checkpoint_every },
+        )
+        .unwrap();
+        (store, dir)
+    }
+
     fn temp_store(tag: &str) -> (Store, std::path::PathBuf) {
         let dir = std::env::temp_dir().join(format!("berth-store-{}-{tag}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
@@ -488,17 +505,8 @@ mod tests {
     /// generation mark aside.
     #[tokio::test]
     async fn a_replay_of_the_redo_log_rebuilds_every_row_exactly() {
-        let dir = std::env::temp_dir().join(format!("berth-store-{}-redo", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(dir.join("copy")).unwrap();
+        let (store, dir) = logged_store("redo", std::time::Duration::from_secs(60));
         let path = dir.join("berth.redb");
-        let store = Store::open_shared(
-            &path,
-            Sharing::Exclusive {
-                checkpoint_every: std::time::Duration::from_secs(60),
-            },
-        )
-        .unwrap();
         let event = |at| StoredEvent {
             event: "deployment".into(),
             data: "{}".into(),
@@ -554,16 +562,7 @@ mod tests {
     /// checkpoint swaps the overlay only once redb holds its rows.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn readers_racing_checkpoints_miss_no_acknowledged_write() {
-        let dir = std::env::temp_dir().join(format!("berth-store-{}-race", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        let store = Store::open_shared(
-            &dir.join("berth.redb"),
-            Sharing::Exclusive {
-                checkpoint_every: std::time::Duration::from_millis(1),
-            },
-        )
-        .unwrap();
+        let (store, dir) = logged_store("race", std::time::Duration::from_millis(1));
         let acked = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let reader = {
@@ -732,17 +731,8 @@ mod tests {
     /// batch's row to none of them.
     #[tokio::test]
     async fn a_failed_batch_after_acknowledged_ones_keeps_them_for_readers_jobs_and_a_restart() {
-        let dir = std::env::temp_dir().join(format!("berth-store-{}-restore", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(dir.join("copy")).unwrap();
+        let (store, dir) = logged_store("restore", std::time::Duration::from_secs(60));
         let path = dir.join("berth.redb");
-        let store = Store::open_shared(
-            &path,
-            Sharing::Exclusive {
-                checkpoint_every: std::time::Duration::from_secs(60),
-            },
-        )
-        .unwrap();
         let source = |n: u32| Source {
             url: format!("https://example.org/{n}"),
             rev: "r".into(),
