@@ -4,7 +4,7 @@
 //! Why it exists: every read of berth's own process goes through here,
 //! so no reader can forget the rows acknowledged since the last
 //! checkpoint, which redb's read transactions do not hold yet. It reads
-//! as redb's table does (`get`, `range`, `iter`, `first`, `last`, `len`,
+//! as redb's table does (`get`, `range`, `iter`, `last`, `len`,
 //! rows whose `value()` decodes), so a reader's code is the same whether
 //! a row comes from redb or from the overlay; a write job's reads use the
 //! same type with no overlay (its write transaction holds every row).
@@ -136,10 +136,6 @@ impl<'r, K: Key + 'static, V: Value + 'static, T: ReadableTable<K, V>> Rows<'r, 
             false => Some(self.stored.iter()?),
         };
         Ok(Merged::new(stored, over))
-    }
-
-    pub fn first(&self) -> Result<Option<RowPair<'_, K, V>>, StorageError> {
-        self.iter()?.next().transpose()
     }
 
     pub fn last(&self) -> Result<Option<RowPair<'_, K, V>>, StorageError> {
