@@ -16,9 +16,10 @@
 //! - `submit.job`: a submit's write job (subject: the deployment id);
 //! - `audit.alone`: the audit event of a call that changed nothing;
 //! - `redo.append`: a redo log append (the batch's transaction aborts);
-//! - `redo.commit`: the step right after a redo log append, which
+//! - `redo.commit`: the step right after a redo log append's sync, which
 //!   publishes the batch's rows to readers (the record is taken back out
-//!   of the log, the batch's rows dropped). Both take as argument bytes the
+//!   of the log, the batch's rows dropped; for a batch synced behind the
+//!   writer, `store/syncer.rs`, with every batch handed over after it). Both take as argument bytes the
 //!   batch's rows must hold (`redo.commit=return(dep-id)`);
 //! - `recover.job`: a start's write that marks an interrupted build failed
 //!   (subject: the build id). It fails as a full disk does, a failure that

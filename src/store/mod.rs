@@ -24,6 +24,7 @@ mod records;
 pub mod redo;
 mod rx;
 pub mod snapshot;
+mod syncer;
 pub mod tables;
 mod tx;
 mod view;
@@ -146,6 +147,17 @@ impl Store {
             }
             Sharing::LiveReaders => None,
         };
+        let overlay = Arc::new(overlay::Overlay::default());
+        let syncer = match &redo {
+            Some(log) => {
+                let file = log
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .sync_handle()?;
+                Some(syncer::Syncer::start(file, overlay.clone())?)
+            }
+            None => None,
+        };
         let shared = Arc::new(Shared {
             path: path.to_path_buf(),
             db: std::sync::RwLock::new(Some(Arc::new(db))),
@@ -153,7 +165,8 @@ impl Store {
             closed: std::sync::atomic::AtomicBool::new(false),
             sharing,
             redo,
-            overlay: overlay::Overlay::default(),
+            overlay,
+            syncer,
             sweeper: std::sync::Mutex::new(None),
         });
         // Readers in other processes cannot open a file held alone: they
@@ -774,6 +787,162 @@ mod tests {
         std::fs::copy(redo::path_of(&path), dir.join("copy/berth.redo")).unwrap();
         let replayed = Store::open(&dir.join("copy/berth.redb")).unwrap();
         check(&replayed.read().unwrap());
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    /// Sources `first..first + count` written by as many concurrent
+    /// writes (so most queue behind one another and go to the syncer),
+    /// each with a hook that records it ran; what each write returned.
+    async fn concurrent_sources(
+        store: &Store,
+        first: u32,
+        count: u32,
+        hooked: &Arc<std::sync::Mutex<Vec<u32>>>,
+    ) -> Vec<(u32, StoreResult<()>)> {
+        let writes = (first..first + count).map(|n| {
+            let hooked = hooked.clone();
+            async move {
+                let written = store
+                    .write(move |tx| {
+                        let hooked = hooked.clone();
+                        tx.after_commit(move || hooked.lock().unwrap().push(n));
+                        tx.put_source(&numbered_source(n))
+                    })
+                    .await;
+                (n, written)
+            }
+        });
+        futures_util::future::join_all(writes).await
+    }
+
+    fn numbered_source(n: u32) -> Source {
+        Source {
+            url: format!("https://example.org/{n}"),
+            rev: "r".into(),
+            digest: format!("source-{n}"),
+        }
+    }
+
+    /// Every write that was answered Ok is read back, and none refused.
+    #[cfg(feature = "failpoints")]
+    fn check_sources(rx: &Rx, writes: &[(u32, StoreResult<()>)]) {
+        for (n, w) in writes {
+            let found = rx.source(&format!("source-{n}")).unwrap();
+            assert_eq!(found.is_some(), w.is_ok(), "source {n}: {w:?}");
+        }
+    }
+
+    fn syncer_counted(store: &Store) -> syncer::Counted {
+        let syncer = store.shared.syncer.as_ref();
+        syncer.expect("a store with a redo log").counted()
+    }
+
+    /// Writes that queue behind one another are synced by the syncer
+    /// thread, not the writer: every one is answered, its hook runs once
+    /// and in order with the answers, and readers, the next write job, a
+    /// checkpoint and a copy's replay of the log all find it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn writes_synced_behind_the_writer_are_all_answered_read_and_replayed() {
+        let (store, dir) = logged_store("behind", std::time::Duration::from_secs(60));
+        let path = dir.join("berth.redb");
+        let hooked = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let written = concurrent_sources(&store, 0, 200, &hooked).await;
+        assert!(written.iter().all(|(_, w)| w.is_ok()), "{written:?}");
+        let counted = syncer_counted(&store);
+        assert!(
+            counted.handed > 0,
+            "no write went to the syncer: {counted:?}"
+        );
+        assert_eq!(counted.refused, 0);
+        let mut hooks = hooked.lock().unwrap().clone();
+        hooks.sort_unstable();
+        assert_eq!(hooks, (0..200).collect::<Vec<_>>(), "each hook once");
+        let rx = store.read().unwrap();
+        for n in 0..200 {
+            assert_eq!(
+                rx.source(&format!("source-{n}")).unwrap(),
+                Some(numbered_source(n))
+            );
+        }
+        let seen_by_a_job = store
+            .write(|tx| {
+                (0..200).try_fold(0, |found, n| {
+                    Ok(found + usize::from(tx.source(&format!("source-{n}"))?.is_some()))
+                })
+            })
+            .await
+            .unwrap();
+        assert_eq!(seen_by_a_job, 200);
+        // Not checkpointed (60 s): a copy holds them in its log only.
+        std::fs::copy(&path, dir.join("copy/berth.redb")).unwrap();
+        std::fs::copy(redo::path_of(&path), dir.join("copy/berth.redo")).unwrap();
+        let replayed = Store::open(&dir.join("copy/berth.redb")).unwrap();
+        let rx = replayed.read().unwrap();
+        for n in 0..200 {
+            assert_eq!(
+                rx.source(&format!("source-{n}")).unwrap(),
+                Some(numbered_source(n))
+            );
+        }
+        drop(rx);
+        drop(replayed);
+        store.shared.checkpoint().unwrap();
+        let rx = store.read().unwrap();
+        assert_eq!(rx.source("source-199").unwrap(), Some(numbered_source(199)));
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    /// A batch the syncer cannot publish (the `redo.commit` failpoint) is
+    /// refused with every batch handed over behind it; nothing refused
+    /// reaches a reader, a later job or a replay, everything answered does,
+    /// and the next writes land.
+    #[cfg(feature = "failpoints")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_batch_the_syncer_refuses_lands_nowhere_and_the_answered_ones_everywhere() {
+        let (store, dir) = logged_store("behind-refused", std::time::Duration::from_secs(60));
+        let path = dir.join("berth.redb");
+        let hooked = Arc::new(std::sync::Mutex::new(Vec::new()));
+        // Only the rows of source 1050 hold this (digest "source-1050").
+        fail::cfg("redo.commit", "return(source-1050)").unwrap();
+        let written = concurrent_sources(&store, 1000, 100, &hooked).await;
+        fail::remove("redo.commit");
+        let refused: Vec<u32> = written
+            .iter()
+            .filter(|(_, w)| w.is_err())
+            .map(|(n, _)| *n)
+            .collect();
+        assert!(refused.contains(&1050), "{written:?}");
+        let counted = syncer_counted(&store);
+        assert!(
+            counted.refused > 0,
+            "the failure did not meet the syncer: {counted:?}"
+        );
+        let answered: Vec<u32> = written
+            .iter()
+            .filter(|(_, w)| w.is_ok())
+            .map(|(n, _)| *n)
+            .collect();
+        let mut hooks = hooked.lock().unwrap().clone();
+        hooks.sort_unstable();
+        assert_eq!(hooks, answered, "hooks ran for exactly the answered writes");
+        let copy_and_check = |writes: &[(u32, StoreResult<()>)], to: &str| {
+            let copy = dir.join(to);
+            std::fs::create_dir_all(&copy).unwrap();
+            std::fs::copy(&path, copy.join("berth.redb")).unwrap();
+            std::fs::copy(redo::path_of(&path), copy.join("berth.redo")).unwrap();
+            let replayed = Store::open(&copy.join("berth.redb")).unwrap();
+            check_sources(&replayed.read().unwrap(), writes);
+        };
+        // Right away, while the refused records are the log's last: voided,
+        // a replay stops before them.
+        copy_and_check(&written, "copy/refused");
+        let later = concurrent_sources(&store, 2000, 20, &hooked).await;
+        assert!(later.iter().all(|(_, w)| w.is_ok()), "{later:?}");
+        let all: Vec<_> = written.into_iter().chain(later).collect();
+        check_sources(&store.read().unwrap(), &all);
+        copy_and_check(&all, "copy/later");
+        store.shared.checkpoint().unwrap();
+        check_sources(&store.read().unwrap(), &all);
         let _ = std::fs::remove_dir_all(dir);
     }
 

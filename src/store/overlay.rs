@@ -218,6 +218,28 @@ pub(super) struct Seen {
     upto: u64,
 }
 
+/// One batch's rows copied out of its redo record, ready to publish:
+/// keys and values are copied before any lock is taken, so readers never
+/// wait on the allocations (the new versions are invisible until
+/// `published` names their batch).
+pub(super) struct Staged(Vec<(Table, Option<(RowKey, Version)>)>);
+
+impl Staged {
+    pub(super) fn of<'a>(ops: impl IntoIterator<Item = Op<'a>>) -> Staged {
+        Staged(
+            ops.into_iter()
+                .map(|op| match op {
+                    Op::Insert(table, key, value) => {
+                        (table, Some((row_key(table, key), Some(value.into()))))
+                    }
+                    Op::Remove(table, key) => (table, Some((row_key(table, key), None))),
+                    Op::Clear(table) => (table, None),
+                })
+                .collect(),
+        )
+    }
+}
+
 /// One op of a batch, as the redo record holds it.
 pub(super) enum Op<'a> {
     Insert(Table, &'a [u8], &'a [u8]),
@@ -245,22 +267,18 @@ impl Overlay {
     /// Adds one batch's rows (after its sync), visible to readers that
     /// begin from now on.
     ///
-    /// Called only by the holder of the redo log's lock (the writer, or a
-    /// checkpoint at close), as `restart` is, so the two never interleave.
+    /// Called by the holder of the redo log's lock (the writer, or a
+    /// checkpoint at close), or for it by the log's syncer thread
+    /// (`syncer.rs`) for batches the holder handed it; `restart` comes
+    /// only from the holder once the syncer has nothing in hand
+    /// (`Syncer::settle`), so the two never interleave.
     pub(super) fn publish<'a>(&self, ops: impl IntoIterator<Item = Op<'a>>) {
-        // Keys and values are copied before any lock is taken, so readers
-        // never wait on the allocations; the new versions are invisible
-        // until `published` names their batch.
-        let staged: Vec<(Table, Option<(RowKey, Version)>)> = ops
-            .into_iter()
-            .map(|op| match op {
-                Op::Insert(table, key, value) => {
-                    (table, Some((row_key(table, key), Some(value.into()))))
-                }
-                Op::Remove(table, key) => (table, Some((row_key(table, key), None))),
-                Op::Clear(table) => (table, None),
-            })
-            .collect();
+        self.publish_staged(Staged::of(ops))
+    }
+
+    /// `publish`, of rows copied out beforehand (`Staged::of`), so the
+    /// thread that publishes needs nothing of the record they came from.
+    pub(super) fn publish_staged(&self, Staged(staged): Staged) {
         let (generation, seq) = {
             let state = self.lock();
             (state.current.clone(), state.published + 1)

@@ -325,6 +325,24 @@ impl RedoLog {
     /// failure the log is cut back to where it was (best effort; a torn
     /// tail is ignored by the replay).
     pub fn append(&mut self, record: &mut RecordBuf, urgency: Urgency) -> StoreResult<()> {
+        let start = self.write(record, urgency)?;
+        match self.file.sync_data() {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                // Whatever part of it reached the disk must never replay.
+                let _ = self.void_at(start);
+                self.end = start;
+                Err(io_error(e))
+            }
+        }
+    }
+
+    /// Writes `record` (its header filled in here) behind the last one,
+    /// not synced; returns where it starts. A sync of the log's file
+    /// (`sync_handle`) makes it durable; until then it must be voided
+    /// (`void_at`) if it is not to land. On a failed write the log is cut
+    /// back to where it was.
+    pub fn write(&mut self, record: &mut RecordBuf, urgency: Urgency) -> StoreResult<u64> {
         let payload_len = record.rows().len();
         if payload_len > MAX_RECORD_BYTES {
             return Err(StoreError::other(format!(
@@ -347,14 +365,11 @@ impl RedoLog {
         bytes[4..8].copy_from_slice(&(payload_len as u32).to_le_bytes());
         bytes[8..12].copy_from_slice(&crc.finalize().to_le_bytes());
         bytes[12..HEADER].copy_from_slice(&checked);
-        let written = self
-            .file
-            .write_all_at(bytes, self.end)
-            .and_then(|()| self.file.sync_data());
-        match written {
+        let start = self.end;
+        match self.file.write_all_at(bytes, start) {
             Ok(()) => {
                 self.end += bytes.len() as u64;
-                Ok(())
+                Ok(start)
             }
             Err(e) => {
                 // Whatever part of it reached the disk must never replay.
@@ -396,9 +411,21 @@ impl RedoLog {
     /// Overwrites the header of a record at `at` with zeros and syncs: the
     /// replay stops there.
     fn void_at(&self, at: u64) -> std::io::Result<()> {
-        self.file
-            .write_all_at(&[0u8; HEADER], at)
-            .and_then(|()| self.file.sync_data())
+        void_at(&self.file, at)
+    }
+
+    /// A second handle on the log's file, for the thread that syncs
+    /// records written behind the writer (`behind.rs`): a sync through
+    /// either makes the file's written bytes durable.
+    pub(super) fn sync_handle(&self) -> StoreResult<std::fs::File> {
+        self.file.try_clone().map_err(io_error)
+    }
+
+    /// After records written with `write` were voided (never to land):
+    /// the next record goes where the first of them began.
+    pub(super) fn rewind(&mut self, to: u64) {
+        debug_assert!(to <= self.end);
+        self.end = to;
     }
 
     /// Takes the last record back (its redb commit failed after the sync):
@@ -425,6 +452,13 @@ impl RedoLog {
         self.generation = at.generation;
         self.end = at.end;
     }
+}
+
+/// Overwrites the header of the record at `at` with zeros and syncs: a
+/// replay stops there, so neither it nor anything written after it lands.
+pub(super) fn void_at(file: &std::fs::File, at: u64) -> std::io::Result<()> {
+    file.write_all_at(&[0u8; HEADER], at)
+        .and_then(|()| file.sync_data())
 }
 
 /// The generation of the last checkpoint recorded in `txn`'s `meta`.

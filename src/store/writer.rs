@@ -24,6 +24,12 @@
 //! connection, and not measurably at 32; the README's "One transaction
 //! per checkpoint".)
 //!
+//! Under load a batch's sync is not waited out here: its record is
+//! written and the batch handed to the log's syncer thread (`syncer.rs`),
+//! which syncs, publishes and answers while this thread runs the next
+//! batch; the writer settles with it before a checkpoint, an abort or a
+//! reopen.
+//!
 //! With a redo log, a log that refuses an append (a full disk) aborts the
 //! batch and leaves the handle whole (`Refused::handle_lost` is false), so
 //! nothing is reopened; a checkpoint that fails loses the handle, which is
@@ -39,6 +45,7 @@ use tokio::sync::mpsc;
 
 use super::overlay::Overlay;
 use super::redo::{self, RedoLog};
+use super::syncer::{self, Syncer};
 use super::{StoreError, StoreResult, Tx, MAX_JOBS_PER_COMMIT};
 
 /// Work to run after the transaction that queued it is durable (publishing
@@ -78,8 +85,12 @@ pub(super) struct Shared {
     /// locks are always taken in one order.
     pub(super) redo: Option<std::sync::Mutex<RedoLog>>,
     /// The rows logged since the last checkpoint, for readers (empty
-    /// without a redo log).
-    pub(super) overlay: Overlay,
+    /// without a redo log); shared with the log's syncer thread.
+    pub(super) overlay: Arc<Overlay>,
+    /// The thread that syncs the redo log behind the writer (`syncer.rs`);
+    /// with a redo log only. Its batches are handed over under the log's
+    /// lock.
+    pub(super) syncer: Option<Syncer>,
     /// Where retired overlay generations are dropped (`retire`); the
     /// thread ends when this is dropped with the store.
     pub(super) sweeper:
@@ -159,8 +170,12 @@ impl Shared {
     /// cannot open yet (the next write tries again).
     pub(super) fn reopen(&self) {
         // The rows of an open write transaction are all in the log, which
-        // the reopen applies again.
+        // the reopen applies again: once the syncer has answered (or
+        // voided) every record handed to it.
         if let Some(mut log) = self.redo_log() {
+            if let Some(failure) = self.syncer.as_ref().and_then(Syncer::settle) {
+                rewind(&mut log, &failure);
+            }
             drop(log.pending.take());
         }
         let old = self.db.write().unwrap_or_else(|p| p.into_inner()).take();
@@ -260,6 +275,9 @@ pub(super) fn open_database(path: &Path, sharing: super::Sharing) -> StoreResult
 /// the overlay.
 fn checkpoint_with(shared: &Shared, db: &Database, log: &mut RedoLog) -> StoreResult<()> {
     let overlay = &shared.overlay;
+    // Every batch handed to the syncer answered, and a refused one's rows
+    // out of the pending transaction, before redb makes it durable.
+    settle(shared, db, log).map_err(|refused| refused.error)?;
     let txn = match log.pending.take() {
         Some(txn) => txn,
         None => begin(db)?,
@@ -320,6 +338,23 @@ pub(super) fn writer_loop(shared: Arc<Shared>, mut rx: mpsc::Receiver<WriteJob>)
         };
         // Before the transaction: the one lock order (`Shared::redo`).
         let mut log = shared.redo_log();
+        // Batches the syncer refused left their rows in the pending
+        // transaction: out with them before this batch runs in it.
+        let unsettled = match log.as_deref_mut() {
+            Some(log) if shared.syncer.as_ref().is_some_and(Syncer::failed) => {
+                settle(&shared, &db, log).err()
+            }
+            _ => None,
+        };
+        if let Some(refused) = unsettled {
+            batch
+                .into_iter()
+                .for_each(|job| (job.finish)(Some(refused.error.clone())));
+            drop(log);
+            drop(db);
+            shared.reopen();
+            continue;
+        }
         let txn = match pending_or_begin(&db, log.as_deref_mut()) {
             Ok(t) => t,
             Err(err) => {
@@ -352,26 +387,31 @@ pub(super) fn writer_loop(shared: Arc<Shared>, mut rx: mpsc::Receiver<WriteJob>)
             record.take_back(ops);
         }
         let job_failed = failed.iter().any(Option::is_some);
-        let refused = if job_failed {
-            // A job failed part-way: nothing of this batch may land.
-            abandon(txn, &db, log.as_deref_mut(), &shared.overlay).err()
-        } else {
-            // A batch takes the reserve only if every job in it may.
-            let urgency = match batch.iter().all(|j| j.urgency == redo::Urgency::Must) {
-                true => redo::Urgency::Must,
-                false => redo::Urgency::May,
-            };
-            commit(
-                txn,
-                &db,
-                log.as_deref_mut(),
-                &shared.overlay,
-                &mut record,
-                urgency,
-            )
-            .err()
+        // A batch takes the reserve only if every job in it may.
+        let urgency = match batch.iter().all(|j| j.urgency == redo::Urgency::Must) {
+            true => redo::Urgency::Must,
+            false => redo::Urgency::May,
+        };
+        let (refused, hooks, batch) = match log.as_deref_mut() {
+            _ if job_failed => {
+                // A job failed part-way: nothing of this batch may land.
+                let refused = abandon(&shared, txn, &db, log.as_deref_mut()).err();
+                (refused, hooks, batch)
+            }
+            Some(log) if goes_behind(&shared, batch.len(), !rx.is_empty()) => {
+                match hand_over(&shared, txn, &db, log, &mut record, urgency, hooks, batch) {
+                    Ok(()) => (None, Vec::new(), Vec::new()),
+                    Err((refused, hooks, batch)) => (Some(refused), hooks, batch),
+                }
+            }
+            _ => {
+                let refused =
+                    commit(&shared, txn, &db, log.as_deref_mut(), &mut record, urgency).err();
+                (refused, hooks, batch)
+            }
         };
         if !job_failed && refused.is_none() {
+            // Answered here, or by the syncer once its sync covers them.
             hooks.into_iter().for_each(|hook| hook());
             batch.into_iter().for_each(|job| (job.finish)(None));
             let mut handle_lost = false;
@@ -434,8 +474,7 @@ pub(super) fn writer_loop(shared: Arc<Shared>, mut rx: mpsc::Receiver<WriteJob>)
                     false
                 }
                 (None, Some(db), _) => {
-                    run_alone(db, job, log.as_deref_mut(), &shared.overlay, &mut record)
-                        == Some(true)
+                    run_alone(&shared, db, job, log.as_deref_mut(), &mut record) == Some(true)
                 }
                 (None, None, _) => {
                     (job.finish)(Some(closed_or_reopening(&shared)));
@@ -503,16 +542,21 @@ impl Refused {
 /// new one is given them again from the overlay (`restore`). A restore
 /// that fails loses the handle (the reopen replays the log).
 fn abandon(
+    shared: &Shared,
     txn: WriteTransaction,
     db: &Database,
     log: Option<&mut RedoLog>,
-    overlay: &Overlay,
 ) -> Result<(), Refused> {
     let _ = txn.abort();
     let Some(log) = log else {
         return Ok(());
     };
-    match restore(db, overlay) {
+    // The overlay must hold every answered batch's rows before it is
+    // given to a new transaction: the syncer's first.
+    if let Some(failure) = shared.syncer.as_ref().and_then(Syncer::settle) {
+        rewind(log, &failure);
+    }
+    match restore(db, &shared.overlay) {
         Ok(txn) => {
             log.pending = Some(txn);
             Ok(())
@@ -527,22 +571,121 @@ fn abandon(
     }
 }
 
+/// Waits until the syncer has answered every batch handed to it. When it
+/// refused some, the pending transaction (which holds their rows) is
+/// aborted and given the overlay's rows again, and the log rewound.
+fn settle(shared: &Shared, db: &Database, log: &mut RedoLog) -> Result<(), Refused> {
+    let Some(failure) = shared.syncer.as_ref().and_then(Syncer::settle) else {
+        return Ok(());
+    };
+    rewind(log, &failure);
+    match log.pending.take() {
+        Some(txn) => abandon(shared, txn, db, Some(log)),
+        None => Ok(()),
+    }
+}
+
+/// After the syncer voided the records it refused: the next record goes
+/// where the first of them began.
+fn rewind(log: &mut RedoLog, failure: &syncer::Failure) {
+    if let Some(from) = failure.from {
+        log.rewind(from);
+    }
+}
+
+/// Whether a batch goes to the syncer rather than being synced here: when
+/// its sync can overlap other work (the next batch's jobs are already
+/// queued, or this one has several, a sign of load), or when batches are
+/// in the syncer's hands (answers go out in order). A lone submit on an
+/// idle store is synced here: handing it over costs a thread wake-up and
+/// overlaps nothing.
+fn goes_behind(shared: &Shared, jobs: usize, queued: bool) -> bool {
+    shared.syncer.is_some()
+        && (jobs > 1 || queued || shared.syncer.as_ref().is_some_and(|s| !s.idle()))
+}
+
+/// Hands a batch whose jobs ran to the syncer (`syncer.rs`): its record is
+/// written here, and its sync, publication, hooks and answers follow
+/// there; the transaction stays pending. A batch the syncer cannot take
+/// is given back, its rows dropped (`abandon`), with why.
+#[allow(clippy::too_many_arguments)]
+fn hand_over(
+    shared: &Shared,
+    txn: WriteTransaction,
+    db: &Database,
+    log: &mut RedoLog,
+    record: &mut redo::RecordBuf,
+    urgency: redo::Urgency,
+    hooks: Vec<Hook>,
+    jobs: Vec<WriteJob>,
+) -> Result<(), (Refused, Vec<Hook>, Vec<WriteJob>)> {
+    let answers = Answers { hooks, jobs };
+    let handed = match (redo::ops_in(record.rows()), shared.syncer.as_ref()) {
+        (Ok(ops), Some(syncer)) => {
+            let staged = super::overlay::Staged::of(ops);
+            syncer.hand(log, record, urgency, staged, answers)
+        }
+        (Err(error), _) => Err((error, answers)),
+        (Ok(_), None) => Err((
+            StoreError::other("no redo log syncer to hand a batch to"),
+            answers,
+        )),
+    };
+    match handed {
+        Ok(()) => {
+            log.pending = Some(txn);
+            Ok(())
+        }
+        Err((error, Answers { hooks, jobs })) => {
+            let handle_lost = abandon(shared, txn, db, Some(log)).is_err();
+            Err((Refused { error, handle_lost }, hooks, jobs))
+        }
+    }
+}
+
+/// What a batch handed to the syncer leaves to do once its sync is done:
+/// run its hooks and answer its jobs; or, refused, answer them with why.
+struct Answers {
+    hooks: Vec<Hook>,
+    jobs: Vec<WriteJob>,
+}
+
+impl syncer::Answer for Answers {
+    fn answer(self, refused: Option<StoreError>) {
+        match refused {
+            None => {
+                self.hooks.into_iter().for_each(|hook| hook());
+                self.jobs.into_iter().for_each(|job| (job.finish)(None));
+            }
+            Some(error) => {
+                drop(self.hooks);
+                self.jobs
+                    .into_iter()
+                    .for_each(|job| (job.finish)(Some(error.clone())));
+            }
+        }
+    }
+}
+
 /// Commits a batch. Without a redo log, redb's durable commit. With one,
 /// its rows are appended to the log and synced, then published to
 /// readers (the overlay), and the transaction stays pending until the
 /// next checkpoint; a log that cannot be written drops the batch's rows
 /// (`abandon`).
 fn commit(
+    shared: &Shared,
     txn: WriteTransaction,
     db: &Database,
     log: Option<&mut RedoLog>,
-    overlay: &Overlay,
     record: &mut redo::RecordBuf,
     urgency: redo::Urgency,
 ) -> Result<(), Refused> {
     let Some(log) = log else {
         return txn.commit().map_err(|e| Refused::by_redb(e.into()));
     };
+    // Synced here only when nothing waits in the syncer (`goes_behind`),
+    // or this batch's answers would overtake those.
+    debug_assert!(shared.syncer.as_ref().is_none_or(Syncer::idle));
     if record.rows().is_empty() {
         log.pending = Some(txn);
         return Ok(());
@@ -553,7 +696,7 @@ fn commit(
         false => log.append(record, urgency),
     };
     if let Err(error) = appended {
-        abandon(txn, db, Some(log), overlay)?;
+        abandon(shared, txn, db, Some(log))?;
         return Err(Refused {
             error,
             handle_lost: false,
@@ -561,13 +704,13 @@ fn commit(
     }
     let published = match crate::failpoints::hit_in("redo.commit", record.rows()) {
         true => Err(StoreError::injected("redo.commit")),
-        false => redo::ops_in(record.rows()).map(|ops| overlay.publish(ops)),
+        false => redo::ops_in(record.rows()).map(|ops| shared.overlay.publish(ops)),
     };
     if let Err(error) = published {
         if let Err(undo) = log.take_back(end) {
             tracing::error!(error = %undo, "cannot take a refused commit back out of the redo log");
         }
-        abandon(txn, db, Some(log), overlay)?;
+        abandon(shared, txn, db, Some(log))?;
         return Err(Refused {
             error,
             handle_lost: false,
@@ -605,10 +748,10 @@ fn closed_or_reopening(shared: &Shared) -> StoreError {
 /// handle must be reopened (an I/O error in redb), `Some(false)` on
 /// another failure, `None` when it committed.
 fn run_alone(
+    shared: &Shared,
     db: &Database,
     mut job: WriteJob,
     mut log: Option<&mut RedoLog>,
-    overlay: &Overlay,
     record: &mut redo::RecordBuf,
 ) -> Option<bool> {
     let txn = match pending_or_begin(db, log.as_deref_mut()) {
@@ -627,11 +770,11 @@ fn run_alone(
         record.take_back(ops);
     }
     if let Some(e) = failure {
-        let lost = abandon(txn, db, log, overlay).is_err();
+        let lost = abandon(shared, txn, db, log).is_err();
         (job.finish)(Some(e));
         return Some(lost);
     }
-    match commit(txn, db, log, overlay, record, job.urgency) {
+    match commit(shared, txn, db, log, record, job.urgency) {
         Ok(()) => {
             hooks.into_iter().for_each(|hook| hook());
             (job.finish)(None);
