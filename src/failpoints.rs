@@ -15,12 +15,14 @@
 //! - `build.final_commit`: a build's final commit (subject: the build id);
 //! - `submit.job`: a submit's write job (subject: the deployment id);
 //! - `audit.alone`: the audit event of a call that changed nothing;
-//! - `redo.append`: a redo log append (the batch's transaction aborts);
+//! - `redo.append`: a redo log append, or the hand-over of a batch to the
+//!   log's syncer (the batch's transaction aborts);
 //! - `redo.commit`: the step right after a redo log append's sync, which
 //!   publishes the batch's rows to readers (the record is taken back out
 //!   of the log, the batch's rows dropped; for a batch synced behind the
-//!   writer, `store/syncer.rs`, with every batch handed over after it). Both take as argument bytes the
-//!   batch's rows must hold (`redo.commit=return(dep-id)`);
+//!   writer, `store/syncer.rs`, with every batch handed over after it).
+//!   Both take as argument bytes the batch's rows must hold
+//!   (`redo.commit=return(dep-id)`);
 //! - `recover.job`: a start's write that marks an interrupted build failed
 //!   (subject: the build id). It fails as a full disk does, a failure that
 //!   may pass, so recovery retries it: `recover.job=3*return`.

@@ -893,57 +893,72 @@ mod tests {
     }
 
     /// A batch the syncer cannot publish (the `redo.commit` failpoint) is
-    /// refused with every batch handed over behind it; nothing refused
-    /// reaches a reader, a later job or a replay, everything answered does,
-    /// and the next writes land.
+    /// refused with every batch handed over behind it, and a batch whose
+    /// hand-over is refused (`redo.append`) with its batch-mates (its error
+    /// is not one that may pass); either way nothing refused reaches a
+    /// reader, a later job, a replay or a checkpoint, everything answered
+    /// does, hooks run for exactly the answered writes, and the next writes
+    /// land.
     #[cfg(feature = "failpoints")]
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_batch_the_syncer_refuses_lands_nowhere_and_the_answered_ones_everywhere() {
-        let (store, dir) = logged_store("behind-refused", std::time::Duration::from_secs(60));
-        let path = dir.join("berth.redb");
-        let hooked = Arc::new(std::sync::Mutex::new(Vec::new()));
-        // Only the rows of source 1050 hold this (digest "source-1050").
-        fail::cfg("redo.commit", "return(source-1050)").unwrap();
-        let written = concurrent_sources(&store, 1000, 100, &hooked).await;
-        fail::remove("redo.commit");
-        let refused: Vec<u32> = written
-            .iter()
-            .filter(|(_, w)| w.is_err())
-            .map(|(n, _)| *n)
-            .collect();
-        assert!(refused.contains(&1050), "{written:?}");
-        let counted = syncer_counted(&store);
-        assert!(
-            counted.refused > 0,
-            "the failure did not meet the syncer: {counted:?}"
-        );
-        let answered: Vec<u32> = written
-            .iter()
-            .filter(|(_, w)| w.is_ok())
-            .map(|(n, _)| *n)
-            .collect();
-        let mut hooks = hooked.lock().unwrap().clone();
-        hooks.sort_unstable();
-        assert_eq!(hooks, answered, "hooks ran for exactly the answered writes");
-        let copy_and_check = |writes: &[(u32, StoreResult<()>)], to: &str| {
-            let copy = dir.join(to);
-            std::fs::create_dir_all(&copy).unwrap();
-            std::fs::copy(&path, copy.join("berth.redb")).unwrap();
-            std::fs::copy(redo::path_of(&path), copy.join("berth.redo")).unwrap();
-            let replayed = Store::open(&copy.join("berth.redb")).unwrap();
-            check_sources(&replayed.read().unwrap(), writes);
-        };
-        // Right away, while the refused records are the log's last: voided,
-        // a replay stops before them.
-        copy_and_check(&written, "copy/refused");
-        let later = concurrent_sources(&store, 2000, 20, &hooked).await;
-        assert!(later.iter().all(|(_, w)| w.is_ok()), "{later:?}");
-        let all: Vec<_> = written.into_iter().chain(later).collect();
-        check_sources(&store.read().unwrap(), &all);
-        copy_and_check(&all, "copy/later");
-        store.shared.checkpoint().unwrap();
-        check_sources(&store.read().unwrap(), &all);
-        let _ = std::fs::remove_dir_all(dir);
+        for place in ["redo.commit", "redo.append"] {
+            let (store, dir) = logged_store(place, std::time::Duration::from_secs(60));
+            let path = dir.join("berth.redb");
+            let hooked = Arc::new(std::sync::Mutex::new(Vec::new()));
+            // Only the rows of source 1050 hold this (digest "source-1050").
+            fail::cfg(place, "return(source-1050)").unwrap();
+            let written = concurrent_sources(&store, 1000, 100, &hooked).await;
+            fail::remove(place);
+            let refused: Vec<u32> = written
+                .iter()
+                .filter(|(_, w)| w.is_err())
+                .map(|(n, _)| *n)
+                .collect();
+            assert!(refused.contains(&1050), "{place}: {written:?}");
+            let counted = syncer_counted(&store);
+            match place {
+                "redo.commit" => assert!(
+                    counted.refused > 0,
+                    "the failure did not meet the syncer: {counted:?}"
+                ),
+                _ => assert!(
+                    counted.not_taken > 0,
+                    "the failure did not meet the hand-over: {counted:?}"
+                ),
+            }
+            let answered: Vec<u32> = written
+                .iter()
+                .filter(|(_, w)| w.is_ok())
+                .map(|(n, _)| *n)
+                .collect();
+            let mut hooks = hooked.lock().unwrap().clone();
+            hooks.sort_unstable();
+            assert_eq!(
+                hooks, answered,
+                "{place}: hooks ran for exactly the answered writes"
+            );
+            let copy_and_check = |writes: &[(u32, StoreResult<()>)], to: &str| {
+                let copy = dir.join(to);
+                std::fs::create_dir_all(&copy).unwrap();
+                std::fs::copy(&path, copy.join("berth.redb")).unwrap();
+                std::fs::copy(redo::path_of(&path), copy.join("berth.redo")).unwrap();
+                let replayed = Store::open(&copy.join("berth.redb")).unwrap();
+                check_sources(&replayed.read().unwrap(), writes);
+            };
+            // Right away, while the refused records are the log's last:
+            // voided, a replay stops before them.
+            copy_and_check(&written, "copy/refused");
+            let later = concurrent_sources(&store, 2000, 20, &hooked).await;
+            assert!(later.iter().all(|(_, w)| w.is_ok()), "{place}: {later:?}");
+            let all: Vec<_> = written.into_iter().chain(later).collect();
+            check_sources(&store.read().unwrap(), &all);
+            copy_and_check(&all, "copy/later");
+            store.shared.checkpoint().unwrap();
+            check_sources(&store.read().unwrap(), &all);
+            drop(store);
+            let _ = std::fs::remove_dir_all(dir);
+        }
     }
 
     #[tokio::test]

@@ -29,7 +29,9 @@
 //! The order that keeps an answer honest: the batch's rows are appended and
 //! synced *before* any reader can see them. A log that cannot be written
 //! drops the batch's rows (`writer::abandon`), so a refused batch changes
-//! nothing.
+//! nothing. Under load the sync is the syncer thread's (`syncer.rs`): the
+//! writer `write`s a record and goes on, and a record the syncer refuses
+//! is voided (`void_at`) before the next is written where it began.
 //!
 //! redb refuses non-durable commits when other processes may read the
 //! file, so the default shared store (`berth audit verify` and `export`

@@ -53,6 +53,14 @@ pub(super) struct Syncer {
 
 type Answers = Box<dyn FnOnce(Option<StoreError>) + Send>;
 
+/// Batches handed over and not yet taken by the thread, at most; the
+/// writer waits for room past it. The write queue bounds the jobs waiting
+/// for the writer (`WRITE_QUEUE_DEPTH`); this bounds those waiting after
+/// it, on a disk whose syncs fall far behind, and so what one failed sync
+/// refuses. The thread takes every waiting batch at once, so on a healthy
+/// disk a handful wait at most.
+const MAX_HANDED_BATCHES: usize = 64;
+
 /// What the writer and the syncer thread share.
 struct Between {
     state: Mutex<State>,
@@ -79,6 +87,8 @@ struct State {
 pub(super) struct Counted {
     pub(super) handed: u64,
     pub(super) refused: u64,
+    /// Batches whose record could not be written.
+    pub(super) not_taken: u64,
 }
 
 /// A batch whose record is written and not yet synced.
@@ -151,16 +161,31 @@ impl Syncer {
         answers: A,
     ) -> Result<(), (StoreError, A)> {
         let mut state = self.shared.lock();
+        while state.handed.len() >= MAX_HANDED_BATCHES && state.failed.is_none() {
+            state = self
+                .shared
+                .changed
+                .wait(state)
+                .unwrap_or_else(|p| p.into_inner());
+        }
         if let Some(failure) = &state.failed {
             return Err((failure.error.clone(), answers));
         }
         let publish_fails = crate::failpoints::hit_in("redo.commit", record.rows());
-        let start = match record.rows().is_empty() {
-            true => None,
-            false => match log.write(record, urgency) {
-                Ok(start) => Some(start),
-                Err(error) => return Err((error, answers)),
-            },
+        let written = match crate::failpoints::hit_in("redo.append", record.rows()) {
+            true => Err(StoreError::injected("redo.append")),
+            false if record.rows().is_empty() => Ok(None),
+            false => log.write(record, urgency).map(Some),
+        };
+        let start = match written {
+            Ok(start) => start,
+            Err(error) => {
+                #[cfg(test)]
+                {
+                    state.counted.not_taken += 1;
+                }
+                return Err((error, answers));
+            }
         };
         state.handed.push_back(Handed {
             start,
