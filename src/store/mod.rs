@@ -961,6 +961,56 @@ mod tests {
         }
     }
 
+    /// A hook that panics, on the writer thread (a lone write) or on the
+    /// syncer (a burst), is logged and skipped: its write is answered and
+    /// kept, the hooks after it run, and the store goes on taking writes.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_panicking_hook_neither_stops_the_writer_nor_the_syncer() {
+        let (store, dir) = logged_store("hook-panic", std::time::Duration::from_secs(60));
+        let hooked = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let panicking = |n: u32| {
+            let hooked = hooked.clone();
+            move |tx: &Tx| {
+                tx.after_commit(|| panic!("a hook that panics (expected by this test)"));
+                let hooked = hooked.clone();
+                tx.after_commit(move || hooked.lock().unwrap().push(n));
+                tx.put_source(&numbered_source(n))
+            }
+        };
+        // Alone: synced and answered on the writer thread.
+        store.write(panicking(4000)).await.unwrap();
+        // In a burst: most go to the syncer, a panicking one among them.
+        let burst = concurrent_sources(&store, 4001, 50, &hooked);
+        let (burst, panicked) = tokio::join!(burst, store.write(panicking(4051)));
+        panicked.unwrap();
+        assert!(burst.iter().all(|(_, w)| w.is_ok()), "{burst:?}");
+        assert!(
+            syncer_counted(&store).handed > 0,
+            "no write went to the syncer"
+        );
+        let later = concurrent_sources(&store, 4100, 20, &hooked).await;
+        assert!(later.iter().all(|(_, w)| w.is_ok()), "{later:?}");
+        store
+            .write(|tx| tx.put_source(&numbered_source(4200)))
+            .await
+            .unwrap();
+        let rx = store.read().unwrap();
+        for n in [4000, 4025, 4051, 4110, 4200] {
+            assert_eq!(
+                rx.source(&format!("source-{n}")).unwrap(),
+                Some(numbered_source(n))
+            );
+        }
+        let hooks = hooked.lock().unwrap().clone();
+        assert!(
+            hooks.contains(&4000) && hooks.contains(&4051),
+            "the hooks after a panicking one ran"
+        );
+        drop(rx);
+        drop(store);
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
     #[tokio::test]
     async fn a_failed_job_aborts_its_batch_and_hooks_run_only_after_commit() {
         let (store, dir) = temp_store("hooks");

@@ -276,7 +276,7 @@ fn sync_loop(shared: &Between, file: &std::fs::File, overlay: &Overlay) {
                 break;
             }
             overlay.publish_staged(batch.staged);
-            (batch.answers)(None);
+            answer(batch.answers, None);
         }
         let mut state = shared.lock();
         if let Some(error) = failure {
@@ -300,7 +300,7 @@ fn sync_loop(shared: &Between, file: &std::fs::File, overlay: &Overlay) {
                 from,
             });
             for batch in refused {
-                (batch.answers)(Some(error.clone()));
+                answer(batch.answers, Some(error.clone()));
             }
         } else {
             debug_assert!(batches.is_empty());
@@ -308,5 +308,18 @@ fn sync_loop(shared: &Between, file: &std::fs::File, overlay: &Overlay) {
         state.in_hand = false;
         drop(state);
         shared.changed.notify_all();
+    }
+}
+
+/// Runs a batch's answers. A panic there must not take this thread with
+/// it: every later batch would wait for an answer for ever, and the
+/// writer with them at its next settle. (The writer's answers already
+/// catch a panicking hook, `writer::run_hooks`; this covers any other
+/// `Answer`.) The panic is logged; the jobs its unwinding skipped see
+/// their answer dropped (the caller's closed-store error).
+fn answer(answers: Answers, refused: Option<StoreError>) {
+    let answered = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| answers(refused)));
+    if answered.is_err() {
+        tracing::error!("a hook or answer of a synced batch panicked; the syncer goes on");
     }
 }

@@ -412,7 +412,7 @@ pub(super) fn writer_loop(shared: Arc<Shared>, mut rx: mpsc::Receiver<WriteJob>)
         };
         if !job_failed && refused.is_none() {
             // Answered here, or by the syncer once its sync covers them.
-            hooks.into_iter().for_each(|hook| hook());
+            run_hooks(hooks);
             batch.into_iter().for_each(|job| (job.finish)(None));
             let mut handle_lost = false;
             if let Some(log) = log.as_deref_mut() {
@@ -643,6 +643,18 @@ fn hand_over(
     }
 }
 
+/// Runs a committed batch's hooks in order. A hook that panics is logged
+/// and skipped: its batch is durable and its jobs are still answered, and
+/// the thread running it (the writer, or the syncer) must go on, or every
+/// later write would fail or wait for ever.
+fn run_hooks(hooks: Vec<Hook>) {
+    for hook in hooks {
+        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(hook)).is_err() {
+            tracing::error!("an after-commit hook panicked; its batch is committed and answered");
+        }
+    }
+}
+
 /// What a batch handed to the syncer leaves to do once its sync is done:
 /// run its hooks and answer its jobs; or, refused, answer them with why.
 struct Answers {
@@ -654,7 +666,7 @@ impl syncer::Answer for Answers {
     fn answer(self, refused: Option<StoreError>) {
         match refused {
             None => {
-                self.hooks.into_iter().for_each(|hook| hook());
+                run_hooks(self.hooks);
                 self.jobs.into_iter().for_each(|job| (job.finish)(None));
             }
             Some(error) => {
@@ -776,7 +788,7 @@ fn run_alone(
     }
     match commit(shared, txn, db, log, record, job.urgency) {
         Ok(()) => {
-            hooks.into_iter().for_each(|hook| hook());
+            run_hooks(hooks);
             (job.finish)(None);
             None
         }
