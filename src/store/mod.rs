@@ -450,6 +450,16 @@ mod tests {
         (store, dir)
     }
 
+    /// A copy of the store at `dir/berth.redb` and its redo log, as a
+    /// crash would leave them, in `dir/to`, opened (so its log replayed).
+    fn replayed_copy(dir: &std::path::Path, to: &str) -> Store {
+        let (path, copy) = (dir.join("berth.redb"), dir.join(to));
+        std::fs::create_dir_all(&copy).unwrap();
+        std::fs::copy(&path, copy.join("berth.redb")).unwrap();
+        std::fs::copy(redo::path_of(&path), copy.join("berth.redo")).unwrap();
+        Store::open(&copy.join("berth.redb")).unwrap()
+    }
+
     fn temp_store(tag: &str) -> (Store, std::path::PathBuf) {
         let dir = std::env::temp_dir().join(format!("berth-store-{}-{tag}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
@@ -553,9 +563,7 @@ mod tests {
             .await
             .unwrap();
         assert!(redo::records_in(&redo::path_of(&path)) >= 4);
-        std::fs::copy(&path, dir.join("copy/berth.redb")).unwrap();
-        std::fs::copy(redo::path_of(&path), dir.join("copy/berth.redo")).unwrap();
-        let replayed = Store::open(&dir.join("copy/berth.redb")).unwrap();
+        let replayed = replayed_copy(&dir, "copy");
         let (live, again) = (store.read().unwrap(), replayed.read().unwrap());
         for table in tables::Table::ALL {
             let mut a = redo::raw_rows(&live, table);
@@ -745,7 +753,6 @@ mod tests {
     #[tokio::test]
     async fn a_failed_batch_after_acknowledged_ones_keeps_them_for_readers_jobs_and_a_restart() {
         let (store, dir) = logged_store("restore", std::time::Duration::from_secs(60));
-        let path = dir.join("berth.redb");
         let source = |n: u32| Source {
             url: format!("https://example.org/{n}"),
             rev: "r".into(),
@@ -783,9 +790,7 @@ mod tests {
         check(&store.read().unwrap());
         // Nothing was checkpointed (60 s): the copy holds them only in its
         // redo log, and its open replays them.
-        std::fs::copy(&path, dir.join("copy/berth.redb")).unwrap();
-        std::fs::copy(redo::path_of(&path), dir.join("copy/berth.redo")).unwrap();
-        let replayed = Store::open(&dir.join("copy/berth.redb")).unwrap();
+        let replayed = replayed_copy(&dir, "copy");
         check(&replayed.read().unwrap());
         let _ = std::fs::remove_dir_all(dir);
     }
@@ -844,7 +849,6 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn writes_synced_behind_the_writer_are_all_answered_read_and_replayed() {
         let (store, dir) = logged_store("behind", std::time::Duration::from_secs(60));
-        let path = dir.join("berth.redb");
         let hooked = Arc::new(std::sync::Mutex::new(Vec::new()));
         let written = concurrent_sources(&store, 0, 200, &hooked).await;
         assert!(written.iter().all(|(_, w)| w.is_ok()), "{written:?}");
@@ -874,9 +878,7 @@ mod tests {
             .unwrap();
         assert_eq!(seen_by_a_job, 200);
         // Not checkpointed (60 s): a copy holds them in its log only.
-        std::fs::copy(&path, dir.join("copy/berth.redb")).unwrap();
-        std::fs::copy(redo::path_of(&path), dir.join("copy/berth.redo")).unwrap();
-        let replayed = Store::open(&dir.join("copy/berth.redb")).unwrap();
+        let replayed = replayed_copy(&dir, "copy");
         let rx = replayed.read().unwrap();
         for n in 0..200 {
             assert_eq!(
@@ -904,7 +906,6 @@ mod tests {
     async fn a_batch_the_syncer_refuses_lands_nowhere_and_the_answered_ones_everywhere() {
         for place in ["redo.commit", "redo.append"] {
             let (store, dir) = logged_store(place, std::time::Duration::from_secs(60));
-            let path = dir.join("berth.redb");
             let hooked = Arc::new(std::sync::Mutex::new(Vec::new()));
             // Only the rows of source 1050 hold this (digest "source-1050").
             fail::cfg(place, "return(source-1050)").unwrap();
@@ -939,12 +940,7 @@ mod tests {
                 "{place}: hooks ran for exactly the answered writes"
             );
             let copy_and_check = |writes: &[(u32, StoreResult<()>)], to: &str| {
-                let copy = dir.join(to);
-                std::fs::create_dir_all(&copy).unwrap();
-                std::fs::copy(&path, copy.join("berth.redb")).unwrap();
-                std::fs::copy(redo::path_of(&path), copy.join("berth.redo")).unwrap();
-                let replayed = Store::open(&copy.join("berth.redb")).unwrap();
-                check_sources(&replayed.read().unwrap(), writes);
+                check_sources(&replayed_copy(&dir, to).read().unwrap(), writes);
             };
             // Right away, while the refused records are the log's last:
             // voided, a replay stops before them.

@@ -417,7 +417,7 @@ impl RedoLog {
     }
 
     /// A second handle on the log's file, for the thread that syncs
-    /// records written behind the writer (`behind.rs`): a sync through
+    /// records written behind the writer (`syncer.rs`): a sync through
     /// either makes the file's written bytes durable.
     pub(super) fn sync_handle(&self) -> StoreResult<std::fs::File> {
         self.file.try_clone().map_err(io_error)

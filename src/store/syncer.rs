@@ -51,7 +51,8 @@ pub(super) struct Syncer {
     shared: Arc<Between>,
 }
 
-type Answers = Box<dyn FnOnce(Option<StoreError>) + Send>;
+/// A handed batch's `Answer`, boxed.
+type AnswerFn = Box<dyn FnOnce(Option<StoreError>) + Send>;
 
 /// Batches handed over and not yet taken by the thread, at most; the
 /// writer waits for room past it. The write queue bounds the jobs waiting
@@ -97,7 +98,7 @@ struct Handed {
     /// (it is still answered in order, after the batches before it).
     start: Option<u64>,
     staged: Staged,
-    answers: Answers,
+    answers: AnswerFn,
     /// The `redo.commit` failpoint fails its publication (read from the
     /// record's rows when it was written; always false without the
     /// `failpoints` feature).
@@ -317,7 +318,7 @@ fn sync_loop(shared: &Between, file: &std::fs::File, overlay: &Overlay) {
 /// catch a panicking hook, `writer::run_hooks`; this covers any other
 /// `Answer`.) The panic is logged; the jobs its unwinding skipped see
 /// their answer dropped (the caller's closed-store error).
-fn answer(answers: Answers, refused: Option<StoreError>) {
+fn answer(answers: AnswerFn, refused: Option<StoreError>) {
     let answered = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| answers(refused)));
     if answered.is_err() {
         tracing::error!("a hook or answer of a synced batch panicked; the syncer goes on");

@@ -600,8 +600,10 @@ fn rewind(log: &mut RedoLog, failure: &syncer::Failure) {
 /// idle store is synced here: handing it over costs a thread wake-up and
 /// overlaps nothing.
 fn goes_behind(shared: &Shared, jobs: usize, queued: bool) -> bool {
-    shared.syncer.is_some()
-        && (jobs > 1 || queued || shared.syncer.as_ref().is_some_and(|s| !s.idle()))
+    match &shared.syncer {
+        Some(syncer) => jobs > 1 || queued || !syncer.idle(),
+        None => false,
+    }
 }
 
 /// Hands a batch whose jobs ran to the syncer (`syncer.rs`): its record is
