@@ -75,13 +75,13 @@ pub struct NewBuild {
 
 /// One transaction's changes of state, all at the same instant.
 pub struct Change<'t, 'a> {
-    tx: &'t Tx<'a>,
+    tx: &'t Tx<'t, 'a>,
     hub: &'t Arc<Hub>,
     now: Millis,
 }
 
 impl<'t, 'a> Change<'t, 'a> {
-    pub fn new(tx: &'t Tx<'a>, hub: &'t Arc<Hub>) -> Self {
+    pub fn new(tx: &'t Tx<'t, 'a>, hub: &'t Arc<Hub>) -> Self {
         Change {
             tx,
             hub,
@@ -93,7 +93,7 @@ impl<'t, 'a> Change<'t, 'a> {
         self.now
     }
 
-    pub fn tx(&self) -> &'t Tx<'a> {
+    pub fn tx(&self) -> &'t Tx<'t, 'a> {
         self.tx
     }
 

@@ -159,7 +159,7 @@ pub struct Pruned {
     pub first_seq: u64,
 }
 
-impl Tx<'_> {
+impl Tx<'_, '_> {
     /// Appends `draft` to the chain: the row, its index entries and the
     /// Merkle subtrees it completes, all in this transaction.
     pub fn append_audit(&self, draft: &Draft) -> StoreResult<Sealed> {

@@ -5,12 +5,15 @@
 //! batch's redo ops when the store keeps a redo log (`redo.rs`). Write jobs
 //! reach tables only through `Tx::table`, so no write can miss the log.
 //!
-//! Dropping a `Logged` table hands it back to the batch's `OpenTables`
-//! instead of closing it: redb's `open_table` reads the table's definition
-//! from its table tree and a close stages the new root, and a batch of 14
-//! submits opened and closed each of its tables 14 times (13% of the
-//! writer thread at 32 connections). The batch's tables close when its
-//! `Tx` is dropped, before the commit.
+//! Dropping a `Logged` table hands it back to the `OpenTables` it came
+//! from instead of closing it: redb's `open_table` reads the table's
+//! definition from its table tree and a close stages the new root, and a
+//! batch of 14 submits opened and closed each of its tables 14 times (13%
+//! of the writer thread at 32 connections). With a redo log the tables
+//! stay open with the pending transaction (`Pending`) from one batch to
+//! the next, and close when a checkpoint commits it or a failure aborts
+//! it; a `Tx` of its own (an import, a shared store's batch) closes them
+//! when it is dropped, before its commit.
 
 use std::borrow::Borrow;
 use std::cell::RefCell;
@@ -79,6 +82,33 @@ keep! {
     Node: (u8, u64), &'static [u8];
     IdId: (u128, u128), &'static [u8];
     AtIdId: (i64, u128, u128), ();
+}
+
+self_cell::self_cell!(
+    /// The write transaction that stays open from one checkpoint to the
+    /// next (with a redo log), and the tables its batches opened, kept
+    /// open with it: redb's `open_table` looks the table up in its table
+    /// tree and a close stages the new root, and when each batch opened
+    /// and closed its tables, that was ~10% of the writer thread at one
+    /// connection (a batch per submit). `into_txn` closes them, as redb
+    /// requires before a commit or an abort.
+    pub(super) struct Pending {
+        owner: redb::WriteTransaction,
+        #[not_covariant]
+        dependent: OpenTables,
+    }
+);
+
+impl Pending {
+    /// A transaction with no table open yet.
+    pub(super) fn of(txn: redb::WriteTransaction) -> Pending {
+        Pending::new(txn, |_| OpenTables::new())
+    }
+
+    /// The transaction, with every table it kept open closed.
+    pub(super) fn into_txn(self) -> redb::WriteTransaction {
+        self.into_owner()
+    }
 }
 
 /// The tables a batch has opened and not in use right now, by table.

@@ -136,7 +136,7 @@ pub trait Lookup {
     }
 }
 
-impl Lookup for super::Tx<'_> {
+impl Lookup for super::Tx<'_, '_> {
     fn open<K: redb::Key + 'static>(
         &self,
         table: RecordTable<K>,

@@ -244,7 +244,7 @@ pub struct RedoLog {
     /// The write transaction holding every row logged since the last
     /// checkpoint, which the next one commits durably (`writer.rs`):
     /// kept with the log, under its lock, since the two go together.
-    pub(super) pending: Option<WriteTransaction>,
+    pub(super) pending: Option<super::logged::Pending>,
 }
 
 fn io_error(e: std::io::Error) -> StoreError {

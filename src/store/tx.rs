@@ -24,22 +24,59 @@ fn logged_id(name: &str) -> StoreResult<Table> {
 
 /// Typed access inside a write transaction, shared by the jobs of one
 /// batch (they commit together or not at all).
-pub struct Tx<'a> {
+pub struct Tx<'o, 'a> {
     pub(super) txn: &'a WriteTransaction,
-    /// The batch's tables not in use right now, kept open (`logged.rs`).
-    open: OpenTables<'a>,
+    /// The tables not in use right now, kept open (`logged.rs`).
+    open: Tables<'o, 'a>,
     pub(super) hooks: std::cell::RefCell<Vec<Hook>>,
     /// The rows the batch writes, for the redo log (`None`: no log).
     pub(super) ops: Option<std::cell::RefCell<Ops>>,
 }
 
-impl<'a> Tx<'a> {
-    /// Access to `txn`; `ops` (the redo record's buffer, `RecordBuf::lend`)
-    /// when the store keeps a redo log.
-    pub(super) fn new(txn: &'a WriteTransaction, ops: Option<Ops>) -> Tx<'a> {
+/// Where a `Tx` keeps its tables open: its own, closed when it is
+/// dropped (a transaction of its own: an import's, a test's), or the
+/// pending transaction's, kept from one batch to the next until a
+/// checkpoint commits it (`logged::Pending`).
+enum Tables<'o, 'a> {
+    Own(OpenTables<'a>),
+    Pending(&'o OpenTables<'a>),
+}
+
+impl<'a> std::ops::Deref for Tables<'_, 'a> {
+    type Target = OpenTables<'a>;
+    fn deref(&self) -> &OpenTables<'a> {
+        match self {
+            Tables::Own(open) => open,
+            Tables::Pending(open) => open,
+        }
+    }
+}
+
+impl<'a> Tx<'a, 'a> {
+    /// Access to `txn`, with tables of its own (closed when it is
+    /// dropped); `ops` collects the rows written, for a redo log.
+    pub(super) fn new(txn: &'a WriteTransaction, ops: Option<Ops>) -> Tx<'a, 'a> {
         Tx {
             txn,
-            open: OpenTables::new(),
+            open: Tables::Own(OpenTables::new()),
+            hooks: std::cell::RefCell::new(Vec::new()),
+            ops: ops.map(std::cell::RefCell::new),
+        }
+    }
+}
+
+impl<'o, 'a> Tx<'o, 'a> {
+    /// Access to a pending transaction's `txn` with the tables it keeps
+    /// open (`Pending::with_dependent`); `ops` (the redo record's buffer,
+    /// `RecordBuf::lend`) when the store keeps a redo log.
+    pub(super) fn pending(
+        txn: &'a WriteTransaction,
+        open: &'o OpenTables<'a>,
+        ops: Option<Ops>,
+    ) -> Tx<'o, 'a> {
+        Tx {
+            txn,
+            open: Tables::Pending(open),
             hooks: std::cell::RefCell::new(Vec::new()),
             ops: ops.map(std::cell::RefCell::new),
         }
@@ -47,7 +84,8 @@ impl<'a> Tx<'a> {
 
     /// What the batch's jobs left to do after the commit and to log: its
     /// hooks and the redo ops (`Tx::new`'s, with the rows appended).
-    /// Closes its tables (so the transaction can commit).
+    /// Closes tables of its own (so the transaction can commit); a
+    /// pending transaction's stay open until it commits.
     pub(super) fn finish(self) -> (Vec<Hook>, Option<Ops>) {
         let Tx { hooks, ops, .. } = self;
         (hooks.into_inner(), ops.map(|o| o.into_inner()))

@@ -41,6 +41,8 @@ use std::path::Path;
 use std::sync::Arc;
 
 use redb::{Database, Durability, ReadableDatabase, WriteTransaction};
+
+use super::logged::Pending;
 use tokio::sync::mpsc;
 
 use super::overlay::Overlay;
@@ -54,7 +56,7 @@ pub type Hook = Box<dyn FnOnce() + Send>;
 /// A job's body: runs in the batch's transaction (its hooks and redo ops
 /// go into the batch's `Tx`); the error it failed with, if any (the batch
 /// then aborts).
-pub(super) type RunJob = dyn FnMut(&Tx<'_>) -> Option<StoreError> + Send;
+pub(super) type RunJob = dyn FnMut(&Tx<'_, '_>) -> Option<StoreError> + Send;
 
 /// One write job. `run` executes its body in a transaction and keeps the
 /// result; it may run twice: when its batch fails because of another job
@@ -279,7 +281,7 @@ fn checkpoint_with(shared: &Shared, db: &Database, log: &mut RedoLog) -> StoreRe
     // out of the pending transaction, before redb makes it durable.
     settle(shared, db, log).map_err(|refused| refused.error)?;
     let txn = match log.pending.take() {
-        Some(txn) => txn,
+        Some(pending) => pending.into_txn(),
         None => begin(db)?,
     };
     let committed = redo::record_generation(&txn, log.generation)
@@ -298,12 +300,12 @@ fn checkpoint_with(shared: &Shared, db: &Database, log: &mut RedoLog) -> StoreRe
 /// aborted one held (a batch that failed part-way, or a checkpoint whose
 /// commit failed), since the overlay holds every row logged since the
 /// last checkpoint and nothing else.
-fn restore(db: &Database, overlay: &Overlay) -> StoreResult<WriteTransaction> {
+fn restore(db: &Database, overlay: &Overlay) -> StoreResult<Pending> {
     let txn = begin(db)?;
     for (table, cleared, rows) in overlay.latest() {
         redo::apply_rows(&txn, table, cleared, &rows)?;
     }
-    Ok(txn)
+    Ok(Pending::of(txn))
 }
 
 /// After a checkpoint fails, the next waits this long, doubling with
@@ -387,7 +389,7 @@ pub(super) fn writer_loop(shared: Arc<Shared>, mut rx: mpsc::Receiver<WriteJob>)
             continue;
         }
         let txn = match pending_or_begin(&db, log.as_deref_mut()) {
-            Ok(t) => t,
+            Ok(pending) => pending,
             Err(err) => {
                 tracing::error!(error = %err, "store write transaction could not start");
                 batch
@@ -401,19 +403,23 @@ pub(super) fn writer_loop(shared: Arc<Shared>, mut rx: mpsc::Receiver<WriteJob>)
                 continue;
             }
         };
-        let tx = Tx::new(&txn, log.is_some().then(|| record.lend()));
-        let mut failed = Vec::with_capacity(batch.len());
-        for job in batch.iter_mut() {
-            let failure = (job.run)(&tx);
-            let stop = failure.is_some();
-            failed.push(failure);
-            if stop {
-                // Nothing of this batch will land: the rest run alone.
-                break;
+        let ops = log.is_some().then(|| record.lend());
+        let (failed, hooks, ops) = txn.with_dependent(|txn, open| {
+            let tx = Tx::pending(txn, open, ops);
+            let mut failed = Vec::with_capacity(batch.len());
+            for job in batch.iter_mut() {
+                let failure = (job.run)(&tx);
+                let stop = failure.is_some();
+                failed.push(failure);
+                if stop {
+                    // Nothing of this batch will land: the rest run alone.
+                    break;
+                }
             }
-        }
-        failed.resize_with(batch.len(), || None);
-        let (hooks, ops) = tx.finish();
+            failed.resize_with(batch.len(), || None);
+            let (hooks, ops) = tx.finish();
+            (failed, hooks, ops)
+        });
         if let Some(ops) = ops {
             record.take_back(ops);
         }
@@ -550,10 +556,10 @@ fn begin(db: &Database) -> StoreResult<WriteTransaction> {
 /// The transaction a batch runs in: with a redo log, the pending one that
 /// holds every row logged since the last checkpoint (a new one after a
 /// checkpoint); without, its own.
-fn pending_or_begin(db: &Database, log: Option<&mut RedoLog>) -> StoreResult<WriteTransaction> {
+fn pending_or_begin(db: &Database, log: Option<&mut RedoLog>) -> StoreResult<Pending> {
     match log.and_then(|log| log.pending.take()) {
-        Some(txn) => Ok(txn),
-        None => begin(db),
+        Some(pending) => Ok(pending),
+        None => begin(db).map(Pending::of),
     }
 }
 
@@ -578,11 +584,11 @@ impl Refused {
 /// that fails loses the handle (the reopen replays the log).
 fn abandon(
     shared: &Shared,
-    txn: WriteTransaction,
+    txn: Pending,
     db: &Database,
     log: Option<&mut RedoLog>,
 ) -> Result<(), Refused> {
-    let _ = txn.abort();
+    let _ = txn.into_txn().abort();
     let Some(log) = log else {
         return Ok(());
     };
@@ -648,7 +654,7 @@ fn goes_behind(shared: &Shared, jobs: usize, queued: bool) -> bool {
 #[allow(clippy::too_many_arguments)]
 fn hand_over(
     shared: &Shared,
-    txn: WriteTransaction,
+    txn: Pending,
     db: &Database,
     log: &mut RedoLog,
     record: &mut redo::RecordBuf,
@@ -723,14 +729,17 @@ impl syncer::Answer for Answers {
 /// (`abandon`).
 fn commit(
     shared: &Shared,
-    txn: WriteTransaction,
+    txn: Pending,
     db: &Database,
     log: Option<&mut RedoLog>,
     record: &mut redo::RecordBuf,
     urgency: redo::Urgency,
 ) -> Result<(), Refused> {
     let Some(log) = log else {
-        return txn.commit().map_err(|e| Refused::by_redb(e.into()));
+        return txn
+            .into_txn()
+            .commit()
+            .map_err(|e| Refused::by_redb(e.into()));
     };
     // Synced here only when nothing waits in the syncer (`goes_behind`),
     // or this batch's answers would overtake those.
@@ -804,7 +813,7 @@ fn run_alone(
     record: &mut redo::RecordBuf,
 ) -> Option<bool> {
     let txn = match pending_or_begin(db, log.as_deref_mut()) {
-        Ok(t) => t,
+        Ok(pending) => pending,
         Err(err) => {
             let transient = err.is_transient();
             (job.finish)(Some(err));
@@ -812,9 +821,13 @@ fn run_alone(
         }
     };
     record.start();
-    let tx = Tx::new(&txn, log.is_some().then(|| record.lend()));
-    let failure = (job.run)(&tx);
-    let (hooks, ops) = tx.finish();
+    let ops = log.is_some().then(|| record.lend());
+    let (failure, hooks, ops) = txn.with_dependent(|txn, open| {
+        let tx = Tx::pending(txn, open, ops);
+        let failure = (job.run)(&tx);
+        let (hooks, ops) = tx.finish();
+        (failure, hooks, ops)
+    });
     if let Some(ops) = ops {
         record.take_back(ops);
     }
