@@ -242,3 +242,50 @@ where
         self.open()
     }
 }
+
+/// A write job's lookups read a table the batch keeps open as any reader
+/// reads a table (`Lookup::open`, `view::Rows`).
+impl<'txn, K: Key + 'static, V: Value + 'static> redb::ReadableTableMetadata
+    for Logged<'_, 'txn, K, V>
+where
+    Open<'txn>: Keep<'txn, K, V>,
+{
+    fn stats(&self) -> Result<redb::TableStats, StorageError> {
+        self.open().stats()
+    }
+
+    fn len(&self) -> Result<u64, StorageError> {
+        self.open().len()
+    }
+}
+
+impl<'txn, K: Key + 'static, V: Value + 'static> redb::ReadableTable<K, V>
+    for Logged<'_, 'txn, K, V>
+where
+    Open<'txn>: Keep<'txn, K, V>,
+{
+    fn get<'a>(
+        &self,
+        key: impl Borrow<K::SelfType<'a>>,
+    ) -> Result<Option<AccessGuard<'_, V>>, StorageError> {
+        self.open().get(key)
+    }
+
+    fn range<'a, KR>(
+        &self,
+        range: impl RangeBounds<KR> + 'a,
+    ) -> Result<redb::Range<'_, K, V>, StorageError>
+    where
+        KR: Borrow<K::SelfType<'a>> + 'a,
+    {
+        self.open().range(range)
+    }
+
+    fn first(&self) -> Result<Option<(AccessGuard<'_, K>, AccessGuard<'_, V>)>, StorageError> {
+        self.open().first()
+    }
+
+    fn last(&self) -> Result<Option<(AccessGuard<'_, K>, AccessGuard<'_, V>)>, StorageError> {
+        self.open().last()
+    }
+}

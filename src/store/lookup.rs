@@ -1,9 +1,16 @@
 //! The keyed records that both a write job and a reader look up, written
 //! once for both transactions: `Tx` and `Rx` differ only in how they open
 //! a table.
+//!
+//! `open`'s bound names the store's own kinds of open table
+//! (`logged::Keep`), so that a write job's lookup reads the table its
+//! batch keeps open; only the store calls `open` (the rest of berth calls
+//! the lookups), hence the lint allowed here.
+#![allow(private_bounds)]
 
 use redb::{ReadableTable, TableDefinition};
 
+use super::logged::{Keep, Open};
 use super::tables::*;
 use super::view::Rows;
 use super::{decode, DeliveryRecord, IdempotencyRecord, StoreResult, WebhookRecord};
@@ -21,7 +28,9 @@ pub trait Lookup {
     fn open<K: redb::Key + 'static>(
         &self,
         table: RecordTable<K>,
-    ) -> StoreResult<Rows<'_, K, &'static [u8], impl ReadableTable<K, &'static [u8]> + '_>>;
+    ) -> StoreResult<Rows<'_, K, &'static [u8], impl ReadableTable<K, &'static [u8]> + '_>>
+    where
+        for<'t> Open<'t>: Keep<'t, K, &'static [u8]>;
 
     fn deployment(&self, id: &str) -> StoreResult<Option<DeploymentRecord>> {
         self.open(DEPLOYMENTS)?.record(id)
@@ -137,11 +146,16 @@ pub trait Lookup {
 }
 
 impl Lookup for super::Tx<'_, '_> {
+    /// The table the batch keeps open (or opens and keeps): a lookup
+    /// closing it to open one of its own cost two opens and two closes.
     fn open<K: redb::Key + 'static>(
         &self,
         table: RecordTable<K>,
-    ) -> StoreResult<Rows<'_, K, &'static [u8], impl ReadableTable<K, &'static [u8]> + '_>> {
-        Ok(Rows::stored(self.table_to_read(table)?))
+    ) -> StoreResult<Rows<'_, K, &'static [u8], impl ReadableTable<K, &'static [u8]> + '_>>
+    where
+        for<'t> Open<'t>: Keep<'t, K, &'static [u8]>,
+    {
+        Ok(Rows::stored(self.table(table)?))
     }
 }
 
@@ -149,7 +163,10 @@ impl Lookup for super::Rx {
     fn open<K: redb::Key + 'static>(
         &self,
         table: RecordTable<K>,
-    ) -> StoreResult<Rows<'_, K, &'static [u8], impl ReadableTable<K, &'static [u8]> + '_>> {
+    ) -> StoreResult<Rows<'_, K, &'static [u8], impl ReadableTable<K, &'static [u8]> + '_>>
+    where
+        for<'t> Open<'t>: Keep<'t, K, &'static [u8]>,
+    {
         self.rows(table)
     }
 }

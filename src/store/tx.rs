@@ -115,16 +115,6 @@ impl<'o, 'a> Tx<'o, 'a> {
         })
     }
 
-    /// Opens a table for reading only, as redb's own table, closing the
-    /// one the batch keeps open first (redb opens a table once at a time).
-    pub(super) fn table_to_read<K: redb::Key + 'static, V: redb::Value + 'static>(
-        &self,
-        def: redb::TableDefinition<'static, K, V>,
-    ) -> StoreResult<redb::Table<'a, K, V>> {
-        self.open.close(logged_id(def.name())?);
-        Ok(self.txn.open_table(def)?)
-    }
-
     /// Empties a whole table (`--reset-dev-state`).
     pub(super) fn clear<K: redb::Key + 'static, V: redb::Value + 'static>(
         &self,
