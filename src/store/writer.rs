@@ -355,7 +355,10 @@ pub(super) fn writer_loop(shared: Arc<Shared>, mut rx: mpsc::Receiver<WriteJob>)
     let mut record = redo::RecordBuf::default();
     while let Some(first) = rx.blocking_recv() {
         record.start();
-        let mut batch = vec![first];
+        // Sized once: grown one push at a time it was reallocated (and
+        // its jobs copied) up to six times a batch at 32 connections.
+        let mut batch = Vec::with_capacity(MAX_JOBS_PER_COMMIT.min(rx.len() + 1));
+        batch.push(first);
         while batch.len() < MAX_JOBS_PER_COMMIT {
             match rx.try_recv() {
                 Ok(job) => batch.push(job),
