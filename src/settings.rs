@@ -408,7 +408,7 @@ pub struct Settings {
     /// most this much). A checkpoint holds the writer while it writes what
     /// redb gathered since the last, so a longer interval means rarer but
     /// longer pauses in commits. When no write is waiting, a checkpoint
-    /// comes after 20ms already (or this interval, if shorter). At most 60s.
+    /// comes sooner, after 40% of it (20ms of the default). At most 60s.
     // Why 50ms (interleaved runs, README "Performance"): the p99 of a
     // submit follows the interval (at 32 connections 7-9 ms at 25-50 ms,
     // 13 ms at 100 ms, 20 ms at 200 ms; at one connection under 2 ms only

@@ -21,7 +21,6 @@ use std::ops::RangeBounds;
 
 use redb::{AccessGuard, Key, StorageError, Value};
 
-use super::redo::Ops;
 use super::tables::Table;
 
 /// One table a batch keeps open, by its key and value types (one variant
@@ -82,6 +81,14 @@ keep! {
     Node: (u8, u64), &'static [u8];
     IdId: (u128, u128), &'static [u8];
     AtIdId: (i64, u128, u128), ();
+}
+
+/// Where a `Logged` table records the rows it writes: the batch's redo
+/// ops (`redo::Ops`). A trait, so this module need not import the log's
+/// (which keeps `Pending`).
+pub(super) trait RowLog {
+    fn insert(&mut self, table: Table, key: &[u8], value: &[u8]);
+    fn remove(&mut self, table: Table, key: &[u8]);
 }
 
 self_cell::self_cell!(
@@ -147,8 +154,8 @@ where
     pub(super) table: Option<redb::Table<'txn, K, V>>,
     pub(super) name: Table,
     pub(super) kept: &'t OpenTables<'txn>,
-    /// The batch's redo ops; `None` without a redo log.
-    pub(super) log: Option<&'t RefCell<Ops>>,
+    /// The batch's redo ops (`redo::Ops`); `None` without a redo log.
+    pub(super) log: Option<&'t RefCell<dyn RowLog>>,
 }
 
 impl<'txn, K: Key + 'static, V: Value + 'static> Drop for Logged<'_, 'txn, K, V>

@@ -45,6 +45,7 @@ use std::time::Duration;
 use redb::{Database, Key, ReadableTable, TableDefinition, Value, WriteTransaction};
 
 use super::layout::{LoggedTable, Retired};
+use super::logged::RowLog;
 use super::tables::*;
 use super::{StoreError, StoreResult};
 
@@ -115,23 +116,25 @@ impl Ops {
         self.bytes.extend_from_slice(b);
     }
 
-    pub fn insert(&mut self, table: Table, key: &[u8], value: &[u8]) {
-        self.table(table, OP_INSERT);
-        self.bytes(key);
-        self.bytes(value);
-    }
-
-    pub fn remove(&mut self, table: Table, key: &[u8]) {
-        self.table(table, OP_REMOVE);
-        self.bytes(key);
-    }
-
     pub fn clear(&mut self, table: Table) {
         self.table(table, OP_CLEAR);
     }
 
     pub fn into_bytes(self) -> Vec<u8> {
         self.bytes
+    }
+}
+
+impl RowLog for Ops {
+    fn insert(&mut self, table: Table, key: &[u8], value: &[u8]) {
+        self.table(table, OP_INSERT);
+        self.bytes(key);
+        self.bytes(value);
+    }
+
+    fn remove(&mut self, table: Table, key: &[u8]) {
+        self.table(table, OP_REMOVE);
+        self.bytes(key);
     }
 }
 

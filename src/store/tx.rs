@@ -111,7 +111,10 @@ impl<'o, 'a> Tx<'o, 'a> {
             table: Some(table),
             name,
             kept: &self.open,
-            log: self.ops.as_ref(),
+            log: self
+                .ops
+                .as_ref()
+                .map(|ops| ops as &std::cell::RefCell<dyn super::logged::RowLog>),
         })
     }
 
