@@ -43,10 +43,9 @@ use std::path::Path;
 use std::sync::Arc;
 
 use redb::{Database, Durability, ReadableDatabase, WriteTransaction};
-
-use super::logged::Pending;
 use tokio::sync::mpsc;
 
+use super::logged::Pending;
 use super::overlay::Overlay;
 use super::redo::{self, RedoLog};
 use super::syncer::{self, Syncer};
@@ -322,10 +321,12 @@ const CHECKPOINT_RETRY_MAX: std::time::Duration = std::time::Duration::from_secs
 /// share of `--checkpoint-interval` (20 ms of the default 50 ms); when
 /// writes queue, after the whole interval. A share rather than a fixed
 /// time, so that an operator who sets a long interval (fewer writes to
-/// the disk) still gets one. A
-/// checkpoint holds the writer while redb writes back every page the
-/// generation dirtied, so its pause grows with the rows since the last
-/// one, and a lone submit that arrives meanwhile waits it out: at one
+/// the disk) still gets one.
+///
+/// Why sooner when idle: a checkpoint holds the writer while redb writes
+/// back every page the generation dirtied, so its pause grows with the
+/// rows since the last one, and a lone submit that arrives meanwhile
+/// waits it out: at one
 /// connection, every 50 ms meant a ~2 ms pause before one submit in ~90,
 /// which set the p99. Under load the same pause is shared by a queue of
 /// submits, and a checkpoint's fixed cost by more rows: at 32
@@ -360,8 +361,8 @@ pub(super) fn writer_loop(shared: Arc<Shared>, mut rx: mpsc::Receiver<WriteJob>)
     let mut record = redo::RecordBuf::default();
     while let Some(first) = rx.blocking_recv() {
         record.start();
-        // Sized once: grown one push at a time it was reallocated (and
-        // its jobs copied) up to six times a batch at 32 connections.
+        // Sized once for what is queued: grown one push at a time it
+        // was reallocated (and its jobs copied) at each doubling.
         let mut batch = Vec::with_capacity(MAX_JOBS_PER_COMMIT.min(rx.len() + 1));
         batch.push(first);
         while batch.len() < MAX_JOBS_PER_COMMIT {
