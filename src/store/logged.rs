@@ -239,17 +239,6 @@ where
     }
 }
 
-impl<'txn, K: Key + 'static, V: Value + 'static> std::ops::Deref for Logged<'_, 'txn, K, V>
-where
-    Open<'txn>: Keep<'txn, K, V>,
-{
-    type Target = redb::Table<'txn, K, V>;
-    /// Reads only: redb's writes take `&mut self`, which this never hands out.
-    fn deref(&self) -> &Self::Target {
-        self.open()
-    }
-}
-
 /// A write job's lookups read a table the batch keeps open as any reader
 /// reads a table (`Lookup::open`, `view::Rows`).
 impl<'txn, K: Key + 'static, V: Value + 'static> redb::ReadableTableMetadata

@@ -360,7 +360,7 @@ impl<'o, 'a> Tx<'o, 'a> {
     pub fn put_delivery(&self, webhook: u128, id: u128, d: &DeliveryRecord) -> StoreResult<()> {
         let mut deliveries = self.table(WEBHOOK_DELIVERIES)?;
         let mut due = self.table(WEBHOOK_DUE)?;
-        let old: Option<DeliveryRecord> = get_record(&*deliveries, (webhook, id))?;
+        let old: Option<DeliveryRecord> = get_record(&deliveries, (webhook, id))?;
         if let Some(at) = old.and_then(|o| o.next_attempt_at) {
             due.remove((at, webhook, id))?;
         }
@@ -374,7 +374,7 @@ impl<'o, 'a> Tx<'o, 'a> {
     /// Removes a delivery that is no longer pending (retention).
     pub fn remove_delivery(&self, webhook: u128, id: u128) -> StoreResult<()> {
         let old: Option<DeliveryRecord> =
-            get_record(&*self.table(WEBHOOK_DELIVERIES)?, (webhook, id))?;
+            get_record(&self.table(WEBHOOK_DELIVERIES)?, (webhook, id))?;
         if let Some(at) = old.and_then(|o| o.next_attempt_at) {
             self.table(WEBHOOK_DUE)?.remove((at, webhook, id))?;
         }
@@ -383,7 +383,7 @@ impl<'o, 'a> Tx<'o, 'a> {
     }
 
     pub fn callback(&self, build: BuildId) -> StoreResult<Option<PendingCallback>> {
-        get_record(&*self.table(CALLBACKS)?, build)
+        get_record(&self.table(CALLBACKS)?, build)
     }
 
     pub fn put_callback(&self, build: BuildId, c: &PendingCallback) -> StoreResult<()> {
