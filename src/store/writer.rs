@@ -380,6 +380,18 @@ pub(super) fn writer_loop(shared: Arc<Shared>, mut rx: mpsc::Receiver<WriteJob>)
         };
         // Before the transaction: the one lock order (`Shared::redo`).
         let mut log = shared.redo_log();
+        // A close has begun (`Store::close`), and its last checkpoint is
+        // the file's last commit: a batch after it would leave rows only
+        // the log holds, and a write transaction redb cannot close the
+        // file with. Checked under the log's lock, which the close takes
+        // after raising the flag, so no batch slips in between.
+        if shared.closed.load(std::sync::atomic::Ordering::SeqCst) {
+            drop(log);
+            batch
+                .into_iter()
+                .for_each(|job| (job.finish)(Some(StoreError::closed())));
+            continue;
+        }
         // Batches the syncer refused left their rows in the pending
         // transaction: out with them before this batch runs in it.
         let unsettled = match log.as_deref_mut() {

@@ -362,7 +362,7 @@ async fn a_store_comes_back_equal_from_postgres_and_sqlite() {
 
     // A second export into the same database is refused without --replace.
     let (code, err) = berth_cli(&["export", "--data-dir", &original_data, "--to", &db1.url()]);
-    assert_eq!(code, 1);
+    assert_eq!(code, 1, "{err}");
     assert!(err.contains("--replace"), "{err}");
 
     // An export whose connection is killed midway leaves the target as it was.
@@ -666,7 +666,7 @@ async fn refused_exports_and_imports_change_nothing() {
                 args.push("--replace");
             }
             let (code, err) = berth_cli(&args);
-            assert_eq!(code, 1);
+            assert_eq!(code, 1, "{err}");
             assert!(err.contains(expected), "{err}");
             assert_eq!(
                 std::fs::read(file).unwrap(),
@@ -693,11 +693,11 @@ async fn refused_exports_and_imports_change_nothing() {
         .unwrap();
     }
     let (code, err) = berth_cli(&["export", "--replace", "--data-dir", &data_dir, "--to", &to]);
-    assert_eq!(code, 1);
+    assert_eq!(code, 1, "{err}");
     assert!(err.contains("newer"), "{err}");
     let fresh = dir.join("fresh");
     let (code, err) = berth_cli(&["import", "--data-dir", &data(&fresh), "--from", &to]);
-    assert_eq!(code, 1);
+    assert_eq!(code, 1, "{err}");
     assert!(err.contains("newer"), "{err}");
     assert!(
         !fresh.join("data/berth.redb").exists(),
@@ -720,7 +720,7 @@ async fn refused_exports_and_imports_change_nothing() {
         ),
     ] {
         let (code, err) = berth_cli(&["import", "--data-dir", &data(&fresh), "--from", &from]);
-        assert_eq!(code, 1);
+        assert_eq!(code, 1, "{err}");
         assert!(err.contains(expected), "{err}");
         assert!(!err.contains("hunter2"), "a password was echoed: {err}");
     }
@@ -738,7 +738,7 @@ async fn refused_exports_and_imports_change_nothing() {
         0
     );
     let (code, err) = berth_cli(&["import", "--data-dir", &data_dir, "--from", &from]);
-    assert_eq!(code, 1);
+    assert_eq!(code, 1, "{err}");
     assert!(err.contains("--replace"), "{err}");
     s.launch().await;
     assert_eq!(s.json("/v1/deployments/r1").await.0, 200);
@@ -751,7 +751,7 @@ async fn refused_exports_and_imports_change_nothing() {
         "--from",
         &from,
     ]);
-    assert_eq!(code, 1);
+    assert_eq!(code, 1, "{err}");
     assert!(err.contains("in use"), "{err}");
     assert_eq!(s.json("/v1/deployments/r1").await.0, 200);
     s.terminate();
