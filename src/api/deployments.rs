@@ -691,23 +691,21 @@ pub async fn submit(
     Ok(submitted_reply(&submitted))
 }
 
-/// 202 with the queued build's id and the deployment after the submit.
+/// 202 with the queued build's id and the deployment after the submit:
+/// `{"build_id": ..., "deployment": <summary>}`, the summary copied from
+/// the JSON its event carries. The answer is made on the store's writer
+/// thread (the idempotency record keeps it), where encoding the summary
+/// once more was a sixth of a submit's job at 32 connections.
 fn submitted_reply(s: &Submitted) -> Reply {
-    /// The answer, serialized straight from the summary: it is written on
-    /// the store's writer thread (the idempotency record keeps it), where
-    /// building a `serde_json::Value` of it first was 3% of the thread.
-    #[derive(serde::Serialize)]
-    struct Answer<'a> {
-        build_id: String,
-        deployment: &'a crate::model::DeploymentSummary,
-    }
-    Reply::json(
-        202,
-        &Answer {
-            build_id: format_build_id(s.build.id),
-            deployment: &s.deployment,
-        },
-    )
+    // The id as a JSON string, encoded as the summary's own strings are.
+    let build_id = serde_json::Value::String(format_build_id(s.build.id)).to_string();
+    let mut body = Vec::with_capacity(s.deployment_json.len() + build_id.len() + 32);
+    body.extend_from_slice(b"{\"build_id\":");
+    body.extend_from_slice(build_id.as_bytes());
+    body.extend_from_slice(b",\"deployment\":");
+    body.extend_from_slice(s.deployment_json.as_bytes());
+    body.push(b'}');
+    Reply::text(202, "application/json", body)
 }
 
 /// 202 with the queued destroy's id.

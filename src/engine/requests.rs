@@ -82,7 +82,11 @@ pub(super) struct Validated {
 #[derive(Debug)]
 pub struct Submitted {
     pub build: BuildRecord,
-    pub deployment: DeploymentSummary,
+    /// The deployment's summary after the submit, as JSON: the text its
+    /// `deployment` event carries, so the answer (rendered on the store's
+    /// writer thread for the idempotency record, then again for the
+    /// reply) copies it rather than encoding the summary twice more.
+    pub deployment_json: String,
 }
 
 impl Audited for Submitted {
@@ -489,7 +493,7 @@ pub fn submit_tx(
     if let Some(on) = s.auto_rollback {
         d.auto_rollback = on;
     }
-    let build = change.enqueue(
+    let queued = change.enqueue_summarized(
         &mut d,
         NewBuild {
             kind: BuildKind::Deploy,
@@ -500,9 +504,14 @@ pub fn submit_tx(
             rollback_of: None,
         },
     )?;
+    debug_assert_eq!(
+        serde_json::to_string(&d.summary(Some(&queued.build))).ok(),
+        Some(queued.deployment_json.clone()),
+        "the deployment event's summary is not the deployment after the submit"
+    );
     let submitted = Submitted {
-        deployment: d.summary(Some(&build)),
-        build,
+        build: queued.build,
+        deployment_json: queued.deployment_json,
     };
     record.store(&change, &submitted)?;
     Ok(Ok(submitted))

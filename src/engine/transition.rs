@@ -62,6 +62,14 @@ fn guard(from: Option<BuildStatus>, to: BuildStatus) -> StoreResult<()> {
     })
 }
 
+/// A build just queued, and the deployment's summary after it as JSON
+/// (`Change::enqueue_summarized`).
+pub struct Queued {
+    pub build: BuildRecord,
+    /// Byte for byte the data of the deployment's `deployment` event.
+    pub deployment_json: String,
+}
+
 /// A new build before it is queued.
 pub struct NewBuild {
     pub kind: BuildKind,
@@ -106,6 +114,16 @@ impl<'t, 'a> Change<'t, 'a> {
     /// Queues a new build of `d`: counted as pending, the deployment's last
     /// build. Stores the build, its snapshot and the deployment.
     pub fn enqueue(&self, d: &mut DeploymentRecord, new: NewBuild) -> StoreResult<BuildRecord> {
+        self.enqueue_summarized(d, new).map(|queued| queued.build)
+    }
+
+    /// As `enqueue`, with the deployment's summary after it as JSON (what
+    /// its `deployment` event carries): a submit answers with it.
+    pub fn enqueue_summarized(
+        &self,
+        d: &mut DeploymentRecord,
+        new: NewBuild,
+    ) -> StoreResult<Queued> {
         guard(None, BuildStatus::Queued)?;
         self.tx.shift_build_count(None, Some(BuildStatus::Queued))?;
         let mut b = BuildRecord {
@@ -132,8 +150,11 @@ impl<'t, 'a> Change<'t, 'a> {
                 previous: None,
             },
         )?;
-        self.store_both(d, &mut b)?;
-        Ok(b)
+        let deployment_json = self.store_both(d, &mut b)?;
+        Ok(Queued {
+            build: b,
+            deployment_json,
+        })
     }
 
     /// Queued -> running: the deployment's running build; log seqs are
@@ -430,18 +451,19 @@ impl<'t, 'a> Change<'t, 'a> {
 
     /// The build's status event, then the deployment's events and revision,
     /// then both records.
-    fn store_both(&self, d: &mut DeploymentRecord, b: &mut BuildRecord) -> StoreResult<()> {
+    fn store_both(&self, d: &mut DeploymentRecord, b: &mut BuildRecord) -> StoreResult<String> {
         self.store_both_with(d, b, |_| {})
     }
 
     /// As `store_both`; `after_event` sets what depends on the status
-    /// event's seq before the build is stored.
+    /// event's seq before the build is stored. Returns the deployment's
+    /// summary as its `deployment` event carries it.
     fn store_both_with(
         &self,
         d: &mut DeploymentRecord,
         b: &mut BuildRecord,
         after_event: impl FnOnce(&mut BuildRecord),
-    ) -> StoreResult<()> {
+    ) -> StoreResult<String> {
         debug_assert_eq!(
             d.id, b.deployment,
             "a build changed with another deployment"
@@ -457,9 +479,11 @@ impl<'t, 'a> Change<'t, 'a> {
             "after_event changed what the status event showed"
         );
         self.bump(d);
-        events::deployment_changed(self.tx, self.hub, d, Some((b, summary)), self.now)?;
+        let deployment_json =
+            events::deployment_changed(self.tx, self.hub, d, Some((b, summary)), self.now)?;
         self.tx.put_build(b)?;
-        self.tx.put_deployment(d)
+        self.tx.put_deployment(d)?;
+        Ok(deployment_json)
     }
 
     /// The webhook deliveries of a build's status change (notifications.md

@@ -139,14 +139,15 @@ fn event_json(summary: &impl serde::Serialize) -> StoreResult<String> {
 /// Only `engine::transition` calls this. Stores the deployment-channel
 /// events of a change: `build` (when a build changed: the build and the
 /// summary its status event carries, `build_status`) then `deployment`
-/// with the summary after the change.
+/// with the summary after the change. Returns that summary's JSON, so an
+/// answer that shows it does not encode it again.
 pub fn deployment_changed(
     tx: &Tx,
     hub: &Arc<Hub>,
     d: &mut DeploymentRecord,
     changed: Option<(&BuildRecord, String)>,
     now: Millis,
-) -> StoreResult<()> {
+) -> StoreResult<String> {
     let changed = match changed {
         Some((b, summary)) => {
             deployment_event(tx, hub, d, "build", summary, now)?;
@@ -164,7 +165,8 @@ pub fn deployment_changed(
         (None, _) => None,
     };
     let data = event_json(&d.summary(last_build))?;
-    deployment_event(tx, hub, d, "deployment", data, now)
+    deployment_event(tx, hub, d, "deployment", data.clone(), now)?;
+    Ok(data)
 }
 
 /// Stores one more event of the deployment channel and publishes it after
