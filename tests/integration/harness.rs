@@ -315,14 +315,22 @@ impl Server {
         }
     }
 
-    /// SIGTERM, then wait for the exit.
+    /// SIGTERM, then wait for the exit. A stop with a healthy disk closes
+    /// the store cleanly (an export or `audit verify` right after must not
+    /// find it half-closed), so its log never says otherwise.
     pub fn terminate(&mut self) -> std::process::ExitStatus {
         let mut c = self.child.take().expect("running");
         let _ = Command::new("kill")
             .arg("-TERM")
             .arg(c.id().to_string())
             .status();
-        c.wait().unwrap()
+        let status = c.wait().unwrap();
+        let log = self.log();
+        assert!(
+            !log.contains("the store was not closed cleanly"),
+            "a stop left the store half-closed; log:\n{log}"
+        );
+        status
     }
 
     /// `GET /metrics` with the token.
