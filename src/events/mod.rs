@@ -148,25 +148,57 @@ pub fn deployment_changed(
     changed: Option<(&BuildRecord, String)>,
     now: Millis,
 ) -> StoreResult<String> {
-    let changed = match changed {
-        Some((b, summary)) => {
+    let data = match changed {
+        Some((b, summary)) if d.last_build == Some(b.id) => {
+            let data = summary_with_build_text(d, &summary)?;
+            debug_assert_eq!(
+                event_json(&d.summary(Some(b))).ok().as_deref(),
+                Some(data.as_str()),
+                "the deployment summary put together is not the one encoded whole"
+            );
             deployment_event(tx, hub, d, "build", summary, now)?;
-            Some(b)
+            data
         }
-        None => None,
-    };
-    let stored;
-    let last_build = match (d.last_build, changed) {
-        (Some(id), Some(b)) if id == b.id => Some(b),
-        (Some(id), _) => {
-            stored = tx.build(id)?;
-            stored.as_ref()
+        Some((_, summary)) => {
+            deployment_event(tx, hub, d, "build", summary, now)?;
+            stored_last_build_summary(tx, d)?
         }
-        (None, _) => None,
+        None => stored_last_build_summary(tx, d)?,
     };
-    let data = event_json(&d.summary(last_build))?;
     deployment_event(tx, hub, d, "deployment", data.clone(), now)?;
     Ok(data)
+}
+
+/// The deployment's summary as JSON, its last build read from the store.
+fn stored_last_build_summary(tx: &Tx, d: &DeploymentRecord) -> StoreResult<String> {
+    let last_build = match d.last_build {
+        Some(id) => tx.build(id)?,
+        None => None,
+    };
+    event_json(&d.summary(last_build.as_ref()))
+}
+
+/// The deployment's summary as JSON, with `build_text` (its last build's
+/// summary as that build's status event stored it) as `last_build`: the
+/// build is not encoded a second time, inside the deployment. Why: every
+/// status change of a build stores both events, and on the store's writer
+/// thread the second encoding of the build was half of all the encoding
+/// of build summaries. `last_build` is the summary's last field, so the
+/// summary encoded without a build ends with `null}`, and the build's
+/// text takes the place of that `null`.
+fn summary_with_build_text(d: &DeploymentRecord, build_text: &str) -> StoreResult<String> {
+    const WITHOUT_BUILD: &str = ",\"last_build\":null}";
+    let mut text = event_json(&d.summary(None))?;
+    if !text.ends_with(WITHOUT_BUILD) {
+        return Err(crate::store::StoreError::other(
+            "a deployment summary does not end with its last build",
+        ));
+    }
+    text.truncate(text.len() - "null}".len());
+    text.reserve(build_text.len() + 1);
+    text.push_str(build_text);
+    text.push('}');
+    Ok(text)
 }
 
 /// Stores one more event of the deployment channel and publishes it after
