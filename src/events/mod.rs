@@ -191,7 +191,7 @@ fn summary_with_build_text(d: &DeploymentRecord, build_text: &str) -> StoreResul
     let mut text = event_json(&d.summary(None))?;
     if !text.ends_with(WITHOUT_BUILD) {
         return Err(crate::store::StoreError::other(
-            "a deployment summary does not end with its last build",
+            "a deployment summary's last field is not last_build (events::summary_with_build_text relies on it)",
         ));
     }
     text.truncate(text.len() - "null}".len());
