@@ -338,7 +338,9 @@ pub struct Settings {
     pub keep_rollback_targets: u32,
 
     /// How often a deploy's health step calls the deployer's `check`, and
-    /// the time limit of each call (lifecycle.md "Health checks").
+    /// the time limit of each check (lifecycle.md "Health checks"); the
+    /// `confirm` after them has 300 s, since on NixOS it installs the boot
+    /// entry.
     #[arg(long, env = "BERTH_HEALTH_INTERVAL", default_value = "5s", value_parser = parse_health_interval)]
     pub health_interval: Duration,
 

@@ -36,6 +36,15 @@ pub const MAX_HEALTH_REASON_CHARS: usize = 500;
 /// Lines of a check's or confirm's output copied into the build log, per call.
 const MAX_CALL_LINES_IN_LOG: usize = 50;
 
+/// How long `confirm` may take. Not `--health-interval`, which bounds a
+/// `check`: a confirm makes the new state permanent, and on NixOS that is
+/// `switch-to-configuration boot`, which installs the boot loader's
+/// entries and can take far longer than a check (a 3 s interval failed a
+/// healthy deploy whose confirm over ssh ran on a loaded machine, and
+/// rolled it back). Still a bound: a confirm that hangs must not keep the
+/// build running for ever.
+pub const CONFIRM_TIME_LIMIT: Duration = Duration::from_secs(300);
+
 /// How the health step ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum HealthEnd {
@@ -228,25 +237,30 @@ impl Engine {
                 confirm.to_string().into_bytes(),
                 Some(work_dir),
                 None,
-                self.settings.health_interval,
+                CONFIRM_TIME_LIMIT,
             )
             .await;
-        let ok = match called {
+        let failed = match called {
             Ok((ended, result, output)) => {
                 self.log_lines(pipe, &output).await;
-                ended == Ended::Exit(0) && matches!(result, Ok(Some(_)))
+                confirm_failure(ended, result.is_ok_and(|r| r.is_some()))
             }
-            Err(_) => false,
+            Err(_) => Some("the deployer's confirm could not be started".to_string()),
         };
-        if ok {
-            self.log_lines(
-                pipe,
-                &["[berth] health step: every changed node is healthy; confirmed".to_string()],
-            )
-            .await;
-            HealthEnd::Confirmed
-        } else {
-            HealthEnd::Failed("the deployer's confirm failed".into())
+        match failed {
+            None => {
+                self.log_lines(
+                    pipe,
+                    &["[berth] health step: every changed node is healthy; confirmed".to_string()],
+                )
+                .await;
+                HealthEnd::Confirmed
+            }
+            Some(why) => {
+                self.log_lines(pipe, &[format!("[berth] health step: {why}")])
+                    .await;
+                HealthEnd::Failed(why)
+            }
         }
     }
 
@@ -300,5 +314,50 @@ impl Engine {
             ),
         };
         self.log_lines(pipe, &[line]).await;
+    }
+}
+
+/// Why a `confirm` call failed, in words for the build's failure detail
+/// and log, or `None` when it confirmed (exit 0 with a result). Each way it
+/// can end is named, so the next way is decided here too.
+fn confirm_failure(ended: Ended, has_result: bool) -> Option<String> {
+    match ended {
+        Ended::Exit(0) if has_result => None,
+        Ended::Exit(0) => Some("the deployer's confirm exited 0 without a result".into()),
+        Ended::Exit(code) => Some(format!(
+            "the deployer's confirm failed (exit status {code}; its output is in the log)"
+        )),
+        Ended::Signal(signal) => Some(format!(
+            "the deployer's confirm was killed by signal {signal}"
+        )),
+        Ended::StatusUnknown => {
+            Some("the deployer's confirm ended with a status berth could not read".into())
+        }
+        Ended::Timeout => Some(format!(
+            "the deployer's confirm did not end within {} s",
+            CONFIRM_TIME_LIMIT.as_secs()
+        )),
+        Ended::Cancelled => Some("the deployer's confirm was stopped".into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_confirm_succeeds_only_with_exit_0_and_a_result_and_says_how_it_failed() {
+        assert_eq!(confirm_failure(Ended::Exit(0), true), None);
+        for (ended, has_result, words) in [
+            (Ended::Exit(0), false, "without a result"),
+            (Ended::Exit(3), true, "exit status 3"),
+            (Ended::Signal(9), true, "signal 9"),
+            (Ended::StatusUnknown, true, "could not read"),
+            (Ended::Timeout, true, "did not end within 300 s"),
+            (Ended::Cancelled, true, "stopped"),
+        ] {
+            let why = confirm_failure(ended, has_result).expect("a failure");
+            assert!(why.contains(words), "{why}");
+        }
     }
 }
