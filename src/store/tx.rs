@@ -56,12 +56,7 @@ impl<'a> Tx<'a, 'a> {
     /// Access to `txn`, with tables of its own (closed when it is
     /// dropped); `ops` collects the rows written, for a redo log.
     pub(super) fn new(txn: &'a WriteTransaction, ops: Option<Ops>) -> Tx<'a, 'a> {
-        Tx {
-            txn,
-            open: Tables::Own(OpenTables::new()),
-            hooks: std::cell::RefCell::new(Vec::new()),
-            ops: ops.map(std::cell::RefCell::new),
-        }
+        Tx::with_tables(txn, Tables::Own(OpenTables::new()), ops)
     }
 }
 
@@ -74,9 +69,17 @@ impl<'o, 'a> Tx<'o, 'a> {
         open: &'o OpenTables<'a>,
         ops: Option<Ops>,
     ) -> Tx<'o, 'a> {
+        Tx::with_tables(txn, Tables::Pending(open), ops)
+    }
+
+    fn with_tables(
+        txn: &'a WriteTransaction,
+        open: Tables<'o, 'a>,
+        ops: Option<Ops>,
+    ) -> Tx<'o, 'a> {
         Tx {
             txn,
-            open: Tables::Pending(open),
+            open,
             hooks: std::cell::RefCell::new(Vec::new()),
             ops: ops.map(std::cell::RefCell::new),
         }

@@ -424,12 +424,10 @@ pub(super) fn writer_loop(shared: Arc<Shared>, mut rx: mpsc::Receiver<WriteJob>)
                 continue;
             }
         };
-        let ops = log.is_some().then(|| record.lend());
-        let (failed, hooks, ops) = txn.with_dependent(|txn, open| {
-            let tx = Tx::pending(txn, open, ops);
+        let (failed, hooks) = run_in(&txn, log.is_some(), &mut record, |tx| {
             let mut failed = Vec::with_capacity(batch.len());
             for job in batch.iter_mut() {
-                let failure = (job.run)(&tx);
+                let failure = (job.run)(tx);
                 let stop = failure.is_some();
                 failed.push(failure);
                 if stop {
@@ -438,12 +436,8 @@ pub(super) fn writer_loop(shared: Arc<Shared>, mut rx: mpsc::Receiver<WriteJob>)
                 }
             }
             failed.resize_with(batch.len(), || None);
-            let (hooks, ops) = tx.finish();
-            (failed, hooks, ops)
+            failed
         });
-        if let Some(ops) = ops {
-            record.take_back(ops);
-        }
         let job_failed = failed.iter().any(Option::is_some);
         // A batch takes the reserve only if every job in it may.
         let urgency = match batch.iter().all(|j| j.urgency == redo::Urgency::Must) {
@@ -572,6 +566,29 @@ fn begin(db: &Database) -> StoreResult<WriteTransaction> {
     txn.set_durability(Durability::Immediate)
         .map_err(|e| StoreError::other(e.to_string()))?;
     Ok(txn)
+}
+
+/// Runs `jobs` in `txn` with the tables it keeps open; with a redo log
+/// (`logged`), the rows they write go into `record`'s buffer (lent for the
+/// run, taken back after). Returns what `jobs` returned and the hooks to
+/// run after the commit.
+fn run_in<R>(
+    txn: &Pending,
+    logged: bool,
+    record: &mut redo::RecordBuf,
+    jobs: impl FnOnce(&Tx<'_, '_>) -> R,
+) -> (R, Vec<Hook>) {
+    let ops = logged.then(|| record.lend());
+    let (outcome, hooks, ops) = txn.with_dependent(|txn, open| {
+        let tx = Tx::pending(txn, open, ops);
+        let outcome = jobs(&tx);
+        let (hooks, ops) = tx.finish();
+        (outcome, hooks, ops)
+    });
+    if let Some(ops) = ops {
+        record.take_back(ops);
+    }
+    (outcome, hooks)
 }
 
 /// The transaction a batch runs in: with a redo log, the pending one that
@@ -842,16 +859,7 @@ fn run_alone(
         }
     };
     record.start();
-    let ops = log.is_some().then(|| record.lend());
-    let (failure, hooks, ops) = txn.with_dependent(|txn, open| {
-        let tx = Tx::pending(txn, open, ops);
-        let failure = (job.run)(&tx);
-        let (hooks, ops) = tx.finish();
-        (failure, hooks, ops)
-    });
-    if let Some(ops) = ops {
-        record.take_back(ops);
-    }
+    let (failure, hooks) = run_in(&txn, log.is_some(), record, |tx| (job.run)(tx));
     if let Some(e) = failure {
         let lost = abandon(shared, txn, db, log).is_err();
         (job.finish)(Some(e));
