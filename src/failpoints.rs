@@ -23,6 +23,10 @@
 //!   writer, `store/syncer.rs`, with every batch handed over after it).
 //!   Both take as argument bytes the batch's rows must hold
 //!   (`redo.commit=return(dep-id)`);
+//! - `redb.sync`: the sync of the store file behind the writer
+//!   (`store/behind.rs`): `sleep(ms)` holds each one back, `return(8)`
+//!   fails the process's 8th (subject: its number), and the store is then
+//!   reopened from its redo log;
 //! - `recover.job`: a start's write that marks an interrupted build failed
 //!   (subject: the build id). It fails as a full disk does, a failure that
 //!   may pass, so recovery retries it: `recover.job=3*return`.

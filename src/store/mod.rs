@@ -11,6 +11,7 @@
 //! Reads use redb read transactions on the caller's thread (MVCC snapshots).
 
 mod audit;
+mod behind;
 pub mod codec;
 pub mod compress;
 pub mod dump;
@@ -41,7 +42,9 @@ pub use redo::Urgency;
 pub use rx::Rx;
 pub use tx::Tx;
 pub use writer::Hook;
-use writer::{open_database, pause_for_reopen, writer_loop, Shared, WriteJob, READ_WAIT_ATTEMPTS};
+use writer::{
+    open_database_with_syncs, pause_for_reopen, writer_loop, Shared, WriteJob, READ_WAIT_ATTEMPTS,
+};
 
 use std::path::Path;
 use std::sync::Arc;
@@ -107,19 +110,25 @@ impl Store {
 
     /// As `open`, sharing the file as `sharing` says.
     pub fn open_shared(path: &Path, sharing: Sharing) -> StoreResult<Store> {
-        let db = open_database(path, sharing).map_err(|e| match e.kind {
-            StoreErrorKind::Corrupt => StoreError {
-                kind: StoreErrorKind::Damaged,
-                detail: e.detail,
-            },
-            _ => e,
-        })?;
+        let (db, redb_syncs) =
+            open_database_with_syncs(path, sharing).map_err(|e| match e.kind {
+                StoreErrorKind::Corrupt => StoreError {
+                    kind: StoreErrorKind::Damaged,
+                    detail: e.detail,
+                },
+                _ => e,
+            })?;
         // Whatever mode wrote a redo log last, its acknowledged rows go
         // into the file before anything reads it: durably where the disk
         // allows; on a full one a store held alone keeps them in the log
         // (and in memory) until a checkpoint can write them.
-        let (db, resume) = match redo::replay(&db, path, LAYOUT_VERSION, redo::Replay::Checkpoint) {
-            Ok(resume) => (db, resume),
+        let (db, resume, redb_syncs) = match redo::replay(
+            &db,
+            path,
+            LAYOUT_VERSION,
+            redo::Replay::Checkpoint,
+        ) {
+            Ok(resume) => (db, resume, redb_syncs),
             Err(e)
                 if e.kind == StoreErrorKind::DiskFull
                     && matches!(sharing, Sharing::Exclusive { .. }) =>
@@ -127,23 +136,30 @@ impl Store {
                 tracing::warn!(error = %e, "cannot checkpoint the redo log at open (disk full); it stays the store's truth until a checkpoint can");
                 // redb refuses every call after a failed commit.
                 drop(db);
-                let db = open_database(path, sharing)?;
+                let (db, syncs) = open_database_with_syncs(path, sharing)?;
                 let resume = redo::replay(&db, path, LAYOUT_VERSION, redo::Replay::KeepLog)?;
-                (db, resume)
+                (db, resume, syncs)
             }
             Err(e) => return Err(e),
         };
+        // The replay's checkpoint is durable before the log is written
+        // over from its start (`resume`).
+        if let Some(syncs) = &redb_syncs {
+            syncs.wait_all()?;
+        }
         init_schema(&db)?;
         let redo = match sharing {
             // redb commits non-durably only when no other process may
             // read the file (`redo.rs`).
             Sharing::Exclusive { checkpoint_every } => {
-                Some(std::sync::Mutex::new(redo::RedoLog::open(
+                let mut log = redo::RedoLog::open(
                     &redo::path_of(path),
                     resume,
                     LAYOUT_VERSION,
                     checkpoint_every,
-                )?))
+                )?;
+                log.redb_syncs = redb_syncs;
+                Some(std::sync::Mutex::new(log))
             }
             Sharing::LiveReaders => None,
         };

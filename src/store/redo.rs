@@ -12,10 +12,15 @@
 //! the log. At open, the records written after the last checkpoint are
 //! applied again.
 //!
-//! The log is written from its start again after each checkpoint, over the
+//! The log is written from its start again after a checkpoint, over the
 //! bytes already there (created as `PREALLOCATED_BYTES` of zeros), so a
 //! sync never has to write the file's size. Records of older generations
-//! left beyond the end are skipped by the replay.
+//! left beyond the end are skipped by the replay. redb's sync of a
+//! checkpoint runs behind the writer (`behind.rs`), so its records are
+//! written over only once it is durable: the first record after the
+//! checkpoint goes from the start if its sync has returned, and behind the
+//! others if not (`next_record`; the next checkpoint tries again, and past
+//! `RESTART_WAIT_BYTES` the record waits for the sync).
 //!
 //! The record format is rows, not requests: a record holds each insert and
 //! remove of its batch, in order, as redb's own key and value bytes, so a
@@ -248,6 +253,57 @@ pub struct RedoLog {
     /// checkpoint, which the next one commits durably (`writer.rs`):
     /// kept with the log, under its lock, since the two go together.
     pub(super) pending: Option<super::logged::Pending>,
+    /// redb's syncs, when they are made behind the writer (`behind.rs`):
+    /// a checkpoint's records are written over only once its sync is done.
+    /// Set with each opening of the store file (`Shared::reopen` too).
+    pub(super) redb_syncs: Option<std::sync::Arc<super::behind::RedbSyncs>>,
+    /// The last checkpoint, while the log may still be written from its
+    /// start again (`checkpointed`): until the first record after it.
+    after_checkpoint: Option<AfterCheckpoint>,
+}
+
+/// A checkpoint whose sync may still be in flight: its ticket
+/// (`RedbSyncs::ticket`) and where the log ended when it committed.
+#[derive(Debug, Clone, Copy)]
+struct AfterCheckpoint {
+    ticket: u64,
+    end: u64,
+}
+
+/// Where the first record after a checkpoint goes (`from_start`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum NextRecord {
+    /// At the log's start: every record in it is durable in redb.
+    FromStart,
+    /// Behind the last one: the checkpoint's sync has not returned (or
+    /// failed), and the records before it are still the only durable copy
+    /// of its rows. The next checkpoint tries again.
+    Behind,
+    /// Wait for the checkpoint's sync, then from the start: the log has
+    /// grown past `RESTART_WAIT_BYTES`.
+    WaitThenFromStart,
+}
+
+/// Past this length the first record after a checkpoint waits for the
+/// checkpoint's sync rather than go behind the others, so the log is
+/// written from its start again at least this often: it bounds the log
+/// (and the replay at open) as `CHECKPOINT_BYTES` did when every checkpoint
+/// waited for its sync. Half of it, so one more interval's records still
+/// fit before a checkpoint is due by size.
+pub const RESTART_WAIT_BYTES: u64 = CHECKPOINT_BYTES / 2;
+
+/// Where the first record after a checkpoint goes, from how far its sync
+/// has come and how long the log is. Pure, so the policy is tested alone.
+pub(super) fn next_record(synced: &super::behind::Synced, log_bytes: u64) -> NextRecord {
+    use super::behind::Synced;
+    match synced {
+        Synced::Durable => NextRecord::FromStart,
+        // The next checkpoint fails on the same latched error and the
+        // store is reopened from this log, so it must keep every record.
+        Synced::Failed(_) => NextRecord::Behind,
+        Synced::Pending if log_bytes >= RESTART_WAIT_BYTES => NextRecord::WaitThenFromStart,
+        Synced::Pending => NextRecord::Behind,
+    }
 }
 
 fn io_error(e: std::io::Error) -> StoreError {
@@ -318,6 +374,8 @@ impl RedoLog {
             layout,
             checkpoint_every,
             pending: None,
+            redb_syncs: None,
+            after_checkpoint: None,
         })
     }
 
@@ -348,6 +406,7 @@ impl RedoLog {
     /// (`void_at`) if it is not to land. On a failed write the log is cut
     /// back to where it was.
     pub fn write(&mut self, record: &mut RecordBuf, urgency: Urgency) -> StoreResult<u64> {
+        self.rewind_after_durable_checkpoint()?;
         let payload_len = record.rows().len();
         if payload_len > MAX_RECORD_BYTES {
             return Err(StoreError::other(format!(
@@ -448,6 +507,63 @@ impl RedoLog {
         debug_assert!(generation > self.generation || self.end == 0);
         self.generation = generation;
         self.end = 0;
+        self.after_checkpoint = None;
+        Ok(())
+    }
+
+    /// After a checkpoint committed the log's generation: records go on
+    /// one generation on. With redb's syncs behind the writer the
+    /// checkpoint may not be durable yet, so the log is written from its
+    /// start again only by the first record after it, once its sync is
+    /// done (`next_record`); else at once, as before.
+    pub(super) fn checkpointed(&mut self) -> StoreResult<()> {
+        match &self.redb_syncs {
+            Some(syncs) => {
+                self.generation += 1;
+                self.after_checkpoint = Some(AfterCheckpoint {
+                    ticket: syncs.ticket(),
+                    end: self.end,
+                });
+                Ok(())
+            }
+            None => self.restart(self.generation + 1),
+        }
+    }
+
+    /// Waits until the last checkpoint is durable and writes the log from
+    /// its start again (`Store::close`: the log is left empty).
+    pub(super) fn settle_checkpoint(&mut self) -> StoreResult<()> {
+        let Some(after) = self.after_checkpoint else {
+            return Ok(());
+        };
+        if let Some(syncs) = &self.redb_syncs {
+            syncs.wait(after.ticket)?;
+        }
+        self.rewind_after_durable_checkpoint()
+    }
+
+    /// The first record after a checkpoint: from the log's start, when
+    /// nothing was written since and the checkpoint is durable.
+    fn rewind_after_durable_checkpoint(&mut self) -> StoreResult<()> {
+        let Some(after) = self.after_checkpoint.take() else {
+            return Ok(());
+        };
+        let Some(syncs) = &self.redb_syncs else {
+            return Ok(());
+        };
+        if after.end != self.end {
+            // Records went behind the checkpoint's (a reopen resumed the
+            // log elsewhere): they must stay.
+            return Ok(());
+        }
+        match next_record(&syncs.state(after.ticket), self.end) {
+            NextRecord::FromStart => self.end = 0,
+            NextRecord::Behind => {}
+            NextRecord::WaitThenFromStart => {
+                syncs.wait(after.ticket)?;
+                self.end = 0;
+            }
+        }
         Ok(())
     }
 
@@ -456,6 +572,7 @@ impl RedoLog {
     pub fn resume(&mut self, at: Resume) {
         self.generation = at.generation;
         self.end = at.end;
+        self.after_checkpoint = None;
     }
 }
 
@@ -683,9 +800,11 @@ pub fn replay(db: &Database, store: &Path, layout: u32, how: Replay) -> StoreRes
                 ),
             });
         }
-        // Generations only grow along the log, so the records newer than
-        // the checkpoint are its prefix; writing resumes right behind the
-        // last of them, whatever lies before it.
+        // Generations only grow along the log (`read_records` stops where
+        // one falls), so the records newer than the checkpoint come last,
+        // behind any it holds already (a log not yet written from its
+        // start again after the checkpoint, `RedoLog::checkpointed`);
+        // writing resumes right behind the last of them.
         apply_payload(&txn, records.payload(record), record.layout)?;
         last = last.max(record.generation);
         end = record.start + (HEADER + record.payload.len()) as u64;
@@ -1070,6 +1189,94 @@ mod tests {
         for i in 0..4u8 {
             assert_eq!(meta_of(&db, &format!("k{i}")), Some(vec![i]));
         }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn the_first_record_after_a_checkpoint_goes_from_the_start_only_once_it_is_durable() {
+        use super::super::behind::Synced;
+        assert_eq!(
+            next_record(&Synced::Durable, 10 << 20),
+            NextRecord::FromStart
+        );
+        assert_eq!(next_record(&Synced::Pending, 4096), NextRecord::Behind);
+        assert_eq!(
+            next_record(&Synced::Pending, RESTART_WAIT_BYTES),
+            NextRecord::WaitThenFromStart
+        );
+        assert_eq!(
+            next_record(&Synced::Failed("EIO".into()), RESTART_WAIT_BYTES),
+            NextRecord::Behind,
+            "a failed sync keeps every record for the reopen"
+        );
+    }
+
+    /// A checkpoint whose sync has not returned: the records after it go
+    /// behind its own, and a cut then (its commit not on the disk) replays
+    /// both generations in order; once it is durable, the next
+    /// checkpoint's first record goes from the start again.
+    #[test]
+    fn records_behind_a_checkpoint_not_yet_durable_replay_with_it() {
+        let (dir, store) = fresh("behind");
+        let db = exclusive(&store);
+        let txn = db.begin_write().unwrap();
+        txn.open_table(META).unwrap();
+        txn.commit().unwrap();
+        let syncs = std::sync::Arc::new(super::super::behind::RedbSyncs::default());
+        let mut log = new_log(&store);
+        log.redb_syncs = Some(syncs.clone());
+        let mut ops = Ops::default();
+        ops.insert(Table::Meta, b"k0", &[0]);
+        log.append(&mut record_of(ops), Urgency::May).unwrap();
+        let first = log.bytes();
+        // The checkpoint of generation 1, committed but its sync not
+        // returned: as far as the disk goes, not committed at all.
+        let mut txn = db.begin_write().unwrap();
+        txn.set_durability(redb::Durability::None).unwrap();
+        txn.open_table(META)
+            .unwrap()
+            .insert("k0", [0u8].as_slice())
+            .unwrap();
+        record_generation(&txn, 1).unwrap();
+        txn.commit().unwrap();
+        let ticket = syncs.ask_for_tests();
+        log.checkpointed().unwrap();
+        assert_eq!(log.generation, 2);
+        let mut ops = Ops::default();
+        ops.insert(Table::Meta, b"k1", &[1]);
+        log.append(&mut record_of(ops), Urgency::May).unwrap();
+        assert!(
+            log.bytes() > first,
+            "the record went behind the checkpoint's"
+        );
+        assert_eq!(records_in(&path_of(&store)), 2);
+        // A cut now: the file has neither row, the log both generations.
+        let copy = dir.join("copy");
+        std::fs::create_dir_all(&copy).unwrap();
+        std::fs::copy(&store, copy.join("berth.redb")).unwrap();
+        std::fs::copy(path_of(&store), path_of(&copy.join("berth.redb"))).unwrap();
+        {
+            let copied = copy.join("berth.redb");
+            let db = exclusive(&copied);
+            assert_eq!(
+                meta_of(&db, "k0"),
+                None,
+                "a non-durable commit reached the file"
+            );
+            replay(&db, &copied, LAYOUT, Replay::Checkpoint).unwrap();
+            assert_eq!(meta_of(&db, "k0"), Some(vec![0]));
+            assert_eq!(meta_of(&db, "k1"), Some(vec![1]));
+        }
+        // The sync returns; the next checkpoint's first record goes from
+        // the start, and the older generations behind it are not read.
+        syncs.done_for_tests(ticket);
+        log.checkpointed().unwrap();
+        let mut ops = Ops::default();
+        ops.insert(Table::Meta, b"k2", &[2]);
+        log.append(&mut record_of(ops), Urgency::May).unwrap();
+        assert!(log.bytes() < first + 64, "the log went on from its start");
+        assert_eq!(records_in(&path_of(&store)), 1);
+        drop(db);
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -43,6 +43,8 @@ use std::path::Path;
 use std::sync::Arc;
 
 use redb::{Database, Durability, ReadableDatabase, WriteTransaction};
+
+use super::behind::{RedbSyncs, SyncBehind};
 use tokio::sync::mpsc;
 
 use super::logged::Pending;
@@ -117,7 +119,8 @@ impl Shared {
         let Some(db) = self.current() else {
             return Err(StoreError::reopening());
         };
-        checkpoint_with(self, &db, &mut log)
+        checkpoint_with(self, &db, &mut log)?;
+        log.settle_checkpoint()
     }
 
     /// Drops an overlay generation a checkpoint retired on a thread of
@@ -197,18 +200,20 @@ impl Shared {
             // writes nothing to the store file, so it succeeds on the full
             // disk that perhaps made the handle fail (the next checkpoint
             // that succeeds makes them durable).
-            let reopened = open_database(&self.path, self.sharing).and_then(|db| {
-                if let Some(mut log) = self.redo_log() {
-                    let at = super::redo::replay(
-                        &db,
-                        &self.path,
-                        super::LAYOUT_VERSION,
-                        super::redo::Replay::KeepLog,
-                    )?;
-                    log.resume(at);
-                }
-                Ok(db)
-            });
+            let reopened =
+                open_database_with_syncs(&self.path, self.sharing).and_then(|(db, syncs)| {
+                    if let Some(mut log) = self.redo_log() {
+                        log.redb_syncs = syncs;
+                        let at = super::redo::replay(
+                            &db,
+                            &self.path,
+                            super::LAYOUT_VERSION,
+                            super::redo::Replay::KeepLog,
+                        )?;
+                        log.resume(at);
+                    }
+                    Ok(db)
+                });
             match reopened {
                 Ok(db) => {
                     tracing::warn!(path = %self.path.display(), "store reopened after an I/O error");
@@ -264,9 +269,27 @@ pub(super) fn pause_for_reopen() {
 }
 
 pub(super) fn open_database(path: &Path, sharing: super::Sharing) -> StoreResult<Database> {
-    Ok(Database::builder()
-        .set_concurrency_mode(sharing.mode())
-        .create(path)?)
+    open_database_with_syncs(path, sharing).map(|(db, _)| db)
+}
+
+/// Opens the store file; held alone, with redb's syncs behind the writer
+/// (`behind.rs`), whose progress it also returns.
+pub(super) fn open_database_with_syncs(
+    path: &Path,
+    sharing: super::Sharing,
+) -> StoreResult<(Database, Option<Arc<RedbSyncs>>)> {
+    let builder = {
+        let mut b = Database::builder();
+        b.set_concurrency_mode(sharing.mode());
+        b
+    };
+    match sharing {
+        super::Sharing::Exclusive { .. } => {
+            let (backend, syncs) = SyncBehind::open(path)?;
+            Ok((builder.create_with_backend(backend)?, Some(syncs)))
+        }
+        super::Sharing::LiveReaders => Ok((builder.create(path)?, None)),
+    }
 }
 
 /// A checkpoint: the pending write transaction (every row logged since
@@ -294,7 +317,7 @@ fn checkpoint_with(shared: &Shared, db: &Database, log: &mut RedoLog) -> StoreRe
         return Err(e);
     }
     shared.retire(overlay.restart());
-    log.restart(log.generation + 1)
+    log.checkpointed()
 }
 
 /// A new pending write transaction holding the overlay's rows: what an

@@ -238,3 +238,78 @@ async fn a_restart_whose_recovery_meets_a_full_disk_stays_not_ready_and_retries_
     // Nothing acknowledged went missing and berth takes work again.
     s.submit_ok("bob", json!({"n": 1})).await;
 }
+
+/// A sync of the store file that fails behind the writer
+/// (src/store/behind.rs): the next write to the file fails on it (a
+/// checkpoint, or a batch that grows the file, which is then refused with
+/// a 503 and stores nothing), the store is reopened from its redo log, and
+/// every submit answered 202 before and after is served, by the same berth
+/// and after a stop and a start.
+#[tokio::test]
+async fn a_failed_sync_of_the_store_file_behind_the_writer_loses_nothing() {
+    if !available("failpoints::redb_sync") {
+        return;
+    }
+    // The 12th sync of the process: a start makes a few, checkpoints while
+    // serving the rest.
+    let mut s = Server::start(Options::default().env("FAILPOINTS", "redb.sync=return(12)")).await;
+    let mut builds = Vec::new();
+    let submit = |n: usize| {
+        let s = &s;
+        async move {
+            let id = format!("d-{n}");
+            let (status, body) = s
+                .submit(&id, json!({"configuration": {}, "mode": "enqueue"}))
+                .await;
+            match status {
+                202 => Some(body["build_id"].as_str().unwrap().to_string()),
+                503 => {
+                    assert_eq!(body["reason"], "storage_io", "{body}");
+                    None
+                }
+                _ => panic!("{status} {body}"),
+            }
+        }
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut n = 0;
+    while !s.log().contains("store reopened after an I/O error") {
+        assert!(
+            Instant::now() < deadline,
+            "no reopen after the failed sync:\n{}",
+            s.log()
+        );
+        n += 1;
+        builds.extend(submit(n).await);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        s.log().contains("injected by the redb.sync failpoint"),
+        "the reopen was not the failed sync's:\n{}",
+        s.log()
+    );
+    for _ in 0..10 {
+        n += 1;
+        let acknowledged = submit(n).await;
+        assert!(
+            acknowledged.is_some(),
+            "a submit after the reopen failed:\n{}",
+            s.log()
+        );
+        builds.extend(acknowledged);
+    }
+    for b in &builds {
+        assert_eq!(s.json(&format!("/v1/builds/{b}")).await.0, 200, "{b}");
+    }
+    s.terminate();
+    s.envs.retain(|(k, _)| k != "FAILPOINTS");
+    s.launch().await;
+    for b in &builds {
+        assert_eq!(
+            s.json(&format!("/v1/builds/{b}")).await.0,
+            200,
+            "{b} after a restart"
+        );
+    }
+    s.kill();
+}
