@@ -122,12 +122,17 @@ impl Store {
         // into the file before anything reads it: durably where the disk
         // allows; on a full one a store held alone keeps them in the log
         // (and in memory) until a checkpoint can write them.
-        let (db, resume, redb_syncs) = match redo::replay(
-            &db,
-            path,
-            LAYOUT_VERSION,
-            redo::Replay::Checkpoint,
-        ) {
+        // The replay's checkpoint is durable before the log is written
+        // over from its start (`resume`); with redb's writes behind the
+        // writer, a full disk may show only when they are made.
+        let replayed =
+            redo::replay(&db, path, LAYOUT_VERSION, redo::Replay::Checkpoint).and_then(|resume| {
+                match &redb_syncs {
+                    Some(syncs) => syncs.wait_all().map(|()| resume),
+                    None => Ok(resume),
+                }
+            });
+        let (db, resume, redb_syncs) = match replayed {
             Ok(resume) => (db, resume, redb_syncs),
             Err(e)
                 if e.kind == StoreErrorKind::DiskFull
@@ -142,12 +147,13 @@ impl Store {
             }
             Err(e) => return Err(e),
         };
-        // The replay's checkpoint is durable before the log is written
-        // over from its start (`resume`).
+        init_schema(&db)?;
+        // A start's commits (a migration's among them) are durable before
+        // anything is written in their layout: a start on a full disk
+        // stops here, as it did when redb synced them itself.
         if let Some(syncs) = &redb_syncs {
             syncs.wait_all()?;
         }
-        init_schema(&db)?;
         let redo = match sharing {
             // redb commits non-durably only when no other process may
             // read the file (`redo.rs`).

@@ -1205,7 +1205,12 @@ mod tests {
             NextRecord::WaitThenFromStart
         );
         assert_eq!(
-            next_record(&Synced::Failed("EIO".into()), RESTART_WAIT_BYTES),
+            next_record(
+                &Synced::Failed(super::super::behind::Failure::of(
+                    &std::io::Error::from_raw_os_error(5)
+                )),
+                RESTART_WAIT_BYTES
+            ),
             NextRecord::Behind,
             "a failed sync keeps every record for the reopen"
         );
