@@ -346,10 +346,11 @@ const CHECKPOINT_RETRY_MAX: std::time::Duration = std::time::Duration::from_secs
 /// time, so that an operator who sets a long interval (fewer writes to
 /// the disk) still gets one.
 ///
-/// Why sooner when idle: a checkpoint holds the writer while redb writes
-/// back every page the generation dirtied, so its pause grows with the
-/// rows since the last one, and a lone submit that arrives meanwhile
-/// waits it out: at one
+/// Why sooner when idle: a checkpoint holds the writer while redb commits
+/// every page the generation dirtied (since `behind.rs`, it hands them
+/// over rather than writing and syncing them, a shorter pause), so its
+/// pause grows with the rows since the last one, and a lone submit that
+/// arrives meanwhile waits it out: at one
 /// connection, every 50 ms meant a ~2 ms pause before one submit in ~90,
 /// which set the p99. Under load the same pause is shared by a queue of
 /// submits, and a checkpoint's fixed cost by more rows: at 32
