@@ -15,7 +15,8 @@
 //! With a redo log the batches between two checkpoints share one write
 //! transaction (`RedoLog::pending`): a batch's commit is its rows' append
 //! and sync, then their publication to readers (`overlay.rs`), and only
-//! the checkpoint commits redb, durably. A batch that fails part-way, or
+//! the checkpoint commits redb, durably (its pages written and synced on
+//! a thread of their own, `behind.rs`, while this one goes on). A batch that fails part-way, or
 //! whose append is refused, cannot be aborted alone: the transaction is
 //! aborted whole and a new one is given the overlay's rows again
 //! (`restore`), which are exactly the rows acknowledged since the last
@@ -43,10 +44,9 @@ use std::path::Path;
 use std::sync::Arc;
 
 use redb::{Database, Durability, ReadableDatabase, WriteTransaction};
-
-use super::behind::{RedbSyncs, SyncBehind};
 use tokio::sync::mpsc;
 
+use super::behind::{RedbSyncs, SyncBehind};
 use super::logged::Pending;
 use super::overlay::Overlay;
 use super::redo::{self, RedoLog};
