@@ -270,7 +270,7 @@ struct AfterCheckpoint {
     end: u64,
 }
 
-/// Where the first record after a checkpoint goes (`from_start`).
+/// Where the first record after a checkpoint goes (`next_record`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum NextRecord {
     /// At the log's start: every record in it is durable in redb.
@@ -552,8 +552,9 @@ impl RedoLog {
             return Ok(());
         };
         if after.end != self.end {
-            // Records went behind the checkpoint's (a reopen resumed the
-            // log elsewhere): they must stay.
+            // The log moved since the checkpoint (a record taken back or
+            // voided): whatever it holds stays, and the next checkpoint
+            // tries again.
             return Ok(());
         }
         match next_record(&syncs.state(after.ticket), self.end) {
