@@ -1129,13 +1129,19 @@ mod tests {
             .unwrap()
     }
 
-    #[test]
-    fn a_replay_that_keeps_the_log_resumes_behind_it_and_a_later_checkpoint_applies_all() {
-        let (dir, store) = fresh("keep");
-        let db = exclusive(&store);
+    /// A new store held alone at `path`, its `meta` table made.
+    fn exclusive_with_meta(path: &Path) -> Database {
+        let db = exclusive(path);
         let txn = db.begin_write().unwrap();
         txn.open_table(META).unwrap();
         txn.commit().unwrap();
+        db
+    }
+
+    #[test]
+    fn a_replay_that_keeps_the_log_resumes_behind_it_and_a_later_checkpoint_applies_all() {
+        let (dir, store) = fresh("keep");
+        let db = exclusive_with_meta(&store);
         let mut log = new_log(&store);
         for i in 0..3u8 {
             let mut ops = Ops::default();
@@ -1224,10 +1230,7 @@ mod tests {
     #[test]
     fn records_behind_a_checkpoint_not_yet_durable_replay_with_it() {
         let (dir, store) = fresh("behind");
-        let db = exclusive(&store);
-        let txn = db.begin_write().unwrap();
-        txn.open_table(META).unwrap();
-        txn.commit().unwrap();
+        let db = exclusive_with_meta(&store);
         let syncs = std::sync::Arc::new(super::super::behind::RedbSyncs::default());
         let mut log = new_log(&store);
         log.redb_syncs = Some(syncs.clone());
