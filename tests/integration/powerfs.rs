@@ -17,9 +17,10 @@
 //! On a cut ([`PowerFs::cut`]) every file and directory goes back to its
 //! durable state ([`Cut::DropUnsynced`]), or keeps a random prefix of its
 //! unsynced changes, the last of them possibly cut part-way through its
-//! bytes ([`Cut::Torn`]: a torn write). Before that, [`PowerFs::sever`]
-//! makes every call fail with EIO: from that instant nothing reaches the
-//! "disk", as when the power goes.
+//! bytes ([`Cut::Torn`]: a torn write). What a cut keeps reached the
+//! disk, so it is durable from then on: a later cut starts from it. Before
+//! that, [`PowerFs::sever`] makes every call fail with EIO: from that
+//! instant nothing reaches the "disk", as when the power goes.
 //!
 //! Metadata (mode, owner) is treated as durable at once; the trials are
 //! about data and names. Everything lives under one lock: the trials need
@@ -438,6 +439,12 @@ impl State {
                             report.torn_writes += 1;
                         }
                     }
+                    // What the cut kept reached the disk: the next cut
+                    // starts from it (kept only in `live`, a torn
+                    // checkpoint's pages vanished at the next cut, after
+                    // later commits had been built on them).
+                    std::fs::write(&backing, &bytes)
+                        .expect("the backing directory takes what a cut kept");
                     *live = bytes;
                     unsynced.clear();
                 }
@@ -455,6 +462,8 @@ impl State {
                         apply_dir_change(&mut entries, change);
                     }
                     report.dropped_changes += (unsynced.len() - keep) as u64;
+                    // As for a file: the entries the cut kept are durable.
+                    *durable = entries.clone();
                     *live = entries;
                     unsynced.clear();
                 }
@@ -1226,6 +1235,8 @@ mod tests {
         let mut whole = 0;
         let mut none = 0;
         for seed in 1..200u64 {
+            // Zeros again, synced: what an earlier cut kept is on the disk.
+            write_file(&root.join("f"), &vec![0u8; 8192], true);
             let f = std::fs::OpenOptions::new()
                 .write(true)
                 .open(root.join("f"))
@@ -1259,6 +1270,46 @@ mod tests {
         drop(f);
         fs.cut(Cut::Torn(7));
         assert_eq!(std::fs::read(root.join("f")).unwrap(), page);
+    }
+
+    /// What a cut keeps reached the disk: a later cut, with nothing
+    /// unsynced, keeps it too. (It once stayed only in the served bytes,
+    /// so the next cut took a torn checkpoint's pages back to what was
+    /// under them, after redb had built later commits on those pages:
+    /// both of its commit slots then failed their checksums.)
+    #[test]
+    fn what_a_cut_keeps_stays_through_the_next_cut() {
+        let Some((root, fs)) = fresh("powerfs-kept") else {
+            return;
+        };
+        write_file(&root.join("f"), b"old bytes", true);
+        sync_dir(&root);
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(root.join("f"))
+            .unwrap();
+        f.write_all_at(b"NEW BYTES", 0).unwrap();
+        drop(f);
+        // One unsynced write in `f`: torn, it keeps its first half.
+        fs.cut(Cut::TearOne { seed: 1, file: "f" });
+        let kept = std::fs::read(root.join("f")).unwrap();
+        assert_eq!(kept, b"NEW bytes");
+        fs.cut(Cut::DropUnsynced);
+        assert_eq!(std::fs::read(root.join("f")).unwrap(), kept);
+        // A name a cut kept stays named.
+        write_file(&root.join("named"), b"synced", true);
+        let mut kept_name = false;
+        for seed in 1..64u64 {
+            fs.cut(Cut::Torn(seed));
+            if root.join("named").exists() {
+                kept_name = true;
+                break;
+            }
+            write_file(&root.join("named"), b"synced", true);
+        }
+        assert!(kept_name, "no torn cut kept the unsynced name in 63 tries");
+        fs.cut(Cut::DropUnsynced);
+        assert_eq!(std::fs::read(root.join("named")).unwrap(), b"synced");
     }
 
     #[test]
