@@ -15,8 +15,9 @@
 //! With a redo log the batches between two checkpoints share one write
 //! transaction (`RedoLog::pending`): a batch's commit is its rows' append
 //! and sync, then their publication to readers (`overlay.rs`), and only
-//! the checkpoint commits redb, durably (its pages written and synced on
-//! a thread of their own, `behind.rs`, while this one goes on). A batch that fails part-way, or
+//! the checkpoint commits redb, durably (redb writes its pages here; their
+//! sync runs on a thread of its own, `behind.rs`, while this one goes
+//! on). A batch that fails part-way, or
 //! whose append is refused, cannot be aborted alone: the transaction is
 //! aborted whole and a new one is given the overlay's rows again
 //! (`restore`), which are exactly the rows acknowledged since the last

@@ -1156,6 +1156,16 @@ mod tests {
         }
     }
 
+    /// Writes `bytes` over the start of the existing file at `path`,
+    /// synced or not.
+    fn overwrite(path: &Path, bytes: &[u8], sync: bool) {
+        let f = std::fs::OpenOptions::new().write(true).open(path).unwrap();
+        f.write_all_at(bytes, 0).unwrap();
+        if sync {
+            f.sync_data().unwrap();
+        }
+    }
+
     fn sync_dir(dir: &Path) {
         std::fs::File::open(dir).unwrap().sync_all().unwrap();
     }
@@ -1237,12 +1247,7 @@ mod tests {
         for seed in 1..200u64 {
             // Zeros again, synced: what an earlier cut kept is on the disk.
             write_file(&root.join("f"), &vec![0u8; 8192], true);
-            let f = std::fs::OpenOptions::new()
-                .write(true)
-                .open(root.join("f"))
-                .unwrap();
-            f.write_all_at(&page, 0).unwrap();
-            drop(f);
+            overwrite(&root.join("f"), &page, false);
             fs.cut(Cut::Torn(seed));
             let after = std::fs::read(root.join("f")).unwrap();
             assert_eq!(after.len(), 8192);
@@ -1261,13 +1266,7 @@ mod tests {
             "torn {torn}, whole {whole}, none {none}"
         );
         // Synced bytes are never torn.
-        let f = std::fs::OpenOptions::new()
-            .write(true)
-            .open(root.join("f"))
-            .unwrap();
-        f.write_all_at(&page, 0).unwrap();
-        f.sync_data().unwrap();
-        drop(f);
+        overwrite(&root.join("f"), &page, true);
         fs.cut(Cut::Torn(7));
         assert_eq!(std::fs::read(root.join("f")).unwrap(), page);
     }
@@ -1284,12 +1283,7 @@ mod tests {
         };
         write_file(&root.join("f"), b"old bytes", true);
         sync_dir(&root);
-        let f = std::fs::OpenOptions::new()
-            .write(true)
-            .open(root.join("f"))
-            .unwrap();
-        f.write_all_at(b"NEW BYTES", 0).unwrap();
-        drop(f);
+        overwrite(&root.join("f"), b"NEW BYTES", false);
         // One unsynced write in `f`: torn, it keeps its first half.
         fs.cut(Cut::TearOne { seed: 1, file: "f" });
         let kept = std::fs::read(root.join("f")).unwrap();
