@@ -23,7 +23,7 @@
 //!    `deployment` events, bumps `revision`, and stores the build, its
 //!    snapshot and the deployment. `Record::store` appends the audit event
 //!    (`Change::audit` -> `Tx::append_audit`: the sealed row, its index
-//!    entries, the Merkle subtrees it completes) and the idempotency record
+//!    entries, the stored Merkle subtrees it completes) and the idempotency record
 //!    with the same answer. Each event writer registers a `Tx::after_commit`
 //!    hook. The writer folds every job queued meanwhile into the same
 //!    transaction and commits once.

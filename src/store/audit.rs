@@ -147,10 +147,95 @@ pub struct StoredNodes<'l, L: AuditLookup>(pub &'l L);
 
 impl<L: AuditLookup> Nodes for StoredNodes<'_, L> {
     type Error = StoreError;
+    /// A stored subtree; below `STORED_FROM_LEVEL`, one computed from the
+    /// kept events under it (at most `2^STORED_FROM_LEVEL - 1` of them for
+    /// a proof), or, where retention removed some of them, from the
+    /// subtrees the prune kept for them (`prune_audit`).
     fn node(&self, level: u8, index: u64) -> StoreResult<Option<Hash>> {
-        self.0.merkle_node(level, index)
+        if let Some(stored) = self.0.merkle_node(level, index)? {
+            return Ok(Some(stored));
+        }
+        if level >= STORED_FROM_LEVEL {
+            return Ok(None);
+        }
+        let Some(first) = index.checked_mul(1u64 << level) else {
+            return Ok(None);
+        };
+        if let Some(root) = kept_subtree(self.0, first, 1u64 << level)? {
+            return Ok(Some(root));
+        }
+        if level == 0 {
+            return Ok(None);
+        }
+        let (Some(left), Some(right)) = (
+            self.node(level - 1, index * 2)?,
+            self.node(level - 1, index * 2 + 1)?,
+        ) else {
+            return Ok(None);
+        };
+        Ok(Some(merkle::node_hash(&left, &right)))
     }
 }
+
+/// The root of the perfect subtree of the `width` leaves from leaf `first`,
+/// from their events' hashes; `None` unless every one of those events is
+/// kept (leaf `i` is the event of seq `i + 1`).
+fn kept_subtree<L: Lookup>(lookup: &L, first: u64, width: u64) -> StoreResult<Option<Hash>> {
+    debug_assert!(width.is_power_of_two() && width <= 1 << STORED_FROM_LEVEL);
+    let events = lookup.open(AUDIT_EVENTS)?;
+    let mut range = merkle::CompactRange::new();
+    for entry in events.range(first + 1..=first + width)? {
+        let (seq, row) = entry?;
+        if seq.value() != first + 1 + range.size() {
+            return Ok(None);
+        }
+        range.push(merkle::leaf_hash(&row_hash(row.value())?));
+    }
+    if range.size() != width {
+        return Ok(None);
+    }
+    Ok(Some(range.root()))
+}
+
+/// Removes the stored subtrees below `STORED_FROM_LEVEL` that are not
+/// inside the pruned prefix: the layout-10 migration (a store of an older
+/// layout stored every level) and an import (an export of an older layout
+/// carries them). The ones inside the prefix are its compact range's, kept
+/// because their events are gone. Returns how many went.
+pub(super) fn drop_computable_subtrees(txn: &redb::WriteTransaction) -> StoreResult<u64> {
+    let prefix = match txn.open_table(META)?.get(ANCHOR_KEY)? {
+        Some(v) => {
+            let anchor: Anchor = serde_json::from_slice(v.value())
+                .map_err(|_| StoreError::corrupt("meta.audit_anchor is not an anchor"))?;
+            anchor.first_seq.saturating_sub(1)
+        }
+        None => 0,
+    };
+    let mut nodes = txn.open_table(MERKLE_NODES)?;
+    let mut dropped = 0u64;
+    for level in 0..STORED_FROM_LEVEL {
+        // A subtree ends inside the prefix when its last leaf does:
+        // (index + 1) << level <= prefix.
+        let first_outside = prefix >> level;
+        nodes.retain_in((level, first_outside)..=(level, u64::MAX), |_, _| {
+            dropped += 1;
+            false
+        })?;
+    }
+    Ok(dropped)
+}
+
+/// The levels of the Merkle tree below this one are not stored: a subtree
+/// of fewer than 8 events is computed from their rows when a proof, a root
+/// or the next stored subtree needs it. Why: storing every level wrote two
+/// `merkle_nodes` rows per audit event on average (the leaf and the
+/// subtrees it completes), each a B-tree insert on the store's single
+/// writer thread in every submit; from level 3 up it is a quarter of a row
+/// per event, and a proof reads at most 7 event rows more (layout 10).
+/// The exceptions are the subtrees of a pruned prefix's compact range,
+/// whose events are gone (`prune_audit`).
+pub const STORED_FROM_LEVEL: u8 = 3;
+const _: () = assert!(STORED_FROM_LEVEL >= 1 && STORED_FROM_LEVEL <= 8);
 
 /// What one retention pass removed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -190,21 +275,37 @@ impl Tx<'_, '_> {
             self.table(AUDIT_BY_ACTOR)?
                 .insert((actor.key().as_str(), seq), EMPTY)?;
         }
-        let mut nodes = self.table(MERKLE_NODES)?;
+        // The subtrees this event completes, from `STORED_FROM_LEVEL` up:
+        // the lowest from the kept events under it, each one above from its
+        // stored left half and the one below.
         let leaf_index = seq - 1;
-        let mut below = merkle::leaf_hash(&sealed.hash);
-        for (level, index) in merkle::completed_by(leaf_index) {
-            if level > 0 {
-                let left: Hash = nodes
-                    .get((level - 1, index * 2))?
-                    .and_then(|v| v.value().try_into().ok())
-                    .ok_or(MissingNode {
+        let mut completed = merkle::completed_by(leaf_index)
+            .filter(|(level, _)| *level >= STORED_FROM_LEVEL)
+            .peekable();
+        if let Some(&(lowest, index)) = completed.peek() {
+            let stored = StoredNodes(self);
+            let half = |index: u64| -> StoreResult<Hash> {
+                let level = lowest - 1;
+                Ok(stored
+                    .node(level, index)?
+                    .ok_or(MissingNode { level, index })?)
+            };
+            let mut below = merkle::node_hash(&half(index * 2)?, &half(index * 2 + 1)?);
+            let mut new_nodes: Vec<((u8, u64), Hash)> = Vec::with_capacity(merkle::MAX_LEVELS);
+            for (level, index) in completed {
+                if level > lowest {
+                    let left = stored.node(level - 1, index * 2)?.ok_or(MissingNode {
                         level: level - 1,
                         index: index * 2,
                     })?;
-                below = merkle::node_hash(&left, &below);
+                    below = merkle::node_hash(&left, &below);
+                }
+                new_nodes.push(((level, index), below));
             }
-            nodes.insert((level, index), below.as_slice())?;
+            let mut nodes = self.table(MERKLE_NODES)?;
+            for (key, hash) in &new_nodes {
+                nodes.insert(*key, hash.as_slice())?;
+            }
         }
         Ok(sealed)
     }
@@ -213,7 +314,7 @@ impl Tx<'_, '_> {
     /// moving the anchor (with the compact range of the removed prefix) in
     /// the same transaction. `None` when nothing was old enough.
     pub fn prune_audit(&self, cutoff: Millis, max: usize) -> StoreResult<Option<Pruned>> {
-        let mut events = self.table(AUDIT_EVENTS)?;
+        let events = self.table(AUDIT_EVENTS)?;
         let mut removed: Vec<(u64, Event)> = Vec::new();
         for entry in events.iter()? {
             let (k, v) = entry?;
@@ -236,6 +337,26 @@ impl Tx<'_, '_> {
             })?,
             last.at.clone(),
         );
+        drop(events);
+        // The anchor keeps the compact range of [0, last_seq); the other
+        // subtrees inside it are no longer needed by any proof. Its
+        // subtrees below `STORED_FROM_LEVEL` were computed from events
+        // until now, so they are read (or computed) before the events go,
+        // and stored below.
+        let prefix = last_seq;
+        let compact: Vec<((u8, u64), Hash)> = {
+            let stored = StoredNodes(self);
+            merkle::compact_nodes(prefix)
+                .into_iter()
+                .map(|(level, index)| {
+                    let hash = stored
+                        .node(level, index)?
+                        .ok_or(MissingNode { level, index })?;
+                    Ok(((level, index), hash))
+                })
+                .collect::<StoreResult<_>>()?
+        };
+        let mut events = self.table(AUDIT_EVENTS)?;
         let mut by_deployment = self.table(DEPLOYMENT_ROWS)?;
         let mut by_actor = self.table(AUDIT_BY_ACTOR)?;
         for (seq, e) in &removed {
@@ -247,18 +368,8 @@ impl Tx<'_, '_> {
                 by_actor.remove((a.key().as_str(), *seq))?;
             }
         }
-        // The anchor keeps the compact range of [0, last_seq); the other
-        // subtrees inside it are no longer needed by any proof.
-        let prefix = last_seq;
+        drop((events, by_deployment, by_actor));
         let mut nodes = self.table(MERKLE_NODES)?;
-        let mut compact_range = Vec::new();
-        for (level, index) in merkle::compact_nodes(prefix) {
-            let h: Hash = nodes
-                .get((level, index))?
-                .and_then(|v| v.value().try_into().ok())
-                .ok_or(MissingNode { level, index })?;
-            compact_range.push(crate::hex::encode(&h));
-        }
         for level in 0..64u8 {
             let inside = prefix >> level;
             if inside == 0 {
@@ -269,6 +380,15 @@ impl Tx<'_, '_> {
             let end = if keep_last { inside - 1 } else { inside };
             nodes.retain_in((level, 0u64)..(level, end), |_, _| false)?;
         }
+        for (key, hash) in &compact {
+            if key.0 < STORED_FROM_LEVEL {
+                nodes.insert(*key, hash.as_slice())?;
+            }
+        }
+        let compact_range = compact
+            .iter()
+            .map(|(_, hash)| crate::hex::encode(hash))
+            .collect();
         let anchor = Anchor {
             first_seq: last_seq + 1,
             prev_hash: last_hash,
@@ -475,6 +595,94 @@ mod tests {
             reason: None,
             count: 1,
         }
+    }
+
+    /// The leaf hash of the kept event `seq`.
+    fn leaf_of(rx: &Rx, seq: u64) -> Hash {
+        let e = rx.audit_event(seq).unwrap().unwrap();
+        merkle::leaf_hash(&chain::decode_hash(e.hash.as_deref().unwrap()).unwrap())
+    }
+
+    /// A prune inside a block of 8 events, then the events that complete
+    /// that block: the stored subtree of 8 is computed from the pruned
+    /// prefix's small subtrees (kept by the prune) and the kept events, and
+    /// every root and proof past the prefix agrees with the tree of all
+    /// leaves. Only subtrees of 8 and up are stored, but for the prefix's.
+    #[tokio::test]
+    async fn a_subtree_completed_across_a_pruned_prefix_is_stored_right() {
+        let dir = std::env::temp_dir().join(format!("berth-audit-across-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let store = crate::store::Store::open(&dir.join("berth.redb")).unwrap();
+        let old = crate::model::now_millis() - 400 * 24 * 3600 * 1000;
+        let new = crate::model::now_millis();
+        const PRUNED: u64 = 13;
+        const ALL: u64 = 41;
+        store
+            .write(move |tx| {
+                for i in 0..PRUNED {
+                    tx.append_audit(&draft(old, i))?;
+                }
+                Ok(())
+            })
+            .await
+            .unwrap();
+        let mut leaves: Vec<Hash> = {
+            let rx = store.read().unwrap();
+            (1..=PRUNED).map(|seq| leaf_of(&rx, seq)).collect()
+        };
+        let pruned = store
+            .write(move |tx| tx.prune_audit(new - 1000, 100))
+            .await
+            .unwrap();
+        assert_eq!(pruned.map(|p| p.first_seq), Some(PRUNED + 1));
+        // One event a transaction, as submits append them.
+        for i in PRUNED..ALL {
+            store
+                .write(move |tx| tx.append_audit(&draft(new, i)).map(|_| ()))
+                .await
+                .unwrap();
+        }
+        let rx = store.read().unwrap();
+        leaves.extend((PRUNED + 1..=ALL).map(|seq| leaf_of(&rx, seq)));
+        let nodes = StoredNodes(&rx);
+        for size in PRUNED + 1..=ALL {
+            let mut all = merkle::CompactRange::new();
+            leaves[..size as usize].iter().for_each(|l| all.push(*l));
+            assert_eq!(
+                merkle::root(&nodes, size).unwrap(),
+                all.root(),
+                "size {size}"
+            );
+            for seq in PRUNED + 1..=size {
+                let path = merkle::inclusion_path(&nodes, seq - 1, size).unwrap();
+                assert!(
+                    verify_inclusion(seq - 1, size, &leaves[seq as usize - 1], &path, &all.root()),
+                    "seq {seq} in {size}"
+                );
+            }
+        }
+        for (key, _) in rx.open(MERKLE_NODES).unwrap().iter().unwrap().map(|e| {
+            let (k, v) = e.unwrap();
+            (k.value(), v.value().len())
+        }) {
+            let (level, index) = key;
+            assert!(
+                level >= STORED_FROM_LEVEL || (index + 1) << level <= PRUNED,
+                "a computable subtree ({level}, {index}) is stored"
+            );
+        }
+        // Exactly the subtrees of 8 and up that 41 leaves complete, and the
+        // prefix's compact range below 8 (a subtree of 4 and one leaf).
+        let stored = rx.open(MERKLE_NODES).unwrap().iter().unwrap().count();
+        assert_eq!(
+            stored,
+            5 + 2 + 1 + 2,
+            "subtrees of 8, 16, 32 and the prefix's"
+        );
+        drop(rx);
+        store.close().unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[tokio::test]

@@ -568,6 +568,10 @@ impl Loader {
     /// durably and closes the file.
     pub fn finish(self, meta: &[(&str, Vec<u8>)]) -> StoreResult<()> {
         {
+            // An export of a layout before 10 carries every level of the
+            // audit tree; this layout keeps the small subtrees only for a
+            // pruned prefix.
+            super::audit::drop_computable_subtrees(&self.txn)?;
             let counts = super::count_builds(&self.txn)?;
             let mut table = self.txn.open_table(META)?;
             table.insert(

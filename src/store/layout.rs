@@ -27,21 +27,23 @@
 //! | 7 | webhooks: `webhooks`, `webhook_deliveries` and their `webhook_due` index (new tables, empty) |
 //! | 8 | a redo log beside a store held alone (no row changes) |
 //! | 9 | `deployment_rows`: a deployment's builds index, channel events and audit index in one table (the three tables before it removed) |
+//! | 10 | `merkle_nodes` keeps subtrees of 8 audit events and up (`store::audit::STORED_FROM_LEVEL`); the smaller ones are computed from the events, except a pruned prefix's |
 //!
 //! Releases before version 2 existed wrote version 1 but may already hold
 //! any of the later indexes (they were added by presence checks), so each
 //! migration rebuilds its index from the rows it indexes rather than
 //! assume it is absent. Every migration is tested on the store file in
 //! `tests/data/store-v1` (written by the last release that wrote version 1)
-//! and on a store whose index was removed; the step to 9 also on
+//! and on a store whose index was removed; the steps from 8 also on
 //! `tests/data/store-v8-crashed`, a store of layout 8 killed with most of
 //! its rows still in its redo log.
 //!
 //! A redo log is written at the layout of its berth. A berth applies a log
-//! of the layout before its own (its rows name tables that layout had,
-//! `Retired` keeps their definitions) to a file still at that layout, and
-//! only then migrates; an older log than that is refused at open with the
-//! advice to run the berth that wrote it once (`redo::replay`).
+//! of an older layout from `OLDEST_LOG_LAYOUT` on (its rows may name tables
+//! that layout had, `Retired` keeps their definitions) to a file still at
+//! that layout, and only then migrates; a log older than that is refused at
+//! open with the advice to run the berth that wrote it once
+//! (`redo::replay`).
 
 use redb::{Database, ReadableTable, ReadableTableMetadata, WriteTransaction};
 
@@ -54,7 +56,7 @@ use super::{
 use crate::model::BuildId;
 
 /// The layout this binary writes and reads.
-pub const LAYOUT_VERSION: u32 = 9;
+pub const LAYOUT_VERSION: u32 = 10;
 
 /// The `meta` key holding the layout version (u32 LE). Its name predates
 /// the word "layout" and stays, so every release finds it.
@@ -69,7 +71,7 @@ struct Migration {
 }
 
 /// Every migration, in order; `MIGRATIONS[i].to == i + 2`.
-const MIGRATIONS: [Migration; 8] = [
+const MIGRATIONS: [Migration; 9] = [
     Migration {
         to: 2,
         what: "index every build's log chunks",
@@ -110,6 +112,11 @@ const MIGRATIONS: [Migration; 8] = [
         what: "file each deployment's builds, events and audit index in one table",
         run: deployment_rows_in_one_table,
     },
+    Migration {
+        to: 10,
+        what: "keep only the audit tree's subtrees of 8 events and up",
+        run: audit_subtrees_from_level_3,
+    },
 ];
 
 /// The tables a layout removed, with the definitions they had, so a redo
@@ -138,11 +145,12 @@ mod v8 {
         TableDefinition::new(Retired::AuditByDeployment.name());
 }
 
-/// The layout before this berth's: a redo log written at it is applied
-/// (to a file still at it) before the file migrates. Logs of older layouts
-/// are refused: only the step from it is known to touch the tables a log
-/// names (layout 8 was the first with a redo log at all).
-pub const LOG_LAYOUT_BEFORE: u32 = 8;
+/// The oldest layout whose redo log this berth applies (to a file still
+/// at that layout, before it migrates). Logs of older layouts are refused:
+/// layout 8 was the first with a redo log at all, and each step since is
+/// known to keep the tables and keys a log of its layout names (layout 9
+/// retired three, `Retired`; layout 10 changed no table).
+pub const OLDEST_LOG_LAYOUT: u32 = 8;
 
 /// A table a redo record names: one of this layout's, or one the layout
 /// the log was written at had and this one removed.
@@ -163,14 +171,14 @@ impl Retired {
     /// Whether a redo log of `layout` can be applied by this berth (to a
     /// file of that layout, before it migrates).
     pub fn replayable(layout: u32) -> bool {
-        layout == LAYOUT_VERSION || layout == LOG_LAYOUT_BEFORE
+        (OLDEST_LOG_LAYOUT..=LAYOUT_VERSION).contains(&layout)
     }
 
     /// The table named `name` in a redo log of `layout`: one of today's,
     /// or one that layout had and a later one removed.
     pub fn named(layout: u32, name: &[u8]) -> Option<LoggedTable> {
         let retired: &[Retired] = match layout {
-            LOG_LAYOUT_BEFORE => &Retired::AFTER_8,
+            8 => &Retired::AFTER_8,
             _ => &[],
         };
         if let Some(r) = retired.iter().find(|r| r.name().as_bytes() == name) {
@@ -299,6 +307,13 @@ impl<'t> OldRows<'t> {
 /// `berth.redo`, whose rows are part of the store until a checkpoint puts
 /// them into the file. No row changes; the version stops a berth that does
 /// not know the log from opening the store and missing them.
+/// v10: the audit tree's subtrees below `STORED_FROM_LEVEL` go, but for
+/// those of a pruned prefix (their events are gone); readers compute them
+/// from the events.
+fn audit_subtrees_from_level_3(txn: &WriteTransaction) -> StoreResult<()> {
+    super::audit::drop_computable_subtrees(txn).map(|_| ())
+}
+
 fn redo_log_beside(_txn: &WriteTransaction) -> StoreResult<()> {
     Ok(())
 }

@@ -1339,7 +1339,7 @@ mod tests {
 
     #[test]
     fn a_log_of_the_layout_before_is_applied_to_a_file_of_that_layout_before_it_migrates() {
-        let before = super::super::layout::LOG_LAYOUT_BEFORE;
+        let before = super::super::layout::OLDEST_LOG_LAYOUT;
         let (dir, store, db) = a_layout_8_row_in_the_log("older", before, before);
         // Not while keeping the log: the migration that follows would
         // make the file durable at layout 9 with those rows' generation
@@ -1363,7 +1363,7 @@ mod tests {
     fn a_log_of_another_layout_than_its_file_or_an_older_one_is_refused_and_changes_nothing() {
         // Layout 8's rows beside a file already at this layout, and a log
         // of 7 (no berth of 7 wrote one; the check does not depend on that).
-        let before = super::super::layout::LOG_LAYOUT_BEFORE;
+        let before = super::super::layout::OLDEST_LOG_LAYOUT;
         for (tag, file, log) in [("newer-file", LAYOUT, before), ("seven", 7, 7)] {
             let (dir, store, db) = a_layout_8_row_in_the_log(tag, file, log);
             let e = replay(&db, &store, LAYOUT, Replay::Checkpoint).unwrap_err();

@@ -695,12 +695,32 @@ fn hex_of(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
-fn hash(h: &str) -> [u8; 32] {
+pub fn hash(h: &str) -> [u8; 32] {
     (0..32)
         .map(|i| u8::from_str_radix(&h[2 * i..2 * i + 2], 16).unwrap())
         .collect::<Vec<_>>()
         .try_into()
         .unwrap()
+}
+
+/// The inclusion proof `p` answered for `seq` at `size` verifies against
+/// the root it names, which it returns.
+pub fn inclusion_verifies(p: &Value, seq: u64, size: u64) -> berth::audit::merkle::Hash {
+    use berth::audit::merkle;
+    assert_eq!(p["leaf_index"], seq - 1, "{p}");
+    let path: Vec<merkle::Hash> = p["path"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|h| hash(h.as_str().unwrap()))
+        .collect();
+    let leaf = merkle::leaf_hash(&hash(p["event_hash"].as_str().unwrap()));
+    let root = hash(p["root"].as_str().unwrap());
+    assert!(
+        merkle::verify_inclusion(seq - 1, size, &leaf, &path, &root),
+        "{p}"
+    );
+    root
 }
 
 async fn some_events(s: &Server, n: usize, tag: &str) {
@@ -889,20 +909,7 @@ async fn proofs_verify_against_the_published_roots() {
                 .json(&format!("/v1/audit/proof?seq={seq}&size={size}"))
                 .await;
             assert_eq!(st, 200, "{p}");
-            assert_eq!(p["leaf_index"], seq - 1);
-            let path: Vec<merkle::Hash> = p["path"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|h| hash(h.as_str().unwrap()))
-                .collect();
-            let leaf = merkle::leaf_hash(&hash(p["event_hash"].as_str().unwrap()));
-            let root = hash(p["root"].as_str().unwrap());
-            assert!(
-                merkle::verify_inclusion(seq - 1, size, &leaf, &path, &root),
-                "{p}"
-            );
-            roots.insert(size, root);
+            roots.insert(size, inclusion_verifies(&p, seq, size));
         }
     }
     for from in 1..=head {

@@ -158,6 +158,37 @@ fn audit_verifies(dir: &Path) {
     );
 }
 
+/// Every kept event's inclusion proof at the chain's size verifies against
+/// the root `berth audit verify --json` computes from the events (read
+/// from the running server's store, through its snapshot).
+async fn audit_proofs_verify(s: &Server) {
+    let out = Command::new(env!("CARGO_BIN_EXE_berth"))
+        .args(["audit", "verify", "--json", "--data-dir"])
+        .arg(s.dir.join("data"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let size = report["size"].as_u64().unwrap();
+    let root = crate::audit::hash(report["merkle_root"].as_str().unwrap());
+    assert!(size >= 8, "the fixture has a subtree of 8 to prove through");
+    for seq in 1..=size {
+        let (status, p) = s
+            .json(&format!("/v1/audit/proof?seq={seq}&size={size}"))
+            .await;
+        assert_eq!(status, 200, "{p}");
+        assert_eq!(
+            crate::audit::inclusion_verifies(&p, seq, size),
+            root,
+            "seq {seq}"
+        );
+    }
+}
+
 /// The layout version the store file at `path` records.
 fn recorded_layout(path: &Path) -> u32 {
     use berth::store::tables::META;
@@ -206,6 +237,22 @@ async fn migrates_and_reads_back_equal(name: &str, steps: &[&str]) {
         tables.contains(&"deployment_rows".to_string()),
         "{tables:?}"
     );
+    // Layout 10 keeps the audit tree's subtrees of 8 events and up (the
+    // fixtures never pruned, so no smaller one has a reason to stay).
+    let db = redb::Database::open(dir.join("data/berth.redb")).unwrap();
+    let levels: Vec<u8> = {
+        let txn = redb::ReadableDatabase::begin_read(&db).unwrap();
+        let nodes = txn.open_table(berth::store::tables::MERKLE_NODES).unwrap();
+        redb::ReadableTable::iter(&nodes)
+            .unwrap()
+            .map(|e| e.unwrap().0.value().0)
+            .collect()
+    };
+    drop(db);
+    assert!(
+        !levels.is_empty() && levels.iter().all(|l| *l >= 3),
+        "stored subtree levels {levels:?}"
+    );
     std::fs::write(dir.join("server.log"), "").unwrap();
     s.launch().await;
     assert!(
@@ -213,6 +260,10 @@ async fn migrates_and_reads_back_equal(name: &str, steps: &[&str]) {
         "a migrated store was migrated again:\n{}",
         s.log()
     );
+    // Every event's inclusion proof, from the subtrees kept and those
+    // computed from the events, verifies against the root `berth audit
+    // verify` computed from the events alone.
+    audit_proofs_verify(&s).await;
     let first = &reads[1];
     let (status, body) = s.json(first["path"].as_str().unwrap()).await;
     assert_eq!(status, 200);
@@ -303,7 +354,7 @@ async fn an_export_of_a_stopped_older_store_is_refused_with_advice_and_verify_re
 /// without room (storage.md: nothing acknowledged is lost on a full
 /// disk): a berth of layout 8 killed with rows in its redo log, which go
 /// into the file (durably, through layout 8's tables) before the file may
-/// move to layout 9, restored as a sparse file onto a full disk. The start
+/// move to a later layout, restored as a sparse file onto a full disk. The start
 /// stops with an error that says the disk is full, that nothing is lost
 /// and what to free, and leaves the file at layout 8 with its log. Once
 /// there is room, the next start applies the log, migrates, and every read
@@ -315,7 +366,10 @@ async fn a_start_on_a_full_disk_that_must_replay_before_migrating_stops_and_the_
         "layout::a_start_on_a_full_disk_that_must_replay_before_migrating_stops_and_the_next_finishes",
         &fixture_named("store-v8-crashed"),
         &recorded_reads("store-v8-crashed"),
-        "must go into the store before it moves to layout 9",
+        &format!(
+            "must go into the store before it moves to layout {}",
+            berth::store::LAYOUT_VERSION
+        ),
     )
     .await;
 }
