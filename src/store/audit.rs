@@ -182,9 +182,12 @@ impl<L: AuditLookup> Nodes for StoredNodes<'_, L> {
 /// kept (leaf `i` is the event of seq `i + 1`).
 fn kept_subtree<L: Lookup>(lookup: &L, first: u64, width: u64) -> StoreResult<Option<Hash>> {
     debug_assert!(width.is_power_of_two() && width <= 1 << STORED_FROM_LEVEL);
+    let Some(last_seq) = first.checked_add(width) else {
+        return Ok(None);
+    };
     let events = lookup.open(AUDIT_EVENTS)?;
     let mut range = merkle::CompactRange::new();
-    for entry in events.range(first + 1..=first + width)? {
+    for entry in events.range(first + 1..=last_seq)? {
         let (seq, row) = entry?;
         if seq.value() != first + 1 + range.size() {
             return Ok(None);
