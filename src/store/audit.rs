@@ -13,10 +13,6 @@ use crate::audit::merkle::{self, Hash, MissingNode, Nodes};
 use crate::audit::{self as chain, Anchor, Draft, Event, Outcome, Sealed, Walk};
 use crate::model::Millis;
 
-/// `meta` key of the retention anchor (JSON `audit::Anchor`); absent until
-/// the first removal.
-const ANCHOR_KEY: &str = "audit_anchor";
-
 /// The chain hash a stored row starts with.
 fn row_hash(row: &[u8]) -> StoreResult<Hash> {
     row.get(..32)
@@ -199,46 +195,6 @@ fn kept_subtree<L: Lookup>(lookup: &L, first: u64, width: u64) -> StoreResult<Op
     }
     Ok(Some(range.root()))
 }
-
-/// Removes the stored subtrees below `STORED_FROM_LEVEL` that are not
-/// inside the pruned prefix: the layout-10 migration (a store of an older
-/// layout stored every level) and an import (an export of an older layout
-/// carries them). The ones inside the prefix are its compact range's, kept
-/// because their events are gone. Returns how many went.
-pub(super) fn drop_computable_subtrees(txn: &redb::WriteTransaction) -> StoreResult<u64> {
-    let prefix = match txn.open_table(META)?.get(ANCHOR_KEY)? {
-        Some(v) => {
-            let anchor: Anchor = serde_json::from_slice(v.value())
-                .map_err(|_| StoreError::corrupt("meta.audit_anchor is not an anchor"))?;
-            anchor.first_seq.saturating_sub(1)
-        }
-        None => 0,
-    };
-    let mut nodes = txn.open_table(MERKLE_NODES)?;
-    let mut dropped = 0u64;
-    for level in 0..STORED_FROM_LEVEL {
-        // A subtree ends inside the prefix when its last leaf does:
-        // (index + 1) << level <= prefix.
-        let first_outside = prefix >> level;
-        nodes.retain_in((level, first_outside)..=(level, u64::MAX), |_, _| {
-            dropped += 1;
-            false
-        })?;
-    }
-    Ok(dropped)
-}
-
-/// The levels of the Merkle tree below this one are not stored: a subtree
-/// of fewer than 8 events is computed from their rows when a proof, a root
-/// or the next stored subtree needs it. Why: storing every level wrote two
-/// `merkle_nodes` rows per audit event on average (the leaf and the
-/// subtrees it completes), each a B-tree insert on the store's single
-/// writer thread in every submit; from level 3 up it is a quarter of a row
-/// per event, and a proof reads at most 7 event rows more (layout 10).
-/// The exceptions are the subtrees of a pruned prefix's compact range,
-/// whose events are gone (`prune_audit`).
-pub const STORED_FROM_LEVEL: u8 = 3;
-const _: () = assert!(STORED_FROM_LEVEL >= 1 && STORED_FROM_LEVEL <= 8);
 
 /// What one retention pass removed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

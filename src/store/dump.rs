@@ -571,7 +571,7 @@ impl Loader {
             // An export of a layout before 10 carries every level of the
             // audit tree; this layout keeps the small subtrees only for a
             // pruned prefix.
-            super::audit::drop_computable_subtrees(&self.txn)?;
+            super::layout::drop_computable_subtrees(&self.txn)?;
             let counts = super::count_builds(&self.txn)?;
             let mut table = self.txn.open_table(META)?;
             table.insert(

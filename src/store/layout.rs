@@ -27,7 +27,7 @@
 //! | 7 | webhooks: `webhooks`, `webhook_deliveries` and their `webhook_due` index (new tables, empty) |
 //! | 8 | a redo log beside a store held alone (no row changes) |
 //! | 9 | `deployment_rows`: a deployment's builds index, channel events and audit index in one table (the three tables before it removed) |
-//! | 10 | `merkle_nodes` keeps subtrees of 8 audit events and up (`store::audit::STORED_FROM_LEVEL`); the smaller ones are computed from the events, except a pruned prefix's |
+//! | 10 | `merkle_nodes` keeps subtrees of 8 audit events and up (`store::tables::STORED_FROM_LEVEL`); the smaller ones are computed from the events, except a pruned prefix's |
 //!
 //! Releases before version 2 existed wrote version 1 but may already hold
 //! any of the later indexes (they were added by presence checks), so each
@@ -311,7 +311,35 @@ impl<'t> OldRows<'t> {
 /// those of a pruned prefix (their events are gone); readers compute them
 /// from the events.
 fn audit_subtrees_from_level_3(txn: &WriteTransaction) -> StoreResult<()> {
-    super::audit::drop_computable_subtrees(txn).map(|_| ())
+    drop_computable_subtrees(txn).map(|_| ())
+}
+
+/// Removes the stored subtrees below `STORED_FROM_LEVEL` that are not
+/// inside the pruned prefix: the layout-10 migration (a store of an older
+/// layout stored every level) and an import (an export of an older layout
+/// carries them). The ones inside the prefix are its compact range's, kept
+/// because their events are gone. Returns how many went.
+pub(super) fn drop_computable_subtrees(txn: &WriteTransaction) -> StoreResult<u64> {
+    let prefix = match txn.open_table(META)?.get(ANCHOR_KEY)? {
+        Some(v) => {
+            let anchor: crate::audit::Anchor = serde_json::from_slice(v.value())
+                .map_err(|_| StoreError::corrupt("meta.audit_anchor is not an anchor"))?;
+            anchor.first_seq.saturating_sub(1)
+        }
+        None => 0,
+    };
+    let mut nodes = txn.open_table(MERKLE_NODES)?;
+    let mut dropped = 0u64;
+    for level in 0..STORED_FROM_LEVEL {
+        // A subtree ends inside the prefix when its last leaf does:
+        // (index + 1) << level <= prefix.
+        let first_outside = prefix >> level;
+        nodes.retain_in((level, first_outside)..=(level, u64::MAX), |_, _| {
+            dropped += 1;
+            false
+        })?;
+    }
+    Ok(dropped)
 }
 
 fn redo_log_beside(_txn: &WriteTransaction) -> StoreResult<()> {

@@ -160,13 +160,31 @@ pub const AUDIT_EVENTS: TableDefinition<u64, &[u8]> =
 pub const AUDIT_BY_ACTOR: TableDefinition<(&str, u64), &[u8]> =
     TableDefinition::new(Table::AuditByActor.name());
 
-/// (level, index) -> 32-byte hash: every perfect subtree of the RFC 6962
-/// tree over the audit events (leaf `seq - 1` at level 0), written as each
-/// event completes it, so a proof at any size reads O(log^2 n) rows.
-/// Retention removes the subtrees inside the pruned prefix except its
-/// compact range.
+/// (level, index) -> 32-byte hash: the perfect subtrees of the RFC 6962
+/// tree over the audit events (leaf `seq - 1` at level 0) from level
+/// `STORED_FROM_LEVEL` up, written as each event completes one, so a proof
+/// at any size reads O(log^2 n) rows (and at most 7 event rows for the
+/// subtrees below, `store::audit::StoredNodes`). Retention removes the
+/// subtrees inside the pruned prefix except its compact range, which it
+/// stores at every level (its events are gone).
 pub const MERKLE_NODES: TableDefinition<(u8, u64), &[u8]> =
     TableDefinition::new(Table::MerkleNodes.name());
+
+/// The levels of the Merkle tree below this one are not stored: a subtree
+/// of fewer than 8 events is computed from their rows when a proof, a root
+/// or the next stored subtree needs it. Why: storing every level wrote two
+/// `merkle_nodes` rows per audit event on average (the leaf and the
+/// subtrees it completes), each a B-tree insert on the store's single
+/// writer thread in every submit; from level 3 up it is a quarter of a row
+/// per event, and a proof reads at most 7 event rows more (layout 10).
+/// The exceptions are the subtrees of a pruned prefix's compact range,
+/// whose events are gone (`prune_audit`).
+pub const STORED_FROM_LEVEL: u8 = 3;
+const _: () = assert!(STORED_FROM_LEVEL >= 1 && STORED_FROM_LEVEL <= 8);
+
+/// `meta` key of the audit retention anchor (JSON `audit::Anchor`); absent
+/// until the first removal.
+pub const ANCHOR_KEY: &str = "audit_anchor";
 
 /// Webhook id (UUIDv7 as u128) -> `WebhookRecord`: the subscriptions.
 pub const WEBHOOKS: TableDefinition<u128, &[u8]> = TableDefinition::new(Table::Webhooks.name());
