@@ -1338,11 +1338,11 @@ mod tests {
     }
 
     #[test]
-    fn a_log_of_the_layout_before_is_applied_to_a_file_of_that_layout_before_it_migrates() {
+    fn a_log_of_layout_8_is_applied_to_a_file_of_that_layout_before_it_migrates() {
         let before = super::super::layout::OLDEST_LOG_LAYOUT;
         let (dir, store, db) = a_layout_8_row_in_the_log("older", before, before);
         // Not while keeping the log: the migration that follows would
-        // make the file durable at layout 9 with those rows' generation
+        // make the file durable at a later layout with those rows' generation
         // unrecorded, and a later start would meet them again.
         let e = replay(&db, &store, LAYOUT, Replay::KeepLog).unwrap_err();
         assert_eq!(e.kind, super::super::StoreErrorKind::DiskFull, "{e}");
@@ -1355,6 +1355,57 @@ mod tests {
         replay(&db, &store, LAYOUT, Replay::Checkpoint).unwrap();
         assert_eq!(event_at_8(&db), Some(b"row".to_vec()));
         assert!(meta_of(&db, GENERATION_KEY).is_some(), "applied durably");
+        drop(db);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A log of layout 9 (the step to 10 changed no table) is applied to a
+    /// file of layout 9, which then migrates: the small audit subtree the
+    /// log held goes with the step to 10, as those already in the file do.
+    #[test]
+    fn a_log_of_layout_9_is_applied_before_the_file_moves_to_10() {
+        use super::super::tables::MERKLE_NODES;
+        let (dir, store) = fresh("layout-9");
+        let db = exclusive(&store);
+        let txn = db.begin_write().unwrap();
+        txn.open_table(META)
+            .unwrap()
+            .insert("schema_version", 9u32.to_le_bytes().as_slice())
+            .unwrap();
+        txn.open_table(MERKLE_NODES)
+            .unwrap()
+            .insert((3u8, 0u64), [3u8; 32].as_slice())
+            .unwrap();
+        txn.commit().unwrap();
+        let mut ops = Ops::default();
+        ops.insert(
+            Table::MerkleNodes,
+            &<(u8, u64)>::as_bytes(&(0u8, 5u64)),
+            &[0; 32],
+        );
+        ops.insert(Table::Meta, b"from-the-log", &[9]);
+        new_log_of(&store, 9)
+            .append(&mut record_of(ops), Urgency::May)
+            .unwrap();
+        replay(&db, &store, LAYOUT, Replay::Checkpoint).unwrap();
+        assert_eq!(meta_of(&db, "from-the-log"), Some(vec![9]), "applied");
+        let nodes = |db: &Database| -> Vec<(u8, u64)> {
+            let txn = redb::ReadableDatabase::begin_read(db).unwrap();
+            let table = txn.open_table(MERKLE_NODES).unwrap();
+            let keys = table
+                .iter()
+                .unwrap()
+                .map(|e| e.unwrap().0.value())
+                .collect();
+            keys
+        };
+        assert_eq!(nodes(&db), [(0, 5), (3, 0)], "the log's row is in the file");
+        super::super::layout::open_layout(&db).unwrap();
+        assert_eq!(nodes(&db), [(3, 0)], "the step to 10 kept a small subtree");
+        assert_eq!(
+            meta_of(&db, "schema_version"),
+            Some(LAYOUT.to_le_bytes().to_vec())
+        );
         drop(db);
         let _ = std::fs::remove_dir_all(&dir);
     }
