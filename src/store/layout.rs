@@ -178,6 +178,7 @@ impl Retired {
     /// or one that layout had and a later one removed.
     pub fn named(layout: u32, name: &[u8]) -> Option<LoggedTable> {
         let retired: &[Retired] = match layout {
+            // A log of layout 8 may name the three tables layout 9 retired.
             8 => &Retired::AFTER_8,
             _ => &[],
         };
@@ -303,10 +304,6 @@ impl<'t> OldRows<'t> {
     }
 }
 
-/// v8: a store held alone (then `--exclusive-store`, now the default) keeps a redo log,
-/// `berth.redo`, whose rows are part of the store until a checkpoint puts
-/// them into the file. No row changes; the version stops a berth that does
-/// not know the log from opening the store and missing them.
 /// v10: the audit tree's subtrees below `STORED_FROM_LEVEL` go, but for
 /// those of a pruned prefix (their events are gone); readers compute them
 /// from the events.
@@ -342,6 +339,10 @@ pub(super) fn drop_computable_subtrees(txn: &WriteTransaction) -> StoreResult<u6
     Ok(dropped)
 }
 
+/// v8: a store held alone (then `--exclusive-store`, now the default) keeps a redo log,
+/// `berth.redo`, whose rows are part of the store until a checkpoint puts
+/// them into the file. No row changes; the version stops a berth that does
+/// not know the log from opening the store and missing them.
 fn redo_log_beside(_txn: &WriteTransaction) -> StoreResult<()> {
     Ok(())
 }
