@@ -55,7 +55,8 @@ pub trait Nodes {
     fn node(&self, level: u8, index: u64) -> Result<Option<Hash>, Self::Error>;
 }
 
-fn get<N: Nodes>(nodes: &N, level: u8, index: u64) -> Result<Hash, N::Error> {
+/// The subtree `(level, index)`, or `MissingNode` as the lookup's error.
+pub fn get<N: Nodes>(nodes: &N, level: u8, index: u64) -> Result<Hash, N::Error> {
     nodes
         .node(level, index)?
         .ok_or(N::Error::from(MissingNode { level, index }))

@@ -154,6 +154,16 @@ impl<L: AuditLookup> Nodes for StoredNodes<'_, L> {
         if level >= STORED_FROM_LEVEL {
             return Ok(None);
         }
+        self.computed(level, index)
+    }
+}
+
+impl<L: AuditLookup> StoredNodes<'_, L> {
+    /// Subtree `(level, index)` (level at most `STORED_FROM_LEVEL`) from
+    /// the events under it, or, where some are pruned, from its halves.
+    /// Not looked up itself: the append computes the lowest subtree it
+    /// stores with this, one read of its 8 events.
+    fn computed(&self, level: u8, index: u64) -> StoreResult<Option<Hash>> {
         let Some(first) = index.checked_mul(1u64 << level) else {
             return Ok(None);
         };
@@ -243,20 +253,14 @@ impl Tx<'_, '_> {
             .peekable();
         if let Some(&(lowest, index)) = completed.peek() {
             let stored = StoredNodes(self);
-            let half = |index: u64| -> StoreResult<Hash> {
-                let level = lowest - 1;
-                Ok(stored
-                    .node(level, index)?
-                    .ok_or(MissingNode { level, index })?)
-            };
-            let mut below = merkle::node_hash(&half(index * 2)?, &half(index * 2 + 1)?);
+            let mut below = stored.computed(lowest, index)?.ok_or(MissingNode {
+                level: lowest,
+                index,
+            })?;
             let mut new_nodes: Vec<((u8, u64), Hash)> = Vec::with_capacity(merkle::MAX_LEVELS);
             for (level, index) in completed {
                 if level > lowest {
-                    let left = stored.node(level - 1, index * 2)?.ok_or(MissingNode {
-                        level: level - 1,
-                        index: index * 2,
-                    })?;
+                    let left = merkle::get(&stored, level - 1, index * 2)?;
                     below = merkle::node_hash(&left, &below);
                 }
                 new_nodes.push(((level, index), below));
@@ -307,12 +311,7 @@ impl Tx<'_, '_> {
             let stored = StoredNodes(self);
             merkle::compact_nodes(prefix)
                 .into_iter()
-                .map(|(level, index)| {
-                    let hash = stored
-                        .node(level, index)?
-                        .ok_or(MissingNode { level, index })?;
-                    Ok(((level, index), hash))
-                })
+                .map(|(level, index)| Ok(((level, index), merkle::get(&stored, level, index)?)))
                 .collect::<StoreResult<_>>()?
         };
         let mut events = self.table(AUDIT_EVENTS)?;
@@ -621,11 +620,8 @@ mod tests {
                 );
             }
         }
-        for (key, _) in rx.open(MERKLE_NODES).unwrap().iter().unwrap().map(|e| {
-            let (k, v) = e.unwrap();
-            (k.value(), v.value().len())
-        }) {
-            let (level, index) = key;
+        for entry in rx.open(MERKLE_NODES).unwrap().iter().unwrap() {
+            let (level, index) = entry.unwrap().0.value();
             assert!(
                 level >= STORED_FROM_LEVEL || (index + 1) << level <= PRUNED,
                 "a computable subtree ({level}, {index}) is stored"

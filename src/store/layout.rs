@@ -308,15 +308,15 @@ impl<'t> OldRows<'t> {
 /// those of a pruned prefix (their events are gone); readers compute them
 /// from the events.
 fn audit_subtrees_from_level_3(txn: &WriteTransaction) -> StoreResult<()> {
-    drop_computable_subtrees(txn).map(|_| ())
+    drop_computable_subtrees(txn)
 }
 
 /// Removes the stored subtrees below `STORED_FROM_LEVEL` that are not
 /// inside the pruned prefix: the layout-10 migration (a store of an older
 /// layout stored every level) and an import (an export of an older layout
 /// carries them). The ones inside the prefix are its compact range's, kept
-/// because their events are gone. Returns how many went.
-pub(super) fn drop_computable_subtrees(txn: &WriteTransaction) -> StoreResult<u64> {
+/// because their events are gone.
+pub(super) fn drop_computable_subtrees(txn: &WriteTransaction) -> StoreResult<()> {
     let prefix = match txn.open_table(META)?.get(ANCHOR_KEY)? {
         Some(v) => {
             let anchor: crate::audit::Anchor = serde_json::from_slice(v.value())
@@ -326,17 +326,13 @@ pub(super) fn drop_computable_subtrees(txn: &WriteTransaction) -> StoreResult<u6
         None => 0,
     };
     let mut nodes = txn.open_table(MERKLE_NODES)?;
-    let mut dropped = 0u64;
     for level in 0..STORED_FROM_LEVEL {
         // A subtree ends inside the prefix when its last leaf does:
         // (index + 1) << level <= prefix.
         let first_outside = prefix >> level;
-        nodes.retain_in((level, first_outside)..=(level, u64::MAX), |_, _| {
-            dropped += 1;
-            false
-        })?;
+        nodes.retain_in((level, first_outside)..=(level, u64::MAX), |_, _| false)?;
     }
-    Ok(dropped)
+    Ok(())
 }
 
 /// v8: a store held alone (then `--exclusive-store`, now the default) keeps a redo log,
