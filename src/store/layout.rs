@@ -36,7 +36,9 @@
 //! `tests/data/store-v1` (written by the last release that wrote version 1)
 //! and on a store whose index was removed; the steps from 8 also on
 //! `tests/data/store-v8-crashed`, a store of layout 8 killed with most of
-//! its rows still in its redo log.
+//! its rows still in its redo log, and the step to 10 also on
+//! `tests/data/store-v9-crashed`, the same of layout 9 (its log holds the
+//! small audit subtrees that step drops).
 //!
 //! A redo log is written at the layout of its berth. A berth applies a log
 //! of an older layout from `OLDEST_LOG_LAYOUT` on (its rows may name tables

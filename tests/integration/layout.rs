@@ -6,7 +6,8 @@
 //! `tests/data/store-v1` holds a store written by the last release of
 //! layout version 1 and that release's answers to every read below
 //! (`reads.json`); `tests/data/store-v8-crashed` the same of a berth of
-//! layout 8 killed with most rows still in its redo log (`berth.redo`).
+//! layout 8 killed with most rows still in its redo log (`berth.redo`),
+//! and `tests/data/store-v9-crashed` the same of a berth of layout 9.
 //! `tools/make-store-fixture` is the command that made them, and says how.
 
 use std::path::{Path, PathBuf};
@@ -109,6 +110,34 @@ async fn a_store_of_layout_8_killed_with_rows_in_its_redo_log_applies_them_then_
         &[
             "applied the redo log's acknowledged writes",
             "file each deployment's builds, events and audit index in one table",
+        ],
+    )
+    .await;
+}
+
+/// A berth of layout 9 killed with its rows in its redo log, the audit
+/// tree's small subtrees among them: this berth applies the log to the
+/// file while the file is still at layout 9, then the step to 10 drops
+/// those subtrees, and every read and every inclusion proof answers as
+/// before (the unit test `store::redo` covers the rule; this is a real
+/// berth's log, made by `tools/make-store-fixture`).
+#[tokio::test]
+async fn a_store_of_layout_9_killed_with_rows_in_its_redo_log_applies_them_then_migrates() {
+    let redo = fixture_named("store-v9-crashed").join("berth.redo");
+    assert!(
+        std::fs::metadata(&redo).unwrap().len() > 4096,
+        "the fixture's redo log holds records"
+    );
+    assert_eq!(
+        recorded_layout(&fixture_named("store-v9-crashed").join("berth.redb")),
+        9,
+        "the fixture is a layout-9 file"
+    );
+    migrates_and_reads_back_equal(
+        "store-v9-crashed",
+        &[
+            "applied the redo log's acknowledged writes",
+            "keep only the audit tree's subtrees of 8 events and up",
         ],
     )
     .await;
