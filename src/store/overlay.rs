@@ -22,22 +22,83 @@
 //! holds what the log holds, `redo::CHECKPOINT_BYTES`, before a
 //! checkpoint is due).
 
+use std::borrow::Borrow;
 use std::cmp::Ordering;
 use std::collections::BTreeMap;
 use std::ops::Bound;
 use std::sync::{Arc, Mutex, RwLock};
+
+use bytes::Bytes;
 
 use super::tables::{EachTable, Table};
 
 /// How a table orders its keys: redb's `Key::compare` of its key type.
 pub(super) type Compare = fn(&[u8], &[u8]) -> Ordering;
 
-/// A table's key bytes, ordered as redb orders that table's keys.
+/// A table's key bytes, ordered as redb orders that table's keys. The
+/// bytes are a slice of the batch's record, shared by all its rows
+/// (`Staged::of_record`): one copy a batch, not two allocations a row.
 struct RowKey {
-    bytes: Box<[u8]>,
+    bytes: Bytes,
     compare: Compare,
 }
 
+/// Key bytes with their table's order: a stored key (`RowKey`), or one a
+/// reader looks up or bounds a range with (`Probe`), which the map finds
+/// through `Borrow` without copying it into a `RowKey` first.
+trait OrderedKey {
+    fn bytes(&self) -> &[u8];
+    fn compare(&self) -> Compare;
+}
+
+impl OrderedKey for RowKey {
+    fn bytes(&self) -> &[u8] {
+        &self.bytes
+    }
+    fn compare(&self) -> Compare {
+        self.compare
+    }
+}
+
+/// A key a reader asks for, borrowed from the reader.
+struct Probe<'k> {
+    bytes: &'k [u8],
+    compare: Compare,
+}
+
+impl OrderedKey for Probe<'_> {
+    fn bytes(&self) -> &[u8] {
+        self.bytes
+    }
+    fn compare(&self) -> Compare {
+        self.compare
+    }
+}
+
+impl<'a> Borrow<dyn OrderedKey + 'a> for RowKey {
+    fn borrow(&self) -> &(dyn OrderedKey + 'a) {
+        self
+    }
+}
+
+impl PartialEq for dyn OrderedKey + '_ {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other) == Ordering::Equal
+    }
+}
+impl Eq for dyn OrderedKey + '_ {}
+impl PartialOrd for dyn OrderedKey + '_ {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for dyn OrderedKey + '_ {
+    fn cmp(&self, other: &Self) -> Ordering {
+        (self.compare())(self.bytes(), other.bytes())
+    }
+}
+
+// `RowKey`'s order is the one `dyn OrderedKey` has, as `Borrow` requires.
 impl PartialEq for RowKey {
     fn eq(&self, other: &Self) -> bool {
         self.cmp(other) == Ordering::Equal
@@ -56,7 +117,7 @@ impl Ord for RowKey {
 }
 
 /// A row's value as a batch left it: `None` when the batch removed it.
-pub(super) type Version = Option<Arc<[u8]>>;
+pub(super) type Version = Option<Bytes>;
 
 /// A row's versions in batch order: most rows of a generation are
 /// written once, so one version is kept without a `Vec` of its own (an
@@ -125,9 +186,9 @@ impl TableRows {
         }
     }
 
-    fn key(&self, bytes: &[u8]) -> RowKey {
-        RowKey {
-            bytes: bytes.into(),
+    fn probe<'k>(&self, bytes: &'k [u8]) -> Probe<'k> {
+        Probe {
+            bytes,
             compare: self.compare,
         }
     }
@@ -155,7 +216,7 @@ impl TableRows {
 }
 
 /// A row of the overlay: its key bytes and its version.
-pub(super) type OverlayRow = (Box<[u8]>, Version);
+pub(super) type OverlayRow = (Bytes, Version);
 
 /// One table's rows as the last batch left them (`Overlay::latest`):
 /// whether a batch emptied it, then its rows.
@@ -225,14 +286,36 @@ pub(super) struct Seen {
 pub(super) struct Staged(Vec<(Table, Option<(RowKey, Version)>)>);
 
 impl Staged {
+    /// Rows from anywhere, each key and value copied (`Overlay::publish`,
+    /// the tests' way in).
+    #[cfg(test)]
     pub(super) fn of<'a>(ops: impl IntoIterator<Item = Op<'a>>) -> Staged {
+        Staged::sliced(ops, Bytes::copy_from_slice)
+    }
+
+    /// A redo record's rows (`redo::ops_in` of `rows`): the record is
+    /// copied once and every key and value is a slice of that copy.
+    /// Why: a copy of each key and value cost two allocations a row on
+    /// the writer, and as many frees where a generation is dropped.
+    pub(super) fn of_record(rows: &[u8]) -> super::StoreResult<Staged> {
+        let shared = Bytes::copy_from_slice(rows);
+        let ops = super::redo::ops_in(&shared)?;
+        // Every slice `ops_in` returns lies inside `shared`, as
+        // `slice_ref` requires.
+        Ok(Staged::sliced(ops, |part| shared.slice_ref(part)))
+    }
+
+    fn sliced<'a>(
+        ops: impl IntoIterator<Item = Op<'a>>,
+        own: impl Fn(&'a [u8]) -> Bytes,
+    ) -> Staged {
         Staged(
             ops.into_iter()
                 .map(|op| match op {
                     Op::Insert(table, key, value) => {
-                        (table, Some((row_key(table, key), Some(value.into()))))
+                        (table, Some((row_key(table, own(key)), Some(own(value)))))
                     }
-                    Op::Remove(table, key) => (table, Some((row_key(table, key), None))),
+                    Op::Remove(table, key) => (table, Some((row_key(table, own(key)), None))),
                     Op::Clear(table) => (table, None),
                 })
                 .collect(),
@@ -264,20 +347,22 @@ impl Overlay {
         Ok((stored, seen))
     }
 
+    /// `publish_staged` of rows copied from anywhere (the tests' way in).
+    #[cfg(test)]
+    pub(super) fn publish<'a>(&self, ops: impl IntoIterator<Item = Op<'a>>) {
+        self.publish_staged(Staged::of(ops))
+    }
+
     /// Adds one batch's rows (after its sync), visible to readers that
-    /// begin from now on.
+    /// begin from now on. The rows were copied out beforehand
+    /// (`Staged::of_record`), so the thread that publishes needs nothing
+    /// of the record they came from.
     ///
     /// Called by the holder of the redo log's lock (the writer, or a
     /// checkpoint at close), or for it by the log's syncer thread
     /// (`syncer.rs`) for batches the holder handed it; `restart` comes
     /// only from the holder once the syncer has nothing in hand
     /// (`Syncer::settle`), so the two never interleave.
-    pub(super) fn publish<'a>(&self, ops: impl IntoIterator<Item = Op<'a>>) {
-        self.publish_staged(Staged::of(ops))
-    }
-
-    /// `publish`, of rows copied out beforehand (`Staged::of`), so the
-    /// thread that publishes needs nothing of the record they came from.
     pub(super) fn publish_staged(&self, Staged(staged): Staged) {
         let (generation, seq) = {
             let state = self.lock();
@@ -366,9 +451,9 @@ fn rows_of_mut(tables: &mut [TableRows], table: Table) -> &mut TableRows {
     rows
 }
 
-fn row_key(table: Table, key: &[u8]) -> RowKey {
+fn row_key(table: Table, bytes: Bytes) -> RowKey {
     RowKey {
-        bytes: key.into(),
+        bytes,
         compare: compare_of(table),
     }
 }
@@ -405,9 +490,10 @@ impl Seen {
         self.read(|tables| {
             let rows = rows_of(tables, table);
             let hidden = rows.hides_stored(self.upto);
+            let probe = rows.probe(key);
             match rows
                 .rows
-                .get(&rows.key(key))
+                .get(&probe as &dyn OrderedKey)
                 .and_then(|v| rows.visible(v.as_slice(), self.upto))
             {
                 Some(v) => Found::Here(v.clone()),
@@ -435,19 +521,24 @@ impl Seen {
             if empty_range(rows.compare, start, end) {
                 return Vec::new();
             }
-            let bound = |b: Bound<&[u8]>| match b {
-                Bound::Included(k) => Bound::Included(rows.key(k)),
-                Bound::Excluded(k) => Bound::Excluded(rows.key(k)),
-                Bound::Unbounded => Bound::Unbounded,
-            };
+            let (start, end) = (start.map(|k| rows.probe(k)), end.map(|k| rows.probe(k)));
             rows.rows
-                .range((bound(start), bound(end)))
+                .range::<dyn OrderedKey, _>((as_ordered(&start), as_ordered(&end)))
                 .filter_map(|(k, versions)| {
                     let v = rows.visible(versions.as_slice(), self.upto)?;
                     Some((k.bytes.clone(), v.clone()))
                 })
                 .collect()
         })
+    }
+}
+
+/// A range bound of probes as the map's `Borrow` target.
+fn as_ordered<'b>(bound: &'b Bound<Probe<'_>>) -> Bound<&'b (dyn OrderedKey + 'b)> {
+    match bound {
+        Bound::Included(k) => Bound::Included(k),
+        Bound::Excluded(k) => Bound::Excluded(k),
+        Bound::Unbounded => Bound::Unbounded,
     }
 }
 
@@ -489,6 +580,49 @@ mod tests {
 
     fn be(n: u64) -> [u8; 8] {
         n.to_le_bytes()
+    }
+
+    /// A batch published from its redo record (slices of one copy) reads
+    /// back as the same rows copied one by one: point reads, a removal,
+    /// a range in the table's key order, and a key never written.
+    #[test]
+    fn a_record_published_as_slices_reads_as_its_rows_copied() {
+        use super::super::logged::RowLog;
+        let mut ops = super::super::redo::Ops::default();
+        let (k1, k2, k3) = (be(1), be(2), be(256));
+        ops.insert(Table::AuditEvents, &k3, b"256");
+        ops.insert(Table::AuditEvents, &k1, b"one");
+        ops.remove(Table::AuditEvents, &k2);
+        ops.insert(Table::Webhooks, &7u128.to_le_bytes(), b"");
+        let record = ops.into_bytes();
+
+        let sliced = Overlay::default();
+        sliced.publish_staged(Staged::of_record(&record).unwrap());
+        let copied = Overlay::default();
+        copied.publish(super::super::redo::ops_in(&record).unwrap());
+        for o in [&sliced, &copied] {
+            let ((), seen) = o.begin(|| Ok::<_, ()>(())).unwrap();
+            assert_eq!(
+                seen.get(Table::AuditEvents, &k1),
+                Found::Here(Some(Bytes::from_static(b"one")))
+            );
+            assert_eq!(seen.get(Table::AuditEvents, &k2), Found::Here(None));
+            assert_eq!(seen.get(Table::AuditEvents, &be(4)), Found::Stored);
+            assert_eq!(
+                seen.get(Table::Webhooks, &7u128.to_le_bytes()),
+                Found::Here(Some(Bytes::new()))
+            );
+            let keys: Vec<u64> = seen
+                .range(Table::AuditEvents, Bound::Included(&k1), Bound::Unbounded)
+                .into_iter()
+                .map(|(k, _)| u64::from_le_bytes(k[..].try_into().unwrap()))
+                .collect();
+            assert_eq!(
+                keys,
+                [1, 2, 256],
+                "u64 order (256 is first by bytes), the removal included"
+            );
+        }
     }
 
     #[test]

@@ -14,7 +14,8 @@ use std::cmp::Ordering;
 use std::collections::VecDeque;
 use std::marker::PhantomData;
 use std::ops::{Bound, RangeBounds};
-use std::sync::Arc;
+
+use bytes::Bytes;
 
 use redb::{AccessGuard, Key, ReadableTable, StorageError, Value};
 
@@ -38,7 +39,7 @@ pub struct Rows<'r, K: Key + 'static, V: Value + 'static, T: ReadableTable<K, V>
 /// A key or a value read: redb's guard, or the overlay's bytes.
 pub enum Row<'a, T: Value + 'static> {
     Stored(AccessGuard<'a, T>),
-    Overlay(Arc<[u8]>, PhantomData<T>),
+    Overlay(Bytes, PhantomData<T>),
 }
 
 impl<T: Value + 'static> Row<'_, T> {
@@ -49,8 +50,8 @@ impl<T: Value + 'static> Row<'_, T> {
         }
     }
 
-    fn overlay(bytes: impl Into<Arc<[u8]>>) -> Self {
-        Row::Overlay(bytes.into(), PhantomData)
+    fn overlay(bytes: Bytes) -> Self {
+        Row::Overlay(bytes, PhantomData)
     }
 }
 
