@@ -293,12 +293,11 @@ impl Staged {
         Staged::sliced(ops, Bytes::copy_from_slice)
     }
 
-    /// A redo record's rows (`redo::ops_in` of `rows`): the record is
-    /// copied once and every key and value is a slice of that copy.
-    /// Why: a copy of each key and value cost two allocations a row on
-    /// the writer, and as many frees where a generation is dropped.
-    pub(super) fn of_record(rows: &[u8]) -> super::StoreResult<Staged> {
-        let shared = Bytes::copy_from_slice(rows);
+    /// A redo record's rows (`redo::ops_in` of `shared`, its copy from
+    /// `RecordBuf::shared_rows`): every key and value is a slice of that
+    /// copy. Why: a copy of each key and value cost two allocations a row
+    /// on the writer, and as many frees where a generation is dropped.
+    pub(super) fn of_record(shared: Bytes) -> super::StoreResult<Staged> {
         let ops = super::redo::ops_in(&shared)?;
         // Every slice `ops_in` returns lies inside `shared`, as
         // `slice_ref` requires.
@@ -597,7 +596,7 @@ mod tests {
         let record = ops.into_bytes();
 
         let sliced = Overlay::default();
-        sliced.publish_staged(Staged::of_record(&record).unwrap());
+        sliced.publish_staged(Staged::of_record(Bytes::copy_from_slice(&record)).unwrap());
         let copied = Overlay::default();
         copied.publish(super::super::redo::ops_in(&record).unwrap());
         for o in [&sliced, &copied] {

@@ -727,7 +727,7 @@ fn hand_over(
 ) -> Result<(), (Refused, Vec<Hook>, Vec<WriteJob>)> {
     let answers = Answers { hooks, jobs };
     let handed = match (
-        super::overlay::Staged::of_record(record.rows()),
+        super::overlay::Staged::of_record(record.shared_rows()),
         shared.syncer.as_ref(),
     ) {
         (Ok(staged), Some(syncer)) => syncer.hand(log, record, urgency, staged, answers),
@@ -825,7 +825,7 @@ fn commit(
     }
     let published = match crate::failpoints::hit_in("redo.commit", record.rows()) {
         true => Err(StoreError::injected("redo.commit")),
-        false => super::overlay::Staged::of_record(record.rows())
+        false => super::overlay::Staged::of_record(record.shared_rows())
             .map(|staged| shared.overlay.publish_staged(staged)),
     };
     if let Err(error) = published {
