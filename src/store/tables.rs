@@ -275,13 +275,13 @@ impl Table {
         Table::WebhookDue,
     ];
 
-    /// Its name in the redb file: the one place each name is spelled (the
-    /// `TableDefinition`s above read it from here).
     /// The table of this name, if berth has one.
     pub fn named(name: &str) -> Option<Table> {
         Table::ALL.into_iter().find(|t| t.name() == name)
     }
 
+    /// Its name in the redb file: the one place each name is spelled (the
+    /// `TableDefinition`s above read it from here).
     pub const fn name(self) -> &'static str {
         match self {
             Table::Meta => "meta",
