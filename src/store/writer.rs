@@ -726,11 +726,12 @@ fn hand_over(
     jobs: Vec<WriteJob>,
 ) -> Result<(), (Refused, Vec<Hook>, Vec<WriteJob>)> {
     let answers = Answers { hooks, jobs };
-    let handed = match (
-        super::overlay::Staged::of_record(record.shared_rows()),
-        shared.syncer.as_ref(),
-    ) {
-        (Ok(staged), Some(syncer)) => syncer.hand(log, record, urgency, staged, answers),
+    let copy = record.shared_rows();
+    let handed = match (redo::ops_in(&copy), shared.syncer.as_ref()) {
+        (Ok(ops), Some(syncer)) => {
+            let staged = super::overlay::Staged::of_record(&copy, ops);
+            syncer.hand(log, record, urgency, staged, answers)
+        }
         (Err(error), _) => Err((error, answers)),
         (Ok(_), None) => Err((
             StoreError::other("no redo log syncer to hand a batch to"),
@@ -825,8 +826,13 @@ fn commit(
     }
     let published = match crate::failpoints::hit_in("redo.commit", record.rows()) {
         true => Err(StoreError::injected("redo.commit")),
-        false => super::overlay::Staged::of_record(record.shared_rows())
-            .map(|staged| shared.overlay.publish_staged(staged)),
+        false => {
+            let copy = record.shared_rows();
+            redo::ops_in(&copy).map(|ops| {
+                let staged = super::overlay::Staged::of_record(&copy, ops);
+                shared.overlay.publish_staged(staged)
+            })
+        }
     };
     if let Err(error) = published {
         if let Err(undo) = log.take_back(end) {
