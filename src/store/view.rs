@@ -16,7 +16,6 @@ use std::marker::PhantomData;
 use std::ops::{Bound, RangeBounds};
 
 use bytes::Bytes;
-
 use redb::{AccessGuard, Key, ReadableTable, StorageError, Value};
 
 use super::overlay::{Found, OverlayRow, Seen};
