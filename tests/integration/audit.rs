@@ -676,12 +676,7 @@ impl Witness {
             {
                 return Err("the consistency proof does not start at my last head".into());
             }
-            let path: Vec<merkle::Hash> = c["path"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|h| hash(h.as_str().unwrap()))
-                .collect();
+            let path = hashes(&c["path"]);
             if !merkle::verify_consistency(*old_size, size, &hash(old_root), &hash(&root), &path) {
                 return Err("the consistency proof does not verify".into());
             }
@@ -692,15 +687,22 @@ impl Witness {
 }
 
 fn hex_of(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
+    berth::hex::encode(b)
 }
 
 pub fn hash(h: &str) -> [u8; 32] {
-    (0..32)
-        .map(|i| u8::from_str_radix(&h[2 * i..2 * i + 2], 16).unwrap())
-        .collect::<Vec<_>>()
-        .try_into()
+    berth::hex::decode(h)
+        .and_then(|bytes| bytes.try_into().ok())
+        .unwrap_or_else(|| panic!("not a 32-byte hash in hex: {h}"))
+}
+
+/// A proof's path: a JSON array of hashes in hex.
+fn hashes(path: &Value) -> Vec<berth::audit::merkle::Hash> {
+    path.as_array()
         .unwrap()
+        .iter()
+        .map(|h| hash(h.as_str().unwrap()))
+        .collect()
 }
 
 /// The inclusion proof `p` answered for `seq` at `size` verifies against
@@ -708,12 +710,7 @@ pub fn hash(h: &str) -> [u8; 32] {
 pub fn inclusion_verifies(p: &Value, seq: u64, size: u64) -> berth::audit::merkle::Hash {
     use berth::audit::merkle;
     assert_eq!(p["leaf_index"], seq - 1, "{p}");
-    let path: Vec<merkle::Hash> = p["path"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|h| hash(h.as_str().unwrap()))
-        .collect();
+    let path = hashes(&p["path"]);
     let leaf = merkle::leaf_hash(&hash(p["event_hash"].as_str().unwrap()));
     let root = hash(p["root"].as_str().unwrap());
     assert!(

@@ -100,17 +100,10 @@ async fn a_store_of_the_previous_layout_migrates_and_reads_back_equal() {
 /// first, then migrates it, and every read answers as that berth did.
 #[tokio::test]
 async fn a_store_of_layout_8_killed_with_rows_in_its_redo_log_applies_them_then_migrates() {
-    let redo = fixture_named("store-v8-crashed").join("berth.redo");
-    assert!(
-        std::fs::metadata(&redo).unwrap().len() > 4096,
-        "the fixture's redo log holds records"
-    );
-    migrates_and_reads_back_equal(
+    crashed_store_migrates(
         "store-v8-crashed",
-        &[
-            "applied the redo log's acknowledged writes",
-            "file each deployment's builds, events and audit index in one table",
-        ],
+        8,
+        "file each deployment's builds, events and audit index in one table",
     )
     .await;
 }
@@ -123,22 +116,31 @@ async fn a_store_of_layout_8_killed_with_rows_in_its_redo_log_applies_them_then_
 /// berth's log, made by `tools/make-store-fixture`).
 #[tokio::test]
 async fn a_store_of_layout_9_killed_with_rows_in_its_redo_log_applies_them_then_migrates() {
-    let redo = fixture_named("store-v9-crashed").join("berth.redo");
+    crashed_store_migrates(
+        "store-v9-crashed",
+        9,
+        "keep only the audit tree's subtrees of 8 events and up",
+    )
+    .await;
+}
+
+/// The fixture `name`, a store of `layout` killed with rows in its redo
+/// log: the log is applied, then `first_step` migrates the file, and
+/// every read answers as before (`migrates_and_reads_back_equal`).
+async fn crashed_store_migrates(name: &str, layout: u32, first_step: &str) {
+    let redo = fixture_named(name).join("berth.redo");
     assert!(
         std::fs::metadata(&redo).unwrap().len() > 4096,
         "the fixture's redo log holds records"
     );
     assert_eq!(
-        recorded_layout(&fixture_named("store-v9-crashed").join("berth.redb")),
-        9,
-        "the fixture is a layout-9 file"
+        recorded_layout(&fixture_named(name).join("berth.redb")),
+        layout,
+        "the fixture is a layout-{layout} file"
     );
     migrates_and_reads_back_equal(
-        "store-v9-crashed",
-        &[
-            "applied the redo log's acknowledged writes",
-            "keep only the audit tree's subtrees of 8 events and up",
-        ],
+        name,
+        &["applied the redo log's acknowledged writes", first_step],
     )
     .await;
 }
