@@ -12,6 +12,7 @@
 
 mod audit;
 mod behind;
+mod blocks;
 pub mod codec;
 pub mod compress;
 pub mod dump;

@@ -50,6 +50,7 @@ use std::time::Duration;
 use bytes::{Bytes, BytesMut};
 use redb::{Database, Key, ReadableTable, TableDefinition, Value, WriteTransaction};
 
+use super::blocks::{self, BlockWriter};
 use super::layout::{LoggedTable, Retired};
 use super::logged::RowLog;
 use super::tables::*;
@@ -85,7 +86,13 @@ pub const MAX_RECORD_BYTES: usize = 256 << 20;
 /// The `meta` key of the last checkpoint's generation (u64 LE).
 pub const GENERATION_KEY: &str = "redo_generation";
 
-const MAGIC: [u8; 4] = *b"BRDO";
+/// The magic of a record that starts on a block of its own and is padded
+/// to the end of its last (`blocks.rs`): the next record starts on the
+/// next block. Every record written now is one.
+const MAGIC: [u8; 4] = *b"BRDA";
+/// The magic of a record written by a berth before blocks (2026-12-04):
+/// the next record starts right behind it. Read, never written.
+const PACKED_MAGIC: [u8; 4] = *b"BRDO";
 /// magic, payload length (u32), crc32 of the rest, generation (u64),
 /// layout version (u32).
 const HEADER: usize = 4 + 4 + 4 + 8 + 4;
@@ -278,6 +285,9 @@ impl RecordBuf {
 /// The append side, owned by the writer thread.
 pub struct RedoLog {
     file: std::fs::File,
+    /// How records reach `file`: whole blocks, with `O_DIRECT` where the
+    /// file system allows (`blocks.rs`).
+    blocks: BlockWriter,
     /// Where the next record goes (the log's valid length).
     end: u64,
     /// How many bytes of the file are written (zeros or records): room a
@@ -406,6 +416,7 @@ impl RedoLog {
             }
         }
         Ok(RedoLog {
+            blocks: BlockWriter::open(path),
             file,
             end: at.end,
             room,
@@ -423,13 +434,13 @@ impl RedoLog {
         self.end
     }
 
-    /// Appends `record` (its header filled in here) and syncs it. On
-    /// failure the log is cut back to where it was (best effort; a torn
-    /// tail is ignored by the replay).
-    pub fn append(&mut self, record: &mut RecordBuf, urgency: Urgency) -> StoreResult<()> {
+    /// Appends `record` (its header filled in here) and syncs it; returns
+    /// where it starts. On failure the log is cut back to where it was
+    /// (best effort; a torn tail is ignored by the replay).
+    pub fn append(&mut self, record: &mut RecordBuf, urgency: Urgency) -> StoreResult<u64> {
         let start = self.write(record, urgency)?;
         match self.file.sync_data() {
-            Ok(()) => Ok(()),
+            Ok(()) => Ok(start),
             Err(e) => {
                 // Whatever part of it reached the disk must never replay.
                 let _ = self.void_at(start);
@@ -439,11 +450,12 @@ impl RedoLog {
         }
     }
 
-    /// Writes `record` (its header filled in here) behind the last one,
-    /// not synced; returns where it starts. A sync of the log's file
-    /// (`sync_handle`) makes it durable; until then it must be voided
-    /// (`void_at`) if it is not to land. On a failed write the log is cut
-    /// back to where it was.
+    /// Writes `record` (its header filled in here) on the first block
+    /// boundary behind the last one, padded to whole blocks
+    /// (`blocks.rs`), not synced; returns where it starts. A sync of the
+    /// log's file (`sync_handle`) makes it durable; until then it must be
+    /// voided (`void_at`) if it is not to land. On a failed write the log
+    /// is cut back to where it was.
     pub fn write(&mut self, record: &mut RecordBuf, urgency: Urgency) -> StoreResult<u64> {
         self.rewind_after_durable_checkpoint()?;
         let payload_len = record.rows().len();
@@ -452,7 +464,8 @@ impl RedoLog {
                 "one commit's rows are {payload_len} bytes, over the redo log's {MAX_RECORD_BYTES}"
             )));
         }
-        let after = self.end + (HEADER + payload_len) as u64;
+        let start = blocks::block_start(self.end);
+        let after = start + blocks::padded(HEADER + payload_len) as u64;
         if after > MAX_LOG_BYTES && urgency == Urgency::May {
             return Err(StoreError::log_full(MAX_LOG_BYTES));
         }
@@ -468,18 +481,23 @@ impl RedoLog {
         bytes[4..8].copy_from_slice(&(payload_len as u32).to_le_bytes());
         bytes[8..12].copy_from_slice(&crc.finalize().to_le_bytes());
         bytes[12..HEADER].copy_from_slice(&checked);
-        let start = self.end;
-        match self.file.write_all_at(bytes, start) {
-            Ok(()) => {
-                self.end += bytes.len() as u64;
+        match self.blocks.write(&self.file, bytes, start) {
+            Ok(written) => {
+                debug_assert_eq!(start + written, after);
+                self.end = after;
                 Ok(start)
             }
             Err(e) => {
                 // Whatever part of it reached the disk must never replay.
-                let _ = self.void_at(self.end);
+                let _ = self.void_at(start);
                 Err(io_error(e))
             }
         }
+    }
+
+    /// Whether records bypass the page cache (`blocks.rs`).
+    pub fn writes_direct(&self) -> bool {
+        self.blocks.is_direct()
     }
 
     /// Grows the log's written room, when needed, so a record ending at
@@ -531,11 +549,12 @@ impl RedoLog {
         self.end = to;
     }
 
-    /// Takes the last record back (its redb commit failed after the sync):
-    /// cut and synced, so a restart never applies what was refused.
-    pub fn take_back(&mut self, end: u64) -> StoreResult<()> {
-        self.void_at(end).map_err(io_error)?;
-        self.end = end;
+    /// Takes the last record back, given where it starts (its redb
+    /// commit failed after the sync): cut and synced, so a restart never
+    /// applies what was refused.
+    pub fn take_back(&mut self, start: u64) -> StoreResult<()> {
+        self.void_at(start).map_err(io_error)?;
+        self.end = start;
         Ok(())
     }
 
@@ -642,10 +661,13 @@ pub fn record_generation(txn: &WriteTransaction, generation: u64) -> StoreResult
 
 /// One valid record of the log.
 struct Record {
-    /// Its offset in the log.
-    start: u64,
     generation: u64,
     layout: u32,
+    /// Written by a berth before blocks (`PACKED_MAGIC`).
+    packed: bool,
+    /// Where the record behind it starts: right behind it when packed,
+    /// else on the next block.
+    next: u64,
     /// Where its rows are in `Records::bytes` (not a copy: a log near its
     /// limit is read once, so a replay holds it in memory once).
     payload: std::ops::Range<usize>,
@@ -663,6 +685,43 @@ impl Records {
     }
 }
 
+/// The record that starts at `at` in `bytes`, if one whole and valid
+/// does (its magic, length and checksum hold).
+fn record_at(bytes: &[u8], at: usize) -> Option<Record> {
+    let head = bytes.get(at..at.checked_add(HEADER)?)?;
+    let packed = match <[u8; 4]>::try_from(&head[..4]).ok()? {
+        MAGIC => false,
+        PACKED_MAGIC => true,
+        _ => return None,
+    };
+    let len = u32::from_le_bytes([head[4], head[5], head[6], head[7]]) as usize;
+    let crc = u32::from_le_bytes([head[8], head[9], head[10], head[11]]);
+    if len > MAX_RECORD_BYTES {
+        return None;
+    }
+    let payload = at + HEADER..at + HEADER + len;
+    let checked = &head[12..HEADER];
+    let mut hasher = crc32fast::Hasher::new();
+    hasher.update(checked);
+    hasher.update(bytes.get(payload.clone())?);
+    if hasher.finalize() != crc {
+        return None;
+    }
+    let generation = u64::from_le_bytes(checked[..8].try_into().ok()?);
+    let layout = u32::from_le_bytes(checked[8..12].try_into().ok()?);
+    let end = (at + HEADER + len) as u64;
+    Some(Record {
+        generation,
+        layout,
+        packed,
+        next: match packed {
+            true => end,
+            false => blocks::block_start(end),
+        },
+        payload,
+    })
+}
+
 /// The records of the log at `path` up to its first torn or foreign one.
 fn read_records(path: &Path) -> StoreResult<Records> {
     let mut bytes = Vec::new();
@@ -678,46 +737,28 @@ fn read_records(path: &Path) -> StoreResult<Records> {
         }
         Err(e) => return Err(io_error(e)),
     }
-    let mut records = Vec::new();
+    let mut records: Vec<Record> = Vec::new();
     let mut at = 0usize;
-    while bytes.len() - at >= HEADER {
-        let head = &bytes[at..at + HEADER];
-        if head[..4] != MAGIC {
-            break;
-        }
-        let len = u32::from_le_bytes([head[4], head[5], head[6], head[7]]) as usize;
-        let crc = u32::from_le_bytes([head[8], head[9], head[10], head[11]]);
-        if len > MAX_RECORD_BYTES || bytes.len() - at - HEADER < len {
-            break;
-        }
-        let checked = &head[12..HEADER];
-        let payload = &bytes[at + HEADER..at + HEADER + len];
-        let mut hasher = crc32fast::Hasher::new();
-        hasher.update(checked);
-        hasher.update(payload);
-        if hasher.finalize() != crc {
-            break;
-        }
-        let mut generation = [0u8; 8];
-        generation.copy_from_slice(&checked[..8]);
-        let mut layout = [0u8; 4];
-        layout.copy_from_slice(&checked[8..12]);
-        let generation = u64::from_le_bytes(generation);
+    loop {
         // Generations only grow along the log: an older one past the end
         // is what the log held before it was written from its start again.
-        if records
-            .last()
-            .is_some_and(|r: &Record| r.generation > generation)
-        {
+        let newest = records.last().map_or(0, |r| r.generation);
+        let found = match record_at(&bytes, at).filter(|r| r.generation >= newest) {
+            Some(record) => Some(record),
+            // Behind a packed record (a berth before blocks, whose log a
+            // reopen kept) the next one written since starts on the
+            // next block.
+            None if records.last().is_some_and(|r| r.packed) => {
+                record_at(&bytes, blocks::block_start(at as u64) as usize)
+                    .filter(|r| !r.packed && r.generation >= newest)
+            }
+            None => None,
+        };
+        let Some(record) = found else {
             break;
-        }
-        records.push(Record {
-            start: at as u64,
-            generation,
-            layout: u32::from_le_bytes(layout),
-            payload: at + HEADER..at + HEADER + len,
-        });
-        at += HEADER + len;
+        };
+        at = usize::try_from(record.next).unwrap_or(usize::MAX);
+        records.push(record);
     }
     Ok(Records {
         bytes,
@@ -847,7 +888,7 @@ pub fn replay(db: &Database, store: &Path, layout: u32, how: Replay) -> StoreRes
         // writing resumes right behind the last of them.
         apply_payload(&txn, records.payload(record), record.layout)?;
         last = last.max(record.generation);
-        end = record.start + (HEADER + record.payload.len()) as u64;
+        end = record.next;
         applied += 1;
     }
     let resume = match how {
@@ -1216,12 +1257,15 @@ mod tests {
     fn a_torn_or_foreign_tail_ends_the_records_and_the_rest_is_read_back() {
         let (dir, store) = fresh("tail");
         let mut log = new_log(&store);
+        let mut starts = Vec::new();
         for i in 0..3u8 {
             let mut ops = Ops::default();
             ops.insert(Table::Meta, b"k", &[i]);
-            log.append(&mut record_of(ops), Urgency::May).unwrap();
+            starts.push(log.append(&mut record_of(ops), Urgency::May).unwrap());
         }
         assert_eq!(records_in(&path_of(&store)), 3);
+        // Each on a block of its own, the first at the log's start.
+        assert_eq!(starts, [0, 4096, 8192]);
         // A torn tail: half of a fourth record.
         let whole = log.bytes();
         let mut ops = Ops::default();
@@ -1233,9 +1277,9 @@ mod tests {
             .unwrap();
         f.set_len(whole + 40).unwrap();
         assert_eq!(records_in(&path_of(&store)), 3);
-        // A flipped byte in the third record: two are left.
+        // A flipped byte in the third record's rows: two are left.
         let mut bytes = std::fs::read(path_of(&store)).unwrap();
-        let third = (whole as usize) - 3;
+        let third = starts[2] as usize + HEADER + 3;
         bytes[third] ^= 0xff;
         std::fs::write(path_of(&store), &bytes).unwrap();
         assert_eq!(records_in(&path_of(&store)), 2);
@@ -1322,6 +1366,89 @@ mod tests {
         for i in 0..4u8 {
             assert_eq!(meta_of(&db, &format!("k{i}")), Some(vec![i]));
         }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A record as a berth before blocks wrote it (`PACKED_MAGIC`), to go
+    /// right behind the one before.
+    fn packed_record(generation: u64, ops: Ops) -> Vec<u8> {
+        let rows = ops.into_bytes();
+        let mut checked = [0u8; 12];
+        checked[..8].copy_from_slice(&generation.to_le_bytes());
+        checked[8..].copy_from_slice(&LAYOUT.to_le_bytes());
+        let mut crc = crc32fast::Hasher::new();
+        crc.update(&checked);
+        crc.update(&rows);
+        let mut bytes = PACKED_MAGIC.to_vec();
+        bytes.extend_from_slice(&(rows.len() as u32).to_le_bytes());
+        bytes.extend_from_slice(&crc.finalize().to_le_bytes());
+        bytes.extend_from_slice(&checked);
+        bytes.extend_from_slice(&rows);
+        bytes
+    }
+
+    fn one_row(key: &str, value: u8) -> Ops {
+        let mut ops = Ops::default();
+        ops.insert(Table::Meta, key.as_bytes(), &[value]);
+        ops
+    }
+
+    #[test]
+    fn records_an_earlier_berth_packed_and_those_written_on_blocks_behind_them_all_replay() {
+        let (dir, store) = fresh("packed");
+        let db = exclusive_with_meta(&store);
+        // Two records of generation 2 packed by an earlier berth, and right
+        // behind them a stale one of generation 1 (the log before it was
+        // written from its start again).
+        let mut bytes = [
+            packed_record(2, one_row("k0", 0)),
+            packed_record(2, one_row("k1", 1)),
+        ]
+        .concat();
+        let packed_end = bytes.len() as u64;
+        bytes.extend(packed_record(1, one_row("stale", 9)));
+        bytes.resize(PREALLOCATED_BYTES as usize, 0);
+        std::fs::write(path_of(&store), &bytes).unwrap();
+        // This berth opened that log on a full disk, kept it, and goes on
+        // behind it: on the next block.
+        let at = replay(&db, &store, LAYOUT, Replay::KeepLog).unwrap();
+        assert_eq!(
+            at,
+            Resume {
+                generation: 2,
+                end: packed_end
+            }
+        );
+        assert_ne!(
+            packed_end % 4096,
+            0,
+            "the packed records end inside a block"
+        );
+        let mut log = RedoLog::open(&path_of(&store), at, LAYOUT, CHECKPOINT_INTERVAL).unwrap();
+        let start = log
+            .append(&mut record_of(one_row("k2", 2)), Urgency::May)
+            .unwrap();
+        assert_eq!(start, blocks::block_start(packed_end));
+        log.append(&mut record_of(one_row("k3", 3)), Urgency::May)
+            .unwrap();
+        assert_eq!(
+            records_in(&path_of(&store)),
+            4,
+            "the stale record is not read"
+        );
+        // A crash now: a start applies all four, and not the stale one.
+        let copy = dir.join("copy");
+        std::fs::create_dir_all(&copy).unwrap();
+        std::fs::copy(&store, copy.join("berth.redb")).unwrap();
+        std::fs::copy(path_of(&store), path_of(&copy.join("berth.redb"))).unwrap();
+        drop(db);
+        let store = copy.join("berth.redb");
+        let db = exclusive(&store);
+        replay(&db, &store, LAYOUT, Replay::Checkpoint).unwrap();
+        for i in 0..4u8 {
+            assert_eq!(meta_of(&db, &format!("k{i}")), Some(vec![i]));
+        }
+        assert_eq!(meta_of(&db, "stale"), None);
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -812,18 +812,20 @@ fn commit(
         log.pending = Some(txn);
         return Ok(());
     }
-    let end = log.bytes();
     let appended = match crate::failpoints::hit_in("redo.append", record.rows()) {
         true => Err(StoreError::injected("redo.append")),
         false => log.append(record, urgency),
     };
-    if let Err(error) = appended {
-        abandon(shared, txn, db, Some(log))?;
-        return Err(Refused {
-            error,
-            handle_lost: false,
-        });
-    }
+    let start = match appended {
+        Ok(start) => start,
+        Err(error) => {
+            abandon(shared, txn, db, Some(log))?;
+            return Err(Refused {
+                error,
+                handle_lost: false,
+            });
+        }
+    };
     let published = match crate::failpoints::hit_in("redo.commit", record.rows()) {
         true => Err(StoreError::injected("redo.commit")),
         false => {
@@ -835,7 +837,7 @@ fn commit(
         }
     };
     if let Err(error) = published {
-        if let Err(undo) = log.take_back(end) {
+        if let Err(undo) = log.take_back(start) {
             tracing::error!(error = %undo, "cannot take a refused commit back out of the redo log");
         }
         abandon(shared, txn, db, Some(log))?;
