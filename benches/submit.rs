@@ -42,6 +42,40 @@ fn fsync_rate(dir: &std::path::Path) -> (f64, f64) {
     (each.len() as f64 / start.elapsed().as_secs_f64(), p99)
 }
 
+/// What berth's redo log records now write (`src/store/blocks.rs`): one
+/// 4 KiB block with O_DIRECT over a file of zeros written beforehand,
+/// then fdatasync, in a loop: (syncs/s, p99 of one in ms), or `None`
+/// where the file system refuses O_DIRECT.
+fn direct_fsync_rate(dir: &std::path::Path) -> Option<(f64, f64)> {
+    use std::os::unix::fs::{FileExt, OpenOptionsExt};
+    const BLOCK: usize = 4096;
+    const BLOCKS: u64 = 4096;
+    let path = dir.join("direct-fsync-loop");
+    std::fs::write(&path, vec![0u8; BLOCK * BLOCKS as usize]).unwrap();
+    std::fs::File::open(&path).unwrap().sync_all().unwrap();
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .custom_flags(nix::fcntl::OFlag::O_DIRECT.bits())
+        .open(&path)
+        .ok()?;
+    let mut scratch = vec![b'x'; 2 * BLOCK];
+    let offset = scratch.as_ptr().align_offset(BLOCK);
+    let block = &mut scratch[offset..offset + BLOCK];
+    let start = Instant::now();
+    let mut each = Vec::with_capacity(1 << 16);
+    let mut at = 0u64;
+    while start.elapsed() < PHASE {
+        let one = Instant::now();
+        f.write_all_at(block, (at % BLOCKS) * BLOCK as u64).ok()?;
+        f.sync_data().unwrap();
+        each.push(one.elapsed());
+        at += 1;
+    }
+    each.sort();
+    let p99 = each[each.len() * 99 / 100].as_secs_f64() * 1000.0;
+    Some((each.len() as f64 / start.elapsed().as_secs_f64(), p99))
+}
+
 fn rss_kib(pid: u32) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
     status
@@ -756,6 +790,17 @@ fn main() {
     let dir = root.join("throughput");
     let (child, base, token) = start_with(&dir, &rt, &["--shared-store"]);
     let (fsyncs, fsync_p99) = fsync_rate(&dir);
+    match direct_fsync_rate(&dir) {
+        Some((direct, direct_p99)) => common::record(
+            "the sync berth's redo log records make: one 4 KiB block written with O_DIRECT over zeros + fdatasync, in a loop",
+            &format!("{direct:.0}/s (p99 {direct_p99:.2} ms)"),
+            &format!("128 B append + fdatasync loop: {fsyncs:.0}/s (p99 {fsync_p99:.2} ms)"),
+            direct / fsyncs.max(1.0),
+            None,
+            false,
+        ),
+        None => println!("skipped: the O_DIRECT sync loop: this file system refuses O_DIRECT"),
+    }
     let sqlite_one = sqlite_rate(&dir, 1);
     let sqlite_many = sqlite_rate(&dir, 32);
     let wrk_here = Command::new("wrk").arg("--version").output().is_ok();

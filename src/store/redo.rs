@@ -22,6 +22,13 @@
 //! others if not (`next_record`; the next checkpoint tries again, and past
 //! `RESTART_WAIT_BYTES` the record waits for the sync).
 //!
+//! Each record starts on a 4 KiB block of its own and is padded with zeros
+//! to whole blocks, written with `O_DIRECT` where the file system allows
+//! (`blocks.rs`: the fdatasync then only flushes the disk's cache); the
+//! replay finds the next record on the next block. A log whose records a
+//! berth before blocks packed one behind the other (`PACKED_MAGIC`) is
+//! read as it was written.
+//!
 //! The record format is rows, not requests: a record holds each insert and
 //! remove of its batch, in order, as redb's own key and value bytes, so a
 //! replay is exact and needs no engine. Each record carries the checkpoint
@@ -90,8 +97,8 @@ pub const GENERATION_KEY: &str = "redo_generation";
 /// to the end of its last (`blocks.rs`): the next record starts on the
 /// next block. Every record written now is one.
 const MAGIC: [u8; 4] = *b"BRDA";
-/// The magic of a record written by a berth before blocks (2026-12-04):
-/// the next record starts right behind it. Read, never written.
+/// The magic of a record written by a berth before blocks (before commit
+/// c5aa9f8): the next record starts right behind it. Read, never written.
 const PACKED_MAGIC: [u8; 4] = *b"BRDO";
 /// magic, payload length (u32), crc32 of the rest, generation (u64),
 /// layout version (u32).
