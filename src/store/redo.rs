@@ -1315,6 +1315,20 @@ mod tests {
         db
     }
 
+    /// The store and its log copied as they are on disk while `db` is
+    /// still open (a clean drop would make its commits durable), as a
+    /// crash leaves them; `db` is then dropped and the copy opened.
+    fn crashed_copy(dir: &Path, store: &Path, db: Database) -> (PathBuf, Database) {
+        let copy = dir.join("copy");
+        std::fs::create_dir_all(&copy).unwrap();
+        std::fs::copy(store, copy.join("berth.redb")).unwrap();
+        std::fs::copy(path_of(store), path_of(&copy.join("berth.redb"))).unwrap();
+        drop(db);
+        let store = copy.join("berth.redb");
+        let db = exclusive(&store);
+        (store, db)
+    }
+
     #[test]
     fn a_replay_that_keeps_the_log_resumes_behind_it_and_a_later_checkpoint_applies_all() {
         let (dir, store) = fresh("keep");
@@ -1350,13 +1364,7 @@ mod tests {
         // A crash now (the files as they are on disk, copied while the
         // handle is open: a clean drop would make them durable): the file
         // has none of them, and a start applies all four.
-        let copy = dir.join("copy");
-        std::fs::create_dir_all(&copy).unwrap();
-        std::fs::copy(&store, copy.join("berth.redb")).unwrap();
-        std::fs::copy(path_of(&store), path_of(&copy.join("berth.redb"))).unwrap();
-        drop(db);
-        let store = copy.join("berth.redb");
-        let db = exclusive(&store);
+        let (store, db) = crashed_copy(&dir, &store, db);
         assert_eq!(
             meta_of(&db, "k0"),
             None,
@@ -1444,13 +1452,7 @@ mod tests {
             "the stale record is not read"
         );
         // A crash now: a start applies all four, and not the stale one.
-        let copy = dir.join("copy");
-        std::fs::create_dir_all(&copy).unwrap();
-        std::fs::copy(&store, copy.join("berth.redb")).unwrap();
-        std::fs::copy(path_of(&store), path_of(&copy.join("berth.redb"))).unwrap();
-        drop(db);
-        let store = copy.join("berth.redb");
-        let db = exclusive(&store);
+        let (store, db) = crashed_copy(&dir, &store, db);
         replay(&db, &store, LAYOUT, Replay::Checkpoint).unwrap();
         for i in 0..4u8 {
             assert_eq!(meta_of(&db, &format!("k{i}")), Some(vec![i]));
