@@ -23,6 +23,10 @@
 //!   writer, `store/syncer.rs`, with every batch handed over after it).
 //!   Both take as argument bytes the batch's rows must hold
 //!   (`redo.commit=return(dep-id)`);
+//! - `redo.direct_write`: a redo log record's `O_DIRECT` write
+//!   (`store/blocks.rs`), refused with `EINVAL` as a disk whose blocks are
+//!   larger than 4 KiB refuses it (the log then writes through the page
+//!   cache for good; this one is not a failure the caller sees);
 //! - `redb.sync`: the sync of the store file behind the writer
 //!   (`store/behind.rs`): `sleep(ms)` holds each one back, `return(8)`
 //!   fails the process's 8th (subject: its number), and the store is then

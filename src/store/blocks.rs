@@ -96,7 +96,7 @@ impl BlockWriter {
                 window[bytes.len()..].fill(0);
                 let window = &*window;
                 match &self.direct {
-                    Some(direct) => match direct.write_all_at(window, at) {
+                    Some(direct) => match direct_write(direct, window, at) {
                         Err(e) if e.raw_os_error() == Some(nix::libc::EINVAL) => {
                             tracing::warn!(error = %e,
                                 "the redo log's disk refuses its O_DIRECT writes; records go through the page cache from now on");
@@ -121,6 +121,16 @@ impl BlockWriter {
             self.scratch = Vec::new();
         }
         written.map(|()| len as u64)
+    }
+}
+
+/// Writes `window` at `at` through the `O_DIRECT` handle; the
+/// `redo.direct_write` failpoint refuses it as a disk with larger blocks
+/// would (`EINVAL`).
+fn direct_write(direct: &File, window: &[u8], at: u64) -> std::io::Result<()> {
+    match crate::failpoints::hit("redo.direct_write", "") {
+        true => Err(std::io::Error::from_raw_os_error(nix::libc::EINVAL)),
+        false => direct.write_all_at(window, at),
     }
 }
 
