@@ -78,6 +78,7 @@ impl BlockWriter {
     }
 
     /// Whether records bypass the page cache.
+    #[cfg(test)]
     pub fn is_direct(&self) -> bool {
         self.direct.is_some()
     }

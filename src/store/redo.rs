@@ -502,11 +502,6 @@ impl RedoLog {
         }
     }
 
-    /// Whether records bypass the page cache (`blocks.rs`).
-    pub fn writes_direct(&self) -> bool {
-        self.blocks.is_direct()
-    }
-
     /// Grows the log's written room, when needed, so a record ending at
     /// `after` fits with the reserve left over (`Urgency::May`) or at all
     /// (`Urgency::Must`). A disk that cannot give the room refuses the
