@@ -269,7 +269,9 @@ pub struct Settings {
     pub source_origin: Vec<String>,
 
     /// Origins a delete callback may have; comma-separated. Default: none.
-    #[arg(long, env = "BERTH_CALLBACK_ORIGIN", value_delimiter = ',')]
+    /// Each is written `scheme://host[:port]` and kept as its canonical
+    /// spelling (lower case, no default port): a callback must start with it.
+    #[arg(long, env = "BERTH_CALLBACK_ORIGIN", value_delimiter = ',', value_parser = parse_origin)]
     pub callback_origin: Vec<String>,
 
     /// HMAC key for callback signatures; generated in the data dir when absent.
@@ -347,7 +349,7 @@ pub struct Settings {
     /// Origins (scheme://host[:port]) a webhook URL may have
     /// (comma-separated; none by default, so no subscription is possible
     /// until one is named).
-    #[arg(long, env = "BERTH_WEBHOOK_ORIGIN", value_delimiter = ',')]
+    #[arg(long, env = "BERTH_WEBHOOK_ORIGIN", value_delimiter = ',', value_parser = parse_origin)]
     pub webhook_origin: Vec<String>,
 
     /// Webhook subscriptions at most.
@@ -618,6 +620,25 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
     Ok(d)
 }
 
+/// `--callback-origin`, `--webhook-origin`: an http(s) origin and nothing
+/// else (a trailing `/` is allowed), kept in its canonical spelling so a
+/// URL is compared with what the served OpenAPI document states.
+pub fn parse_origin(text: &str) -> Result<String, String> {
+    const FORM: &str = "an origin is written scheme://host[:port], http or https, with no path";
+    let url = reqwest::Url::parse(text.trim()).map_err(|_| FORM.to_string())?;
+    let bare = matches!(url.scheme(), "http" | "https")
+        && url.host_str().is_some()
+        && url.username().is_empty()
+        && url.password().is_none()
+        && url.path() == "/"
+        && url.query().is_none()
+        && url.fragment().is_none();
+    if !bare {
+        return Err(FORM.into());
+    }
+    Ok(url.origin().ascii_serialization())
+}
+
 /// The longest `--checkpoint-interval`: it bounds the redo log a crash
 /// leaves to replay.
 pub const MAX_CHECKPOINT_INTERVAL: Duration = Duration::from_secs(60);
@@ -660,6 +681,31 @@ mod tests {
         assert_eq!(parse_duration("0"), Ok(Duration::ZERO));
         assert!(parse_duration("5 parsecs").is_err());
         assert!(parse_duration("").is_err());
+    }
+
+    #[test]
+    fn origins_are_kept_in_their_canonical_spelling_and_anything_more_is_refused() {
+        let ok = |text: &str| parse_origin(text).unwrap();
+        assert_eq!(ok("https://panel.example.org"), "https://panel.example.org");
+        assert_eq!(
+            ok("https://panel.example.org/"),
+            "https://panel.example.org"
+        );
+        assert_eq!(
+            ok("HTTPS://Panel.Example.org:443"),
+            "https://panel.example.org"
+        );
+        assert_eq!(ok("http://127.0.0.1:9000"), "http://127.0.0.1:9000");
+        for bad in [
+            "panel.example.org",
+            "ftp://panel.example.org",
+            "https://panel.example.org/hooks",
+            "https://panel.example.org/?a=b",
+            "https://user@panel.example.org",
+            "",
+        ] {
+            assert!(parse_origin(bad).is_err(), "{bad:?} was taken");
+        }
     }
 
     #[test]

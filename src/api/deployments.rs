@@ -735,6 +735,13 @@ pub async fn delete(ctx: &Ctx, req: &Request, w: Write) -> Result<Reply, ApiErro
         match map.get("callback") {
             None | Some(Value::Null) => None,
             Some(Value::String(url)) => {
+                if url.len() > engine::CALLBACK_MAX_BYTES {
+                    return Err(ApiError::bad_request(format!(
+                        "callback must be at most {} bytes",
+                        engine::CALLBACK_MAX_BYTES
+                    ))
+                    .field("/callback", "maxLength"));
+                }
                 let parsed = reqwest::Url::parse(url)
                     .ok()
                     .filter(|u| matches!(u.scheme(), "http" | "https") && u.host().is_some());
@@ -747,6 +754,12 @@ pub async fn delete(ctx: &Ctx, req: &Request, w: Write) -> Result<Reply, ApiErro
                         "the callback's origin is not allowed (see --callback-origin)",
                     )
                     .field("/callback", "callback_origin_not_allowed"));
+                }
+                if !engine::callback_written_under(url, &ctx.engine.settings.callback_origin) {
+                    return Err(ApiError::bad_request(
+                        "callback must be an allowed origin spelled as --callback-origin states it (GET /v1/openapi.json shows the pattern), then a path and query of plain or %-escaped URL characters, no fragment",
+                    )
+                    .field("/callback", "pattern"));
                 }
                 Some(url.clone())
             }

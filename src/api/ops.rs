@@ -5,6 +5,7 @@ use std::sync::atomic::Ordering;
 
 use super::errors::{ApiError, Code};
 use super::{auth, Ctx, Reply, Request};
+use crate::engine;
 use crate::model::BuildStatus;
 use crate::store::Store;
 
@@ -46,24 +47,13 @@ fn served_document(callback_origins: &[String]) -> Result<Vec<u8>, String> {
     let callback = doc
         .pointer_mut("/components/schemas/DeleteRequest/properties/callback")
         .ok_or("the document has no DeleteRequest callback")?;
-    let escaped: Vec<String> = callback_origins
-        .iter()
-        .map(|o| {
-            o.chars()
-                .map(|c| match c {
-                    '\\' | '.' | '^' | '$' | '|' | '?' | '*' | '+' | '(' | ')' | '[' | ']'
-                    | '{' | '}' => format!("\\{c}"),
-                    c => c.to_string(),
-                })
-                .collect()
-        })
-        .collect();
-    *callback = if escaped.is_empty() {
+    *callback = if callback_origins.is_empty() {
         serde_json::json!({"type": "null", "description": "no --callback-origin is set: a callback is refused"})
     } else {
         serde_json::json!({
             "type": ["string", "null"],
-            "pattern": format!("^({})/[A-Za-z0-9/_-]*$", escaped.join("|")),
+            "maxLength": engine::CALLBACK_MAX_BYTES,
+            "pattern": engine::callback_pattern(callback_origins),
             "description": "where the destroy is reported: under one of --callback-origin"
         })
     };
@@ -221,4 +211,90 @@ pub fn metrics(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
         "text/plain; version=0.0.4",
         out.into_bytes(),
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const ORIGINS: [&str; 2] = ["https://panel.example.org", "http://127.0.0.1:9000"];
+
+    /// The callback schema the served document states, compiled.
+    fn served_callback_schema() -> (boon::Schemas, boon::SchemaIndex) {
+        let origins: Vec<String> = ORIGINS.iter().map(|o| o.to_string()).collect();
+        let doc: serde_json::Value =
+            serde_json::from_slice(&served_document(&origins).expect("the document parses"))
+                .expect("the served document is JSON");
+        let schema = doc
+            .pointer("/components/schemas/DeleteRequest/properties/callback")
+            .expect("the callback's schema")
+            .clone();
+        let mut schemas = boon::Schemas::new();
+        let mut compiler = boon::Compiler::new();
+        compiler
+            .add_resource("urn:callback", schema)
+            .expect("the schema loads");
+        let index = compiler
+            .compile("urn:callback", &mut schemas)
+            .expect("the schema compiles");
+        (schemas, index)
+    }
+
+    fn agree(schema: &(boon::Schemas, boon::SchemaIndex), url: &str) -> (bool, bool) {
+        let origins: Vec<String> = ORIGINS.iter().map(|o| o.to_string()).collect();
+        let stated = schema
+            .0
+            .validate(&serde_json::Value::String(url.into()), schema.1)
+            .is_ok();
+        let taken = url.len() <= engine::CALLBACK_MAX_BYTES
+            && engine::callback_written_under(url, &origins);
+        (stated, taken)
+    }
+
+    #[test]
+    fn the_served_callback_pattern_takes_exactly_the_callbacks_the_server_takes() {
+        let schema = served_callback_schema();
+        for (url, expected) in [
+            ("https://panel.example.org/hooks/destroyed", true),
+            ("https://panel.example.org", true),
+            ("https://panel.example.org/", true),
+            ("https://panel.example.org/*", true),
+            ("https://panel.example.org/a?b=c&d=%2F", true),
+            ("http://127.0.0.1:9000/x", true),
+            ("https://panel.example.org/a b", false),
+            ("https://panel.example.org/a#frag", false),
+            ("https://panel.example.org/%zz", false),
+            ("https://panel.example.org/%4", false),
+            ("https://panel.example.orgx/", false),
+            ("https://panel.example.org:443/", false),
+            ("HTTPS://panel.example.org/", false),
+            ("https://evil.example.com/", false),
+            ("https://panel.example.org/é", false),
+            ("http://127.0.0.1:90000/x", false),
+        ] {
+            let (stated, taken) = agree(&schema, url);
+            assert_eq!(stated, expected, "the document on {url:?}");
+            assert_eq!(taken, expected, "the server on {url:?}");
+        }
+        let long = format!("{}/{}", ORIGINS[0], "a".repeat(engine::CALLBACK_MAX_BYTES));
+        assert_eq!(
+            agree(&schema, &long),
+            (false, false),
+            "a callback past the limit"
+        );
+    }
+
+    proptest! {
+        #[test]
+        fn the_served_callback_pattern_and_the_server_agree_on_any_tail(
+            origin in 0..ORIGINS.len(),
+            tail in "[ -~é%/#?]{0,40}",
+        ) {
+            let schema = served_callback_schema();
+            let url = format!("{}{tail}", ORIGINS[origin]);
+            let (stated, taken) = agree(&schema, &url);
+            prop_assert_eq!(stated, taken, "on {:?}", url);
+        }
+    }
 }

@@ -151,6 +151,74 @@ pub fn origin_allowed(url: &str, allowed: &[String]) -> bool {
         .any(|a| origin_of(a).as_deref() == Some(origin.as_str()))
 }
 
+/// The longest callback URL a destroy takes. A callback is stored with the
+/// pending destroy and sent for up to a day; 2 KiB is what browsers and
+/// proxies reliably carry, and what a webhook's URL may be.
+pub const CALLBACK_MAX_BYTES: usize = 2048;
+
+/// What may follow a callback's origin: a path and query of RFC 3986's
+/// `pchar`s (unreserved, sub-delims, `:`, `@`, and `%` with two hex digits),
+/// `/` and `?`. No fragment (it is never sent), no space, nothing a client
+/// would have to escape. Written once, as the regular expression the served
+/// OpenAPI document states, and checked by [`callback_written_under`], so
+/// the document and the server cannot disagree (`api::ops` tests that).
+const CALLBACK_REST_PATTERN: &str = "(/([A-Za-z0-9._~!$&'()*+,;=:@/?-]|%[0-9A-Fa-f]{2})*)?";
+
+fn is_callback_char(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b"._~!$&'()*+,;=:@/?-".contains(&b)
+}
+
+/// The regular expression (ECMA-262, anchored) a callback must match: one
+/// of `allowed` origins spelled exactly as configured, then a path.
+pub fn callback_pattern(allowed: &[String]) -> String {
+    let escaped: Vec<String> = allowed
+        .iter()
+        .map(|o| {
+            o.chars()
+                .map(|c| match c {
+                    '\\' | '.' | '^' | '$' | '|' | '?' | '*' | '+' | '(' | ')' | '[' | ']'
+                    | '{' | '}' => format!("\\{c}"),
+                    c => c.to_string(),
+                })
+                .collect()
+        })
+        .collect();
+    format!("^({}){CALLBACK_REST_PATTERN}$", escaped.join("|"))
+}
+
+/// True when `url` is one of `allowed` origins, spelled exactly as
+/// configured, followed by nothing or by `/` and characters of
+/// [`CALLBACK_REST_PATTERN`]: what [`callback_pattern`] matches.
+pub fn callback_written_under(url: &str, allowed: &[String]) -> bool {
+    allowed.iter().any(|origin| {
+        let Some(rest) = url.strip_prefix(origin.as_str()) else {
+            return false;
+        };
+        if rest.is_empty() {
+            return true;
+        }
+        let bytes = rest.as_bytes();
+        if bytes[0] != b'/' {
+            return false;
+        }
+        let mut i = 1;
+        while i < bytes.len() {
+            if bytes[i] == b'%' {
+                let hex = bytes.get(i + 1..i + 3);
+                if !hex.is_some_and(|h| h.iter().all(u8::is_ascii_hexdigit)) {
+                    return false;
+                }
+                i += 3;
+            } else if is_callback_char(bytes[i]) {
+                i += 1;
+            } else {
+                return false;
+            }
+        }
+        true
+    })
+}
+
 impl Engine {
     pub fn new(
         settings: Arc<Settings>,

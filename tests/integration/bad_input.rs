@@ -231,6 +231,29 @@ async fn delete_errors() {
         1,
         "a refused delete queued something"
     );
+    // What the served document's pattern refuses, the server refuses too:
+    // a fragment, a space, an origin spelled otherwise than configured.
+    for callback in [
+        "https://panel.example.org/hooks/x#frag",
+        "https://panel.example.org/hooks/a b",
+        "https://panel.example.org:443/hooks/x",
+    ] {
+        let bad = s
+            .delete("/v1/deployments/alice")
+            .json(&json!({ "callback": callback }))
+            .send()
+            .await
+            .unwrap();
+        let (status, p) = read(bad).await;
+        assert_eq!(status, 400, "{callback:?} was taken: {p}");
+        assert_eq!(p["fields"][0]["code"], "pattern", "{p}");
+        assert!(
+            !p.to_string().contains(callback),
+            "the error echoes the request: {p}"
+        );
+    }
+    let (_, builds) = s.json("/v1/deployments/alice/builds").await;
+    assert_eq!(builds["items"].as_array().unwrap().len(), 1);
     let ok = s
         .delete("/v1/deployments/alice")
         .json(&json!({"callback": "https://panel.example.org/hooks/x"}))
