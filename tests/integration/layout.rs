@@ -223,7 +223,12 @@ async fn audit_proofs_verify(s: &Server) {
 /// The layout version the store file at `path` records.
 fn recorded_layout(path: &Path) -> u32 {
     use berth::store::tables::META;
-    let db = redb::Database::open(path).unwrap();
+    // Opened as a copy: an open writes the file (a killed one is
+    // repaired, which a read-only open refuses), and a committed fixture
+    // must stay as committed.
+    let copy = temp_dir("recorded-layout").join("berth.redb");
+    std::fs::copy(path, &copy).unwrap();
+    let db = redb::Database::open(&copy).unwrap();
     let txn = redb::ReadableDatabase::begin_read(&db).unwrap();
     let meta = txn.open_table(META).unwrap();
     let v = meta
