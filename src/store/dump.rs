@@ -164,7 +164,11 @@ impl Rx {
         }
         let txn = &self.txn;
         Ok(match table {
-            Table::Meta => txn.open_table(META)?.len()?,
+            Table::Meta => {
+                // Less the redo log's key, which `dump` leaves out.
+                let meta = txn.open_table(META)?;
+                meta.len()? - u64::from(meta.get(super::redo::KEY_KEY)?.is_some())
+            }
             Table::Sources => txn.open_table(SOURCES)?.len()?,
             Table::DescribeCache => txn.open_table(DESCRIBE_CACHE)?.len()?,
             Table::Deployments => txn.open_table(DEPLOYMENTS)?.len()?,
@@ -219,6 +223,12 @@ impl Rx {
             Table::Meta => {
                 for entry in txn.open_table(META)?.iter()? {
                     let (k, v) = entry?;
+                    if k.value() == super::redo::KEY_KEY {
+                        // The redo log's record key is the store's own
+                        // secret: an export never carries it, and an
+                        // imported store makes its own at its first start.
+                        continue;
+                    }
                     each(Row::Meta {
                         key: k.value().to_string(),
                         value: v.value().to_vec(),
@@ -463,6 +473,9 @@ impl Loader {
                 }
             }
             Row::Meta { key, .. } if key == super::BUILD_COUNTS_KEY => {}
+            // Never exported; one in a file made by hand is not this
+            // store's key, which its first start makes.
+            Row::Meta { key, .. } if key == super::redo::KEY_KEY => {}
             Row::Meta { key, value } => {
                 self.txn
                     .open_table(META)?

@@ -36,7 +36,10 @@
 //! in the same commit, so a record already in redb (a cut between the
 //! checkpoint and the log's truncation) is skipped. A record whose length
 //! or checksum does not hold is a torn tail (never acknowledged: the sync
-//! that would have made it so did not return) and ends the replay.
+//! that would have made it so did not return) and ends the replay. A
+//! checksum says a record is whole, not that berth wrote it, so each
+//! record also carries a tag under the store's secret key (`RedoKey`),
+//! and the replay ends at one whose tag does not hold (`Trust`).
 //!
 //! The order that keeps an answer honest: the batch's rows are appended and
 //! synced *before* any reader can see them. A log that cannot be written
@@ -93,16 +96,98 @@ pub const MAX_RECORD_BYTES: usize = 256 << 20;
 /// The `meta` key of the last checkpoint's generation (u64 LE).
 pub const GENERATION_KEY: &str = "redo_generation";
 
-/// The magic of a record that starts on a block of its own and is padded
-/// to the end of its last (`blocks.rs`): the next record starts on the
-/// next block. Every record written now is one.
-const MAGIC: [u8; 4] = *b"BRDA";
+/// The `meta` key of the log's record key (`RedoKey`): 32 random bytes,
+/// made by the first start of a store whose replay commits durably, and
+/// never exported (`dump.rs`).
+pub const KEY_KEY: &str = "redo_key";
+
+/// The key a record's tag is made with (HMAC-SHA-256, `tag_of`). Why: a
+/// record's CRC says it is whole, not that berth wrote it. The bytes
+/// behind the log's last record are stale records, and those hold what
+/// berth stored, build logs among them, which a deployer writes: a record
+/// image forged inside one, with a valid CRC and the coming generation,
+/// and found right behind the last record at a restart, would be applied
+/// as acknowledged rows. Without the key no one outside berth can make a
+/// tag the replay accepts.
+pub type RedoKey = [u8; 32];
+
+/// The magic of a record that starts on a block of its own, is padded to
+/// the end of its last (`blocks.rs`), and carries a tag made with the
+/// store's `RedoKey`. Every record written now is one, unless the store
+/// has no durable key yet (`UNKEYED_MAGIC`).
+const MAGIC: [u8; 4] = *b"BRDK";
+/// As `MAGIC`, with no tag: written only until the store's key is durable
+/// (a first start of this berth on a full disk, whose replay could not
+/// commit it), and read only from a store without a key, or as a record
+/// already checkpointed (`Trust`).
+const UNKEYED_MAGIC: [u8; 4] = *b"BRDU";
+/// The magic of a record on blocks written by a berth before keys (from
+/// commit c5aa9f8 to 2026-12-04): unkeyed, with the short header
+/// (`LEGACY_HEADER`). Read, never written.
+const BLOCK_MAGIC: [u8; 4] = *b"BRDA";
 /// The magic of a record written by a berth before blocks (before commit
-/// c5aa9f8): the next record starts right behind it. Read, never written.
+/// c5aa9f8): the next record starts right behind it; the short header.
+/// Read, never written.
 const PACKED_MAGIC: [u8; 4] = *b"BRDO";
-/// magic, payload length (u32), crc32 of the rest, generation (u64),
-/// layout version (u32).
-const HEADER: usize = 4 + 4 + 4 + 8 + 4;
+/// magic, payload length (u32), crc32 of the generation, layout and rows,
+/// generation (u64), layout version (u32), then the tag (`TAG_BYTES`).
+const HEADER: usize = 4 + 4 + 4 + 8 + 4 + TAG_BYTES;
+/// The header of `BLOCK_MAGIC` and `PACKED_MAGIC` records: no tag.
+const LEGACY_HEADER: usize = 4 + 4 + 4 + 8 + 4;
+/// HMAC-SHA-256 cut to 128 bits: forging one is a 2^-128 guess per try.
+const TAG_BYTES: usize = 16;
+
+/// The tag of a record: HMAC-SHA-256 under `key` of its length,
+/// generation, layout and rows, cut to `TAG_BYTES`.
+fn tag_of(key: &RedoKey, len: u32, checked: &[u8], rows: &[u8]) -> [u8; TAG_BYTES] {
+    use hmac::{KeyInit, Mac};
+    // HMAC takes a key of any length; 32 bytes never fail.
+    let mut mac = match hmac::Hmac::<sha2::Sha256>::new_from_slice(key) {
+        Ok(mac) => mac,
+        Err(_) => unreachable!("HMAC takes a key of any length"),
+    };
+    mac.update(&len.to_le_bytes());
+    mac.update(checked);
+    mac.update(rows);
+    let full = mac.finalize().into_bytes();
+    let mut tag = [0u8; TAG_BYTES];
+    tag.copy_from_slice(&full[..TAG_BYTES]);
+    tag
+}
+
+/// A new record key, from the operating system's random source.
+fn new_key() -> StoreResult<RedoKey> {
+    let mut key = [0u8; 32];
+    getrandom::fill(&mut key)
+        .map_err(|e| StoreError::other(format!("no random bytes for the redo log's key: {e}")))?;
+    Ok(key)
+}
+
+/// The store's record key, if it has one.
+fn stored_key(
+    meta: &impl ReadableTable<&'static str, &'static [u8]>,
+) -> StoreResult<Option<RedoKey>> {
+    match meta.get(KEY_KEY)? {
+        None => Ok(None),
+        Some(v) => RedoKey::try_from(v.value())
+            .map(Some)
+            .map_err(|_| StoreError::corrupt("meta.redo_key is not 32 bytes")),
+    }
+}
+
+/// Which records a read of the log may take as the store's.
+#[derive(Clone, Copy)]
+enum Trust {
+    /// Whole ones of any kind, tags unchecked: only to tell whether the
+    /// log holds records at all (`unapplied`, which then asks `pending`).
+    Unverified,
+    /// The store's: a keyed record only with a tag made with `key`; an
+    /// unkeyed one only if the store has no key, or if it is checkpointed
+    /// (its generation at most `durable`: it is passed over, never
+    /// applied). Every record written since the key became durable is
+    /// keyed, so an unkeyed record newer than the checkpoint is forged.
+    Store { key: Option<RedoKey>, durable: u64 },
+}
 
 const OP_INSERT: u8 = 1;
 const OP_REMOVE: u8 = 2;
@@ -302,6 +387,9 @@ pub struct RedoLog {
     room: u64,
     /// The generation of records written now (the last checkpoint's + 1).
     pub generation: u64,
+    /// The store's record key, once it is durable in the store file;
+    /// until then records are written unkeyed (`UNKEYED_MAGIC`).
+    key: Option<RedoKey>,
     layout: u32,
     /// How long between checkpoints, at most.
     pub checkpoint_every: Duration,
@@ -428,6 +516,7 @@ impl RedoLog {
             end: at.end,
             room,
             generation: at.generation,
+            key: at.key,
             layout,
             checkpoint_every,
             pending: None,
@@ -483,11 +572,19 @@ impl RedoLog {
         let mut crc = crc32fast::Hasher::new();
         crc.update(&checked);
         crc.update(record.rows());
+        let (magic, tag) = match &self.key {
+            Some(key) => (
+                MAGIC,
+                tag_of(key, payload_len as u32, &checked, record.rows()),
+            ),
+            None => (UNKEYED_MAGIC, [0u8; TAG_BYTES]),
+        };
         let bytes = &mut record.bytes;
-        bytes[..4].copy_from_slice(&MAGIC);
+        bytes[..4].copy_from_slice(&magic);
         bytes[4..8].copy_from_slice(&(payload_len as u32).to_le_bytes());
         bytes[8..12].copy_from_slice(&crc.finalize().to_le_bytes());
-        bytes[12..HEADER].copy_from_slice(&checked);
+        bytes[12..LEGACY_HEADER].copy_from_slice(&checked);
+        bytes[LEGACY_HEADER..HEADER].copy_from_slice(&tag);
         match self.blocks.write(&self.file, bytes, start) {
             Ok(written) => {
                 debug_assert_eq!(start + written, after);
@@ -633,6 +730,7 @@ impl RedoLog {
     pub fn resume(&mut self, at: Resume) {
         self.generation = at.generation;
         self.end = at.end;
+        self.key = at.key;
         self.after_checkpoint = None;
     }
 }
@@ -688,30 +786,59 @@ impl Records {
 }
 
 /// The record that starts at `at` in `bytes`, if one whole and valid
-/// does (its magic, length and checksum hold).
-fn record_at(bytes: &[u8], at: usize) -> Option<Record> {
-    let head = bytes.get(at..at.checked_add(HEADER)?)?;
-    let packed = match <[u8; 4]>::try_from(&head[..4]).ok()? {
-        MAGIC => false,
-        PACKED_MAGIC => true,
+/// does (its magic, length and checksum hold, and its tag under `trust`).
+fn record_at(bytes: &[u8], at: usize, trust: Trust) -> Option<Record> {
+    let magic = <[u8; 4]>::try_from(bytes.get(at..at.checked_add(4)?)?).ok()?;
+    let (header, packed, keyed) = match magic {
+        MAGIC => (HEADER, false, true),
+        UNKEYED_MAGIC => (HEADER, false, false),
+        BLOCK_MAGIC => (LEGACY_HEADER, false, false),
+        PACKED_MAGIC => (LEGACY_HEADER, true, false),
         _ => return None,
     };
-    let len = u32::from_le_bytes([head[4], head[5], head[6], head[7]]) as usize;
+    let head = bytes.get(at..at.checked_add(header)?)?;
+    let len = u32::from_le_bytes([head[4], head[5], head[6], head[7]]);
     let crc = u32::from_le_bytes([head[8], head[9], head[10], head[11]]);
-    if len > MAX_RECORD_BYTES {
+    if len as usize > MAX_RECORD_BYTES {
         return None;
     }
-    let payload = at + HEADER..at + HEADER + len;
-    let checked = &head[12..HEADER];
+    let payload = at + header..at + header + len as usize;
+    let rows = bytes.get(payload.clone())?;
+    let checked = &head[12..LEGACY_HEADER];
     let mut hasher = crc32fast::Hasher::new();
     hasher.update(checked);
-    hasher.update(bytes.get(payload.clone())?);
+    hasher.update(rows);
     if hasher.finalize() != crc {
         return None;
     }
     let generation = u64::from_le_bytes(checked[..8].try_into().ok()?);
     let layout = u32::from_le_bytes(checked[8..12].try_into().ok()?);
-    let end = (at + HEADER + len) as u64;
+    let trusted = match (trust, keyed) {
+        (Trust::Unverified, _) => true,
+        (Trust::Store { key: Some(key), .. }, true) => {
+            // Compared in constant time: the tag is a secret's output.
+            let tag = tag_of(&key, len, checked, rows);
+            tag.iter()
+                .zip(&head[LEGACY_HEADER..HEADER])
+                .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+                == 0
+        }
+        // A keyed record and no key: the key was never durable, so this
+        // berth wrote no such record.
+        (Trust::Store { key: None, .. }, true) => false,
+        (Trust::Store { key: None, .. }, false) => true,
+        (
+            Trust::Store {
+                key: Some(_),
+                durable,
+            },
+            false,
+        ) => generation <= durable,
+    };
+    if !trusted {
+        return None;
+    }
+    let end = payload.end as u64;
     Some(Record {
         generation,
         layout,
@@ -724,8 +851,9 @@ fn record_at(bytes: &[u8], at: usize) -> Option<Record> {
     })
 }
 
-/// The records of the log at `path` up to its first torn or foreign one.
-fn read_records(path: &Path) -> StoreResult<Records> {
+/// The records of the log at `path` up to its first torn, foreign or
+/// untrusted one (`Trust`).
+fn read_records(path: &Path, trust: Trust) -> StoreResult<Records> {
     let mut bytes = Vec::new();
     match std::fs::File::open(path) {
         Ok(mut f) => {
@@ -745,13 +873,13 @@ fn read_records(path: &Path) -> StoreResult<Records> {
         // Generations only grow along the log: an older one past the end
         // is what the log held before it was written from its start again.
         let newest = records.last().map_or(0, |r| r.generation);
-        let found = match record_at(&bytes, at).filter(|r| r.generation >= newest) {
+        let found = match record_at(&bytes, at, trust).filter(|r| r.generation >= newest) {
             Some(record) => Some(record),
             // Behind a packed record (a berth before blocks, whose log a
             // reopen kept) the next one written since starts on the
             // next block.
             None if records.last().is_some_and(|r| r.packed) => {
-                record_at(&bytes, blocks::block_start(at as u64) as usize)
+                record_at(&bytes, blocks::block_start(at as u64) as usize, trust)
                     .filter(|r| !r.packed && r.generation >= newest)
             }
             None => None,
@@ -773,7 +901,9 @@ fn read_records(path: &Path) -> StoreResult<Records> {
 /// file alone; an error when a running berth holds the store. A file it
 /// cannot open to tell counts as yes.
 pub fn unapplied(store: &Path) -> StoreResult<bool> {
-    let records = read_records(&path_of(store))?;
+    // Whole records of any kind: whether they are the store's, and newer
+    // than its checkpoint, `pending` tells with the store's key.
+    let records = read_records(&path_of(store), Trust::Unverified)?;
     if records.valid.is_empty() {
         return Ok(false);
     }
@@ -815,7 +945,11 @@ pub fn pending(
     meta: &impl ReadableTable<&'static str, &'static [u8]>,
 ) -> StoreResult<bool> {
     let durable = durable_generation(meta)?;
-    Ok(read_records(&path_of(store))?
+    let trust = Trust::Store {
+        key: stored_key(meta)?,
+        durable,
+    };
+    Ok(read_records(&path_of(store), trust)?
         .valid
         .iter()
         .any(|r| r.generation > durable))
@@ -840,19 +974,24 @@ pub enum Replay {
 pub struct Resume {
     pub generation: u64,
     pub end: u64,
+    /// The store's record key, when it is durable in the store file.
+    pub key: Option<RedoKey>,
 }
 
 /// Applies every record of the log written after the last checkpoint in
 /// one commit, durable or not as `how` says.
 pub fn replay(db: &Database, store: &Path, layout: u32, how: Replay) -> StoreResult<Resume> {
     let path = path_of(store);
-    let records = read_records(&path)?;
     let mut txn = db.begin_write()?;
     if how == Replay::KeepLog {
         txn.set_durability(redb::Durability::None)
             .map_err(|e| StoreError::other(e.to_string()))?;
     }
-    let durable = durable_generation(&txn.open_table(META)?)?;
+    let (durable, key) = {
+        let meta = txn.open_table(META)?;
+        (durable_generation(&meta)?, stored_key(&meta)?)
+    };
+    let records = read_records(&path, Trust::Store { key, durable })?;
     let file_layout = super::layout::recorded_version(&txn)?;
     let mut last = durable;
     let mut end = 0;
@@ -896,20 +1035,37 @@ pub fn replay(db: &Database, store: &Path, layout: u32, how: Replay) -> StoreRes
     let resume = match how {
         Replay::Checkpoint => {
             record_generation(&txn, last)?;
+            // A store's first durable replay makes its record key, in
+            // the commit that makes it durable: records are keyed only
+            // once a restart is sure to find the key.
+            let key = match key {
+                Some(key) => key,
+                None => {
+                    let key = new_key()?;
+                    txn.open_table(META)?.insert(KEY_KEY, key.as_slice())?;
+                    key
+                }
+            };
             // The log stays as it is: its records are all checkpointed
             // now, and the writer writes over them from the start.
             Resume {
                 generation: last + 1,
                 end: 0,
+                key: Some(key),
             }
         }
+        // Non-durable: a key made here could be lost with the records
+        // made with it; a store without one writes unkeyed until a start
+        // can make it.
         Replay::KeepLog if applied == 0 => Resume {
             generation: durable + 1,
             end: 0,
+            key,
         },
         Replay::KeepLog => Resume {
             generation: last,
             end,
+            key,
         },
     };
     txn.commit()?;
@@ -1097,7 +1253,9 @@ fn row<K: Key + 'static, V: Value + 'static>(
 /// Reads the file for tests.
 #[cfg(test)]
 pub(super) fn records_in(path: &Path) -> usize {
-    read_records(path).map(|r| r.valid.len()).unwrap_or(0)
+    read_records(path, Trust::Unverified)
+        .map(|r| r.valid.len())
+        .unwrap_or(0)
 }
 
 /// Every row of `table` as redb's bytes, for tests that compare stores.
@@ -1237,6 +1395,7 @@ mod tests {
         let at = Resume {
             generation: 1,
             end: 0,
+            key: None,
         };
         RedoLog::open(&path_of(store), at, layout, CHECKPOINT_INTERVAL).unwrap()
     }
@@ -1342,7 +1501,8 @@ mod tests {
             at,
             Resume {
                 generation: 1,
-                end: written
+                end: written,
+                key: None
             }
         );
         assert_eq!(meta_of(&db, "k2"), Some(vec![2]));
@@ -1366,13 +1526,8 @@ mod tests {
             "a non-durable commit reached the file"
         );
         let at = replay(&db, &store, LAYOUT, Replay::Checkpoint).unwrap();
-        assert_eq!(
-            at,
-            Resume {
-                generation: 2,
-                end: 0
-            }
-        );
+        assert_eq!((at.generation, at.end), (2, 0));
+        assert!(at.key.is_some(), "a durable replay makes the store's key");
         for i in 0..4u8 {
             assert_eq!(meta_of(&db, &format!("k{i}")), Some(vec![i]));
         }
@@ -1382,6 +1537,33 @@ mod tests {
     /// A record as a berth before blocks wrote it (`PACKED_MAGIC`), to go
     /// right behind the one before.
     fn packed_record(generation: u64, ops: Ops) -> Vec<u8> {
+        legacy_record(PACKED_MAGIC, generation, ops)
+    }
+
+    /// A record with the short header of a berth before keys.
+    fn legacy_record(magic: [u8; 4], generation: u64, ops: Ops) -> Vec<u8> {
+        record_bytes(magic, generation, ops, |_, _| None)
+    }
+
+    /// A record image of this berth's form, tagged with `key` (zeros
+    /// without one), as someone who can put bytes into the log's stale
+    /// region would make it.
+    fn record_image(magic: [u8; 4], generation: u64, ops: Ops, key: Option<&RedoKey>) -> Vec<u8> {
+        record_bytes(magic, generation, ops, |checked, rows| {
+            Some(key.map_or([0u8; TAG_BYTES], |k| {
+                tag_of(k, rows.len() as u32, checked, rows)
+            }))
+        })
+    }
+
+    /// A record's bytes by hand: header, the tag `tag` gives (none for
+    /// the short header), rows.
+    fn record_bytes(
+        magic: [u8; 4],
+        generation: u64,
+        ops: Ops,
+        tag: impl Fn(&[u8], &[u8]) -> Option<[u8; TAG_BYTES]>,
+    ) -> Vec<u8> {
         let rows = ops.into_bytes();
         let mut checked = [0u8; 12];
         checked[..8].copy_from_slice(&generation.to_le_bytes());
@@ -1389,12 +1571,85 @@ mod tests {
         let mut crc = crc32fast::Hasher::new();
         crc.update(&checked);
         crc.update(&rows);
-        let mut bytes = PACKED_MAGIC.to_vec();
+        let mut bytes = magic.to_vec();
         bytes.extend_from_slice(&(rows.len() as u32).to_le_bytes());
         bytes.extend_from_slice(&crc.finalize().to_le_bytes());
         bytes.extend_from_slice(&checked);
+        if let Some(tag) = tag(&checked, &rows) {
+            bytes.extend_from_slice(&tag);
+        }
         bytes.extend_from_slice(&rows);
         bytes
+    }
+
+    #[test]
+    fn a_record_forged_behind_the_last_one_is_applied_only_with_a_tag_made_with_the_stores_key() {
+        let (dir, store) = fresh("forged");
+        let db = exclusive_with_meta(&store);
+        let at = replay(&db, &store, LAYOUT, Replay::Checkpoint).unwrap();
+        let key = at.key.expect("a durable replay makes the store's key");
+        assert_eq!(
+            meta_of(&db, KEY_KEY),
+            Some(key.to_vec()),
+            "the key is in the file"
+        );
+        let mut log = RedoLog::open(&path_of(&store), at, LAYOUT, CHECKPOINT_INTERVAL).unwrap();
+        log.append(&mut record_of(one_row("k0", 0)), Urgency::May)
+            .unwrap();
+        // Where the next record would go: a forgery found there is read
+        // as the log's next record.
+        let behind = log.bytes() as usize;
+        let generation = log.generation;
+        let forged = || one_row("forged", 1);
+        let trials = [
+            (
+                "an unkeyed record",
+                record_image(UNKEYED_MAGIC, generation, forged(), None),
+                false,
+            ),
+            (
+                "a record of a berth before keys",
+                legacy_record(BLOCK_MAGIC, generation, forged()),
+                false,
+            ),
+            (
+                "a packed record",
+                legacy_record(PACKED_MAGIC, generation, forged()),
+                false,
+            ),
+            (
+                "a keyed record tagged with another key",
+                record_image(MAGIC, generation, forged(), Some(&[7u8; 32])),
+                false,
+            ),
+            // The control: the same place and form, the store's key.
+            (
+                "a record tagged with the store's key",
+                record_image(MAGIC, generation, forged(), Some(&key)),
+                true,
+            ),
+        ];
+        for (n, (what, image, applied)) in trials.into_iter().enumerate() {
+            let copy = dir.join(format!("trial{n}"));
+            std::fs::create_dir_all(&copy).unwrap();
+            let copied = copy.join("berth.redb");
+            std::fs::copy(&store, &copied).unwrap();
+            let mut bytes = std::fs::read(path_of(&store)).unwrap();
+            bytes[behind..behind + image.len()].copy_from_slice(&image);
+            std::fs::write(path_of(&copied), &bytes).unwrap();
+            let db = exclusive(&copied);
+            replay(&db, &copied, LAYOUT, Replay::Checkpoint).unwrap();
+            assert_eq!(meta_of(&db, "k0"), Some(vec![0]), "{what}: the real record");
+            assert_eq!(
+                meta_of(&db, "forged").is_some(),
+                applied,
+                "{what}: applied {}",
+                !applied
+            );
+        }
+        drop(log);
+        drop(db);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     fn one_row(key: &str, value: u8) -> Ops {
@@ -1426,7 +1681,8 @@ mod tests {
             at,
             Resume {
                 generation: 2,
-                end: packed_end
+                end: packed_end,
+                key: None
             }
         );
         assert_ne!(

@@ -367,8 +367,39 @@ async fn a_store_comes_back_equal_from_postgres_and_sqlite() {
 
     // An export whose connection is killed midway leaves the target as it was.
     let exported_rows = pg_rows(&db1).await;
+    // The redo log's record key is the store's secret, never exported.
+    assert!(
+        exported_rows
+            .values()
+            .flatten()
+            .any(|row| row.contains("redo_generation")),
+        "the store's meta rows are exported"
+    );
+    assert!(
+        !exported_rows
+            .values()
+            .flatten()
+            .any(|row| row.contains("redo_key")),
+        "the redo log's key was exported"
+    );
     killed_export_changes_nothing(&db1, &original_data, &exported_rows).await;
     original.terminate();
+    // An export of the stopped store reads its file itself (no snapshot):
+    // the redo log's key stays behind all the same.
+    let stopped = dir.join("stopped.sqlite");
+    let to = format!("sqlite:{}", stopped.display());
+    let (code, err) = berth_cli(&["export", "--data-dir", &original_data, "--to", &to]);
+    assert_eq!(code, 0, "{err}");
+    let (meta_rows, keys): (i64, i64) = rusqlite::Connection::open(&stopped)
+        .unwrap()
+        .query_row(
+            "SELECT count(*), count(*) FILTER (WHERE key = 'redo_key') FROM store_meta",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .unwrap();
+    assert!(meta_rows > 0, "the store's meta rows are exported");
+    assert_eq!(keys, 0, "the redo log's key was exported");
 
     // PostgreSQL -> a new store: every read equal.
     let a = temp_dir("export-a");
