@@ -253,16 +253,18 @@ async fn a_disk_that_refuses_the_logs_direct_writes_gets_its_records_through_the
     );
     // Killed with every record only in the log (no checkpoint in 60 s).
     s.kill();
+    relaunch_and_find(&mut s, &builds, "").await;
+    s.kill();
+}
+
+/// Starts `s` again without failpoints and checks that every build in
+/// `builds` is there (`when` ends each failure's message).
+async fn relaunch_and_find(s: &mut Server, builds: &[String], when: &str) {
     s.envs.retain(|(k, _)| k != "FAILPOINTS");
     s.launch().await;
-    for build in &builds {
-        assert_eq!(
-            s.json(&format!("/v1/builds/{build}")).await.0,
-            200,
-            "{build}"
-        );
+    for b in builds {
+        assert_eq!(s.json(&format!("/v1/builds/{b}")).await.0, 200, "{b}{when}");
     }
-    s.kill();
 }
 
 #[tokio::test]
@@ -364,14 +366,6 @@ async fn a_failed_sync_of_the_store_file_behind_the_writer_loses_nothing() {
         assert_eq!(s.json(&format!("/v1/builds/{b}")).await.0, 200, "{b}");
     }
     s.terminate();
-    s.envs.retain(|(k, _)| k != "FAILPOINTS");
-    s.launch().await;
-    for b in &builds {
-        assert_eq!(
-            s.json(&format!("/v1/builds/{b}")).await.0,
-            200,
-            "{b} after a restart"
-        );
-    }
+    relaunch_and_find(&mut s, &builds, " after a restart").await;
     s.kill();
 }
