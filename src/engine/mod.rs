@@ -194,14 +194,11 @@ pub fn callback_written_under(url: &str, allowed: &[String]) -> bool {
         let Some(rest) = url.strip_prefix(origin.as_str()) else {
             return false;
         };
-        if rest.is_empty() {
-            return true;
-        }
-        let bytes = rest.as_bytes();
-        if bytes[0] != b'/' {
-            return false;
-        }
-        let mut i = 1;
+        let Some(path) = rest.strip_prefix('/') else {
+            return rest.is_empty();
+        };
+        let bytes = path.as_bytes();
+        let mut i = 0;
         while i < bytes.len() {
             if bytes[i] == b'%' {
                 let hex = bytes.get(i + 1..i + 3);
