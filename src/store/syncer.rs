@@ -7,7 +7,7 @@
 //! 32 connections, `perf trace`). Handed here, the writer runs the next
 //! batch while the last one's sync is in flight, and one sync covers every
 //! record written meanwhile. A lone submit (one job, nothing queued, nothing
-//! in hand here) is still synced on the writer thread: a hand-over costs a
+//! in hand here) is still synced by the thread running its batch: a hand-over costs a
 //! thread wake-up, which is all cost when nothing overlaps it.
 //!
 //! Invariants (asserted where they can be):

@@ -2,7 +2,10 @@
 //!
 //! One thread group-commits: every write job queued while the previous
 //! commit was in flight runs in the next single transaction, which commits
-//! (fsync) once. After an I/O error redb refuses every call until the file is
+//! (fsync) once. A batch is run by `run_batch`, under `Shared::turn`:
+//! by this thread, or, for a lone job on an idle store, by the thread that
+//! submitted it (`Store::run_here_if_idle`), which leaves any checkpoint
+//! that falls due to this thread (`Place`). After an I/O error redb refuses every call until the file is
 //! reopened, so the thread drops the handle and reopens it; while it cannot
 //! open the file for writing (a full disk), reads go through a read-only
 //! handle. A commit that fails with an I/O error (ENOSPC included) answers
@@ -101,6 +104,8 @@ pub(super) struct Shared {
     /// thread ends when this is dropped with the store.
     pub(super) sweeper:
         std::sync::Mutex<Option<std::sync::mpsc::Sender<Arc<super::overlay::Generation>>>>,
+    /// The writer's state between batches, held by whoever runs one.
+    pub(super) turn: std::sync::Mutex<Turn>,
 }
 
 impl Shared {
@@ -378,14 +383,28 @@ pub(super) fn checkpoint_due(
     since >= interval.max(retry) || (log_bytes >= redo::CHECKPOINT_BYTES && since >= retry)
 }
 
+/// What the writer keeps from one batch to the next; whoever runs a
+/// batch holds it (`Shared::turn`).
+pub(super) struct Turn {
+    last_checkpoint: std::time::Instant,
+    /// Zero while checkpoints succeed; else the pause before the next try.
+    checkpoint_retry: std::time::Duration,
+    /// The batch's rows go straight into the redo record (`RecordBuf`).
+    record: redo::RecordBuf,
+}
+
+impl Turn {
+    pub(super) fn new() -> Turn {
+        Turn {
+            last_checkpoint: std::time::Instant::now(),
+            checkpoint_retry: std::time::Duration::ZERO,
+            record: redo::RecordBuf::default(),
+        }
+    }
+}
+
 pub(super) fn writer_loop(shared: Arc<Shared>, mut rx: mpsc::Receiver<WriteJob>) {
-    let mut last_checkpoint = std::time::Instant::now();
-    // Zero while checkpoints succeed; else the pause before the next try.
-    let mut checkpoint_retry = std::time::Duration::ZERO;
-    // The batch's rows go straight into the redo record (`RecordBuf`).
-    let mut record = redo::RecordBuf::default();
     while let Some(first) = rx.blocking_recv() {
-        record.start();
         // Sized once for what is queued: grown one push at a time it
         // was reallocated (and its jobs copied) at each doubling.
         let mut batch = Vec::with_capacity(MAX_JOBS_PER_COMMIT.min(rx.len() + 1));
@@ -396,176 +415,270 @@ pub(super) fn writer_loop(shared: Arc<Shared>, mut rx: mpsc::Receiver<WriteJob>)
                 Err(_) => break,
             }
         }
-        let Some(db) = handle(&shared, &batch) else {
-            let e = closed_or_reopening(&shared);
-            batch
-                .into_iter()
-                .for_each(|job| (job.finish)(Some(e.clone())));
-            continue;
-        };
-        // Before the transaction: the one lock order (`Shared::redo`).
-        let mut log = shared.redo_log();
-        // A close has begun (`Store::close`), and its last checkpoint is
-        // the file's last commit: a batch after it would leave rows only
-        // the log holds, and a write transaction redb cannot close the
-        // file with. Checked under the log's lock, which the close takes
-        // after raising the flag, so no batch slips in between.
-        if shared.closed.load(std::sync::atomic::Ordering::SeqCst) {
-            drop(log);
-            batch
-                .into_iter()
-                .for_each(|job| (job.finish)(Some(StoreError::closed())));
-            continue;
+        let mut turn = shared.turn.lock().unwrap_or_else(|p| p.into_inner());
+        run_batch(&shared, &mut turn, batch, Place::WriterThread(&rx));
+    }
+}
+
+/// Where a batch runs (`run_batch`).
+pub(super) enum Place<'q> {
+    /// On the writer thread, which took it off the write queue.
+    WriterThread(&'q mpsc::Receiver<WriteJob>),
+    /// On the thread of the caller that submitted it, a lone job on an
+    /// idle store (`Store::write_with`); the queue's sending side, to
+    /// see what queues meanwhile and to ask the writer thread for a
+    /// checkpoint.
+    Caller(&'q mpsc::Sender<WriteJob>),
+}
+
+impl Place<'_> {
+    /// Whether jobs wait in the write queue.
+    fn queued(&self) -> bool {
+        match self {
+            Place::WriterThread(rx) => !rx.is_empty(),
+            Place::Caller(tx) => tx.capacity() < tx.max_capacity(),
         }
-        // Batches the syncer refused left their rows in the pending
-        // transaction: out with them before this batch runs in it.
-        let unsettled = match log.as_deref_mut() {
-            Some(log) if shared.syncer.as_ref().is_some_and(Syncer::failed) => {
-                settle(&shared, &db, log).err()
-            }
-            _ => None,
-        };
-        if let Some(refused) = unsettled {
+    }
+}
+
+/// A job that writes nothing: queued by a caller's batch that found a
+/// checkpoint due, so the writer thread makes it (`run_batch`).
+fn checkpoint_nudge() -> WriteJob {
+    WriteJob {
+        run: Box::new(|_tx: &Tx<'_, '_>| None),
+        urgency: redo::Urgency::May,
+        finish: Box::new(|_refused: Option<StoreError>| {}),
+    }
+}
+
+/// Runs one batch: its jobs in the pending transaction, its commit (or
+/// its hand-over to the syncer), its answers, and the checkpoint when one
+/// is due and this is the writer thread. The caller holds `turn` (the
+/// writer's state between batches), so batches run one at a time, in the
+/// order they take it, wherever they run.
+///
+/// A panic past the jobs (which are caught one by one) may leave the
+/// pending transaction taken and not given back, and a batch after it
+/// would then begin a new one without the rows acknowledged since the
+/// last checkpoint: the store is reopened, which applies the log again,
+/// as after an I/O error. The jobs it left unanswered see the
+/// closed-store error.
+pub(super) fn run_batch(shared: &Shared, turn: &mut Turn, batch: Vec<WriteJob>, place: Place<'_>) {
+    let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        run_batch_unguarded(shared, turn, batch, place)
+    }));
+    if ran.is_err() {
+        tracing::error!("a store batch panicked; reopening the store from its redo log");
+        shared.reopen();
+    }
+}
+
+fn run_batch_unguarded(
+    shared: &Shared,
+    turn: &mut Turn,
+    mut batch: Vec<WriteJob>,
+    place: Place<'_>,
+) {
+    let Turn {
+        last_checkpoint,
+        checkpoint_retry,
+        record,
+    } = turn;
+    record.start();
+    let Some(db) = handle(shared, &batch) else {
+        let e = closed_or_reopening(shared);
+        batch
+            .into_iter()
+            .for_each(|job| (job.finish)(Some(e.clone())));
+        return;
+    };
+    // Before the transaction: the one lock order (`Shared::redo`).
+    let mut log = shared.redo_log();
+    // A close has begun (`Store::close`), and its last checkpoint is
+    // the file's last commit: a batch after it would leave rows only
+    // the log holds, and a write transaction redb cannot close the
+    // file with. Checked under the log's lock, which the close takes
+    // after raising the flag, so no batch slips in between.
+    if shared.closed.load(std::sync::atomic::Ordering::SeqCst) {
+        drop(log);
+        batch
+            .into_iter()
+            .for_each(|job| (job.finish)(Some(StoreError::closed())));
+        return;
+    }
+    // Batches the syncer refused left their rows in the pending
+    // transaction: out with them before this batch runs in it.
+    let unsettled = match log.as_deref_mut() {
+        Some(log) if shared.syncer.as_ref().is_some_and(Syncer::failed) => {
+            settle(shared, &db, log).err()
+        }
+        _ => None,
+    };
+    if let Some(refused) = unsettled {
+        batch
+            .into_iter()
+            .for_each(|job| (job.finish)(Some(refused.error.clone())));
+        drop(log);
+        drop(db);
+        shared.reopen();
+        return;
+    }
+    let txn = match pending_or_begin(&db, log.as_deref_mut()) {
+        Ok(pending) => pending,
+        Err(err) => {
+            tracing::error!(error = %err, "store write transaction could not start");
             batch
                 .into_iter()
-                .for_each(|job| (job.finish)(Some(refused.error.clone())));
-            drop(log);
-            drop(db);
-            shared.reopen();
-            continue;
-        }
-        let txn = match pending_or_begin(&db, log.as_deref_mut()) {
-            Ok(pending) => pending,
-            Err(err) => {
-                tracing::error!(error = %err, "store write transaction could not start");
-                batch
-                    .into_iter()
-                    .for_each(|job| (job.finish)(Some(err.clone())));
-                if err.is_transient() {
-                    drop(log);
-                    drop(db);
-                    shared.reopen();
-                }
-                continue;
-            }
-        };
-        let (failed, hooks) = run_in(&txn, log.is_some(), &mut record, |tx| {
-            let mut failed = Vec::with_capacity(batch.len());
-            for job in batch.iter_mut() {
-                let failure = (job.run)(tx);
-                let stop = failure.is_some();
-                failed.push(failure);
-                if stop {
-                    // Nothing of this batch will land: the rest run alone.
-                    break;
-                }
-            }
-            failed.resize_with(batch.len(), || None);
-            failed
-        });
-        let job_failed = failed.iter().any(Option::is_some);
-        // A batch takes the reserve only if every job in it may.
-        let urgency = match batch.iter().all(|j| j.urgency == redo::Urgency::Must) {
-            true => redo::Urgency::Must,
-            false => redo::Urgency::May,
-        };
-        let (refused, hooks, batch) = match log.as_deref_mut() {
-            _ if job_failed => {
-                // A job failed part-way: nothing of this batch may land.
-                let refused = abandon(&shared, txn, &db, log.as_deref_mut()).err();
-                (refused, hooks, batch)
-            }
-            Some(log) if goes_behind(&shared, batch.len(), !rx.is_empty()) => {
-                match hand_over(&shared, txn, &db, log, &mut record, urgency, hooks, batch) {
-                    Ok(()) => (None, Vec::new(), Vec::new()),
-                    Err((refused, hooks, batch)) => (Some(refused), hooks, batch),
-                }
-            }
-            _ => {
-                let refused =
-                    commit(&shared, txn, &db, log.as_deref_mut(), &mut record, urgency).err();
-                (refused, hooks, batch)
-            }
-        };
-        if !job_failed && refused.is_none() {
-            // Answered here, or by the syncer once its sync covers them.
-            run_hooks(hooks);
-            batch.into_iter().for_each(|job| (job.finish)(None));
-            let mut handle_lost = false;
-            if let Some(log) = log.as_deref_mut() {
-                let due = checkpoint_due(
-                    last_checkpoint.elapsed(),
-                    log.checkpoint_every,
-                    checkpoint_retry,
-                    log.bytes(),
-                    !rx.is_empty(),
-                );
-                if due {
-                    last_checkpoint = std::time::Instant::now();
-                    match checkpoint_with(&shared, &db, log) {
-                        Ok(()) => checkpoint_retry = std::time::Duration::ZERO,
-                        Err(e) => {
-                            // The log still holds every commit since the
-                            // last one; a later checkpoint tries again.
-                            checkpoint_retry = (checkpoint_retry * 2)
-                                .clamp(CHECKPOINT_RETRY_MIN, CHECKPOINT_RETRY_MAX);
-                            tracing::error!(error = %e, retry_in = ?checkpoint_retry, log_bytes = log.bytes(),
-                                "store checkpoint failed; commits go on into the redo log");
-                            handle_lost = e.is_transient() || log.pending.is_none();
-                        }
-                    }
-                }
-            }
-            if handle_lost {
-                // Now, so the next batch does not meet the failed handle.
+                .for_each(|job| (job.finish)(Some(err.clone())));
+            if err.is_transient() {
                 drop(log);
                 drop(db);
                 shared.reopen();
             }
-            continue;
+            return;
         }
-        let commit_error = refused.as_ref().map(|r| r.error.clone());
-        let handle_lost = refused.as_ref().is_some_and(|r| r.handle_lost);
-        drop(hooks);
-        if let Some(e) = &commit_error {
-            tracing::error!(error = %e, jobs = batch.len(), "store commit failed");
-        } else {
-            let failed_jobs = failed.iter().filter(|f| f.is_some()).count();
-            tracing::warn!(
-                jobs = batch.len(),
-                failed_jobs,
-                "a write job failed; the rest of its batch runs again, each alone"
+    };
+    let (failed, hooks) = run_in(&txn, log.is_some(), record, |tx| {
+        let mut failed = Vec::with_capacity(batch.len());
+        for job in batch.iter_mut() {
+            // A job that panics fails its batch as an error would: the
+            // pending transaction is given the overlay's rows again
+            // (`abandon`), so no acknowledged row goes with it.
+            let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| (job.run)(tx)));
+            let failure = run.unwrap_or_else(|_| {
+                tracing::error!(
+                    "a write job panicked; its batch is dropped and the rest run again"
+                );
+                Some(StoreError::other(
+                    "a write job failed unexpectedly; nothing of it was stored",
+                ))
+            });
+            let stop = failure.is_some();
+            failed.push(failure);
+            if stop {
+                // Nothing of this batch will land: the rest run alone.
+                break;
+            }
+        }
+        failed.resize_with(batch.len(), || None);
+        failed
+    });
+    let job_failed = failed.iter().any(Option::is_some);
+    // A batch takes the reserve only if every job in it may.
+    let urgency = match batch.iter().all(|j| j.urgency == redo::Urgency::Must) {
+        true => redo::Urgency::Must,
+        false => redo::Urgency::May,
+    };
+    let (refused, hooks, batch) = match log.as_deref_mut() {
+        _ if job_failed => {
+            // A job failed part-way: nothing of this batch may land.
+            let refused = abandon(shared, txn, &db, log.as_deref_mut()).err();
+            (refused, hooks, batch)
+        }
+        Some(log) if goes_behind(shared, batch.len(), place.queued()) => {
+            match hand_over(shared, txn, &db, log, record, urgency, hooks, batch) {
+                Ok(()) => (None, Vec::new(), Vec::new()),
+                Err((refused, hooks, batch)) => (Some(refused), hooks, batch),
+            }
+        }
+        _ => {
+            let refused = commit(shared, txn, &db, log.as_deref_mut(), record, urgency).err();
+            (refused, hooks, batch)
+        }
+    };
+    if !job_failed && refused.is_none() {
+        // Answered here, or by the syncer once its sync covers them.
+        run_hooks(hooks);
+        batch.into_iter().for_each(|job| (job.finish)(None));
+        let mut handle_lost = false;
+        if let Some(log) = log.as_deref_mut() {
+            let due = checkpoint_due(
+                last_checkpoint.elapsed(),
+                log.checkpoint_every,
+                *checkpoint_retry,
+                log.bytes(),
+                place.queued(),
             );
-        }
-        let mut db = Some(db);
-        if handle_lost {
-            renew(&shared, &mut db, &mut log);
-        }
-        // The batch did not land. A job that failed by itself gets its own
-        // error; every other job runs again, alone, so one job's error (or
-        // one too large for the disk) never fails its batch-mates.
-        for (job, failure) in batch.into_iter().zip(failed) {
-            let poisoned = match (failure, &db, &commit_error) {
-                (Some(e), _, _) => {
-                    (job.finish)(Some(e));
-                    false
-                }
-                (None, _, Some(e)) if !e.is_transient() && !job_failed => {
-                    (job.finish)(Some(e.clone()));
-                    false
-                }
-                (None, Some(db), _) => {
-                    run_alone(&shared, db, job, log.as_deref_mut(), &mut record) == Some(true)
-                }
-                (None, None, _) => {
-                    (job.finish)(Some(closed_or_reopening(&shared)));
+            let due = match (due, &place) {
+                (false, _) | (true, Place::WriterThread(_)) => due,
+                (true, Place::Caller(queue)) => {
+                    // Not on a caller's thread, which would hold its
+                    // answer for the checkpoint's redb commit.
+                    match queue.try_send(checkpoint_nudge()) {
+                        // Queued, or the queue is full: either way the
+                        // writer thread runs a batch soon and checks.
+                        Ok(()) | Err(mpsc::error::TrySendError::Full(_)) => {}
+                        // Closing: the close makes the last checkpoint.
+                        Err(mpsc::error::TrySendError::Closed(_)) => {}
+                    }
                     false
                 }
             };
-            if poisoned {
-                // The next job runs on a fresh handle, not the failed one.
-                renew(&shared, &mut db, &mut log);
+            if due {
+                *last_checkpoint = std::time::Instant::now();
+                match checkpoint_with(shared, &db, log) {
+                    Ok(()) => *checkpoint_retry = std::time::Duration::ZERO,
+                    Err(e) => {
+                        // The log still holds every commit since the
+                        // last one; a later checkpoint tries again.
+                        *checkpoint_retry = (*checkpoint_retry * 2)
+                            .clamp(CHECKPOINT_RETRY_MIN, CHECKPOINT_RETRY_MAX);
+                        tracing::error!(error = %e, retry_in = ?checkpoint_retry, log_bytes = log.bytes(),
+                                "store checkpoint failed; commits go on into the redo log");
+                        handle_lost = e.is_transient() || log.pending.is_none();
+                    }
+                }
             }
+        }
+        if handle_lost {
+            // Now, so the next batch does not meet the failed handle.
+            drop(log);
+            drop(db);
+            shared.reopen();
+        }
+        return;
+    }
+    let commit_error = refused.as_ref().map(|r| r.error.clone());
+    let handle_lost = refused.as_ref().is_some_and(|r| r.handle_lost);
+    drop(hooks);
+    if let Some(e) = &commit_error {
+        tracing::error!(error = %e, jobs = batch.len(), "store commit failed");
+    } else {
+        let failed_jobs = failed.iter().filter(|f| f.is_some()).count();
+        tracing::warn!(
+            jobs = batch.len(),
+            failed_jobs,
+            "a write job failed; the rest of its batch runs again, each alone"
+        );
+    }
+    let mut db = Some(db);
+    if handle_lost {
+        renew(shared, &mut db, &mut log);
+    }
+    // The batch did not land. A job that failed by itself gets its own
+    // error; every other job runs again, alone, so one job's error (or
+    // one too large for the disk) never fails its batch-mates.
+    for (job, failure) in batch.into_iter().zip(failed) {
+        let poisoned = match (failure, &db, &commit_error) {
+            (Some(e), _, _) => {
+                (job.finish)(Some(e));
+                false
+            }
+            (None, _, Some(e)) if !e.is_transient() && !job_failed => {
+                (job.finish)(Some(e.clone()));
+                false
+            }
+            (None, Some(db), _) => {
+                run_alone(shared, db, job, log.as_deref_mut(), record) == Some(true)
+            }
+            (None, None, _) => {
+                (job.finish)(Some(closed_or_reopening(shared)));
+                false
+            }
+        };
+        if poisoned {
+            // The next job runs on a fresh handle, not the failed one.
+            renew(shared, &mut db, &mut log);
         }
     }
 }
