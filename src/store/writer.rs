@@ -4,8 +4,8 @@
 //! commit was in flight runs in the next single transaction, which commits
 //! (fsync) once. A batch is run by `run_batch`, under `Shared::turn`:
 //! by this thread, or, for a lone job on an idle store, by the thread that
-//! submitted it (`Store::run_here_if_idle`), which leaves any checkpoint
-//! that falls due to this thread (`Place`). After an I/O error redb refuses every call until the file is
+//! submitted it (`Store::run_here_if_idle`), which never checkpoints: a
+//! checkpoint is made here, after the batch that finds it due (`Place`). After an I/O error redb refuses every call until the file is
 //! reopened, so the thread drops the handle and reopens it; while it cannot
 //! open the file for writing (a full disk), reads go through a read-only
 //! handle. A commit that fails with an I/O error (ENOSPC included) answers
@@ -106,7 +106,24 @@ pub(super) struct Shared {
         std::sync::Mutex<Option<std::sync::mpsc::Sender<Arc<super::overlay::Generation>>>>,
     /// The writer's state between batches, held by whoever runs one.
     pub(super) turn: std::sync::Mutex<Turn>,
+    /// How many batches in a row were one job with none queued behind it
+    /// when they ended (counting stops at `QUIET_BATCHES`): the store is
+    /// idle, not between two batches of a load. `Store::run_here_if_idle`
+    /// runs a job where it was submitted only after `QUIET_BATCHES` of
+    /// them; under load this one load of a counter is all it costs a
+    /// write (the syncer's lock it asks next is the writer's and the
+    /// syncer's, taken at every hand-over).
+    pub(super) lone_batches_in_a_row: std::sync::atomic::AtomicU32,
 }
+
+/// Lone batches in a row after which the store counts as idle
+/// (`Shared::lone_batches_in_a_row`). Why more than one: at 32
+/// connections a batch of one now and then falls between two waves of
+/// submits, and the first of the next wave, run on its worker, held that
+/// worker (and the wave queued behind it) for its sync; with one lone
+/// batch as the mark ~3% of submits at 32 connections ran so. At one
+/// connection every batch is lone, so the mark is passed at once.
+pub(super) const QUIET_BATCHES: u32 = 3;
 
 impl Shared {
     pub(super) fn redo_log(&self) -> Option<std::sync::MutexGuard<'_, RedoLog>> {
@@ -394,6 +411,18 @@ pub(super) struct Turn {
 }
 
 impl Turn {
+    /// Whether a checkpoint is due after the next batch, were it run
+    /// now with nothing queued behind it.
+    pub(super) fn checkpoint_due(&self, log: &RedoLog) -> bool {
+        checkpoint_due(
+            self.last_checkpoint.elapsed(),
+            log.checkpoint_every,
+            self.checkpoint_retry,
+            log.bytes(),
+            false,
+        )
+    }
+
     pub(super) fn new() -> Turn {
         Turn {
             last_checkpoint: std::time::Instant::now(),
@@ -425,9 +454,8 @@ pub(super) enum Place<'q> {
     /// On the writer thread, which took it off the write queue.
     WriterThread(&'q mpsc::Receiver<WriteJob>),
     /// On the thread of the caller that submitted it, a lone job on an
-    /// idle store (`Store::write_with`); the queue's sending side, to
-    /// see what queues meanwhile and to ask the writer thread for a
-    /// checkpoint.
+    /// idle store with no checkpoint due (`Store::run_here_if_idle`);
+    /// the queue's sending side, to see what queues meanwhile.
     Caller(&'q mpsc::Sender<WriteJob>),
 }
 
@@ -438,16 +466,6 @@ impl Place<'_> {
             Place::WriterThread(rx) => !rx.is_empty(),
             Place::Caller(tx) => tx.capacity() < tx.max_capacity(),
         }
-    }
-}
-
-/// A job that writes nothing: queued by a caller's batch that found a
-/// checkpoint due, so the writer thread makes it (`run_batch`).
-fn checkpoint_nudge() -> WriteJob {
-    WriteJob {
-        run: Box::new(|_tx: &Tx<'_, '_>| None),
-        urgency: redo::Urgency::May,
-        finish: Box::new(|_refused: Option<StoreError>| {}),
     }
 }
 
@@ -464,9 +482,17 @@ fn checkpoint_nudge() -> WriteJob {
 /// as after an I/O error. The jobs it left unanswered see the
 /// closed-store error.
 pub(super) fn run_batch(shared: &Shared, turn: &mut Turn, batch: Vec<WriteJob>, place: Place<'_>) {
+    let jobs = batch.len();
     let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        run_batch_unguarded(shared, turn, batch, place)
+        run_batch_unguarded(shared, turn, batch, &place)
     }));
+    // Written by the turn's holder only, so a load and a store suffice.
+    let lone = &shared.lone_batches_in_a_row;
+    let in_a_row = match jobs == 1 && !place.queued() {
+        true => (lone.load(std::sync::atomic::Ordering::Relaxed) + 1).min(QUIET_BATCHES),
+        false => 0,
+    };
+    lone.store(in_a_row, std::sync::atomic::Ordering::Relaxed);
     if ran.is_err() {
         tracing::error!("a store batch panicked; reopening the store from its redo log");
         shared.reopen();
@@ -477,7 +503,7 @@ fn run_batch_unguarded(
     shared: &Shared,
     turn: &mut Turn,
     mut batch: Vec<WriteJob>,
-    place: Place<'_>,
+    place: &Place<'_>,
 ) {
     let Turn {
         last_checkpoint,
@@ -592,27 +618,21 @@ fn run_batch_unguarded(
         batch.into_iter().for_each(|job| (job.finish)(None));
         let mut handle_lost = false;
         if let Some(log) = log.as_deref_mut() {
-            let due = checkpoint_due(
-                last_checkpoint.elapsed(),
-                log.checkpoint_every,
-                *checkpoint_retry,
-                log.bytes(),
-                place.queued(),
-            );
-            let due = match (due, &place) {
-                (false, _) | (true, Place::WriterThread(_)) => due,
-                (true, Place::Caller(queue)) => {
-                    // Not on a caller's thread, which would hold its
-                    // answer for the checkpoint's redb commit.
-                    match queue.try_send(checkpoint_nudge()) {
-                        // Queued, or the queue is full: either way the
-                        // writer thread runs a batch soon and checks.
-                        Ok(()) | Err(mpsc::error::TrySendError::Full(_)) => {}
-                        // Closing: the close makes the last checkpoint.
-                        Err(mpsc::error::TrySendError::Closed(_)) => {}
-                    }
-                    false
-                }
+            let due = match place {
+                Place::WriterThread(_) => checkpoint_due(
+                    last_checkpoint.elapsed(),
+                    log.checkpoint_every,
+                    *checkpoint_retry,
+                    log.bytes(),
+                    place.queued(),
+                ),
+                // Not on a caller's thread, which would hold its answer
+                // for the checkpoint's redb commit: one due before the
+                // batch sent it to the writer thread instead
+                // (`Store::run_here_if_idle`), and one that fell due
+                // during it is made after the next batch, which goes
+                // there for it.
+                Place::Caller(_) => false,
             };
             if due {
                 *last_checkpoint = std::time::Instant::now();
