@@ -755,7 +755,7 @@ pub async fn delete(ctx: &Ctx, req: &Request, w: Write) -> Result<Reply, ApiErro
                     )
                     .field("/callback", "callback_origin_not_allowed"));
                 }
-                if !engine::callback_written_under(url, &ctx.engine.settings.callback_origin) {
+                if !ctx.engine.callback_rule.takes(url) {
                     return Err(ApiError::bad_request(
                         "callback must be an allowed origin spelled as --callback-origin states it (GET /v1/openapi.json shows the pattern), then a path and query of plain or %-escaped URL characters, no fragment",
                     )

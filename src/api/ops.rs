@@ -247,8 +247,8 @@ mod tests {
             .0
             .validate(&serde_json::Value::String(url.into()), schema.1)
             .is_ok();
-        let taken = url.len() <= engine::CALLBACK_MAX_BYTES
-            && engine::callback_written_under(url, &origins);
+        let rule = engine::CallbackRule::new(&origins).expect("the pattern compiles");
+        let taken = rule.takes(url);
         (stated, taken)
     }
 

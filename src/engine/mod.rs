@@ -89,6 +89,8 @@ struct Sched {
 
 pub struct Engine {
     pub settings: Arc<Settings>,
+    /// How a destroy's callback is checked (`--callback-origin`).
+    pub callback_rule: CallbackRule,
     pub store: Store,
     pub deployer: DeployerCommand,
     /// The source new submits use.
@@ -159,14 +161,11 @@ pub const CALLBACK_MAX_BYTES: usize = 2048;
 /// What may follow a callback's origin: a path and query of RFC 3986's
 /// `pchar`s (unreserved, sub-delims, `:`, `@`, and `%` with two hex digits),
 /// `/` and `?`. No fragment (it is never sent), no space, nothing a client
-/// would have to escape. Written once, as the regular expression the served
-/// OpenAPI document states, and checked by [`callback_written_under`], so
-/// the document and the server cannot disagree (`api::ops` tests that).
+/// would have to escape. Written once, in the regular expression the served
+/// OpenAPI document states and the server checks with (`CallbackRule`), so
+/// the document and the server cannot disagree (`api::ops` tests that the
+/// document's engine and the server's read it alike).
 const CALLBACK_REST_PATTERN: &str = "(/([A-Za-z0-9._~!$&'()*+,;=:@/?-]|%[0-9A-Fa-f]{2})*)?";
-
-fn is_callback_char(b: u8) -> bool {
-    b.is_ascii_alphanumeric() || b"._~!$&'()*+,;=:@/?-".contains(&b)
-}
 
 /// The regular expression (ECMA-262, anchored) a callback must match: one
 /// of `allowed` origins spelled exactly as configured, then a path.
@@ -186,34 +185,26 @@ pub fn callback_pattern(allowed: &[String]) -> String {
     format!("^({}){CALLBACK_REST_PATTERN}$", escaped.join("|"))
 }
 
-/// True when `url` is one of `allowed` origins, spelled exactly as
-/// configured, followed by nothing or by `/` and characters of
-/// [`CALLBACK_REST_PATTERN`]: what [`callback_pattern`] matches.
-pub fn callback_written_under(url: &str, allowed: &[String]) -> bool {
-    allowed.iter().any(|origin| {
-        let Some(rest) = url.strip_prefix(origin.as_str()) else {
-            return false;
-        };
-        let Some(path) = rest.strip_prefix('/') else {
-            return rest.is_empty();
-        };
-        let bytes = path.as_bytes();
-        let mut i = 0;
-        while i < bytes.len() {
-            if bytes[i] == b'%' {
-                let hex = bytes.get(i + 1..i + 3);
-                if !hex.is_some_and(|h| h.iter().all(u8::is_ascii_hexdigit)) {
-                    return false;
-                }
-                i += 3;
-            } else if is_callback_char(bytes[i]) {
-                i += 1;
-            } else {
-                return false;
-            }
-        }
-        true
-    })
+/// The rule a destroy's callback is checked by: [`callback_pattern`] of
+/// `--callback-origin`, compiled once, and [`CALLBACK_MAX_BYTES`], the
+/// two things the served document states. One implementation, so the
+/// document and the server cannot drift apart.
+pub struct CallbackRule {
+    pattern: regex::Regex,
+}
+
+impl CallbackRule {
+    pub fn new(allowed: &[String]) -> Result<CallbackRule, String> {
+        regex::Regex::new(&callback_pattern(allowed))
+            .map(|pattern| CallbackRule { pattern })
+            .map_err(|e| format!("the callback origins make no valid pattern: {e}"))
+    }
+
+    /// Whether `url` is at most `CALLBACK_MAX_BYTES` and matches the
+    /// pattern.
+    pub fn takes(&self, url: &str) -> bool {
+        url.len() <= CALLBACK_MAX_BYTES && self.pattern.is_match(url)
+    }
 }
 
 impl Engine {
@@ -230,7 +221,9 @@ impl Engine {
             Some(s) => (s.clone(), true),
             None => (builtin_source(), false),
         };
+        let callback_rule = CallbackRule::new(&settings.callback_origin)?;
         Ok(Arc::new(Engine {
+            callback_rule,
             eval_slots: Arc::new(Semaphore::new(settings.eval_slots)),
             settings,
             store,
