@@ -137,9 +137,10 @@ const LEGACY_HEADER: usize = 4 + 4 + 4 + 8 + 4;
 /// HMAC-SHA-256 cut to 128 bits: forging one is a 2^-128 guess per try.
 const TAG_BYTES: usize = 16;
 
-/// The tag of a record: HMAC-SHA-256 under `key` of its length,
-/// generation, layout and rows, cut to `TAG_BYTES`.
-fn tag_of(key: &RedoKey, len: u32, checked: &[u8], rows: &[u8]) -> [u8; TAG_BYTES] {
+/// The keyed hash of a record (HMAC-SHA-256 under `key`) fed its length,
+/// generation, layout and rows: finalized into a tag (`tag_of`), or
+/// checked against one (`record_at`).
+fn mac_of(key: &RedoKey, len: u32, checked: &[u8], rows: &[u8]) -> hmac::Hmac<sha2::Sha256> {
     use hmac::{KeyInit, Mac};
     // HMAC takes a key of any length; 32 bytes never fail.
     let mut mac = match hmac::Hmac::<sha2::Sha256>::new_from_slice(key) {
@@ -149,7 +150,13 @@ fn tag_of(key: &RedoKey, len: u32, checked: &[u8], rows: &[u8]) -> [u8; TAG_BYTE
     mac.update(&len.to_le_bytes());
     mac.update(checked);
     mac.update(rows);
-    let full = mac.finalize().into_bytes();
+    mac
+}
+
+/// The tag of a record: its `mac_of`, cut to `TAG_BYTES`.
+fn tag_of(key: &RedoKey, len: u32, checked: &[u8], rows: &[u8]) -> [u8; TAG_BYTES] {
+    use hmac::Mac;
+    let full = mac_of(key, len, checked, rows).finalize().into_bytes();
     let mut tag = [0u8; TAG_BYTES];
     tag.copy_from_slice(&full[..TAG_BYTES]);
     tag
@@ -816,12 +823,12 @@ fn record_at(bytes: &[u8], at: usize, trust: Trust) -> Option<Record> {
     let trusted = match (trust, keyed) {
         (Trust::Unverified, _) => true,
         (Trust::Store { key: Some(key), .. }, true) => {
-            // Compared in constant time: the tag is a secret's output.
-            let tag = tag_of(&key, len, checked, rows);
-            tag.iter()
-                .zip(&head[LEGACY_HEADER..HEADER])
-                .fold(0u8, |acc, (a, b)| acc | (a ^ b))
-                == 0
+            // Compared in constant time (the crate's own check of a tag
+            // cut to its left bytes): the tag is a secret's output.
+            use hmac::Mac;
+            mac_of(&key, len, checked, rows)
+                .verify_truncated_left(&head[LEGACY_HEADER..HEADER])
+                .is_ok()
         }
         // A keyed record and no key: the key was never durable, so this
         // berth wrote no such record.

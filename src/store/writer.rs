@@ -5,7 +5,9 @@
 //! (fsync) once. A batch is run by `run_batch`, under `Shared::turn`:
 //! by this thread, or, for a lone job on an idle store, by the thread that
 //! submitted it (`Store::run_here_if_idle`), which never checkpoints: a
-//! checkpoint is made here, after the batch that finds it due (`Place`). After an I/O error redb refuses every call until the file is
+//! checkpoint is made here, after the batch that finds it due (`Place`).
+//!
+//! After an I/O error redb refuses every call until the file is
 //! reopened, so the thread drops the handle and reopens it; while it cannot
 //! open the file for writing (a full disk), reads go through a read-only
 //! handle. A commit that fails with an I/O error (ENOSPC included) answers
