@@ -466,6 +466,7 @@ impl ReadOnlyStore {
     fn open_file(path: &Path, scope: super::snapshot::Scope) -> Result<ReadOnlyStore, OpenFailure> {
         let db = redb::Database::builder()
             .set_concurrency_mode(redb::ConcurrencyMode::SingleWriter)
+            .set_cache_size(super::CacheSize::DEFAULT.bytes())
             .open_read_only(path)
             .map_err(|e| match e {
                 redb::DatabaseError::DatabaseAlreadyOpen => Held,

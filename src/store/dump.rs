@@ -626,6 +626,7 @@ pub struct Inspection {
 pub fn inspect(path: &Path) -> StoreResult<Inspection> {
     let db = Database::builder()
         .set_concurrency_mode(redb::ConcurrencyMode::SingleWriter)
+        .set_cache_size(super::CacheSize::DEFAULT.bytes())
         .create(path)
         .map_err(|e| match e {
             redb::DatabaseError::DatabaseAlreadyOpen => StoreError::in_use(path),

@@ -91,6 +91,8 @@ pub(super) struct Shared {
     pub(super) closed: std::sync::atomic::AtomicBool,
     /// How the file is shared with other processes (kept for reopens).
     pub(super) sharing: super::Sharing,
+    /// The memory redb may hold of the file's pages (kept for reopens).
+    pub(super) cache: super::CacheSize,
     /// The redo log, when berth holds the file alone (`redo.rs`). Locked
     /// before any write transaction begins, by every user, so the two
     /// locks are always taken in one order.
@@ -225,8 +227,8 @@ impl Shared {
             // writes nothing to the store file, so it succeeds on the full
             // disk that perhaps made the handle fail (the next checkpoint
             // that succeeds makes them durable).
-            let reopened =
-                open_database_with_syncs(&self.path, self.sharing).and_then(|(db, syncs)| {
+            let reopened = open_database_with_syncs(&self.path, self.sharing, self.cache).and_then(
+                |(db, syncs)| {
                     if let Some(mut log) = self.redo_log() {
                         log.redb_syncs = syncs;
                         let at = super::redo::replay(
@@ -238,7 +240,8 @@ impl Shared {
                         log.resume(at);
                     }
                     Ok(db)
-                });
+                },
+            );
             match reopened {
                 Ok(db) => {
                     tracing::warn!(path = %self.path.display(), "store reopened after an I/O error");
@@ -261,6 +264,7 @@ impl Shared {
         }
         match Database::builder()
             .set_concurrency_mode(self.sharing.mode())
+            .set_cache_size(self.cache.bytes())
             .open_read_only(&self.path)
         {
             Ok(ro) => {
@@ -294,7 +298,7 @@ pub(super) fn pause_for_reopen() {
 }
 
 pub(super) fn open_database(path: &Path, sharing: super::Sharing) -> StoreResult<Database> {
-    open_database_with_syncs(path, sharing).map(|(db, _)| db)
+    open_database_with_syncs(path, sharing, super::CacheSize::DEFAULT).map(|(db, _)| db)
 }
 
 /// Opens the store file; held alone, with redb's syncs behind the writer
@@ -302,10 +306,12 @@ pub(super) fn open_database(path: &Path, sharing: super::Sharing) -> StoreResult
 pub(super) fn open_database_with_syncs(
     path: &Path,
     sharing: super::Sharing,
+    cache: super::CacheSize,
 ) -> StoreResult<(Database, Option<Arc<RedbSyncs>>)> {
     let builder = {
         let mut b = Database::builder();
         b.set_concurrency_mode(sharing.mode());
+        b.set_cache_size(cache.bytes());
         b
     };
     match sharing {

@@ -165,3 +165,56 @@ async fn the_snapshot_socket_refuses_bad_requests_and_cleans_up_after_readers_th
         .collect();
     assert_eq!(left, vec!["berth.sock".to_string()], "left behind");
 }
+
+/// The store's page cache is bounded by `--cache-size`: a build that
+/// writes ~97 MB of log that compresses little (a store of ~135 MiB),
+/// read back whole twice, grows berth by less than half the store. (With
+/// redb's own default of 1 GiB every page written or read stayed in
+/// memory: +92 MiB for a 68 MiB store, against +44 MiB with a 4 MiB
+/// cache, whose growth is the ingest's buffers and the rows kept for
+/// readers until a checkpoint, the same for any store size.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_stays_within_the_cache_size_as_the_store_grows() {
+    let dir = temp_dir("cache-size");
+    let deployer = script(
+        &dir,
+        "loud.sh",
+        &format!(
+            "{SCRIPT_PRELUDE}\nhead -c 72000000 /dev/urandom | base64 -w 76\nprintf '%s' '{{\"nodes\":[]}}' > \"$BERTH_RESULT\"\n"
+        ),
+    );
+    let cache_mib = 4;
+    let s = Server::start_in(
+        dir.clone(),
+        Options::default()
+            .deployer(&deployer)
+            .arg("--cache-size")
+            .arg(&format!("{cache_mib}MiB")),
+    )
+    .await;
+    let before = s.rss_kib();
+    let b = s.submit_ok("loud", json!({})).await;
+    let end = s.wait_build(&b, "succeeded").await;
+    let log_bytes = end["log_bytes"].as_u64().unwrap();
+    assert!(log_bytes > 90_000_000, "{end}");
+    for _ in 0..2 {
+        let r = s.get(&format!("/v1/builds/{b}/log")).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        let read = r.bytes().await.unwrap().len() as u64;
+        assert_eq!(read, log_bytes);
+    }
+    let store_mib = std::fs::metadata(dir.join("data/berth.redb"))
+        .unwrap()
+        .len()
+        >> 20;
+    assert!(store_mib > 100, "a {store_mib} MiB store");
+    let after = s.rss_kib();
+    let grown_mib = after.saturating_sub(before) / 1024;
+    println!(
+        "RSS with --cache-size {cache_mib}MiB and a {store_mib} MiB store: {before} KiB before, {after} KiB after (+{grown_mib} MiB)"
+    );
+    assert!(
+        grown_mib < store_mib / 2,
+        "berth grew by {grown_mib} MiB with a {cache_mib} MiB cache and a {store_mib} MiB store"
+    );
+}
