@@ -830,6 +830,8 @@ fn main() {
     let mut writer_us_per_submit = 0.0;
     // berth's CPU per submit, every thread, at 1 and 32 connections.
     let mut cpu_per_submit = (0.0, 0.0);
+    // berth's RSS (KiB) and its store file's size (bytes) after both phases.
+    let mut rss_after_submits = (0u64, 0u64);
     let exclusive = if wrk_here {
         let before = storage_write_bytes(child.id());
         let cpu_before = process_cpu_us(child.id());
@@ -844,6 +846,10 @@ fn main() {
             (writer_cpu_us(child.id()) - writer_before) / (many.0 * PHASE.as_secs_f64());
         cpu_per_submit.1 =
             (process_cpu_us(child.id()) - cpu_before) / (many.0 * PHASE.as_secs_f64());
+        rss_after_submits = (
+            rss_kib(child.id()),
+            std::fs::metadata(dir.join("data/berth.redb")).map_or(0, |m| m.len()),
+        );
         (one, many)
     } else {
         ((0.0, 0.0), (0.0, 0.0))
@@ -904,6 +910,20 @@ fn main() {
                 true,
             );
         }
+        // redb's page cache is bounded (`--cache-size`, 64 MiB): berth's
+        // memory must not follow its store file (it did up to 1 GiB).
+        let (rss, store_bytes) = rss_after_submits;
+        common::record(
+            "RSS after the 1- and 32-connection submits (default: redo log)",
+            &format!("{:.1} MiB", rss as f64 / 1024.0),
+            &format!(
+                "the store file it serves: {:.1} MiB",
+                store_bytes as f64 / 1048576.0
+            ),
+            rss as f64 * 1024.0 / (store_bytes as f64).max(1.0),
+            None,
+            true,
+        );
         for (connections, (rate, p99), other) in
             [(1, fleet.0, exclusive.0), (32, fleet.1, exclusive.1)]
         {
