@@ -211,42 +211,16 @@ const TABLES_PER_SUBMIT: usize = 13;
 /// Deployments of the fleet phase (submitted to in turn).
 const FLEET: usize = 100;
 
-/// The floor under berth's submit: bare redb, one write transaction per
 /// CPU time (user + system) of berth's store writer thread so far, in us.
 fn writer_cpu_us(pid: u32) -> f64 {
-    let tasks = std::fs::read_dir(format!("/proc/{pid}/task"))
-        .expect("read /proc/<berth>/task (the writer's CPU row needs it)");
-    for task in tasks.flatten() {
-        let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
-        if comm.starts_with("berth-store-wri") {
-            return stat_cpu_us(&task.path().join("stat"));
-        }
-    }
-    panic!("berth has no store writer thread to measure");
+    common::thread_cpu_us(pid, "berth-store-wri")
+        .expect("berth has a store writer thread to measure (the writer's CPU row needs it)")
 }
 
 /// CPU time (user + system) of the whole berth process so far (every
 /// thread, children not included), in us.
 fn process_cpu_us(pid: u32) -> f64 {
-    stat_cpu_us(std::path::Path::new(&format!("/proc/{pid}/stat")))
-}
-
-/// utime + stime of a `/proc/.../stat` file, in us. A figure built on an
-/// unreadable count would be wrong, so it stops the bench instead.
-fn stat_cpu_us(path: &std::path::Path) -> f64 {
-    let ticks_per_s = 100.0; // USER_HZ on Linux
-    let stat =
-        std::fs::read_to_string(path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
-    // Fields after the ")" of the name: utime and stime are 12th and 13th.
-    let rest = stat.rsplit(')').next().unwrap_or("");
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    let field = |i: usize| -> f64 {
-        fields
-            .get(i)
-            .and_then(|v| v.parse::<f64>().ok())
-            .unwrap_or_else(|| panic!("{}: field {i} is not a number", path.display()))
-    };
-    (field(11) + field(12)) / ticks_per_s * 1e6
+    common::stat_cpu_us(std::path::Path::new(&format!("/proc/{pid}/stat")))
 }
 
 /// Bytes a process has caused to be written to storage so far

@@ -200,3 +200,45 @@ pub fn record_with_goal(
         let _ = writeln!(f, "{line}");
     }
 }
+
+/// utime + stime of a `/proc/.../stat` file, in us. A figure built on an
+/// unreadable count would be wrong, so it stops the bench instead.
+pub fn stat_cpu_us(path: &Path) -> f64 {
+    stat_fields_us(path, (11, 12))
+}
+
+/// cutime + cstime of a `/proc/.../stat` file (the CPU of its children
+/// once waited for: a bench's wrk runs), in us.
+pub fn stat_children_cpu_us(path: &Path) -> f64 {
+    stat_fields_us(path, (13, 14))
+}
+
+fn stat_fields_us(path: &Path, (a, b): (usize, usize)) -> f64 {
+    let ticks_per_s = 100.0; // USER_HZ on Linux
+    let stat =
+        std::fs::read_to_string(path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
+    // Fields after the ")" of the name: utime and stime are the 12th and
+    // 13th, cutime and cstime the 14th and 15th.
+    let rest = stat.rsplit(')').next().unwrap_or("");
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let field = |i: usize| -> f64 {
+        fields
+            .get(i)
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or_else(|| panic!("{}: field {i} is not a number", path.display()))
+    };
+    (field(a) + field(b)) / ticks_per_s * 1e6
+}
+
+/// CPU time (user + system) so far, in us, of the thread of process `pid`
+/// whose name starts with `name` (as the kernel keeps it: 15 characters
+/// at most); `None` when it has none.
+pub fn thread_cpu_us(pid: u32, name: &str) -> Option<f64> {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap_or_else(|e| panic!("read /proc/{pid}/task: {e}"));
+    tasks.flatten().find_map(|task| {
+        let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+        comm.starts_with(name)
+            .then(|| stat_cpu_us(&task.path().join("stat")))
+    })
+}
