@@ -187,27 +187,27 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
             checkpoint_every: settings.checkpoint_interval,
         }
     };
-    let store =
-        Store::open_with_cache(&settings.db_path(), sharing, settings.cache_size).map_err(|e| {
-            use crate::store::StoreErrorKind as Kind;
-            let path = settings.db_path();
-            match e.kind {
-                Kind::Damaged => damaged_store(&path, &settings.data_dir, &e),
-                // At open berth writes a redo log's replay, each step of a
-                // layout migration (one transaction each) and the new log's
-                // preallocation: each lands whole or not at all.
-                Kind::DiskFull => format!(
+    let opened = Store::open_with_cache(&settings.db_path(), sharing, settings.cache_size);
+    let store = opened.map_err(|e| {
+        use crate::store::StoreErrorKind as Kind;
+        let path = settings.db_path();
+        match e.kind {
+            Kind::Damaged => damaged_store(&path, &settings.data_dir, &e),
+            // At open berth writes a redo log's replay, each step of a
+            // layout migration (one transaction each) and the new log's
+            // preallocation: each lands whole or not at all.
+            Kind::DiskFull => format!(
                 "cannot open {}: the disk is full ({e}). Nothing is lost: each step of opening \
                  the store (a redo log's replay, each step of a layout migration) lands whole or \
                  not at all, and the next start goes on from there. Free some space (a migration \
                  of an older store needs about as much as the store file) and start berth again",
                 path.display()
             ),
-                Kind::Io | Kind::Reopening | Kind::Corrupt | Kind::Closed | Kind::Other => {
-                    format!("cannot open {}: {e}", path.display())
-                }
+            Kind::Io | Kind::Reopening | Kind::Corrupt | Kind::Closed | Kind::Other => {
+                format!("cannot open {}: {e}", path.display())
             }
-        })?;
+        }
+    })?;
     // redb syncs the file it creates, not the directory that names it.
     crate::durable::sync_dir(&settings.data_dir).map_err(|e| {
         format!(
