@@ -115,29 +115,25 @@ fn pipe_baseline(lines: u64, rate: u64) -> Vec<u64> {
     lat
 }
 
-/// The cores berth (and its fan-out thread), this bench (its SSE
-/// readers) and its finished children (wrk) used from `start` to `cores`,
-/// from `/proc`.
+/// The cores berth, its fan-out thread, this bench (its SSE readers) and
+/// its finished children (wrk) used from `start` to `cores`, from `/proc`.
 struct CpuShare {
     berth: u32,
     at: Instant,
-    used: (f64, f64, f64),
-    fanout: f64,
+    used: [f64; 4],
 }
 
 impl CpuShare {
-    fn now(berth: u32) -> (f64, f64, f64) {
+    /// CPU so far, in us: [berth, its fan-out thread (none before the
+    /// first live stream), this bench, wrk].
+    fn now(berth: u32) -> [f64; 4] {
         let me = std::path::Path::new("/proc/self/stat");
-        (
+        [
             common::stat_cpu_us(std::path::Path::new(&format!("/proc/{berth}/stat"))),
+            common::thread_cpu_us(berth, "berth-fanout").unwrap_or(0.0),
             common::stat_cpu_us(me),
             common::stat_children_cpu_us(me),
-        )
-    }
-
-    /// berth's fan-out thread (none before the first live stream).
-    fn fanout(berth: u32) -> f64 {
-        common::thread_cpu_us(berth, "berth-fanout").unwrap_or(0.0)
+        ]
     }
 
     fn start(berth: u32) -> CpuShare {
@@ -145,22 +141,14 @@ impl CpuShare {
             berth,
             at: Instant::now(),
             used: CpuShare::now(berth),
-            fanout: CpuShare::fanout(berth),
         }
     }
 
-    /// (berth, this bench, wrk, berth's fan-out thread) in cores.
-    fn cores(&self) -> (f64, f64, f64, f64) {
-        let (now, wall_us) = (
-            CpuShare::now(self.berth),
-            self.at.elapsed().as_secs_f64() * 1e6,
-        );
-        (
-            (now.0 - self.used.0) / wall_us,
-            (now.1 - self.used.1) / wall_us,
-            (now.2 - self.used.2) / wall_us,
-            (CpuShare::fanout(self.berth) - self.fanout) / wall_us,
-        )
+    /// What `now` counts, as cores since `start`.
+    fn cores(&self) -> [f64; 4] {
+        let wall_us = self.at.elapsed().as_secs_f64() * 1e6;
+        let now = CpuShare::now(self.berth);
+        std::array::from_fn(|i| (now[i] - self.used[i]) / wall_us)
     }
 }
 
@@ -566,7 +554,7 @@ fn main() {
             // their solo rate beside the fan-out and its readers at all.
             println!(
                 "cores used, submits alone: berth {:.2}, wrk {:.2}; with the fan-out: berth {:.2} (its fan-out thread {:.2}), wrk {:.2}, the 1000 readers (this bench) {:.2}",
-                alone.0, alone.2, both.0, both.3, both.2, both.1
+                alone[0], alone[3], both[0], both[1], both[3], both[2]
             );
             // The solo rate again after it: the store is larger by then,
             // and a rate that falls as the file grows would otherwise pass

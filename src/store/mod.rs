@@ -582,15 +582,29 @@ mod tests {
         tag: &str,
         checkpoint_every: std::time::Duration,
     ) -> (Store, std::path::PathBuf) {
+        logged_store_with(tag, checkpoint_every, CacheSize::DEFAULT)
+    }
+
+    /// `logged_store` with redb holding at most `cache` of the file.
+    fn logged_store_with(
+        tag: &str,
+        checkpoint_every: std::time::Duration,
+        cache: CacheSize,
+    ) -> (Store, std::path::PathBuf) {
         let dir = std::env::temp_dir().join(format!("berth-store-{}-{tag}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(dir.join("copy")).unwrap();
-        let store = Store::open_shared(
-            &dir.join("berth.redb"),
-            Sharing::Exclusive { checkpoint_every },
-        )
-        .unwrap();
-        (store, dir)
+        (open_logged(&dir, checkpoint_every, cache), dir)
+    }
+
+    /// The store at `dir/berth.redb`, held alone with a redo log.
+    fn open_logged(
+        dir: &std::path::Path,
+        checkpoint_every: std::time::Duration,
+        cache: CacheSize,
+    ) -> Store {
+        let sharing = Sharing::Exclusive { checkpoint_every };
+        Store::open_with_cache(&dir.join("berth.redb"), sharing, cache).unwrap()
     }
 
     /// A copy of the store at `dir/berth.redb` and its redo log, as a
@@ -1171,20 +1185,10 @@ mod tests {
     /// transaction that never committed) and after a clean stop.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_store_with_the_smallest_cache_keeps_every_row_through_a_crash_and_a_stop() {
-        let dir = std::env::temp_dir().join(format!("berth-store-{}-cache", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("berth.redb");
-        let smallest = CacheSize::of_bytes(CacheSize::MIN_BYTES).unwrap();
         let every = std::time::Duration::from_secs(60);
-        let store = Store::open_with_cache(
-            &path,
-            Sharing::Exclusive {
-                checkpoint_every: every,
-            },
-            smallest,
-        )
-        .unwrap();
+        let smallest = CacheSize::of_bytes(CacheSize::MIN_BYTES).unwrap();
+        let (store, dir) = logged_store_with("cache", every, smallest);
+        let path = dir.join("berth.redb");
         let generation = |store: &Store| store.shared.redo_log().map(|log| log.generation);
         let before = (generation(&store), std::fs::read(&path).unwrap());
         // Rows of ~2 KiB, 4 MiB in all: four times the cache.
@@ -1221,14 +1225,7 @@ mod tests {
         drop(crashed);
         store.close().unwrap();
         drop(store);
-        let reopened = Store::open_with_cache(
-            &path,
-            Sharing::Exclusive {
-                checkpoint_every: every,
-            },
-            smallest,
-        )
-        .unwrap();
+        let reopened = open_logged(&dir, every, smallest);
         check(&reopened, "after a stop");
         drop(reopened);
         let _ = std::fs::remove_dir_all(dir);
