@@ -413,11 +413,12 @@ pub struct Settings {
     /// redb gathered since the last, so a longer interval means rarer but
     /// longer pauses in commits. When no write is waiting, a checkpoint
     /// comes sooner, after 40% of it (20ms of the default). At most 60s.
-    // Why 50ms (interleaved runs, README "Performance"): the p99 of a
-    // submit follows the interval (at 32 connections 7-9 ms at 25-50 ms,
-    // 13 ms at 100 ms, 20 ms at 200 ms; at one connection under 2 ms only
-    // from 50 ms down) while the rate moves within noise down to 50 ms and
-    // drops ~5% at 25 ms.
+    // Why 50ms (interleaved runs, docs/performance-history.md, "The
+    // checkpoint interval is 50 ms"): the p99 of a submit follows the
+    // interval (at 32 connections 7-9 ms at 25-50 ms, 13 ms at 100 ms,
+    // 20 ms at 200 ms; at one connection under 2 ms only from 50 ms down)
+    // while the rate moves within noise down to 50 ms and drops ~5% at
+    // 25 ms.
     #[arg(long, env = "BERTH_CHECKPOINT_INTERVAL", default_value = "50ms", value_parser = parse_checkpoint_interval)]
     pub checkpoint_interval: Duration,
 
@@ -425,10 +426,10 @@ pub struct Settings {
     /// those written since the last checkpoint), as a number with a unit:
     /// KiB, MiB or GiB. From 1MiB to 64GiB. Pages past it are read from
     /// the file again (through the kernel's page cache) when needed.
-    // Why 64MiB (README "Performance"): redb's own default, 1 GiB, let
-    // berth's memory follow its store file, and the growing cost CPU (at
-    // 32 connections submits ran 16-23% faster with 64 MiB); 16, 64 and
-    // 256 MiB ran alike.
+    // Why 64MiB (docs/performance-history.md, "The page cache bounded"):
+    // redb's own default, 1 GiB, let berth's memory follow its store file,
+    // and the growing cost CPU (at 32 connections submits ran 16-23%
+    // faster with 64 MiB); 16, 64 and 256 MiB ran alike.
     #[arg(long, env = "BERTH_CACHE_SIZE", default_value = "64MiB", value_parser = parse_cache_size)]
     pub cache_size: crate::store::CacheSize,
 

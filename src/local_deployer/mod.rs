@@ -148,7 +148,8 @@ fn fingerprint(rendered: &str) -> String {
 }
 
 /// The setting of an application that makes its node fail every health
-/// check (README: "A broken deploy"): `{"enable": true, "unhealthy": true}`.
+/// check (README: "A deploy that breaks a node is rolled back by
+/// itself"): `{"enable": true, "unhealthy": true}`.
 pub const UNHEALTHY_SETTING: &str = "unhealthy";
 
 /// `check`: a node is healthy when it is deployed (its rendered file is

@@ -30,7 +30,7 @@
 //! (`logged::Pending`) until it commits or aborts. (Measured against one
 //! non-durable redb commit per batch:
 //! the writer's user CPU per submit fell by about a third at one
-//! connection, and not measurably at 32; the README's "One transaction
+//! connection, and not measurably at 32; docs/performance-history.md, "One transaction
 //! per checkpoint".)
 //!
 //! Under load a batch's sync is not waited out here: its record is
@@ -386,7 +386,7 @@ const CHECKPOINT_RETRY_MAX: std::time::Duration = std::time::Duration::from_secs
 /// which set the p99. Under load the same pause is shared by a queue of
 /// submits, and a checkpoint's fixed cost by more rows: at 32
 /// connections a 20 ms interval cost 16% of the rate against 50 ms
-/// (interleaved runs, README "Performance").
+/// (interleaved runs, docs/performance-history.md, "Tables kept open").
 pub(super) const CHECKPOINT_IDLE_SHARE: f64 = 0.4;
 
 /// Whether the writer checkpoints now, after a batch it answered:
