@@ -464,9 +464,7 @@ impl ReadOnlyStore {
     }
 
     fn open_file(path: &Path, scope: super::snapshot::Scope) -> Result<ReadOnlyStore, OpenFailure> {
-        let db = redb::Database::builder()
-            .set_concurrency_mode(redb::ConcurrencyMode::SingleWriter)
-            .set_cache_size(super::CacheSize::DEFAULT.bytes())
+        let db = super::redb_builder(redb::ConcurrencyMode::SingleWriter, super::CacheSize::DEFAULT)
             .open_read_only(path)
             .map_err(|e| match e {
                 redb::DatabaseError::DatabaseAlreadyOpen => Held,

@@ -624,14 +624,15 @@ pub struct Inspection {
 /// holds it (an import must not swap a file from under a running server),
 /// and reads what an import decides on.
 pub fn inspect(path: &Path) -> StoreResult<Inspection> {
-    let db = Database::builder()
-        .set_concurrency_mode(redb::ConcurrencyMode::SingleWriter)
-        .set_cache_size(super::CacheSize::DEFAULT.bytes())
-        .create(path)
-        .map_err(|e| match e {
-            redb::DatabaseError::DatabaseAlreadyOpen => StoreError::in_use(path),
-            other => StoreError::from(other),
-        })?;
+    let db = super::redb_builder(
+        redb::ConcurrencyMode::SingleWriter,
+        super::CacheSize::DEFAULT,
+    )
+    .create(path)
+    .map_err(|e| match e {
+        redb::DatabaseError::DatabaseAlreadyOpen => StoreError::in_use(path),
+        other => StoreError::from(other),
+    })?;
     let rx = Rx {
         txn: redb::ReadableDatabase::begin_read(&db)?,
         seen: None,

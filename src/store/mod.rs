@@ -101,8 +101,8 @@ pub enum Sharing {
 /// pages (the B-trees' upper levels, the latest leaves) are a few MiB; at
 /// 32 connections a checkpoint writes about 5 MiB of pages. At 32
 /// connections submits ran 16-23% faster with 64 MiB than with 1 GiB (the
-/// memory growing cost CPU), and 16, 64 and 256 MiB ran alike (docs/performance-history.md,
-/// "The page cache bounded").
+/// memory growing cost CPU), and 16, 64 and 256 MiB ran alike
+/// (docs/performance-history.md, "The page cache bounded").
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CacheSize(usize);
 
@@ -125,6 +125,16 @@ impl CacheSize {
     pub fn bytes(self) -> usize {
         self.0
     }
+}
+
+/// A redb builder for berth's store file: `mode`, and a page cache bounded
+/// by `cache`. Every open of the store file goes through here, so none
+/// gets redb's own default of 1 GiB (`CacheSize`).
+pub(crate) fn redb_builder(mode: redb::ConcurrencyMode, cache: CacheSize) -> redb::Builder {
+    let mut builder = redb::Database::builder();
+    builder.set_concurrency_mode(mode);
+    builder.set_cache_size(cache.bytes());
+    builder
 }
 
 impl Sharing {
@@ -342,8 +352,8 @@ impl Store {
     /// is two thread hand-overs, and on the development VM a sleep and a
     /// wake cost about as much as the work between them: run here,
     /// submits at one connection ran 15-29% faster, with ~85 us less CPU
-    /// each (docs/performance-history.md, "A lone submit committed where it arrived"). The batch
-    /// is the writer thread's own procedure (`writer::run_batch`) under
+    /// each (docs/performance-history.md, "A lone submit committed where it
+    /// arrived"). The batch is the writer thread's own procedure (`writer::run_batch`) under
     /// the same lock, so commit order, the log's record, the overlay and
     /// the hooks are as they would be there. A job that finds a
     /// checkpoint due goes to the writer thread, which makes it right

@@ -917,9 +917,11 @@ pub fn unapplied(store: &Path) -> StoreResult<bool> {
     if !store.exists() {
         return Ok(true);
     }
-    let db = match Database::builder()
-        .set_concurrency_mode(redb::ConcurrencyMode::SingleWriter)
-        .open_read_only(store)
+    let db = match super::redb_builder(
+        redb::ConcurrencyMode::SingleWriter,
+        super::CacheSize::DEFAULT,
+    )
+    .open_read_only(store)
     {
         Ok(db) => db,
         // A server holds it alone (its log is live, not left over).

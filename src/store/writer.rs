@@ -30,8 +30,8 @@
 //! (`logged::Pending`) until it commits or aborts. (Measured against one
 //! non-durable redb commit per batch:
 //! the writer's user CPU per submit fell by about a third at one
-//! connection, and not measurably at 32; docs/performance-history.md, "One transaction
-//! per checkpoint".)
+//! connection, and not measurably at 32; docs/performance-history.md,
+//! "One transaction per checkpoint".)
 //!
 //! Under load a batch's sync is not waited out here: its record is
 //! written and the batch handed to the log's syncer thread (`syncer.rs`),
@@ -262,11 +262,7 @@ impl Shared {
             tracing::error!(path = %self.path.display(), "cannot reopen the store yet; answering 503 until it can");
             return;
         }
-        match Database::builder()
-            .set_concurrency_mode(self.sharing.mode())
-            .set_cache_size(self.cache.bytes())
-            .open_read_only(&self.path)
-        {
+        match super::redb_builder(self.sharing.mode(), self.cache).open_read_only(&self.path) {
             Ok(ro) => {
                 *self.read_only.write().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(ro));
                 tracing::error!(path = %self.path.display(), "cannot reopen the store for writing yet (disk full?); serving reads only");
@@ -308,12 +304,7 @@ pub(super) fn open_database_with_syncs(
     sharing: super::Sharing,
     cache: super::CacheSize,
 ) -> StoreResult<(Database, Option<Arc<RedbSyncs>>)> {
-    let builder = {
-        let mut b = Database::builder();
-        b.set_concurrency_mode(sharing.mode());
-        b.set_cache_size(cache.bytes());
-        b
-    };
+    let builder = super::redb_builder(sharing.mode(), cache);
     match sharing {
         super::Sharing::Exclusive { .. } => {
             let (backend, syncs) = SyncBehind::open(path)?;
