@@ -13,7 +13,9 @@
 //! 100,000 builds.
 //!
 //! Run: `cargo bench --bench submit` (release build of berth);
-//! `BENCH_ONLY=floors` runs only the non-durable redb floors.
+//! `BENCH_ONLY=floors` runs only the non-durable redb floors,
+//! `BENCH_ONLY=http-floor` only the least a durable submit over HTTP costs
+//! (`durable_http_floor`) against the fdatasync loop and SQLite.
 
 mod common;
 
@@ -74,6 +76,125 @@ fn direct_fsync_rate(dir: &std::path::Path) -> Option<(f64, f64)> {
     each.sort();
     let p99 = each[each.len() * 99 / 100].as_secs_f64() * 1000.0;
     Some((each.len() as f64 / start.elapsed().as_secs_f64(), p99))
+}
+
+/// How the minimal durable server of `durable_http_floor` makes its
+/// appends durable.
+#[derive(Clone, Copy, Debug)]
+enum FloorSync {
+    /// On the async worker that read the request, under a lock: the least
+    /// a lone request can cost (no thread hand-off), and one sync per
+    /// request.
+    Inline,
+    /// On one thread that takes every append waiting, writes them at once
+    /// and syncs once (a group commit, as berth's log does).
+    Grouped,
+}
+
+/// The syncs of the minimal durable server: a 128 B append per request.
+enum FloorSyncer {
+    Inline(std::sync::Mutex<std::fs::File>),
+    Grouped(std::sync::Mutex<std::sync::mpsc::Sender<tokio::sync::oneshot::Sender<()>>>),
+}
+
+impl FloorSyncer {
+    fn new(file: std::fs::File, sync: FloorSync) -> FloorSyncer {
+        match sync {
+            FloorSync::Inline => FloorSyncer::Inline(std::sync::Mutex::new(file)),
+            FloorSync::Grouped => {
+                let (waiting, arrivals) =
+                    std::sync::mpsc::channel::<tokio::sync::oneshot::Sender<()>>();
+                std::thread::spawn(move || {
+                    let mut file = file;
+                    // Ends when the server's runtime is dropped with it.
+                    while let Ok(first) = arrivals.recv() {
+                        let mut answers = vec![first];
+                        answers.extend(arrivals.try_iter());
+                        file.write_all(&vec![b'x'; 128 * answers.len()]).unwrap();
+                        file.sync_data().unwrap();
+                        for answer in answers {
+                            let _ = answer.send(());
+                        }
+                    }
+                });
+                FloorSyncer::Grouped(std::sync::Mutex::new(waiting))
+            }
+        }
+    }
+
+    async fn append(&self) {
+        match self {
+            FloorSyncer::Inline(file) => {
+                let mut file = file.lock().unwrap();
+                file.write_all(&[b'x'; 128]).unwrap();
+                file.sync_data().unwrap();
+            }
+            FloorSyncer::Grouped(waiting) => {
+                let (answer, durable) = tokio::sync::oneshot::channel();
+                waiting.lock().unwrap().send(answer).unwrap();
+                durable.await.unwrap();
+            }
+        }
+    }
+}
+
+/// The least a durable submit over HTTP costs on this machine: a server
+/// on the same hyper and tokio as berth (HTTP/1.1, two async workers)
+/// whose every request is read whole, then one 128 B append made durable
+/// (`sync`), then a 202 with a short JSON body. No routing, no token, no
+/// parsing, no store. wrk sends it the requests of berth's own rows
+/// (tools/submit.lua), for `PHASE`: (requests/s, p99 in ms).
+///
+/// Why: a goal stated against SQLite, which commits in process, is out of
+/// reach for any server that answers over HTTP when this server, doing
+/// nothing but the sync, is slower than SQLite in the same run.
+fn durable_http_floor(dir: &std::path::Path, connections: usize, sync: FloorSync) -> (f64, f64) {
+    use hyper::body::Body as _;
+    let file = std::fs::File::create(dir.join(format!("durable-http-floor-{sync:?}"))).unwrap();
+    let syncer = Arc::new(FloorSyncer::new(file, sync));
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let listener = rt
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    rt.spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            stream.set_nodelay(true).unwrap();
+            let syncer = syncer.clone();
+            let service = hyper::service::service_fn(
+                move |request: hyper::Request<hyper::body::Incoming>| {
+                    let syncer = syncer.clone();
+                    async move {
+                        let mut body = request.into_body();
+                        while let Some(frame) =
+                            std::future::poll_fn(|cx| std::pin::Pin::new(&mut body).poll_frame(cx))
+                                .await
+                        {
+                            frame?;
+                        }
+                        syncer.append().await;
+                        let answer = hyper::Response::builder()
+                            .status(202)
+                            .header("content-type", "application/json")
+                            .body(String::from(r#"{"status":"queued"}"#))
+                            .expect("a fixed response is valid");
+                        Ok::<_, hyper::Error>(answer)
+                    }
+                },
+            );
+            tokio::spawn(
+                hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(stream), service),
+            );
+        }
+    });
+    let figures = common::wrk_submits(&base, "unused", connections, PHASE);
+    rt.shutdown_background();
+    figures
 }
 
 fn rss_kib(pid: u32) -> u64 {
@@ -681,9 +802,31 @@ fn main() {
     let _ = std::fs::remove_dir_all(&root);
     let rt = tokio::runtime::Runtime::new().unwrap();
 
+    std::fs::create_dir_all(&root).unwrap();
+    // BENCH_ONLY=http-floor: the least a durable submit over HTTP costs,
+    // against the loop and SQLite, 3 rounds (where the goals' ceilings are
+    // on a given day; nothing of berth runs).
+    if std::env::var("BENCH_ONLY").as_deref() == Ok("http-floor") {
+        for _ in 0..3 {
+            let (loop_rate, _) = fsync_rate(&root);
+            let (one, many) = (sqlite_rate(&root, 1), sqlite_rate(&root, 32));
+            let floor_one = durable_http_floor(&root, 1, FloorSync::Inline).0;
+            let floor_many = durable_http_floor(&root, 32, FloorSync::Grouped).0;
+            println!(
+                "fdatasync loop {loop_rate:.0}/s; SQLite {one:.0}/s (1 writer), {many:.0}/s (32); \
+                 minimal durable server {floor_one:.0}/s at 1 connection ({:.2}x the loop, {:.2}x SQLite), \
+                 {floor_many:.0}/s at 32 ({:.2}x the loop, {:.2}x SQLite)",
+                floor_one / loop_rate,
+                floor_one / one,
+                floor_many / loop_rate,
+                floor_many / many
+            );
+        }
+        let _ = std::fs::remove_dir_all(&root);
+        return;
+    }
     // What co-locating a submit's rows, or cheaper checkpoints, could buy
     // (BENCH_ONLY=floors: just these).
-    std::fs::create_dir_all(&root).unwrap();
     let every = Some(FLOOR_CHECKPOINT_EVERY);
     let interval = format!("{} ms checkpoints", FLOOR_CHECKPOINT_EVERY.as_millis());
     let today = redb_nondurable_floor(&root, TABLES_PER_SUBMIT, every, KeyOrder::KindFirst);
@@ -778,6 +921,17 @@ fn main() {
     let sqlite_one = sqlite_rate(&dir, 1);
     let sqlite_many = sqlite_rate(&dir, 32);
     let wrk_here = Command::new("wrk").arg("--version").output().is_ok();
+    // The least a durable submit over HTTP costs here (see
+    // `durable_http_floor`): one connection with the sync inline, 32 with
+    // the syncs grouped.
+    let http_floor = if wrk_here {
+        (
+            durable_http_floor(&dir, 1, FloorSync::Inline),
+            durable_http_floor(&dir, 32, FloorSync::Grouped),
+        )
+    } else {
+        ((0.0, 0.0), (0.0, 0.0))
+    };
     let mut pages_per_submit = 0.0;
     let written_before = storage_write_bytes(child.id());
     let (one, many) = if wrk_here {
@@ -804,6 +958,8 @@ fn main() {
     let mut writer_us_per_submit = 0.0;
     // berth's CPU per submit, every thread, at 1 and 32 connections.
     let mut cpu_per_submit = (0.0, 0.0);
+    // wrk's own CPU per submit at 32 connections, on the same cores.
+    let mut wrk_us_per_submit = 0.0;
     // berth's RSS (KiB) and its store file's size (bytes) after both phases.
     let mut rss_after_submits = (0u64, 0u64);
     let exclusive = if wrk_here {
@@ -815,7 +971,11 @@ fn main() {
         let written = storage_write_bytes(child.id()) - before;
         pages_alone = written as f64 / 4096.0 / (one.0 * PHASE.as_secs_f64());
         let (cpu_before, writer_before) = (process_cpu_us(child.id()), writer_cpu_us(child.id()));
+        let wrk_before = common::stat_children_cpu_us(std::path::Path::new("/proc/self/stat"));
         let many = wrk_phase(&base, &token, 32);
+        wrk_us_per_submit = (common::stat_children_cpu_us(std::path::Path::new("/proc/self/stat"))
+            - wrk_before)
+            / (many.0 * PHASE.as_secs_f64());
         writer_us_per_submit =
             (writer_cpu_us(child.id()) - writer_before) / (many.0 * PHASE.as_secs_f64());
         cpu_per_submit.1 =
@@ -1007,6 +1167,46 @@ fn main() {
             Some(4.0),
             true,
         );
+        // The goals against the least any durable server over HTTP costs
+        // here (`durable_http_floor`): where that server is slower than
+        // SQLite, or than the goal's multiple of the loop, no berth that
+        // answers over HTTP meets the goal on this machine.
+        let ((floor_one, floor_one_p99), (floor_many, floor_many_p99)) = http_floor;
+        common::record(
+            "the least a durable submit over HTTP costs here, 1 connection: a minimal hyper server, 128 B append + fdatasync per request, nothing else",
+            &format!(
+                "{floor_one:.0}/s (p99 {floor_one_p99:.2} ms; {:.2}x the fdatasync loop)",
+                floor_one / fsyncs
+            ),
+            &format!("SQLite WAL synchronous=FULL, same transaction, 1 writer: {sqlite_one:.0}/s"),
+            floor_one / sqlite_one,
+            None,
+            true,
+        );
+        common::record(
+            "the least a durable submit over HTTP costs here, 32 connections: the same server, its syncs grouped on one thread",
+            &format!(
+                "{floor_many:.0}/s (p99 {floor_many_p99:.2} ms; {:.2}x the fdatasync loop)",
+                floor_many / fsyncs
+            ),
+            &format!("SQLite as above, 32 writers: {sqlite_many:.0}/s"),
+            floor_many / sqlite_many,
+            None,
+            true,
+        );
+        for (connections, rate, floor) in [
+            (1, exclusive.0 .0, floor_one),
+            (32, exclusive.1 .0, floor_many),
+        ] {
+            common::record(
+                &format!("submits/s, {connections} connection(s) (default), against the least a durable submit over HTTP costs"),
+                &format!("{rate:.0}/s"),
+                &format!("the minimal durable server above, same run: {floor:.0}/s"),
+                rate / floor.max(1.0),
+                None,
+                true,
+            );
+        }
         // Against the tails under it, same run: one fdatasync, and the
         // cheapest request (its p99 is this machine's scheduling tail).
         common::record_with_goal(
@@ -1060,6 +1260,25 @@ fn main() {
                 cores * 1e6 / (3.0 * fsyncs.max(1.0))
             ),
             exclusive.1 .0 / cpu_bound.max(1.0),
+            None,
+            true,
+        );
+        // The same with wrk's share: it runs on the same cores, so what is
+        // left for berth at 3x the loop is the cores' time per submit less
+        // wrk's own.
+        let with_wrk = cores * 1e6 / (cpu_per_submit.1 + wrk_us_per_submit).max(1.0);
+        common::record(
+            "submits/s, 32 connections (default), against what the cores allow at berth's and wrk's CPU per submit",
+            &format!(
+                "{:.0}/s (berth {:.0} us + wrk {wrk_us_per_submit:.0} us of CPU per submit)",
+                exclusive.1 .0, cpu_per_submit.1
+            ),
+            &format!(
+                "{cores:.0} cores / {:.0} us = {with_wrk:.0}/s; 3x the fdatasync loop would leave berth <= {:.0} us",
+                cpu_per_submit.1 + wrk_us_per_submit,
+                cores * 1e6 / (3.0 * fsyncs.max(1.0)) - wrk_us_per_submit
+            ),
+            exclusive.1 .0 / with_wrk.max(1.0),
             None,
             true,
         );
