@@ -409,7 +409,10 @@ pub fn open_layout(db: &Database) -> StoreResult<()> {
             "migrating the store: {}",
             step.what
         );
-        let txn = db.begin_write()?;
+        let mut txn = db.begin_write()?;
+        // As a checkpoint's commit: a crash before the next one finds
+        // redb's allocator state saved (`behind.rs`, "Quick repair").
+        txn.set_quick_repair(true);
         for table in Table::ALL {
             table.create(&txn)?;
         }

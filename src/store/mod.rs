@@ -130,12 +130,28 @@ impl CacheSize {
 /// A redb builder for berth's store file: `mode`, and a page cache bounded
 /// by `cache`. Every open of the store file goes through here, so none
 /// gets redb's own default of 1 GiB (`CacheSize`).
+///
+/// It also says when redb repairs the file the slow way: after a crash
+/// whose last commit saved no allocator state (`--shared-store`, or a
+/// store last written by a berth before quick repair: `behind.rs`), redb
+/// reads the whole file to rebuild it, and a large store takes a while.
 pub(crate) fn redb_builder(mode: redb::ConcurrencyMode, cache: CacheSize) -> redb::Builder {
     let mut builder = redb::Database::builder();
     builder.set_concurrency_mode(mode);
     builder.set_cache_size(cache.bytes());
+    let told = std::sync::atomic::AtomicBool::new(false);
+    builder.set_repair_callback(move |_| {
+        if !told.swap(true, std::sync::atomic::Ordering::Relaxed) {
+            tracing::warn!("{FULL_REPAIR_WARNING}");
+        }
+    });
     builder
 }
+
+/// What berth logs when redb repairs the store file by reading all of it
+/// (`redb_builder`).
+pub const FULL_REPAIR_WARNING: &str = "the store file was not closed cleanly and holds no \
+    saved allocator state: reading all of it to repair it (a large store takes a while)";
 
 impl Sharing {
     pub(crate) fn mode(self) -> redb::ConcurrencyMode {

@@ -992,6 +992,13 @@ pub struct Resume {
 pub fn replay(db: &Database, store: &Path, layout: u32, how: Replay) -> StoreResult<Resume> {
     let path = path_of(store);
     let mut txn = db.begin_write()?;
+    // A durable replay is a checkpoint: it saves redb's allocator state as
+    // every checkpoint does (`behind.rs`, "Quick repair"), or a crash
+    // before the first checkpoint after it would cost the next start a
+    // read of the whole file.
+    if how == Replay::Checkpoint {
+        txn.set_quick_repair(true);
+    }
     if how == Replay::KeepLog {
         txn.set_durability(redb::Durability::None)
             .map_err(|e| StoreError::other(e.to_string()))?;

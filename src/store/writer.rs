@@ -326,10 +326,15 @@ fn checkpoint_with(shared: &Shared, db: &Database, log: &mut RedoLog) -> StoreRe
     // Every batch handed to the syncer answered, and a refused one's rows
     // out of the pending transaction, before redb makes it durable.
     settle(shared, db, log).map_err(|refused| refused.error)?;
-    let txn = match log.pending.take() {
+    let mut txn = match log.pending.take() {
         Some(pending) => pending.into_txn(),
         None => begin(db)?,
     };
+    // redb saves its allocator state in the commit, so a start after a
+    // crash loads it instead of reading the whole file (`behind.rs`,
+    // "Quick repair"); its second phase's header waits behind the first
+    // sync there, not here.
+    txn.set_quick_repair(true);
     let committed = redo::record_generation(&txn, log.generation)
         .and_then(|()| txn.commit().map_err(StoreError::from));
     if let Err(e) = committed {

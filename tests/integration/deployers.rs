@@ -316,6 +316,15 @@ async fn a_deployer_that_cannot_start_fails_the_build() {
     .await;
     let first = s.submit_ok("alice", json!({})).await;
     s.wait_build(&first, "running").await;
+    // Running is stored before the deployer has its script open: alice's
+    // must be reading it (its first line written) before the file goes,
+    // or it too finds nothing to run.
+    let started = gates.join("alice.log");
+    eventually("alice's deployer runs its script", || {
+        let started = started.clone();
+        async move { started.exists() }
+    })
+    .await;
     let second = s.submit_ok("bob", json!({})).await;
     // The executable goes away while bob waits for the slot.
     std::fs::remove_file(&deployer).unwrap();

@@ -218,3 +218,37 @@ async fn memory_stays_within_the_cache_size_as_the_store_grows() {
         "berth grew by {grown_mib} MiB with a {cache_mib} MiB cache and a {store_mib} MiB store"
     );
 }
+
+/// A start after kill -9 loads the allocator state redb saved at the last
+/// checkpoint (src/store/behind.rs, "Quick repair") instead of reading the
+/// whole store file to rebuild it: the log says nothing of a full repair,
+/// and every acknowledged submit is there, before and after that
+/// checkpoint.
+#[tokio::test]
+async fn a_start_after_a_kill_needs_no_full_repair_of_the_store_file() {
+    let mut s = Server::start(Options::default()).await;
+    let mut builds = Vec::new();
+    for i in 0..10 {
+        let (status, body) = s
+            .submit(
+                &format!("quick-{i}"),
+                json!({"configuration": {}, "mode": "enqueue"}),
+            )
+            .await;
+        assert_eq!(status, 202, "{body}");
+        builds.push(body["build_id"].as_str().unwrap().to_string());
+        // Checkpoints (50 ms apart at most) fall between the submits.
+        tokio::time::sleep(std::time::Duration::from_millis(30)).await;
+    }
+    s.kill();
+    s.launch().await;
+    let log = s.log();
+    assert!(
+        !log.contains(berth::store::FULL_REPAIR_WARNING),
+        "a start after kill -9 read the whole store file to repair it:\n{log}"
+    );
+    for b in &builds {
+        let (status, _) = s.json(&format!("/v1/builds/{b}")).await;
+        assert_eq!(status, 200, "acknowledged build {b} is gone");
+    }
+}
