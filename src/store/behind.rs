@@ -492,6 +492,17 @@ impl StorageBackend for SyncBehind {
 mod tests {
     use super::*;
 
+    /// The rows of `table` in `db`.
+    fn rows_of(db: &redb::Database, table: redb::TableDefinition<u64, u64>) -> u64 {
+        use redb::{ReadableDatabase, ReadableTableMetadata};
+        db.begin_read()
+            .unwrap()
+            .open_table(table)
+            .unwrap()
+            .len()
+            .unwrap()
+    }
+
     /// A new, empty directory for one test.
     fn fresh(tag: &str) -> std::path::PathBuf {
         let dir = std::env::temp_dir().join(format!("berth-behind-{tag}-{}", std::process::id()));
@@ -618,15 +629,11 @@ mod tests {
                 seen.store(true, std::sync::atomic::Ordering::Relaxed)
             });
             let reopened = builder.open(&image).unwrap();
-            use redb::{ReadableDatabase, ReadableTableMetadata};
-            let rows = reopened
-                .begin_read()
-                .unwrap()
-                .open_table(T)
-                .unwrap()
-                .len()
-                .unwrap();
-            assert_eq!(rows, 20, "a durable commit is missing from the image");
+            assert_eq!(
+                rows_of(&reopened, T),
+                20,
+                "a durable commit is missing from the image"
+            );
             assert_eq!(
                 repaired.load(std::sync::atomic::Ordering::Relaxed),
                 !quick,
@@ -674,15 +681,7 @@ mod tests {
             assert_eq!(syncs.state(syncs.ticket()), Synced::Durable);
         }
         let db = redb::Database::create(&path).unwrap();
-        use redb::{ReadableDatabase, ReadableTableMetadata};
-        let n = db
-            .begin_read()
-            .unwrap()
-            .open_table(T)
-            .unwrap()
-            .len()
-            .unwrap();
-        assert_eq!(n, 20);
+        assert_eq!(rows_of(&db, T), 20);
         drop(db);
         let _ = std::fs::remove_dir_all(&dir);
     }
