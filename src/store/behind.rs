@@ -174,18 +174,24 @@ impl RedbSyncs {
 
     /// Waits until the syncs of `ticket` have returned.
     pub(super) fn wait(&self, ticket: u64) -> StoreResult<()> {
+        self.wait_until(|progress| progress.done >= ticket)
+            .map_err(|failure| StoreError::from(failure.io_error()))
+    }
+
+    /// Waits until `ready` holds of the counts, or a sync has failed.
+    fn wait_until(&self, ready: impl Fn(&Progress) -> bool) -> Result<(), Failure> {
         let mut progress = self.progress();
         loop {
-            match Self::of(&progress, ticket) {
-                Synced::Durable => return Ok(()),
-                Synced::Failed(failure) => return Err(StoreError::from(failure.io_error())),
-                Synced::Pending => {
-                    progress = self
-                        .changed
-                        .wait(progress)
-                        .unwrap_or_else(|p| p.into_inner());
-                }
+            if let Some(failure) = &progress.failed {
+                return Err(failure.clone());
             }
+            if ready(&progress) {
+                return Ok(());
+            }
+            progress = self
+                .changed
+                .wait(progress)
+                .unwrap_or_else(|p| p.into_inner());
         }
     }
 
@@ -259,21 +265,10 @@ impl SyncBehind {
     /// queued behind one is in the file: nothing is written to the file
     /// before the commit it follows is durable.
     fn in_order(&self) -> std::io::Result<()> {
-        let mut progress = self.syncs.progress();
-        let ticket = progress.asked;
-        loop {
-            if let Some(failure) = &progress.failed {
-                return Err(failure.io_error());
-            }
-            if progress.done >= ticket && progress.behind.is_empty() {
-                return Ok(());
-            }
-            progress = self
-                .syncs
-                .changed
-                .wait(progress)
-                .unwrap_or_else(|p| p.into_inner());
-        }
+        let ticket = self.syncs.ticket();
+        self.syncs
+            .wait_until(|progress| progress.done >= ticket && progress.behind.is_empty())
+            .map_err(|failure| failure.io_error())
     }
 }
 
