@@ -180,10 +180,13 @@ async fn memory_stays_within_the_cache_size_as_the_store_grows() {
         &dir,
         "loud.sh",
         &format!(
-            "{SCRIPT_PRELUDE}\nhead -c 72000000 /dev/urandom | base64 -w 76\nprintf '%s' '{{\"nodes\":[]}}' > \"$BERTH_RESULT\"\n"
+            "{SCRIPT_PRELUDE}\nhead -c 80000000 /dev/urandom | base64 -w 76\nprintf '%s' '{{\"nodes\":[]}}' > \"$BERTH_RESULT\"\n"
         ),
     );
     let cache_mib = 4;
+    // 80 MB of random bytes make ~108 MB of log lines, which keep the
+    // store file past 100 MiB however redb reuses its freed pages (72 MB
+    // once left it at exactly 100 MiB in a full run of the suite).
     let s = Server::start_in(
         dir.clone(),
         Options::default()
