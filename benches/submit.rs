@@ -44,34 +44,63 @@ fn fsync_rate(dir: &std::path::Path) -> (f64, f64) {
     (each.len() as f64 / start.elapsed().as_secs_f64(), p99)
 }
 
-/// What berth's redo log records now write (`src/store/blocks.rs`): one
-/// 4 KiB block with O_DIRECT over a file of zeros written beforehand,
-/// then fdatasync, in a loop: (syncs/s, p99 of one in ms), or `None`
-/// where the file system refuses O_DIRECT.
-fn direct_fsync_rate(dir: &std::path::Path) -> Option<(f64, f64)> {
-    use std::os::unix::fs::{FileExt, OpenOptionsExt};
+/// One 4 KiB block at a time, written with O_DIRECT over a file of zeros
+/// written beforehand (in turn over its `BLOCKS` blocks): what berth's
+/// redo log records write (`src/store/blocks.rs`), the fastest durable
+/// write this disk offers.
+struct DirectBlocks {
+    file: std::fs::File,
+    /// Twice a block, so that one block of it is aligned (O_DIRECT).
+    scratch: Vec<u8>,
+    at: u64,
+}
+
+impl DirectBlocks {
     const BLOCK: usize = 4096;
     const BLOCKS: u64 = 4096;
-    let path = dir.join("direct-fsync-loop");
-    std::fs::write(&path, vec![0u8; BLOCK * BLOCKS as usize]).unwrap();
-    std::fs::File::open(&path).unwrap().sync_all().unwrap();
-    let f = std::fs::OpenOptions::new()
-        .write(true)
-        .custom_flags(nix::fcntl::OFlag::O_DIRECT.bits())
-        .open(&path)
-        .ok()?;
-    let mut scratch = vec![b'x'; 2 * BLOCK];
-    let offset = scratch.as_ptr().align_offset(BLOCK);
-    let block = &mut scratch[offset..offset + BLOCK];
+
+    /// `None` where the file system refuses O_DIRECT.
+    fn create(path: &std::path::Path) -> Option<DirectBlocks> {
+        use std::os::unix::fs::OpenOptionsExt;
+        std::fs::write(path, vec![0u8; Self::BLOCK * Self::BLOCKS as usize]).unwrap();
+        std::fs::File::open(path).unwrap().sync_all().unwrap();
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .custom_flags(nix::fcntl::OFlag::O_DIRECT.bits())
+            .open(path)
+            .ok()?;
+        Some(DirectBlocks {
+            file,
+            scratch: vec![b'x'; 2 * Self::BLOCK],
+            at: 0,
+        })
+    }
+
+    /// Writes the next block and syncs it; `None` if the direct write is
+    /// refused.
+    fn write_and_sync(&mut self) -> Option<()> {
+        use std::os::unix::fs::FileExt;
+        let offset = self.scratch.as_ptr().align_offset(Self::BLOCK);
+        let block = &self.scratch[offset..offset + Self::BLOCK];
+        let place = (self.at % Self::BLOCKS) * Self::BLOCK as u64;
+        self.file.write_all_at(block, place).ok()?;
+        self.file.sync_data().unwrap();
+        self.at += 1;
+        Some(())
+    }
+}
+
+/// What berth's redo log records now write: `DirectBlocks` in a loop:
+/// (syncs/s, p99 of one in ms), or `None` where the file system refuses
+/// O_DIRECT.
+fn direct_fsync_rate(dir: &std::path::Path) -> Option<(f64, f64)> {
+    let mut blocks = DirectBlocks::create(&dir.join("direct-fsync-loop"))?;
     let start = Instant::now();
     let mut each = Vec::with_capacity(1 << 16);
-    let mut at = 0u64;
     while start.elapsed() < PHASE {
         let one = Instant::now();
-        f.write_all_at(block, (at % BLOCKS) * BLOCK as u64).ok()?;
-        f.sync_data().unwrap();
+        blocks.write_and_sync()?;
         each.push(one.elapsed());
-        at += 1;
     }
     each.sort();
     let p99 = each[each.len() * 99 / 100].as_secs_f64() * 1000.0;
@@ -79,33 +108,72 @@ fn direct_fsync_rate(dir: &std::path::Path) -> Option<(f64, f64)> {
 }
 
 /// How the minimal durable server of `durable_http_floor` makes its
-/// appends durable.
+/// writes durable.
 #[derive(Clone, Copy, Debug)]
 enum FloorSync {
     /// On the async worker that read the request, under a lock: the least
     /// a lone request can cost (no thread hand-off), and one sync per
-    /// request.
+    /// request, of the fastest durable write this disk offers (a
+    /// `DirectBlocks` block, as berth's records are written; a 128 B
+    /// append where the file system refuses O_DIRECT).
     Inline,
-    /// On one thread that takes every append waiting, writes them at once
-    /// and syncs once (a group commit, as berth's log does).
+    /// On one thread that takes every request waiting, appends 128 B for
+    /// each at once and syncs once (a group commit, as berth's log does).
     Grouped,
 }
 
-/// The syncs of the minimal durable server: a 128 B append per request.
+/// The lone request's durable write (`FloorSync::Inline`).
+enum InlineWrite {
+    Direct(DirectBlocks),
+    Append(std::fs::File),
+}
+
+impl InlineWrite {
+    fn write_and_sync(&mut self) {
+        match self {
+            InlineWrite::Direct(blocks) => blocks
+                .write_and_sync()
+                .expect("a direct write that worked once works again"),
+            InlineWrite::Append(file) => {
+                file.write_all(&[b'x'; 128]).unwrap();
+                file.sync_data().unwrap();
+            }
+        }
+    }
+
+    /// What the row says the server wrote per request.
+    fn what(&self) -> &'static str {
+        match self {
+            InlineWrite::Direct(_) => "one 4 KiB O_DIRECT block + fdatasync",
+            InlineWrite::Append(_) => "128 B append + fdatasync",
+        }
+    }
+}
+
+/// The syncs of the minimal durable server.
 enum FloorSyncer {
-    Inline(std::sync::Mutex<std::fs::File>),
+    Inline(std::sync::Mutex<InlineWrite>),
     Grouped(std::sync::Mutex<std::sync::mpsc::Sender<tokio::sync::oneshot::Sender<()>>>),
 }
 
 impl FloorSyncer {
-    fn new(file: std::fs::File, sync: FloorSync) -> FloorSyncer {
+    fn new(dir: &std::path::Path, sync: FloorSync) -> FloorSyncer {
+        let path = dir.join(format!("durable-http-floor-{sync:?}"));
         match sync {
-            FloorSync::Inline => FloorSyncer::Inline(std::sync::Mutex::new(file)),
+            FloorSync::Inline => {
+                let write = match DirectBlocks::create(&path)
+                    .and_then(|mut blocks| blocks.write_and_sync().map(|()| blocks))
+                {
+                    Some(blocks) => InlineWrite::Direct(blocks),
+                    None => InlineWrite::Append(std::fs::File::create(&path).unwrap()),
+                };
+                FloorSyncer::Inline(std::sync::Mutex::new(write))
+            }
             FloorSync::Grouped => {
+                let mut file = std::fs::File::create(&path).unwrap();
                 let (waiting, arrivals) =
                     std::sync::mpsc::channel::<tokio::sync::oneshot::Sender<()>>();
                 std::thread::spawn(move || {
-                    let mut file = file;
                     // Ends when the server's runtime is dropped with it.
                     while let Ok(first) = arrivals.recv() {
                         let mut answers = vec![first];
@@ -122,13 +190,17 @@ impl FloorSyncer {
         }
     }
 
-    async fn append(&self) {
+    /// What the server writes per request (for the rows).
+    fn what(&self) -> &'static str {
         match self {
-            FloorSyncer::Inline(file) => {
-                let mut file = file.lock().unwrap();
-                file.write_all(&[b'x'; 128]).unwrap();
-                file.sync_data().unwrap();
-            }
+            FloorSyncer::Inline(write) => write.lock().unwrap().what(),
+            FloorSyncer::Grouped(_) => "128 B appends, one fdatasync per group",
+        }
+    }
+
+    async fn make_durable(&self) {
+        match self {
+            FloorSyncer::Inline(write) => write.lock().unwrap().write_and_sync(),
             FloorSyncer::Grouped(waiting) => {
                 let (answer, durable) = tokio::sync::oneshot::channel();
                 waiting.lock().unwrap().send(answer).unwrap();
@@ -140,18 +212,23 @@ impl FloorSyncer {
 
 /// The least a durable submit over HTTP costs on this machine: a server
 /// on the same hyper and tokio as berth (HTTP/1.1, two async workers)
-/// whose every request is read whole, then one 128 B append made durable
+/// whose every request is read whole, then one write made durable
 /// (`sync`), then a 202 with a short JSON body. No routing, no token, no
 /// parsing, no store. wrk sends it the requests of berth's own rows
-/// (tools/submit.lua), for `PHASE`: (requests/s, p99 in ms).
+/// (tools/submit.lua), for `PHASE`: (requests/s, p99 in ms, what it wrote
+/// per request).
 ///
 /// Why: a goal stated against SQLite, which commits in process, is out of
 /// reach for any server that answers over HTTP when this server, doing
 /// nothing but the sync, is slower than SQLite in the same run.
-fn durable_http_floor(dir: &std::path::Path, connections: usize, sync: FloorSync) -> (f64, f64) {
+fn durable_http_floor(
+    dir: &std::path::Path,
+    connections: usize,
+    sync: FloorSync,
+) -> (f64, f64, &'static str) {
     use hyper::body::Body as _;
-    let file = std::fs::File::create(dir.join(format!("durable-http-floor-{sync:?}"))).unwrap();
-    let syncer = Arc::new(FloorSyncer::new(file, sync));
+    let syncer = Arc::new(FloorSyncer::new(dir, sync));
+    let what = syncer.what();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -176,7 +253,7 @@ fn durable_http_floor(dir: &std::path::Path, connections: usize, sync: FloorSync
                         {
                             frame?;
                         }
-                        syncer.append().await;
+                        syncer.make_durable().await;
                         let answer = hyper::Response::builder()
                             .status(202)
                             .header("content-type", "application/json")
@@ -192,9 +269,9 @@ fn durable_http_floor(dir: &std::path::Path, connections: usize, sync: FloorSync
             );
         }
     });
-    let figures = common::wrk_submits(&base, "unused", connections, PHASE);
+    let (rate, p99) = common::wrk_submits(&base, "unused", connections, PHASE);
     rt.shutdown_background();
-    figures
+    (rate, p99, what)
 }
 
 fn rss_kib(pid: u32) -> u64 {
@@ -810,11 +887,12 @@ fn main() {
         for _ in 0..3 {
             let (loop_rate, _) = fsync_rate(&root);
             let (one, many) = (sqlite_rate(&root, 1), sqlite_rate(&root, 32));
-            let floor_one = durable_http_floor(&root, 1, FloorSync::Inline).0;
+            let (floor_one, _, floor_one_write) = durable_http_floor(&root, 1, FloorSync::Inline);
             let floor_many = durable_http_floor(&root, 32, FloorSync::Grouped).0;
             println!(
                 "fdatasync loop {loop_rate:.0}/s; SQLite {one:.0}/s (1 writer), {many:.0}/s (32); \
-                 minimal durable server {floor_one:.0}/s at 1 connection ({:.2}x the loop, {:.2}x SQLite), \
+                 minimal durable server {floor_one:.0}/s at 1 connection ({floor_one_write}; \
+                 {:.2}x the loop, {:.2}x SQLite), \
                  {floor_many:.0}/s at 32 ({:.2}x the loop, {:.2}x SQLite)",
                 floor_one / loop_rate,
                 floor_one / one,
@@ -930,7 +1008,7 @@ fn main() {
             durable_http_floor(&dir, 32, FloorSync::Grouped),
         )
     } else {
-        ((0.0, 0.0), (0.0, 0.0))
+        ((0.0, 0.0, "none"), (0.0, 0.0, "none"))
     };
     let mut pages_per_submit = 0.0;
     let written_before = storage_write_bytes(child.id());
@@ -1171,11 +1249,12 @@ fn main() {
         // here (`durable_http_floor`): where that server is slower than
         // SQLite, or than the goal's multiple of the loop, no berth that
         // answers over HTTP meets the goal on this machine.
-        let ((floor_one, floor_one_p99), (floor_many, floor_many_p99)) = http_floor;
+        let ((floor_one, floor_one_p99, floor_one_write), (floor_many, floor_many_p99, _)) =
+            http_floor;
         common::record(
-            "the least a durable submit over HTTP costs here, 1 connection: a minimal hyper server, 128 B append + fdatasync per request, nothing else",
+            "the least a durable submit over HTTP costs here, 1 connection: a minimal hyper server, the fastest durable write this disk offers per request, nothing else",
             &format!(
-                "{floor_one:.0}/s (p99 {floor_one_p99:.2} ms; {:.2}x the fdatasync loop)",
+                "{floor_one:.0}/s (p99 {floor_one_p99:.2} ms; {:.2}x the fdatasync loop; {floor_one_write})",
                 floor_one / fsyncs
             ),
             &format!("SQLite WAL synchronous=FULL, same transaction, 1 writer: {sqlite_one:.0}/s"),
