@@ -257,15 +257,13 @@ impl Engine {
                 tx.put_build(&b)
             })
             .await;
-        let opened = match recorded {
-            Ok(()) => spawned
-                .start()
-                .map_err(|e| format!("cannot open the deployer's gate: {e}")),
-            Err(e) => Err(format!("cannot store the build's process record: {e}")),
-        };
-        match opened {
-            Ok(()) => Ok(spawned),
-            Err(why) => {
+        match recorded {
+            Ok(()) => {
+                spawned.start();
+                Ok(spawned)
+            }
+            Err(e) => {
+                let why = format!("cannot store the build's process record: {e}");
                 tracing::error!(build = %format_build_id(build_id), error = %why, "the deployer is not run");
                 spawned.abandon();
                 runner::signal_group(job.pid, nix::sys::signal::Signal::SIGKILL);

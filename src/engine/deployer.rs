@@ -415,9 +415,9 @@ impl Engine {
             )
         };
         // describe and eval record no job: their gate opens at once.
-        let spawned = runner::spawn(&self.deployer, &inv).and_then(|mut spawned| {
-            spawned.start()?;
-            Ok(spawned)
+        let spawned = runner::spawn(&self.deployer, &inv).map(|mut spawned| {
+            spawned.start();
+            spawned
         });
         let spawned = match spawned {
             Ok(spawned) => spawned,

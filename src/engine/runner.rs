@@ -12,7 +12,7 @@ use std::time::Duration;
 use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
-use tokio::process::{Child, Command};
+use tokio::process::{Child, ChildStdin, Command};
 use tokio::sync::{mpsc, watch};
 
 use crate::model::Job;
@@ -100,18 +100,25 @@ pub struct Invocation {
 pub struct Spawned {
     child: Child,
     pub job: Job,
-    /// The write end of the gate pipe; dropping it without `start` makes
-    /// the gate exit without running the deployer.
-    gate: Option<std::fs::File>,
+    /// The gate: the write end of the deployer's stdin and the request to
+    /// write into it after `GATE_OPEN`. Dropping it without `start` closes
+    /// the stdin, and the gate exits without running the deployer.
+    gate: Option<(ChildStdin, Vec<u8>)>,
 }
 
 impl Spawned {
     /// Lets the deployer run: called once its job record is committed.
-    pub fn start(&mut self) -> std::io::Result<()> {
-        use std::io::Write;
-        match self.gate.take() {
-            Some(mut gate) => gate.write_all(GATE_OPEN),
-            None => Ok(()),
+    /// `GATE_OPEN` and then the request go to its stdin on a task of their
+    /// own (a deployer may write before it reads). A deployer that exited
+    /// meanwhile is told by its exit status, as any other.
+    pub fn start(&mut self) {
+        if let Some((mut stdin, request)) = self.gate.take() {
+            tokio::spawn(async move {
+                if stdin.write_all(GATE_OPEN).await.is_ok() {
+                    let _ = stdin.write_all(&request).await;
+                }
+                let _ = stdin.shutdown().await;
+            });
         }
     }
 
@@ -121,15 +128,18 @@ impl Spawned {
     }
 }
 
-/// What the gate waits for on fd 3.
+/// What the gate reads from stdin before it runs the deployer.
 const GATE_OPEN: &[u8] = b"go\n";
 /// Exit status of a gate that was closed without `go` (berth died, or the
 /// job record could not be stored): the deployer never ran.
 pub const GATE_CLOSED_EXIT: i32 = 97;
-/// The gate: `/bin/sh` waits for `go` on fd 3, closes it and becomes the
-/// deployer (`exec`: same pid, same process group, same start time).
-const GATE_SCRIPT: &str =
-    "IFS= read -r go <&3 && [ \"$go\" = go ] || exit 97; exec 3<&-; exec \"$0\" \"$@\"";
+/// The gate: `/bin/sh` reads `go` from stdin and becomes the deployer
+/// (`exec`: same pid, same process group, same start time, the same stdin
+/// with the request next). A shell's `read` takes a pipe one byte at a
+/// time so as to leave what follows the line unread (dash, bash and
+/// busybox's ash alike), so the deployer reads exactly the request
+/// (`tests::a_deployer_waits_at_its_gate` checks the bytes).
+const GATE_SCRIPT: &str = "IFS= read -r go && [ \"$go\" = go ] || exit 97; exec \"$0\" \"$@\"";
 
 /// The environment a deployer sees: berth's own minus every `BERTH_*`
 /// variable (flag values may hold secrets; deployer.md). A built-in
@@ -149,7 +159,6 @@ fn deployer_env(knobs: Option<&str>) -> Vec<(OsString, OsString)> {
 /// between closes the gate and the process exits: recovery never meets a
 /// deployer whose job was not stored.
 pub fn spawn(cmd: &DeployerCommand, inv: &Invocation) -> std::io::Result<Spawned> {
-    use std::os::fd::AsRawFd;
     // The gate's shell would start even when the deployer cannot: say so
     // here, as a spawn error, rather than as the shell's exit status.
     nix::unistd::access(&cmd.program, nix::unistd::AccessFlags::X_OK).map_err(|e| {
@@ -158,21 +167,14 @@ pub fn spawn(cmd: &DeployerCommand, inv: &Invocation) -> std::io::Result<Spawned
             format!("{} is not an executable file", cmd.program.display()),
         )
     })?;
-    let (gate_read, gate_write) =
-        nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(std::io::Error::from)?;
+    // The gate is the deployer's stdin, not a descriptor of its own: a
+    // command with no `pre_exec` step (and no uid) is started with
+    // posix_spawn, which does not copy berth's page tables as fork does.
+    // With berth's page cache resident, each fork copied them and made
+    // every thread fault on its next write to a shared page: a seventh of
+    // the async workers' samples where each submit ran a build.
     let mut command = Command::new(GATE_SHELL);
     command.arg("-c").arg(GATE_SCRIPT).arg(&cmd.program);
-    let gate_fd = gate_read.as_raw_fd();
-    // SAFETY: between fork and exec only async-signal-safe calls: dup2 and
-    // fcntl put the gate's read end at fd 3 without close-on-exec.
-    unsafe {
-        command.pre_exec(move || {
-            if nix::libc::dup2(gate_fd, 3) < 0 || nix::libc::fcntl(3, nix::libc::F_SETFD, 0) < 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
     if let Some((uid, gid)) = cmd.run_as {
         // The deployer owns its own dirs and nothing else of the data dir.
         // The result file's own directory (never the call's root: a
@@ -202,8 +204,6 @@ pub fn spawn(cmd: &DeployerCommand, inv: &Invocation) -> std::io::Result<Spawned
         .process_group(0)
         .kill_on_drop(false);
     let mut child = command.spawn()?;
-    drop(gate_read);
-    let gate = Some(std::fs::File::from(gate_write));
     // The deployer waits at its gate, so it is alive here: a missing pid or
     // start time is an error, never a 0 stored as if it were one (recovery
     // would then not recognise the group).
@@ -218,15 +218,15 @@ pub fn spawn(cmd: &DeployerCommand, inv: &Invocation) -> std::io::Result<Spawned
         ));
     };
     let job = Job { pid, start_ticks };
-    if let Some(mut stdin) = child.stdin.take() {
-        let request = inv.request.clone();
-        // A deployer may write before it reads: feed stdin on its own task.
-        tokio::spawn(async move {
-            let _ = stdin.write_all(&request).await;
-            let _ = stdin.shutdown().await;
-        });
-    }
-    Ok(Spawned { child, job, gate })
+    let Some(stdin) = child.stdin.take() else {
+        signal_group(pid, Signal::SIGKILL);
+        return Err(std::io::Error::other("the deployer has no stdin pipe"));
+    };
+    Ok(Spawned {
+        child,
+        job,
+        gate: Some((stdin, inv.request.clone())),
+    })
 }
 
 /// The shell that runs the gate (POSIX `sh`; present on every Linux,
@@ -683,7 +683,10 @@ mod tests {
     }
 
     /// The deployer does nothing until its gate opens; a closed gate means
-    /// it never runs, and the process exits with `GATE_CLOSED_EXIT`.
+    /// it never runs, and the process exits with `GATE_CLOSED_EXIT`. Once
+    /// it runs, its stdin holds exactly the request: the gate's `go` line is
+    /// not part of it, and a request larger than a pipe's buffer arrives
+    /// whole.
     #[tokio::test]
     async fn a_deployer_waits_at_its_gate() {
         use std::os::unix::fs::PermissionsExt;
@@ -691,18 +694,28 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         let marker = dir.join("ran");
+        let received = dir.join("stdin");
         let program = dir.join("deployer.sh");
         std::fs::write(
             &program,
-            format!("#!/bin/sh\necho \"$1\" > {}\n", marker.display()),
+            format!(
+                "#!/bin/sh\necho \"$1\" > {}\ncat > {}\n",
+                marker.display(),
+                received.display()
+            ),
         )
         .unwrap();
         std::fs::set_permissions(&program, std::fs::Permissions::from_mode(0o755)).unwrap();
         let cmd = DeployerCommand::from_setting(Some(&program), None).unwrap();
         let dirs = CallDirs::create(dir.join("call")).unwrap();
+        // 200 KiB, past a pipe's 64 KiB, with a line of its own that reads
+        // like the gate's.
+        let mut request = b"go\n{\"pad\": \"".to_vec();
+        request.extend(std::iter::repeat_n(b'x', 200 * 1024));
+        request.extend_from_slice(b"\"}");
         let inv = Invocation {
             verb: "deploy",
-            request: b"{}".to_vec(),
+            request: request.clone(),
             work_dir: dirs.scratch.clone(),
             scratch_dir: dirs.scratch.clone(),
             result_path: dirs.result_path.clone(),
@@ -713,7 +726,7 @@ mod tests {
                 tokio::time::sleep(Duration::from_millis(200)).await;
                 let before = marker.exists();
                 if open {
-                    spawned.start().unwrap();
+                    spawned.start();
                 } else {
                     spawned.abandon();
                 }
@@ -734,10 +747,19 @@ mod tests {
         assert!(!ran_before_gate, "the deployer ran before its gate opened");
         assert_eq!(ended, Ended::Exit(0));
         assert_eq!(std::fs::read_to_string(&marker).unwrap(), "deploy\n");
+        assert!(
+            std::fs::read(&received).unwrap() == request,
+            "the deployer's stdin is not exactly the request"
+        );
         std::fs::remove_file(&marker).unwrap();
+        std::fs::remove_file(&received).unwrap();
         let (_, ended) = run(spawn(&cmd, &inv).unwrap(), false).await;
         assert_eq!(ended, Ended::Exit(GATE_CLOSED_EXIT));
         assert!(!marker.exists(), "a deployer ran through a closed gate");
+        assert!(
+            !received.exists(),
+            "a deployer read a request through a closed gate"
+        );
         let _ = std::fs::remove_dir_all(&dir);
     }
 
