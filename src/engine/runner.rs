@@ -171,8 +171,9 @@ pub fn spawn(cmd: &DeployerCommand, inv: &Invocation) -> std::io::Result<Spawned
     // command with no `pre_exec` step (and no uid) is started with
     // posix_spawn, which does not copy berth's page tables as fork does.
     // With berth's page cache resident, each fork copied them and made
-    // every thread fault on its next write to a shared page: a seventh of
-    // the async workers' samples where each submit ran a build.
+    // every thread fault on its next write to a shared page: about 15% of
+    // berth's CPU samples where each submit ran a build (the webhook
+    // bench).
     let mut command = Command::new(GATE_SHELL);
     command.arg("-c").arg(GATE_SCRIPT).arg(&cmd.program);
     if let Some((uid, gid)) = cmd.run_as {
