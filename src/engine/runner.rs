@@ -390,13 +390,19 @@ pub async fn read_lines<R: AsyncRead + Unpin>(mut reader: R, out: mpsc::Sender<L
             }
             let room = MAX_LINE_BYTES - line.len();
             let window = &rest[..rest.len().min(room)];
-            match window.iter().position(|&b| b == b'\n' || b == b'\r') {
+            match memchr::memchr2(b'\n', b'\r', window) {
                 Some(i) => {
-                    line.extend_from_slice(&window[..i]);
                     skip_lf = window[i] == b'\r';
+                    if line.is_empty() {
+                        // The whole line is in this read: no copy of it
+                        // before the batch's.
+                        batch.push(&window[..i]);
+                    } else {
+                        line.extend_from_slice(&window[..i]);
+                        batch.push(&line);
+                        line.clear();
+                    }
                     rest = &rest[i + 1..];
-                    batch.push(&line);
-                    line.clear();
                 }
                 None => {
                     line.extend_from_slice(window);
