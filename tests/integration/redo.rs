@@ -16,21 +16,36 @@ fn redo_len(s: &Server) -> u64 {
         .unwrap_or(0)
 }
 
-#[tokio::test]
-async fn after_a_kill_the_redo_log_is_applied_and_readers_wait_for_it() {
-    // No checkpoint before the kill: every submit's rows are only in the log.
-    let mut s = Server::start(Options::default().arg("--checkpoint-interval").arg("60s")).await;
+/// Enqueues one build for each of `count` deployments named
+/// `prefix-0`, `prefix-1`, ..., `pause` apart; their build ids, in order.
+async fn enqueue_one_each(
+    s: &Server,
+    prefix: &str,
+    count: usize,
+    pause: std::time::Duration,
+) -> Vec<String> {
     let mut builds = Vec::new();
-    for i in 0..5 {
+    for i in 0..count {
         let (status, body) = s
             .submit(
-                &format!("redo-{i}"),
+                &format!("{prefix}-{i}"),
                 json!({"configuration": {}, "mode": "enqueue"}),
             )
             .await;
         assert_eq!(status, 202, "{body}");
         builds.push(body["build_id"].as_str().unwrap().to_string());
+        if !pause.is_zero() {
+            tokio::time::sleep(pause).await;
+        }
     }
+    builds
+}
+
+#[tokio::test]
+async fn after_a_kill_the_redo_log_is_applied_and_readers_wait_for_it() {
+    // No checkpoint before the kill: every submit's rows are only in the log.
+    let mut s = Server::start(Options::default().arg("--checkpoint-interval").arg("60s")).await;
+    let builds = enqueue_one_each(&s, "redo", 5, std::time::Duration::ZERO).await;
     s.kill();
     let data = s.dir.join("data");
     assert!(
@@ -230,19 +245,8 @@ async fn memory_stays_within_the_cache_size_as_the_store_grows() {
 #[tokio::test]
 async fn a_start_after_a_kill_needs_no_full_repair_of_the_store_file() {
     let mut s = Server::start(Options::default()).await;
-    let mut builds = Vec::new();
-    for i in 0..10 {
-        let (status, body) = s
-            .submit(
-                &format!("quick-{i}"),
-                json!({"configuration": {}, "mode": "enqueue"}),
-            )
-            .await;
-        assert_eq!(status, 202, "{body}");
-        builds.push(body["build_id"].as_str().unwrap().to_string());
-        // Checkpoints (50 ms apart at most) fall between the submits.
-        tokio::time::sleep(std::time::Duration::from_millis(30)).await;
-    }
+    // Checkpoints (50 ms apart at most) fall between the submits.
+    let builds = enqueue_one_each(&s, "quick", 10, std::time::Duration::from_millis(30)).await;
     s.kill();
     s.launch().await;
     let log = s.log();
