@@ -12,6 +12,9 @@ let
   cfg = config.services.berth;
   inherit (lib) mkOption mkEnableOption mkIf types optional optionals optionalAttrs;
   dataDir = "/var/lib/berth";
+  # Deployers run as `deployerUser` work here, outside the data dir
+  # (which stays 0700): berth's own default for --deployer-dir.
+  deployersDir = "/var/lib/berth-deployers";
   # Who owns the store: the audit units read it as that user.
   serviceUser = if cfg.deployerUser == null then "berth" else "root";
   flag = name: value: optionals (value != null) [ "--${name}" (toString value) ];
@@ -20,6 +23,7 @@ let
     [ "${cfg.package}/bin/berth" "serve" "--listen" cfg.listen "--data-dir" dataDir ]
     ++ flag "deployer" cfg.deployer
     ++ flag "deployer-user" cfg.deployerUser
+    ++ optionals (cfg.deployerUser != null) [ "--deployer-dir" deployersDir ]
     ++ flag "default-source" cfg.defaultSource
     ++ list "source-origin" cfg.sourceOrigins
     ++ list "callback-origin" cfg.callbackOrigins
@@ -179,7 +183,9 @@ in
         LoadCredential =
           optional (cfg.serviceTokenFile != null) "service-token:${cfg.serviceTokenFile}"
           ++ optional (cfg.callbackSecretFile != null) "callback-secret:${cfg.callbackSecretFile}";
-        StateDirectory = "berth";
+        # berth makes the deployers' dir 0711 itself; systemd makes both
+        # writable under ProtectSystem.
+        StateDirectory = [ "berth" ] ++ optional (cfg.deployerUser != null) "berth-deployers";
         StateDirectoryMode = "0700";
         # berth ends its own deployers on SIGTERM (storage.md: it waits
         # --shutdown-grace for running builds, then stops them and records

@@ -216,13 +216,16 @@ async fn dispatch(command: Command) -> Outcome {
         Command::Logs {
             build,
             follow,
+            raw,
             conn,
         } => {
-            let c = Client::new(&conn)?;
+            let mut c = Client::new(&conn)?;
+            c.raw_log_lines = raw || !std::io::stdout().is_terminal();
             if follow {
                 c.follow(&build).await
             } else {
-                c.log(&build, &mut |bytes| print_bytes(bytes)).await?;
+                let mut lines = LogLines::new(c.raw_log_lines);
+                c.log(&build, &mut |bytes| lines.print(bytes)).await?;
                 let b = c
                     .call("GET", &format!("/v1/builds/{}", path(&build)), None, None)
                     .await?;
@@ -339,11 +342,72 @@ fn path(segment: &str) -> String {
     out
 }
 
+/// A value from the server as one line of text for people: its control
+/// characters shown as escapes (`shown`).
 fn text(v: &Value) -> String {
     match v {
         Value::Null => "-".into(),
-        Value::String(s) => s.clone(),
+        Value::String(s) => shown(s),
         other => other.to_string(),
+    }
+}
+
+/// Text from the server as printed for people (cli.md "Output"): every
+/// control character but tab (C0, newline included, ESC, DEL, C1) shown
+/// as a visible escape, so nothing a tenant submitted (a domain, a
+/// deployer's message, a health reason) can move the cursor, retitle the
+/// window or write the clipboard, nor forge a line of its own.
+fn shown(s: &str) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        match c {
+            '\t' => out.push(c),
+            '\0'..='\x1f' | '\x7f' => {
+                let _ = write!(out, "\\x{:02x}", c as u32);
+            }
+            '\u{80}'..='\u{9f}' => {
+                let _ = write!(out, "\\u{{{:x}}}", c as u32);
+            }
+            _ => out.push(c),
+        }
+    }
+    out
+}
+
+/// A build's log as it arrives, printed whole lines or not: as it is when
+/// `raw` (piped, or `--raw`), else with `shown`'s escapes but for the
+/// newlines that end its lines. A chunk may end inside a character, which
+/// is then kept for the next.
+struct LogLines {
+    raw: bool,
+    carry: Vec<u8>,
+}
+
+impl LogLines {
+    fn new(raw: bool) -> LogLines {
+        LogLines {
+            raw,
+            carry: Vec::new(),
+        }
+    }
+
+    fn print(&mut self, bytes: &[u8]) {
+        if self.raw {
+            return print_bytes(bytes);
+        }
+        self.carry.extend_from_slice(bytes);
+        // A character cut at the chunk's end waits for the rest of it.
+        let whole = match std::str::from_utf8(&self.carry) {
+            Ok(_) => self.carry.len(),
+            Err(e) if e.error_len().is_none() => e.valid_up_to(),
+            Err(_) => self.carry.len(),
+        };
+        let rest = self.carry.split_off(whole);
+        let text = String::from_utf8_lossy(&self.carry);
+        let escaped: Vec<String> = text.split('\n').map(shown).collect();
+        print_bytes(escaped.join("\n").as_bytes());
+        self.carry = rest;
     }
 }
 
@@ -379,6 +443,8 @@ struct Client {
     actor: Vec<(&'static str, String)>,
     json: bool,
     colour: bool,
+    /// Log lines printed as they are (piped, or `logs --raw`).
+    raw_log_lines: bool,
 }
 
 impl Client {
@@ -403,6 +469,7 @@ impl Client {
             actor,
             json: conn.json,
             colour: std::io::stdout().is_terminal() && std::env::var_os("NO_COLOR").is_none(),
+            raw_log_lines: !std::io::stdout().is_terminal(),
         })
     }
 
@@ -537,11 +604,11 @@ impl Client {
             if self.json {
                 self.print_json(&answer);
             } else {
-                out!("{build}");
+                out!("{}", shown(&build));
             }
             return Ok(EXIT_OK);
         }
-        eprintln!("berth: build {build} queued; following its log");
+        eprintln!("berth: build {} queued; following its log", shown(&build));
         if let Some(deployment) = answer["deployment"].as_str() {
             self.say_what_it_waits_behind(deployment, &build).await;
         }
@@ -578,10 +645,11 @@ impl Client {
         // whole line.
         let mut partial: Vec<u8> = Vec::new();
         let json_lines = self.json;
+        let mut lines = LogLines::new(self.raw_log_lines);
         let cursor = self
             .log(build, &mut |bytes| {
                 if !json_lines {
-                    return print_bytes(bytes);
+                    return lines.print(bytes);
                 }
                 partial.extend_from_slice(bytes);
                 while let Some(at) = partial.iter().position(|&b| b == b'\n') {
@@ -675,8 +743,10 @@ impl Client {
             "log" => {
                 if self.json {
                     out!("{}", json!({"event": "log", "seq": id, "data": data}));
-                } else {
+                } else if self.raw_log_lines {
                     out!("{data}");
+                } else {
+                    out!("{}", shown(&data));
                 }
                 None
             }
@@ -706,7 +776,7 @@ impl Client {
                         },
                         v["reason"]
                             .as_str()
-                            .map(|r| format!(": {r}"))
+                            .map(|r| format!(": {}", shown(r)))
                             .unwrap_or_default()
                     );
                 }
@@ -752,7 +822,9 @@ impl Client {
             .into_iter()
             .flatten()
             .map(|a| match a["reason"].as_str() {
-                Some(r) if a["enabled"] != true => format!("{} (no: {r})", text(&a["name"])),
+                Some(r) if a["enabled"] != true => {
+                    format!("{} (no: {})", text(&a["name"]), shown(r))
+                }
                 _ => text(&a["name"]),
             })
             .collect();
@@ -775,7 +847,7 @@ impl Client {
                     text(&b["trigger"]),
                     b["rollback_of"]
                         .as_str()
-                        .map(short)
+                        .map(|id| shown(&short(id)))
                         .unwrap_or_else(|| "-".into()),
                     text(&b["created_at"]),
                 ]
@@ -900,22 +972,24 @@ fn describe(e: &reqwest::Error) -> String {
 
 /// A 4xx as cli.md prints it: code, reason, message, each field pointer.
 fn refusal(status: u16, answer: &Value) -> Stop {
+    let said = |v: &Value, otherwise: &str| v.as_str().map(shown).unwrap_or(otherwise.into());
     let mut message = format!(
         "refused ({status} {}): {}",
         text(&answer["code"]),
-        answer["message"].as_str().unwrap_or("no message")
+        said(&answer["message"], "no message")
     );
-    if let Some(reason) = answer["reason"].as_str() {
-        message.push_str(&format!("\n  reason: {reason}"));
+    if answer["reason"].is_string() {
+        message.push_str(&format!("\n  reason: {}", said(&answer["reason"], "")));
     }
-    if let Some(m) = answer["deployer_message"].as_str() {
+    if answer["deployer_message"].is_string() {
+        let m = said(&answer["deployer_message"], "");
         message.push_str(&format!("\n  deployer: {m}"));
     }
     for f in answer["fields"].as_array().into_iter().flatten() {
         message.push_str(&format!(
             "\n  {}: {}",
-            f["pointer"].as_str().unwrap_or(""),
-            f["code"].as_str().unwrap_or("")
+            said(&f["pointer"], ""),
+            said(&f["code"], "")
         ));
     }
     Stop {
@@ -927,6 +1001,16 @@ fn refusal(status: u16, answer: &Value) -> Stop {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn control_characters_from_the_server_are_shown_as_escapes() {
+        assert_eq!(
+            shown("a\x1b]0;pwned\x07b\tc\nd\x7f\u{9b}2J"),
+            "a\\x1b]0;pwned\\x07b\tc\\x0ad\\x7f\\u{9b}2J"
+        );
+        assert_eq!(shown("alice.example.org"), "alice.example.org");
+        assert_eq!(text(&json!("\x1b[2J")), "\\x1b[2J");
+    }
 
     #[test]
     fn ids_are_one_path_segment() {

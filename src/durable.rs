@@ -94,6 +94,64 @@ pub fn create(path: &Path, bytes: &[u8], mode: u32) -> std::io::Result<()> {
     sync_dir(dir)
 }
 
+/// The mode of every file berth writes under its data dir: readable by
+/// berth only (the store, its redo log and the secrets hold every
+/// configuration's secrets).
+pub const PRIVATE_FILE_MODE: u32 = 0o600;
+/// The mode of the data dir and every directory berth makes in it.
+pub const PRIVATE_DIR_MODE: u32 = 0o700;
+/// What `create_files_private` masks: group and other get nothing.
+const PRIVATE_UMASK: u32 = 0o077;
+
+/// Sets the process's file-creation mask so every file and directory it
+/// creates from now on (redb's store file, an import's new file, the redo
+/// log, a snapshot copy) is private from its first byte. A chmod after
+/// the fact would revoke nothing: a descriptor opened in between keeps
+/// reading the file. Deployers get the usual 022 back (`runner`'s gate).
+pub fn create_files_private() {
+    nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(PRIVATE_UMASK));
+}
+
+/// Narrows `dir` to `PRIVATE_DIR_MODE` and every entry directly in it to
+/// berth alone (group and other bits cleared; symlinks are left as they
+/// are): a data dir an older berth made 0711, or files it made 0644, are
+/// private again from this start on.
+pub fn make_private(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(PRIVATE_DIR_MODE))?;
+    for entry in std::fs::read_dir(dir)? {
+        let entry = entry?;
+        let meta = std::fs::symlink_metadata(entry.path())?;
+        let mode = meta.permissions().mode() & 0o7777;
+        if meta.file_type().is_symlink() || mode & PRIVATE_UMASK == 0 {
+            continue;
+        }
+        let private = std::fs::Permissions::from_mode(mode & !PRIVATE_UMASK);
+        std::fs::set_permissions(entry.path(), private)?;
+    }
+    Ok(())
+}
+
+/// Removes everything in `dir` but keeps `dir` itself, with its mode and
+/// owner (a deployers' scratch root that `--deployer-user` made
+/// traversable stays so). A missing `dir` is empty.
+pub fn empty_dir(dir: &Path) -> std::io::Result<()> {
+    let entries = match std::fs::read_dir(dir) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    for entry in entries {
+        let entry = entry?;
+        if entry.file_type()?.is_dir() {
+            std::fs::remove_dir_all(entry.path())?;
+        } else {
+            std::fs::remove_file(entry.path())?;
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -123,6 +181,31 @@ mod tests {
             vec![std::ffi::OsString::from("secret")],
             "a temporary file was left"
         );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn make_private_narrows_the_dir_and_its_entries_and_empty_dir_keeps_the_dir() {
+        let dir = std::env::temp_dir().join(format!("berth-private-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("scratch/call-1")).unwrap();
+        std::fs::write(dir.join("berth.redo"), b"rows").unwrap();
+        let set = |p: &Path, m: u32| {
+            std::fs::set_permissions(p, std::fs::Permissions::from_mode(m)).unwrap()
+        };
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        set(&dir, 0o711);
+        set(&dir.join("berth.redo"), 0o644);
+        set(&dir.join("scratch"), 0o755);
+        make_private(&dir).unwrap();
+        assert_eq!(mode(&dir), 0o700);
+        assert_eq!(mode(&dir.join("berth.redo")), 0o600);
+        assert_eq!(mode(&dir.join("scratch")), 0o700);
+        set(&dir.join("scratch"), 0o711);
+        empty_dir(&dir.join("scratch")).unwrap();
+        assert_eq!(mode(&dir.join("scratch")), 0o711, "the root keeps its mode");
+        assert_eq!(std::fs::read_dir(dir.join("scratch")).unwrap().count(), 0);
+        empty_dir(&dir.join("missing")).unwrap();
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

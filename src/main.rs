@@ -8,6 +8,9 @@ fn main() {
     // FAILPOINTS, in a test build only (src/failpoints.rs).
     let _failpoints = berth::failpoints::setup();
     let cli = Cli::parse();
+    if cli.command.writes_a_data_dir() {
+        berth::durable::create_files_private();
+    }
     let code = match cli.command {
         Command::Serve(settings) => berth::serve::run(*settings),
         Command::Audit { audit } => match audit {

@@ -136,6 +136,18 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
             settings.data_dir.display()
         )
     })?;
+    if let Some(dir) = &settings.deployer_dir {
+        let absolute = std::path::absolute(dir)
+            .map_err(|e| format!("cannot resolve --deployer-dir {}: {e}", dir.display()))?;
+        settings.deployer_dir = Some(absolute);
+    }
+    // An older berth made the data dir 0711 and its files 0644.
+    crate::durable::make_private(&settings.data_dir).map_err(|e| {
+        format!(
+            "cannot make the data dir {} and its files readable by berth only: {e}; check who owns them",
+            settings.data_dir.display()
+        )
+    })?;
     let service_token = match &settings.service_token_file {
         Some(p) => read_secret_file(p)?,
         None => {
@@ -156,21 +168,7 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
         key = %crate::audit_cli::verifier_key(&crate::audit_cli::origin(settings.audit_origin.as_deref()), &audit_key),
         "audit checkpoint verifier key (berth audit public-key prints it)"
     );
-    // With --deployer-user the deployer must traverse the data dir to its
-    // own work and scratch dirs (0711), but read nothing else.
-    if settings.deployer_user.is_some() {
-        use std::os::unix::fs::PermissionsExt;
-        for dir in [
-            settings.data_dir.clone(),
-            settings.data_dir.join("work"),
-            settings.scratch_root(),
-        ] {
-            std::fs::create_dir_all(&dir)
-                .map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
-            std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o711))
-                .map_err(|e| format!("cannot set the mode of {}: {e}", dir.display()))?;
-        }
-    }
+    prepare_deployers_root(&settings)?;
     if let Some(source) = &settings.import_from {
         let from =
             crate::export::Endpoint::parse(source).map_err(|e| format!("--import-from: {e}"))?;
@@ -215,18 +213,6 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
             settings.data_dir.display()
         )
     })?;
-    {
-        // The store holds every configuration: readable by berth only. A
-        // store berth cannot make private is not served.
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(settings.db_path(), std::fs::Permissions::from_mode(0o600))
-            .map_err(|e| {
-                format!(
-                    "cannot make {} readable by berth only (mode 0600): {e}; check who owns it",
-                    settings.db_path().display()
-                )
-            })?;
-    }
     if settings.reset_dev_state {
         reset_dev_state(&settings, &store).await?;
     }
@@ -438,18 +424,59 @@ async fn wait_for_signal() {
     }
 }
 
+/// Makes the deployers' root (`--deployer-dir`) with its `work/` and
+/// `scratch/`. With `--deployer-user` they are 0711 (the deployer
+/// traverses them to the dirs berth gives it, and lists nothing), and the
+/// root must lie outside the data dir, which stays 0700; work dirs an
+/// older berth kept in the data dir move there once.
+fn prepare_deployers_root(settings: &Settings) -> Result<(), String> {
+    use std::os::unix::fs::PermissionsExt;
+    if settings.deployer_user.is_none() {
+        return Ok(());
+    }
+    let root = settings.deployers_root();
+    if root.starts_with(&settings.data_dir) {
+        return Err(format!(
+            "--deployer-dir {} is inside the data dir {}: a deployer run as --deployer-user must not reach the data dir; choose a directory outside it",
+            root.display(),
+            settings.data_dir.display()
+        ));
+    }
+    crate::durable::create_dir_all(&root, 0o711)
+        .map_err(|e| format!("cannot create {}: {e}", root.display()))?;
+    let old_work = settings.data_dir.join("work");
+    let work = settings.work_root();
+    if old_work.is_dir() && !work.exists() {
+        std::fs::rename(&old_work, &work).map_err(|e| {
+            format!(
+                "cannot move the deployers' work dirs from {} to {}: {e}; move them by hand",
+                old_work.display(),
+                work.display()
+            )
+        })?;
+        tracing::info!(from = %old_work.display(), to = %work.display(), "moved the deployers' work dirs out of the data dir");
+    }
+    for dir in [root.clone(), work, settings.scratch_root()] {
+        crate::durable::create_dir_all(&dir, 0o711)
+            .map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o711))
+            .map_err(|e| format!("cannot set the mode of {}: {e}", dir.display()))?;
+    }
+    Ok(())
+}
+
 async fn reset_dev_state(settings: &Settings, store: &Store) -> Result<(), String> {
     let rx = store.read().map_err(|e| e.to_string())?;
     let deployments = rx.deployment_count().map_err(|e| e.to_string())?;
     eprintln!(
         "berth: --reset-dev-state: deleting {deployments} deployment(s) with their builds and logs from {}, and {}",
         settings.db_path().display(),
-        settings.data_dir.join("work").display()
+        settings.work_root().display()
     );
     store
         .write(|tx| tx.clear_all())
         .await
         .map_err(|e| e.to_string())?;
-    let _ = std::fs::remove_dir_all(settings.data_dir.join("work"));
+    let _ = std::fs::remove_dir_all(settings.work_root());
     Ok(())
 }

@@ -105,6 +105,11 @@ pub enum Command {
         build: String,
         #[arg(long, short)]
         follow: bool,
+        /// Print log lines as they are on a terminal too (by default their
+        /// control characters are shown as escapes there; piped output is
+        /// always as it is).
+        #[arg(long)]
+        raw: bool,
         #[command(flatten)]
         conn: ClientArgs,
     },
@@ -177,6 +182,33 @@ pub struct ClientArgs {
     /// object per event).
     #[arg(long)]
     pub json: bool,
+}
+
+impl Command {
+    /// Whether the command writes under a data dir, so creates its files
+    /// private (`durable::create_files_private`). Deployers and the
+    /// client write what their users expect with the usual mask.
+    pub fn writes_a_data_dir(&self) -> bool {
+        match self {
+            Command::Serve(_)
+            | Command::Audit { .. }
+            | Command::Export { .. }
+            | Command::Import { .. } => true,
+            Command::Deployer { .. }
+            | Command::Deploy { .. }
+            | Command::Preview { .. }
+            | Command::Status { .. }
+            | Command::Builds { .. }
+            | Command::Logs { .. }
+            | Command::Cancel { .. }
+            | Command::Rollback { .. }
+            | Command::Suspend { .. }
+            | Command::Resume { .. }
+            | Command::Completions { .. }
+            | Command::Man
+            | Command::Delete { .. } => false,
+        }
+    }
 }
 
 #[derive(Debug, Subcommand)]
@@ -257,6 +289,13 @@ pub struct Settings {
     /// read the store or the secret files in the data dir.
     #[arg(long, env = "BERTH_DEPLOYER_USER")]
     pub deployer_user: Option<String>,
+
+    /// The directory of deployers' `work/` and `scratch/` dirs. Default:
+    /// the data dir; with --deployer-user, `<data-dir>-deployers` beside
+    /// it, since a deployer run as another user must not reach the data
+    /// dir at all (it stays 0700), and must be outside it.
+    #[arg(long, env = "BERTH_DEPLOYER_DIR")]
+    pub deployer_dir: Option<PathBuf>,
 
     /// The default source (a self-pin): url=...,rev=...,digest=sha256:<64 hex>.
     /// Without it berth uses a built-in source for the `local` deployer.
@@ -508,11 +547,26 @@ impl Settings {
     pub fn db_path(&self) -> PathBuf {
         self.data_dir.join("berth.redb")
     }
+    /// Where deployers' `work/` and `scratch/` live (`--deployer-dir`).
+    pub fn deployers_root(&self) -> PathBuf {
+        match (&self.deployer_dir, &self.deployer_user) {
+            (Some(dir), _) => dir.clone(),
+            (None, None) => self.data_dir.clone(),
+            (None, Some(_)) => {
+                let mut name = self.data_dir.file_name().unwrap_or_default().to_os_string();
+                name.push("-deployers");
+                self.data_dir.with_file_name(name)
+            }
+        }
+    }
+    pub fn work_root(&self) -> PathBuf {
+        self.deployers_root().join("work")
+    }
     pub fn work_dir(&self, deployment: &str) -> PathBuf {
-        self.data_dir.join("work").join(deployment)
+        self.work_root().join(deployment)
     }
     pub fn scratch_root(&self) -> PathBuf {
-        self.data_dir.join("scratch")
+        self.deployers_root().join("scratch")
     }
 }
 

@@ -48,6 +48,25 @@ pub fn is_dns_label(name: &str) -> bool {
     crate::model::is_dns_label(name, 63)
 }
 
+/// The longest host name a `domain` may be (configuration.md; DNS's own
+/// limit on a name's text form).
+pub const MAX_HOST_NAME_LEN: usize = 253;
+
+/// A host name: dot-separated DNS labels (letters of either case, digits,
+/// inner hyphens, 1 to 63 characters each), at most `MAX_HOST_NAME_LEN`.
+pub fn is_host_name(name: &str) -> bool {
+    let label = |l: &str| {
+        let b = l.as_bytes();
+        let inner = |c: &u8| c.is_ascii_alphanumeric();
+        !b.is_empty()
+            && b.len() <= 63
+            && inner(&b[0])
+            && inner(&b[b.len() - 1])
+            && b.iter().all(|c| inner(c) || *c == b'-')
+    };
+    name.len() <= MAX_HOST_NAME_LEN && name.split('.').all(label)
+}
+
 /// A configuration read through its shape.
 #[derive(Debug, Clone)]
 pub struct Shaped<'a> {
@@ -108,7 +127,14 @@ pub fn shape(config: &Value) -> Result<Shaped<'_>, DeriveError> {
     };
     let domain = match inner.get("domain") {
         None | Some(Value::Null) => None,
-        Some(Value::String(s)) => Some(s.as_str()),
+        Some(Value::String(s)) if is_host_name(s) => Some(s.as_str()),
+        Some(Value::String(_)) => {
+            return Err(DeriveError {
+                pointer: format!("{prefix}/domain"),
+                rule: "host_name",
+                message: "`domain` must be a host name: dot-separated DNS labels (letters, digits, inner hyphens), at most 253 characters",
+            })
+        }
         Some(_) => {
             return Err(DeriveError {
                 pointer: format!("{prefix}/domain"),

@@ -27,7 +27,12 @@ const RETRY_MAX_PAUSE: Duration = Duration::from_secs(5);
 
 impl Engine {
     pub async fn recover(self: &Arc<Self>) -> Result<(), crate::store::StoreError> {
-        let _ = std::fs::remove_dir_all(self.settings.scratch_root());
+        // What calls of the last run left; the root keeps the mode serve
+        // gave it (0711 with --deployer-user).
+        let scratch = self.settings.scratch_root();
+        if let Err(e) = crate::durable::empty_dir(&scratch) {
+            tracing::warn!(dir = %scratch.display(), error = %e, "cannot remove what the last run's deployer calls left");
+        }
         let running = self.store.read()?.running()?;
         for (build_id, deployment) in running {
             let hub = self.hub.clone();

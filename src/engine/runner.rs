@@ -139,7 +139,8 @@ pub const GATE_CLOSED_EXIT: i32 = 97;
 /// time so as to leave what follows the line unread (dash, bash and
 /// busybox's ash alike), so the deployer reads exactly the request
 /// (`tests::a_deployer_waits_at_its_gate` checks the bytes).
-const GATE_SCRIPT: &str = "IFS= read -r go && [ \"$go\" = go ] || exit 97; exec \"$0\" \"$@\"";
+const GATE_SCRIPT: &str =
+    "umask 022; IFS= read -r go && [ \"$go\" = go ] || exit 97; exec \"$0\" \"$@\"";
 
 /// The environment a deployer sees: berth's own minus every `BERTH_*`
 /// variable (flag values may hold secrets; deployer.md). A built-in
@@ -506,12 +507,20 @@ const SCRATCH_DIR: &str = "scratch";
 
 impl CallDirs {
     /// Makes `root/scratch` and `root/result` (removing what a crashed
-    /// earlier call left).
+    /// earlier call left). The root is 0711 whatever berth's file mask: a
+    /// deployer run as another user passes through it to the two dirs it
+    /// is given, and lists nothing.
     pub fn create(root: PathBuf) -> std::io::Result<CallDirs> {
-        let _ = std::fs::remove_dir_all(&root);
+        use std::os::unix::fs::PermissionsExt;
+        match std::fs::remove_dir_all(&root) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+            Ok(()) | Err(_) => {}
+        }
         let scratch = root.join(SCRATCH_DIR);
-        std::fs::create_dir_all(&scratch)?;
-        std::fs::create_dir_all(root.join(RESULT_DIR))?;
+        std::fs::create_dir_all(&root)?;
+        std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o711))?;
+        std::fs::create_dir(&scratch)?;
+        std::fs::create_dir(root.join(RESULT_DIR))?;
         Ok(CallDirs {
             result_path: root.join(RESULT_DIR).join(RESULT_FILE),
             scratch,

@@ -471,14 +471,23 @@ impl RedoLog {
         layout: u32,
         checkpoint_every: Duration,
     ) -> StoreResult<RedoLog> {
+        use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
         let existed = path.exists();
+        // The log holds every row since the last checkpoint (secrets
+        // among them): created readable by berth only, and an older
+        // log's mode narrowed at every open.
         let file = std::fs::OpenOptions::new()
             .create(true)
             .truncate(false)
             .read(true)
             .write(true)
+            .mode(crate::durable::PRIVATE_FILE_MODE)
             .open(path)
             .map_err(io_error)?;
+        file.set_permissions(std::fs::Permissions::from_mode(
+            crate::durable::PRIVATE_FILE_MODE,
+        ))
+        .map_err(io_error)?;
         let len = file.metadata().map_err(io_error)?.len();
         let mut room = len;
         if len < PREALLOCATED_BYTES {

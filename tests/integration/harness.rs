@@ -296,6 +296,11 @@ impl Server {
         std::fs::read_to_string(self.dir.join("server.log")).unwrap_or_default()
     }
 
+    /// The running server's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("running").id()
+    }
+
     /// The server's resident memory now (VmRSS), in KiB.
     pub fn rss_kib(&self) -> u64 {
         let pid = self.child.as_ref().expect("running").id();

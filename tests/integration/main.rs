@@ -15,6 +15,7 @@ mod export;
 mod failpoints;
 mod faults;
 mod hostile;
+mod hostile3;
 mod layout;
 mod lifecycle;
 mod nix;

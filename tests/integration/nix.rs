@@ -414,7 +414,7 @@ async fn the_module_is_hardened_and_its_audit_units_verify_a_real_store() {
                 json!(["AF_UNIX", "AF_INET", "AF_INET6"]),
             ),
             ("SystemCallFilter", json!(["@system-service"])),
-            ("StateDirectory", json!("berth")),
+            ("StateDirectory", json!(["berth"])),
             ("KillMode", json!("mixed")),
         ] {
             assert_eq!(service[key], value, "{key}: {service}");
@@ -477,6 +477,16 @@ async fn the_module_is_hardened_and_its_audit_units_verify_a_real_store() {
         let words = exec_words(&services["berth"]);
         assert!(has_flag(&words, "--service-token-file", "%d/service-token"));
         assert!(has_flag(&words, "--deployer-user", "deploy"));
+        // Deployers work outside the data dir, which stays 0700.
+        assert!(has_flag(
+            &words,
+            "--deployer-dir",
+            "/var/lib/berth-deployers"
+        ));
+        assert_eq!(
+            service["StateDirectory"],
+            json!(["berth", "berth-deployers"])
+        );
         assert_eq!(
             service["User"],
             serde_json::Value::Null,
