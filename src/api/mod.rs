@@ -332,16 +332,6 @@ where
     };
     let route = matched.template;
     let fail = |e: ApiError| Err((route, e));
-    let header_bytes: usize = headers
-        .iter()
-        .map(|(k, v)| k.as_str().len() + v.len() + 4)
-        .sum();
-    if header_bytes > MAX_HEADER_BYTES {
-        return fail(
-            ApiError::bad_request("the request headers are larger than 16 KiB")
-                .field("/headers", "too_large"),
-        );
-    }
     let query: Vec<(String, String)> = form_urlencoded::parse(query.as_bytes())
         .into_owned()
         .collect();
@@ -379,46 +369,18 @@ where
             return fail(e);
         }
     };
-    let max_body = ctx.engine.settings.max_body;
-    let declared = headers
-        .get("content-length")
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > max_body as u64) {
-        return fail(too_large(max_body));
-    }
-    let read = read_body(body, max_body, declared, &ctx.body_budget);
     // The body's share of --max-body-bytes-in-flight is held until the
     // request is answered.
-    let (body, _body_share) =
-        match tokio::time::timeout(ctx.engine.settings.body_timeout, read).await {
-            Ok(Ok(b)) => b,
-            Ok(Err(e)) => return fail(e),
-            Err(_) => {
-                let mut e = ApiError::bad_request("the body did not arrive within --body-timeout")
-                    .field("", "body_timeout");
-                e.close = true;
-                return fail(e);
+    let (body, _body_share) = match checked_body(ctx, &method, &headers, body).await {
+        Ok(read) => read,
+        Err(e) => {
+            // After authentication a refusal is the caller's (audit.md).
+            if let Bound::Mutation(_, audit_as, who) = &bound {
+                routes::audit_failure(ctx, *audit_as, &params, request_id, who, &e).await;
             }
-        };
-    if !body.is_empty() && method != Method::GET {
-        let ct = headers
-            .get("content-type")
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or("");
-        let mime = ct
-            .split(';')
-            .next()
-            .unwrap_or("")
-            .trim()
-            .to_ascii_lowercase();
-        if mime != "application/json" {
-            return fail(ApiError::new(
-                Code::UnsupportedMediaType,
-                "the body must be application/json",
-            ));
+            return fail(e);
         }
-    }
+    };
     let req = Request {
         method,
         route,
@@ -450,6 +412,70 @@ where
             Err(e) => return fail(e),
         }
     }
+}
+
+/// What every request with a credential passes after it: headers of at
+/// most `MAX_HEADER_BYTES`, a body of at most `--max-body` (within its
+/// share of `--max-body-bytes-in-flight`) that arrives within
+/// `--body-timeout`, of type `application/json`. The body, and its share
+/// of the budget.
+async fn checked_body<S, B>(
+    ctx: &Ctx,
+    method: &Method,
+    headers: &HeaderMap,
+    body: S,
+) -> Result<(Bytes, Option<tokio::sync::OwnedSemaphorePermit>), ApiError>
+where
+    S: futures_util::Stream<Item = Result<B, warp::Error>> + Unpin,
+    B: bytes::Buf,
+{
+    let header_bytes: usize = headers
+        .iter()
+        .map(|(k, v)| k.as_str().len() + v.len() + 4)
+        .sum();
+    if header_bytes > MAX_HEADER_BYTES {
+        return Err(
+            ApiError::bad_request("the request headers are larger than 16 KiB")
+                .field("/headers", "too_large"),
+        );
+    }
+    let max_body = ctx.engine.settings.max_body;
+    let declared = headers
+        .get("content-length")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > max_body as u64) {
+        return Err(too_large(max_body));
+    }
+    let read = read_body(body, max_body, declared, &ctx.body_budget);
+    let (body, share) = match tokio::time::timeout(ctx.engine.settings.body_timeout, read).await {
+        Ok(read) => read?,
+        Err(_) => {
+            let mut e = ApiError::bad_request("the body did not arrive within --body-timeout")
+                .field("", "body_timeout");
+            e.close = true;
+            return Err(e);
+        }
+    };
+    if !body.is_empty() && method != Method::GET {
+        let ct = headers
+            .get("content-type")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("");
+        let mime = ct
+            .split(';')
+            .next()
+            .unwrap_or("")
+            .trim()
+            .to_ascii_lowercase();
+        if mime != "application/json" {
+            return Err(ApiError::new(
+                Code::UnsupportedMediaType,
+                "the body must be application/json",
+            ));
+        }
+    }
+    Ok((body, share))
 }
 
 fn too_large(max: usize) -> ApiError {

@@ -60,6 +60,17 @@ fn served_document(callback_origins: &[String]) -> Result<Vec<u8>, String> {
     serde_json::to_vec(&doc).map_err(|e| e.to_string())
 }
 
+/// A label value in the exposition format: `\\`, `"` and line feeds
+/// escaped as it requires, and a carriage return too, so no value can
+/// start a line of its own for a reader that splits on either.
+fn label_value(value: &str) -> String {
+    value
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+        .replace('\r', "\\r")
+}
+
 pub fn count_request(ctx: &Ctx, route: &'static str, status: u16) {
     let mut m = ctx
         .engine
@@ -71,9 +82,8 @@ pub fn count_request(ctx: &Ctx, route: &'static str, status: u16) {
 }
 
 pub fn metrics(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
-    if !ctx.engine.settings.metrics_public
-        && !auth::has_service_token(&ctx.service_token, &req.headers)
-    {
+    let with_token = auth::has_service_token(&ctx.service_token, &req.headers);
+    if !ctx.engine.settings.metrics_public && !with_token {
         return Err(ApiError::new(
             Code::Unauthenticated,
             "/metrics needs the service token (or --metrics-public)",
@@ -94,18 +104,19 @@ pub fn metrics(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
             );
         }
     }
-    out.push_str("# HELP berth_denied_calls_total A known actor's denied calls, by principal (subject and issuer).\n# TYPE berth_denied_calls_total counter\n");
+    out.push_str("# HELP berth_denied_calls_total A known actor's denied calls, by principal (subject and issuer) with the service token; without it (--metrics-public) only their sum.\n# TYPE berth_denied_calls_total counter\n");
     {
         let m = e.metrics.denials.lock().unwrap_or_else(|p| p.into_inner());
-        let mut rows: Vec<_> = m.iter().collect();
-        rows.sort();
-        for (principal, n) in rows {
-            // A label value escapes `\`, `"` and newlines (the exposition format).
-            let label = principal
-                .replace('\\', "\\\\")
-                .replace('"', "\\\"")
-                .replace('\n', "\\n");
-            let _ = writeln!(out, "berth_denied_calls_total{{principal=\"{label}\"}} {n}");
+        if with_token {
+            let mut rows: Vec<_> = m.iter().collect();
+            rows.sort();
+            for (principal, n) in rows {
+                let label = label_value(principal);
+                let _ = writeln!(out, "berth_denied_calls_total{{principal=\"{label}\"}} {n}");
+            }
+        } else {
+            // Who was denied is the operator's to know, not the public's.
+            let _ = writeln!(out, "berth_denied_calls_total {}", m.values().sum::<u64>());
         }
     }
     out.push_str("# HELP berth_webhook_deliveries_total Webhook attempts by result since start.\n# TYPE berth_webhook_deliveries_total counter\n");

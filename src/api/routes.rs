@@ -421,21 +421,11 @@ pub async fn authorize(
     };
     let result = match ask.scope {
         Scope::EachItem => list_caller(ctx, headers, &q).await,
-        // Another token is refused here, unasked: webhooks are the
-        // operator's, not a tenant's.
+        // Another token is refused: webhooks are the operator's, not a
+        // tenant's. The callback (or its cached answer) still says who
+        // the caller is, so a known actor's denial is its own event.
         Scope::ServiceOnly if !auth::has_service_token(&ctx.service_token, headers) => {
-            Err(match auth::bearer(headers) {
-                Some(_) => Refused {
-                    error: ApiError::new(Code::Forbidden, "webhooks take the service token"),
-                    actor: None,
-                    trusted_backend: false,
-                },
-                None => Refused {
-                    error: ApiError::new(Code::Unauthenticated, "a bearer token is required"),
-                    actor: None,
-                    trusted_backend: false,
-                },
-            })
+            Err(service_only_refusal(ctx, headers, &q, hide).await)
         }
         Scope::ServiceOnly => {
             auth::authenticate(&ctx.service_token, &ctx.authz, headers, &q, hide).await
@@ -452,6 +442,37 @@ pub async fn authorize(
             }
             Err(refused.error)
         }
+    }
+}
+
+/// The refusal of another token on a service-only route: `403`, as the
+/// actor the callback names when it knows the token (whatever it answers,
+/// the route is the operator's); a token nobody knows is an anonymous
+/// denial.
+async fn service_only_refusal(
+    ctx: &Ctx,
+    headers: &warp::http::HeaderMap,
+    q: &Question<'_>,
+    hide: bool,
+) -> Refused {
+    let forbidden = || ApiError::new(Code::Forbidden, "webhooks take the service token");
+    if auth::bearer(headers).is_none() {
+        return Refused {
+            error: ApiError::new(Code::Unauthenticated, "a bearer token is required"),
+            actor: None,
+            trusted_backend: false,
+        };
+    }
+    match auth::authenticate(&ctx.service_token, &ctx.authz, headers, q, hide).await {
+        Ok(caller) => Refused {
+            error: forbidden(),
+            actor: caller.actor,
+            trusted_backend: false,
+        },
+        Err(refused) => Refused {
+            error: forbidden(),
+            ..refused
+        },
     }
 }
 
@@ -604,6 +625,26 @@ pub async fn mutation(
         audit::failed(ctx, draft, e).await;
     }
     result.map(Answer::Reply)
+}
+
+/// Records a mutation refused after its caller was authenticated but
+/// before its handler ran (headers, body size, type or time), as that
+/// caller's event.
+pub async fn audit_failure(
+    ctx: &Ctx,
+    audit_as: Audit,
+    params: &Params,
+    request_id: &str,
+    who: &Authorized,
+    e: &ApiError,
+) {
+    let draft = audit::draft(
+        audit_as.action(params),
+        who.deployment.as_deref(),
+        params,
+        request_id,
+    );
+    audit::failed(ctx, audit::by(draft, &who.caller), e).await;
 }
 
 /// A request path as the route table matches it: its segments, each

@@ -79,8 +79,16 @@ pub async fn create(ctx: &Ctx, req: &Request, w: Write) -> Result<Reply, ApiErro
     let parsed = reqwest::Url::parse(&url)
         .ok()
         .filter(|u| matches!(u.scheme(), "http" | "https"));
-    if parsed.is_none() {
+    let Some(parsed) = parsed else {
         return Err(bad("/url", "format", "url must be an http or https URL"));
+    };
+    // A password in the URL would be stored and shown in every listing.
+    if !parsed.username().is_empty() || parsed.password().is_some() {
+        return Err(bad(
+            "/url",
+            "webhook_userinfo",
+            "url must not carry a user name or password; authenticate the receiver by the signature",
+        ));
     }
     if !crate::engine::origin_allowed(&url, &ctx.engine.settings.webhook_origin) {
         return Err(bad(

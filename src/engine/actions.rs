@@ -234,6 +234,15 @@ pub fn act_tx(
         return Ok(Acted::DescribeAgain);
     }
     let earlier = tx.rollback_target(&d)?;
+    // A named target is judged before the list: one answer for every bad
+    // target (lifecycle.md), whatever the default target would be.
+    if let (Named::Rollback, Some(target)) = (named, call.target) {
+        if !tx.is_rollback_target(&d, target)? {
+            return Ok(Acted::Refused(Refusal::ActionRefused(
+                Reason::RollbackTargetInvalid,
+            )));
+        }
+    }
     let facts = Facts {
         supported: |name: &str| name == named.name() && checked.supported,
         earlier_build: earlier.is_some(),

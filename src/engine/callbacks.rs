@@ -2,7 +2,8 @@
 //! `{"deployment", "build_id", "status": "destroyed"}` to the URL given with
 //! the delete, signed with `Berth-Signature: sha256=<hex HMAC>`. Pending
 //! callbacks live in the store, so retries (exponential backoff, up to 24 h)
-//! survive restarts. Redirects are not followed.
+//! survive restarts. Redirects are not followed. The URL is checked
+//! against `--callback-origin` again before every attempt.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -69,6 +70,15 @@ impl Engine {
             .filter(|(_, c)| c.armed && c.next_at <= now)
             .collect();
         for (build_id, callback) in due {
+            // Checked against the origins berth runs with now: a list
+            // narrowed since the delete sends the old callback nothing.
+            if !self.callback_rule.takes(&callback.url) {
+                tracing::error!(build = %format_build_id(build_id), "destroy callback dropped unsent: its origin is not in --callback-origin now");
+                self.store
+                    .write(move |tx| tx.remove_callback(build_id))
+                    .await?;
+                continue;
+            }
             let body = serde_json::json!({
                 "deployment": callback.deployment,
                 "build_id": format_build_id(build_id),

@@ -526,12 +526,12 @@ pub fn rollback_build(
     target: BuildId,
     trigger: Trigger,
 ) -> StoreResult<Option<NewBuild>> {
+    if !tx.is_rollback_target(d, target)? {
+        return Ok(None);
+    }
     let Some(b) = tx.build(target)? else {
         return Ok(None);
     };
-    if b.deployment != d.id || b.kind != BuildKind::Deploy || b.status != BuildStatus::Succeeded {
-        return Ok(None);
-    }
     let Some(snaps) = tx.build_snapshots(target)? else {
         return Ok(None);
     };

@@ -8,10 +8,13 @@
 //! route's ping), so a kill -9 at any instant neither loses a delivery for a
 //! committed change nor sends one for a change that did not commit.
 //!
-//! The sender reads due rows from the `webhook_due` index, at most
-//! `--webhook-concurrency` attempts in flight and at most one per
-//! subscription (a receiver that never answers holds one slot for
-//! `--webhook-timeout`, never another subscription's). Each attempt is
+//! The sender takes the oldest due delivery of each subscription in turn
+//! (the `webhook_queue` index keeps each subscription's pending rows
+//! together, so a dead receiver's backlog, however long, hides no other
+//! subscription's), at most `--webhook-concurrency` attempts in flight
+//! and at most one per subscription (a receiver that never answers holds
+//! one slot for `--webhook-timeout`, never another subscription's). The
+//! origin is checked against `--webhook-origin` at every attempt. Each attempt is
 //! signed per the Standard Webhooks specification (the `standardwebhooks`
 //! crate); its result and the next attempt are written back, so retries
 //! survive restarts. Redirects are not followed; a receiver's body is read
@@ -32,8 +35,8 @@ use crate::store::{DeliveryRecord, DeliveryStatus, Lookup, StoreResult, Tx, Webh
 
 /// A receiver's answer is read up to this many bytes, then dropped.
 const MAX_ANSWER_BYTES: usize = 1024;
-/// Due deliveries read per look.
-const DUE_BATCH: usize = 256;
+/// Finished deliveries read per step of the retention sweep.
+const PRUNE_PAGE: usize = 256;
 /// The sender looks at least this often (a wake-up comes after every
 /// commit that queued deliveries; this covers retries falling due).
 const LOOK_EVERY: Duration = Duration::from_millis(500);
@@ -71,6 +74,9 @@ enum Attempt {
     Delivered(u16),
     Refused(u16),
     Error(&'static str),
+    /// Not sent: the subscription's origin is not in `--webhook-origin`
+    /// now. Final: no retry would find it listed.
+    NotAllowed,
 }
 
 impl Engine {
@@ -93,10 +99,13 @@ impl Engine {
         ));
         // Subscriptions with an attempt in flight (one each, for fairness).
         let busy: Arc<Mutex<HashSet<u128>>> = Arc::default();
+        // The subscription the last slot went to: the next look starts
+        // after it, so every subscription's turn comes.
+        let mut turn = 0u128;
         // Retention runs at start, then every `PRUNE_EVERY`.
         let mut last_prune: Option<tokio::time::Instant> = None;
         loop {
-            if let Err(e) = self.send_due(&client, &slots, &busy).await {
+            if let Err(e) = self.send_due(&client, &slots, &busy, &mut turn).await {
                 tracing::error!(error = %e, "webhook sender");
             }
             if last_prune.is_none_or(|at| at.elapsed() >= PRUNE_EVERY) {
@@ -114,9 +123,10 @@ impl Engine {
         client: &reqwest::Client,
         slots: &Arc<tokio::sync::Semaphore>,
         busy: &Arc<Mutex<HashSet<u128>>>,
+        turn: &mut u128,
     ) -> StoreResult<()> {
         let now = now_millis();
-        let due = self.store.read()?.due_deliveries(now, DUE_BATCH)?;
+        let due = self.store.read()?.due_deliveries(now, *turn)?;
         for (webhook, delivery) in due {
             if !lock(busy).insert(webhook) {
                 continue;
@@ -125,6 +135,7 @@ impl Engine {
                 lock(busy).remove(&webhook);
                 break;
             };
+            *turn = webhook;
             let (engine, client, busy) = (self.clone(), client.clone(), busy.clone());
             tokio::spawn(async move {
                 if let Err(e) = engine.attempt(&client, webhook, delivery).await {
@@ -148,7 +159,14 @@ impl Engine {
                 _ => return Ok(()),
             }
         };
-        let result = send(client, &subscription, &delivery).await;
+        // The origin is checked against the list berth runs with now: a
+        // list narrowed since the subscription was made sends it nothing.
+        let result =
+            if crate::engine::origin_allowed(&subscription.url, &self.settings.webhook_origin) {
+                send(client, &subscription, &delivery).await
+            } else {
+                Attempt::NotAllowed
+            };
         let schedule = self.settings.webhook_retry_schedule.clone();
         let (status, code) = self
             .store
@@ -166,6 +184,9 @@ impl Engine {
                     Attempt::Delivered(code) => (DeliveryStatus::Delivered, Some(code), None),
                     Attempt::Refused(code) => (DeliveryStatus::Pending, Some(code), Some("status")),
                     Attempt::Error(e) => (DeliveryStatus::Pending, None, Some(e)),
+                    Attempt::NotAllowed => {
+                        (DeliveryStatus::Failed, None, Some("origin_not_allowed"))
+                    }
                 };
                 d.last_status_code = code;
                 d.last_error = error.map(str::to_string);
@@ -204,7 +225,7 @@ impl Engine {
                 for (webhook, _) in tx.webhooks()? {
                     let mut before = None;
                     loop {
-                        let page = tx.deliveries(webhook, before, DUE_BATCH)?;
+                        let page = tx.deliveries(webhook, before, PRUNE_PAGE)?;
                         let Some((last, _)) = page.last() else { break };
                         before = Some(*last);
                         for (id, d) in &page {
@@ -213,7 +234,7 @@ impl Engine {
                                 tx.remove_delivery(webhook, *id)?;
                             }
                         }
-                        if page.len() < DUE_BATCH {
+                        if page.len() < PRUNE_PAGE {
                             break;
                         }
                     }

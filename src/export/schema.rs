@@ -861,7 +861,7 @@ fn row_of(table: &RelTable, values: Vec<Value>) -> Result<Row, String> {
         | Table::LogIndex
         | Table::IdempotencyExpiry
         | Table::AuditByActor
-        | Table::WebhookDue => {
+        | Table::WebhookQueue => {
             return Err(format!(
                 "table {}: {} is an index the import rebuilds, not a table of rows",
                 table.name,

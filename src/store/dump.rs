@@ -201,7 +201,7 @@ impl Rx {
             | Table::LogIndex
             | Table::IdempotencyExpiry
             | Table::AuditByActor
-            | Table::WebhookDue => return Err(rebuilt_not_carried(table)),
+            | Table::WebhookQueue => return Err(rebuilt_not_carried(table)),
         })
     }
 
@@ -415,7 +415,7 @@ impl Rx {
             | Table::LogIndex
             | Table::IdempotencyExpiry
             | Table::AuditByActor
-            | Table::WebhookDue => return Err(rebuilt_not_carried(table)),
+            | Table::WebhookQueue => return Err(rebuilt_not_carried(table)),
         }
         Ok(())
     }

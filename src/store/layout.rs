@@ -28,6 +28,7 @@
 //! | 8 | a redo log beside a store held alone (no row changes) |
 //! | 9 | `deployment_rows`: a deployment's builds index, channel events and audit index in one table (the three tables before it removed) |
 //! | 10 | `merkle_nodes` keeps subtrees of 8 audit events and up (`store::tables::STORED_FROM_LEVEL`); the smaller ones are computed from the events, except a pruned prefix's |
+//! | 11 | `webhook_queue`: the pending deliveries by subscription, then by when they are due (`webhook_due`, by time first, removed), so one subscription's backlog never hides another's |
 //!
 //! Releases before version 2 existed wrote version 1 but may already hold
 //! any of the later indexes (they were added by presence checks), so each
@@ -58,7 +59,7 @@ use super::{
 use crate::model::BuildId;
 
 /// The layout this binary writes and reads.
-pub const LAYOUT_VERSION: u32 = 10;
+pub const LAYOUT_VERSION: u32 = 11;
 
 /// The `meta` key holding the layout version (u32 LE). Its name predates
 /// the word "layout" and stays, so every release finds it.
@@ -73,7 +74,7 @@ struct Migration {
 }
 
 /// Every migration, in order; `MIGRATIONS[i].to == i + 2`.
-const MIGRATIONS: [Migration; 9] = [
+const MIGRATIONS: [Migration; 10] = [
     Migration {
         to: 2,
         what: "index every build's log chunks",
@@ -119,6 +120,11 @@ const MIGRATIONS: [Migration; 9] = [
         what: "keep only the audit tree's subtrees of 8 events and up",
         run: audit_subtrees_from_level_3,
     },
+    Migration {
+        to: 11,
+        what: "queue each webhook subscription's pending deliveries by when they are due",
+        run: webhook_queue_by_subscription,
+    },
 ];
 
 /// The tables a layout removed, with the definitions they had, so a redo
@@ -132,6 +138,8 @@ pub enum Retired {
     DeploymentEvents,
     /// Until layout 8: (deployment id, audit seq) -> empty.
     AuditByDeployment,
+    /// Layouts 7 to 10: (next attempt ms, webhook id, delivery id) -> ().
+    WebhookDue,
 }
 
 mod v8 {
@@ -147,11 +155,20 @@ mod v8 {
         TableDefinition::new(Retired::AuditByDeployment.name());
 }
 
+mod v10 {
+    use redb::TableDefinition;
+
+    use super::Retired;
+
+    pub const WEBHOOK_DUE: TableDefinition<(i64, u128, u128), ()> =
+        TableDefinition::new(Retired::WebhookDue.name());
+}
+
 /// The oldest layout whose redo log this berth applies (to a file still
 /// at that layout, before it migrates). Logs of older layouts are refused:
 /// layout 8 was the first with a redo log at all, and each step since is
 /// known to keep the tables and keys a log of its layout names (layout 9
-/// retired three, `Retired`; layout 10 changed no table).
+/// retired three and layout 11 one, `Retired`; layout 10 changed no table).
 pub const OLDEST_LOG_LAYOUT: u32 = 8;
 
 /// A table a redo record names: one of this layout's, or one the layout
@@ -163,12 +180,15 @@ pub enum LoggedTable {
 }
 
 impl Retired {
-    /// The tables layout 9 removed (they were layout 8's).
-    const AFTER_8: [Retired; 3] = [
+    /// The tables a log of layout 8 may name that later layouts removed.
+    const AFTER_8: [Retired; 4] = [
         Retired::DeploymentBuilds,
         Retired::DeploymentEvents,
         Retired::AuditByDeployment,
+        Retired::WebhookDue,
     ];
+    /// The table a log of layout 9 or 10 may name that layout 11 removed.
+    const AFTER_10: [Retired; 1] = [Retired::WebhookDue];
 
     /// Whether a redo log of `layout` can be applied by this berth (to a
     /// file of that layout, before it migrates).
@@ -180,8 +200,8 @@ impl Retired {
     /// or one that layout had and a later one removed.
     pub fn named(layout: u32, name: &[u8]) -> Option<LoggedTable> {
         let retired: &[Retired] = match layout {
-            // A log of layout 8 may name the three tables layout 9 retired.
             8 => &Retired::AFTER_8,
+            9 | 10 => &Retired::AFTER_10,
             _ => &[],
         };
         if let Some(r) = retired.iter().find(|r| r.name().as_bytes() == name) {
@@ -198,6 +218,7 @@ impl Retired {
             Retired::DeploymentBuilds => "deployment_builds",
             Retired::DeploymentEvents => "deployment_events",
             Retired::AuditByDeployment => "audit_by_deployment",
+            Retired::WebhookDue => "webhook_due",
         }
     }
 
@@ -207,6 +228,7 @@ impl Retired {
             Retired::DeploymentBuilds => each.with(v8::DEPLOYMENT_BUILDS),
             Retired::DeploymentEvents => each.with(v8::DEPLOYMENT_EVENTS),
             Retired::AuditByDeployment => each.with(v8::AUDIT_BY_DEPLOYMENT),
+            Retired::WebhookDue => each.with(v10::WEBHOOK_DUE),
         }
     }
 }
@@ -345,12 +367,28 @@ fn redo_log_beside(_txn: &WriteTransaction) -> StoreResult<()> {
     Ok(())
 }
 
-/// v7: the webhook tables, empty (the open creates every table; this step
-/// makes the version say so).
+/// v7: the webhook tables, empty (the open creates every table of today;
+/// this step makes the version say so, and adds the due index of then).
 fn webhook_tables(txn: &WriteTransaction) -> StoreResult<()> {
-    for table in [Table::Webhooks, Table::WebhookDeliveries, Table::WebhookDue] {
+    for table in [Table::Webhooks, Table::WebhookDeliveries] {
         table.create(txn)?;
     }
+    txn.open_table(v10::WEBHOOK_DUE)?;
+    Ok(())
+}
+
+/// v11: `webhook_queue` takes the rows of `webhook_due` with the key
+/// reordered (subscription first), and `webhook_due` goes.
+fn webhook_queue_by_subscription(txn: &WriteTransaction) -> StoreResult<()> {
+    let due = txn.open_table(v10::WEBHOOK_DUE)?;
+    let mut queue = txn.open_table(WEBHOOK_QUEUE)?;
+    for entry in due.iter()? {
+        let (at, webhook, delivery) = entry?.0.value();
+        queue.insert((webhook, at, delivery), ())?;
+    }
+    assert_eq!(queue.len()?, due.len()?, "each due row has a queue row");
+    drop((due, queue));
+    txn.delete_table(v10::WEBHOOK_DUE)?;
     Ok(())
 }
 

@@ -39,7 +39,7 @@ pub(super) enum Open<'txn> {
     AtStr(redb::Table<'txn, (i64, &'static str), ()>),
     Node(redb::Table<'txn, (u8, u64), &'static [u8]>),
     IdId(redb::Table<'txn, (u128, u128), &'static [u8]>),
-    AtIdId(redb::Table<'txn, (i64, u128, u128), ()>),
+    IdAtId(redb::Table<'txn, (u128, i64, u128), ()>),
 }
 
 /// A table of key type `K` and value type `V` can be kept open in an
@@ -80,7 +80,7 @@ keep! {
     AtStr: (i64, &'static str), ();
     Node: (u8, u64), &'static [u8];
     IdId: (u128, u128), &'static [u8];
-    AtIdId: (i64, u128, u128), ();
+    IdAtId: (u128, i64, u128), ();
 }
 
 /// Where a `Logged` table records the rows it writes: the batch's redo

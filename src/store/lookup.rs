@@ -121,9 +121,39 @@ pub trait Lookup {
         self.open(IDEMPOTENCY)?.record(key)
     }
 
+    /// Whether `target` may be rolled back to (lifecycle.md "Rollback"):
+    /// a succeeded deploy build of `d` with no successful destroy of `d`
+    /// after it (a destroy ends the deployment's history as rollback
+    /// targets, so an id given to someone else never restores the last
+    /// owner's configuration). Reads the builds after it, at most
+    /// `--keep-builds`.
+    fn is_rollback_target(&self, d: &DeploymentRecord, target: BuildId) -> StoreResult<bool> {
+        let builds = self.open(BUILDS)?;
+        match builds.record::<BuildRecord>(target)? {
+            Some(b)
+                if b.deployment == d.id
+                    && b.kind == BuildKind::Deploy
+                    && b.status == BuildStatus::Succeeded => {}
+            Some(_) | None => return Ok(false),
+        }
+        let index = self.open(DEPLOYMENT_ROWS)?;
+        let after =
+            Part::Build.key(&d.id, target.saturating_add(1))..=Part::Build.key(&d.id, BuildId::MAX);
+        for entry in index.range(after)? {
+            let id = entry?.0.value().2;
+            if let Some(b) = builds.record::<BuildRecord>(id)? {
+                if b.kind == BuildKind::Destroy && b.status == BuildStatus::Succeeded {
+                    return Ok(false);
+                }
+            }
+        }
+        Ok(true)
+    }
+
     /// The newest succeeded deploy build of `d` older than its deployed
-    /// one: what a rollback without a target returns to (lifecycle.md
-    /// "Rollback"). Reads builds newest first, at most `--keep-builds`.
+    /// one and newer than its last successful destroy: what a rollback
+    /// without a target returns to (lifecycle.md "Rollback"). Reads builds
+    /// newest first, at most `--keep-builds`.
     fn rollback_target(&self, d: &DeploymentRecord) -> StoreResult<Option<BuildId>> {
         let Some(deployed) = &d.deployed else {
             return Ok(None);
@@ -137,8 +167,11 @@ pub trait Lookup {
             let Some(b) = builds.record::<BuildRecord>(id)? else {
                 continue;
             };
-            if b.kind == BuildKind::Deploy && b.status == BuildStatus::Succeeded {
-                return Ok(Some(id));
+            match (b.kind, b.status) {
+                (BuildKind::Deploy, BuildStatus::Succeeded) => return Ok(Some(id)),
+                // History before a destroy is not the deployment's now.
+                (BuildKind::Destroy, BuildStatus::Succeeded) => return Ok(None),
+                _ => {}
             }
         }
         Ok(None)

@@ -257,15 +257,28 @@ impl Rx {
 
     /// Pending webhook deliveries due at `now`, soonest first, at most
     /// `limit`: (webhook, delivery).
-    pub fn due_deliveries(&self, now: i64, limit: usize) -> StoreResult<Vec<(u128, u128)>> {
-        let t = self.rows(WEBHOOK_DUE)?;
+    /// The oldest due delivery of each subscription that has one, as
+    /// (webhook, delivery), the subscriptions in turn from the first after
+    /// `after` (wrapping round): one seek per subscription (at most
+    /// `--max-webhooks`), so no backlog, however long, hides another
+    /// subscription's due rows.
+    pub fn due_deliveries(&self, now: i64, after: u128) -> StoreResult<Vec<(u128, u128)>> {
+        let webhooks = self.rows(WEBHOOKS)?;
+        let queue = self.rows(WEBHOOK_QUEUE)?;
+        let mut ids = Vec::new();
+        for entry in webhooks.iter()? {
+            ids.push(entry?.0.value());
+        }
+        let turn = ids.partition_point(|id| *id <= after);
+        ids.rotate_left(turn);
         let mut out = Vec::new();
-        for entry in t.range((i64::MIN, 0u128, 0u128)..=(now, u128::MAX, u128::MAX))? {
-            let (k, _) = entry?;
-            let (_, webhook, delivery) = k.value();
-            out.push((webhook, delivery));
-            if out.len() >= limit {
-                break;
+        for webhook in ids {
+            let oldest = queue
+                .range((webhook, i64::MIN, 0u128)..=(webhook, now, u128::MAX))?
+                .next();
+            if let Some(entry) = oldest {
+                let (_, _, delivery) = entry?.0.value();
+                out.push((webhook, delivery));
             }
         }
         Ok(out)
@@ -273,7 +286,7 @@ impl Rx {
 
     /// Pending webhook deliveries (`/metrics`).
     pub fn pending_deliveries(&self) -> StoreResult<u64> {
-        Ok(self.rows(WEBHOOK_DUE)?.len()?)
+        Ok(self.rows(WEBHOOK_QUEUE)?.len()?)
     }
 
     pub fn callbacks(&self) -> StoreResult<Vec<(BuildId, PendingCallback)>> {

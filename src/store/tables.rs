@@ -194,10 +194,12 @@ pub const WEBHOOKS: TableDefinition<u128, &[u8]> = TableDefinition::new(Table::W
 pub const WEBHOOK_DELIVERIES: TableDefinition<(u128, u128), &[u8]> =
     TableDefinition::new(Table::WebhookDeliveries.name());
 
-/// (next attempt ms, webhook id, delivery id) -> (): the pending
-/// deliveries by when they are due, so the sender reads only those.
-pub const WEBHOOK_DUE: TableDefinition<(i64, u128, u128), ()> =
-    TableDefinition::new(Table::WebhookDue.name());
+/// (webhook id, next attempt ms, delivery id) -> (): each subscription's
+/// pending deliveries by when they are due, so the sender finds the
+/// oldest due one of every subscription with one seek each, however long
+/// another's backlog (notifications.md "Delivery").
+pub const WEBHOOK_QUEUE: TableDefinition<(u128, i64, u128), ()> =
+    TableDefinition::new(Table::WebhookQueue.name());
 
 /// Every redb table, one variant each: its name, whether an export carries
 /// its rows or an import rebuilds it from another table, and the store's
@@ -229,7 +231,7 @@ pub enum Table {
     AuditByActor,
     Webhooks,
     WebhookDeliveries,
-    WebhookDue,
+    WebhookQueue,
 }
 
 /// What an export does with a table.
@@ -272,7 +274,7 @@ impl Table {
         Table::LogIndex,
         Table::IdempotencyExpiry,
         Table::AuditByActor,
-        Table::WebhookDue,
+        Table::WebhookQueue,
     ];
 
     /// The table of this name, if berth has one.
@@ -307,7 +309,7 @@ impl Table {
             Table::MerkleNodes => "merkle_nodes",
             Table::Webhooks => "webhooks",
             Table::WebhookDeliveries => "webhook_deliveries",
-            Table::WebhookDue => "webhook_due",
+            Table::WebhookQueue => "webhook_queue",
         }
     }
 
@@ -345,7 +347,7 @@ impl Table {
             Table::AuditByActor => Rebuilt {
                 from: Table::AuditEvents,
             },
-            Table::WebhookDue => Rebuilt {
+            Table::WebhookQueue => Rebuilt {
                 from: Table::WebhookDeliveries,
             },
         }
@@ -403,7 +405,7 @@ impl Table {
             Table::AuditByActor => each.with(AUDIT_BY_ACTOR),
             Table::Webhooks => each.with(WEBHOOKS),
             Table::WebhookDeliveries => each.with(WEBHOOK_DELIVERIES),
-            Table::WebhookDue => each.with(WEBHOOK_DUE),
+            Table::WebhookQueue => each.with(WEBHOOK_QUEUE),
         }
     }
 }

@@ -342,7 +342,7 @@ impl<'o, 'a> Tx<'o, 'a> {
     pub fn remove_webhook(&self, id: u128) -> StoreResult<()> {
         self.table(WEBHOOKS)?.remove(id)?;
         let mut deliveries = self.table(WEBHOOK_DELIVERIES)?;
-        let mut due = self.table(WEBHOOK_DUE)?;
+        let mut due = self.table(WEBHOOK_QUEUE)?;
         let mut gone = Vec::new();
         for entry in deliveries.range((id, 0u128)..=(id, u128::MAX))? {
             let (k, v) = entry?;
@@ -352,7 +352,7 @@ impl<'o, 'a> Tx<'o, 'a> {
         for (delivery, next) in gone {
             deliveries.remove((id, delivery))?;
             if let Some(at) = next {
-                due.remove((at, id, delivery))?;
+                due.remove((id, at, delivery))?;
             }
         }
         Ok(())
@@ -362,13 +362,13 @@ impl<'o, 'a> Tx<'o, 'a> {
     /// pending one's new entry comes.
     pub fn put_delivery(&self, webhook: u128, id: u128, d: &DeliveryRecord) -> StoreResult<()> {
         let mut deliveries = self.table(WEBHOOK_DELIVERIES)?;
-        let mut due = self.table(WEBHOOK_DUE)?;
+        let mut due = self.table(WEBHOOK_QUEUE)?;
         let old: Option<DeliveryRecord> = get_record(&deliveries, (webhook, id))?;
         if let Some(at) = old.and_then(|o| o.next_attempt_at) {
-            due.remove((at, webhook, id))?;
+            due.remove((webhook, at, id))?;
         }
         if let (super::DeliveryStatus::Pending, Some(at)) = (d.status, d.next_attempt_at) {
-            due.insert((at, webhook, id), ())?;
+            due.insert((webhook, at, id), ())?;
         }
         deliveries.insert((webhook, id), codec::encode(d).as_slice())?;
         Ok(())
@@ -379,7 +379,7 @@ impl<'o, 'a> Tx<'o, 'a> {
         let old: Option<DeliveryRecord> =
             get_record(&self.table(WEBHOOK_DELIVERIES)?, (webhook, id))?;
         if let Some(at) = old.and_then(|o| o.next_attempt_at) {
-            self.table(WEBHOOK_DUE)?.remove((at, webhook, id))?;
+            self.table(WEBHOOK_QUEUE)?.remove((webhook, at, id))?;
         }
         self.table(WEBHOOK_DELIVERIES)?.remove((webhook, id))?;
         Ok(())
