@@ -17,8 +17,12 @@
 //! request: there is no lag to bound.
 //!
 //! The protocol is one line each way: `snapshot audit` or `snapshot all`,
-//! answered by `ok <file name>` or `error <what went wrong>`. One request
-//! is served at a time (each is a full copy of what it names); a reader
+//! answered by `ok <file name>` or `error <what went wrong>`. Each
+//! connection is served by a thread of its own (at most
+//! `MAX_CONNECTIONS`; past it a reader is told at once that berth is
+//! busy), so a reader that connects and sends nothing delays nobody. The
+//! copies themselves are made one at a time (each is a full copy of what
+//! it names), and at most `MAX_SNAPSHOTS_HELD` exist at once. A reader
 //! that goes away before the answer leaves nothing behind, and a snapshot
 //! a reader never deleted (it was killed) is removed at the server's
 //! next start or, at the latest, by a request `SNAPSHOT_MAX_AGE` later.
@@ -27,8 +31,8 @@ use std::io::{BufRead, Write};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use redb::{Key, TableDefinition, Value};
@@ -49,6 +53,12 @@ const MAX_REQUEST_BYTES: u64 = 64;
 const MAX_DRAIN_BYTES: u64 = 64 << 10;
 /// An answer line is at most this long (an error's text included).
 const MAX_ANSWER_BYTES: u64 = 4096;
+/// Readers connected at once at most: each holds a thread until it has
+/// sent its request (`REQUEST_WAIT` at most) and had its answer.
+const MAX_CONNECTIONS: usize = 8;
+/// Snapshot files that exist at once at most (made, not yet deleted by
+/// their readers): each may be as large as the store.
+const MAX_SNAPSHOTS_HELD: usize = 4;
 /// How long the server pauses after a failed accept before the next.
 const ACCEPT_RETRY: Duration = Duration::from_millis(100);
 /// How long the server waits for a connected reader's request line.
@@ -139,14 +149,25 @@ impl Drop for SnapshotServer {
 
 /// The live handle to copy from: `None` once the store is gone (closed,
 /// or reopening after an I/O error).
-pub(super) type Current = dyn Fn() -> StoreResult<super::Rx> + Send;
+pub(super) type Current = dyn Fn() -> StoreResult<super::Rx> + Send + Sync;
+
+/// What every connection's thread shares.
+struct Served {
+    current: Box<Current>,
+    store: PathBuf,
+    dir: PathBuf,
+    /// Connections being served now.
+    connected: AtomicUsize,
+    /// Held while a copy is made: one at a time.
+    copying: Mutex<()>,
+}
 
 /// Starts answering snapshot requests for the store at `store`, read
 /// through `current`. A socket that cannot be made (a path too long for
 /// one, a file system without sockets) costs only the live readers, so it
 /// is logged, not fatal.
 pub(super) fn serve(
-    current: impl Fn() -> StoreResult<super::Rx> + Send + 'static,
+    current: impl Fn() -> StoreResult<super::Rx> + Send + Sync + 'static,
     store: &Path,
 ) -> Option<SnapshotServer> {
     let dir = dir_of(store);
@@ -161,7 +182,13 @@ pub(super) fn serve(
     };
     let stop = Arc::new(AtomicBool::new(false));
     let stopped = stop.clone();
-    let store = store.to_path_buf();
+    let served = Arc::new(Served {
+        current: Box::new(current),
+        store: store.to_path_buf(),
+        dir,
+        connected: AtomicUsize::new(0),
+        copying: Mutex::new(()),
+    });
     let spawned = std::thread::Builder::new()
         .name("berth-snapshots".into())
         .spawn(move || {
@@ -170,7 +197,7 @@ pub(super) fn serve(
                     return;
                 }
                 match conn {
-                    Ok(conn) => answer(&current, &store, &dir, conn),
+                    Ok(conn) => hand_over(&served, conn),
                     // Out of file descriptors, say: no busy loop meanwhile.
                     Err(_) => std::thread::sleep(ACCEPT_RETRY),
                 }
@@ -197,9 +224,47 @@ fn listen(dir: &Path, socket: &Path) -> std::io::Result<UnixListener> {
     UnixListener::bind(socket)
 }
 
+/// Serves `conn` on a thread of its own, or tells it at once that
+/// `MAX_CONNECTIONS` readers are served already.
+fn hand_over(served: &Arc<Served>, conn: UnixStream) {
+    if served.connected.fetch_add(1, Ordering::SeqCst) >= MAX_CONNECTIONS {
+        served.connected.fetch_sub(1, Ordering::SeqCst);
+        drain(&conn);
+        if let Err(e) = reply(
+            &conn,
+            &format!("error busy: {MAX_CONNECTIONS} readers are connected; try again"),
+        ) {
+            tracing::debug!(error = %e, "a snapshot reader left before its answer");
+        }
+        return;
+    }
+    let mine = served.clone();
+    let spawned = std::thread::Builder::new()
+        .name("berth-snapshot".into())
+        .spawn(move || {
+            answer(&mine, conn);
+            mine.connected.fetch_sub(1, Ordering::SeqCst);
+        });
+    if let Err(e) = spawned {
+        served.connected.fetch_sub(1, Ordering::SeqCst);
+        tracing::warn!(error = %e, "cannot start a thread for a snapshot reader");
+    }
+}
+
+/// Snapshot files in `dir` now.
+fn snapshots_held(dir: &Path) -> usize {
+    std::fs::read_dir(dir).map_or(0, |entries| {
+        entries
+            .flatten()
+            .filter(|e| is_snapshot_name(&e.file_name().to_string_lossy()))
+            .count()
+    })
+}
+
 /// Serves one connection: reads its request, copies, answers. Every
 /// failure is answered as an `error` line (and logged), never a panic.
-fn answer(current: &Current, store: &Path, dir: &Path, conn: UnixStream) {
+fn answer(served: &Served, conn: UnixStream) {
+    let (current, store, dir) = (&*served.current, &served.store, &served.dir);
     let request = read_line(&conn, MAX_REQUEST_BYTES, REQUEST_WAIT);
     let scope = match request.as_deref().map(|l| l.split_once(' ')) {
         Ok(Some(("snapshot", word))) => Scope::parse(word),
@@ -215,11 +280,21 @@ fn answer(current: &Current, store: &Path, dir: &Path, conn: UnixStream) {
         );
         return;
     };
+    let one_at_a_time = served.copying.lock().unwrap_or_else(|p| p.into_inner());
     remove_abandoned(dir);
+    if snapshots_held(dir) >= MAX_SNAPSHOTS_HELD {
+        let _ = reply(
+            &conn,
+            &format!("error {MAX_SNAPSHOTS_HELD} snapshots are held by readers still running; try again when one has ended"),
+        );
+        return;
+    }
     let name = format!("snapshot-{}.redb", uuid::Uuid::now_v7().simple());
     let path = dir.join(&name);
     let started = std::time::Instant::now();
-    match copy(current, store, dir, &path, scope) {
+    let copied = copy(current, store, dir, &path, scope);
+    drop(one_at_a_time);
+    match copied {
         Ok(()) => {}
         Err(Failed::NoRoom(why)) => {
             tracing::warn!(%why, "a snapshot for a reader was refused");
@@ -375,7 +450,12 @@ fn copy(
     // acknowledged before the request.
     let from = current()?;
     room_for_a_copy(copy_bytes(&from.txn, store, scope)?, dir).map_err(Failed::NoRoom)?;
-    let out = redb::Database::create(to)?;
+    // Written once, front to back: a small cache, not redb's 1 GiB default.
+    let out = super::redb_builder(
+        redb::ConcurrencyMode::SingleWriter,
+        super::CacheSize::DEFAULT,
+    )
+    .create(to)?;
     let txn = out.begin_write()?;
     for table in scope.tables() {
         table.visit(&mut CopyTable {

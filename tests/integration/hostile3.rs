@@ -613,3 +613,41 @@ async fn a_rollback_never_crosses_a_destroy() {
     let (_, d) = s.json("/v1/deployments/alice").await;
     assert_eq!(d["configuration"]["owner"], "second", "{d}");
 }
+
+/// Readers that connect to the snapshot socket and send nothing delay no
+/// other: `berth audit verify` is served while they are still waited
+/// for; and connections past the bound are told at once that berth is
+/// busy, not queued.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_snapshot_readers_delay_nobody_and_are_bounded() {
+    use std::io::{ErrorKind, Read};
+    use std::os::unix::net::UnixStream;
+    let s = Server::start(Options::default()).await;
+    s.submit_ok("alice", json!({})).await;
+    let data = s.dir.join("data");
+    let socket = data.join("snapshots/berth.sock");
+    let idle: Vec<UnixStream> = (0..3)
+        .map(|_| UnixStream::connect(&socket).unwrap())
+        .collect();
+    let (code, report) = verify_json(&data);
+    assert_eq!(code, 0, "{report}");
+    for mut c in &idle {
+        c.set_nonblocking(true).unwrap();
+        let mut buf = [0u8; 64];
+        let still_waited_for =
+            matches!(c.read(&mut buf), Err(e) if e.kind() == ErrorKind::WouldBlock);
+        assert!(
+            still_waited_for,
+            "an idle reader was answered before verify was"
+        );
+    }
+    // Five more fill the bound of eight; the ninth is told at once.
+    let more: Vec<UnixStream> = (0..5)
+        .map(|_| UnixStream::connect(&socket).unwrap())
+        .collect();
+    let mut ninth = UnixStream::connect(&socket).unwrap();
+    let mut answer = String::new();
+    ninth.read_to_string(&mut answer).unwrap();
+    assert!(answer.starts_with("error busy"), "{answer}");
+    drop((idle, more));
+}
