@@ -569,6 +569,9 @@ fn ssh(target: &str, script: &str, args: &[&str]) -> Command {
         remote.push_str(&shell_quote(arg));
     }
     let mut cmd = Command::new("ssh");
+    // First, so no option after it can turn it off: a deployer has no
+    // terminal, and a password or host-key prompt would hang the build.
+    cmd.args(["-o", "BatchMode=yes"]);
     if let Ok(options) = std::env::var("NIX_SSHOPTS") {
         cmd.args(options.split_whitespace());
     }
@@ -578,37 +581,73 @@ fn ssh(target: &str, script: &str, args: &[&str]) -> Command {
     cmd
 }
 
-/// On the target: arm the revert, then `switch-to-configuration test`.
-/// Arguments: the node's dir, the deploy's token (its build id), the
-/// previous toplevel (empty: the running system, if any), the new
-/// toplevel, the timeout in seconds. The revert is a detached process on
-/// the target itself, so it fires even when berth never reaches the node
-/// again; it fires only while the arm holds this deploy's token.
+/// `NIX_SSHOPTS` for `nix-copy-closure`: `BatchMode=yes` first, then
+/// the operator's own options.
+fn batch_ssh_options() -> String {
+    match std::env::var("NIX_SSHOPTS") {
+        Ok(options) => format!("-o BatchMode=yes {options}"),
+        Err(_) => "-o BatchMode=yes".into(),
+    }
+}
+
+/// On the target: claim the host for this node, arm the revert, then
+/// `switch-to-configuration test`. Arguments: the node's dir, the
+/// deploy's token (its build id), the previous toplevel (empty: the
+/// running system, if any), the new toplevel, the timeout in seconds, the
+/// node's name as the host's holder (`<deployment>.<node>`), and the
+/// `REVERT` script. The revert is a detached process on the target
+/// itself, so it fires even when berth never reaches the node again.
+///
+/// One arm per host: a host's system is one, so the first node that arms
+/// on it holds it (`.holder` beside the node dirs, made with `ln -s`,
+/// which is atomic and never replaces), and another deployment's node is
+/// refused there until a destroy releases it (`RELEASE`).
 const ARM_AND_TEST: &str = r#"set -u
-d="$1"; token="$2"; previous="$3"; toplevel="$4"; timeout="$5"
+d="$1"; token="$2"; previous="$3"; toplevel="$4"; timeout="$5"; holder="$6"; revert="$7"
 mkdir -p "$d" || exit 1
+base="$(dirname "$d")"
+# The link points nowhere ("held-by:..." names no file), so `ln` never
+# follows it into a directory: a second `ln -s` fails while it exists.
+if ! ln -s "held-by:$holder" "$base/.holder" 2>/dev/null && [ "$(readlink "$base/.holder")" != "held-by:$holder" ]; then
+  echo "refused: this host's system is $(readlink "$base/.holder") (one deployment's node per host); destroy that deployment first, or remove $base/.holder on the host" >&2
+  exit 1
+fi
 if [ -z "$previous" ] && [ -e /run/current-system ]; then previous="$(readlink -f /run/current-system)"; fi
-rm -f "$d/reverted"
+rm -rf "$d/reverted" "$d"/settled.*
 printf '%s\n' "$token" > "$d/armed" || exit 1
 if [ -n "$previous" ]; then
   detach=; command -v setsid >/dev/null 2>&1 && detach=setsid
-  nohup $detach sh -c 'sleep "$1"
-    if [ "$(cat "$2/armed" 2>/dev/null)" = "$3" ]; then
-      rm -f "$2/armed"; printf "%s\n" "$3" > "$2/reverted"
-      "$4/bin/switch-to-configuration" test
-    fi' revert "$timeout" "$d" "$token" "$previous" </dev/null >>"$d/revert.log" 2>&1 &
+  nohup $detach sh -c 'sleep "$1"; shift; sh -c "$@"' revert "$timeout" "$revert" revert "$d" "$token" "$previous" </dev/null >>"$d/revert.log" 2>&1 &
   echo "armed: back to the previous system after ${timeout}s unless confirmed"
 else
   echo "no previous system on this node: nothing to go back to"
 fi
 if ! "$toplevel/bin/switch-to-configuration" test; then
   echo "switch-to-configuration test failed" >&2
-  if [ -n "$previous" ]; then
+  if [ -n "$previous" ] && mkdir "$d/settled.$token" 2>/dev/null; then
     rm -f "$d/armed"; echo "going back to the previous system"
     "$previous/bin/switch-to-configuration" test
   fi
   exit 1
 fi"#;
+
+/// On the target, when the armed time is up: go back to the previous
+/// system, unless this deploy was settled first. Arguments: the node's
+/// dir, the token, the previous toplevel. `mkdir settled.<token>` is the
+/// one atomic step both this and `CONFIRM` take first: whichever makes
+/// it acts, the other finds it made and does nothing, so a confirm near
+/// the timeout never leaves the node on the old system while its boot
+/// entry says the new one.
+const REVERT: &str = r#"d="$1"; token="$2"; previous="$3"
+mkdir "$d/settled.$token" 2>/dev/null || exit 0
+[ "$(cat "$d/armed" 2>/dev/null)" = "$token" ] || exit 0
+rm -f "$d/armed"; printf '%s\n' "$token" > "$d/reverted"
+"$previous/bin/switch-to-configuration" test"#;
+
+/// On the target, at a destroy: the host's claim is released if this
+/// node holds it. Arguments: the node dirs' base, the holder's name.
+const RELEASE: &str =
+    r#"if [ "$(readlink "$1/.holder" 2>/dev/null)" = "held-by:$2" ]; then rm -f "$1/.holder"; fi"#;
 
 /// On the target: the node's health, one last line `healthy` or
 /// `unhealthy: <reason>`. Arguments: the node's dir, the token, the
@@ -634,7 +673,7 @@ echo healthy"#;
 /// profile and the boot entry. Arguments: the node's dir, the token, the
 /// toplevel, the profile.
 const CONFIRM: &str = r#"d="$1"; token="$2"; toplevel="$3"; profile="$4"
-if [ "$(cat "$d/armed" 2>/dev/null)" != "$token" ]; then
+if ! mkdir "$d/settled.$token" 2>/dev/null || [ "$(cat "$d/armed" 2>/dev/null)" != "$token" ]; then
   echo "this deploy's revert is not armed on the node any more: it fired, or another deploy armed it" >&2; exit 1
 fi
 rm -f "$d/armed"
@@ -645,9 +684,15 @@ echo "confirmed: the new system is the boot entry""#;
 /// The node's directory on its target.
 fn target_dir(deployment: &str, node: &str) -> String {
     format!(
-        "{}/{deployment}.{node}",
-        text_knob("BERTH_NIX_TARGET_DIR", DEFAULT_TARGET_DIR)
+        "{}/{}",
+        text_knob("BERTH_NIX_TARGET_DIR", DEFAULT_TARGET_DIR),
+        holder(deployment, node)
     )
+}
+
+/// The name a node holds its host by (and its dir's name there).
+fn holder(deployment: &str, node: &str) -> String {
+    format!("{deployment}.{node}")
 }
 
 /// Activates a changed node: a configured command, or over SSH with an
@@ -691,6 +736,7 @@ fn activate(
     println!("copying {node} to {target}");
     let mut copy = Command::new("nix-copy-closure");
     copy.args(["--to", target, toplevel]);
+    copy.env("NIX_SSHOPTS", batch_ssh_options());
     if let Some(check) = check {
         copy.arg(check);
     }
@@ -715,6 +761,8 @@ fn activate(
             previous.unwrap_or(""),
             toplevel,
             &timeout.to_string(),
+            &holder(deployment, node),
+            REVERT,
         ],
     )
     .status()
@@ -1042,8 +1090,35 @@ fn destroy(request: &Value) -> Outcome {
     } else {
         println!("the source has no destroy hook");
     }
+    release_hosts(request, &read_state(&work)?);
     let _ = std::fs::remove_file(work.join(STATE_FILE));
     Ok(json!({}))
+}
+
+/// Releases the hosts the deployment's nodes hold (`ARM_AND_TEST`). A host
+/// that cannot be reached keeps its claim, and the log says how to
+/// release it by hand; the destroy itself goes on.
+fn release_hosts(request: &Value, state: &State) {
+    if std::env::var_os("BERTH_NIX_ACTIVATE").is_some() {
+        return;
+    }
+    let deployment = request["deployment"].as_str().unwrap_or("");
+    let base = text_knob("BERTH_NIX_TARGET_DIR", DEFAULT_TARGET_DIR);
+    for (name, node) in state {
+        let Some(target) = node.target.as_deref() else {
+            continue;
+        };
+        let released = ssh(target, RELEASE, &[&base, &holder(deployment, name)]).status();
+        match released {
+            Ok(status) if status.success() => println!("{name}: released its host {target}"),
+            Ok(status) => println!(
+                "{name}: could not release its host {target} ({status}); remove {base}/.holder there by hand before another deployment uses it"
+            ),
+            Err(e) => println!(
+                "{name}: cannot run ssh to release its host {target} ({e}); remove {base}/.holder there by hand before another deployment uses it"
+            ),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -1064,5 +1139,147 @@ mod tests {
         assert!(!m.contains("0123456789abcdef"), "{m}");
         assert!(!m.contains("show-trace"), "{m}");
         assert!(cut_message(&"error: x".repeat(1000)).chars().count() <= MAX_MESSAGE_CHARS);
+    }
+
+    /// A directory for one test of the target scripts: fake toplevels
+    /// whose `switch-to-configuration` appends `<name> <verb>` to
+    /// `history`, and a `nix-env` stand-in first on the PATH.
+    fn target_scratch(tag: &str) -> PathBuf {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("berth-target-{}-{tag}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        for (name, body) in [
+            (
+                "old/bin/switch-to-configuration",
+                format!("echo \"old $1\" >> {}/history", dir.display()),
+            ),
+            (
+                "new/bin/switch-to-configuration",
+                format!("echo \"new $1\" >> {}/history", dir.display()),
+            ),
+            ("stubs/nix-env", "exit 0".to_string()),
+        ] {
+            let path = dir.join(name);
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            std::fs::write(&path, format!("#!/bin/sh\n{body}\n")).unwrap();
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        }
+        dir
+    }
+
+    /// One target script run by `/bin/sh` as ssh would run it.
+    fn on_target(dir: &Path, script: &str, args: &[&str]) -> Command {
+        let path = format!(
+            "{}:{}",
+            dir.join("stubs").display(),
+            std::env::var("PATH").unwrap_or_default()
+        );
+        let mut c = Command::new("/bin/sh");
+        c.arg("-c")
+            .arg(script)
+            .arg("berth")
+            .args(args)
+            .env("PATH", path);
+        c.stdout(Stdio::null()).stderr(Stdio::null());
+        c
+    }
+
+    /// A confirm and the armed revert racing near the timeout settle one
+    /// way only: either the confirm succeeds and the node stays on the new
+    /// system, or the revert went back and the confirm fails, never both.
+    #[test]
+    fn a_confirm_and_its_revert_at_the_same_instant_settle_one_way_only() {
+        let dir = target_scratch("race");
+        let node = dir.join("node");
+        let (old, new) = (dir.join("old"), dir.join("new"));
+        let profile = dir.join("profile");
+        for round in 0..40 {
+            let token = format!("build-{round}");
+            std::fs::create_dir_all(&node).unwrap();
+            std::fs::write(node.join("armed"), format!("{token}\n")).unwrap();
+            let _ = std::fs::remove_file(dir.join("history"));
+            let node = node.to_str().unwrap();
+            let mut revert = on_target(&dir, REVERT, &[node, &token, old.to_str().unwrap()])
+                .spawn()
+                .unwrap();
+            let confirm_args = [
+                node,
+                &token,
+                new.to_str().unwrap(),
+                profile.to_str().unwrap(),
+            ];
+            let confirmed = on_target(&dir, CONFIRM, &confirm_args)
+                .status()
+                .unwrap()
+                .success();
+            assert!(revert.wait().unwrap().success());
+            let history = std::fs::read_to_string(dir.join("history")).unwrap_or_default();
+            let went_back = history.contains("old test");
+            assert!(
+                confirmed != went_back,
+                "round {round}: confirmed {confirmed}, history {history:?}"
+            );
+            assert_eq!(
+                confirmed,
+                history.contains("new boot"),
+                "round {round}: {history:?}"
+            );
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// One node per host: a second deployment's node is refused where
+    /// another holds the host, until a destroy releases it.
+    #[test]
+    fn a_host_held_by_one_deployment_refuses_another_until_released() {
+        let dir = target_scratch("holder");
+        let base = dir.join("nodes");
+        let new = dir.join("new");
+        let arm = |holder: &str| {
+            let node = base.join(holder);
+            on_target(
+                &dir,
+                ARM_AND_TEST,
+                &[
+                    node.to_str().unwrap(),
+                    "t1",
+                    "",
+                    new.to_str().unwrap(),
+                    "60",
+                    holder,
+                    REVERT,
+                ],
+            )
+            .status()
+            .unwrap()
+            .success()
+        };
+        assert!(arm("alice.web"));
+        assert!(arm("alice.web"), "its holder arms again");
+        assert!(!arm("bob.web"), "another deployment's node is refused");
+        let released = |holder: &str| {
+            on_target(&dir, RELEASE, &[base.to_str().unwrap(), holder])
+                .status()
+                .unwrap()
+                .success()
+        };
+        assert!(released("bob.web"), "a release by another changes nothing");
+        assert!(!arm("bob.web"));
+        assert!(released("alice.web"));
+        assert!(arm("bob.web"));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// ssh is run in batch mode before any option the operator gives
+    /// (ssh keeps an option's first value), so no prompt can hang a build.
+    #[test]
+    fn ssh_runs_in_batch_mode_whatever_the_options() {
+        let cmd = ssh("root@host", "true", &[]);
+        let args: Vec<_> = cmd
+            .get_args()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(args[..2], ["-o", "BatchMode=yes"], "{args:?}");
+        assert!(batch_ssh_options().starts_with("-o BatchMode=yes"));
     }
 }
