@@ -23,6 +23,8 @@
 //!   writer, `store/syncer.rs`, with every batch handed over after it).
 //!   Both take as argument bytes the batch's rows must hold
 //!   (`redo.commit=return(dep-id)`);
+//! - `redo.void`: the write that voids a refused record's header in the
+//!   redo log (the log then refuses to write until it can void it);
 //! - `redo.direct_write`: a redo log record's `O_DIRECT` write
 //!   (`store/blocks.rs`), refused with `EINVAL` as a disk whose blocks are
 //!   larger than 4 KiB refuses it (the log then writes through the page

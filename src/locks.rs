@@ -5,7 +5,47 @@
 //! mid-way (a client that left), so the map never grows with abandoned work.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+/// Taking a lock that a thread panicked while holding.
+///
+/// Why a poisoned lock is used as it is, once for every lock in berth:
+/// each one guards state that is whole between statements (its fields
+/// are replaced, never left half-set, and a write job that panics is
+/// caught before its batch's state is touched), so what a panicking
+/// holder left is as good as any. Refusing it would turn one panic into
+/// every later request failing.
+pub trait Held<T: ?Sized> {
+    type Guard<'a>
+    where
+        Self: 'a;
+    fn held(&self) -> Self::Guard<'_>;
+}
+
+impl<T: ?Sized> Held<T> for Mutex<T> {
+    type Guard<'a>
+        = MutexGuard<'a, T>
+    where
+        Self: 'a;
+    fn held(&self) -> MutexGuard<'_, T> {
+        self.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// `Held` for the two sides of a `RwLock`.
+pub trait HeldRw<T: ?Sized> {
+    fn read_held(&self) -> RwLockReadGuard<'_, T>;
+    fn write_held(&self) -> RwLockWriteGuard<'_, T>;
+}
+
+impl<T: ?Sized> HeldRw<T> for RwLock<T> {
+    fn read_held(&self) -> RwLockReadGuard<'_, T> {
+        self.read().unwrap_or_else(|p| p.into_inner())
+    }
+    fn write_held(&self) -> RwLockWriteGuard<'_, T> {
+        self.write().unwrap_or_else(|p| p.into_inner())
+    }
+}
 
 /// In-process locks, one per key in flight.
 #[derive(Default)]
@@ -13,7 +53,7 @@ pub struct KeyLocks(Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>);
 
 impl KeyLocks {
     fn map(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<tokio::sync::Mutex<()>>>> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner())
+        self.0.held()
     }
 
     /// Waits for, then holds, the lock of one key. The entry leaves the
@@ -107,7 +147,7 @@ pub struct Quotas(Arc<Mutex<HashMap<String, usize>>>);
 
 impl Quotas {
     pub fn take(&self, key: &str, max: usize) -> Option<QuotaGuard> {
-        let mut held = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let mut held = self.0.held();
         let count = held.entry(key.to_string()).or_default();
         if *count >= max {
             if *count == 0 {
@@ -131,7 +171,7 @@ pub struct QuotaGuard {
 
 impl Drop for QuotaGuard {
     fn drop(&mut self) {
-        let mut held = self.quotas.0.lock().unwrap_or_else(|p| p.into_inner());
+        let mut held = self.quotas.0.held();
         if let Some(count) = held.get_mut(&self.key) {
             *count = count.saturating_sub(1);
             if *count == 0 {

@@ -30,6 +30,7 @@
 //! socket state the fan-out shares, and the tests on real sockets (and a
 //! real hyper connection) that pin their interplay are read together.
 
+use crate::locks::Held;
 use std::collections::VecDeque;
 use std::future::Future;
 use std::io;
@@ -126,7 +127,7 @@ pub struct Wire {
 
 impl Wire {
     fn lock(&self) -> MutexGuard<'_, WireState> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        self.state.held()
     }
 
     /// Asks for the socket on behalf of a stream: `give` runs, with the

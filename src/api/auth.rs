@@ -8,6 +8,7 @@
 //! that fails or is slower than `CALLBACK_TIMEOUT` denies. Authentication
 //! runs before a byte of the body is read.
 
+use crate::locks::Held;
 use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -293,8 +294,10 @@ impl Authz {
     /// last time the cap was reached.
     pub fn sweep(&self) {
         let now = Instant::now();
-        lock(&self.cache).retain_fresh(now);
-        lock(&self.known).retain(|_, (_, at)| now.duration_since(*at) < DECISION_TTL);
+        self.cache.held().retain_fresh(now);
+        self.known
+            .held()
+            .retain(|_, (_, at)| now.duration_since(*at) < DECISION_TTL);
     }
 
     pub fn configured(&self) -> bool {
@@ -311,16 +314,16 @@ impl Authz {
             target: q.target_actor.map(Actor::key),
         };
         let now = Instant::now();
-        if let Some((d, at)) = lock(&self.cache).answers.get(&key) {
+        if let Some((d, at)) = self.cache.held().answers.get(&key) {
             if now.duration_since(*at) < DECISION_TTL {
                 return d.clone();
             }
         }
         match self.ask(token, q).await {
             Ok(decision) => {
-                lock(&self.cache).insert(key, decision.clone(), now);
+                self.cache.held().insert(key, decision.clone(), now);
                 if let Some(actor) = &decision.actor {
-                    let mut known = lock(&self.known);
+                    let mut known = self.known.held();
                     if known.len() >= MAX_CACHED_DECISIONS {
                         known.clear();
                     }
@@ -334,7 +337,9 @@ impl Authz {
                     why,
                     "authorization callback failed: denying"
                 );
-                let actor = lock(&self.known)
+                let actor = self
+                    .known
+                    .held()
                     .get(&token_hash)
                     .filter(|(_, at)| now.duration_since(*at) < DECISION_TTL)
                     .map(|(a, _)| a.clone());
@@ -400,10 +405,6 @@ impl Authz {
             actor,
         })
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Authenticates a token route: the service token, or the callback's

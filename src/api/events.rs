@@ -6,6 +6,7 @@
 //! memory: after a restart a page asks for a new one (its reconnect gets a
 //! plain 401, which stops `EventSource` from retrying).
 
+use crate::locks::Held;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
@@ -94,7 +95,7 @@ impl TicketTable {
 
 impl Tickets {
     fn lock(&self) -> std::sync::MutexGuard<'_, TicketTable> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner())
+        self.0.held()
     }
 
     /// Drops expired tickets (run every 30 s by `serve`, not only when the

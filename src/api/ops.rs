@@ -1,5 +1,6 @@
 //! Operations routes: /healthz, /readyz, /metrics, /v1/openapi.json.
 
+use crate::locks::Held;
 use std::fmt::Write;
 use std::sync::atomic::Ordering;
 
@@ -72,12 +73,7 @@ fn label_value(value: &str) -> String {
 }
 
 pub fn count_request(ctx: &Ctx, route: &'static str, status: u16) {
-    let mut m = ctx
-        .engine
-        .metrics
-        .requests
-        .lock()
-        .unwrap_or_else(|p| p.into_inner());
+    let mut m = ctx.engine.metrics.requests.held();
     *m.entry((route.to_string(), status)).or_default() += 1;
 }
 
@@ -94,7 +90,7 @@ pub fn metrics(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
     let components = e.store.read()?.component_count()?;
     out.push_str("# HELP berth_http_requests_total Requests by route template and status.\n# TYPE berth_http_requests_total counter\n");
     {
-        let m = e.metrics.requests.lock().unwrap_or_else(|p| p.into_inner());
+        let m = e.metrics.requests.held();
         let mut rows: Vec<_> = m.iter().collect();
         rows.sort();
         for ((route, status), n) in rows {
@@ -106,7 +102,7 @@ pub fn metrics(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
     }
     out.push_str("# HELP berth_denied_calls_total A known actor's denied calls, by principal (subject and issuer) with the service token; without it (--metrics-public) only their sum.\n# TYPE berth_denied_calls_total counter\n");
     {
-        let m = e.metrics.denials.lock().unwrap_or_else(|p| p.into_inner());
+        let m = e.metrics.denials.held();
         if with_token {
             let mut rows: Vec<_> = m.iter().collect();
             rows.sort();

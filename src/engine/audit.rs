@@ -4,6 +4,7 @@
 //! anonymous denials, and retention. The chain itself is `crate::audit`;
 //! its rows are appended by `transition::Change::audit`.
 
+use crate::locks::Held;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -101,7 +102,7 @@ impl Engine {
     pub async fn audit_anonymous_denial(&self, draft: Draft) {
         let interval = self.settings.audit_denial_interval;
         let (record, folded) = {
-            let mut w = self.denials.state.lock().unwrap_or_else(|p| p.into_inner());
+            let mut w = self.denials.state.held();
             let now = Instant::now();
             match w.started {
                 Some(t) if now.duration_since(t) < interval => {
@@ -125,7 +126,7 @@ impl Engine {
     /// Writes the count of an interval that has ended with no denial since.
     pub async fn flush_denials(&self) {
         let folded = {
-            let mut w = self.denials.state.lock().unwrap_or_else(|p| p.into_inner());
+            let mut w = self.denials.state.held();
             match w.started {
                 Some(t) if t.elapsed() >= self.settings.audit_denial_interval && w.folded > 0 => {
                     w.started = None;

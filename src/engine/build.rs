@@ -3,6 +3,7 @@
 //! The two transactions are plain functions (`start_tx`, `finish_tx`) that
 //! change state only through `transition`.
 
+use crate::locks::Held;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -17,7 +18,7 @@ use super::queue::QUEUE_POLL;
 use super::runner::{self, CallDirs, Ended, Invocation};
 use super::transition::Change;
 use super::verdict::{read_deploy_result, Outcome};
-use super::{lock, Engine};
+use super::Engine;
 use crate::events::{Channel, Frame, Hub};
 use crate::model::*;
 use crate::store::Lookup;
@@ -30,7 +31,7 @@ const FINAL_COMMIT_MAX_PAUSE: Duration = Duration::from_secs(30);
 impl Engine {
     pub(super) async fn run_build(self: Arc<Self>, build_id: BuildId) {
         let (cancel_tx, cancel_rx) = watch::channel(Halt::No);
-        lock(&self.cancels).insert(build_id, cancel_tx);
+        self.cancels.held().insert(build_id, cancel_tx);
         let hub = self.hub.clone();
         let started = self
             .store

@@ -1,6 +1,7 @@
 //! Calls of `describe` and `eval`: the deployer's answers about a source and
 //! a configuration, with their caches, slots and timeouts.
 
+use crate::locks::Held;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 
@@ -194,7 +195,7 @@ impl Default for Describing {
 
 impl Describing {
     fn recent_failure(&self, digest: &str) -> Option<Refusal> {
-        let mut failed = self.failed.lock().unwrap_or_else(|p| p.into_inner());
+        let mut failed = self.failed.held();
         match failed.get(digest) {
             Some((at, refusal)) if at.elapsed() < DESCRIBE_FAILURE_TTL => Some(refusal.clone()),
             Some(_) => {
@@ -206,7 +207,7 @@ impl Describing {
     }
 
     fn remember_failure(&self, digest: &str, refusal: &Refusal) {
-        let mut failed = self.failed.lock().unwrap_or_else(|p| p.into_inner());
+        let mut failed = self.failed.held();
         // Bounded: expired entries go first; the map holds at most one entry
         // per source a caller named in the last `DESCRIBE_FAILURE_TTL`.
         failed.retain(|_, (at, _)| at.elapsed() < DESCRIBE_FAILURE_TTL);
@@ -219,11 +220,7 @@ impl Describing {
 
 impl Engine {
     fn described_in_memory(&self, digest: &str) -> Option<Arc<Described>> {
-        self.described
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(digest)
-            .cloned()
+        self.described.held().get(digest).cloned()
     }
 
     /// `describe` of a source: memory, then the store, then the deployer
@@ -308,8 +305,7 @@ impl Engine {
             Refusal::Internal
         })?);
         self.described
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+            .held()
             .insert(source.digest.clone(), described.clone());
         Ok(described)
     }

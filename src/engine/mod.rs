@@ -31,6 +31,7 @@ pub mod webhooks;
 pub use audit::Recorder;
 pub use requests::{CancelTaken, DestroyQueued, Mode, SubmitInput, Submitted};
 
+use crate::locks::Held;
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, Mutex};
@@ -68,7 +69,7 @@ pub const MAX_DENIAL_PRINCIPALS: usize = 1000;
 
 impl Metrics {
     pub fn count_denial(&self, principal: &str) {
-        let mut denials = self.denials.lock().unwrap_or_else(|p| p.into_inner());
+        let mut denials = self.denials.held();
         let key = if denials.contains_key(principal) || denials.len() < MAX_DENIAL_PRINCIPALS {
             principal
         } else {
@@ -128,10 +129,6 @@ pub fn builtin_source() -> Source {
         rev: version.into(),
         digest: format!("sha256:{}", crate::hex::encode(&digest)),
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 fn origin_of(url: &str) -> Option<String> {
@@ -301,14 +298,14 @@ impl Engine {
     }
 
     pub fn running_builds(&self) -> usize {
-        lock(&self.sched).running.len()
+        self.sched.held().running.len()
     }
 
     /// After `--shutdown-grace`: every running build's deployer is stopped
     /// (SIGTERM, `--cancel-grace`, SIGKILL) and recorded `failed` with
     /// `interrupted_by_shutdown`.
     pub fn stop_running_builds(&self) {
-        for halt in lock(&self.cancels).values() {
+        for halt in self.cancels.held().values() {
             let _ = halt.send(outcome::Halt::Shutdown);
         }
     }

@@ -6,11 +6,12 @@
 //! A deployment whose orphaned deployer (from before a restart) is still
 //! being stopped starts nothing until it has exited.
 
+use crate::locks::Held;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{lock, Engine};
+use super::Engine;
 use crate::model::*;
 
 /// How often the queue looks again even without a wake-up.
@@ -32,11 +33,11 @@ impl Engine {
             return Ok(());
         }
         // Every slot busy: nothing to start, and no need to read the queue.
-        if lock(&self.sched).running.len() >= usize::from(self.settings.build_slots) {
+        if self.sched.held().running.len() >= usize::from(self.settings.build_slots) {
             return Ok(());
         }
         let queued = self.store.read()?.queued()?;
-        let mut sched = lock(&self.sched);
+        let mut sched = self.sched.held();
         let slots = usize::from(self.settings.build_slots);
         for (build_id, deployment) in queued {
             if sched.running.len() >= slots {
@@ -60,17 +61,17 @@ impl Engine {
     }
 
     pub(super) fn release_slot(&self, build_id: BuildId) {
-        lock(&self.sched).running.remove(&build_id);
-        lock(&self.cancels).remove(&build_id);
+        self.sched.held().running.remove(&build_id);
+        self.cancels.held().remove(&build_id);
         self.wake_queue();
     }
 
     pub(super) fn block_deployment(&self, deployment: &str) {
-        lock(&self.sched).blocked.insert(deployment.to_string());
+        self.sched.held().blocked.insert(deployment.to_string());
     }
 
     pub(super) fn unblock_deployment(&self, deployment: &str) {
-        lock(&self.sched).blocked.remove(deployment);
+        self.sched.held().blocked.remove(deployment);
         self.wake_queue();
     }
 }

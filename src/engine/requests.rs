@@ -34,6 +34,7 @@
 //!    build of a deployment with nothing running while a slot is free;
 //!    `build.rs` runs it.
 
+use crate::locks::Held;
 use std::sync::Arc;
 
 use serde_json::{json, Value};
@@ -45,7 +46,7 @@ use super::refusal::{
     Conflict, EvalUnavailable, FieldError, InvalidSource, Missing, QueueFull, Refusal,
 };
 use super::transition::{Change, NewBuild};
-use super::{lock, origin_allowed, Engine};
+use super::{origin_allowed, Engine};
 use crate::events::Hub;
 use crate::model::*;
 use crate::store::Lookup;
@@ -420,7 +421,7 @@ impl Engine {
             .write(move |tx| cancel_tx(tx, &hub, build_id, &record))
             .await??;
         if taken.was_running {
-            if let Some(cancel) = lock(&self.cancels).get(&build_id) {
+            if let Some(cancel) = self.cancels.held().get(&build_id) {
                 let _ = cancel.send(super::outcome::Halt::Cancel);
             }
         }

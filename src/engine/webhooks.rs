@@ -20,6 +20,7 @@
 //! survive restarts. Redirects are not followed; a receiver's body is read
 //! up to `MAX_ANSWER_BYTES` and then dropped, never stored or logged.
 
+use crate::locks::Held;
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
@@ -128,11 +129,11 @@ impl Engine {
         let now = now_millis();
         let due = self.store.read()?.due_deliveries(now, *turn)?;
         for (webhook, delivery) in due {
-            if !lock(busy).insert(webhook) {
+            if !busy.held().insert(webhook) {
                 continue;
             }
             let Ok(permit) = slots.clone().try_acquire_owned() else {
-                lock(busy).remove(&webhook);
+                busy.held().remove(&webhook);
                 break;
             };
             *turn = webhook;
@@ -141,7 +142,7 @@ impl Engine {
                 if let Err(e) = engine.attempt(&client, webhook, delivery).await {
                     tracing::error!(error = %e, "a webhook attempt could not be recorded");
                 }
-                lock(&busy).remove(&webhook);
+                busy.held().remove(&webhook);
                 drop(permit);
                 // Its subscription's next delivery may be due now.
                 engine.hub.outbox.notify_one();
@@ -243,10 +244,6 @@ impl Engine {
             })
             .await
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// One signed POST of the delivery's body.

@@ -14,6 +14,7 @@
 //! socket's backlog fills (it catches up from the store, then comes back),
 //! when its build ends (after `end`), or when its socket fails.
 
+use crate::locks::Held;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
@@ -63,7 +64,7 @@ struct Made {
 
 impl FanOut {
     fn lock(&self) -> std::sync::MutexGuard<'_, Inbox> {
-        self.inbox.lock().unwrap_or_else(|p| p.into_inner())
+        self.inbox.held()
     }
 
     /// A stream's socket is now the fan-out's: write from `last` on.

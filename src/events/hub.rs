@@ -1,6 +1,7 @@
 //! The hub: every channel with live subscribers or uncommitted log lines,
 //! each with one shared tail of recent batches.
 
+use crate::locks::Held;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Mutex};
@@ -35,7 +36,7 @@ struct LiveState {
 
 impl Live {
     fn lock(&self) -> std::sync::MutexGuard<'_, LiveState> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        self.state.held()
     }
 
     fn push(&self, state: &mut LiveState, batch: Arc<Batch>) {
@@ -220,7 +221,7 @@ impl Drop for Subscription {
 
 impl Hub {
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Channel, Arc<Live>>> {
-        self.channels.lock().unwrap_or_else(|p| p.into_inner())
+        self.channels.held()
     }
 
     /// Appends to the channel's tail if anyone listens.

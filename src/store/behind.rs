@@ -60,6 +60,7 @@
 //! bookkeeping, and the `pwrite`s were a small part of it. It was not
 //! worth a second copy of the file's newest pages to keep coherent.
 
+use crate::locks::Held;
 use std::ops::Bound;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
@@ -150,7 +151,7 @@ impl Failure {
 
 impl RedbSyncs {
     fn progress(&self) -> MutexGuard<'_, Progress> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        self.state.held()
     }
 
     /// The ticket of every sync asked so far: `state` says whether they

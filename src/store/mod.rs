@@ -35,6 +35,7 @@ mod tx;
 mod view;
 mod writer;
 
+use crate::locks::{Held, HeldRw};
 pub use audit::{AuditLookup, Pruned, ReadOnlyStore, StoredNodes};
 pub use error::{StoreError, StoreErrorKind, StoreResult};
 pub use lookup::Lookup;
@@ -248,10 +249,7 @@ impl Store {
         let overlay = Arc::new(overlay::Overlay::default());
         let syncer = match &redo {
             Some(log) => {
-                let file = log
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .sync_handle()?;
+                let file = log.held().sync_handle()?;
                 Some(syncer::Syncer::start(file, overlay.clone())?)
             }
             None => None,
@@ -328,19 +326,15 @@ impl Store {
         let run = Box::new(move |tx: &Tx| {
             let result = job(tx);
             let failure = result.as_ref().err().cloned();
-            *keep.lock().unwrap_or_else(|p| p.into_inner()) = Some(result);
+            *keep.held() = Some(result);
             failure
         });
         let finish = Box::new(move |error: Option<StoreError>| {
             let outcome = match error {
                 Some(e) => Err(e),
-                None => kept
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .take()
-                    .unwrap_or_else(|| {
-                        Err(StoreError::other("a write job finished without running"))
-                    }),
+                None => kept.held().take().unwrap_or_else(|| {
+                    Err(StoreError::other("a write job finished without running"))
+                }),
             };
             let _ = done_tx.send(outcome);
         });
@@ -425,12 +419,7 @@ impl Store {
             if let Some(db) = self.shared.current() {
                 return self.shared.begin_read(&db);
             }
-            let ro = self
-                .shared
-                .read_only
-                .read()
-                .unwrap_or_else(|p| p.into_inner())
-                .clone();
+            let ro = self.shared.read_only.read_held().clone();
             if let Some(ro) = ro {
                 return Ok(Rx {
                     txn: ro.begin_read()?,
@@ -466,18 +455,8 @@ impl Store {
             drop(log.pending.take());
         }
         // Readers open the file itself from here on.
-        drop(
-            self.snapshots
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .take(),
-        );
-        let mut db = self
-            .shared
-            .db
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
-            .take();
+        drop(self.snapshots.held().take());
+        let mut db = self.shared.db.write_held().take();
         let deadline = std::time::Instant::now() + CLOSE_WAIT;
         while let Some(handle) = db {
             match Arc::try_unwrap(handle) {

@@ -22,6 +22,7 @@
 //! holds what the log holds, `redo::CHECKPOINT_BYTES`, before a
 //! checkpoint is due).
 
+use crate::locks::{Held, HeldRw};
 use std::borrow::Borrow;
 use std::cmp::Ordering;
 use std::collections::BTreeMap;
@@ -370,7 +371,7 @@ impl Overlay {
             (state.current.clone(), state.published + 1)
         };
         {
-            let mut tables = generation.tables.write().unwrap_or_else(|p| p.into_inner());
+            let mut tables = generation.tables.write_held();
             for (table, row) in staged {
                 let rows = rows_of_mut(&mut tables, table);
                 match row {
@@ -409,11 +410,7 @@ impl Overlay {
     /// must be given again (`writer.rs`).
     pub(super) fn latest(&self) -> Vec<LatestRows> {
         let state = self.lock();
-        let tables = state
-            .current
-            .tables
-            .read()
-            .unwrap_or_else(|p| p.into_inner());
+        let tables = state.current.tables.read_held();
         Table::ALL
             .into_iter()
             .map(|table| (table, rows_of(&tables, table)))
@@ -435,7 +432,7 @@ impl Overlay {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        self.state.held()
     }
 }
 
@@ -478,11 +475,7 @@ fn push(rows: &mut TableRows, key: RowKey, seq: u64, version: Version) {
 
 impl Seen {
     fn read<T>(&self, f: impl FnOnce(&[TableRows]) -> T) -> T {
-        let tables = self
-            .generation
-            .tables
-            .read()
-            .unwrap_or_else(|p| p.into_inner());
+        let tables = self.generation.tables.read_held();
         f(&tables)
     }
 

@@ -411,6 +411,10 @@ pub struct RedoLog {
     /// The last checkpoint, while the log may still be written from its
     /// start again (`checkpointed`): until the first record after it.
     after_checkpoint: Option<AfterCheckpoint>,
+    /// Where refused records start whose headers could not be voided (the
+    /// disk refused that write too): no record is written until each is,
+    /// since a record written behind one would let a replay reach it.
+    unvoided: Vec<u64>,
 }
 
 /// A checkpoint whose sync may still be in flight: its ticket
@@ -538,6 +542,7 @@ impl RedoLog {
             pending: None,
             redb_syncs: None,
             after_checkpoint: None,
+            unvoided: Vec::new(),
         })
     }
 
@@ -555,11 +560,36 @@ impl RedoLog {
             Ok(()) => Ok(start),
             Err(e) => {
                 // Whatever part of it reached the disk must never replay.
-                let _ = self.void_at(start);
+                self.void_or_remember(start);
                 self.end = start;
                 Err(io_error(e))
             }
         }
+    }
+
+    /// Voids the refused record at `at`, or remembers it for `void_unvoided`
+    /// when the disk refuses that too.
+    fn void_or_remember(&mut self, at: u64) {
+        if let Err(e) = self.void_at(at) {
+            tracing::error!(error = %e, at, "cannot void a refused record in the redo log; no record is written until it is");
+            self.unvoided.push(at);
+        }
+    }
+
+    /// Refused records the syncer could not void (`syncer::Failure`):
+    /// voided before the next record is written.
+    pub(super) fn remember_unvoided(&mut self, starts: &[u64]) {
+        self.unvoided.extend_from_slice(starts);
+    }
+
+    /// Voids every refused record not voided yet; an error while one is
+    /// left refuses the record about to be written.
+    fn void_unvoided(&mut self) -> StoreResult<()> {
+        while let Some(&at) = self.unvoided.last() {
+            self.void_at(at).map_err(io_error)?;
+            self.unvoided.pop();
+        }
+        Ok(())
     }
 
     /// Writes `record` (its header filled in here) on the first block
@@ -569,6 +599,7 @@ impl RedoLog {
     /// voided (`void_at`) if it is not to land. On a failed write the log
     /// is cut back to where it was.
     pub fn write(&mut self, record: &mut RecordBuf, urgency: Urgency) -> StoreResult<u64> {
+        self.void_unvoided()?;
         self.rewind_after_durable_checkpoint()?;
         let payload_len = record.rows().len();
         if payload_len > MAX_RECORD_BYTES {
@@ -609,7 +640,7 @@ impl RedoLog {
             }
             Err(e) => {
                 // Whatever part of it reached the disk must never replay.
-                let _ = self.void_at(start);
+                self.void_or_remember(start);
                 Err(io_error(e))
             }
         }
@@ -754,6 +785,9 @@ impl RedoLog {
 /// Overwrites the header of the record at `at` with zeros and syncs: a
 /// replay stops there, so neither it nor anything written after it lands.
 pub(super) fn void_at(file: &std::fs::File, at: u64) -> std::io::Result<()> {
+    if crate::failpoints::hit("redo.void", "") {
+        return Err(std::io::Error::other("injected: redo.void"));
+    }
     file.write_all_at(&[0u8; HEADER], at)
         .and_then(|()| file.sync_data())
 }
@@ -1437,6 +1471,40 @@ mod tests {
         lent.bytes.extend_from_slice(rows);
         record.take_back(lent);
         record
+    }
+
+    /// A refused record whose header the disk would not let berth void is
+    /// voided before anything is written behind it: until it is, every
+    /// write is refused, so a replay can never reach the refused rows.
+    #[cfg(feature = "failpoints")]
+    #[test]
+    fn a_record_that_could_not_be_voided_is_voided_before_the_next_write() {
+        let (dir, store) = fresh("unvoided");
+        let mut log = new_log(&store);
+        let record = |byte: u8| {
+            let mut ops = Ops::default();
+            ops.insert(Table::Meta, b"k", &[byte]);
+            record_of(ops)
+        };
+        let refused = log.append(&mut record(1), Urgency::May).unwrap();
+        // Refused after its write (its sync failed, say), as `append` does.
+        fail::cfg("redo.void", "2*return").unwrap();
+        log.void_or_remember(refused);
+        log.rewind(refused);
+        assert_eq!(log.unvoided, [refused]);
+        let e = log.write(&mut record(2), Urgency::May).unwrap_err();
+        assert!(e.to_string().contains("redo.void"), "{e}");
+        assert_eq!(
+            records_in(&path_of(&store)),
+            1,
+            "the refused one is still there"
+        );
+        let next = log.append(&mut record(3), Urgency::May).unwrap();
+        fail::remove("redo.void");
+        assert!(log.unvoided.is_empty());
+        assert_eq!(next, refused, "written where the refused one was");
+        assert_eq!(records_in(&path_of(&store)), 1);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -27,6 +27,7 @@
 //! a reader never deleted (it was killed) is removed at the server's
 //! next start or, at the latest, by a request `SNAPSHOT_MAX_AGE` later.
 
+use crate::locks::Held;
 use std::io::{BufRead, Write};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -280,7 +281,7 @@ fn answer(served: &Served, conn: UnixStream) {
         );
         return;
     };
-    let one_at_a_time = served.copying.lock().unwrap_or_else(|p| p.into_inner());
+    let one_at_a_time = served.copying.held();
     remove_abandoned(dir);
     if snapshots_held(dir) >= MAX_SNAPSHOTS_HELD {
         let _ = reply(

@@ -32,6 +32,7 @@
 //! would not sync means the log cannot take writes; a job run alone would
 //! meet the same disk).
 
+use crate::locks::Held;
 use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
@@ -110,6 +111,9 @@ struct Handed {
 pub(super) struct Failure {
     pub(super) error: StoreError,
     pub(super) from: Option<u64>,
+    /// Refused records whose headers could not be voided: the log voids
+    /// them before it writes again (`RedoLog::remember_unvoided`).
+    pub(super) unvoided: Vec<u64>,
 }
 
 impl Syncer {
@@ -237,7 +241,7 @@ impl Drop for Syncer {
 
 impl Between {
     fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        self.state.held()
     }
 }
 
@@ -285,9 +289,11 @@ fn sync_loop(shared: &Between, file: &std::fs::File, overlay: &Overlay) {
             // is held while every record handed over is voided.
             let refused: Vec<Handed> = batches.into_iter().chain(state.handed.drain(..)).collect();
             let from = refused.iter().find_map(|b| b.start);
+            let mut unvoided = Vec::new();
             for start in refused.iter().filter_map(|b| b.start) {
                 if let Err(e) = redo::void_at(file, start) {
-                    tracing::error!(error = %e, "cannot void a refused record in the redo log");
+                    tracing::error!(error = %e, "cannot void a refused record in the redo log; it is voided before the log is written again");
+                    unvoided.push(start);
                 }
             }
             tracing::error!(error = %error, batches = refused.len(),
@@ -299,6 +305,7 @@ fn sync_loop(shared: &Between, file: &std::fs::File, overlay: &Overlay) {
             state.failed = Some(Failure {
                 error: error.clone(),
                 from,
+                unvoided,
             });
             for batch in refused {
                 answer(batch.answers, Some(error.clone()));

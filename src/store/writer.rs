@@ -46,6 +46,7 @@
 //! `redo::Replay::KeepLog`), and the next checkpoint waits
 //! `CHECKPOINT_RETRY_MIN`, doubling to `CHECKPOINT_RETRY_MAX`.
 
+use crate::locks::{Held, HeldRw};
 use std::path::Path;
 use std::sync::Arc;
 
@@ -131,9 +132,7 @@ pub(super) const QUIET_BATCHES: u32 = 3;
 
 impl Shared {
     pub(super) fn redo_log(&self) -> Option<std::sync::MutexGuard<'_, RedoLog>> {
-        self.redo
-            .as_ref()
-            .map(|m| m.lock().unwrap_or_else(|p| p.into_inner()))
+        self.redo.as_ref().map(|m| m.held())
     }
 
     /// Makes every commit so far durable with one `Immediate` commit that
@@ -157,7 +156,7 @@ impl Shared {
     /// needs no bound: one generation comes per checkpoint, and freeing
     /// one takes a fraction of the interval.
     pub(super) fn retire(&self, old: Arc<super::overlay::Generation>) {
-        let mut sweeper = self.sweeper.lock().unwrap_or_else(|p| p.into_inner());
+        let mut sweeper = self.sweeper.held();
         if sweeper.is_none() {
             let (send, receive) = std::sync::mpsc::channel::<Arc<super::overlay::Generation>>();
             let spawned = std::thread::Builder::new()
@@ -195,7 +194,7 @@ impl Shared {
     }
 
     pub(super) fn current(&self) -> Option<Arc<Database>> {
-        self.db.read().unwrap_or_else(|p| p.into_inner()).clone()
+        self.db.read_held().clone()
     }
 
     /// Drops the poisoned handle and opens the file again; retries while
@@ -211,14 +210,10 @@ impl Shared {
             }
             drop(log.pending.take());
         }
-        let old = self.db.write().unwrap_or_else(|p| p.into_inner()).take();
+        let old = self.db.write_held().take();
         drop(old);
         // The read-only handle (if any) would keep the writer out.
-        let old_ro = self
-            .read_only
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
-            .take();
+        let old_ro = self.read_only.write_held().take();
         drop(old_ro);
         for _ in 0..REOPEN_ATTEMPTS {
             // The commits redb held only in memory went with the old
@@ -245,7 +240,7 @@ impl Shared {
             match reopened {
                 Ok(db) => {
                     tracing::warn!(path = %self.path.display(), "store reopened after an I/O error");
-                    *self.db.write().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(db));
+                    *self.db.write_held() = Some(Arc::new(db));
                     // redb's commits now hold every row the overlay did.
                     self.retire(self.overlay.restart());
                     return;
@@ -264,7 +259,7 @@ impl Shared {
         }
         match super::redb_builder(self.sharing.mode(), self.cache).open_read_only(&self.path) {
             Ok(ro) => {
-                *self.read_only.write().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(ro));
+                *self.read_only.write_held() = Some(Arc::new(ro));
                 tracing::error!(path = %self.path.display(), "cannot reopen the store for writing yet (disk full?); serving reads only");
             }
             Err(e) => {
@@ -448,7 +443,7 @@ pub(super) fn writer_loop(shared: Arc<Shared>, mut rx: mpsc::Receiver<WriteJob>)
                 Err(_) => break,
             }
         }
-        let mut turn = shared.turn.lock().unwrap_or_else(|p| p.into_inner());
+        let mut turn = shared.turn.held();
         run_batch(&shared, &mut turn, batch, Place::WriterThread(&rx));
     }
 }
@@ -832,6 +827,7 @@ fn rewind(log: &mut RedoLog, failure: &syncer::Failure) {
     if let Some(from) = failure.from {
         log.rewind(from);
     }
+    log.remember_unvoided(&failure.unvoided);
 }
 
 /// Whether a batch goes to the syncer rather than being synced here: when
