@@ -140,7 +140,7 @@ pub fn verify(data_dir: &Path) -> Result<Report, String> {
     if !db.exists() {
         return Err(format!("no store at {}", db.display()));
     }
-    let store = ReadOnlyStore::open(&db, crate::store::snapshot::Scope::Audit)
+    let store = ReadOnlyStore::open(&db, crate::store::SnapshotScope::Audit)
         .map_err(|e| format!("cannot open {}: {e}", db.display()))?;
     let rx = store.read().map_err(|e| e.to_string())?;
     let anchor = rx.audit_anchor().map_err(|e| e.to_string())?;
@@ -245,7 +245,7 @@ fn push_head(data_dir: &Path, sink: &str, origin: &str) -> Result<i32, String> {
     if let Some(last) = read_pushed(data_dir)? {
         if last.size >= 1 && last.size <= report.size && last.size >= report.anchor.first_seq {
             let db = data_dir.join("berth.redb");
-            let store = ReadOnlyStore::open(&db, crate::store::snapshot::Scope::Audit)
+            let store = ReadOnlyStore::open(&db, crate::store::SnapshotScope::Audit)
                 .map_err(|e| e.to_string())?;
             let rx = store.read().map_err(|e| e.to_string())?;
             let nodes = StoredNodes(&rx);

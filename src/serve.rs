@@ -296,7 +296,7 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
         }
     }
     let _ = tokio::time::timeout(Duration::from_secs(2), server).await;
-    if let Err(e) = engine.store.close() {
+    if let Err(e) = engine.close_store() {
         tracing::warn!(error = %e, "the store was not closed cleanly; the next start repairs it");
     }
     Ok(())

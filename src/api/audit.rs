@@ -145,7 +145,7 @@ pub fn list(ctx: &Ctx, req: &Request, caller: &Caller) -> Result<Reply, ApiError
         }
         None => None,
     };
-    let rx = ctx.engine.store.read()?;
+    let rx = ctx.engine.read()?;
     let mut events = rx.audit_of_actor(&actor.key(), before, limit + 1)?;
     let next_cursor = if events.len() > limit {
         events.truncate(limit);
@@ -193,7 +193,7 @@ fn hex_all(path: &[merkle::Hash]) -> Vec<String> {
 /// size S.
 pub fn proof(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
     let (seq, size) = (number(req, "seq")?, number(req, "size")?);
-    let rx = ctx.engine.store.read()?;
+    let rx = ctx.engine.read()?;
     let head = rx.audit_size()?;
     if seq > size || size > head {
         return Err(beyond_head());
@@ -219,7 +219,7 @@ pub fn proof(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
 /// `GET /v1/audit/consistency?from=S1&to=S2`.
 pub fn consistency(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
     let (from, to) = (number(req, "from")?, number(req, "to")?);
-    let rx = ctx.engine.store.read()?;
+    let rx = ctx.engine.read()?;
     if from > to || to > rx.audit_size()? {
         return Err(beyond_head());
     }

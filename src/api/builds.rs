@@ -8,7 +8,7 @@ use super::{cursor, Answer, Ctx, Reply, Request};
 use crate::engine::CancelTaken;
 use crate::model::*;
 use crate::store::logs::decompress_chunk_sized;
-use crate::store::{ChunkPlace, Lookup, Store, StoreError};
+use crate::store::{ChunkPlace, Lookup, Reader, StoreError};
 
 fn build_id(req: &Request) -> Result<BuildId, ApiError> {
     parse_build_id(req.param("build")).ok_or_else(|| ApiError::not_found("build"))
@@ -25,7 +25,7 @@ pub fn list(ctx: &Ctx, req: &Request, caller: &Caller) -> Result<Reply, ApiError
         }
         None => None,
     };
-    let rx = ctx.engine.store.read()?;
+    let rx = ctx.engine.read()?;
     if rx.deployment(&id)?.is_none() {
         return Err(ApiError::not_found("deployment"));
     }
@@ -52,7 +52,7 @@ pub fn list(ctx: &Ctx, req: &Request, caller: &Caller) -> Result<Reply, ApiError
 
 pub fn read(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
     let id = build_id(req)?;
-    let rx = ctx.engine.store.read()?;
+    let rx = ctx.engine.read()?;
     let b = rx.build(id)?.ok_or_else(|| ApiError::not_found("build"))?;
     let snaps = rx.build_snapshots(id)?.ok_or_else(|| {
         tracing::error!(build = %format_build_id(id), "a build without its snapshots");
@@ -145,7 +145,7 @@ fn set_event_cursor(response: &mut warp::reply::Response, covered: u64) {
 pub async fn log(ctx: &Ctx, req: &Request) -> Result<Answer, ApiError> {
     let id = build_id(req)?;
     let range = req.header("range").map(parse_range).transpose()?;
-    let store = ctx.engine.store.clone();
+    let store = ctx.engine.reader();
     let facts = {
         let store = store.clone();
         tokio::task::spawn_blocking(move || -> Result<Option<LogFacts>, ApiError> {
@@ -194,7 +194,7 @@ pub async fn log(ctx: &Ctx, req: &Request) -> Result<Answer, ApiError> {
 /// The log's chunks `places`, in order, from one snapshot of the store;
 /// with `range`, only the bytes inside it (`start..=end`) of each.
 fn stream_log(
-    store: Store,
+    store: Reader,
     id: BuildId,
     places: Vec<ChunkPlace>,
     range: Option<(u64, u64)>,

@@ -98,7 +98,7 @@ pub async fn list(ctx: &Ctx, req: &Request, caller: &Caller) -> Result<Reply, Ap
     // was shown. Items are filtered through `read` *before* the page and
     // its cursor are cut, so neither a hidden id nor the existence of a
     // guessed one can leak through `next_cursor`.
-    let rx = ctx.engine.store.read()?;
+    let rx = ctx.engine.read()?;
     let mut allowed: Vec<DeploymentRecord> = Vec::with_capacity(limit + 1);
     let mut position = after.clone();
     let mut scanned = 0usize;
@@ -349,7 +349,7 @@ pub fn render_view(
 pub async fn read(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
     let id = deployment_id(req)?;
     let (d, last_build, last_try, audit, earlier) = {
-        let rx = ctx.engine.store.read()?;
+        let rx = ctx.engine.read()?;
         let d = rx
             .deployment(&id)?
             .ok_or_else(|| ApiError::not_found("deployment"))?;
@@ -454,7 +454,6 @@ pub async fn set_update_policy(ctx: &Ctx, req: &Request, w: Write) -> Result<Rep
     // replay must be the same bytes), from describes read before it.
     let d = ctx
         .engine
-        .store
         .read()?
         .deployment(&id)?
         .ok_or_else(|| ApiError::not_found("deployment"))?;

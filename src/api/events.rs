@@ -126,7 +126,6 @@ fn channel_deployment(ctx: &Ctx, channel: &Channel) -> Option<String> {
         Channel::Deployment(id) => Some(id.clone()),
         Channel::Build(b) => ctx
             .engine
-            .store
             .read()
             .ok()?
             .build(*b)
@@ -314,7 +313,7 @@ fn open(
         })?
         .with(Box::new(share));
     let sources = stream::Sources {
-        store: ctx.engine.store.clone(),
+        store: ctx.engine.reader(),
         hub: ctx.engine.hub.clone(),
         stopping: ctx.engine.stop_signal(),
         keep_alive: ctx.engine.settings.sse_keep_alive,

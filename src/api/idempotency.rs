@@ -232,12 +232,7 @@ where
 {
     let fp = fingerprint(req)?;
     let now = now_millis();
-    if let Some(stored) = ctx
-        .engine
-        .store
-        .read()?
-        .idempotency(&identity.store_key())?
-    {
+    if let Some(stored) = ctx.engine.read()?.idempotency(&identity.store_key())? {
         if stored.expires_at > now {
             if stored.fingerprint != fp {
                 return Err(ApiError::new(
@@ -270,7 +265,7 @@ where
             // A refusal is stored in its own transaction; if that fails the
             // caller still gets the refusal.
             let w = write.clone();
-            if let Err(se) = ctx.engine.store.write(move |tx| w.store(tx, &reply)).await {
+            if let Err(se) = ctx.engine.keep_answer(move |tx| w.store(tx, &reply)).await {
                 tracing::error!(error = %se, "cannot store an idempotent refusal");
             }
             Err(e)

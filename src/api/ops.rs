@@ -87,7 +87,7 @@ pub fn metrics(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
     }
     let mut out = String::new();
     let e = &ctx.engine;
-    let components = e.store.read()?.component_count()?;
+    let components = e.read()?.component_count()?;
     out.push_str("# HELP berth_http_requests_total Requests by route template and status.\n# TYPE berth_http_requests_total counter\n");
     {
         let m = e.metrics.requests.held();
@@ -127,14 +127,14 @@ pub fn metrics(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
             "berth_webhook_deliveries_total{{result=\"{result}\"}} {n}"
         );
     }
-    let pending = e.store.read()?.pending_deliveries()?;
+    let pending = e.read()?.pending_deliveries()?;
     let _ = writeln!(
         out,
         "# HELP berth_webhook_pending Webhook deliveries not yet delivered or failed.\n# TYPE berth_webhook_pending gauge\nberth_webhook_pending {pending}"
     );
     // Kept in the store by every status change: exact at every scrape, and
     // one read however many builds there are.
-    let counts = e.store.read()?.build_status_counts()?;
+    let counts = e.read()?.build_status_counts()?;
     out.push_str("# HELP berth_builds Stored builds by status.\n# TYPE berth_builds gauge\n");
     for status in [
         BuildStatus::Queued,

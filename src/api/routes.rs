@@ -336,7 +336,7 @@ async fn scope_deployment(
             };
             let mut attempts = 0;
             loop {
-                match ctx.engine.store.read().and_then(|rx| rx.build(build)) {
+                match ctx.engine.read().and_then(|rx| rx.build(build)) {
                     Ok(found) => return Ok(found.map(|b| b.deployment)),
                     Err(e)
                         if e.kind == StoreErrorKind::Reopening

@@ -13,7 +13,7 @@ const CYCLONEDX_JSON: &str = "application/vnd.cyclonedx+json";
 /// `GET /v1/deployments/{id}/sboms`.
 pub fn list(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
     let id = deployment_id(req)?;
-    let rx = ctx.engine.store.read()?;
+    let rx = ctx.engine.read()?;
     if rx.deployment(&id)?.is_none() {
         return Err(ApiError::not_found("deployment"));
     }
@@ -66,7 +66,7 @@ impl Rebuild {
 pub async fn node(ctx: &Ctx, req: &Request) -> Result<Answer, ApiError> {
     let id = deployment_id(req)?;
     let node = req.param("node").to_string();
-    let store = ctx.engine.store.clone();
+    let store = ctx.engine.reader();
     let mut rebuild = tokio::task::spawn_blocking(move || -> Result<Rebuild, ApiError> {
         let rx = store.read()?;
         if rx.deployment(&id)?.is_none() {

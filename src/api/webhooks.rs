@@ -171,7 +171,6 @@ pub async fn create(ctx: &Ctx, req: &Request, w: Write) -> Result<Reply, ApiErro
 pub fn list(ctx: &Ctx) -> Result<Reply, ApiError> {
     let items: Vec<Value> = ctx
         .engine
-        .store
         .read()?
         .webhooks()?
         .into_iter()
@@ -188,7 +187,6 @@ pub fn read(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
     let id = webhook_id(req)?;
     let record = ctx
         .engine
-        .store
         .read()?
         .webhook(id)?
         .ok_or_else(|| ApiError::not_found("webhook"))?;
@@ -231,7 +229,7 @@ pub fn deliveries(ctx: &Ctx, req: &Request, caller: &Caller) -> Result<Reply, Ap
         }
         None => None,
     };
-    let rx = ctx.engine.store.read()?;
+    let rx = ctx.engine.read()?;
     if rx.webhook(id)?.is_none() {
         return Err(ApiError::not_found("webhook"));
     }

@@ -92,30 +92,32 @@ pub struct Engine {
     pub settings: Arc<Settings>,
     /// How a destroy's callback is checked (`--callback-origin`).
     pub callback_rule: CallbackRule,
-    pub store: Store,
-    pub deployer: DeployerCommand,
+    /// Reached from above only through the engine's operations (`read`,
+    /// `reader`, `keep_answer`, `close_store`).
+    store: Store,
+    deployer: DeployerCommand,
     /// The source new submits use.
     pub default_source: Source,
     /// True when `--default-source` was given (a self-pin); automatic updates
     /// need one.
-    pub has_self_pin: bool,
+    has_self_pin: bool,
     eval_slots: Arc<Semaphore>,
     described: Mutex<HashMap<String, Arc<Described>>>,
     /// Describes in flight and recent failures, per source digest.
     describing: deployer::Describing,
     sched: Mutex<Sched>,
     wake: Notify,
-    pub callbacks_wake: Notify,
+    callbacks_wake: Notify,
     /// Wakes the automatic update loop (a policy changed).
     updates_wake: Notify,
     cancels: Mutex<HashMap<BuildId, watch::Sender<outcome::Halt>>>,
     pub ready: AtomicBool,
-    pub stopping: AtomicBool,
+    stopping: AtomicBool,
     pub metrics: Metrics,
-    pub callback_secret: Vec<u8>,
+    callback_secret: Vec<u8>,
     pub hub: Arc<crate::events::Hub>,
     /// Anonymous denials folded per `--audit-denial-interval`.
-    pub denials: audit::Denials,
+    denials: audit::Denials,
     stop: watch::Sender<bool>,
 }
 
@@ -287,6 +289,31 @@ impl Engine {
                 other => return other,
             }
         }
+    }
+
+    /// A reader of the store at one instant.
+    pub fn read(&self) -> crate::store::StoreResult<crate::store::Rx> {
+        self.store.read()
+    }
+
+    /// A handle that only reads the store, for work on the blocking pool
+    /// or a stream that reads again as it goes.
+    pub fn reader(&self) -> crate::store::Reader {
+        self.store.reader()
+    }
+
+    /// Stores what a caller's answer needs kept (an idempotent refusal's
+    /// answer) in a commit of its own.
+    pub async fn keep_answer(
+        &self,
+        job: impl FnMut(&crate::store::Tx) -> crate::store::StoreResult<()> + Send + 'static,
+    ) -> crate::store::StoreResult<()> {
+        self.store.write(job).await
+    }
+
+    /// Closes the store cleanly at shutdown (`Store::close`).
+    pub fn close_store(&self) -> crate::store::StoreResult<()> {
+        self.store.close()
     }
 
     pub fn stop_signal(&self) -> watch::Receiver<bool> {

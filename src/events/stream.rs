@@ -19,7 +19,7 @@ use super::frame::{end_text, resync, Gather};
 use super::{BuildEvent, Channel, Frame, Hub, Subscription};
 use crate::model::BuildId;
 use crate::store::Lookup;
-use crate::store::{logs, Store, StoreError};
+use crate::store::{logs, Reader, StoreError};
 use crate::wire::Wire;
 
 /// How often an open stream's credential is checked again.
@@ -74,7 +74,7 @@ enum Stop {
 /// What a stream reads: the store, the hub, and berth's stop signal.
 #[derive(Clone)]
 pub struct Sources {
-    pub store: Store,
+    pub store: Reader,
     pub hub: Arc<Hub>,
     pub stopping: tokio::sync::watch::Receiver<bool>,
     /// `--sse-keep-alive`.
@@ -89,7 +89,7 @@ fn store_failed(e: StoreError) -> Stop {
 
 /// Runs a store read off the async workers (a replay decompresses chunks).
 async fn read_store<T: Send + 'static>(
-    store: &Store,
+    store: &Reader,
     read: impl FnOnce(&crate::store::Rx) -> Result<T, StoreError> + Send + 'static,
 ) -> Result<T, Stop> {
     let store = store.clone();
@@ -278,7 +278,7 @@ async fn end(w: &mut Writer, final_status: &Frame) -> Result<(), Stop> {
 /// Sends every stored event of the build after `last`, merged by seq;
 /// returns the final status frame if the build has finished.
 async fn replay_build(
-    store: &Store,
+    store: &Reader,
     id: BuildId,
     last: &mut u64,
     w: &mut Writer,
@@ -479,7 +479,7 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("berth-replay-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
-        let store = Store::open(&dir.join("berth.redb")).unwrap();
+        let store = crate::store::Store::open(&dir.join("berth.redb")).unwrap();
         let id = new_build_id();
         store
             .write(move |tx| {
@@ -506,7 +506,7 @@ mod tests {
         let hub = Arc::new(Hub::default());
         let (_stop, stopping) = tokio::sync::watch::channel(false);
         let sources = Sources {
-            store,
+            store: store.reader(),
             hub: hub.clone(),
             stopping,
             keep_alive: Duration::from_secs(15), // the default of --sse-keep-alive

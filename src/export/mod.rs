@@ -181,7 +181,7 @@ pub fn export(data_dir: &Path, to: &Endpoint, replace: bool) -> Result<Totals, S
         return Err(format!("no store at {}", path.display()));
     }
     let store =
-        ReadOnlyStore::open(&path, crate::store::snapshot::Scope::All).map_err(store_error)?;
+        ReadOnlyStore::open(&path, crate::store::SnapshotScope::All).map_err(store_error)?;
     let rx = store.read().map_err(store_error)?;
     let identity = to.identity();
     let mut target: Box<dyn Target> = match to {

@@ -12,15 +12,36 @@
 //! the batch's other jobs then run again, each alone.
 //!
 //! Reads use redb read transactions on the caller's thread (MVCC snapshots).
+//!
+//! # The store's operations
+//!
+//! What the engine (and, through the engine, the HTTP layer) may do with
+//! the store, and so what a second engine behind it (cluster mode's
+//! PostgreSQL) must offer; everything else here is the redb side's own:
+//!
+//! - `Store::write(job)` / `write_with(urgency, job)`: runs `job` over
+//!   typed tables (`Tx`: one method per row kind) in one transaction with
+//!   other jobs of its batch, and answers once that transaction is
+//!   durable. A job checks before it writes (a refusal writes nothing)
+//!   and may run twice (alone, when its batch failed for another job).
+//! - `Tx::after_commit(hook)`: work (publishing events) run after the
+//!   transaction is durable, in commit order.
+//! - `Store::read()` -> `Rx`, and `Lookup` on it: reads at one instant,
+//!   seeing every write answered before; `Store::reader()`, a handle that
+//!   can only read (what the layers above hold).
+//! - `Store::close()`: the last durable commit at shutdown.
+//!
+//! The redo log, its checkpoints, the overlay, the snapshot socket and
+//! the layout migrations are the redb side's and private to it.
 
 mod audit;
 mod behind;
 mod blocks;
-pub mod codec;
+mod codec;
 pub mod compress;
 pub mod dump;
 mod error;
-pub(crate) mod layout;
+mod layout;
 mod logged;
 pub mod logs;
 mod lookup;
@@ -28,7 +49,7 @@ mod overlay;
 mod records;
 pub mod redo;
 mod rx;
-pub mod snapshot;
+mod snapshot;
 mod syncer;
 pub mod tables;
 mod tx;
@@ -45,6 +66,7 @@ pub use records::{
 };
 pub use redo::Urgency;
 pub use rx::Rx;
+pub use snapshot::Scope as SnapshotScope;
 pub use tx::Tx;
 pub use writer::Hook;
 use writer::{
@@ -160,6 +182,19 @@ impl Sharing {
             Sharing::LiveReaders => redb::ConcurrencyMode::SingleWriter,
             Sharing::Exclusive { .. } => redb::ConcurrencyMode::ExclusiveWriter,
         }
+    }
+}
+
+/// A handle on the store that only reads: what the layers above the
+/// engine hold (a stream's replay, a log or SBOM read on the blocking
+/// pool), so no write reaches the store but through the engine.
+#[derive(Clone)]
+pub struct Reader(Store);
+
+impl Reader {
+    /// A reader at one instant (`Store::read`).
+    pub fn read(&self) -> StoreResult<Rx> {
+        self.0.read()
     }
 }
 
@@ -410,6 +445,11 @@ impl Store {
             Place::Caller(&self.writer),
         );
         None
+    }
+
+    /// A handle that can only read.
+    pub fn reader(&self) -> Reader {
+        Reader(self.clone())
     }
 
     pub fn read(&self) -> StoreResult<Rx> {

@@ -232,6 +232,7 @@ impl Ops {
         self.table(table, OP_CLEAR);
     }
 
+    #[cfg(test)]
     pub fn into_bytes(self) -> Vec<u8> {
         self.bytes
     }
