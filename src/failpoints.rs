@@ -29,10 +29,9 @@
 //!   (`store/blocks.rs`), refused with `EINVAL` as a disk whose blocks are
 //!   larger than 4 KiB refuses it (the log then writes through the page
 //!   cache for good; this one is not a failure the caller sees);
-//! - `redb.sync`: the sync of the store file behind the writer
-//!   (`store/behind.rs`): `sleep(ms)` holds each one back, `return(8)`
-//!   fails the process's 8th (subject: its number), and the store is then
-//!   reopened from its redo log;
+//! - `redb.checkpoint`: a checkpoint (redb's durable commit): `sleep(ms)`
+//!   holds each one back, `return(8)` fails the process's 8th (subject: its
+//!   number), and the store is then reopened from its redo log;
 //! - `recover.job`: a start's write that marks an interrupted build failed
 //!   (subject: the build id). It fails as a full disk does, a failure that
 //!   may pass, so recovery retries it: `recover.job=3*return`.

@@ -525,7 +525,6 @@ impl ReadOnlyStore {
     pub fn read(&self) -> StoreResult<Rx> {
         Ok(Rx {
             txn: self.db.begin_read()?,
-            seen: None,
         })
     }
 }

@@ -35,7 +35,6 @@
 //! the layout migrations are the redb side's and private to it.
 
 mod audit;
-mod behind;
 mod blocks;
 mod codec;
 pub mod compress;
@@ -45,12 +44,10 @@ mod layout;
 mod logged;
 pub mod logs;
 mod lookup;
-mod overlay;
 mod records;
 pub mod redo;
 mod rx;
 mod snapshot;
-mod syncer;
 pub mod tables;
 mod tx;
 mod view;
@@ -70,8 +67,7 @@ pub use snapshot::Scope as SnapshotScope;
 pub use tx::Tx;
 pub use writer::Hook;
 use writer::{
-    open_database_with_syncs, pause_for_reopen, writer_loop, Place, Shared, WriteJob,
-    READ_WAIT_ATTEMPTS,
+    open_database, pause_for_reopen, writer_loop, Place, Shared, WriteJob, READ_WAIT_ATTEMPTS,
 };
 
 use std::path::Path;
@@ -222,30 +218,19 @@ impl Store {
     /// As `open_shared`, with redb holding at most `cache` of the file's
     /// pages in memory.
     pub fn open_with_cache(path: &Path, sharing: Sharing, cache: CacheSize) -> StoreResult<Store> {
-        let (db, redb_syncs) =
-            open_database_with_syncs(path, sharing, cache).map_err(|e| match e.kind {
-                StoreErrorKind::Corrupt => StoreError {
-                    kind: StoreErrorKind::Damaged,
-                    detail: e.detail,
-                },
-                _ => e,
-            })?;
+        let db = open_database(path, sharing, cache).map_err(|e| match e.kind {
+            StoreErrorKind::Corrupt => StoreError {
+                kind: StoreErrorKind::Damaged,
+                detail: e.detail,
+            },
+            _ => e,
+        })?;
         // Whatever mode wrote a redo log last, its acknowledged rows go
         // into the file before anything reads it: durably where the disk
         // allows; on a full one a store held alone keeps them in the log
-        // (and in memory) until a checkpoint can write them.
-        // The replay's checkpoint is durable before the log is written
-        // over from its start (`resume`); with redb's writes behind the
-        // writer, a full disk may show only when they are made.
-        let replayed =
-            redo::replay(&db, path, LAYOUT_VERSION, redo::Replay::Checkpoint).and_then(|resume| {
-                match &redb_syncs {
-                    Some(syncs) => syncs.wait_all().map(|()| resume),
-                    None => Ok(resume),
-                }
-            });
-        let (db, resume, redb_syncs) = match replayed {
-            Ok(resume) => (db, resume, redb_syncs),
+        // until a checkpoint can write them.
+        let (db, resume) = match redo::replay(&db, path, LAYOUT_VERSION, redo::Replay::Checkpoint) {
+            Ok(resume) => (db, resume),
             Err(e)
                 if e.kind == StoreErrorKind::DiskFull
                     && matches!(sharing, Sharing::Exclusive { .. }) =>
@@ -253,41 +238,25 @@ impl Store {
                 tracing::warn!(error = %e, "cannot checkpoint the redo log at open (disk full); it stays the store's truth until a checkpoint can");
                 // redb refuses every call after a failed commit.
                 drop(db);
-                let (db, syncs) = open_database_with_syncs(path, sharing, cache)?;
+                let db = open_database(path, sharing, cache)?;
                 let resume = redo::replay(&db, path, LAYOUT_VERSION, redo::Replay::KeepLog)?;
-                (db, resume, syncs)
+                (db, resume)
             }
             Err(e) => return Err(e),
         };
         init_schema(&db)?;
-        // A start's commits (a migration's among them) are durable before
-        // anything is written in their layout: a start on a full disk
-        // stops here, as it did when redb synced them itself.
-        if let Some(syncs) = &redb_syncs {
-            syncs.wait_all()?;
-        }
         let redo = match sharing {
             // redb commits non-durably only when no other process may
             // read the file (`redo.rs`).
             Sharing::Exclusive { checkpoint_every } => {
-                let mut log = redo::RedoLog::open(
+                Some(std::sync::Mutex::new(redo::RedoLog::open(
                     &redo::path_of(path),
                     resume,
                     LAYOUT_VERSION,
                     checkpoint_every,
-                )?;
-                log.redb_syncs = redb_syncs;
-                Some(std::sync::Mutex::new(log))
+                )?))
             }
             Sharing::LiveReaders => None,
-        };
-        let overlay = Arc::new(overlay::Overlay::default());
-        let syncer = match &redo {
-            Some(log) => {
-                let file = log.held().sync_handle()?;
-                Some(syncer::Syncer::start(file, overlay.clone())?)
-            }
-            None => None,
         };
         let shared = Arc::new(Shared {
             path: path.to_path_buf(),
@@ -297,9 +266,6 @@ impl Store {
             sharing,
             cache,
             redo,
-            overlay,
-            syncer,
-            sweeper: std::sync::Mutex::new(None),
             turn: std::sync::Mutex::new(writer::Turn::new()),
             lone_batches_in_a_row: std::sync::atomic::AtomicU32::new(writer::QUIET_BATCHES),
         });
@@ -388,10 +354,10 @@ impl Store {
     }
 
     /// Runs `job` as a batch of its own on this thread when the store is
-    /// idle: a redo log, nothing queued for the writer thread or in the
-    /// syncer's hands, a healthy handle, no batch running, and the last
-    /// batches lone jobs too (`Shared::lone_batches_in_a_row`). Gives it back
-    /// otherwise, for the write queue.
+    /// idle: a redo log, nothing queued for the writer thread, a healthy
+    /// handle, no batch running, and the last batches lone jobs too
+    /// (`Shared::lone_batches_in_a_row`). Gives it back otherwise, for the
+    /// write queue.
     ///
     /// Why: a lone submit handed to the writer thread and answered back
     /// is two thread hand-overs, and on the development VM a sleep and a
@@ -423,12 +389,7 @@ impl Store {
             // state is whole (its fields are replaced, never half-set).
             Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
         };
-        let idle = self
-            .shared
-            .syncer
-            .as_ref()
-            .is_some_and(syncer::Syncer::idle)
-            && self.shared.current().is_some()
+        let idle = self.shared.current().is_some()
             // The checkpoint is made right after the batch that finds it
             // due, on the writer thread, while its answer travels.
             && self
@@ -463,7 +424,6 @@ impl Store {
             if let Some(ro) = ro {
                 return Ok(Rx {
                     txn: ro.begin_read()?,
-                    seen: None,
                 });
             }
             pause_for_reopen();
@@ -488,11 +448,6 @@ impl Store {
         // after the stop sees all of it and the next start replays nothing.
         if let Err(e) = self.shared.checkpoint() {
             tracing::error!(error = %e, "the last checkpoint failed; the next start applies the redo log");
-        }
-        // A checkpoint that failed left its rows in a pending write
-        // transaction; the log holds them, and redb closes only without one.
-        if let Some(mut log) = self.shared.redo_log() {
-            drop(log.pending.take());
         }
         // Readers open the file itself from here on.
         drop(self.snapshots.held().take());
@@ -710,10 +665,7 @@ mod tests {
         assert!(!ops.is_empty(), "the batch's rows are in its redo ops");
         txn.commit().unwrap();
         let read = redb::ReadableDatabase::begin_read(&db).unwrap();
-        let rx = Rx {
-            txn: read,
-            seen: None,
-        };
+        let rx = Rx { txn: read };
         for n in 1..=3 {
             assert_eq!(rx.source(&source(n).digest).unwrap(), Some(source(n)));
         }
@@ -1046,27 +998,15 @@ mod tests {
         }
     }
 
-    fn syncer_counted(store: &Store) -> syncer::Counted {
-        let syncer = store.shared.syncer.as_ref();
-        syncer.expect("a store with a redo log").counted()
-    }
-
-    /// Writes that queue behind one another are synced by the syncer
-    /// thread, not the writer: every one is answered, its hook runs once
-    /// and in order with the answers, and readers, the next write job, a
+    /// Writes that queue behind one another share batches: every one is
+    /// answered, its hook runs once, and readers, the next write job, a
     /// checkpoint and a copy's replay of the log all find it.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn writes_synced_behind_the_writer_are_all_answered_read_and_replayed() {
+    async fn concurrent_writes_are_all_answered_read_and_replayed() {
         let (store, dir) = logged_store("behind", std::time::Duration::from_secs(60));
         let hooked = Arc::new(std::sync::Mutex::new(Vec::new()));
         let written = concurrent_sources(&store, 0, 200, &hooked).await;
         assert!(written.iter().all(|(_, w)| w.is_ok()), "{written:?}");
-        let counted = syncer_counted(&store);
-        assert!(
-            counted.handed > 0,
-            "no write went to the syncer: {counted:?}"
-        );
-        assert_eq!(counted.refused, 0);
         let mut hooks = hooked.lock().unwrap().clone();
         hooks.sort_unstable();
         assert_eq!(hooks, (0..200).collect::<Vec<_>>(), "each hook once");
@@ -1103,16 +1043,16 @@ mod tests {
         let _ = std::fs::remove_dir_all(dir);
     }
 
-    /// A batch the syncer cannot publish (the `redo.commit` failpoint) is
-    /// refused with every batch handed over behind it, and a batch whose
-    /// hand-over is refused (`redo.append`) with its batch-mates (its error
-    /// is not one that may pass); either way nothing refused reaches a
-    /// reader, a later job, a replay or a checkpoint, everything answered
-    /// does, hooks run for exactly the answered writes, and the next writes
-    /// land.
+    /// A batch whose redb commit is refused after its append (the
+    /// `redo.commit` failpoint: its record is taken back out of the log),
+    /// or whose append is refused (`redo.append`), is refused with its
+    /// batch-mates (its error is not one that may pass); either way
+    /// nothing refused reaches a reader, a later job, a replay or a
+    /// checkpoint, everything answered does, hooks run for exactly the
+    /// answered writes, and the next writes land.
     #[cfg(feature = "failpoints")]
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_batch_the_syncer_refuses_lands_nowhere_and_the_answered_ones_everywhere() {
+    async fn a_refused_batch_lands_nowhere_and_the_answered_ones_everywhere() {
         for place in ["redo.commit", "redo.append"] {
             let (store, dir) = logged_store(place, std::time::Duration::from_secs(60));
             let hooked = Arc::new(std::sync::Mutex::new(Vec::new()));
@@ -1126,17 +1066,6 @@ mod tests {
                 .map(|(n, _)| *n)
                 .collect();
             assert!(refused.contains(&1050), "{place}: {written:?}");
-            let counted = syncer_counted(&store);
-            match place {
-                "redo.commit" => assert!(
-                    counted.refused > 0,
-                    "the failure did not meet the syncer: {counted:?}"
-                ),
-                _ => assert!(
-                    counted.not_taken > 0,
-                    "the failure did not meet the hand-over: {counted:?}"
-                ),
-            }
             let answered: Vec<u32> = written
                 .iter()
                 .filter(|(_, w)| w.is_ok())
@@ -1322,10 +1251,11 @@ mod tests {
     }
 
     /// A hook that panics, where a lone write was submitted or on the
-    /// syncer (a burst), is logged and skipped: its write is answered and
-    /// kept, the hooks after it run, and the store goes on taking writes.
+    /// writer thread (a burst), is logged and skipped: its write is
+    /// answered and kept, the hooks after it run, and the store goes on
+    /// taking writes.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_panicking_hook_neither_stops_the_writer_nor_the_syncer() {
+    async fn a_panicking_hook_never_stops_the_writer() {
         let (store, dir) = logged_store("hook-panic", std::time::Duration::from_secs(60));
         let hooked = Arc::new(std::sync::Mutex::new(Vec::new()));
         let panicking = |n: u32| {
@@ -1339,15 +1269,11 @@ mod tests {
         };
         // Alone: synced and answered where it was submitted.
         store.write(panicking(4000)).await.unwrap();
-        // In a burst: most go to the syncer, a panicking one among them.
+        // In a burst: batches on the writer thread, a panicking one among them.
         let burst = concurrent_sources(&store, 4001, 50, &hooked);
         let (burst, panicked) = tokio::join!(burst, store.write(panicking(4051)));
         panicked.unwrap();
         assert!(burst.iter().all(|(_, w)| w.is_ok()), "{burst:?}");
-        assert!(
-            syncer_counted(&store).handed > 0,
-            "no write went to the syncer"
-        );
         let later = concurrent_sources(&store, 4100, 20, &hooked).await;
         assert!(later.iter().all(|(_, w)| w.is_ok()), "{later:?}");
         store

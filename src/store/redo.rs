@@ -3,31 +3,24 @@
 //! `--shared-store`).
 //!
 //! Why it exists: a redb commit that is durable on its own writes every
-//! page its copy-on-write B-trees dirtied (about 37 for a submit) and syncs
-//! twice. With the log, a group commit is one append of the rows it wrote
-//! and one fdatasync; redb's write transaction stays open (`pending`),
-//! the rows reach this process's readers through the overlay
-//! (`overlay.rs`), and a checkpoint every `CHECKPOINT_INTERVAL` (or
-//! `CHECKPOINT_BYTES` of log) commits the transaction durably and empties
-//! the log. At open, the records written after the last checkpoint are
-//! applied again.
+//! page its copy-on-write B-trees dirtied and syncs twice. With the log, a
+//! group commit is one append of the rows it wrote and one fdatasync, then
+//! redb's non-durable commit (readers see the rows from then on); a
+//! checkpoint every `--checkpoint-interval` (or `CHECKPOINT_BYTES` of log)
+//! is redb's durable commit, and empties the log. At open, the records
+//! written after the last checkpoint are applied again.
 //!
 //! The log is written from its start again after a checkpoint, over the
 //! bytes already there (created as `PREALLOCATED_BYTES` of zeros), so a
 //! sync never has to write the file's size. Records of older generations
-//! left beyond the end are skipped by the replay. redb's sync of a
-//! checkpoint runs behind the writer (`behind.rs`), so its records are
-//! written over only once it is durable: the first record after the
-//! checkpoint goes from the start if its sync has returned, and behind the
-//! others if not (`next_record`; the next checkpoint tries again, and past
-//! `RESTART_WAIT_BYTES` the record waits for the sync).
+//! left beyond the end are skipped by the replay.
 //!
 //! Each record starts on a 4 KiB block of its own and is padded with zeros
 //! to whole blocks, written with `O_DIRECT` where the file system allows
 //! (`blocks.rs`: the fdatasync then only flushes the disk's cache); the
-//! replay finds the next record on the next block. A log whose records a
-//! berth before blocks packed one behind the other (`PACKED_MAGIC`) is
-//! read as it was written.
+//! replay finds the next record on the next block. The logs of the layout
+//! 8 and 9 fixtures, whose records a berth before blocks packed one behind
+//! the other (`PACKED_MAGIC`), are read as they were written.
 //!
 //! The record format is rows, not requests: a record holds each insert and
 //! remove of its batch, in order, as redb's own key and value bytes, so a
@@ -43,10 +36,9 @@
 //!
 //! The order that keeps an answer honest: the batch's rows are appended and
 //! synced *before* any reader can see them. A log that cannot be written
-//! drops the batch's rows (`writer::abandon`), so a refused batch changes
-//! nothing. Under load the sync is the syncer thread's (`syncer.rs`): the
-//! writer `write`s a record and goes on, and a record the syncer refuses
-//! is voided (`void_at`) before the next is written where it began.
+//! aborts the batch, so a refused batch changes nothing; a record whose
+//! batch redb then refuses is voided (`void_at`) before anything is
+//! written behind it.
 //!
 //! redb refuses non-durable commits when other processes may read the
 //! file, so the default shared store (`berth audit verify` and `export`
@@ -57,7 +49,6 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
 use redb::{Database, Key, ReadableTable, TableDefinition, Value, WriteTransaction};
 
 use super::blocks::{self, BlockWriter};
@@ -121,18 +112,16 @@ const MAGIC: [u8; 4] = *b"BRDK";
 /// commit it), and read only from a store without a key, or as a record
 /// already checkpointed (`Trust`).
 const UNKEYED_MAGIC: [u8; 4] = *b"BRDU";
-/// The magic of a record on blocks written by a berth before keys (from
-/// commit c5aa9f8 to 2026-12-04): unkeyed, with the short header
-/// (`LEGACY_HEADER`). Read, never written.
-const BLOCK_MAGIC: [u8; 4] = *b"BRDA";
-/// The magic of a record written by a berth before blocks (before commit
-/// c5aa9f8): the next record starts right behind it; the short header.
-/// Read, never written.
+/// The magic of a record written by a berth before blocks: the next
+/// record starts right behind it; the short header (`LEGACY_HEADER`).
+/// Read, never written: the logs of the committed fixtures of layouts 8
+/// and 9 (`tests/data/store-v8-crashed`, `store-v9-crashed`) hold them,
+/// and are replayed before their files migrate.
 const PACKED_MAGIC: [u8; 4] = *b"BRDO";
 /// magic, payload length (u32), crc32 of the generation, layout and rows,
 /// generation (u64), layout version (u32), then the tag (`TAG_BYTES`).
 const HEADER: usize = 4 + 4 + 4 + 8 + 4 + TAG_BYTES;
-/// The header of `BLOCK_MAGIC` and `PACKED_MAGIC` records: no tag.
+/// The header of `PACKED_MAGIC` records: no tag.
 const LEGACY_HEADER: usize = 4 + 4 + 4 + 8 + 4;
 /// HMAC-SHA-256 cut to 128 bits: forging one is a 2^-128 guess per try.
 const TAG_BYTES: usize = 16;
@@ -304,25 +293,7 @@ fn write_zeros(file: &std::fs::File, from: u64, to: u64) -> std::io::Result<()> 
 #[derive(Default)]
 pub struct RecordBuf {
     bytes: Vec<u8>,
-    /// Where each record's rows are copied for the overlay
-    /// (`shared_rows`): chunks of `SHARED_CHUNK_BYTES` used in turn, the
-    /// copies of many records in each, and a chunk's memory used again
-    /// once no row in it is held. Why: a fresh allocation of a batch's
-    /// size each time cost the writer 3% of its time at 32 connections,
-    /// most of it the page faults of memory glibc had just given back.
-    shared: [BytesMut; SHARED_CHUNKS],
-    /// The chunk being filled.
-    current: usize,
 }
-
-/// The size of the chunks `RecordBuf::shared_rows` copies rows into.
-const SHARED_CHUNK_BYTES: usize = 1 << 20;
-/// The chunks used in turn: enough that a chunk's rows are released (their
-/// generation checkpointed and dropped, 50 ms to a few hundred after it
-/// was filled) before its turn comes again at a few thousand submits a
-/// second. A chunk still held when its turn comes is left to its holders
-/// and a new one allocated, so this bounds nothing but reuse.
-const SHARED_CHUNKS: usize = 4;
 
 /// A record buffer that grew past this (a large batch of log chunks) is
 /// given back when the next record starts rather than kept.
@@ -360,26 +331,6 @@ impl RecordBuf {
     pub fn rows(&self) -> &[u8] {
         self.bytes.get(HEADER..).unwrap_or_default()
     }
-
-    /// A copy of the rows pushed since `start` that readers may hold past
-    /// the next record (the overlay's, `overlay::Staged::of_record`).
-    pub(super) fn shared_rows(&mut self) -> Bytes {
-        let rows = self.bytes.get(HEADER..).unwrap_or_default();
-        if self.shared[self.current].capacity() < rows.len() {
-            self.current = (self.current + 1) % SHARED_CHUNKS;
-            let size = rows.len().max(SHARED_CHUNK_BYTES);
-            let chunk = &mut self.shared[self.current];
-            // Sole owner again (every row copied into it dropped): its
-            // memory is reused whole.
-            if !chunk.try_reclaim(size) {
-                *chunk = BytesMut::with_capacity(size);
-            }
-        }
-        let chunk = &mut self.shared[self.current];
-        chunk.extend_from_slice(rows);
-        // The copy leaves with the chunk's filled part; the rest stays.
-        chunk.split().freeze()
-    }
 }
 
 /// The append side, owned by the writer thread.
@@ -401,65 +352,10 @@ pub struct RedoLog {
     layout: u32,
     /// How long between checkpoints, at most.
     pub checkpoint_every: Duration,
-    /// The write transaction holding every row logged since the last
-    /// checkpoint, which the next one commits durably (`writer.rs`):
-    /// kept with the log, under its lock, since the two go together.
-    pub(super) pending: Option<super::logged::Pending>,
-    /// redb's syncs, when they are made behind the writer (`behind.rs`):
-    /// a checkpoint's records are written over only once its sync is done.
-    /// Set with each opening of the store file (`Shared::reopen` too).
-    pub(super) redb_syncs: Option<std::sync::Arc<super::behind::RedbSyncs>>,
-    /// The last checkpoint, while the log may still be written from its
-    /// start again (`checkpointed`): until the first record after it.
-    after_checkpoint: Option<AfterCheckpoint>,
     /// Where refused records start whose headers could not be voided (the
     /// disk refused that write too): no record is written until each is,
     /// since a record written behind one would let a replay reach it.
     unvoided: Vec<u64>,
-}
-
-/// A checkpoint whose sync may still be in flight: its ticket
-/// (`RedbSyncs::ticket`) and where the log ended when it committed.
-#[derive(Debug, Clone, Copy)]
-struct AfterCheckpoint {
-    ticket: u64,
-    end: u64,
-}
-
-/// Where the first record after a checkpoint goes (`next_record`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum NextRecord {
-    /// At the log's start: every record in it is durable in redb.
-    FromStart,
-    /// Behind the last one: the checkpoint's sync has not returned (or
-    /// failed), and the records before it are still the only durable copy
-    /// of its rows. The next checkpoint tries again.
-    Behind,
-    /// Wait for the checkpoint's sync, then from the start: the log has
-    /// grown past `RESTART_WAIT_BYTES`.
-    WaitThenFromStart,
-}
-
-/// Past this length the first record after a checkpoint waits for the
-/// checkpoint's sync rather than go behind the others, so the log is
-/// written from its start again at least this often: it bounds the log
-/// (and the replay at open) as `CHECKPOINT_BYTES` did when every checkpoint
-/// waited for its sync. Half of it, so one more interval's records still
-/// fit before a checkpoint is due by size.
-pub const RESTART_WAIT_BYTES: u64 = CHECKPOINT_BYTES / 2;
-
-/// Where the first record after a checkpoint goes, from how far its sync
-/// has come and how long the log is. Pure, so the policy is tested alone.
-pub(super) fn next_record(synced: &super::behind::Synced, log_bytes: u64) -> NextRecord {
-    use super::behind::Synced;
-    match synced {
-        Synced::Durable => NextRecord::FromStart,
-        // The next checkpoint fails on the same latched error and the
-        // store is reopened from this log, so it must keep every record.
-        Synced::Failed(_) => NextRecord::Behind,
-        Synced::Pending if log_bytes >= RESTART_WAIT_BYTES => NextRecord::WaitThenFromStart,
-        Synced::Pending => NextRecord::Behind,
-    }
 }
 
 fn io_error(e: std::io::Error) -> StoreError {
@@ -540,9 +436,6 @@ impl RedoLog {
             key: at.key,
             layout,
             checkpoint_every,
-            pending: None,
-            redb_syncs: None,
-            after_checkpoint: None,
             unvoided: Vec::new(),
         })
     }
@@ -577,12 +470,6 @@ impl RedoLog {
         }
     }
 
-    /// Refused records the syncer could not void (`syncer::Failure`):
-    /// voided before the next record is written.
-    pub(super) fn remember_unvoided(&mut self, starts: &[u64]) {
-        self.unvoided.extend_from_slice(starts);
-    }
-
     /// Voids every refused record not voided yet; an error while one is
     /// left refuses the record about to be written.
     fn void_unvoided(&mut self) -> StoreResult<()> {
@@ -601,7 +488,6 @@ impl RedoLog {
     /// is cut back to where it was.
     pub fn write(&mut self, record: &mut RecordBuf, urgency: Urgency) -> StoreResult<u64> {
         self.void_unvoided()?;
-        self.rewind_after_durable_checkpoint()?;
         let payload_len = record.rows().len();
         if payload_len > MAX_RECORD_BYTES {
             return Err(StoreError::other(format!(
@@ -682,13 +568,7 @@ impl RedoLog {
         void_at(&self.file, at)
     }
 
-    /// A second handle on the log's file, for the thread that syncs
-    /// records written behind the writer (`syncer.rs`): a sync through
-    /// either makes the file's written bytes durable.
-    pub(super) fn sync_handle(&self) -> StoreResult<std::fs::File> {
-        self.file.try_clone().map_err(io_error)
-    }
-
+    #[cfg(test)]
     /// After records written with `write` were voided (never to land):
     /// the next record goes where the first of them began.
     pub(super) fn rewind(&mut self, to: u64) {
@@ -712,64 +592,6 @@ impl RedoLog {
         debug_assert!(generation > self.generation || self.end == 0);
         self.generation = generation;
         self.end = 0;
-        self.after_checkpoint = None;
-        Ok(())
-    }
-
-    /// After a checkpoint committed the log's generation: records go on
-    /// one generation on. With redb's syncs behind the writer the
-    /// checkpoint may not be durable yet, so the log is written from its
-    /// start again only by the first record after it, once its sync is
-    /// done (`next_record`); else at once, as before.
-    pub(super) fn checkpointed(&mut self) -> StoreResult<()> {
-        match &self.redb_syncs {
-            Some(syncs) => {
-                self.generation += 1;
-                self.after_checkpoint = Some(AfterCheckpoint {
-                    ticket: syncs.ticket(),
-                    end: self.end,
-                });
-                Ok(())
-            }
-            None => self.restart(self.generation + 1),
-        }
-    }
-
-    /// Waits until the last checkpoint is durable and writes the log from
-    /// its start again (`Store::close`: the log is left empty).
-    pub(super) fn settle_checkpoint(&mut self) -> StoreResult<()> {
-        let Some(after) = self.after_checkpoint else {
-            return Ok(());
-        };
-        if let Some(syncs) = &self.redb_syncs {
-            syncs.wait(after.ticket)?;
-        }
-        self.rewind_after_durable_checkpoint()
-    }
-
-    /// The first record after a checkpoint: from the log's start, when
-    /// nothing was written since and the checkpoint is durable.
-    fn rewind_after_durable_checkpoint(&mut self) -> StoreResult<()> {
-        let Some(after) = self.after_checkpoint.take() else {
-            return Ok(());
-        };
-        let Some(syncs) = &self.redb_syncs else {
-            return Ok(());
-        };
-        if after.end != self.end {
-            // The log moved since the checkpoint (a record taken back or
-            // voided): whatever it holds stays, and the next checkpoint
-            // tries again.
-            return Ok(());
-        }
-        match next_record(&syncs.state(after.ticket), self.end) {
-            NextRecord::FromStart => self.end = 0,
-            NextRecord::Behind => {}
-            NextRecord::WaitThenFromStart => {
-                syncs.wait(after.ticket)?;
-                self.end = 0;
-            }
-        }
         Ok(())
     }
 
@@ -779,7 +601,6 @@ impl RedoLog {
         self.generation = at.generation;
         self.end = at.end;
         self.key = at.key;
-        self.after_checkpoint = None;
     }
 }
 
@@ -843,7 +664,6 @@ fn record_at(bytes: &[u8], at: usize, trust: Trust) -> Option<Record> {
     let (header, packed, keyed) = match magic {
         MAGIC => (HEADER, false, true),
         UNKEYED_MAGIC => (HEADER, false, false),
-        BLOCK_MAGIC => (LEGACY_HEADER, false, false),
         PACKED_MAGIC => (LEGACY_HEADER, true, false),
         _ => return None,
     };
@@ -1157,32 +977,6 @@ impl<'a> Cursor<'a> {
     }
 }
 
-/// One record's rows, as written by this berth (the writer publishes a
-/// batch's rows to readers from its record, `overlay.rs`).
-pub(super) fn ops_in(payload: &[u8]) -> StoreResult<Vec<super::overlay::Op<'_>>> {
-    use super::overlay::Op;
-    let mut c = Cursor { bytes: payload };
-    let mut ops = Vec::new();
-    while !c.bytes.is_empty() {
-        let name_len = c.take(1)?[0] as usize;
-        let table = std::str::from_utf8(c.take(name_len)?)
-            .ok()
-            .and_then(Table::named)
-            .ok_or_else(|| StoreError::corrupt("a redo record names a table this berth lacks"))?;
-        ops.push(match c.take(1)?[0] {
-            OP_INSERT => Op::Insert(table, c.sized()?, c.sized()?),
-            OP_REMOVE => Op::Remove(table, c.sized()?),
-            OP_CLEAR => Op::Clear(table),
-            _ => {
-                return Err(StoreError::corrupt(
-                    "a redo record holds an unknown operation",
-                ))
-            }
-        });
-    }
-    Ok(ops)
-}
-
 /// Applies one record's rows, written at `layout`.
 fn apply_payload(txn: &WriteTransaction, payload: &[u8], layout: u32) -> StoreResult<()> {
     let mut c = Cursor { bytes: payload };
@@ -1209,29 +1003,6 @@ fn apply_payload(txn: &WriteTransaction, payload: &[u8], layout: u32) -> StoreRe
                 ))
             }
         }
-    }
-    Ok(())
-}
-
-/// The overlay's rows of one table written again into a new pending
-/// transaction (`writer::restore`): the table emptied first if the
-/// overlay emptied it.
-pub(super) fn apply_rows(
-    txn: &WriteTransaction,
-    table: Table,
-    cleared: bool,
-    rows: &[super::overlay::OverlayRow],
-) -> StoreResult<()> {
-    if cleared {
-        apply(txn, LoggedTable::Current(table), None, None)?;
-    }
-    for (key, value) in rows {
-        apply(
-            txn,
-            LoggedTable::Current(table),
-            Some(key),
-            value.as_deref(),
-        )?;
     }
     Ok(())
 }
@@ -1347,94 +1118,6 @@ pub(super) fn raw_rows(rx: &super::Rx, table: Table) -> Vec<(Vec<u8>, Vec<u8>)> 
 mod tests {
     use super::*;
 
-    /// A record of one row whose value is `fill` repeated `len` times.
-    fn shared_copy_of(record: &mut RecordBuf, fill: u8, len: usize) -> Bytes {
-        record.start();
-        let mut ops = record.lend();
-        ops.insert(Table::Webhooks, &[fill], &vec![fill; len]);
-        record.take_back(ops);
-        record.shared_rows()
-    }
-
-    /// A batch published from its redo record (slices of one copy) reads
-    /// back as the same rows copied one by one: point reads, a removal,
-    /// a range in the table's key order, and a key never written.
-    #[test]
-    fn a_record_published_as_slices_reads_as_its_rows_copied() {
-        use super::super::overlay::{Found, Overlay, Staged};
-        use std::ops::Bound;
-        let key = |n: u64| n.to_le_bytes();
-        let mut ops = Ops::default();
-        let (k1, k2, k3) = (key(1), key(2), key(256));
-        ops.insert(Table::AuditEvents, &k3, b"256");
-        ops.insert(Table::AuditEvents, &k1, b"one");
-        ops.remove(Table::AuditEvents, &k2);
-        ops.insert(Table::Webhooks, &7u128.to_le_bytes(), b"");
-        let record = Bytes::from(ops.into_bytes());
-
-        let sliced = Overlay::default();
-        sliced.publish_staged(Staged::of_record(&record, ops_in(&record).unwrap()));
-        let copied = Overlay::default();
-        copied.publish(ops_in(&record).unwrap());
-        for o in [&sliced, &copied] {
-            let ((), seen) = o.begin(|| Ok::<_, ()>(())).unwrap();
-            assert_eq!(
-                seen.get(Table::AuditEvents, &k1),
-                Found::Here(Some(Bytes::from_static(b"one")))
-            );
-            assert_eq!(seen.get(Table::AuditEvents, &k2), Found::Here(None));
-            assert_eq!(seen.get(Table::AuditEvents, &key(4)), Found::Stored);
-            assert_eq!(
-                seen.get(Table::Webhooks, &7u128.to_le_bytes()),
-                Found::Here(Some(Bytes::new()))
-            );
-            let keys: Vec<u64> = seen
-                .range(Table::AuditEvents, Bound::Included(&k1), Bound::Unbounded)
-                .into_iter()
-                .map(|(k, _)| u64::from_le_bytes(k[..].try_into().unwrap()))
-                .collect();
-            assert_eq!(
-                keys,
-                [1, 2, 256],
-                "u64 order (256 is first by bytes), the removal included"
-            );
-        }
-    }
-
-    /// `shared_rows` copies each record's rows whole, and a chunk comes
-    /// back into use only once no copy in it is held: a held copy keeps
-    /// its bytes while the chunks turn past it.
-    #[test]
-    fn shared_rows_reuse_a_chunk_only_when_no_copy_in_it_is_held() {
-        let mut record = RecordBuf::default();
-        let row = SHARED_CHUNK_BYTES / 2 - 64;
-        let first = shared_copy_of(&mut record, 1, row);
-        let first_at = first.as_ptr();
-        assert_eq!(first, record.rows(), "the copy is the record's rows");
-        drop(first);
-        // Two records a chunk: fill the rest of the first chunk and the
-        // other chunks, all dropped, then the first's turn comes again.
-        for fill in 2..=(2 * SHARED_CHUNKS as u8) {
-            drop(shared_copy_of(&mut record, fill, row));
-        }
-        let again = shared_copy_of(&mut record, 9, row);
-        assert_eq!(again.as_ptr(), first_at, "a free chunk is used again");
-        assert_eq!(again, record.rows());
-
-        // Held across a whole turn of the chunks: not reused, not changed.
-        let held = again;
-        for fill in 10..(10 + 2 * SHARED_CHUNKS as u8) {
-            drop(shared_copy_of(&mut record, fill, row));
-        }
-        let after = shared_copy_of(&mut record, 30, row);
-        assert_ne!(after.as_ptr(), held.as_ptr(), "a held chunk is left alone");
-        assert!(
-            held[held.len() - row..].iter().all(|b| *b == 9),
-            "held bytes kept"
-        );
-    }
-
-    /// A new, empty directory for one test, and the store path in it.
     fn fresh(tag: &str) -> (PathBuf, PathBuf) {
         let dir = std::env::temp_dir().join(format!("berth-redo-{tag}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
@@ -1702,11 +1385,6 @@ mod tests {
                 false,
             ),
             (
-                "a record of a berth before keys",
-                legacy_record(BLOCK_MAGIC, generation, forged()),
-                false,
-            ),
-            (
                 "a packed record",
                 legacy_record(PACKED_MAGIC, generation, forged()),
                 false,
@@ -1803,96 +1481,6 @@ mod tests {
             assert_eq!(meta_of(&db, &format!("k{i}")), Some(vec![i]));
         }
         assert_eq!(meta_of(&db, "stale"), None);
-        let _ = std::fs::remove_dir_all(&dir);
-    }
-
-    #[test]
-    fn the_first_record_after_a_checkpoint_goes_from_the_start_only_once_it_is_durable() {
-        use super::super::behind::Synced;
-        assert_eq!(
-            next_record(&Synced::Durable, 10 << 20),
-            NextRecord::FromStart
-        );
-        assert_eq!(next_record(&Synced::Pending, 4096), NextRecord::Behind);
-        assert_eq!(
-            next_record(&Synced::Pending, RESTART_WAIT_BYTES),
-            NextRecord::WaitThenFromStart
-        );
-        assert_eq!(
-            next_record(
-                &Synced::Failed(super::super::behind::Failure::of(
-                    &std::io::Error::from_raw_os_error(5)
-                )),
-                RESTART_WAIT_BYTES
-            ),
-            NextRecord::Behind,
-            "a failed sync keeps every record for the reopen"
-        );
-    }
-
-    /// A checkpoint whose sync has not returned: the records after it go
-    /// behind its own, and a cut then (its commit not on the disk) replays
-    /// both generations in order; once it is durable, the next
-    /// checkpoint's first record goes from the start again.
-    #[test]
-    fn records_behind_a_checkpoint_not_yet_durable_replay_with_it() {
-        let (dir, store) = fresh("behind");
-        let db = exclusive_with_meta(&store);
-        let syncs = std::sync::Arc::new(super::super::behind::RedbSyncs::default());
-        let mut log = new_log(&store);
-        log.redb_syncs = Some(syncs.clone());
-        let mut ops = Ops::default();
-        ops.insert(Table::Meta, b"k0", &[0]);
-        log.append(&mut record_of(ops), Urgency::May).unwrap();
-        let first = log.bytes();
-        // The checkpoint of generation 1, committed but its sync not
-        // returned: as far as the disk goes, not committed at all.
-        let mut txn = db.begin_write().unwrap();
-        txn.set_durability(redb::Durability::None).unwrap();
-        txn.open_table(META)
-            .unwrap()
-            .insert("k0", [0u8].as_slice())
-            .unwrap();
-        record_generation(&txn, 1).unwrap();
-        txn.commit().unwrap();
-        let ticket = syncs.ask_for_tests();
-        log.checkpointed().unwrap();
-        assert_eq!(log.generation, 2);
-        let mut ops = Ops::default();
-        ops.insert(Table::Meta, b"k1", &[1]);
-        log.append(&mut record_of(ops), Urgency::May).unwrap();
-        assert!(
-            log.bytes() > first,
-            "the record went behind the checkpoint's"
-        );
-        assert_eq!(records_in(&path_of(&store)), 2);
-        // A cut now: the file has neither row, the log both generations.
-        let copy = dir.join("copy");
-        std::fs::create_dir_all(&copy).unwrap();
-        std::fs::copy(&store, copy.join("berth.redb")).unwrap();
-        std::fs::copy(path_of(&store), path_of(&copy.join("berth.redb"))).unwrap();
-        {
-            let copied = copy.join("berth.redb");
-            let db = exclusive(&copied);
-            assert_eq!(
-                meta_of(&db, "k0"),
-                None,
-                "a non-durable commit reached the file"
-            );
-            replay(&db, &copied, LAYOUT, Replay::Checkpoint).unwrap();
-            assert_eq!(meta_of(&db, "k0"), Some(vec![0]));
-            assert_eq!(meta_of(&db, "k1"), Some(vec![1]));
-        }
-        // The sync returns; the next checkpoint's first record goes from
-        // the start, and the older generations behind it are not read.
-        syncs.done_for_tests(ticket);
-        log.checkpointed().unwrap();
-        let mut ops = Ops::default();
-        ops.insert(Table::Meta, b"k2", &[2]);
-        log.append(&mut record_of(ops), Urgency::May).unwrap();
-        assert!(log.bytes() < first + 64, "the log went on from its start");
-        assert_eq!(records_in(&path_of(&store)), 1);
-        drop(db);
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -3,7 +3,6 @@
 
 use redb::ReadTransaction;
 
-use super::overlay::Seen;
 use super::tables::*;
 use super::view::Rows;
 use super::{
@@ -12,41 +11,19 @@ use super::{
 };
 use crate::model::{BuildId, BuildRecord, DeploymentRecord, NodeSbom};
 
-/// Typed access inside a read transaction (a consistent snapshot): redb's
-/// read transaction and what the reader sees of the overlay, taken
-/// together (`overlay::Overlay::begin`).
+/// Typed access inside a read transaction: a consistent snapshot (MVCC)
+/// that holds every write answered before it began.
 pub struct Rx {
     pub(super) txn: ReadTransaction,
-    /// `None` for a file no berth writes (a reader of a snapshot).
-    pub(super) seen: Option<Seen>,
 }
 
 impl Rx {
-    /// Opens `def` as this reader sees it: redb's rows and the overlay's.
+    /// Opens `def` for reading.
     pub(super) fn rows<K: redb::Key + 'static, V: redb::Value + 'static>(
         &self,
         def: redb::TableDefinition<'static, K, V>,
     ) -> StoreResult<Rows<'_, K, V, redb::ReadOnlyTable<K, V>>> {
-        self.with_overlay(self.txn.open_table(def)?, def)
-    }
-
-    fn with_overlay<K: redb::Key + 'static, V: redb::Value + 'static>(
-        &self,
-        stored: redb::ReadOnlyTable<K, V>,
-        def: redb::TableDefinition<'static, K, V>,
-    ) -> StoreResult<Rows<'_, K, V, redb::ReadOnlyTable<K, V>>> {
-        let overlay = match &self.seen {
-            Some(seen) => Some((
-                seen,
-                super::view::table_named(redb::TableHandle::name(&def))?,
-            )),
-            None => None,
-        };
-        Ok(Rows {
-            stored,
-            overlay,
-            types: std::marker::PhantomData,
-        })
+        Ok(Rows::stored(self.txn.open_table(def)?))
     }
 
     /// Deployments with id > `after`, in id order, at most `limit`.
@@ -141,7 +118,7 @@ impl Rx {
     /// The layout version the file records (`None`: never opened by berth).
     pub fn layout_version(&self) -> StoreResult<Option<u32>> {
         let meta = match self.txn.open_table(META) {
-            Ok(meta) => self.with_overlay(meta, META)?,
+            Ok(meta) => Rows::stored(meta),
             Err(redb::TableError::TableDoesNotExist(_)) => return Ok(None),
             Err(e) => return Err(e.into()),
         };

@@ -303,20 +303,17 @@ async fn a_restart_whose_recovery_meets_a_full_disk_stays_not_ready_and_retries_
     s.submit_ok("bob", json!({"n": 1})).await;
 }
 
-/// A sync of the store file that fails behind the writer
-/// (src/store/behind.rs): the next write to the file fails on it (a
-/// checkpoint, or a batch that grows the file, which is then refused with
-/// a 503 and stores nothing), the store is reopened from its redo log, and
-/// every submit answered 202 before and after is served, by the same berth
-/// and after a stop and a start.
+/// A checkpoint that fails (redb's durable commit): the store is reopened
+/// from its redo log, and every submit answered 202 before and after is
+/// served, by the same berth and after a stop and a start.
 #[tokio::test]
-async fn a_failed_sync_of_the_store_file_behind_the_writer_loses_nothing() {
-    if !available("failpoints::redb_sync") {
+async fn a_failed_checkpoint_loses_nothing() {
+    if !available("failpoints::redb_checkpoint") {
         return;
     }
-    // The 12th sync of the process: a start makes a few, checkpoints while
-    // serving the rest.
-    let mut s = Server::start(Options::default().env("FAILPOINTS", "redb.sync=return(12)")).await;
+    // The 12th checkpoint of the process.
+    let mut s =
+        Server::start(Options::default().env("FAILPOINTS", "redb.checkpoint=return(12)")).await;
     let mut builds = Vec::new();
     let submit = |n: usize| {
         let s = &s;
@@ -340,7 +337,7 @@ async fn a_failed_sync_of_the_store_file_behind_the_writer_loses_nothing() {
     while !s.log().contains("store reopened after an I/O error") {
         assert!(
             Instant::now() < deadline,
-            "no reopen after the failed sync:\n{}",
+            "no reopen after the failed checkpoint:\n{}",
             s.log()
         );
         n += 1;
@@ -348,8 +345,8 @@ async fn a_failed_sync_of_the_store_file_behind_the_writer_loses_nothing() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert!(
-        s.log().contains("injected by the redb.sync failpoint"),
-        "the reopen was not the failed sync's:\n{}",
+        s.log().contains("failpoint redb.checkpoint"),
+        "the reopen was not the failed checkpoint's:\n{}",
         s.log()
     );
     for _ in 0..10 {

@@ -143,29 +143,28 @@ async fn power_cuts_with_the_redo_log_lose_nothing_acknowledged() {
     power_trials(Mode::Exclusive).await;
 }
 
-/// The same with every sync of the store file held back 300 ms
-/// (`redb.sync=sleep(300)`, src/failpoints.rs): redb's syncs run behind the
-/// writer (src/store/behind.rs), so most cuts land while a checkpoint is
-/// committed but not durable and the records after it went behind its
-/// own in the redo log. The restart must replay both.
+/// The same with every checkpoint held back 300 ms
+/// (`redb.checkpoint=sleep(300)`, src/failpoints.rs), so most cuts land
+/// while the redo log holds many batches that redb holds only in memory
+/// (non-durable commits). The restart must replay them all.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn power_cuts_while_a_checkpoint_syncs_behind_lose_nothing_acknowledged() {
+async fn power_cuts_while_checkpoints_are_slow_lose_nothing_acknowledged() {
     if !cfg!(feature = "failpoints") {
         skip(
-            "power_loss::slow_redb_sync",
+            "power_loss::slow_checkpoint",
             "built without `--features failpoints` (the README's test command has it)",
         );
         return;
     }
-    power_trials(Mode::SlowRedbSync).await;
+    power_trials(Mode::SlowCheckpoints).await;
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Mode {
     Shared,
     Exclusive,
-    /// Held alone, with the store file's syncs held back.
-    SlowRedbSync,
+    /// Held alone, with every checkpoint held back.
+    SlowCheckpoints,
 }
 
 impl Mode {
@@ -173,7 +172,7 @@ impl Mode {
     fn alone(self) -> bool {
         match self {
             Mode::Shared => false,
-            Mode::Exclusive | Mode::SlowRedbSync => true,
+            Mode::Exclusive | Mode::SlowCheckpoints => true,
         }
     }
 }
@@ -184,7 +183,7 @@ async fn power_trials(mode: Mode) {
     let tag = match mode {
         Mode::Shared => "power",
         Mode::Exclusive => "power-redo",
-        Mode::SlowRedbSync => "power-slow-sync",
+        Mode::SlowCheckpoints => "power-slow-checkpoint",
     };
     let Some((dir, fs, group)) = rig(&format!("power_loss::{tag}"), tag) else {
         return;
@@ -200,7 +199,7 @@ async fn power_trials(mode: Mode) {
     match mode {
         Mode::Shared => options = options.arg("--shared-store"),
         Mode::Exclusive => {}
-        Mode::SlowRedbSync => options = options.env("FAILPOINTS", "redb.sync=sleep(300)"),
+        Mode::SlowCheckpoints => options = options.env("FAILPOINTS", "redb.checkpoint=sleep(300)"),
     }
     let mut s = Server::start_in(dir.clone(), options).await;
     let data = dir.join("data");
