@@ -15,12 +15,9 @@
 //! - `build.final_commit`: a build's final commit (subject: the build id);
 //! - `submit.job`: a submit's write job (subject: the deployment id);
 //! - `audit.alone`: the audit event of a call that changed nothing;
-//! - `redo.append`: a redo log append, or the hand-over of a batch to the
-//!   log's syncer (the batch's transaction aborts);
-//! - `redo.commit`: the step right after a redo log append's sync, which
-//!   publishes the batch's rows to readers (the record is taken back out
-//!   of the log, the batch's rows dropped; for a batch synced behind the
-//!   writer, `store/syncer.rs`, with every batch handed over after it).
+//! - `redo.append`: a redo log append (the batch's transaction aborts);
+//! - `redo.commit`: redb's commit right after a redo log append's sync
+//!   (the record is taken back out of the log, the batch's rows dropped).
 //!   Both take as argument bytes the batch's rows must hold
 //!   (`redo.commit=return(dep-id)`);
 //! - `redo.void`: the write that voids a refused record's header in the

@@ -449,7 +449,7 @@ pub fn open_layout(db: &Database) -> StoreResult<()> {
         );
         let mut txn = db.begin_write()?;
         // As a checkpoint's commit: a crash before the next one finds
-        // redb's allocator state saved (`behind.rs`, "Quick repair").
+        // redb's allocator state saved (quick repair).
         txn.set_quick_repair(true);
         for table in Table::ALL {
             table.create(&txn)?;

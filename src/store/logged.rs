@@ -9,11 +9,10 @@
 //! from instead of closing it: redb's `open_table` reads the table's
 //! definition from its table tree and a close stages the new root, and a
 //! batch of 14 submits opened and closed each of its tables 14 times (13%
-//! of the writer thread at 32 connections). With a redo log the tables
-//! stay open with the pending transaction (`Pending`) from one batch to
-//! the next, and close when a checkpoint commits it or a failure aborts
-//! it; a `Tx` of its own (an import, a shared store's batch) closes them
-//! when it is dropped, before its commit.
+//! of the writer thread at 32 connections). The tables stay open with
+//! the batch's transaction (`Pending`) and close when it commits or
+//! aborts; a `Tx` of its own (an import, a test's) closes them when it is
+//! dropped, before its commit.
 
 use std::borrow::Borrow;
 use std::cell::RefCell;

@@ -152,7 +152,7 @@ impl CacheSize {
 ///
 /// It also says when redb repairs the file the slow way: after a crash
 /// whose last commit saved no allocator state (`--shared-store`, or a
-/// store last written by a berth before quick repair: `behind.rs`), redb
+/// store last written by a berth before quick repair), redb
 /// reads the whole file to rebuild it, and a large store takes a while.
 pub(crate) fn redb_builder(mode: redb::ConcurrencyMode, cache: CacheSize) -> redb::Builder {
     let mut builder = redb::Database::builder();
@@ -365,8 +365,8 @@ impl Store {
     /// submits at one connection ran 15-29% faster, with ~85 us less CPU
     /// each (docs/performance-history.md, "A lone submit committed where it
     /// arrived"). The batch is the writer thread's own procedure (`writer::run_batch`) under
-    /// the same lock, so commit order, the log's record, the overlay and
-    /// the hooks are as they would be there. A job that finds a
+    /// the same lock, so commit order, the log's record and the hooks are
+    /// as they would be there. A job that finds a
     /// checkpoint due goes to the writer thread, which makes it right
     /// after that job's batch, as before (made here, it would hold this
     /// job's answer); recovering from a failure met here (a reopen) runs
@@ -732,9 +732,9 @@ mod tests {
     }
 
     /// Readers racing checkpoints (every millisecond) see every write
-    /// acknowledged before they began, and a build's rows together: the
-    /// overlay and redb's read transaction are taken as one, and a
-    /// checkpoint swaps the overlay only once redb holds its rows.
+    /// acknowledged before they began, and a build's rows together: a
+    /// batch is answered after redb's commit, and a checkpoint changes no
+    /// row a reader sees.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn readers_racing_checkpoints_miss_no_acknowledged_write() {
         let (store, dir) = logged_store("race", std::time::Duration::from_millis(1));
@@ -899,11 +899,10 @@ mod tests {
         let _ = std::fs::remove_dir_all(dir);
     }
 
-    /// With a redo log a failed batch aborts the pending transaction,
-    /// which also held the batches acknowledged before it since the last
-    /// checkpoint: they are given back (`writer::restore`) to readers, to
-    /// the next job's own reads and to a restart's replay, and the failed
-    /// batch's row to none of them.
+    /// With a redo log a failed batch aborts its own transaction only: the
+    /// batches acknowledged before it since the last checkpoint stay for
+    /// readers, the next job's own reads and a restart's replay, and the
+    /// failed batch's row goes to none of them.
     #[tokio::test]
     async fn a_failed_batch_after_acknowledged_ones_keeps_them_for_readers_jobs_and_a_restart() {
         let (store, dir) = logged_store("restore", std::time::Duration::from_secs(60));
@@ -951,7 +950,7 @@ mod tests {
 
     /// Sources `first..first + count` written by as many concurrent
     /// writes, each a task of its own (so, on a runtime of two workers,
-    /// most queue behind one another and go to the syncer, rather than
+    /// most queue behind one another and share batches, rather than
     /// each run alone where it was submitted: `run_here_if_idle`), each
     /// with a hook that records it ran; what each write returned.
     async fn concurrent_sources(

@@ -857,7 +857,7 @@ pub fn replay(db: &Database, store: &Path, layout: u32, how: Replay) -> StoreRes
     let path = path_of(store);
     let mut txn = db.begin_write()?;
     // A durable replay is a checkpoint: it saves redb's allocator state as
-    // every checkpoint does (`behind.rs`, "Quick repair"), or a crash
+    // every checkpoint does (quick repair), or a crash
     // before the first checkpoint after it would cost the next start a
     // read of the whole file.
     if how == Replay::Checkpoint {

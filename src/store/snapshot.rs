@@ -74,8 +74,8 @@ const SNAPSHOT_MAX_AGE: Duration = Duration::from_secs(3600);
 /// store file's own size (an upper bound of any copy): a copy that filled
 /// the disk would make the server's next checkpoint fail.
 const SNAPSHOT_HEADROOM_BYTES: u64 = 64 << 20;
-// The copy's size below leaves out the rows since the last checkpoint
-// (the overlay's, copied too): at most a log's worth, inside the headroom.
+// The copy's size below is the file's: redb's non-durable commits since
+// the last checkpoint may add at most a log's worth, inside the headroom.
 const _: () = assert!(SNAPSHOT_HEADROOM_BYTES > super::redo::MAX_LOG_BYTES);
 
 /// What a reader needs copied.
@@ -446,9 +446,8 @@ fn copy(
     to: &Path,
     scope: Scope,
 ) -> Result<(), Failed> {
-    // A reader of the live store: the rows acknowledged since the last
-    // checkpoint come from the overlay, so the copy holds every write
-    // acknowledged before the request.
+    // A reader of the live store, which holds every write acknowledged
+    // before the request.
     let from = current()?;
     room_for_a_copy(copy_bytes(&from.txn, store, scope)?, dir).map_err(Failed::NoRoom)?;
     // Written once, front to back: a small cache, not redb's 1 GiB default.

@@ -35,8 +35,7 @@ pub struct Tx<'o, 'a> {
 
 /// Where a `Tx` keeps its tables open: its own, closed when it is
 /// dropped (a transaction of its own: an import's, a test's), or the
-/// pending transaction's, kept from one batch to the next until a
-/// checkpoint commits it (`logged::Pending`).
+/// batch's (`logged::Pending`), closed when the batch commits or aborts.
 enum Tables<'o, 'a> {
     Own(OpenTables<'a>),
     Pending(&'o OpenTables<'a>),
@@ -88,7 +87,7 @@ impl<'o, 'a> Tx<'o, 'a> {
     /// What the batch's jobs left to do after the commit and to log: its
     /// hooks and the redo ops (`Tx::new`'s, with the rows appended).
     /// Closes tables of its own (so the transaction can commit); a
-    /// pending transaction's stay open until it commits.
+    /// batch's stay open until it commits.
     pub(super) fn finish(self) -> (Vec<Hook>, Option<Ops>) {
         let Tx { hooks, ops, .. } = self;
         (hooks.into_inner(), ops.map(|o| o.into_inner()))
