@@ -113,15 +113,10 @@ pub enum Sharing {
 /// once, to free space the checkpoint's commit then covers).
 /// `berth serve --cache-size`.
 ///
-/// Why bounded and why this default: redb's own default is 1 GiB, and it
-/// keeps every page read or written until it holds that much, so berth's
-/// memory followed its store file: 1.1 GiB RSS after 30 s of submits at
-/// 32 connections, and a long log read once pulls all its pages in. Hot
-/// pages (the B-trees' upper levels, the latest leaves) are a few MiB; at
-/// 32 connections a checkpoint writes about 5 MiB of pages. At 32
-/// connections submits ran 16-23% faster with 64 MiB than with 1 GiB (the
-/// memory growing cost CPU), and 16, 64 and 256 MiB ran alike
-/// (docs/performance-history.md, "The page cache bounded").
+/// Why bounded: redb's own default is 1 GiB, and it keeps every page read
+/// or written until it holds that much, so berth's memory followed its
+/// store file. The hot pages (the B-trees' upper levels, the latest
+/// leaves) are a few MiB (`benches/submit.rs` compares sizes).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CacheSize(usize);
 
@@ -360,17 +355,12 @@ impl Store {
     /// write queue.
     ///
     /// Why: a lone submit handed to the writer thread and answered back
-    /// is two thread hand-overs, and on the development VM a sleep and a
-    /// wake cost about as much as the work between them: run here,
-    /// submits at one connection ran 15-29% faster, with ~85 us less CPU
-    /// each (docs/performance-history.md, "A lone submit committed where it
-    /// arrived"). The batch is the writer thread's own procedure (`writer::run_batch`) under
-    /// the same lock, so commit order, the log's record and the hooks are
-    /// as they would be there. A job that finds a
-    /// checkpoint due goes to the writer thread, which makes it right
-    /// after that job's batch, as before (made here, it would hold this
-    /// job's answer); recovering from a failure met here (a reopen) runs
-    /// here, as a read meeting one already waits for it.
+    /// is two thread hand-overs, which cost about as much as the work
+    /// between them (`benches/submit.rs` at one connection). The batch is
+    /// the writer's own procedure (`writer::run_batch`) under the same
+    /// lock, so commit order, the log's record and the hooks are as they
+    /// would be there. A job that finds a checkpoint due goes to the
+    /// writer thread, which makes it right after that job's batch.
     fn run_here_if_idle(&self, job: WriteJob) -> Option<WriteJob> {
         let quiet = self.shared.redo.is_some()
             && self
@@ -1468,5 +1458,112 @@ mod tests {
             drop(reopened);
             let _ = std::fs::remove_dir_all(&dir);
         }
+    }
+
+    /// One step of the read path's model test.
+    #[cfg(feature = "failpoints")]
+    #[derive(Debug, Clone)]
+    enum Step {
+        /// Sets (`Some`) or removes (`None`) keys in one write.
+        Write(Vec<(u8, Option<u8>)>),
+        /// The same, refused at its append (a full disk, say), or by redb
+        /// after it (`redo.commit`).
+        Refused(&'static str, Vec<(u8, Option<u8>)>),
+        Checkpoint,
+        /// The handle dropped and the file opened again, as after an I/O error.
+        Reopen,
+    }
+
+    #[cfg(feature = "failpoints")]
+    fn step() -> impl proptest::strategy::Strategy<Value = Step> {
+        use proptest::prelude::*;
+        let ops = proptest::collection::vec((0u8..12, proptest::option::of(any::<u8>())), 1..6);
+        prop_oneof![
+            6 => ops.clone().prop_map(Step::Write),
+            2 => (prop_oneof![Just("redo.append"), Just("redo.commit")], ops)
+                .prop_map(|(place, ops)| Step::Refused(place, ops)),
+            1 => Just(Step::Checkpoint),
+            1 => Just(Step::Reopen),
+        ]
+    }
+
+    /// The rows a store holds of the model's keys.
+    #[cfg(feature = "failpoints")]
+    fn model_rows(store: &Store) -> std::collections::BTreeMap<String, Vec<u8>> {
+        let rx = store.read().unwrap();
+        let meta = rx.rows(META).unwrap();
+        let mut out = std::collections::BTreeMap::new();
+        for row in meta.range("model-".."model.").unwrap() {
+            let (k, v) = row.unwrap();
+            out.insert(k.value().to_string(), v.value().to_vec());
+        }
+        out
+    }
+
+    /// The read path against a model: through random writes, refused
+    /// appends, checkpoints and reopens, a reader finds exactly what the
+    /// answered writes left, and so does a replay of a copy of the files
+    /// as a crash leaves them.
+    #[cfg(feature = "failpoints")]
+    #[test]
+    fn the_store_reads_as_a_model_through_writes_refusals_checkpoints_and_reopens() {
+        use proptest::prelude::*;
+        let config = ProptestConfig {
+            cases: 12,
+            ..ProptestConfig::default()
+        };
+        proptest!(config, |(steps in proptest::collection::vec(step(), 1..30))| {
+            let runtime = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .unwrap();
+            runtime.block_on(async {
+                let (store, dir) = logged_store("model", std::time::Duration::from_secs(60));
+                let mut model = std::collections::BTreeMap::new();
+                for step in &steps {
+                    let write = |ops: Vec<(u8, Option<u8>)>, marker: bool| {
+                        store.write(move |tx| {
+                            let mut meta = tx.table(META)?;
+                            if marker {
+                                meta.insert("model-refused-marker", b"x".as_slice())?;
+                            }
+                            for (k, v) in &ops {
+                                let key = format!("model-{k:02}");
+                                match v {
+                                    Some(v) => meta.insert(key.as_str(), [*v].as_slice())?,
+                                    None => meta.remove(key.as_str())?,
+                                };
+                            }
+                            Ok(())
+                        })
+                    };
+                    match step.clone() {
+                        Step::Write(ops) => {
+                            write(ops.clone(), false).await.unwrap();
+                            for (k, v) in ops {
+                                let key = format!("model-{k:02}");
+                                match v {
+                                    Some(v) => model.insert(key, vec![v]),
+                                    None => model.remove(&key),
+                                };
+                            }
+                        }
+                        Step::Refused(place, ops) => {
+                            fail::cfg(place, "return(model-refused-marker)").unwrap();
+                            let refused = write(ops, true).await;
+                            fail::remove(place);
+                            assert!(refused.is_err(), "a refused append was answered");
+                        }
+                        Step::Checkpoint => store.shared.checkpoint().unwrap(),
+                        Step::Reopen => store.shared.reopen(),
+                    }
+                    assert_eq!(model_rows(&store), model, "after {step:?}");
+                }
+                assert_eq!(model_rows(&replayed_copy(&dir, "copy/model")), model, "a replay");
+                drop(store);
+                let _ = std::fs::remove_dir_all(dir);
+            });
+        });
     }
 }
