@@ -67,7 +67,7 @@ pub use snapshot::Scope as SnapshotScope;
 pub use tx::Tx;
 pub use writer::Hook;
 use writer::{
-    open_database, pause_for_reopen, writer_loop, Place, Shared, WriteJob, READ_WAIT_ATTEMPTS,
+    open_and_replay, pause_for_reopen, writer_loop, Place, Shared, WriteJob, READ_WAIT_ATTEMPTS,
 };
 
 use std::path::Path;
@@ -213,29 +213,19 @@ impl Store {
     /// As `open_shared`, with redb holding at most `cache` of the file's
     /// pages in memory.
     pub fn open_with_cache(path: &Path, sharing: Sharing, cache: CacheSize) -> StoreResult<Store> {
-        let db = open_database(path, sharing, cache).map_err(|e| match e.kind {
-            StoreErrorKind::Corrupt => StoreError {
-                kind: StoreErrorKind::Damaged,
-                detail: e.detail,
-            },
-            _ => e,
-        })?;
         // Whatever mode wrote a redo log last, its acknowledged rows go
         // into the file before anything reads it: durably where the disk
         // allows; on a full one a store held alone keeps them in the log
-        // until a checkpoint can write them.
-        let (db, resume) = match redo::replay(&db, path, LAYOUT_VERSION, redo::Replay::Checkpoint) {
-            Ok(resume) => (db, resume),
+        // until a checkpoint can write them (redb refuses every call after
+        // a failed commit: the file is opened again).
+        let (db, resume) = match open_and_replay(path, sharing, cache, redo::Replay::Checkpoint) {
+            Ok(opened) => opened,
             Err(e)
                 if e.kind == StoreErrorKind::DiskFull
                     && matches!(sharing, Sharing::Exclusive { .. }) =>
             {
                 tracing::warn!(error = %e, "cannot checkpoint the redo log at open (disk full); it stays the store's truth until a checkpoint can");
-                // redb refuses every call after a failed commit.
-                drop(db);
-                let db = open_database(path, sharing, cache)?;
-                let resume = redo::replay(&db, path, LAYOUT_VERSION, redo::Replay::KeepLog)?;
-                (db, resume)
+                open_and_replay(path, sharing, cache, redo::Replay::KeepLog)?
             }
             Err(e) => return Err(e),
         };

@@ -125,27 +125,34 @@ impl Shared {
     /// made the handle fail; the next checkpoint that succeeds makes the
     /// rows durable). Leaves `None` when it cannot open yet (the next
     /// write tries again).
+    ///
+    /// Its pauses between tries run off the async workers: a lone write
+    /// meets a failure on the worker that submitted it (`block_in_place`).
     pub(super) fn reopen(&self) {
+        off_the_workers(|| self.reopen_here())
+    }
+
+    fn reopen_here(&self) {
         let old = self.db.write_held().take();
         drop(old);
         // The read-only handle (if any) would keep the writer out.
         let old_ro = self.read_only.write_held().take();
         drop(old_ro);
         for _ in 0..REOPEN_ATTEMPTS {
-            let reopened = open_database(&self.path, self.sharing, self.cache).and_then(|db| {
-                if let Some(mut log) = self.redo_log() {
-                    let at = redo::replay(
-                        &db,
-                        &self.path,
-                        super::LAYOUT_VERSION,
-                        redo::Replay::KeepLog,
-                    )?;
-                    log.resume(at);
+            // A shared store keeps no log (and redb refuses its
+            // non-durable replay): its handle is only opened again.
+            let reopened = match self.redo.is_some() {
+                true => {
+                    open_and_replay(&self.path, self.sharing, self.cache, redo::Replay::KeepLog)
+                        .map(|(db, at)| (db, Some(at)))
                 }
-                Ok(db)
-            });
+                false => open_database(&self.path, self.sharing, self.cache).map(|db| (db, None)),
+            };
             match reopened {
-                Ok(db) => {
+                Ok((db, at)) => {
+                    if let (Some(mut log), Some(at)) = (self.redo_log(), at) {
+                        log.resume(at);
+                    }
                     tracing::warn!(path = %self.path.display(), "store reopened after an I/O error");
                     *self.db.write_held() = Some(Arc::new(db));
                     return;
@@ -180,16 +187,19 @@ const REOPEN_ATTEMPTS: usize = 10;
 pub(super) const READ_WAIT_ATTEMPTS: usize = 100;
 const REOPEN_PAUSE: std::time::Duration = std::time::Duration::from_millis(10);
 
-/// Waits `REOPEN_PAUSE` for a reopen in progress. On a runtime worker the
-/// worker first hands its other tasks on (`block_in_place`), so a read that
-/// waits never stalls unrelated requests; elsewhere it simply sleeps.
+/// Waits `REOPEN_PAUSE` for a reopen in progress, off the async workers.
 pub(super) fn pause_for_reopen() {
+    off_the_workers(|| std::thread::sleep(REOPEN_PAUSE))
+}
+
+/// Runs `f`, which may block for a while: on a runtime worker the worker
+/// first hands its other tasks on (`block_in_place`), so unrelated
+/// requests never wait for it; elsewhere it simply runs.
+fn off_the_workers<R>(f: impl FnOnce() -> R) -> R {
     use tokio::runtime::{Handle, RuntimeFlavor};
     match Handle::try_current() {
-        Ok(h) if h.runtime_flavor() == RuntimeFlavor::MultiThread => {
-            tokio::task::block_in_place(|| std::thread::sleep(REOPEN_PAUSE))
-        }
-        _ => std::thread::sleep(REOPEN_PAUSE),
+        Ok(h) if h.runtime_flavor() == RuntimeFlavor::MultiThread => tokio::task::block_in_place(f),
+        _ => f(),
     }
 }
 
@@ -201,6 +211,27 @@ pub(super) fn open_database(
     cache: super::CacheSize,
 ) -> StoreResult<Database> {
     Ok(super::redb_builder(sharing.mode(), cache).create(path)?)
+}
+
+/// Opens the store file and applies its redo log as `how` says: the one
+/// way berth opens its store, at start (`Replay::Checkpoint`, durably) and
+/// after an I/O error (`Replay::KeepLog`). A file redb cannot open as a
+/// store is `Damaged` (the start names the repair).
+pub(super) fn open_and_replay(
+    path: &Path,
+    sharing: super::Sharing,
+    cache: super::CacheSize,
+    how: redo::Replay,
+) -> StoreResult<(Database, redo::Resume)> {
+    let db = open_database(path, sharing, cache).map_err(|e| match e.kind {
+        super::StoreErrorKind::Corrupt => StoreError {
+            kind: super::StoreErrorKind::Damaged,
+            detail: e.detail,
+        },
+        _ => e,
+    })?;
+    let resume = redo::replay(&db, path, super::LAYOUT_VERSION, how)?;
+    Ok((db, resume))
 }
 
 /// A checkpoint: one durable redb commit that records `log`'s generation
