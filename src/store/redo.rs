@@ -568,7 +568,7 @@ impl RedoLog {
         void_at(&self.file, at)
     }
 
-    #[cfg(test)]
+    #[cfg(all(test, feature = "failpoints"))]
     /// After records written with `write` were voided (never to land):
     /// the next record goes where the first of them began.
     pub(super) fn rewind(&mut self, to: u64) {
