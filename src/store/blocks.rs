@@ -5,11 +5,7 @@
 //! fdatasync makes the kernel find the dirty pages, build their writes,
 //! wait for them and then flush the disk's cache. Written with `O_DIRECT`,
 //! the record goes to the disk in the write itself, and the fdatasync that
-//! follows only flushes. Measured on the development machine (ext4, a
-//! virtio disk; 3 rounds of 3,000, one 4 KiB block over the log's
-//! preallocated zeros each time): a buffered write and fdatasync ran
-//! 4,680-4,985/s at 63-71 us of CPU each, the same block written with
-//! `O_DIRECT` and fdatasync 5,545-9,294/s at 23-26 us.
+//! follows only flushes (`benches/submit.rs` compares the two).
 //!
 //! `O_DIRECT` takes only whole blocks, from memory aligned to them, at
 //! offsets aligned to them: so every record starts on a block of its own

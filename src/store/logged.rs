@@ -6,13 +6,9 @@
 //! reach tables only through `Tx::table`, so no write can miss the log.
 //!
 //! Dropping a `Logged` table hands it back to the `OpenTables` it came
-//! from instead of closing it: redb's `open_table` reads the table's
-//! definition from its table tree and a close stages the new root, and a
-//! batch of 14 submits opened and closed each of its tables 14 times (13%
-//! of the writer thread at 32 connections). The tables stay open with
-//! the batch's transaction (`Pending`) and close when it commits or
-//! aborts; a `Tx` of its own (an import, a test's) closes them when it is
-//! dropped, before its commit.
+//! from instead of closing it, so a batch opens each table once (see
+//! `Pending`); a `Tx` of its own (an import, a test's) closes them when it
+//! is dropped, before its commit.
 
 use std::borrow::Borrow;
 use std::cell::RefCell;
@@ -91,13 +87,11 @@ pub(super) trait RowLog {
 }
 
 self_cell::self_cell!(
-    /// The write transaction that stays open from one checkpoint to the
-    /// next (with a redo log), and the tables its batches opened, kept
-    /// open with it: redb's `open_table` looks the table up in its table
-    /// tree and a close stages the new root, and when each batch opened
-    /// and closed its tables, that was ~10% of the writer thread at one
-    /// connection (a batch per submit). `into_txn` closes them, as redb
-    /// requires before a commit or an abort.
+    /// A batch's write transaction and the tables its jobs opened, kept
+    /// open with it until the batch ends: redb's `open_table` looks the
+    /// table up in its table tree and a close stages the new root, so a
+    /// batch opens each table once, not once per job. `into_txn` closes
+    /// them, as redb requires before a commit or an abort.
     pub(super) struct Pending {
         owner: redb::WriteTransaction,
         #[not_covariant]

@@ -64,10 +64,8 @@ const CHECKPOINT_INTERVAL: Duration = Duration::from_millis(50);
 /// A checkpoint is due sooner when the log has grown this far: to the
 /// end of its preallocated zeros less the reserve, so while checkpoints
 /// succeed the log never grows and never writes zeros past them. It also
-/// bounds the replay at open, which must stay under a second: with
-/// 100,000 builds in the store a start replayed 22.7 MiB of records in
-/// 777 ms on one day, a 24 MiB log in 1,014 ms on a slower one and 15 MiB
-/// in 908 ms (`cargo bench --bench submit`), so 14 MiB keeps under it.
+/// bounds the replay at open, which must stay under a second (`cargo bench
+/// --bench submit` times a start with a full log).
 pub const CHECKPOINT_BYTES: u64 = PREALLOCATED_BYTES - RESERVED_BYTES;
 /// The log's length at most. Past `CHECKPOINT_BYTES` the log keeps growing
 /// only while checkpoints fail (a full disk: they are retried with a
@@ -310,10 +308,8 @@ impl RecordBuf {
     }
 
     /// The buffer, header and all, for a transaction's `Tx` to append its
-    /// rows to; `take_back` returns it when the jobs are done. (A buffer
-    /// per transaction, grown from a few KB to a 32-submit batch's ~100 KB
-    /// and freed at its end, cost the writer ~6% of its time at 32
-    /// connections in reallocations, their copies and page faults.)
+    /// rows to; `take_back` returns it when the jobs are done (one buffer
+    /// kept, not one grown and freed per batch).
     pub fn lend(&mut self) -> Ops {
         debug_assert!(self.bytes.len() >= HEADER, "lent before `start`");
         Ops {

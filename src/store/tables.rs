@@ -52,8 +52,7 @@ pub const CALLBACKS: TableDefinition<u128, &[u8]> = TableDefinition::new(Table::
 /// deployment apart from its record, by `Part`: its builds, its channel's
 /// events, its audit events. One B-tree rather than three because a submit
 /// writes one row of each, and here they share a leaf and one path of
-/// copied pages: merging the three (layout 9) took 12% of the writer
-/// thread's instructions per submit (`tools/writer-instructions`). The
+/// copied pages (`tools/writer-instructions` counts what it saves). The
 /// number is a build id (u128) or a seq (u64, widened).
 pub const DEPLOYMENT_ROWS: TableDefinition<(&str, u8, u128), &[u8]> =
     TableDefinition::new(Table::DeploymentRows.name());
