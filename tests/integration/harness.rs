@@ -674,9 +674,14 @@ impl Sse {
 /// A test that cannot run here says so where a person sees it (straight to
 /// stderr, past the test harness's capture) and in the file named by
 /// `BERTH_SKIPPED_FILE`, which `.ci/run` counts in its summary. It never
-/// passes silently.
+/// passes silently: in CI (`CI=true`, as `.ci/run` runs, which installs
+/// what every test needs) it fails, naming what is missing.
 pub fn skip(test: &str, why: &str) {
     use std::io::Write;
+    assert!(
+        std::env::var("CI").as_deref() != Ok("true"),
+        "{test} cannot run on this machine: {why}. In CI (CI=true) a test that cannot run fails: install what it names (.ci/run does)"
+    );
     let line = format!("skipped: {test}: {why}\n");
     let _ = std::io::stderr().write_all(line.as_bytes());
     if let Ok(path) = std::env::var("BERTH_SKIPPED_FILE") {
