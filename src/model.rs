@@ -571,7 +571,18 @@ impl DeploymentRecord {
                 status: BuildStatus::Succeeded,
                 ..
             }) => DeploymentState::Active,
-            _ => DeploymentState::Idle,
+            // A successful destroy, or nothing finished yet (lifecycle.md);
+            // a finished build is never queued or running.
+            Some(LastFinished {
+                kind: BuildKind::Destroy,
+                status: BuildStatus::Succeeded,
+                ..
+            })
+            | Some(LastFinished {
+                status: BuildStatus::Queued | BuildStatus::Running,
+                ..
+            })
+            | None => DeploymentState::Idle,
         }
     }
 

@@ -53,7 +53,19 @@ fn classify(e: &ApiError) -> (Outcome, String) {
         Code::InvalidRequest | Code::PayloadTooLarge | Code::UnsupportedMediaType => {
             Outcome::Invalid
         }
-        _ => Outcome::Refused,
+        // A configuration the deployer or the schema refused is a refusal
+        // of the change (audit.md), as every other answer here.
+        Code::InvalidConfiguration
+        | Code::RangeNotSatisfiable
+        | Code::MethodNotAllowed
+        | Code::NotFound
+        | Code::Conflict
+        | Code::QueueFull
+        | Code::IdempotencyConflict
+        | Code::PreconditionFailed
+        | Code::EvalUnavailable
+        | Code::Unavailable
+        | Code::Internal => Outcome::Refused,
     };
     let reason = e
         .reason

@@ -224,7 +224,7 @@ impl From<StoreError> for ApiError {
                 .reason("storage_io")
                 .retry_after(5)
             }
-            _ => {
+            StoreErrorKind::Corrupt | StoreErrorKind::Damaged | StoreErrorKind::Other => {
                 tracing::error!(error = %e, "store failure");
                 ApiError::internal()
             }

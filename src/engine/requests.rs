@@ -579,9 +579,11 @@ pub fn cancel_tx(
         return Ok(Err(Refusal::NotFound(Missing::Build)));
     };
     let was_running = match b.status {
-        s if s.is_finished() => return Ok(Err(Refusal::Conflict(Conflict::BuildFinished))),
+        BuildStatus::Succeeded | BuildStatus::Failed | BuildStatus::Cancelled => {
+            return Ok(Err(Refusal::Conflict(Conflict::BuildFinished)))
+        }
         BuildStatus::Running => true,
-        _ => {
+        BuildStatus::Queued => {
             let mut d = tx
                 .deployment(&b.deployment)?
                 .ok_or_else(|| StoreError::corrupt("a build without its deployment"))?;

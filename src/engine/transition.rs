@@ -266,7 +266,15 @@ impl<'t, 'a> Change<'t, 'a> {
                             self.now,
                         )?;
                     }
-                    _ => {}
+                    // A failed or cancelled build changes nothing deployed;
+                    // `finish` is never given a build that did not end.
+                    (
+                        BuildKind::Deploy | BuildKind::Destroy,
+                        BuildStatus::Failed
+                        | BuildStatus::Cancelled
+                        | BuildStatus::Queued
+                        | BuildStatus::Running,
+                    ) => {}
                 }
                 self.store_both(d, b)?;
             }

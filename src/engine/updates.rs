@@ -269,7 +269,10 @@ fn refusal_code(r: &Refusal) -> &'static str {
         Refusal::Conflict(c) => c.code(),
         Refusal::QueueFull(_) => "queue_full",
         Refusal::InvalidSource(_) => "invalid_source",
-        _ => "internal",
+        Refusal::NotFound(_) => "not_found",
+        Refusal::ActionRefused(reason) => reason.code(),
+        Refusal::PreconditionFailed => "precondition_failed",
+        Refusal::Store(_) | Refusal::Internal => "internal",
     }
 }
 
