@@ -1326,27 +1326,32 @@ mod tests {
     // Multi-threaded: the test waits on a std channel for the writer.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_failing_job_does_not_fail_its_batch_mates() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
         let (store, dir) = temp_store("batch-mates");
-        // Hold the writer so the next jobs queue up and share one batch.
+        // Hold the writer until the next jobs are all queued, so they
+        // share one batch.
         let (started_tx, started_rx) = std::sync::mpsc::channel::<()>();
+        let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
         let holding = store.clone();
         let holder = tokio::spawn(async move {
             holding
                 .write(move |_| {
                     let _ = started_tx.send(());
-                    std::thread::sleep(std::time::Duration::from_millis(300));
+                    let _ = release_rx.recv();
                     Ok(())
                 })
                 .await
         });
         started_rx.recv().unwrap();
-        let hooks = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let hooks = Arc::new(AtomicUsize::new(0));
+        let runs: Arc<[AtomicUsize; 6]> = Arc::new(Default::default());
         let mut jobs = tokio::task::JoinSet::new();
         for n in 0..6u32 {
-            let (store, hooks) = (store.clone(), hooks.clone());
+            let (queued, hooks, runs) = (store.clone(), hooks.clone(), runs.clone());
             jobs.spawn(async move {
-                let r = store
+                let r = queued
                     .write(move |tx| -> StoreResult<()> {
+                        runs[n as usize].fetch_add(1, Ordering::SeqCst);
                         tx.put_source(&Source {
                             url: format!("u{n}"),
                             rev: "r".into(),
@@ -1364,9 +1369,14 @@ mod tests {
                     .await;
                 (n, r.is_ok())
             });
-            // Let each job reach the queue in order.
-            tokio::task::yield_now().await;
+            // Each job in the queue before the next, so they queue in order.
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            while store.writer.max_capacity() - store.writer.capacity() < n as usize + 1 {
+                assert!(std::time::Instant::now() < deadline, "job {n} never queued");
+                tokio::task::yield_now().await;
+            }
         }
+        release_tx.send(()).unwrap();
         holder.await.unwrap().unwrap();
         let mut results = Vec::new();
         while let Some(r) = jobs.join_next().await {
@@ -1384,9 +1394,18 @@ mod tests {
             );
         }
         assert_eq!(
-            hooks.load(std::sync::atomic::Ordering::SeqCst),
+            hooks.load(Ordering::SeqCst),
             5,
             "each committed job's hooks ran once"
+        );
+        // They shared one batch: the three before the failing job ran in
+        // it and again alone; the failing one ran once; the two after it
+        // ran alone only (a batch stops at its first failure).
+        let runs: Vec<usize> = runs.iter().map(|r| r.load(Ordering::SeqCst)).collect();
+        assert_eq!(
+            runs,
+            [2, 2, 2, 1, 1, 1],
+            "the six jobs did not share a batch"
         );
         let _ = std::fs::remove_dir_all(dir);
     }
