@@ -127,6 +127,11 @@ pub fn metrics(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
             "berth_webhook_deliveries_total{{result=\"{result}\"}} {n}"
         );
     }
+    let _ = writeln!(
+        out,
+        "# HELP berth_update_passes_total Passes of the automatic update loop since start.\n# TYPE berth_update_passes_total counter\nberth_update_passes_total {}",
+        e.metrics.update_passes.load(Ordering::Relaxed)
+    );
     let pending = e.read()?.pending_deliveries()?;
     let _ = writeln!(
         out,

@@ -62,6 +62,9 @@ pub struct Metrics {
     /// Webhook attempts by result (notifications.md): delivered, retried,
     /// failed.
     pub webhooks: [AtomicU64; 3],
+    /// Passes the automatic update loop finished: an operator sees it
+    /// runs, and a test waits for passes instead of guessing their time.
+    pub update_passes: AtomicU64,
 }
 
 /// Principals `/metrics` counts denials of one by one, at most.

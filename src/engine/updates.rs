@@ -138,6 +138,9 @@ impl Engine {
                 Ok(_) => {}
                 Err(e) => tracing::error!(error = %e, "automatic update pass failed"),
             }
+            self.metrics
+                .update_passes
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
     }
 

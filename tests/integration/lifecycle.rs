@@ -92,6 +92,23 @@ async fn builds_of(s: &Server, id: &str) -> Vec<Value> {
     list["items"].as_array().unwrap().clone()
 }
 
+/// Waits until the automatic update loop has made `n` more passes (its
+/// `berth_update_passes_total`), so a "nothing more starts" check runs
+/// after passes that could have started something.
+async fn update_passes(s: &Server, n: u64) {
+    let passes = |text: String| {
+        text.lines()
+            .find_map(|l| l.strip_prefix("berth_update_passes_total "))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .expect("berth_update_passes_total in /metrics")
+    };
+    let from = passes(s.metrics().await);
+    eventually("the automatic update loop's passes", || async {
+        passes(s.metrics().await) >= from + n
+    })
+    .await;
+}
+
 async fn automatic_builds(s: &Server, id: &str) -> Vec<Value> {
     builds_of(s, id)
         .await
@@ -367,7 +384,7 @@ async fn an_automatic_update_runs_once_across_two_restarts() {
         s.wait_build(update["id"].as_str().unwrap(), "succeeded")
             .await;
         // Three passes of the loop: nothing more starts.
-        tokio::time::sleep(Duration::from_millis(3500)).await;
+        update_passes(&s, 3).await;
         assert_eq!(
             automatic_builds(&s, "dave").await.len(),
             1,
@@ -457,7 +474,7 @@ async fn a_failed_update_waits_for_a_new_policy_and_an_open_window() {
     assert_eq!(kept["source"]["rev"], "a");
 
     // Active again on rev a, but rev b was tried under this policy.
-    tokio::time::sleep(Duration::from_millis(3500)).await;
+    update_passes(&s, 3).await;
     assert_eq!(
         automatic_builds(&s, "erin").await.len(),
         1,
@@ -476,7 +493,7 @@ async fn a_failed_update_waits_for_a_new_policy_and_an_open_window() {
     )
     .await;
     assert_eq!(status, 200, "{d}");
-    tokio::time::sleep(Duration::from_millis(3500)).await;
+    update_passes(&s, 3).await;
     assert_eq!(
         automatic_builds(&s, "erin").await.len(),
         1,
