@@ -13,10 +13,6 @@ use crate::audit::{Actor, Draft, Event, Outcome};
 use crate::model::{format_build_id, is_valid_deployment_id, parse_build_id};
 use crate::store::{AuditLookup, StoredNodes};
 
-/// Events one page of `GET /v1/audit` holds at most.
-pub const MAX_AUDIT_PAGE: usize = 200;
-const DEFAULT_AUDIT_PAGE: usize = 50;
-
 /// The event of an audited call, before its caller and result are known.
 /// Only ids that are valid are recorded (an invalid one is a request value
 /// that may be anything); a cancel names its build's deployment, which the
@@ -139,16 +135,7 @@ pub fn target_actor(query: &[(String, String)]) -> Result<Actor, ApiError> {
 /// `GET /v1/audit?actor_subject=&actor_issuer=&limit=&cursor=`.
 pub fn list(ctx: &Ctx, req: &Request, caller: &Caller) -> Result<Reply, ApiError> {
     let actor = target_actor(&req.query)?;
-    let limit = match req.query_one("limit") {
-        None => DEFAULT_AUDIT_PAGE,
-        Some(l) => l
-            .parse::<usize>()
-            .ok()
-            .filter(|n| (1..=MAX_AUDIT_PAGE).contains(n))
-            .ok_or_else(|| {
-                ApiError::bad_request("limit is 1 to 200").field("/query/limit", "range")
-            })?,
-    };
+    let limit = super::deployments::page_limit(req)?;
     let filter = serde_json::to_string(&actor).map_err(|_| ApiError::internal())?;
     let before = match req.query_one("cursor") {
         Some(c) => {

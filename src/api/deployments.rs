@@ -26,6 +26,8 @@ pub const MAX_ID_FILTERS: usize = 200;
 pub const MAX_PAGE: usize = 200;
 pub const DEFAULT_PAGE: usize = 50;
 
+/// The `limit` query of every paged list (deployments, builds, audit
+/// events, deliveries): one rule, one message.
 pub fn page_limit(req: &Request) -> Result<usize, ApiError> {
     match req.query_one("limit") {
         None => Ok(DEFAULT_PAGE),

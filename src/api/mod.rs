@@ -59,6 +59,8 @@ pub const MAX_HEADER_BYTES: usize = 16 * 1024;
 pub const MAX_JSON_DEPTH: usize = 64;
 /// Times a GET that raced a store reopen is run again.
 pub(crate) const READ_RETRIES: u32 = 5;
+/// How long a read waits before it runs again on a reopening store.
+const READ_RETRY_PAUSE: std::time::Duration = std::time::Duration::from_millis(20);
 
 /// A response before it becomes HTTP: what the idempotency store keeps.
 #[derive(Debug, Clone)]
@@ -392,24 +394,45 @@ where
         wire,
     };
     // A read that raced a store reopen (after an I/O error) runs again.
+    let answer = reading(
+        || async {
+            match &bound {
+                Bound::Public(call) => routes::public(ctx, *call, &req).await,
+                Bound::Metrics => routes::metrics(ctx, &req),
+                Bound::Stream(call) => routes::stream(ctx, *call, &req).await,
+                Bound::Token(call, who) => routes::token(ctx, *call, &req, &who.caller).await,
+                Bound::Mutation(call, audit, who) => {
+                    routes::mutation(ctx, *call, *audit, &req, who).await
+                }
+            }
+        },
+        |e: &ApiError| e.retry_read && req.method == Method::GET,
+    )
+    .await;
+    match answer {
+        Ok(r) => Ok((route, r)),
+        Err(e) => fail(e),
+    }
+}
+
+/// Runs `read` again while it fails on a store that is reopening after an
+/// I/O error (`reopening`), at most `READ_RETRIES` times
+/// `READ_RETRY_PAUSE` apart: the one place a read waits out a reopen.
+pub(crate) async fn reading<T, E, Fut>(
+    mut read: impl FnMut() -> Fut,
+    reopening: impl Fn(&E) -> bool,
+) -> Result<T, E>
+where
+    Fut: std::future::Future<Output = Result<T, E>>,
+{
     let mut attempts = 0;
     loop {
-        let answer = match &bound {
-            Bound::Public(call) => routes::public(ctx, *call, &req).await,
-            Bound::Metrics => routes::metrics(ctx, &req),
-            Bound::Stream(call) => routes::stream(ctx, *call, &req).await,
-            Bound::Token(call, who) => routes::token(ctx, *call, &req, &who.caller).await,
-            Bound::Mutation(call, audit, who) => {
-                routes::mutation(ctx, *call, *audit, &req, who).await
-            }
-        };
-        match answer {
-            Ok(r) => return Ok((route, r)),
-            Err(e) if e.retry_read && req.method == Method::GET && attempts < READ_RETRIES => {
+        match read().await {
+            Err(e) if reopening(&e) && attempts < READ_RETRIES => {
                 attempts += 1;
-                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                tokio::time::sleep(READ_RETRY_PAUSE).await;
             }
-            Err(e) => return fail(e),
+            done => return done,
         }
     }
 }

@@ -334,25 +334,20 @@ async fn scope_deployment(
             let Some(build) = parse_build_id(param("build")) else {
                 return Ok(None);
             };
-            let mut attempts = 0;
-            loop {
-                match ctx.engine.read().and_then(|rx| rx.build(build)) {
-                    Ok(found) => return Ok(found.map(|b| b.deployment)),
-                    Err(e)
-                        if e.kind == StoreErrorKind::Reopening
-                            && attempts < super::READ_RETRIES =>
-                    {
-                        attempts += 1;
-                        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-                    }
-                    Err(e) => {
-                        tracing::error!(error = %e, "cannot read a build to authorize a call");
-                        return Err(ApiError::new(
-                            Code::Unavailable,
-                            "the store could not be read to authorize this call",
-                        )
-                        .retry_after(1));
-                    }
+            let found = super::reading(
+                || async { ctx.engine.read().and_then(|rx| rx.build(build)) },
+                |e: &crate::store::StoreError| e.kind == StoreErrorKind::Reopening,
+            )
+            .await;
+            match found {
+                Ok(found) => Ok(found.map(|b| b.deployment)),
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot read a build to authorize a call");
+                    Err(ApiError::new(
+                        Code::Unavailable,
+                        "the store could not be read to authorize this call",
+                    )
+                    .retry_after(1))
                 }
             }
         }
