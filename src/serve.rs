@@ -110,64 +110,13 @@ pub fn run(settings: Settings) -> i32 {
 
 async fn serve(mut settings: Settings) -> Result<(), String> {
     let _ = rustls::crypto::ring::default_provider().install_default();
-    crate::api::cors::check_origins(&settings.cors_origin)?;
-    let per_caller = settings.streams_per_caller();
-    if per_caller > settings.max_sse_clients || per_caller >= settings.max_connections as usize {
-        return Err(format!(
-            "--max-streams-per-caller ({per_caller}) must be at most --max-sse-clients ({}) and below --max-connections ({}): one caller must never take every connection",
-            settings.max_sse_clients, settings.max_connections
-        ));
-    }
-    if settings.reset_dev_state && !settings.dev {
-        return Err("--reset-dev-state deletes every stored deployment; it needs --dev too".into());
-    }
-    // Durably: a store synced into a data dir whose own name was not is
-    // lost with it at a power cut.
-    crate::durable::create_dir_all(&settings.data_dir, 0o700).map_err(|e| {
-        format!(
-            "cannot create the data dir {}: {e}",
-            settings.data_dir.display()
-        )
-    })?;
-    // Deployers run in their scratch dir: every path handed to them is absolute.
-    settings.data_dir = std::fs::canonicalize(&settings.data_dir).map_err(|e| {
-        format!(
-            "cannot resolve the data dir {}: {e}",
-            settings.data_dir.display()
-        )
-    })?;
-    if let Some(dir) = &settings.deployer_dir {
-        let absolute = std::path::absolute(dir)
-            .map_err(|e| format!("cannot resolve --deployer-dir {}: {e}", dir.display()))?;
-        settings.deployer_dir = Some(absolute);
-    }
-    // An older berth made the data dir 0711 and its files 0644.
-    crate::durable::make_private(&settings.data_dir).map_err(|e| {
-        format!(
-            "cannot make the data dir {} and its files readable by berth only: {e}; check who owns them",
-            settings.data_dir.display()
-        )
-    })?;
-    let service_token = match &settings.service_token_file {
-        Some(p) => read_secret_file(p)?,
-        None => {
-            let path = settings.data_dir.join("service-token");
-            let token = load_or_create_secret(&path)?;
-            tracing::info!(path = %path.display(), "service token file (send it as Authorization: Bearer <token>)");
-            token
-        }
-    };
-    let cursor_key = load_or_create_secret(&settings.data_dir.join("cursor-key"))?.into_bytes();
-    let callback_secret = match &settings.callback_secret_file {
-        Some(p) => read_secret_file(p)?,
-        None => load_or_create_secret(&settings.data_dir.join("callback-secret"))?,
-    }
-    .into_bytes();
-    let audit_key = crate::audit_cli::ensure_signing_key(&settings.data_dir)?;
-    tracing::info!(
-        key = %crate::audit_cli::verifier_key(&crate::audit_cli::origin(settings.audit_origin.as_deref()), &audit_key),
-        "audit checkpoint verifier key (berth audit public-key prints it)"
-    );
+    check_flags(&settings)?;
+    prepare_data_dir(&mut settings)?;
+    let Secrets {
+        service_token,
+        cursor_key,
+        callback_secret,
+    } = load_secrets(&settings)?;
     prepare_deployers_root(&settings)?;
     if let Some(source) = &settings.import_from {
         let from =
@@ -178,41 +127,7 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
             .await
             .map_err(|e| format!("--import-from: {e}"))??;
     }
-    let sharing = if settings.shared_store {
-        crate::store::Sharing::LiveReaders
-    } else {
-        crate::store::Sharing::Exclusive {
-            checkpoint_every: settings.checkpoint_interval,
-        }
-    };
-    let opened = Store::open_with_cache(&settings.db_path(), sharing, settings.cache_size);
-    let store = opened.map_err(|e| {
-        use crate::store::StoreErrorKind as Kind;
-        let path = settings.db_path();
-        match e.kind {
-            Kind::Damaged => damaged_store(&path, &settings.data_dir, &e),
-            // At open berth writes a redo log's replay, each step of a
-            // layout migration (one transaction each) and the new log's
-            // preallocation: each lands whole or not at all.
-            Kind::DiskFull => format!(
-                "cannot open {}: the disk is full ({e}). Nothing is lost: each step of opening \
-                 the store (a redo log's replay, each step of a layout migration) lands whole or \
-                 not at all, and the next start goes on from there. Free some space (a migration \
-                 of an older store needs about as much as the store file) and start berth again",
-                path.display()
-            ),
-            Kind::Io | Kind::Reopening | Kind::Corrupt | Kind::Closed | Kind::Other => {
-                format!("cannot open {}: {e}", path.display())
-            }
-        }
-    })?;
-    // redb syncs the file it creates, not the directory that names it.
-    crate::durable::sync_dir(&settings.data_dir).map_err(|e| {
-        format!(
-            "cannot sync the data dir {}: {e}",
-            settings.data_dir.display()
-        )
-    })?;
+    let store = open_store(&settings)?;
     if settings.reset_dev_state {
         reset_dev_state(&settings, &store).await?;
     }
@@ -269,6 +184,144 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
     }
 
     wait_for_signal().await;
+    shut_down(&engine, server, stop_tx, &settings).await;
+    Ok(())
+}
+
+/// Flags that are wrong together, refused before anything is touched.
+fn check_flags(settings: &Settings) -> Result<(), String> {
+    crate::api::cors::check_origins(&settings.cors_origin)?;
+    let per_caller = settings.streams_per_caller();
+    if per_caller > settings.max_sse_clients || per_caller >= settings.max_connections as usize {
+        return Err(format!(
+            "--max-streams-per-caller ({per_caller}) must be at most --max-sse-clients ({}) and below --max-connections ({}): one caller must never take every connection",
+            settings.max_sse_clients, settings.max_connections
+        ));
+    }
+    if settings.reset_dev_state && !settings.dev {
+        return Err("--reset-dev-state deletes every stored deployment; it needs --dev too".into());
+    }
+    Ok(())
+}
+
+/// Makes the data dir (durably, private) and resolves it and
+/// `--deployer-dir` to absolute paths.
+fn prepare_data_dir(settings: &mut Settings) -> Result<(), String> {
+    // Durably: a store synced into a data dir whose own name was not is
+    // lost with it at a power cut.
+    crate::durable::create_dir_all(&settings.data_dir, 0o700).map_err(|e| {
+        format!(
+            "cannot create the data dir {}: {e}",
+            settings.data_dir.display()
+        )
+    })?;
+    // Deployers run in their scratch dir: every path handed to them is absolute.
+    settings.data_dir = std::fs::canonicalize(&settings.data_dir).map_err(|e| {
+        format!(
+            "cannot resolve the data dir {}: {e}",
+            settings.data_dir.display()
+        )
+    })?;
+    if let Some(dir) = &settings.deployer_dir {
+        let absolute = std::path::absolute(dir)
+            .map_err(|e| format!("cannot resolve --deployer-dir {}: {e}", dir.display()))?;
+        settings.deployer_dir = Some(absolute);
+    }
+    // An older berth made the data dir 0711 and its files 0644.
+    crate::durable::make_private(&settings.data_dir).map_err(|e| {
+        format!(
+            "cannot make the data dir {} and its files readable by berth only: {e}; check who owns them",
+            settings.data_dir.display()
+        )
+    })?;
+    Ok(())
+}
+
+/// The secrets a start needs, read or made (0600) in the data dir.
+struct Secrets {
+    service_token: String,
+    cursor_key: Vec<u8>,
+    callback_secret: Vec<u8>,
+}
+
+/// Reads (or makes) the service token, the cursor key, the callback
+/// secret and the audit signing key.
+fn load_secrets(settings: &Settings) -> Result<Secrets, String> {
+    let service_token = match &settings.service_token_file {
+        Some(p) => read_secret_file(p)?,
+        None => {
+            let path = settings.data_dir.join("service-token");
+            let token = load_or_create_secret(&path)?;
+            tracing::info!(path = %path.display(), "service token file (send it as Authorization: Bearer <token>)");
+            token
+        }
+    };
+    let cursor_key = load_or_create_secret(&settings.data_dir.join("cursor-key"))?.into_bytes();
+    let callback_secret = match &settings.callback_secret_file {
+        Some(p) => read_secret_file(p)?,
+        None => load_or_create_secret(&settings.data_dir.join("callback-secret"))?,
+    }
+    .into_bytes();
+    let audit_key = crate::audit_cli::ensure_signing_key(&settings.data_dir)?;
+    tracing::info!(
+        key = %crate::audit_cli::verifier_key(&crate::audit_cli::origin(settings.audit_origin.as_deref()), &audit_key),
+        "audit checkpoint verifier key (berth audit public-key prints it)"
+    );
+    Ok(Secrets {
+        service_token,
+        cursor_key,
+        callback_secret,
+    })
+}
+
+/// Opens the store as the flags say, with an error a person can act on.
+fn open_store(settings: &Settings) -> Result<Store, String> {
+    let sharing = if settings.shared_store {
+        crate::store::Sharing::LiveReaders
+    } else {
+        crate::store::Sharing::Exclusive {
+            checkpoint_every: settings.checkpoint_interval,
+        }
+    };
+    let opened = Store::open_with_cache(&settings.db_path(), sharing, settings.cache_size);
+    let store = opened.map_err(|e| {
+        use crate::store::StoreErrorKind as Kind;
+        let path = settings.db_path();
+        match e.kind {
+            Kind::Damaged => damaged_store(&path, &settings.data_dir, &e),
+            // At open berth writes a redo log's replay, each step of a
+            // layout migration (one transaction each) and the new log's
+            // preallocation: each lands whole or not at all.
+            Kind::DiskFull => format!(
+                "cannot open {}: the disk is full ({e}). Nothing is lost: each step of opening \
+                 the store (a redo log's replay, each step of a layout migration) lands whole or \
+                 not at all, and the next start goes on from there. Free some space (a migration \
+                 of an older store needs about as much as the store file) and start berth again",
+                path.display()
+            ),
+            Kind::Io | Kind::Reopening | Kind::Corrupt | Kind::Closed | Kind::Other => {
+                format!("cannot open {}: {e}", path.display())
+            }
+        }
+    })?;
+    // redb syncs the file it creates, not the directory that names it.
+    crate::durable::sync_dir(&settings.data_dir).map_err(|e| {
+        format!(
+            "cannot sync the data dir {}: {e}",
+            settings.data_dir.display()
+        )
+    })?;
+    Ok(store)
+}
+
+/// Stops taking work, waits `--shutdown-grace` for running builds, stops
+/// and records what still runs, then closes the store (storage.md).
+async fn shut_down(
+    engine: &Arc<Engine>,
+    server: tokio::task::JoinHandle<()>,
+    stop_tx: tokio::sync::watch::Sender<bool>,
+    settings: &Settings,
+) {
     tracing::info!("shutting down: no new requests or builds; waiting for running builds");
     engine.begin_shutdown();
     let _ = stop_tx.send(true);
@@ -299,7 +352,6 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
     if let Err(e) = engine.close_store() {
         tracing::warn!(error = %e, "the store was not closed cleanly; the next start repairs it");
     }
-    Ok(())
 }
 
 /// Time for the final commits of builds stopped at shutdown, past
