@@ -309,29 +309,7 @@ where
         headers,
         wire,
     } = head;
-    let segments = routes::path_segments(&path);
-    let mut allowed = Vec::new();
-    let mut found = None;
-    for r in ROUTES {
-        if let Some(params) = routes::match_template(r.template, &segments) {
-            if r.method == method.as_str() {
-                found = Some((r, params));
-            } else {
-                allowed.push(r.method);
-            }
-        }
-    }
-    let Some((matched, params)) = found else {
-        if allowed.is_empty() {
-            return Err(("unknown", ApiError::new(Code::NotFound, "no such route")));
-        }
-        let mut e = ApiError::new(
-            Code::MethodNotAllowed,
-            "this route does not take that method",
-        );
-        e.allow = Some(allowed.join(", "));
-        return Err(("unknown", e));
-    };
+    let (matched, params) = find_route(&method, &path).map_err(|e| ("unknown", e))?;
     let route = matched.template;
     let fail = |e: ApiError| Err((route, e));
     let query: Vec<(String, String)> = form_urlencoded::parse(query.as_bytes())
@@ -353,18 +331,7 @@ where
             request_id,
         )
     };
-    let authorized = match matched.handler {
-        routes::Handler::Public(call) => Ok(Bound::Public(call)),
-        routes::Handler::Metrics => Ok(Bound::Metrics),
-        routes::Handler::Stream(call) => Ok(Bound::Stream(call)),
-        routes::Handler::Token(call, ask) => authorize(ask, None)
-            .await
-            .map(|who| Bound::Token(call, who)),
-        routes::Handler::Mutation(call, ask, audit) => authorize(ask, Some(audit))
-            .await
-            .map(|who| Bound::Mutation(call, audit, who)),
-    };
-    let bound = match authorized {
+    let bound = match bind(matched.handler, authorize).await {
         Ok(bound) => bound,
         Err(mut e) => {
             e.close = true;
@@ -395,17 +362,7 @@ where
     };
     // A read that raced a store reopen (after an I/O error) runs again.
     let answer = reading(
-        || async {
-            match &bound {
-                Bound::Public(call) => routes::public(ctx, *call, &req).await,
-                Bound::Metrics => routes::metrics(ctx, &req),
-                Bound::Stream(call) => routes::stream(ctx, *call, &req).await,
-                Bound::Token(call, who) => routes::token(ctx, *call, &req, &who.caller).await,
-                Bound::Mutation(call, audit, who) => {
-                    routes::mutation(ctx, *call, *audit, &req, who).await
-                }
-            }
-        },
+        || run_handler(ctx, &bound, &req),
         |e: &ApiError| e.retry_read && req.method == Method::GET,
     )
     .await;
@@ -413,6 +370,71 @@ where
         Ok(r) => Ok((route, r)),
         Err(e) => fail(e),
     }
+}
+
+/// A route's handler with the credential its class needs (`authorize`,
+/// for the classes that take a token).
+async fn bind<Fut>(
+    handler: routes::Handler,
+    authorize: impl Fn(routes::Ask, Option<routes::Audit>) -> Fut,
+) -> Result<Bound, ApiError>
+where
+    Fut: std::future::Future<Output = Result<routes::Authorized, ApiError>>,
+{
+    match handler {
+        routes::Handler::Public(call) => Ok(Bound::Public(call)),
+        routes::Handler::Metrics => Ok(Bound::Metrics),
+        routes::Handler::Stream(call) => Ok(Bound::Stream(call)),
+        routes::Handler::Token(call, ask) => authorize(ask, None)
+            .await
+            .map(|who| Bound::Token(call, who)),
+        routes::Handler::Mutation(call, ask, audit) => authorize(ask, Some(audit))
+            .await
+            .map(|who| Bound::Mutation(call, audit, who)),
+    }
+}
+
+/// Runs the handler of a bound route.
+async fn run_handler(ctx: &Arc<Ctx>, bound: &Bound, req: &Request) -> Result<Answer, ApiError> {
+    match bound {
+        Bound::Public(call) => routes::public(ctx, *call, req).await,
+        Bound::Metrics => routes::metrics(ctx, req),
+        Bound::Stream(call) => routes::stream(ctx, *call, req).await,
+        Bound::Token(call, who) => routes::token(ctx, *call, req, &who.caller).await,
+        Bound::Mutation(call, audit, who) => routes::mutation(ctx, *call, *audit, req, who).await,
+    }
+}
+
+/// The route `method` and `path` name, with its params; a 404, or a 405
+/// with the methods the path takes (`Allow`).
+fn find_route(
+    method: &Method,
+    path: &str,
+) -> Result<(&'static routes::Route, routes::Params), ApiError> {
+    let segments = routes::path_segments(path);
+    let mut allowed = Vec::new();
+    let mut found = None;
+    for r in ROUTES {
+        if let Some(params) = routes::match_template(r.template, &segments) {
+            if r.method == method.as_str() {
+                found = Some((r, params));
+            } else {
+                allowed.push(r.method);
+            }
+        }
+    }
+    if let Some(found) = found {
+        return Ok(found);
+    }
+    if allowed.is_empty() {
+        return Err(ApiError::new(Code::NotFound, "no such route"));
+    }
+    let mut e = ApiError::new(
+        Code::MethodNotAllowed,
+        "this route does not take that method",
+    );
+    e.allow = Some(allowed.join(", "));
+    Err(e)
 }
 
 /// Runs `read` again while it fails on a store that is reopening after an
