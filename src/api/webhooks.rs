@@ -63,82 +63,9 @@ fn webhook_id(req: &Request) -> Result<u128, ApiError> {
 /// `POST /v1/webhooks`: 201 with the subscription and its secret.
 pub async fn create(ctx: &Ctx, req: &Request, w: Write) -> Result<Reply, ApiError> {
     let map = super::json_object(&req.body, &["url", "events", "deployments", "description"])?;
-    let bad = |pointer: &str, code: &str, message: &str| {
-        ApiError::bad_request(message.to_string()).field(pointer, code)
-    };
-    let url = match map.get("url") {
-        Some(Value::String(u)) if u.len() <= MAX_URL_BYTES => u.clone(),
-        _ => {
-            return Err(bad(
-                "/url",
-                "type",
-                "url must be a string of at most 2048 bytes",
-            ))
-        }
-    };
-    let parsed = reqwest::Url::parse(&url)
-        .ok()
-        .filter(|u| matches!(u.scheme(), "http" | "https"));
-    let Some(parsed) = parsed else {
-        return Err(bad("/url", "format", "url must be an http or https URL"));
-    };
-    // A password in the URL would be stored and shown in every listing.
-    if !parsed.username().is_empty() || parsed.password().is_some() {
-        return Err(bad(
-            "/url",
-            "webhook_userinfo",
-            "url must not carry a user name or password; authenticate the receiver by the signature",
-        ));
-    }
-    if !crate::engine::origin_allowed(&url, &ctx.engine.settings.webhook_origin) {
-        return Err(bad(
-            "/url",
-            "webhook_origin_not_allowed",
-            "the url's origin is not one --webhook-origin allows",
-        ));
-    }
-    let events: Vec<String> = match map.get("events") {
-        Some(Value::Array(list)) if !list.is_empty() && list.len() <= MAX_EVENTS => list
-            .iter()
-            .map(|e| match e.as_str() {
-                Some(name) if name == "*" || EVENT_TYPES.contains(&name) => Ok(name.to_string()),
-                _ => Err(bad(
-                    "/events",
-                    "unknown_event_type",
-                    "events must name known event types (notifications.md), or be [\"*\"]",
-                )),
-            })
-            .collect::<Result<_, _>>()?,
-        _ => {
-            return Err(bad(
-                "/events",
-                "type",
-                "events must be a list of 1 to 16 event types",
-            ))
-        }
-    };
-    let deployments = match map.get("deployments") {
-        None | Some(Value::Null) => None,
-        Some(Value::Array(list)) if list.len() <= MAX_DEPLOYMENTS => Some(
-            list.iter()
-                .map(|d| match d.as_str() {
-                    Some(id) if is_valid_deployment_id(id) => Ok(id.to_string()),
-                    _ => Err(bad(
-                        "/deployments",
-                        "format",
-                        "deployments must be deployment ids",
-                    )),
-                })
-                .collect::<Result<_, _>>()?,
-        ),
-        _ => {
-            return Err(bad(
-                "/deployments",
-                "type",
-                "deployments must be null or a list of at most 200 deployment ids",
-            ))
-        }
-    };
+    let url = checked_url(map.get("url"), &ctx.engine.settings.webhook_origin)?;
+    let events = checked_events(map.get("events"))?;
+    let deployments = checked_deployments(map.get("deployments"))?;
     let description = match map.get("description") {
         None | Some(Value::Null) => None,
         Some(Value::String(d)) if d.chars().count() <= MAX_DESCRIPTION_CHARS => Some(d.clone()),
@@ -164,6 +91,95 @@ pub async fn create(ctx: &Ctx, req: &Request, w: Write) -> Result<Reply, ApiErro
         )
         .await?;
     Ok(Reply::json(201, &view(&made, true)))
+}
+
+/// A refusal of one field of a new subscription.
+fn bad(pointer: &str, code: &str, message: &str) -> ApiError {
+    ApiError::bad_request(message.to_string()).field(pointer, code)
+}
+
+/// A subscription's `url`: http(s), at most `MAX_URL_BYTES`, no userinfo,
+/// its origin in `--webhook-origin` (`allowed`).
+fn checked_url(url: Option<&Value>, allowed: &[String]) -> Result<String, ApiError> {
+    let url = match url {
+        Some(Value::String(u)) if u.len() <= MAX_URL_BYTES => u.clone(),
+        _ => {
+            return Err(bad(
+                "/url",
+                "type",
+                "url must be a string of at most 2048 bytes",
+            ))
+        }
+    };
+    let parsed = reqwest::Url::parse(&url)
+        .ok()
+        .filter(|u| matches!(u.scheme(), "http" | "https"));
+    let Some(parsed) = parsed else {
+        return Err(bad("/url", "format", "url must be an http or https URL"));
+    };
+    // A password in the URL would be stored and shown in every listing.
+    if !parsed.username().is_empty() || parsed.password().is_some() {
+        return Err(bad(
+            "/url",
+            "webhook_userinfo",
+            "url must not carry a user name or password; authenticate the receiver by the signature",
+        ));
+    }
+    if !crate::engine::origin_allowed(&url, allowed) {
+        return Err(bad(
+            "/url",
+            "webhook_origin_not_allowed",
+            "the url's origin is not one --webhook-origin allows",
+        ));
+    }
+    Ok(url)
+}
+
+/// A subscription's `events`: 1 to `MAX_EVENTS` known types, or `["*"]`.
+fn checked_events(events: Option<&Value>) -> Result<Vec<String>, ApiError> {
+    match events {
+        Some(Value::Array(list)) if !list.is_empty() && list.len() <= MAX_EVENTS => list
+            .iter()
+            .map(|e| match e.as_str() {
+                Some(name) if name == "*" || EVENT_TYPES.contains(&name) => Ok(name.to_string()),
+                _ => Err(bad(
+                    "/events",
+                    "unknown_event_type",
+                    "events must name known event types (notifications.md), or be [\"*\"]",
+                )),
+            })
+            .collect(),
+        _ => Err(bad(
+            "/events",
+            "type",
+            "events must be a list of 1 to 16 event types",
+        )),
+    }
+}
+
+/// A subscription's `deployments`: null (all), or at most
+/// `MAX_DEPLOYMENTS` deployment ids.
+fn checked_deployments(deployments: Option<&Value>) -> Result<Option<Vec<String>>, ApiError> {
+    match deployments {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Array(list)) if list.len() <= MAX_DEPLOYMENTS => list
+            .iter()
+            .map(|d| match d.as_str() {
+                Some(id) if is_valid_deployment_id(id) => Ok(id.to_string()),
+                _ => Err(bad(
+                    "/deployments",
+                    "format",
+                    "deployments must be deployment ids",
+                )),
+            })
+            .collect::<Result<_, _>>()
+            .map(Some),
+        _ => Err(bad(
+            "/deployments",
+            "type",
+            "deployments must be null or a list of at most 200 deployment ids",
+        )),
+    }
 }
 
 /// `GET /v1/webhooks`: every subscription (at most `--max-webhooks`, one
