@@ -229,53 +229,7 @@ impl<'t, 'a> Change<'t, 'a> {
                         status,
                     });
                 }
-                match (b.kind, status) {
-                    (BuildKind::Deploy, BuildStatus::Succeeded) => {
-                        sboms::apply(self.tx, self.hub, d, b.id, nodes, self.now)?;
-                        let snapshot = self
-                            .tx
-                            .build_snapshots(b.id)?
-                            .ok_or_else(|| StoreError::corrupt("a build without its snapshots"))?
-                            .snapshot;
-                        d.deployed = Some(Deployed {
-                            build_id: b.id,
-                            snapshot,
-                            method: b.method.clone(),
-                            finished_at: self.now,
-                            nodes: nodes
-                                .iter()
-                                .map(|n| (n.name.clone(), n.fingerprint.clone()))
-                                .collect(),
-                        });
-                    }
-                    (BuildKind::Destroy, BuildStatus::Succeeded) => {
-                        sboms::clear(self.tx, self.hub, d, self.now)?;
-                        d.deployed = None;
-                        d.suspended = false;
-                        super::outbox::outbox(
-                            self.tx,
-                            self.hub,
-                            "deployment.destroyed",
-                            Some(&d.id),
-                            None,
-                            || {
-                                Ok(
-                                    serde_json::json!({"deployment": d.id, "build_id": format_build_id(b.id)}),
-                                )
-                            },
-                            self.now,
-                        )?;
-                    }
-                    // A failed or cancelled build changes nothing deployed;
-                    // `finish` is never given a build that did not end.
-                    (
-                        BuildKind::Deploy | BuildKind::Destroy,
-                        BuildStatus::Failed
-                        | BuildStatus::Cancelled
-                        | BuildStatus::Queued
-                        | BuildStatus::Running,
-                    ) => {}
-                }
+                self.settle_deployed(d, b, nodes)?;
                 self.store_both(d, b)?;
             }
             None => {
@@ -302,6 +256,65 @@ impl<'t, 'a> Change<'t, 'a> {
                 (_, Some(_)) => self.tx.remove_callback(b.id)?,
                 (_, None) => {}
             }
+        }
+        Ok(())
+    }
+
+    /// What a finished build leaves deployed: a successful deploy becomes
+    /// what is deployed (its SBOMs with it); a successful destroy clears
+    /// it, and the suspended flag, and reports `deployment.destroyed`.
+    fn settle_deployed(
+        &self,
+        d: &mut DeploymentRecord,
+        b: &BuildRecord,
+        nodes: &[NodeOutcome],
+    ) -> StoreResult<()> {
+        match (b.kind, b.status) {
+            (BuildKind::Deploy, BuildStatus::Succeeded) => {
+                sboms::apply(self.tx, self.hub, d, b.id, nodes, self.now)?;
+                let snapshot = self
+                    .tx
+                    .build_snapshots(b.id)?
+                    .ok_or_else(|| StoreError::corrupt("a build without its snapshots"))?
+                    .snapshot;
+                d.deployed = Some(Deployed {
+                    build_id: b.id,
+                    snapshot,
+                    method: b.method.clone(),
+                    finished_at: self.now,
+                    nodes: nodes
+                        .iter()
+                        .map(|n| (n.name.clone(), n.fingerprint.clone()))
+                        .collect(),
+                });
+            }
+            (BuildKind::Destroy, BuildStatus::Succeeded) => {
+                sboms::clear(self.tx, self.hub, d, self.now)?;
+                d.deployed = None;
+                d.suspended = false;
+                super::outbox::outbox(
+                    self.tx,
+                    self.hub,
+                    "deployment.destroyed",
+                    Some(&d.id),
+                    None,
+                    || {
+                        Ok(
+                            serde_json::json!({"deployment": d.id, "build_id": format_build_id(b.id)}),
+                        )
+                    },
+                    self.now,
+                )?;
+            }
+            // A failed or cancelled build changes nothing deployed;
+            // `finish` is never given a build that did not end.
+            (
+                BuildKind::Deploy | BuildKind::Destroy,
+                BuildStatus::Failed
+                | BuildStatus::Cancelled
+                | BuildStatus::Queued
+                | BuildStatus::Running,
+            ) => {}
         }
         Ok(())
     }
