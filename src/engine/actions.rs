@@ -269,28 +269,10 @@ pub fn act_tx(
                 rollback_of: None,
             }
         }
-        Named::Rollback => {
-            let target = match call.target.or(earlier) {
-                Some(t) => t,
-                None => {
-                    return Ok(Acted::Refused(Refusal::ActionRefused(
-                        Reason::NoEarlierBuild,
-                    )))
-                }
-            };
-            let Some(new) = super::transition::rollback_build(
-                tx,
-                &mut d,
-                target,
-                Trigger::Action("rollback".into()),
-            )?
-            else {
-                return Ok(Acted::Refused(Refusal::ActionRefused(
-                    Reason::RollbackTargetInvalid,
-                )));
-            };
-            new
-        }
+        Named::Rollback => match rollback_of(tx, &mut d, call.target.or(earlier))? {
+            Ok(new) => new,
+            Err(reason) => return Ok(Acted::Refused(Refusal::ActionRefused(reason))),
+        },
     };
     let held_back = (named == Named::Rollback)
         .then(|| deployed_source(&d))
@@ -302,6 +284,20 @@ pub fn act_tx(
     let queued = ActionQueued { build_id: build.id };
     record.store(&change, &queued)?;
     Ok(Acted::Done(queued))
+}
+
+/// The rollback build to `target` (the named one, else the default), or
+/// why there is none.
+fn rollback_of(
+    tx: &Tx,
+    d: &mut DeploymentRecord,
+    target: Option<BuildId>,
+) -> StoreResult<Result<NewBuild, Reason>> {
+    let Some(target) = target else {
+        return Ok(Err(Reason::NoEarlierBuild));
+    };
+    let new = super::transition::rollback_build(tx, d, target, Trigger::Action("rollback".into()))?;
+    Ok(new.ok_or(Reason::RollbackTargetInvalid))
 }
 
 /// The deployed source, when it differs from the configuration's source now
