@@ -135,7 +135,7 @@ pub fn target_actor(query: &[(String, String)]) -> Result<Actor, ApiError> {
 /// `GET /v1/audit?actor_subject=&actor_issuer=&limit=&cursor=`.
 pub fn list(ctx: &Ctx, req: &Request, caller: &Caller) -> Result<Reply, ApiError> {
     let actor = target_actor(&req.query)?;
-    let limit = super::deployments::page_limit(req)?;
+    let limit = super::cursor::page_limit(req)?;
     let filter = serde_json::to_string(&actor).map_err(|_| ApiError::internal())?;
     let before = match req.query_one("cursor") {
         Some(c) => {

@@ -1,7 +1,8 @@
 //! Build routes: list of a deployment's builds, read, log (with Range), cancel.
 
 use super::auth::Caller;
-use super::deployments::{deployment_id, page_limit};
+use super::cursor::page_limit;
+use super::deployments::deployment_id;
 use super::errors::{ApiError, Code};
 use super::idempotency::Write;
 use super::{cursor, Answer, Ctx, Reply, Request};

@@ -39,6 +39,26 @@ pub fn decode(key: &[u8], subject: &str, filter: &str, cursor: &str) -> Result<S
     String::from_utf8(payload).map_err(|_| invalid())
 }
 
+/// Page size bounds and default.
+pub const MAX_PAGE: usize = 200;
+pub const DEFAULT_PAGE: usize = 50;
+
+/// The `limit` query of every paged list (deployments, builds, audit
+/// events, deliveries): one rule, one message.
+pub fn page_limit(req: &super::Request) -> Result<usize, ApiError> {
+    match req.query_one("limit") {
+        None => Ok(DEFAULT_PAGE),
+        Some(v) => v
+            .parse::<usize>()
+            .ok()
+            .filter(|n| (1..=MAX_PAGE).contains(n))
+            .ok_or_else(|| {
+                ApiError::bad_request("limit must be a whole number from 1 to 200")
+                    .field("/query/limit", "range")
+            }),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -22,26 +22,6 @@ use crate::store::StoreError;
 
 /// Most `id` parameters one list request may filter on.
 pub const MAX_ID_FILTERS: usize = 200;
-/// Page size bounds and default.
-pub const MAX_PAGE: usize = 200;
-pub const DEFAULT_PAGE: usize = 50;
-
-/// The `limit` query of every paged list (deployments, builds, audit
-/// events, deliveries): one rule, one message.
-pub fn page_limit(req: &Request) -> Result<usize, ApiError> {
-    match req.query_one("limit") {
-        None => Ok(DEFAULT_PAGE),
-        Some(v) => v
-            .parse::<usize>()
-            .ok()
-            .filter(|n| (1..=MAX_PAGE).contains(n))
-            .ok_or_else(|| {
-                ApiError::bad_request("limit must be a whole number from 1 to 200")
-                    .field("/query/limit", "range")
-            }),
-    }
-}
-
 /// The `{id}` of the path, checked (FR-002).
 pub fn deployment_id(req: &Request) -> Result<String, ApiError> {
     let id = req.param("id");
@@ -65,7 +45,7 @@ pub fn invalid_deployment_id() -> ApiError {
 pub const MAX_LIST_SCAN: usize = 10_000;
 
 pub async fn list(ctx: &Ctx, req: &Request, caller: &Caller) -> Result<Reply, ApiError> {
-    let limit = page_limit(req)?;
+    let limit = super::cursor::page_limit(req)?;
     let mut ids: Vec<&str> = req.query_all("id").collect();
     if ids.len() > MAX_ID_FILTERS {
         return Err(

@@ -5,7 +5,7 @@
 use serde_json::{json, Value};
 
 use super::auth::Caller;
-use super::deployments::page_limit;
+use super::cursor::page_limit;
 use super::errors::ApiError;
 use super::idempotency::Write;
 use super::{cursor, Ctx, Reply, Request};
