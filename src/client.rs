@@ -115,87 +115,9 @@ async fn dispatch(command: Command) -> Outcome {
             keep_deployed_revision,
             wait,
             conn,
-        } => {
-            let c = Client::new(&conn)?;
-            let configuration = read_config(&config)?;
-            let mut body = json!({"configuration": configuration});
-            if enqueue {
-                body["mode"] = json!("enqueue");
-            }
-            if keep_deployed_revision {
-                body["keep_deployed_revision"] = json!(true);
-            }
-            let answer = c
-                .mutate(
-                    "POST",
-                    &format!("/v1/deployments/{}/submit", path(&id)),
-                    Some(body),
-                )
-                .await?;
-            c.queued(answer, wait).await
-        }
-        Command::Preview { id, config, conn } => {
-            let c = Client::new(&conn)?;
-            let body = json!({"configuration": read_config(&config)?});
-            let answer = c
-                .call(
-                    "POST",
-                    &format!("/v1/deployments/{}/preview", path(&id)),
-                    Some(body),
-                    None,
-                )
-                .await?;
-            if c.json {
-                c.print_json(&answer);
-            } else {
-                let rows: Vec<Vec<String>> = answer["changes"]
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                    .map(|ch| vec![text(&ch["node"]), text(&ch["change"])])
-                    .collect();
-                c.table(&["NODE", "CHANGE"], &rows);
-            }
-            Ok(EXIT_OK)
-        }
-        Command::Status { ids, conn } => {
-            let c = Client::new(&conn)?;
-            if let [id] = ids.as_slice() {
-                return c.one_status(id).await;
-            }
-            let mut query = String::from("/v1/deployments?limit=200");
-            for id in &ids {
-                query.push_str(&format!("&id={}", path(id)));
-            }
-            let page = c.call("GET", &query, None, None).await?;
-            if c.json {
-                c.print_json(&page);
-                return Ok(EXIT_OK);
-            }
-            let rows: Vec<Vec<String>> = page["items"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .map(|d| {
-                    vec![
-                        text(&d["id"]),
-                        c.state(&text(&d["state"])),
-                        text(&d["domain"]),
-                        match d["last_build"].as_object() {
-                            Some(b) => format!(
-                                "{} {}",
-                                short(&text(&b["id"])),
-                                c.state(&text(&b["status"]))
-                            ),
-                            None => "-".into(),
-                        },
-                        text(&d["updated_at"]),
-                    ]
-                })
-                .collect();
-            c.table(&["ID", "STATE", "DOMAIN", "LAST BUILD", "UPDATED"], &rows);
-            Ok(EXIT_OK)
-        }
+        } => deploy(&id, &config, enqueue, keep_deployed_revision, wait, &conn).await,
+        Command::Preview { id, config, conn } => preview(&id, &config, &conn).await,
+        Command::Status { ids, conn } => status(&ids, &conn).await,
         Command::Builds { id, conn } => {
             let c = Client::new(&conn)?;
             let page = c
@@ -218,36 +140,8 @@ async fn dispatch(command: Command) -> Outcome {
             follow,
             raw,
             conn,
-        } => {
-            let mut c = Client::new(&conn)?;
-            c.raw_log_lines = raw || !std::io::stdout().is_terminal();
-            if follow {
-                c.follow(&build).await
-            } else {
-                let mut lines = LogLines::new(c.raw_log_lines);
-                c.log(&build, &mut |bytes| lines.print(bytes)).await?;
-                let b = c
-                    .call("GET", &format!("/v1/builds/{}", path(&build)), None, None)
-                    .await?;
-                Ok(outcome_code(&b["status"]).unwrap_or(EXIT_OK))
-            }
-        }
-        Command::Cancel { build, conn } => {
-            let c = Client::new(&conn)?;
-            let answer = c
-                .mutate("POST", &format!("/v1/builds/{}/cancel", path(&build)), None)
-                .await?;
-            if c.json {
-                c.print_json(&answer);
-            } else {
-                out!(
-                    "{} {}",
-                    text(&answer["id"]),
-                    c.state(&text(&answer["status"]))
-                );
-            }
-            Ok(EXIT_OK)
-        }
+        } => logs(&build, follow, raw, &conn).await,
+        Command::Cancel { build, conn } => cancel(&build, &conn).await,
         Command::Rollback { id, to, wait, conn } => {
             let c = Client::new(&conn)?;
             let body = to.map(|b| json!({"build_id": b}));
@@ -277,6 +171,134 @@ async fn dispatch(command: Command) -> Outcome {
         | Command::Import { .. }
         | Command::Deployer { .. } => Err(Stop::usage("not a client command".into())),
     }
+}
+
+/// `berth deploy`: a submit, then its build id or (`--wait`) its log.
+async fn deploy(
+    id: &str,
+    config: &str,
+    enqueue: bool,
+    keep_deployed_revision: bool,
+    wait: bool,
+    conn: &ClientArgs,
+) -> Outcome {
+    let c = Client::new(conn)?;
+    let configuration = read_config(config)?;
+    let mut body = json!({"configuration": configuration});
+    if enqueue {
+        body["mode"] = json!("enqueue");
+    }
+    if keep_deployed_revision {
+        body["keep_deployed_revision"] = json!(true);
+    }
+    let answer = c
+        .mutate(
+            "POST",
+            &format!("/v1/deployments/{}/submit", path(id)),
+            Some(body),
+        )
+        .await?;
+    c.queued(answer, wait).await
+}
+
+/// `berth logs`: a build's log (`--follow`: until it ends), and its
+/// outcome as the exit status.
+async fn logs(build: &str, follow: bool, raw: bool, conn: &ClientArgs) -> Outcome {
+    let mut c = Client::new(conn)?;
+    c.raw_log_lines = raw || !std::io::stdout().is_terminal();
+    if follow {
+        return c.follow(build).await;
+    }
+    let mut lines = LogLines::new(c.raw_log_lines);
+    c.log(build, &mut |bytes| lines.print(bytes)).await?;
+    let b = c
+        .call("GET", &format!("/v1/builds/{}", path(build)), None, None)
+        .await?;
+    Ok(outcome_code(&b["status"]).unwrap_or(EXIT_OK))
+}
+
+/// `berth cancel`: the build's status after the cancel.
+async fn cancel(build: &str, conn: &ClientArgs) -> Outcome {
+    let c = Client::new(conn)?;
+    let answer = c
+        .mutate("POST", &format!("/v1/builds/{}/cancel", path(build)), None)
+        .await?;
+    if c.json {
+        c.print_json(&answer);
+    } else {
+        out!(
+            "{} {}",
+            text(&answer["id"]),
+            c.state(&text(&answer["status"]))
+        );
+    }
+    Ok(EXIT_OK)
+}
+
+/// `berth preview`: the changes a submit would make, as a table.
+async fn preview(id: &str, config: &str, conn: &ClientArgs) -> Outcome {
+    let c = Client::new(conn)?;
+    let body = json!({"configuration": read_config(config)?});
+    let answer = c
+        .call(
+            "POST",
+            &format!("/v1/deployments/{}/preview", path(id)),
+            Some(body),
+            None,
+        )
+        .await?;
+    if c.json {
+        c.print_json(&answer);
+    } else {
+        let rows: Vec<Vec<String>> = answer["changes"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|ch| vec![text(&ch["node"]), text(&ch["change"])])
+            .collect();
+        c.table(&["NODE", "CHANGE"], &rows);
+    }
+    Ok(EXIT_OK)
+}
+
+/// `berth status`: one deployment in full, or a table of several.
+async fn status(ids: &[String], conn: &ClientArgs) -> Outcome {
+    let c = Client::new(conn)?;
+    if let [id] = ids {
+        return c.one_status(id).await;
+    }
+    let mut query = String::from("/v1/deployments?limit=200");
+    for id in ids {
+        query.push_str(&format!("&id={}", path(id)));
+    }
+    let page = c.call("GET", &query, None, None).await?;
+    if c.json {
+        c.print_json(&page);
+        return Ok(EXIT_OK);
+    }
+    let rows: Vec<Vec<String>> = page["items"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|d| {
+            vec![
+                text(&d["id"]),
+                c.state(&text(&d["state"])),
+                text(&d["domain"]),
+                match d["last_build"].as_object() {
+                    Some(b) => format!(
+                        "{} {}",
+                        short(&text(&b["id"])),
+                        c.state(&text(&b["status"]))
+                    ),
+                    None => "-".into(),
+                },
+                text(&d["updated_at"]),
+            ]
+        })
+        .collect();
+    c.table(&["ID", "STATE", "DOMAIN", "LAST BUILD", "UPDATED"], &rows);
+    Ok(EXIT_OK)
 }
 
 /// `berth suspend` and `berth resume`: the actions without a body.
