@@ -241,10 +241,15 @@ pub(super) fn open_and_replay(
 /// allocator state in the commit (quick repair), so a start after a crash
 /// loads it instead of reading the whole file.
 fn checkpoint_with(db: &Database, log: &mut RedoLog) -> StoreResult<()> {
-    static CHECKPOINTS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let n = CHECKPOINTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
-    if crate::failpoints::hit("redb.checkpoint", &n.to_string()) {
-        return Err(StoreError::injected("redb.checkpoint"));
+    // The failpoint's subject is the process's checkpoint count, counted
+    // only in a build that has failpoints (no work on a release's path).
+    #[cfg(feature = "failpoints")]
+    {
+        static CHECKPOINTS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = CHECKPOINTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+        if crate::failpoints::hit("redb.checkpoint", &n.to_string()) {
+            return Err(StoreError::injected("redb.checkpoint"));
+        }
     }
     let mut txn = db.begin_write()?;
     txn.set_durability(Durability::Immediate)
