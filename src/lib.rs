@@ -5,6 +5,7 @@
 pub mod api;
 pub mod audit;
 pub mod audit_cli;
+pub mod authority;
 pub mod client;
 pub mod deployer_side;
 pub mod derive;

@@ -349,7 +349,11 @@ impl<'t, 'a> Change<'t, 'a> {
             | FailureReason::DiskFull
             | FailureReason::LogWriteFailed
             | FailureReason::FinalCommitFailed
-            | FailureReason::Internal => false,
+            | FailureReason::Internal
+            // A lost attempt is never followed by a rollback (workers.md).
+            | FailureReason::LostAttempt
+            | FailureReason::WorkStateUnavailable
+            | FailureReason::WorkStateInvalid => false,
         };
         let is_rollback =
             failed.rollback_of.is_some() || failed.trigger == Trigger::AutomaticRollback;

@@ -5,7 +5,10 @@
 //! "what is stored" and "what is shown" easy to compare.
 
 use serde::{Deserialize, Serialize};
+
+mod workers;
 use serde_json::value::RawValue;
+pub use workers::*;
 
 /// A build id: a UUIDv7, so ids sort by creation time in the store.
 pub type BuildId = u128;
@@ -242,10 +245,18 @@ pub enum FailureReason {
     /// A node the deploy changed was not healthy by `--health-timeout`, or
     /// the deployer's `check` or `confirm` failed (lifecycle.md).
     HealthCheckFailed,
+    /// The worker running the build lost its lease or its token before
+    /// its outcome (workers.md "Cancel, timeout, loss, restart").
+    LostAttempt,
+    /// The worker could not unpack the deployment's work state.
+    WorkStateUnavailable,
+    /// The worker's work state at the end was missing, too large or not
+    /// a valid archive.
+    WorkStateInvalid,
 }
 
 impl FailureReason {
-    pub const ALL: [FailureReason; 13] = [
+    pub const ALL: [FailureReason; 16] = [
         FailureReason::SpawnFailed,
         FailureReason::JobRecordFailed,
         FailureReason::ExitStatus,
@@ -259,6 +270,9 @@ impl FailureReason {
         FailureReason::FinalCommitFailed,
         FailureReason::Internal,
         FailureReason::HealthCheckFailed,
+        FailureReason::LostAttempt,
+        FailureReason::WorkStateUnavailable,
+        FailureReason::WorkStateInvalid,
     ];
 
     pub const fn as_str(self) -> &'static str {
@@ -276,6 +290,9 @@ impl FailureReason {
             FailureReason::FinalCommitFailed => "final_commit_failed",
             FailureReason::Internal => "internal",
             FailureReason::HealthCheckFailed => "health_check_failed",
+            FailureReason::LostAttempt => "lost_attempt",
+            FailureReason::WorkStateUnavailable => "work_state_unavailable",
+            FailureReason::WorkStateInvalid => "work_state_invalid",
         }
     }
 }

@@ -1,0 +1,124 @@
+//! The stored records of builds on workers (workers.md): the tokens that
+//! workers (and later agents) hold, and each attempt of a build with its
+//! authority. Plain data; the rules that change them are `crate::authority`.
+
+use serde::{Deserialize, Serialize};
+
+use super::{BuildId, Millis};
+
+/// What a token issued by `POST /v1/tokens` may reach (api.md "Tokens").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum TokenKind {
+    /// The worker routes (workers.md "Internal routes").
+    Worker,
+    /// One node's agent routes (agents.md).
+    Agent,
+}
+
+impl TokenKind {
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            TokenKind::Worker => "worker",
+            TokenKind::Agent => "agent",
+        }
+    }
+}
+
+/// A worker or agent token. Stored under the SHA-256 of its secret; the
+/// secret itself is shown once, in the create answer, and never kept.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TokenRecord {
+    pub name: String,
+    pub kind: TokenKind,
+    /// The labels a worker holding it may offer (empty: any).
+    pub labels: Vec<String>,
+    pub created_at: Millis,
+    /// What the worker said about itself at its last call (stored at most
+    /// every `authority::SEEN_EVERY`).
+    pub seen: Option<WorkerSeen>,
+}
+
+/// A worker as its last call described it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkerSeen {
+    pub at: Millis,
+    pub incarnation: String,
+    pub labels: Vec<String>,
+}
+
+/// Where an attempt is in its life (the build read's `attempt.state`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum AttemptState {
+    /// Its worker holds the authority over the build.
+    Active,
+    /// Its outcome was accepted (or it ended with its build: a cancel).
+    Ended,
+    /// Its lease passed, or its token was revoked, before its outcome.
+    Lost,
+    /// The embedded worker's attempt, ended by a restart of berth.
+    Interrupted,
+}
+
+impl AttemptState {
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            AttemptState::Active => "active",
+            AttemptState::Ended => "ended",
+            AttemptState::Lost => "lost",
+            AttemptState::Interrupted => "interrupted",
+        }
+    }
+}
+
+/// Why an attempt stopped being authoritative without an outcome; it
+/// decides which refusal its late calls get (workers.md "Every internal
+/// call": an expired lease is `lease_expired`, the rest
+/// `stale_authority`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum LossCause {
+    LeaseExpired,
+    TokenRevoked,
+}
+
+/// The answer kept for a replay of one internal call: the same token,
+/// route and `operation_id` with the same body get it again.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeptReply {
+    /// The route's name (`claim`, `renew`, `progress`, `outcome`).
+    pub route: String,
+    pub operation_id: String,
+    /// SHA-256 of the request body, hex.
+    pub body_digest: String,
+    /// The answer's JSON text.
+    pub answer: String,
+}
+
+/// One worker's run of one build (workers.md "Words"), under
+/// `(build, fence)`; its id is `authority::attempt_id(build, fence)`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AttemptRecord {
+    pub build: BuildId,
+    pub deployment: String,
+    /// The worker token's name, or `local` for the embedded worker.
+    pub worker: String,
+    pub incarnation: String,
+    /// One more than the highest fence the build ever had (1 at first).
+    pub fence: u64,
+    pub claimed_at: Millis,
+    /// `None` for the embedded worker on a single node: its authority ends
+    /// with the build or with berth.
+    pub lease_expires_at: Option<Millis>,
+    pub last_renewed_at: Millis,
+    pub state: AttemptState,
+    /// Set with `state == Lost`.
+    pub lost_by: Option<LossCause>,
+    /// The highest progress seq applied (items above it apply, in order).
+    pub applied_through: u64,
+    /// Renew and progress calls accepted (the outcome's audit `count`).
+    pub accepted_calls: u64,
+    pub cancel_requested_at: Option<Millis>,
+    /// Whether a refused call of this attempt was audited (the first only).
+    pub refusal_audited: bool,
+    /// The last answers, for replays (at most `authority::KEPT_REPLIES`).
+    pub replies: Vec<KeptReply>,
+}
