@@ -293,6 +293,8 @@ pub fn new_attempt(
         lost_by: None,
         applied_through: 0,
         accepted_calls: 0,
+        dropped_lines: 0,
+        dropped_bytes: 0,
         cancel_requested_at: None,
         refusal_audited: false,
         replies: vec![],

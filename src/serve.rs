@@ -169,6 +169,7 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
     tokio::spawn(engine.clone().run_callbacks());
     tokio::spawn(engine.clone().run_webhooks());
     tokio::spawn(engine.clone().run_sweeps());
+    tokio::spawn(engine.clone().run_leases());
     tokio::spawn(engine.clone().run_denial_flush());
     tokio::spawn(engine.clone().run_updates());
     {

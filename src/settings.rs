@@ -415,6 +415,28 @@ pub struct Settings {
     #[arg(long, env = "BERTH_HEALTH_TIMEOUT", default_value = "120s", value_parser = parse_duration)]
     pub health_timeout: Duration,
 
+    /// Whether the embedded worker runs builds (workers.md "Which builds
+    /// go where"); `off`: only `berth worker` processes run them.
+    #[arg(long, env = "BERTH_LOCAL_WORKER", default_value = "on", value_parser = parse_on_off)]
+    pub local_worker: bool,
+
+    /// Labels the embedded worker offers (comma-separated).
+    #[arg(long, env = "BERTH_LOCAL_LABELS", default_value = "", value_parser = parse_label_set)]
+    pub local_labels: LabelSet,
+
+    /// Labels every build requires (comma-separated): a build runs only on
+    /// a worker offering them all.
+    #[arg(long, env = "BERTH_BUILD_LABELS", default_value = "", value_parser = parse_label_set)]
+    pub build_labels: LabelSet,
+
+    /// How long a worker's claim or renew holds its build (5s to 10m).
+    #[arg(long, env = "BERTH_LEASE_TTL", default_value = "30s", value_parser = parse_lease_ttl)]
+    pub lease_ttl: Duration,
+
+    /// Worker and agent tokens at most.
+    #[arg(long, env = "BERTH_MAX_WORKERS", default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub max_workers: u32,
+
     /// How often the retention sweeps run (idempotency records, events, builds).
     #[arg(long, env = "BERTH_SWEEP_INTERVAL", default_value = "10m", value_parser = parse_duration)]
     pub sweep_interval: Duration,
@@ -656,6 +678,32 @@ fn show(d: Duration) -> String {
 
 fn parse_keep_alive(text: &str) -> Result<Duration, String> {
     duration_within(text, KEEP_ALIVE_RANGE, "keep-alive interval")
+}
+
+/// A label set as a flag holds it: sorted, without repeats.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LabelSet(pub Vec<String>);
+
+fn parse_label_set(text: &str) -> Result<LabelSet, String> {
+    crate::authority::parse_labels(text).map(LabelSet)
+}
+
+fn parse_on_off(text: &str) -> Result<bool, String> {
+    match text {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        _ => Err("on or off".into()),
+    }
+}
+
+fn parse_lease_ttl(text: &str) -> Result<Duration, String> {
+    use crate::authority::{LEASE_TTL_MAX_MS, LEASE_TTL_MIN_MS};
+    let d = parse_duration(text)?;
+    let ms = d.as_millis();
+    if ms < u128::from(LEASE_TTL_MIN_MS) || ms > u128::from(LEASE_TTL_MAX_MS) {
+        return Err("the lease ttl is 5s to 10m".into());
+    }
+    Ok(d)
 }
 
 fn parse_health_interval(text: &str) -> Result<Duration, String> {

@@ -59,6 +59,7 @@ fn classify(e: &ApiError) -> (Outcome, String) {
         | Code::QueueFull
         | Code::IdempotencyConflict
         | Code::PreconditionFailed
+        | Code::StaleAuthority
         | Code::EvalUnavailable
         | Code::Unavailable
         | Code::Internal => Outcome::Refused,

@@ -74,6 +74,9 @@ pub enum Procedure {
     Stream,
     /// Webhook subscriptions: never asked (the service token only).
     Webhooks,
+    /// Worker tokens and the workers list: never asked (the service token
+    /// only).
+    Tokens,
 }
 
 impl Procedure {
@@ -89,6 +92,7 @@ impl Procedure {
             Procedure::AuditRead => "audit_read",
             Procedure::Stream => "stream",
             Procedure::Webhooks => "webhooks",
+            Procedure::Tokens => "tokens",
         }
     }
 }

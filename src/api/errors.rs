@@ -27,6 +27,10 @@ pub enum Code {
     QueueFull,
     IdempotencyConflict,
     PreconditionFailed,
+    /// A worker's stale authority (workers.md): spelled as a failed
+    /// precondition, answered 409 (an `If-Match` stays 412).
+    #[serde(rename = "precondition_failed")]
+    StaleAuthority,
     PayloadTooLarge,
     UnsupportedMediaType,
     RangeNotSatisfiable,
@@ -48,7 +52,7 @@ impl Code {
             Code::Conflict => "conflict",
             Code::QueueFull => "queue_full",
             Code::IdempotencyConflict => "idempotency_conflict",
-            Code::PreconditionFailed => "precondition_failed",
+            Code::PreconditionFailed | Code::StaleAuthority => "precondition_failed",
             Code::PayloadTooLarge => "payload_too_large",
             Code::UnsupportedMediaType => "unsupported_media_type",
             Code::RangeNotSatisfiable => "range_not_satisfiable",
@@ -66,7 +70,9 @@ impl Code {
             Code::Forbidden => 403,
             Code::NotFound => 404,
             Code::MethodNotAllowed => 405,
-            Code::Conflict | Code::QueueFull | Code::IdempotencyConflict => 409,
+            Code::Conflict | Code::QueueFull | Code::IdempotencyConflict | Code::StaleAuthority => {
+                409
+            }
             Code::PreconditionFailed => 412,
             Code::PayloadTooLarge => 413,
             Code::UnsupportedMediaType => 415,
@@ -96,6 +102,8 @@ pub struct Problem {
     pub retry_read: bool,
     /// Answer with `Connection: close` (the body was not read).
     pub close: bool,
+    /// A progress gap's extension member (workers.md "Progress").
+    pub applied_through: Option<u64>,
 }
 
 /// The deployer's own explanation is cut to this many characters.
@@ -131,6 +139,7 @@ impl ApiError {
             content_range: None,
             retry_read: false,
             close: false,
+            applied_through: None,
         }))
     }
     pub fn reason(mut self, reason: &str) -> Self {
@@ -176,6 +185,8 @@ impl ApiError {
             request_id: &'a str,
             fields: &'a [FieldError],
             deployer_message: &'a Option<String>,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            applied_through: Option<u64>,
         }
         serde_json::to_vec(&Body {
             code: self.code,
@@ -184,6 +195,7 @@ impl ApiError {
             request_id,
             fields: &self.fields,
             deployer_message: &self.deployer_message,
+            applied_through: self.applied_through,
         })
         .unwrap_or_else(|e| {
             // Cannot happen with these field types; if it did, the client
@@ -239,6 +251,24 @@ impl From<Refusal> for ApiError {
             Refusal::NotFound(Missing::Build) => ApiError::not_found("build"),
             Refusal::NotFound(Missing::Action) => ApiError::not_found("action"),
             Refusal::NotFound(Missing::Webhook) => ApiError::not_found("webhook"),
+            Refusal::NotFound(Missing::Token) => ApiError::not_found("token"),
+            Refusal::NotFound(Missing::Attempt) => ApiError::not_found("attempt"),
+            Refusal::Claim(c) => ApiError::conflict(c.reason(), claim_message(c)),
+            Refusal::Stale(stale) => {
+                ApiError::new(Code::StaleAuthority, stale_message(stale)).reason(stale.reason())
+            }
+            Refusal::IdempotencyConflict => ApiError::new(
+                Code::IdempotencyConflict,
+                "this operation_id was used with another body; send a new operation_id",
+            ),
+            Refusal::ProgressGap { applied_through } => {
+                let mut e = ApiError::conflict(
+                    "progress_gap",
+                    "the items do not follow applied_through; send from applied_through + 1",
+                );
+                e.0.applied_through = Some(applied_through);
+                e
+            }
             Refusal::ActionRefused(reason) => ApiError::conflict(
                 reason.code(),
                 "the deployment's actions list shows this action disabled; its reason says why",
@@ -292,6 +322,31 @@ impl From<Refusal> for ApiError {
     }
 }
 
+fn claim_message(c: crate::authority::ClaimRefusal) -> &'static str {
+    use crate::authority::ClaimRefusal as C;
+    match c {
+        C::AlreadyClaimed => "another worker claimed this build first",
+        C::NotQueued => "the build is not queued any more",
+        C::NotClaimable => {
+            "the build waits behind another build of its deployment; poll the queue again"
+        }
+        C::LabelsMismatch => "the build requires labels this worker does not offer",
+        C::WorkerFull => "this worker holds as many attempts as it may",
+    }
+}
+
+fn stale_message(s: crate::authority::Stale) -> &'static str {
+    use crate::authority::Stale;
+    match s {
+        Stale::Authority => {
+            "this attempt's authority is not current (another fence or incarnation, or it ended); the call had no effect"
+        }
+        Stale::LeaseExpired => {
+            "this attempt's lease passed and the build was taken from it; the call had no effect"
+        }
+    }
+}
+
 fn conflict_message(c: Conflict) -> &'static str {
     match c {
         Conflict::Suspended => "the deployment is suspended; resume it first",
@@ -299,6 +354,10 @@ fn conflict_message(c: Conflict) -> &'static str {
         Conflict::PolicyNotManual => "an explicit source needs the manual update policy",
         Conflict::BuildFinished => "the build has already finished",
         Conflict::TooManyWebhooks => "--max-webhooks subscriptions exist; delete one first",
+        Conflict::TokenExists => {
+            "a token of this name exists; revoke it first or pick another name"
+        }
+        Conflict::WorkerLimit => "--max-workers tokens exist; revoke one first",
     }
 }
 

@@ -37,6 +37,7 @@ pub mod page;
 pub mod routes;
 pub mod sboms;
 pub mod webhooks;
+pub mod workers;
 
 pub use routes::ROUTES;
 
@@ -292,6 +293,7 @@ enum Bound {
     Stream(routes::StreamCall),
     Token(routes::TokenCall, routes::Authorized),
     Mutation(routes::MutationCall, routes::Audit, routes::Authorized),
+    Worker(routes::WorkerCall, workers::WorkerAuth),
 }
 
 type Dispatched = Result<(&'static str, Answer), (&'static str, ApiError)>;
@@ -331,7 +333,11 @@ where
             request_id,
         )
     };
-    let bound = match bind(matched.handler, authorize).await {
+    let bound = match bind(matched.handler, authorize, || {
+        workers::authenticate(ctx, &headers)
+    })
+    .await
+    {
         Ok(bound) => bound,
         Err(mut e) => {
             e.close = true;
@@ -377,6 +383,7 @@ where
 async fn bind<Fut>(
     handler: routes::Handler,
     authorize: impl Fn(routes::Ask, Option<routes::Audit>) -> Fut,
+    worker: impl FnOnce() -> Result<workers::WorkerAuth, ApiError>,
 ) -> Result<Bound, ApiError>
 where
     Fut: std::future::Future<Output = Result<routes::Authorized, ApiError>>,
@@ -391,6 +398,7 @@ where
         routes::Handler::Mutation(call, ask, audit) => authorize(ask, Some(audit))
             .await
             .map(|who| Bound::Mutation(call, audit, who)),
+        routes::Handler::Worker(call) => worker().map(|auth| Bound::Worker(call, auth)),
     }
 }
 
@@ -402,6 +410,7 @@ async fn run_handler(ctx: &Arc<Ctx>, bound: &Bound, req: &Request) -> Result<Ans
         Bound::Stream(call) => routes::stream(ctx, *call, req).await,
         Bound::Token(call, who) => routes::token(ctx, *call, req, &who.caller).await,
         Bound::Mutation(call, audit, who) => routes::mutation(ctx, *call, *audit, req, who).await,
+        Bound::Worker(call, auth) => routes::worker(ctx, *call, req, auth).await,
     }
 }
 

@@ -24,8 +24,8 @@ use std::sync::Arc;
 use super::auth::{self, Caller, Procedure, Question, Refused};
 use super::errors::{ApiError, Code};
 use super::{
-    audit, builds, deployments, derive, events, idempotency, ops, page, sboms, webhooks, Answer,
-    Ctx, Request,
+    audit, builds, deployments, derive, events, idempotency, ops, page, sboms, webhooks, workers,
+    Answer, Ctx, Request,
 };
 use crate::model::parse_build_id;
 use crate::store::{Lookup, StoreErrorKind};
@@ -63,6 +63,8 @@ pub enum TokenCall {
     ListWebhooks,
     ReadWebhook,
     ListDeliveries,
+    ListTokens,
+    ListWorkers,
 }
 
 /// A route that changes state: token-authenticated, audited, and run under
@@ -78,6 +80,20 @@ pub enum MutationCall {
     DeleteWebhook,
     RotateWebhookSecret,
     TestWebhook,
+    CreateToken,
+    RevokeToken,
+}
+
+/// A route of `berth worker`: a worker token only (workers.md "Internal
+/// routes"), authenticated before the body; its handler applies the
+/// authority rules.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum WorkerCall {
+    Queue,
+    Claim,
+    Renew,
+    Progress,
+    Outcome,
 }
 
 /// An event stream: the service token or a stream ticket for its path (a
@@ -150,6 +166,7 @@ pub enum Handler {
     Stream(StreamCall),
     Token(TokenCall, Ask),
     Mutation(MutationCall, Ask, Audit),
+    Worker(WorkerCall),
 }
 
 /// Who may call a route, as the route-table test and the docs name it.
@@ -159,6 +176,7 @@ pub enum Access {
     Metrics,
     StreamCredential,
     Token,
+    WorkerToken,
 }
 
 impl Handler {
@@ -168,6 +186,7 @@ impl Handler {
             Handler::Metrics => Access::Metrics,
             Handler::Stream(_) => Access::StreamCredential,
             Handler::Token(..) | Handler::Mutation(..) => Access::Token,
+            Handler::Worker(_) => Access::WorkerToken,
         }
     }
 }
@@ -191,6 +210,14 @@ const fn public_row(method: &'static str, template: &'static str, call: PublicCa
         method,
         template,
         handler: Handler::Public(call),
+    }
+}
+
+const fn worker_row(method: &'static str, template: &'static str, call: WorkerCall) -> Route {
+    Route {
+        method,
+        template,
+        handler: Handler::Worker(call),
     }
 }
 
@@ -290,6 +317,15 @@ pub const ROUTES: &[Route] = &[
     mutation_row("POST", "/v1/webhooks/{webhook}/rotate-secret", MutationCall::RotateWebhookSecret, P::Webhooks, ServiceOnly, Audit::Action("webhook_rotate")),
     mutation_row("POST", "/v1/webhooks/{webhook}/test", MutationCall::TestWebhook, P::Webhooks, ServiceOnly, Audit::Action("webhook_test")),
     token_row("GET", "/v1/webhooks/{webhook}/deliveries", TokenCall::ListDeliveries, P::Webhooks, ServiceOnly, Forbidden),
+    mutation_row("POST", "/v1/tokens", MutationCall::CreateToken, P::Tokens, ServiceOnly, Audit::Action("token_create")),
+    token_row("GET", "/v1/tokens", TokenCall::ListTokens, P::Tokens, ServiceOnly, Forbidden),
+    mutation_row("DELETE", "/v1/tokens/{name}", MutationCall::RevokeToken, P::Tokens, ServiceOnly, Audit::Action("token_revoke")),
+    token_row("GET", "/v1/workers", TokenCall::ListWorkers, P::Tokens, ServiceOnly, Forbidden),
+    worker_row("GET", "/internal/v1/queue", WorkerCall::Queue),
+    worker_row("POST", "/internal/v1/builds/{build}/claim", WorkerCall::Claim),
+    worker_row("POST", "/internal/v1/attempts/{attempt}/renew", WorkerCall::Renew),
+    worker_row("POST", "/internal/v1/attempts/{attempt}/progress", WorkerCall::Progress),
+    worker_row("POST", "/internal/v1/attempts/{attempt}/outcome", WorkerCall::Outcome),
 ];
 
 /// A matched route's path parameters.
@@ -369,6 +405,11 @@ pub async fn authorize(
     path: &str,
     request_id: &str,
 ) -> Result<Authorized, ApiError> {
+    // A token berth issued reaches only its own routes, and never the
+    // callback (api.md "Authentication").
+    if let Some(e) = super::workers::refuse_issued_token(ctx, headers) {
+        return Err(e);
+    }
     // An id berth could not have made is refused before the callback sees
     // it (api.md): nothing of an invalid value is sent or cached.
     if ask.scope == Scope::PathDeployment
@@ -554,6 +595,8 @@ pub async fn token(
         TokenCall::ListWebhooks => webhooks::list(ctx),
         TokenCall::ReadWebhook => webhooks::read(ctx, req),
         TokenCall::ListDeliveries => webhooks::deliveries(ctx, req, caller),
+        TokenCall::ListTokens => workers::list_tokens(ctx),
+        TokenCall::ListWorkers => workers::list_workers(ctx),
     };
     reply.map(Answer::Reply)
 }
@@ -615,11 +658,35 @@ pub async fn mutation(
         MutationCall::TestWebhook => {
             idempotency::mutation(ctx, req, caller, w, |w| webhooks::test(ctx, req, w)).await
         }
+        MutationCall::CreateToken => {
+            idempotency::mutation(ctx, req, caller, w, |w| workers::create_token(ctx, req, w)).await
+        }
+        MutationCall::RevokeToken => {
+            idempotency::mutation(ctx, req, caller, w, |w| workers::revoke_token(ctx, req, w)).await
+        }
     };
     if let Err(e) = &result {
         audit::failed(ctx, draft, e).await;
     }
     result.map(Answer::Reply)
+}
+
+/// Runs a worker's internal call.
+pub async fn worker(
+    ctx: &Arc<Ctx>,
+    call: WorkerCall,
+    req: &Request,
+    auth: &workers::WorkerAuth,
+) -> Result<Answer, ApiError> {
+    ready(ctx)?;
+    let reply = match call {
+        WorkerCall::Queue => workers::queue(ctx, req, auth).await,
+        WorkerCall::Claim => workers::claim(ctx, req, auth).await,
+        WorkerCall::Renew => workers::renew(ctx, req, auth).await,
+        WorkerCall::Progress => workers::progress(ctx, req, auth).await,
+        WorkerCall::Outcome => workers::outcome(ctx, req, auth).await,
+    };
+    reply.map(Answer::Reply)
 }
 
 /// Records a mutation refused after its caller was authenticated but
@@ -759,6 +826,7 @@ mod tests {
                 t if t.starts_with("/v1/audit") => Access::Token,
                 "/metrics" => Access::Metrics,
                 t if t.starts_with("/v1/derive/") => Access::Public,
+                t if t.starts_with("/internal/") => Access::WorkerToken,
                 // The page is public; what it shows needs the token.
                 "/healthz" | "/readyz" | "/v1/openapi.json" | "/" | "/ui/{file}" => Access::Public,
                 _ => Access::Token,
@@ -769,6 +837,7 @@ mod tests {
             // and idempotent.
             let changes_state = r.method != "GET"
                 && !r.template.starts_with("/v1/derive/")
+                && !r.template.starts_with("/internal/")
                 && !r.template.ends_with("/preview")
                 && r.template != "/v1/stream-tickets";
             assert_eq!(
@@ -798,7 +867,8 @@ mod tests {
                     );
                 }
                 Handler::Mutation(_, ask, _) => assert_eq!(ask.denial, Denial::Forbidden),
-                Handler::Public(_) | Handler::Metrics | Handler::Stream(_) => {}
+                Handler::Public(_) | Handler::Metrics | Handler::Stream(_) | Handler::Worker(_) => {
+                }
             }
         }
     }

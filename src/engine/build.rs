@@ -150,7 +150,7 @@ impl Engine {
     /// `check` and `confirm` (with `--health-timeout 0` the step only
     /// confirms). A source whose describe cannot be read now (it was read
     /// at submit) has none, and the log of berth says so.
-    async fn checks_health(&self, snaps: &BuildSnapshots) -> bool {
+    pub(super) async fn checks_health(&self, snaps: &BuildSnapshots) -> bool {
         match self.describe(&snaps.snapshot.source).await {
             Ok(described) => described.checks_health(),
             Err(e) => {
@@ -185,36 +185,13 @@ impl Engine {
             BuildKind::Deploy => "deploy",
             BuildKind::Destroy => "destroy",
         };
-        // The snapshots were validated JSON when stored; text that no longer
-        // parses is a damaged store, and the deployer must never be handed
-        // `null` in place of a configuration.
-        let parsed = serde_json::from_str::<serde_json::Value>(&snaps.snapshot.configuration)
-            .and_then(|configuration| {
-                let previous = match &snaps.previous {
-                    Some(p) => Some(json!({
-                        "configuration": serde_json::from_str::<serde_json::Value>(&p.configuration)?,
-                        "source": p.source,
-                    })),
-                    None => None,
-                };
-                Ok((configuration, previous))
-            });
-        let (configuration, previous) = parsed.map_err(|e| {
+        let request = deployer_request(build, snaps).map_err(|e| {
             tracing::error!(error = %e, build = %id_text, "a stored configuration snapshot is not JSON");
             not_run(
                 "the build's stored configuration is damaged; submit the configuration again"
                     .into(),
             )
         })?;
-        let request = json!({
-            "deployment": build.deployment,
-            "build": id_text,
-            "method": build.method,
-            "configuration": configuration,
-            "source": snaps.snapshot.source,
-            "suspended": build.suspended,
-            "previous": previous,
-        });
         let inv = Invocation {
             verb,
             request: request.to_string().into_bytes(),
@@ -438,6 +415,33 @@ impl Engine {
     }
 }
 
+/// What the deployer reads on stdin for a build (deployer.md), the same
+/// for the embedded worker and a remote one. The snapshots were validated
+/// JSON when stored; text that no longer parses is a damaged store, and
+/// the deployer must never be handed `null` in place of a configuration.
+pub fn deployer_request(
+    build: &BuildRecord,
+    snaps: &BuildSnapshots,
+) -> Result<serde_json::Value, serde_json::Error> {
+    let configuration = serde_json::from_str::<serde_json::Value>(&snaps.snapshot.configuration)?;
+    let previous = match &snaps.previous {
+        Some(p) => Some(json!({
+            "configuration": serde_json::from_str::<serde_json::Value>(&p.configuration)?,
+            "source": p.source,
+        })),
+        None => None,
+    };
+    Ok(json!({
+        "deployment": build.deployment,
+        "build": format_build_id(build.id),
+        "method": build.method,
+        "configuration": configuration,
+        "source": snaps.snapshot.source,
+        "suspended": build.suspended,
+        "previous": previous,
+    }))
+}
+
 /// Forwards a cancel or a shutdown to the runner for as long as the
 /// deployer lives, whatever its pipes do (one that closed its stdout and
 /// stderr is still stopped).
@@ -466,6 +470,10 @@ pub fn start_tx(
     let Some(mut d) = tx.deployment(&b.deployment)? else {
         return Ok(None);
     };
+    // A worker claimed another build of the deployment meanwhile.
+    if d.running.is_some() {
+        return Ok(None);
+    }
     let snaps = Change::new(tx, hub).start(&mut d, &mut b)?;
     Ok(Some((b, snaps)))
 }

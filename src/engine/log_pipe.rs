@@ -307,6 +307,20 @@ impl LogBuffer {
         }
     }
 
+    /// The buffer of a build whose every line is committed (a worker's
+    /// build, whose lines are stored before they are published): the next
+    /// seq follows the last committed event.
+    pub fn resume(b: &BuildRecord, max_bytes: u64, dropped_lines: u64) -> Self {
+        let mut log = LogBuffer::new(max_bytes, b.event_seq + 1, u64::MAX);
+        log.pending_first_line = b.log_lines;
+        log.next_line = b.log_lines;
+        log.gaps = b.log_gaps.clone();
+        log.next_chunk = b.log_chunks;
+        log.stored_bytes = b.log_bytes;
+        log.dropped_lines = dropped_lines;
+        log
+    }
+
     /// Adds a line and returns its seq, or counts it as dropped (no seq)
     /// past `--max-log-bytes`.
     pub fn push(&mut self, line: &str) -> Option<u64> {

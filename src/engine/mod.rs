@@ -7,6 +7,7 @@
 //! the events of the change, together.
 
 pub mod actions;
+pub mod attempts;
 pub mod audit;
 pub mod audit_events;
 pub mod build;
@@ -23,6 +24,7 @@ pub mod requests;
 pub mod runner;
 pub mod sboms;
 pub mod sweeps;
+pub mod tokens;
 pub mod transition;
 pub mod updates;
 pub mod verdict;

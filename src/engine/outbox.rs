@@ -13,12 +13,13 @@ use crate::model::*;
 use crate::store::{DeliveryRecord, DeliveryStatus, Lookup, StoreResult, Tx};
 
 /// Every event type a subscription may name (`"*"`: all of them).
-pub const EVENT_TYPES: [&str; 8] = [
+pub const EVENT_TYPES: [&str; 9] = [
     "build.queued",
     "build.started",
     "build.succeeded",
     "build.failed",
     "build.cancelled",
+    "build.lost",
     "deployment.rollback_queued",
     "deployment.destroyed",
     "ping",

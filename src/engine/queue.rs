@@ -36,7 +36,23 @@ impl Engine {
         if self.sched.held().running.len() >= usize::from(self.settings.build_slots) {
             return Ok(());
         }
-        let queued = self.store.read()?.queued()?;
+        // The embedded worker takes builds only when on and offering every
+        // label builds require (workers.md "Which builds go where").
+        let labels = &self.settings.build_labels.0;
+        if !self.settings.local_worker
+            || !labels
+                .iter()
+                .all(|l| self.settings.local_labels.0.contains(l))
+        {
+            return Ok(());
+        }
+        let rx = self.store.read()?;
+        let queued = rx.queued()?;
+        // A deployment with a build running anywhere (a remote worker's
+        // too) starts nothing (FR-009).
+        let running: std::collections::HashSet<String> =
+            rx.running()?.into_iter().map(|(_, d)| d).collect();
+        drop(rx);
         let mut sched = self.sched.held();
         let slots = usize::from(self.settings.build_slots);
         for (build_id, deployment) in queued {
@@ -45,7 +61,8 @@ impl Engine {
             }
             let busy = sched.running.contains_key(&build_id)
                 || sched.running.values().any(|d| *d == deployment)
-                || sched.blocked.contains(&deployment);
+                || sched.blocked.contains(&deployment)
+                || running.contains(&deployment);
             if busy {
                 continue;
             }
@@ -64,6 +81,11 @@ impl Engine {
         self.sched.held().running.remove(&build_id);
         self.cancels.held().remove(&build_id);
         self.wake_queue();
+    }
+
+    /// Deployments whose orphaned deployer is still being stopped.
+    pub(super) fn blocked_deployments(&self) -> std::collections::HashSet<String> {
+        self.sched.held().blocked.clone()
     }
 
     pub(super) fn block_deployment(&self, deployment: &str) {

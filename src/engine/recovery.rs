@@ -34,7 +34,22 @@ impl Engine {
             tracing::warn!(dir = %scratch.display(), error = %e, "cannot remove what the last run's deployer calls left");
         }
         let running = self.store.read()?.running()?;
+        let ttl = self.lease_ttl_ms();
         for (build_id, deployment) in running {
+            // A build on a remote worker goes on: its lease starts again
+            // now (berth's down time never counts against a worker).
+            let remote = self
+                .write_until_landed(
+                    build_id,
+                    "giving a remote build's attempt a fresh lease (not ready until it lands)",
+                    RETRY_MAX_PAUSE,
+                    move |tx| renew_remote_tx(tx, build_id, ttl),
+                )
+                .await?;
+            if remote {
+                tracing::info!(build = %format_build_id(build_id), %deployment, "a build on a remote worker goes on after the restart");
+                continue;
+            }
             let hub = self.hub.clone();
             let orphan = self
                 .write_until_landed(
@@ -57,6 +72,21 @@ impl Engine {
         }
         Ok(())
     }
+}
+
+/// A running build's remote attempt gets a lease of now + `--lease-ttl`;
+/// `false` when the build runs on no remote attempt (the embedded worker's
+/// builds end with the berth that ran them).
+pub fn renew_remote_tx(tx: &Tx, build_id: BuildId, ttl_ms: u64) -> StoreResult<bool> {
+    let Some(mut a) = tx.last_attempt(build_id)? else {
+        return Ok(false);
+    };
+    if a.worker == crate::authority::LOCAL_WORKER || a.state != AttemptState::Active {
+        return Ok(false);
+    }
+    crate::authority::restart(&mut a, now_millis(), ttl_ms);
+    tx.put_attempt(&a)?;
+    Ok(true)
 }
 
 /// A build found `running` at start failed with `interrupted_by_restart`;

@@ -32,6 +32,10 @@ pub enum Missing {
     /// An action name berth does not know.
     Action,
     Webhook,
+    /// A worker or agent token by name.
+    Token,
+    /// An attempt id no attempt has, or another token's attempt.
+    Attempt,
 }
 
 /// A lifecycle rule that refuses the change (api.md: 409 `conflict` with
@@ -48,6 +52,10 @@ pub enum Conflict {
     BuildFinished,
     /// `--max-webhooks` subscriptions exist.
     TooManyWebhooks,
+    /// A token of that name exists.
+    TokenExists,
+    /// `--max-workers` tokens exist.
+    WorkerLimit,
 }
 
 impl Conflict {
@@ -59,6 +67,8 @@ impl Conflict {
             Conflict::PolicyNotManual => "policy_not_manual",
             Conflict::BuildFinished => "build_finished",
             Conflict::TooManyWebhooks => "max_webhooks",
+            Conflict::TokenExists => "token_exists",
+            Conflict::WorkerLimit => "worker_limit",
         }
     }
 }
@@ -124,6 +134,18 @@ pub enum Refusal {
         reason: EvalUnavailable,
         /// Which call failed and how; never a request value.
         message: &'static str,
+    },
+    /// A worker's claim lost (409 `conflict`, workers.md "Claim").
+    Claim(crate::authority::ClaimRefusal),
+    /// A worker's call without authority: it had no effect (409
+    /// `precondition_failed`, workers.md "Every internal call").
+    Stale(crate::authority::Stale),
+    /// An `operation_id` used again with another body (409).
+    IdempotencyConflict,
+    /// A progress batch or outcome that does not follow what was applied
+    /// (409 `conflict` `progress_gap`).
+    ProgressGap {
+        applied_through: u64,
     },
     /// The store failed; its class decides the answer (a full disk, ...).
     Store(StoreError),

@@ -582,7 +582,17 @@ pub fn cancel_tx(
         BuildStatus::Succeeded | BuildStatus::Failed | BuildStatus::Cancelled => {
             return Ok(Err(Refusal::Conflict(Conflict::BuildFinished)))
         }
-        BuildStatus::Running => true,
+        BuildStatus::Running => {
+            // A remote worker learns it from its poll and its next renew or
+            // progress answer, and stops the deployer (workers.md).
+            if let Some(mut a) = tx.last_attempt(build_id)? {
+                if a.state == AttemptState::Active && a.cancel_requested_at.is_none() {
+                    a.cancel_requested_at = Some(change.now());
+                    tx.put_attempt(&a)?;
+                }
+            }
+            true
+        }
         BuildStatus::Queued => {
             let mut d = tx
                 .deployment(&b.deployment)?

@@ -275,6 +275,11 @@ fn refusal_code(r: &Refusal) -> &'static str {
         Refusal::NotFound(_) => "not_found",
         Refusal::ActionRefused(reason) => reason.code(),
         Refusal::PreconditionFailed => "precondition_failed",
+        // A worker's refusals: an update never meets one.
+        Refusal::Claim(c) => c.reason(),
+        Refusal::Stale(s) => s.reason(),
+        Refusal::IdempotencyConflict => "idempotency_conflict",
+        Refusal::ProgressGap { .. } => "progress_gap",
         Refusal::Store(_) | Refusal::Internal => "internal",
     }
 }

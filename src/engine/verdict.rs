@@ -209,8 +209,19 @@ pub(super) fn read_deploy_result(
         Ok(None) => return Err("the deployer wrote no result".into()),
         Err(e) => return Err(format!("result file: {e}")),
     };
+    parse_result(&bytes, kind, |path| read_sbom(root, path, store))
+}
+
+/// Checks a result's JSON against the protocol; `sbom` reads and checks
+/// the SBOM file a node names (a local build's scratch dir, a worker's
+/// uploaded files).
+pub(super) fn parse_result(
+    bytes: &[u8],
+    kind: BuildKind,
+    sbom: impl Fn(&str) -> Result<PreparedSbom, String>,
+) -> Result<Vec<NodeOutcome>, String> {
     let value: serde_json::Value =
-        serde_json::from_slice(&bytes).map_err(|_| "the result is not JSON".to_string())?;
+        serde_json::from_slice(bytes).map_err(|_| "the result is not JSON".to_string())?;
     if kind == BuildKind::Destroy {
         return if value.is_object() {
             Ok(vec![])
@@ -241,7 +252,7 @@ pub(super) fn read_deploy_result(
             return Err("the deploy result has a fingerprint that is empty or too long".into());
         }
         let sbom = match (&node.sbom, node.changed) {
-            (Some(SbomRef::Ready { path }), _) => match read_sbom(root, path, store) {
+            (Some(SbomRef::Ready { path }), _) => match sbom(path) {
                 Ok(prepared) => SbomOutcome::Ready(prepared),
                 Err(reason) => SbomOutcome::Unavailable(reason),
             },

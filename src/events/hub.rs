@@ -226,12 +226,21 @@ impl Hub {
 
     /// Appends to the channel's tail if anyone listens.
     pub fn publish(&self, channel: &Channel, frame: Arc<Frame>) {
+        self.publish_all(channel, vec![frame]);
+    }
+
+    /// Appends frames whose rows are committed (a worker's progress batch)
+    /// to the channel's tail as one batch, if anyone listens.
+    pub fn publish_all(&self, channel: &Channel, frames: Vec<Arc<Frame>>) {
+        if frames.is_empty() {
+            return;
+        }
         let map = self.lock();
         let Some(live) = map.get(channel) else {
             return;
         };
         if Arc::strong_count(live) > 1 {
-            live.push(&mut live.lock(), Batch::new(vec![frame]));
+            live.push(&mut live.lock(), Batch::new(frames));
             let notify = live.notify.clone();
             drop(map);
             self.wake(&notify);

@@ -80,6 +80,8 @@ pub enum BuildEvent {
     Status,
     /// One node's answer to a health check (lifecycle.md).
     Health,
+    /// A worker claimed the build, or lost it (workers.md).
+    Attempt,
 }
 
 impl BuildEvent {
@@ -87,13 +89,14 @@ impl BuildEvent {
         match self {
             BuildEvent::Status => "status",
             BuildEvent::Health => "health",
+            BuildEvent::Attempt => "attempt",
         }
     }
 
     /// The kind of a stored event by its name; `None` for a name no berth
     /// stores (damage).
     pub fn named(name: &str) -> Option<BuildEvent> {
-        [BuildEvent::Status, BuildEvent::Health]
+        [BuildEvent::Status, BuildEvent::Health, BuildEvent::Attempt]
             .into_iter()
             .find(|e| e.name() == name)
     }
@@ -109,11 +112,25 @@ pub fn build_health(
     data: String,
     now: Millis,
 ) -> StoreResult<()> {
+    build_event_amid_log(tx, hub, build, seq, BuildEvent::Health, data, now)
+}
+
+/// An event of a running build that takes a seq amid its log lines (a
+/// gap, `LogBuffer::take_gap`): stored, and published after the commit.
+pub fn build_event_amid_log(
+    tx: &Tx,
+    hub: &Arc<Hub>,
+    build: BuildId,
+    seq: u64,
+    kind: BuildEvent,
+    data: String,
+    now: Millis,
+) -> StoreResult<()> {
     tx.put_build_event(
         build,
         seq,
         &StoredEvent {
-            event: BuildEvent::Health.name().into(),
+            event: kind.name().into(),
             data: data.clone(),
             at: now,
         },
@@ -122,7 +139,7 @@ pub fn build_health(
     tx.after_commit(move || {
         hub.publish(
             &Channel::Build(build),
-            Frame::new(seq, BuildEvent::Health.name(), data, false),
+            Frame::new(seq, kind.name(), data, false),
         )
     });
     Ok(())

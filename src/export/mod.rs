@@ -302,6 +302,12 @@ fn load_into(partial: &Path, origin: &mut dyn Origin, identity: &str) -> Result<
             // An export from before webhooks has no subscriptions.
             continue;
         }
+        if matches!(store_table, Table::Tokens | Table::Attempts)
+            && origin.version() < schema::FIRST_EXPORT_WITH_WORKERS
+        {
+            // An export from before workers has no tokens and no attempts.
+            continue;
+        }
         let mut bar = progress.table(table.name, 0);
         origin.rows(table, &mut |values| {
             bar.row(values.iter().map(Value::size).sum());

@@ -20,11 +20,15 @@ use crate::store::{
 
 /// The version of this relational layout, in `berth_meta`. A target holding
 /// a newer one is refused; bump it when a table or column changes meaning.
-pub const EXPORT_SCHEMA_VERSION: u32 = 3;
+pub const EXPORT_SCHEMA_VERSION: u32 = 4;
 
 /// The first export layout with the webhook tables (an older export has
 /// none, and imports without subscriptions).
 pub const FIRST_EXPORT_WITH_WEBHOOKS: u32 = 3;
+
+/// The first export layout with worker tokens and build attempts (an
+/// older export has none).
+pub const FIRST_EXPORT_WITH_WORKERS: u32 = 4;
 
 /// The export layouts this berth reads: version 1 split an idempotency
 /// key's identity wrongly (its `subject` held U+0000 for callback and
@@ -362,6 +366,34 @@ pub const TABLES: &[RelTable] = &[
         // its subscription, which the import writes first.)
         references: &[],
     },
+    RelTable {
+        name: "worker_tokens",
+        store_table: Table::Tokens,
+        columns: &[
+            // The SHA-256 of the secret: the secret itself is never stored.
+            col("token_hash", Text),
+            col("name", Text),
+            col("kind", Text),
+            col("created_at", Time),
+            col("record", Json),
+        ],
+        primary_key: &["token_hash"],
+        references: &[],
+    },
+    RelTable {
+        name: "build_attempts",
+        store_table: Table::Attempts,
+        columns: &[
+            col("build_id", Uuid),
+            col("fence", Int),
+            col("worker", Text),
+            col("state", Text),
+            col("claimed_at", Time),
+            col("record", Json),
+        ],
+        primary_key: &["build_id", "fence"],
+        references: &[("build_id", "builds")],
+    },
 ];
 
 /// The relational table holding a carried store table.
@@ -518,6 +550,21 @@ pub fn to_values(row: &Row) -> Result<Vec<Value>, String> {
             V::Text(record.event_type.clone()),
             V::Text(serde_plain(&record.status)?),
             json(record)?,
+        ],
+        Row::Token { hash, record } => vec![
+            V::Text(hash.clone()),
+            V::Text(record.name.clone()),
+            V::Text(record.kind.as_str().to_string()),
+            V::Time(record.created_at),
+            json(record)?,
+        ],
+        Row::Attempt(a) => vec![
+            V::Uuid(a.build),
+            int(a.fence, "a fence")?,
+            V::Text(a.worker.clone()),
+            V::Text(a.state.as_str().to_string()),
+            V::Time(a.claimed_at),
+            json(a)?,
         ],
         Row::Component { hash, refs, text } => vec![
             V::Text(hex(hash)),
@@ -804,6 +851,11 @@ fn row_of(table: &RelTable, values: Vec<Value>) -> Result<Row, String> {
             id: c.uuid("delivery_id")?,
             record: c.record()?,
         },
+        Table::Tokens => Row::Token {
+            hash: c.text("token_hash")?,
+            record: c.record()?,
+        },
+        Table::Attempts => Row::Attempt(c.record()?),
         Table::SbomComponents => Row::Component {
             hash: c.hash("hash")?,
             refs: u32::try_from(c.int("refs")?).map_err(|_| c.bad("refs"))?,

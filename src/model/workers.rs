@@ -8,6 +8,7 @@ use super::{BuildId, Millis};
 
 /// What a token issued by `POST /v1/tokens` may reach (api.md "Tokens").
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum TokenKind {
     /// The worker routes (workers.md "Internal routes").
     Worker,
@@ -48,6 +49,7 @@ pub struct WorkerSeen {
 
 /// Where an attempt is in its life (the build read's `attempt.state`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum AttemptState {
     /// Its worker holds the authority over the build.
     Active,
@@ -75,6 +77,7 @@ impl AttemptState {
 /// call": an expired lease is `lease_expired`, the rest
 /// `stale_authority`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum LossCause {
     LeaseExpired,
     TokenRevoked,
@@ -116,6 +119,10 @@ pub struct AttemptRecord {
     pub applied_through: u64,
     /// Renew and progress calls accepted (the outcome's audit `count`).
     pub accepted_calls: u64,
+    /// Log lines (and their bytes) past `--max-log-bytes`: counted, not
+    /// stored; the last line of the log says how many.
+    pub dropped_lines: u64,
+    pub dropped_bytes: u64,
     pub cancel_requested_at: Option<Millis>,
     /// Whether a refused call of this attempt was audited (the first only).
     pub refusal_audited: bool,

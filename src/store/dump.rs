@@ -21,7 +21,8 @@ use super::{
 };
 use crate::audit::{self as chain, Outcome};
 use crate::model::{
-    BuildId, BuildRecord, BuildSnapshots, DeploymentRecord, NodeSbom, Source, UpdateTry,
+    AttemptRecord, BuildId, BuildRecord, BuildSnapshots, DeploymentRecord, NodeSbom, Source,
+    TokenRecord, UpdateTry,
 };
 
 /// One row of a carried table, decoded (compressed text decompressed).
@@ -104,6 +105,12 @@ pub enum Row {
         id: u128,
         record: DeliveryRecord,
     },
+    Token {
+        /// SHA-256 of the secret, hex.
+        hash: String,
+        record: TokenRecord,
+    },
+    Attempt(AttemptRecord),
 }
 
 impl Row {
@@ -128,6 +135,8 @@ impl Row {
             Row::MerkleNode { .. } => Table::MerkleNodes,
             Row::Webhook { .. } => Table::Webhooks,
             Row::Delivery { .. } => Table::WebhookDeliveries,
+            Row::Token { .. } => Table::Tokens,
+            Row::Attempt(_) => Table::Attempts,
         }
     }
 }
@@ -195,6 +204,8 @@ impl Rx {
             Table::MerkleNodes => txn.open_table(MERKLE_NODES)?.len()?,
             Table::Webhooks => txn.open_table(WEBHOOKS)?.len()?,
             Table::WebhookDeliveries => txn.open_table(WEBHOOK_DELIVERIES)?.len()?,
+            Table::Tokens => txn.open_table(TOKENS)?.len()?,
+            Table::Attempts => txn.open_table(ATTEMPTS)?.len()?,
             Table::Queued
             | Table::Running
             | Table::LogIndex
@@ -408,6 +419,20 @@ impl Rx {
                     })?;
                 }
             }
+            Table::Tokens => {
+                for entry in txn.open_table(TOKENS)?.iter()? {
+                    let (k, v) = entry?;
+                    each(Row::Token {
+                        hash: k.value().to_string(),
+                        record: decode(v.value())?,
+                    })?;
+                }
+            }
+            Table::Attempts => {
+                for entry in txn.open_table(ATTEMPTS)?.iter()? {
+                    each(Row::Attempt(decode(entry?.1.value())?))?;
+                }
+            }
             Table::Queued
             | Table::Running
             | Table::LogIndex
@@ -524,6 +549,8 @@ impl Loader {
                 id,
                 record,
             } => tx.put_delivery(webhook, id, &record)?,
+            Row::Token { hash, record } => tx.put_token(&hash, &record)?,
+            Row::Attempt(record) => tx.put_attempt(&record)?,
             Row::Component { hash, refs, text } => {
                 let row = component_row(refs, &compress(&text)?);
                 self.txn

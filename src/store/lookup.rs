@@ -15,8 +15,8 @@ use super::tables::*;
 use super::view::Rows;
 use super::{decode, DeliveryRecord, IdempotencyRecord, StoreResult, WebhookRecord};
 use crate::model::{
-    BuildId, BuildKind, BuildRecord, BuildSnapshots, BuildStatus, DeploymentRecord, NodeSbom,
-    Source, UpdateTry,
+    AttemptRecord, BuildId, BuildKind, BuildRecord, BuildSnapshots, BuildStatus, DeploymentRecord,
+    NodeSbom, Source, TokenRecord, UpdateTry,
 };
 
 /// A table of encoded records.
@@ -115,6 +115,37 @@ pub trait Lookup {
         Rows<'_, (u128, u128), &'static [u8], impl ReadableTable<(u128, u128), &'static [u8]> + '_>,
     > {
         self.open(WEBHOOK_DELIVERIES)
+    }
+
+    /// The token whose secret has this SHA-256 (hex).
+    fn token(&self, hash: &str) -> StoreResult<Option<TokenRecord>> {
+        self.open(TOKENS)?.record(hash)
+    }
+
+    /// Every worker and agent token with its hash, in hash order (at most
+    /// `--max-workers` and `--max-agents`).
+    fn tokens(&self) -> StoreResult<Vec<(String, TokenRecord)>> {
+        let t = self.open(TOKENS)?;
+        let mut out = Vec::new();
+        for entry in t.iter()? {
+            let (k, v) = entry?;
+            out.push((k.value().to_string(), decode(v.value())?));
+        }
+        Ok(out)
+    }
+
+    fn attempt(&self, build: BuildId, fence: u64) -> StoreResult<Option<AttemptRecord>> {
+        self.open(ATTEMPTS)?.record((build, fence))
+    }
+
+    /// A build's newest attempt (the one with the highest fence).
+    fn last_attempt(&self, build: BuildId) -> StoreResult<Option<AttemptRecord>> {
+        let t = self.open(ATTEMPTS)?;
+        let newest = t.range((build, 0u64)..=(build, u64::MAX))?.next_back();
+        match newest {
+            Some(entry) => Ok(Some(decode(entry?.1.value())?)),
+            None => Ok(None),
+        }
     }
 
     fn idempotency(&self, key: &str) -> StoreResult<Option<IdempotencyRecord>> {

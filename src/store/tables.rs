@@ -200,6 +200,16 @@ pub const WEBHOOK_DELIVERIES: TableDefinition<(u128, u128), &[u8]> =
 pub const WEBHOOK_QUEUE: TableDefinition<(u128, i64, u128), ()> =
     TableDefinition::new(Table::WebhookQueue.name());
 
+/// SHA-256 of a worker or agent token's secret (hex) -> `TokenRecord`
+/// (api.md "Tokens"): a call's token is found with one lookup, and the
+/// secret is never stored.
+pub const TOKENS: TableDefinition<&str, &[u8]> = TableDefinition::new(Table::Tokens.name());
+
+/// (build id, fence) -> `AttemptRecord`: each attempt of a build, the
+/// newest last (workers.md); the attempt id names both parts.
+pub const ATTEMPTS: TableDefinition<(u128, u64), &[u8]> =
+    TableDefinition::new(Table::Attempts.name());
+
 /// Every redb table, one variant each: its name, whether an export carries
 /// its rows or an import rebuilds it from another table, and the store's
 /// open creating it. Every decision about a table is an exhaustive `match`
@@ -231,6 +241,8 @@ pub enum Table {
     Webhooks,
     WebhookDeliveries,
     WebhookQueue,
+    Tokens,
+    Attempts,
 }
 
 /// What an export does with a table.
@@ -249,7 +261,7 @@ impl Table {
     /// Every table. The carried ones come first, in the order an import
     /// writes them (a row's parent before the row: builds before their
     /// logs), then the rebuilt indexes.
-    pub const ALL: [Table; 24] = [
+    pub const ALL: [Table; 26] = [
         Table::Meta,
         Table::Sources,
         Table::DescribeCache,
@@ -268,6 +280,8 @@ impl Table {
         Table::MerkleNodes,
         Table::Webhooks,
         Table::WebhookDeliveries,
+        Table::Tokens,
+        Table::Attempts,
         Table::Queued,
         Table::Running,
         Table::LogIndex,
@@ -309,6 +323,8 @@ impl Table {
             Table::Webhooks => "webhooks",
             Table::WebhookDeliveries => "webhook_deliveries",
             Table::WebhookQueue => "webhook_queue",
+            Table::Tokens => "tokens",
+            Table::Attempts => "attempts",
         }
     }
 
@@ -333,7 +349,9 @@ impl Table {
             | Table::AuditEvents
             | Table::MerkleNodes
             | Table::Webhooks
-            | Table::WebhookDeliveries => Carried,
+            | Table::WebhookDeliveries
+            | Table::Tokens
+            | Table::Attempts => Carried,
             Table::Queued | Table::Running => Rebuilt {
                 from: Table::Builds,
             },
@@ -405,6 +423,8 @@ impl Table {
             Table::Webhooks => each.with(WEBHOOKS),
             Table::WebhookDeliveries => each.with(WEBHOOK_DELIVERIES),
             Table::WebhookQueue => each.with(WEBHOOK_QUEUE),
+            Table::Tokens => each.with(TOKENS),
+            Table::Attempts => each.with(ATTEMPTS),
         }
     }
 }

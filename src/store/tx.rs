@@ -13,8 +13,8 @@ use super::{
     StoreError, StoreResult, StoredEvent, WebhookRecord, BUILD_COUNTS_KEY,
 };
 use crate::model::{
-    BuildId, BuildRecord, BuildSnapshots, BuildStatus, DeploymentRecord, Millis, NodeSbom, Source,
-    UpdateTry,
+    AttemptRecord, BuildId, BuildRecord, BuildSnapshots, BuildStatus, DeploymentRecord, Millis,
+    NodeSbom, Source, TokenRecord, UpdateTry,
 };
 
 /// A table's entry in `enum Table`, which the redo log names it by.
@@ -211,6 +211,30 @@ impl<'o, 'a> Tx<'o, 'a> {
             }
         }
         Ok(())
+    }
+
+    /// Every running build with its deployment, in build order (at most
+    /// the slots of every worker).
+    pub fn running_builds(&self) -> StoreResult<Vec<(BuildId, String)>> {
+        let t = self.table(RUNNING)?;
+        let mut out = Vec::new();
+        for entry in t.iter()? {
+            let (k, v) = entry?;
+            out.push((k.value(), v.value().to_string()));
+        }
+        Ok(out)
+    }
+
+    /// Whether a build of `deployment` older than `before` is queued
+    /// (reads the queue up to `before`).
+    pub fn queued_before(&self, deployment: &str, before: BuildId) -> StoreResult<bool> {
+        let t = self.table(QUEUED)?;
+        for entry in t.range(..before)? {
+            if entry?.1.value() == deployment {
+                return Ok(true);
+            }
+        }
+        Ok(false)
     }
 
     /// A log chunk and its place in the log.
@@ -463,7 +487,24 @@ impl<'o, 'a> Tx<'o, 'a> {
         index.retain_in((id, 0u32)..=(id, u32::MAX), |_, _| false)?;
         let mut events = self.table(BUILD_EVENTS)?;
         events.retain_in((id, 0u64)..=(id, u64::MAX), |_, _| false)?;
+        let mut attempts = self.table(ATTEMPTS)?;
+        attempts.retain_in((id, 0u64)..=(id, u64::MAX), |_, _| false)?;
         Ok(())
+    }
+
+    /// Stores a worker or agent token under the SHA-256 of its secret.
+    pub fn put_token(&self, hash: &str, t: &TokenRecord) -> StoreResult<()> {
+        put_record(self.table(TOKENS)?, hash, t)
+    }
+
+    pub fn remove_token(&self, hash: &str) -> StoreResult<()> {
+        self.table(TOKENS)?.remove(hash)?;
+        Ok(())
+    }
+
+    /// Stores an attempt under its build and fence.
+    pub fn put_attempt(&self, a: &AttemptRecord) -> StoreResult<()> {
+        put_record(self.table(ATTEMPTS)?, (a.build, a.fence), a)
     }
 
     /// Deletes every stored row (the `--reset-dev-state` path).
@@ -485,7 +526,8 @@ impl<'o, 'a> Tx<'o, 'a> {
             BUILD_SNAPSHOTS,
             UPDATE_TRIES,
             SBOM_NODES,
-            SBOM_COMPONENTS
+            SBOM_COMPONENTS,
+            ATTEMPTS
         );
         // The audit chain outlives a reset (it records the reset), and so
         // does its by-deployment index; builds and events go.

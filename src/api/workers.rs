@@ -1,0 +1,662 @@
+//! Worker tokens, the workers list, and the internal routes a `berth
+//! worker` calls (workers.md "Internal routes"). Thin: each handler checks
+//! the shape of its call and asks the engine, whose write jobs apply the
+//! authority rules of `crate::authority`.
+
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use super::errors::{ApiError, Code};
+use super::idempotency::Write;
+use super::{Ctx, Reply, Request};
+use crate::authority::{self, LOCAL_WORKER};
+use crate::engine::attempts::{
+    Answered, AuthorityCall, ClaimCall, ProgressItem, RemoteEnd, RemoteOutcome, WorkerCaller,
+};
+use crate::engine::health::HealthEnd;
+use crate::engine::outcome::Halt;
+use crate::engine::tokens::{NewToken, Token, TOKEN_PREFIX};
+use crate::model::*;
+use crate::store::Lookup;
+
+/// A queue poll's `wait` at most, and its default (seconds).
+const MAX_POLL_WAIT_S: u64 = 60;
+const DEFAULT_POLL_WAIT_S: u64 = 25;
+/// How often a waiting poll looks at the queue again.
+const POLL_STEP: Duration = Duration::from_millis(200);
+/// The longest detail a worker may give a `not_run` or a failed health step.
+const MAX_DETAIL_CHARS: usize = 2000;
+
+/// A worker token's call, authenticated before its body is read.
+pub struct WorkerAuth {
+    pub hash: String,
+    pub record: TokenRecord,
+}
+
+impl WorkerAuth {
+    fn caller(&self) -> WorkerCaller {
+        WorkerCaller {
+            name: self.record.name.clone(),
+            token_labels: self.record.labels.clone(),
+        }
+    }
+}
+
+/// The worker token of an internal call: no token or an unknown one is
+/// `401`; the service token or another kind `403 token_kind`. Worker
+/// tokens never go to the authorization callback.
+pub fn authenticate(ctx: &Ctx, headers: &warp::http::HeaderMap) -> Result<WorkerAuth, ApiError> {
+    let Some(token) = super::auth::bearer(headers) else {
+        return Err(ApiError::new(
+            Code::Unauthenticated,
+            "a worker token is required",
+        ));
+    };
+    let forbidden = || {
+        ApiError::new(Code::Forbidden, "the internal routes take a worker token")
+            .reason("token_kind")
+    };
+    if super::auth::has_service_token(&ctx.service_token, headers)
+        || !token.starts_with(TOKEN_PREFIX)
+    {
+        return Err(forbidden());
+    }
+    match ctx.engine.token_of(token)? {
+        None => Err(ApiError::new(
+            Code::Unauthenticated,
+            "this token is unknown or revoked",
+        )),
+        Some((_, record)) if record.kind != TokenKind::Worker => Err(forbidden()),
+        Some((hash, record)) => Ok(WorkerAuth { hash, record }),
+    }
+}
+
+/// A `brt_` token on a route of another kind: `403 token_kind` when berth
+/// issued it, `401` when not (such tokens never go to the callback).
+pub fn refuse_issued_token(ctx: &Ctx, headers: &warp::http::HeaderMap) -> Option<ApiError> {
+    let token = super::auth::bearer(headers)?;
+    if !token.starts_with(TOKEN_PREFIX)
+        || super::auth::has_service_token(&ctx.service_token, headers)
+    {
+        return None;
+    }
+    Some(match ctx.engine.token_of(token) {
+        Ok(Some(_)) => ApiError::new(
+            Code::Forbidden,
+            "a worker or agent token reaches only its own internal routes",
+        )
+        .reason("token_kind"),
+        Ok(None) => ApiError::new(Code::Unauthenticated, "this token is unknown or revoked"),
+        Err(e) => e.into(),
+    })
+}
+
+fn bad(pointer: &str, code: &str, message: &str) -> ApiError {
+    ApiError::bad_request(message.to_string()).field(pointer, code)
+}
+
+fn token_view(t: &Token) -> Value {
+    let mut v = json!({
+        "name": t.record.name,
+        "kind": t.record.kind.as_str(),
+        "labels": t.record.labels,
+        "deployment": null,
+        "node": null,
+        "created_at": format_time(t.record.created_at),
+    });
+    if let Some(secret) = &t.secret {
+        v["token"] = json!(secret);
+    }
+    v
+}
+
+/// `POST /v1/tokens`: 201 with the token's secret, shown here only (a
+/// replay of the same call answers without it: berth keeps no secret).
+pub async fn create_token(ctx: &Ctx, req: &Request, w: Write) -> Result<Reply, ApiError> {
+    let map = super::json_object(&req.body, &["name", "kind", "labels", "deployment", "node"])?;
+    let name = match map.get("name").and_then(Value::as_str) {
+        Some(n) if is_dns_label(n, 63) && n != LOCAL_WORKER => n.to_string(),
+        _ => {
+            return Err(bad(
+                "/name",
+                "format",
+                "name must be a DNS label (lower-case letters, digits, '-'), not \"local\"",
+            ))
+        }
+    };
+    let kind = match map.get("kind").and_then(Value::as_str) {
+        Some("worker") => TokenKind::Worker,
+        Some("agent") => {
+            return Err(bad(
+                "/kind",
+                "unsupported",
+                "agent tokens come with agents; this berth issues worker tokens",
+            ))
+        }
+        _ => return Err(bad("/kind", "enum", "kind must be \"worker\" or \"agent\"")),
+    };
+    let labels = match map.get("labels") {
+        None | Some(Value::Null) => vec![],
+        Some(Value::Array(list)) => {
+            let texts: Option<Vec<&str>> = list.iter().map(Value::as_str).collect();
+            let joined = texts.map(|t| t.join(",")).unwrap_or_else(|| ",".into());
+            authority::parse_labels(&joined).map_err(|why| bad("/labels", "format", &why))?
+        }
+        Some(_) => return Err(bad("/labels", "type", "labels must be a list of labels")),
+    };
+    for field in ["deployment", "node"] {
+        if !matches!(map.get(field), None | Some(Value::Null)) {
+            return Err(bad(
+                &format!("/{field}"),
+                "not_allowed",
+                "only an agent token names a deployment and a node",
+            ));
+        }
+    }
+    let record = w.record(|t: &Token| Reply::json(201, &token_view(t)));
+    let made = ctx
+        .engine
+        .create_token(NewToken { name, kind, labels }, record)
+        .await?;
+    Ok(Reply::json(201, &token_view(&made)))
+}
+
+/// `GET /v1/tokens`: every token (at most `--max-workers`, one page), never
+/// a secret.
+pub fn list_tokens(ctx: &Ctx) -> Result<Reply, ApiError> {
+    let mut tokens = ctx.engine.read()?.tokens()?;
+    tokens.sort_by(|a, b| a.1.name.cmp(&b.1.name));
+    let items: Vec<Value> = tokens
+        .into_iter()
+        .map(|(_, record)| {
+            token_view(&Token {
+                record,
+                secret: None,
+            })
+        })
+        .collect();
+    Ok(Reply::json(
+        200,
+        &json!({"items": items, "next_cursor": null}),
+    ))
+}
+
+/// `DELETE /v1/tokens/{name}`: revoked at once.
+pub async fn revoke_token(ctx: &Ctx, req: &Request, w: Write) -> Result<Reply, ApiError> {
+    let record = w.record(|t: &Token| Reply::json(200, &token_view(t)));
+    let gone = ctx
+        .engine
+        .revoke_token(req.param("name").to_string(), record)
+        .await?;
+    Ok(Reply::json(200, &token_view(&gone)))
+}
+
+/// `GET /v1/workers`: the embedded worker and every worker token.
+pub fn list_workers(ctx: &Ctx) -> Result<Reply, ApiError> {
+    let rx = ctx.engine.read()?;
+    let mut attempts: Vec<AttemptRecord> = Vec::new();
+    for (build, _) in rx.running()? {
+        if let Some(a) = rx.last_attempt(build)? {
+            if a.state == AttemptState::Active {
+                attempts.push(a);
+            }
+        }
+    }
+    let held = |name: &str| -> Vec<Value> {
+        attempts
+            .iter()
+            .filter(|a| a.worker == name)
+            .map(|a| {
+                json!({
+                    "attempt_id": authority::attempt_id(a.build, a.fence),
+                    "build": format_build_id(a.build),
+                    "deployment": a.deployment,
+                    "fence": a.fence,
+                    "lease_expires_at": a.lease_expires_at.map(format_time),
+                })
+            })
+            .collect()
+    };
+    let settings = &ctx.engine.settings;
+    let mut items = Vec::new();
+    if settings.local_worker {
+        items.push(json!({
+            "name": LOCAL_WORKER, "kind": "local", "labels": settings.local_labels.0,
+            "token_labels": [], "incarnation": null, "slots": settings.build_slots,
+            "last_seen_at": null, "connected": true, "attempts": held(LOCAL_WORKER),
+        }));
+    }
+    let ttl = i64::try_from(settings.lease_ttl.as_millis()).unwrap_or(i64::MAX);
+    let mut tokens = rx.tokens()?;
+    tokens.sort_by(|a, b| a.1.name.cmp(&b.1.name));
+    for (_, t) in tokens
+        .into_iter()
+        .filter(|(_, t)| t.kind == TokenKind::Worker)
+    {
+        let seen = t.seen.as_ref();
+        items.push(json!({
+            "name": t.name, "kind": "remote",
+            "labels": seen.map(|s| s.labels.clone()).unwrap_or_default(),
+            "token_labels": t.labels,
+            "incarnation": seen.map(|s| s.incarnation.clone()),
+            "slots": null,
+            "last_seen_at": seen.map(|s| format_time(s.at)),
+            "connected": seen.is_some_and(|s| now_millis() - s.at <= ttl.max(authority::SEEN_EVERY_MS)),
+            "attempts": held(&t.name),
+        }));
+    }
+    Ok(Reply::json(
+        200,
+        &json!({"items": items, "next_cursor": null}),
+    ))
+}
+
+/// The labels a worker offers: valid, and each in its token's when the
+/// token lists any (else `403 label_not_allowed`).
+fn offered_labels(auth: &WorkerAuth, text: &str, pointer: &str) -> Result<Vec<String>, ApiError> {
+    let labels = authority::parse_labels(text).map_err(|why| bad(pointer, "format", &why))?;
+    let allowed = &auth.record.labels;
+    if !allowed.is_empty() && !labels.iter().all(|l| allowed.contains(l)) {
+        return Err(ApiError::new(
+            Code::Forbidden,
+            "this worker offers a label its token does not list",
+        )
+        .reason("label_not_allowed"));
+    }
+    Ok(labels)
+}
+
+fn incarnation(value: Option<&Value>, pointer: &str) -> Result<String, ApiError> {
+    match value.and_then(Value::as_str) {
+        Some(i) if authority::is_authority_id(i) => Ok(i.to_string()),
+        _ => Err(bad(
+            pointer,
+            "format",
+            "worker_incarnation must match ^[A-Za-z0-9][A-Za-z0-9_-]{7,127}$",
+        )),
+    }
+}
+
+fn operation_id(value: Option<&Value>) -> Result<String, ApiError> {
+    match value.and_then(Value::as_str) {
+        Some(o) if authority::is_operation_id(o) => Ok(o.to_string()),
+        _ => Err(bad(
+            "/operation_id",
+            "format",
+            "operation_id must be 16-128 of [A-Za-z0-9._~-]",
+        )),
+    }
+}
+
+fn number_param(req: &Request, name: &str, default: u64, max: u64) -> Result<u64, ApiError> {
+    match req.query_one(name) {
+        None => Ok(default),
+        Some(text) => text
+            .parse::<u64>()
+            .ok()
+            .filter(|n| *n <= max)
+            .ok_or_else(|| {
+                ApiError::bad_request(format!("{name} must be a whole number from 0 to {max}"))
+            }),
+    }
+}
+
+/// `GET /internal/v1/queue`: the claimable builds this worker can take
+/// and its attempts whose build was cancelled, at once when there are any,
+/// else after `wait`.
+pub async fn queue(ctx: &Ctx, req: &Request, auth: &WorkerAuth) -> Result<Reply, ApiError> {
+    let incarnation = match req.query_one("worker_incarnation") {
+        Some(i) if authority::is_authority_id(i) => i.to_string(),
+        _ => {
+            return Err(ApiError::bad_request(
+                "worker_incarnation must match ^[A-Za-z0-9][A-Za-z0-9_-]{7,127}$",
+            ))
+        }
+    };
+    let labels = offered_labels(auth, req.query_one("labels").unwrap_or(""), "/labels")?;
+    let free = number_param(
+        req,
+        "free_slots",
+        1,
+        authority::MAX_ATTEMPTS_PER_WORKER as u64,
+    )?;
+    let wait = number_param(req, "wait", DEFAULT_POLL_WAIT_S, MAX_POLL_WAIT_S)?;
+    ctx.engine
+        .saw_worker(auth.hash.clone(), &auth.record, &incarnation, &labels)
+        .await;
+    let deadline = Instant::now() + Duration::from_secs(wait);
+    loop {
+        let (builds, cancel) = queue_now(ctx, &auth.record.name, &labels, free as usize)?;
+        if !builds.is_empty() || !cancel.is_empty() || Instant::now() >= deadline {
+            return Ok(Reply::json(
+                200,
+                &json!({"builds": builds, "cancel": cancel}),
+            ));
+        }
+        tokio::time::sleep(POLL_STEP.min(deadline - Instant::now())).await;
+    }
+}
+
+/// What a poll answers now.
+fn queue_now(
+    ctx: &Ctx,
+    worker: &str,
+    labels: &[String],
+    free: usize,
+) -> Result<(Vec<Value>, Vec<Value>), ApiError> {
+    let rx = ctx.engine.read()?;
+    let mut busy = std::collections::HashSet::new();
+    let mut cancel = Vec::new();
+    for (build, deployment) in rx.running()? {
+        busy.insert(deployment);
+        if let Some(a) = rx.last_attempt(build)? {
+            if a.worker == worker
+                && a.state == AttemptState::Active
+                && a.cancel_requested_at.is_some()
+            {
+                cancel.push(json!({"attempt_id": authority::attempt_id(a.build, a.fence), "build": format_build_id(build)}));
+            }
+        }
+    }
+    let required = &ctx.engine.settings.build_labels.0;
+    let mut builds = Vec::new();
+    if required.iter().all(|l| labels.contains(l)) {
+        for (build, deployment) in rx.queued()? {
+            if builds.len() >= free {
+                break;
+            }
+            // Only the oldest queued build of a deployment with nothing running.
+            if !busy.insert(deployment.clone()) {
+                continue;
+            }
+            let Some(b) = rx.build(build)? else { continue };
+            builds.push(json!({
+                "build": format_build_id(build),
+                "deployment": deployment,
+                "kind": b.kind,
+                "labels": required,
+                "queued_at": format_time(b.created_at),
+            }));
+        }
+    }
+    Ok((builds, cancel))
+}
+
+/// An internal call's answer, marked when it is a replay.
+fn answered(a: Answered) -> Reply {
+    let reply = Reply::text(200, "application/json", a.body.into_bytes());
+    if a.replayed {
+        reply.header("Idempotent-Replayed", "true")
+    } else {
+        reply
+    }
+}
+
+/// `POST /internal/v1/builds/{build}/claim`.
+pub async fn claim(ctx: &Ctx, req: &Request, auth: &WorkerAuth) -> Result<Reply, ApiError> {
+    let build = parse_build_id(req.param("build")).ok_or_else(|| ApiError::not_found("build"))?;
+    let map = super::json_object(&req.body, &["operation_id", "worker_incarnation", "labels"])?;
+    let operation_id = operation_id(map.get("operation_id"))?;
+    let incarnation = incarnation(map.get("worker_incarnation"), "/worker_incarnation")?;
+    let labels = match map.get("labels") {
+        None | Some(Value::Null) => vec![],
+        Some(Value::Array(list)) => {
+            let texts: Option<Vec<&str>> = list.iter().map(Value::as_str).collect();
+            offered_labels(
+                auth,
+                &texts.map(|t| t.join(",")).unwrap_or_else(|| ",".into()),
+                "/labels",
+            )?
+        }
+        Some(_) => return Err(bad("/labels", "type", "labels must be a list of labels")),
+    };
+    ctx.engine
+        .saw_worker(auth.hash.clone(), &auth.record, &incarnation, &labels)
+        .await;
+    let call = ClaimCall {
+        operation_id,
+        incarnation,
+        labels,
+        digest: authority::body_digest(&req.body),
+    };
+    Ok(answered(
+        ctx.engine.claim(auth.caller(), build, call).await?,
+    ))
+}
+
+/// The attempt a path names: `404` for an id berth could not have made.
+fn attempt_of(req: &Request) -> Result<(BuildId, u64), ApiError> {
+    authority::parse_attempt_id(req.param("attempt")).ok_or_else(|| ApiError::not_found("attempt"))
+}
+
+/// The authority fields every call after the claim carries.
+fn authority_call(
+    req: &Request,
+    map: &serde_json::Map<String, Value>,
+) -> Result<AuthorityCall, ApiError> {
+    let fence = map
+        .get("fence")
+        .and_then(Value::as_u64)
+        .filter(|f| *f >= 1)
+        .ok_or_else(|| bad("/fence", "type", "fence must be a whole number from 1"))?;
+    Ok(AuthorityCall {
+        operation_id: operation_id(map.get("operation_id"))?,
+        fence,
+        incarnation: incarnation(map.get("worker_incarnation"), "/worker_incarnation")?,
+        digest: authority::body_digest(&req.body),
+    })
+}
+
+/// `POST /internal/v1/attempts/{attempt}/renew`.
+pub async fn renew(ctx: &Ctx, req: &Request, auth: &WorkerAuth) -> Result<Reply, ApiError> {
+    let attempt = attempt_of(req)?;
+    let map = super::json_object(&req.body, &["operation_id", "fence", "worker_incarnation"])?;
+    let call = authority_call(req, &map)?;
+    Ok(answered(
+        ctx.engine.renew(auth.caller(), attempt, call).await?,
+    ))
+}
+
+/// `POST /internal/v1/attempts/{attempt}/progress`.
+pub async fn progress(ctx: &Ctx, req: &Request, auth: &WorkerAuth) -> Result<Reply, ApiError> {
+    let attempt = attempt_of(req)?;
+    let map = super::json_object(
+        &req.body,
+        &["operation_id", "fence", "worker_incarnation", "items"],
+    )?;
+    let call = authority_call(req, &map)?;
+    let Some(Value::Array(list)) = map.get("items") else {
+        return Err(bad("/items", "type", "items must be a list"));
+    };
+    if list.len() > authority::MAX_BATCH_ITEMS {
+        return Err(bad(
+            "/items",
+            "batch_too_large",
+            "at most 1000 items in one batch",
+        ));
+    }
+    let items = list
+        .iter()
+        .enumerate()
+        .map(|(i, item)| progress_item(i, item))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(answered(
+        ctx.engine
+            .progress(auth.caller(), attempt, call, items)
+            .await?,
+    ))
+}
+
+fn progress_item(i: usize, item: &Value) -> Result<(u64, ProgressItem), ApiError> {
+    let pointer = format!("/items/{i}");
+    let invalid = || {
+        bad(&pointer, "line_invalid", "an item is {\"seq\", \"log\"} or {\"seq\", \"health\"}; a log line has no CR or LF and at most 64 KiB")
+    };
+    let seq = item
+        .get("seq")
+        .and_then(Value::as_u64)
+        .filter(|s| *s >= 1)
+        .ok_or_else(invalid)?;
+    match (item.get("log"), item.get("health")) {
+        (Some(Value::String(line)), None) => {
+            if line.len() > authority::MAX_LINE_BYTES || line.contains(['\r', '\n']) {
+                return Err(invalid());
+            }
+            Ok((seq, ProgressItem::Log(line.clone())))
+        }
+        (None, Some(h)) => {
+            let node = h
+                .get("node")
+                .and_then(Value::as_str)
+                .filter(|n| crate::engine::verdict::valid_node_name(n));
+            let healthy = h.get("healthy").and_then(Value::as_bool);
+            let attempt = h
+                .get("attempt")
+                .and_then(Value::as_u64)
+                .and_then(|a| u32::try_from(a).ok());
+            let reason = match h.get("reason") {
+                None | Some(Value::Null) => None,
+                Some(Value::String(r)) => Some(
+                    r.chars()
+                        .take(MAX_DETAIL_CHARS)
+                        .collect::<String>()
+                        .replace(['\r', '\n'], " "),
+                ),
+                Some(_) => return Err(invalid()),
+            };
+            match (node, healthy, attempt) {
+                (Some(node), Some(healthy), Some(attempt)) => Ok((
+                    seq,
+                    ProgressItem::Health {
+                        node: node.to_string(),
+                        healthy,
+                        reason,
+                        attempt,
+                    },
+                )),
+                _ => Err(invalid()),
+            }
+        }
+        _ => Err(invalid()),
+    }
+}
+
+/// `POST /internal/v1/attempts/{attempt}/outcome`.
+pub async fn outcome(ctx: &Ctx, req: &Request, auth: &WorkerAuth) -> Result<Reply, ApiError> {
+    let attempt = attempt_of(req)?;
+    let map = super::json_object(
+        &req.body,
+        &[
+            "operation_id",
+            "fence",
+            "worker_incarnation",
+            "progress_through",
+            "ended",
+            "result",
+            "result_problem",
+            "health",
+            "files",
+            "work_state",
+            "work_state_problem",
+        ],
+    )?;
+    let call = authority_call(req, &map)?;
+    let progress_through = map
+        .get("progress_through")
+        .and_then(Value::as_u64)
+        .ok_or_else(|| {
+            bad(
+                "/progress_through",
+                "type",
+                "progress_through must be a whole number",
+            )
+        })?;
+    let ended = remote_end(map.get("ended"))?;
+    let result = match (map.get("result"), map.get("result_problem")) {
+        (Some(v), None | Some(Value::Null)) if !v.is_null() => Ok(v.to_string()),
+        (None | Some(Value::Null), Some(Value::String(p))) => Err(p.chars().take(64).collect()),
+        (None | Some(Value::Null), None | Some(Value::Null)) => Err("missing".to_string()),
+        _ => {
+            return Err(bad(
+                "/result",
+                "type",
+                "give result, or result_problem with result null",
+            ))
+        }
+    };
+    let health = remote_health(map.get("health"))?;
+    let outcome = RemoteOutcome {
+        progress_through,
+        ended,
+        result,
+        health,
+    };
+    Ok(answered(
+        ctx.engine
+            .outcome(auth.caller(), attempt, call, outcome)
+            .await?,
+    ))
+}
+
+fn remote_end(v: Option<&Value>) -> Result<RemoteEnd, ApiError> {
+    let invalid = || {
+        bad("/ended", "type", "ended must be {\"kind\": exit|signal|status_unknown|timeout|cancelled|shutdown|not_run, ...}")
+    };
+    let v = v.ok_or_else(invalid)?;
+    let int = |name: &str| {
+        v.get(name)
+            .and_then(Value::as_i64)
+            .and_then(|n| i32::try_from(n).ok())
+    };
+    Ok(match v.get("kind").and_then(Value::as_str) {
+        Some("exit") => RemoteEnd::Exit(int("code").ok_or_else(invalid)?),
+        Some("signal") => RemoteEnd::Signal(int("signal").ok_or_else(invalid)?),
+        Some("status_unknown") => RemoteEnd::StatusUnknown,
+        Some("timeout") => RemoteEnd::Timeout,
+        Some("cancelled") => RemoteEnd::Cancelled,
+        Some("shutdown") => RemoteEnd::Shutdown,
+        Some("not_run") => {
+            let reason = match v.get("reason").and_then(Value::as_str) {
+                Some("spawn_failed") => FailureReason::SpawnFailed,
+                Some("work_state_unavailable") => FailureReason::WorkStateUnavailable,
+                _ => return Err(invalid()),
+            };
+            let detail = v
+                .get("detail")
+                .and_then(Value::as_str)
+                .unwrap_or("the deployer did not run");
+            RemoteEnd::NotRun {
+                reason,
+                detail: detail.chars().take(MAX_DETAIL_CHARS).collect(),
+            }
+        }
+        _ => return Err(invalid()),
+    })
+}
+
+fn remote_health(v: Option<&Value>) -> Result<Option<HealthEnd>, ApiError> {
+    let invalid = || {
+        bad("/health", "type", "health must be null, {\"end\": confirmed}, {\"end\": failed, \"detail\"} or {\"end\": halted, \"by\": cancel|shutdown}")
+    };
+    let Some(v) = v.filter(|v| !v.is_null()) else {
+        return Ok(None);
+    };
+    Ok(Some(match v.get("end").and_then(Value::as_str) {
+        Some("confirmed") => HealthEnd::Confirmed,
+        Some("failed") => HealthEnd::Failed(
+            v.get("detail")
+                .and_then(Value::as_str)
+                .unwrap_or("the health step failed")
+                .chars()
+                .take(MAX_DETAIL_CHARS)
+                .collect(),
+        ),
+        Some("halted") => match v.get("by").and_then(Value::as_str) {
+            Some("cancel") => HealthEnd::Halted(Halt::Cancel),
+            Some("shutdown") => HealthEnd::Halted(Halt::Shutdown),
+            _ => return Err(invalid()),
+        },
+        _ => return Err(invalid()),
+    }))
+}

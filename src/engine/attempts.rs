@@ -1,0 +1,875 @@
+//! Builds on remote workers (workers.md): the claim, renew, progress and
+//! outcome of an attempt, the loss of one whose lease passed or whose
+//! token was revoked, and the lease sweep.
+//!
+//! Each call is one write job that loads the attempt, asks
+//! `crate::authority` (replay, then the authority check), and only then
+//! writes; a refused call writes nothing but the loss it discovers (an
+//! expired lease is lost now) and the audit event of an attempt's first
+//! refusal. Log lines and health answers of a progress batch are stored
+//! in its transaction and published after the commit, with the next ids
+//! of the build channel, so a line a worker sends without authority never
+//! reaches the log or a stream.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::json;
+
+use super::build::{deployer_request, finish_tx, Finished};
+use super::health::HealthEnd;
+use super::log_pipe::{Chunk, LogBuffer};
+use super::outcome::{End, Halt};
+use super::refusal::{Missing, Refusal};
+use super::runner::Ended;
+use super::transition::Change;
+use super::verdict::{parse_result, Outcome};
+use super::Engine;
+use crate::audit::{Actor, Draft, Outcome as AuditOutcome};
+use crate::authority::{self, Call, ClaimScene, Replay, Stale};
+use crate::events::{BuildEvent, Channel, Frame, Hub};
+use crate::model::*;
+use crate::settings::Settings;
+use crate::store::{Lookup, StoreResult, Tx};
+
+/// How often the lease sweep looks for attempts whose lease passed.
+const LEASE_SWEEP: Duration = Duration::from_secs(1);
+
+/// A worker token's holder, as its call authenticated it.
+#[derive(Debug, Clone)]
+pub struct WorkerCaller {
+    pub name: String,
+    /// The labels its token allows (empty: any).
+    pub token_labels: Vec<String>,
+}
+
+impl WorkerCaller {
+    fn actor(&self) -> Actor {
+        Actor {
+            issuer: Some("berth:worker".into()),
+            subject: self.name.clone(),
+        }
+    }
+}
+
+/// A claim as the worker sent it.
+#[derive(Debug, Clone)]
+pub struct ClaimCall {
+    pub operation_id: String,
+    pub incarnation: String,
+    pub labels: Vec<String>,
+    /// SHA-256 of the body (its replays compare it).
+    pub digest: String,
+}
+
+/// The authority every later call carries.
+#[derive(Debug, Clone)]
+pub struct AuthorityCall {
+    pub operation_id: String,
+    pub fence: u64,
+    pub incarnation: String,
+    pub digest: String,
+}
+
+impl AuthorityCall {
+    fn call(&self) -> Call<'_> {
+        Call {
+            operation_id: &self.operation_id,
+            fence: self.fence,
+            incarnation: &self.incarnation,
+        }
+    }
+}
+
+/// One item of a progress batch.
+#[derive(Debug, Clone)]
+pub enum ProgressItem {
+    Log(String),
+    /// A health answer (lifecycle.md), stored as a `health` event and its
+    /// log line.
+    Health {
+        node: String,
+        healthy: bool,
+        reason: Option<String>,
+        attempt: u32,
+    },
+}
+
+/// How the worker's run ended (workers.md "Outcome").
+#[derive(Debug, Clone)]
+pub enum RemoteEnd {
+    Exit(i32),
+    Signal(i32),
+    StatusUnknown,
+    Timeout,
+    Cancelled,
+    Shutdown,
+    NotRun {
+        reason: FailureReason,
+        detail: String,
+    },
+}
+
+/// An outcome as the worker sent it.
+#[derive(Debug, Clone)]
+pub struct RemoteOutcome {
+    pub progress_through: u64,
+    pub ended: RemoteEnd,
+    /// The result file's JSON text, or why there is none.
+    pub result: Result<String, String>,
+    pub health: Option<HealthEnd>,
+}
+
+/// An internal call's answer: its JSON text, and whether it is the replay
+/// of an earlier call's.
+#[derive(Debug, Clone)]
+pub struct Answered {
+    pub body: String,
+    pub replayed: bool,
+}
+
+impl Answered {
+    fn new(body: String) -> Answered {
+        Answered {
+            body,
+            replayed: false,
+        }
+    }
+}
+
+impl Engine {
+    pub(super) fn lease_ttl_ms(&self) -> u64 {
+        u64::try_from(self.settings.lease_ttl.as_millis()).unwrap_or(authority::LEASE_TTL_MAX_MS)
+    }
+
+    /// `POST /internal/v1/builds/{build}/claim`.
+    pub async fn claim(
+        self: &Arc<Self>,
+        worker: WorkerCaller,
+        build: BuildId,
+        call: ClaimCall,
+    ) -> Result<Answered, Refusal> {
+        // Whether the source has a health step comes from its describe,
+        // which may run the deployer: read before the write job.
+        let snaps = self.store.read()?.build_snapshots(build)?;
+        let health = match &snaps {
+            Some(s) => self.checks_health(s).await,
+            None => false,
+        };
+        let blocked: HashSet<String> = self.blocked_deployments();
+        let (hub, settings) = (self.hub.clone(), self.settings.clone());
+        let scene = ClaimContext {
+            settings,
+            health,
+            blocked,
+        };
+        self.store
+            .write(move |tx| claim_tx(tx, &hub, &scene, &worker, build, &call))
+            .await?
+    }
+
+    /// `POST /internal/v1/attempts/{attempt}/renew`.
+    pub async fn renew(
+        self: &Arc<Self>,
+        worker: WorkerCaller,
+        attempt: (BuildId, u64),
+        call: AuthorityCall,
+    ) -> Result<Answered, Refusal> {
+        let (hub, ttl) = (self.hub.clone(), self.lease_ttl_ms());
+        self.store
+            .write(move |tx| {
+                authorized(tx, &hub, &worker, attempt, "renew", &call, |_, a, now| {
+                    authority::renew(a, now, ttl);
+                    a.accepted_calls += 1;
+                    Ok(Ok(json!({
+                        "lease_expires_at": a.lease_expires_at.map(format_time),
+                        "lease_ttl_ms": ttl,
+                        "cancel": a.cancel_requested_at.is_some(),
+                    })
+                    .to_string()))
+                })
+            })
+            .await?
+    }
+
+    /// `POST /internal/v1/attempts/{attempt}/progress`.
+    pub async fn progress(
+        self: &Arc<Self>,
+        worker: WorkerCaller,
+        attempt: (BuildId, u64),
+        call: AuthorityCall,
+        items: Vec<(u64, ProgressItem)>,
+    ) -> Result<Answered, Refusal> {
+        let (hub, max_log) = (self.hub.clone(), self.settings.max_log_bytes);
+        self.store
+            .write(move |tx| {
+                authorized(
+                    tx,
+                    &hub,
+                    &worker,
+                    attempt,
+                    "progress",
+                    &call,
+                    |tx, a, now| {
+                        let seqs: Vec<u64> = items.iter().map(|(seq, _)| *seq).collect();
+                        let fresh = match authority::new_items(a.applied_through, &seqs) {
+                            Ok(range) => &items[range],
+                            Err(applied_through) => {
+                                return Ok(Err(Refusal::ProgressGap { applied_through }))
+                            }
+                        };
+                        let Some(mut b) = tx.build(a.build)? else {
+                            return Ok(Err(Refusal::NotFound(Missing::Build)));
+                        };
+                        append(
+                            tx,
+                            &hub,
+                            &mut b,
+                            a,
+                            max_log,
+                            fresh.iter().map(|(_, i)| i),
+                            now,
+                        )?;
+                        tx.put_build(&b)?;
+                        a.applied_through =
+                            a.applied_through.max(seqs.last().copied().unwrap_or(0));
+                        a.accepted_calls += 1;
+                        Ok(Ok(json!({
+                            "applied_through": a.applied_through,
+                            "cancel": a.cancel_requested_at.is_some(),
+                        })
+                        .to_string()))
+                    },
+                )
+            })
+            .await?
+    }
+
+    /// `POST /internal/v1/attempts/{attempt}/outcome`: the verdict of a
+    /// local build, from what the worker reports, in one transaction.
+    pub async fn outcome(
+        self: &Arc<Self>,
+        worker: WorkerCaller,
+        attempt: (BuildId, u64),
+        call: AuthorityCall,
+        outcome: RemoteOutcome,
+    ) -> Result<Answered, Refusal> {
+        let (hub, settings) = (self.hub.clone(), self.settings.clone());
+        self.store
+            .write(move |tx| {
+                authorized(
+                    tx,
+                    &hub,
+                    &worker,
+                    attempt,
+                    "outcome",
+                    &call,
+                    |tx, a, now| {
+                        if outcome.progress_through != a.applied_through {
+                            return Ok(Err(Refusal::ProgressGap {
+                                applied_through: a.applied_through,
+                            }));
+                        }
+                        let summary = settle(tx, &hub, &settings, a, &worker, &outcome, now)?;
+                        Ok(Ok(summary))
+                    },
+                )
+            })
+            .await?
+    }
+
+    /// Loses every active attempt of a revoked token at once (in the
+    /// revocation's transaction).
+    pub(super) fn lose_attempts_of(tx: &Tx, hub: &Arc<Hub>, worker: &str) -> StoreResult<()> {
+        for (build, _) in tx.running_builds()? {
+            if let Some(mut a) = tx.last_attempt(build)? {
+                if a.worker == worker && a.state == AttemptState::Active {
+                    lose_tx(tx, hub, &mut a, LossCause::TokenRevoked, now_millis())?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs forever: within `LEASE_SWEEP` of a lease's expiry, its attempt
+    /// is lost (workers.md "Loss"). It reads first and writes only when an
+    /// attempt is due: an idle berth writes nothing.
+    pub async fn run_leases(self: Arc<Self>) {
+        let ttl = i64::try_from(self.lease_ttl_ms()).unwrap_or(i64::MAX);
+        let grace = i64::try_from(self.settings.cancel_grace.as_millis())
+            .unwrap_or(i64::MAX)
+            .saturating_add(ttl);
+        loop {
+            tokio::time::sleep(LEASE_SWEEP).await;
+            let due = move |a: &AttemptRecord, now: Millis| {
+                a.state == AttemptState::Active
+                    && (authority::lease_passed(a, now) || cancel_overdue(a, now, grace))
+            };
+            match self.any_attempt(|a| due(a, now_millis())) {
+                Ok(false) => continue,
+                Ok(true) => {}
+                Err(e) => {
+                    tracing::error!(error = %e, "the lease sweep cannot read the store; it tries again");
+                    continue;
+                }
+            }
+            let hub = self.hub.clone();
+            let swept = self
+                .store
+                .write(move |tx| {
+                    let now = now_millis();
+                    for (build, _) in tx.running_builds()? {
+                        if let Some(mut a) = tx.last_attempt(build)?.filter(|a| due(a, now)) {
+                            lose_tx(tx, &hub, &mut a, LossCause::LeaseExpired, now)?;
+                        }
+                    }
+                    Ok(())
+                })
+                .await;
+            if let Err(e) = swept {
+                tracing::error!(error = %e, "the lease sweep could not store a loss; it tries again");
+            }
+        }
+    }
+
+    /// Whether a running build's newest attempt satisfies `test`.
+    fn any_attempt(&self, test: impl Fn(&AttemptRecord) -> bool) -> StoreResult<bool> {
+        let rx = self.store.read()?;
+        for (build, _) in rx.running()? {
+            if rx.last_attempt(build)?.is_some_and(|a| test(&a)) {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+}
+
+/// A cancel the worker has not answered within `--cancel-grace` +
+/// `--lease-ttl` (ms in `grace`): the build ends `cancelled` without it.
+fn cancel_overdue(a: &AttemptRecord, now: Millis, grace: i64) -> bool {
+    a.lease_expires_at.is_some()
+        && a.cancel_requested_at
+            .is_some_and(|at| now >= at.saturating_add(grace))
+}
+
+/// What a claim's write job needs besides the call.
+struct ClaimContext {
+    settings: Arc<Settings>,
+    /// Whether the build's source has a health step.
+    health: bool,
+    /// Deployments whose orphaned deployer is still being stopped.
+    blocked: HashSet<String>,
+}
+
+/// The claim's write job (workers.md "Claim").
+fn claim_tx(
+    tx: &Tx,
+    hub: &Arc<Hub>,
+    ctx: &ClaimContext,
+    worker: &WorkerCaller,
+    build_id: BuildId,
+    call: &ClaimCall,
+) -> StoreResult<Result<Answered, Refusal>> {
+    let Some(mut b) = tx.build(build_id)? else {
+        return Ok(Err(Refusal::NotFound(Missing::Build)));
+    };
+    let last = tx.last_attempt(build_id)?;
+    if let Some(last) = last.as_ref().filter(|a| a.worker == worker.name) {
+        match authority::replay(last, "claim", &call.operation_id, &call.digest) {
+            Replay::Same(answer) => {
+                return Ok(Ok(Answered {
+                    body: answer.to_string(),
+                    replayed: true,
+                }))
+            }
+            Replay::Conflict => return Ok(Err(Refusal::IdempotencyConflict)),
+            Replay::New => {}
+        }
+    }
+    let mut d = tx.deployment(&b.deployment)?;
+    let claimable = d.as_ref().is_some_and(|d| d.running.is_none())
+        && !ctx.blocked.contains(&b.deployment)
+        && !tx.queued_before(&b.deployment, build_id)?;
+    let held = held_by(tx, &worker.name)?;
+    let scene = ClaimScene {
+        status: b.status,
+        claimable,
+        required: &ctx.settings.build_labels.0,
+        offered: &call.labels,
+        held,
+    };
+    let change = Change::new(tx, hub);
+    if let Some(refusal) = authority::claim_refusal(&scene) {
+        let mut draft = worker_draft("attempt_claim", worker, &b, AuditOutcome::Refused);
+        draft.reason = Some(refusal.reason().into());
+        change.audit(&draft)?;
+        return Ok(Err(Refusal::Claim(refusal)));
+    }
+    let Some(d) = d.as_mut() else {
+        return Ok(Err(Refusal::Claim(authority::ClaimRefusal::NotClaimable)));
+    };
+    let now = change.now();
+    let ttl =
+        u64::try_from(ctx.settings.lease_ttl.as_millis()).unwrap_or(authority::LEASE_TTL_MAX_MS);
+    let last_fence = last.as_ref().map_or(0, |a| a.fence);
+    let mut a = authority::new_attempt(
+        build_id,
+        &b.deployment,
+        &worker.name,
+        &call.incarnation,
+        last_fence,
+        now,
+        Some(ttl),
+    );
+    let snaps = change.start(d, &mut b)?;
+    let id = authority::attempt_id(build_id, a.fence);
+    let claimed = attempt_event("claimed", &a);
+    let line = format!("[berth] running on worker {} (attempt {id})", worker.name);
+    let items = [Amid::Event(BuildEvent::Attempt, claimed), Amid::Line(line)];
+    append_amid(tx, hub, &mut b, &mut a, u64::MAX, &items, now)?;
+    tx.put_build(&b)?;
+    change.audit(&worker_draft("attempt_claim", worker, &b, AuditOutcome::Ok))?;
+    let answer = claim_answer(&ctx.settings, &b, &snaps, &a, ctx.health)?;
+    authority::keep_reply(
+        &mut a,
+        "claim",
+        &call.operation_id,
+        &call.digest,
+        answer.clone(),
+    );
+    tx.put_attempt(&a)?;
+    Ok(Ok(Answered::new(answer)))
+}
+
+/// Authoritative attempts `worker` holds now.
+fn held_by(tx: &Tx, worker: &str) -> StoreResult<usize> {
+    let mut held = 0;
+    for (build, _) in tx.running_builds()? {
+        if let Some(a) = tx.last_attempt(build)? {
+            if a.worker == worker && a.state == AttemptState::Active {
+                held += 1;
+            }
+        }
+    }
+    Ok(held)
+}
+
+/// The claim answer (workers.md "Claim").
+fn claim_answer(
+    settings: &Settings,
+    b: &BuildRecord,
+    snaps: &BuildSnapshots,
+    a: &AttemptRecord,
+    health: bool,
+) -> StoreResult<String> {
+    let request = deployer_request(b, snaps).map_err(|e| {
+        crate::store::StoreError::corrupt(format!("a stored configuration snapshot: {e}"))
+    })?;
+    let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+    let health = health.then(|| {
+        json!({
+            "interval_ms": ms(settings.health_interval),
+            "timeout_ms": ms(settings.health_timeout),
+        })
+    });
+    let verb = match b.kind {
+        BuildKind::Deploy => "deploy",
+        BuildKind::Destroy => "destroy",
+    };
+    Ok(json!({
+        "authority": authority_json(a),
+        "lease_ttl_ms": ms(settings.lease_ttl),
+        "build": {"id": format_build_id(b.id), "deployment": b.deployment, "kind": verb},
+        "verb": verb,
+        "request": request,
+        "health": health,
+        "work_state": null,
+        "limits": {
+            "build_timeout_ms": ms(settings.build_timeout),
+            "cancel_grace_ms": ms(settings.cancel_grace),
+            "max_batch_items": authority::MAX_BATCH_ITEMS,
+            "max_body": settings.max_body,
+        },
+    })
+    .to_string())
+}
+
+fn authority_json(a: &AttemptRecord) -> serde_json::Value {
+    json!({
+        "attempt_id": authority::attempt_id(a.build, a.fence),
+        "fence": a.fence,
+        "worker_incarnation": a.incarnation,
+        "lease_expires_at": a.lease_expires_at.map(format_time),
+    })
+}
+
+/// The data of an `attempt` event.
+fn attempt_event(change: &str, a: &AttemptRecord) -> String {
+    json!({
+        "change": change,
+        "attempt_id": authority::attempt_id(a.build, a.fence),
+        "worker": a.worker,
+        "worker_incarnation": a.incarnation,
+        "fence": a.fence,
+        "lease_expires_at": a.lease_expires_at.map(format_time),
+    })
+    .to_string()
+}
+
+/// An audit draft of a worker's call about build `b`.
+fn worker_draft(
+    action: &'static str,
+    worker: &WorkerCaller,
+    b: &BuildRecord,
+    result: AuditOutcome,
+) -> Draft {
+    let mut draft = crate::engine::audit::system_draft(action, Some(b.deployment.clone()), result);
+    draft.actor = Some(worker.actor());
+    draft.build = Some(format_build_id(b.id));
+    draft
+}
+
+/// The frame of every call after the claim: the attempt, whose it is,
+/// the replay, the authority; then `run`, whose answer is kept for
+/// replays. `run` checks before it writes: its refusal changes nothing.
+fn authorized(
+    tx: &Tx,
+    hub: &Arc<Hub>,
+    worker: &WorkerCaller,
+    (build, fence): (BuildId, u64),
+    route: &'static str,
+    call: &AuthorityCall,
+    run: impl FnOnce(&Tx, &mut AttemptRecord, Millis) -> StoreResult<Result<String, Refusal>>,
+) -> StoreResult<Result<Answered, Refusal>> {
+    let Some(mut a) = tx
+        .attempt(build, fence)?
+        .filter(|a| a.worker == worker.name)
+    else {
+        return Ok(Err(Refusal::NotFound(Missing::Attempt)));
+    };
+    match authority::replay(&a, route, &call.operation_id, &call.digest) {
+        Replay::Same(answer) => {
+            return Ok(Ok(Answered {
+                body: answer.to_string(),
+                replayed: true,
+            }))
+        }
+        Replay::Conflict => return Ok(Err(Refusal::IdempotencyConflict)),
+        Replay::New => {}
+    }
+    let now = now_millis();
+    if let Err(stale) = authority::judge(&a, &call.call(), now) {
+        refuse(tx, hub, &mut a, worker, stale, now)?;
+        return Ok(Err(Refusal::Stale(stale)));
+    }
+    let answer = match run(tx, &mut a, now)? {
+        Ok(answer) => answer,
+        Err(refusal) => return Ok(Err(refusal)),
+    };
+    authority::keep_reply(
+        &mut a,
+        route,
+        &call.operation_id,
+        &call.digest,
+        answer.clone(),
+    );
+    tx.put_attempt(&a)?;
+    Ok(Ok(Answered::new(answer)))
+}
+
+/// A refused call: an active attempt whose lease passed is lost now (the
+/// sweep would have); the attempt's first refusal is audited. Nothing
+/// else is written.
+fn refuse(
+    tx: &Tx,
+    hub: &Arc<Hub>,
+    a: &mut AttemptRecord,
+    worker: &WorkerCaller,
+    stale: Stale,
+    now: Millis,
+) -> StoreResult<()> {
+    if stale == Stale::LeaseExpired && a.state == AttemptState::Active {
+        lose_tx(tx, hub, a, LossCause::LeaseExpired, now)?;
+    }
+    if a.refusal_audited {
+        return Ok(());
+    }
+    a.refusal_audited = true;
+    tx.put_attempt(a)?;
+    let Some(b) = tx.build(a.build)? else {
+        return Ok(());
+    };
+    let mut draft = worker_draft("attempt_refused", worker, &b, AuditOutcome::Refused);
+    draft.reason = Some(stale.reason().into());
+    Change::new(tx, hub).audit(&draft)
+}
+
+/// What goes into a build's log amid its lines.
+enum Amid {
+    Line(String),
+    Event(BuildEvent, String),
+}
+
+/// Appends a progress batch's items to a running build's log.
+fn append<'i>(
+    tx: &Tx,
+    hub: &Arc<Hub>,
+    b: &mut BuildRecord,
+    a: &mut AttemptRecord,
+    max_log: u64,
+    items: impl Iterator<Item = &'i ProgressItem>,
+    now: Millis,
+) -> StoreResult<()> {
+    let mut amid = Vec::new();
+    for item in items {
+        match item {
+            ProgressItem::Log(line) => amid.push(Amid::Line(line.clone())),
+            ProgressItem::Health {
+                node,
+                healthy,
+                reason,
+                attempt,
+            } => {
+                let data =
+                    json!({"node": node, "healthy": healthy, "reason": reason, "attempt": attempt});
+                amid.push(Amid::Event(BuildEvent::Health, data.to_string()));
+                amid.push(Amid::Line(match reason {
+                    None => format!("[berth] health check {attempt}: node {node} is healthy"),
+                    Some(r) => {
+                        format!("[berth] health check {attempt}: node {node} is not healthy: {r}")
+                    }
+                }));
+            }
+        }
+    }
+    append_amid(tx, hub, b, a, max_log, &amid, now)
+}
+
+/// Stores lines and events amid them, each with the next id of the build
+/// channel, and publishes them together after the commit. Lines past
+/// `--max-log-bytes` are counted in the attempt, not stored; an event
+/// past `MAX_LOG_GAPS` is kept only as its line.
+fn append_amid(
+    tx: &Tx,
+    hub: &Arc<Hub>,
+    b: &mut BuildRecord,
+    a: &mut AttemptRecord,
+    max_log: u64,
+    items: &[Amid],
+    now: Millis,
+) -> StoreResult<()> {
+    let mut log = LogBuffer::resume(b, max_log, a.dropped_lines);
+    let mut frames = Vec::with_capacity(items.len());
+    for item in items {
+        match item {
+            Amid::Line(line) => match log.push(line) {
+                Some(seq) => frames.push(Frame::new(seq, "log", line.clone(), false)),
+                None => {
+                    a.dropped_lines += 1;
+                    a.dropped_bytes += line.len() as u64 + 1;
+                }
+            },
+            Amid::Event(kind, data) => {
+                if log.gaps.len() >= MAX_LOG_GAPS {
+                    continue;
+                }
+                store_chunk(tx, b, &mut log)?;
+                let (seq, _) = log.take_gap();
+                tx.put_build_event(
+                    b.id,
+                    seq,
+                    &crate::store::StoredEvent {
+                        event: kind.name().into(),
+                        data: data.clone(),
+                        at: now,
+                    },
+                )?;
+                frames.push(Frame::new(seq, kind.name(), data.clone(), false));
+            }
+        }
+    }
+    store_chunk(tx, b, &mut log)?;
+    let last = log.next_seq - 1;
+    b.event_seq = b.event_seq.max(last);
+    b.seq_reserved = b.seq_reserved.max(last);
+    b.log_gaps = log.gaps.clone();
+    let (hub, build) = (hub.clone(), b.id);
+    tx.after_commit(move || {
+        hub.publish_all(&Channel::Build(build), frames);
+        hub.committed(build, last);
+    });
+    Ok(())
+}
+
+fn store_chunk(tx: &Tx, b: &mut BuildRecord, log: &mut LogBuffer) -> StoreResult<()> {
+    if let Some(chunk) = log.take_chunk() {
+        let chunk: Chunk = chunk.compress()?;
+        chunk.store(tx, b)?;
+    }
+    Ok(())
+}
+
+/// The loss of an attempt (workers.md "Loss"), in one transaction: the
+/// attempt lost, its line and `attempt` event, the build failed
+/// `lost_attempt` (or `cancelled`, when a cancel was asked), the webhooks
+/// and the audit event. Never followed by a rollback.
+fn lose_tx(
+    tx: &Tx,
+    hub: &Arc<Hub>,
+    a: &mut AttemptRecord,
+    cause: LossCause,
+    now: Millis,
+) -> StoreResult<()> {
+    authority::lose(a, cause);
+    let Some(mut b) = tx.build(a.build)? else {
+        return tx.put_attempt(a);
+    };
+    let why = match cause {
+        LossCause::LeaseExpired => "its lease passed",
+        LossCause::TokenRevoked => "its token was revoked",
+    };
+    let detail = format!(
+        "worker {} lost attempt {} ({why}; last renewed {})",
+        a.worker,
+        authority::attempt_id(a.build, a.fence),
+        format_time(a.last_renewed_at)
+    );
+    let items = [
+        Amid::Line(format!("[berth] lost: {detail}")),
+        Amid::Event(BuildEvent::Attempt, attempt_event("lost", a)),
+    ];
+    append_amid(tx, hub, &mut b, a, u64::MAX, &items, now)?;
+    tx.put_build(&b)?;
+    tx.put_attempt(a)?;
+    let cancelled = a.cancel_requested_at.is_some();
+    let end = if cancelled {
+        End::cancelled("cancelled; the worker stopped answering")
+    } else {
+        End::failed(FailureReason::LostAttempt, &detail)
+    };
+    let finished = Arc::new(Finished {
+        end,
+        nodes: vec![],
+        last_chunk: None,
+        late_frames: vec![],
+        last_seq_used: b.event_seq,
+        log_gaps: b.log_gaps.clone(),
+    });
+    finish_tx(tx, hub, b.id, &finished)?;
+    if !cancelled {
+        let summary = tx.build(b.id)?.map(|b| b.summary());
+        super::outbox::outbox(
+            tx,
+            hub,
+            "build.lost",
+            Some(&b.deployment),
+            None,
+            || {
+                serde_json::to_value(summary).map_err(|e| {
+                    crate::store::StoreError::other(format!("a build summary as JSON: {e}"))
+                })
+            },
+            now,
+        )?;
+    }
+    let mut draft = crate::engine::audit::system_draft(
+        "attempt_lost",
+        Some(b.deployment.clone()),
+        AuditOutcome::Ok,
+    );
+    draft.build = Some(format_build_id(b.id));
+    draft.reason = Some(why.replace(' ', "_"));
+    draft.count = a.accepted_calls;
+    Change::new(tx, hub).audit(&draft)
+}
+
+/// The accepted outcome: the verdict as a local build's, stored with the
+/// build's final status in this transaction; returns the final summary.
+fn settle(
+    tx: &Tx,
+    hub: &Arc<Hub>,
+    settings: &Settings,
+    a: &mut AttemptRecord,
+    worker: &WorkerCaller,
+    outcome: &RemoteOutcome,
+    now: Millis,
+) -> StoreResult<String> {
+    let Some(mut b) = tx.build(a.build)? else {
+        return Err(crate::store::StoreError::corrupt(
+            "an attempt without its build",
+        ));
+    };
+    let (ended, halted) = match &outcome.ended {
+        RemoteEnd::Exit(code) => (Ok(Ended::Exit(*code)), Halt::No),
+        RemoteEnd::Signal(sig) => (Ok(Ended::Signal(*sig)), Halt::No),
+        RemoteEnd::StatusUnknown => (Ok(Ended::StatusUnknown), Halt::No),
+        RemoteEnd::Timeout => (Ok(Ended::Timeout), Halt::No),
+        RemoteEnd::Cancelled => (Ok(Ended::Cancelled), Halt::Cancel),
+        RemoteEnd::Shutdown => (Ok(Ended::Cancelled), Halt::Shutdown),
+        RemoteEnd::NotRun { reason, detail } => {
+            (Err(Failure::new(*reason, detail.clone())), Halt::No)
+        }
+    };
+    // No SBOM files travel yet: a node that names one has it missing.
+    let result = match (&ended, &outcome.result) {
+        (Ok(Ended::Exit(0)), Ok(text)) => Some(parse_result(text.as_bytes(), b.kind, |_| {
+            Err("the SBOM file was not uploaded by the worker".to_string())
+        })),
+        (Ok(Ended::Exit(0)), Err(problem)) => Some(Err(format!("the result file: {problem}"))),
+        _ => None,
+    };
+    let mut closing = Vec::new();
+    if let Some(Ok(nodes)) = &result {
+        for node in nodes {
+            if let super::outcome::SbomOutcome::Unavailable(reason) = &node.sbom {
+                closing.push(Amid::Line(format!(
+                    "[berth] node {}: SBOM unavailable: {reason}",
+                    node.name
+                )));
+            }
+        }
+    }
+    if a.dropped_lines > 0 {
+        closing.push(Amid::Line(format!(
+            "[berth] {} line(s), {} byte(s) not stored: the log reached --max-log-bytes",
+            a.dropped_lines, a.dropped_bytes
+        )));
+    }
+    append_amid(tx, hub, &mut b, a, u64::MAX, &closing, now)?;
+    tx.put_build(&b)?;
+    let judged = Outcome {
+        root: std::path::PathBuf::new(),
+        ended,
+        result,
+        health: outcome.health.clone(),
+        log: LogBuffer::new(0, 0, 0),
+        disk_failure: None,
+        halted,
+    };
+    let end = judged.verdict(settings.build_timeout);
+    let nodes = match judged.result {
+        Some(Ok(nodes)) => nodes,
+        Some(Err(_)) | None => vec![],
+    };
+    a.state = AttemptState::Ended;
+    let finished = Arc::new(Finished {
+        end,
+        nodes,
+        last_chunk: None,
+        late_frames: vec![],
+        last_seq_used: b.event_seq,
+        log_gaps: b.log_gaps.clone(),
+    });
+    finish_tx(tx, hub, b.id, &finished)?;
+    let Some(done) = tx.build(b.id)? else {
+        return Err(crate::store::StoreError::corrupt(
+            "a finished build without its record",
+        ));
+    };
+    let mut draft = worker_draft("attempt_outcome", worker, &done, AuditOutcome::Ok);
+    draft.count = a.accepted_calls;
+    Change::new(tx, hub).audit(&draft)?;
+    serde_json::to_string(&done.summary())
+        .map_err(|e| crate::store::StoreError::other(format!("a build summary as JSON: {e}")))
+}
