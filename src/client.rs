@@ -163,7 +163,10 @@ async fn dispatch(command: Command) -> Outcome {
                 .await?;
             c.queued(answer, wait).await
         }
+        Command::Tokens { tokens } => tokens_command(tokens).await,
+        Command::Workers { conn } => workers(&conn).await,
         Command::Serve(_)
+        | Command::Worker(_)
         | Command::Completions { .. }
         | Command::Man
         | Command::Audit { .. }
@@ -299,6 +302,85 @@ async fn status(ids: &[String], conn: &ClientArgs) -> Outcome {
         .collect();
     c.table(&["ID", "STATE", "DOMAIN", "LAST BUILD", "UPDATED"], &rows);
     Ok(EXIT_OK)
+}
+
+/// `berth tokens create|list|revoke` (api.md "Tokens").
+async fn tokens_command(command: crate::settings::TokensCommand) -> Outcome {
+    use crate::settings::TokensCommand;
+    match command {
+        TokensCommand::Create {
+            name,
+            kind,
+            labels,
+            conn,
+        } => {
+            let c = Client::new(&conn)?;
+            let labels = crate::authority::parse_labels(&labels).map_err(Stop::usage)?;
+            let body = json!({"name": name, "kind": kind, "labels": labels});
+            let made = c.mutate("POST", "/v1/tokens", Some(body)).await?;
+            // Only the token, so `berth tokens create w1 > w1.token` works.
+            println!("{}", text(&made["token"]));
+            Ok(EXIT_OK)
+        }
+        TokensCommand::List { conn } => {
+            let c = Client::new(&conn)?;
+            let page = c.call("GET", "/v1/tokens", None, None).await?;
+            if c.json {
+                c.print_json(&page);
+                return Ok(EXIT_OK);
+            }
+            let rows: Vec<Vec<String>> = items(&page)
+                .map(|t| vec![text(&t["name"]), text(&t["kind"]), list(&t["labels"]), text(&t["created_at"])])
+                .collect();
+            c.table(&["NAME", "KIND", "LABELS", "CREATED"], &rows);
+            Ok(EXIT_OK)
+        }
+        TokensCommand::Revoke { name, conn } => {
+            let c = Client::new(&conn)?;
+            c.mutate("DELETE", &format!("/v1/tokens/{}", path(&name)), None)
+                .await?;
+            eprintln!("revoked {}", shown(&name));
+            Ok(EXIT_OK)
+        }
+    }
+}
+
+/// `berth workers`: the embedded worker and every worker token.
+async fn workers(conn: &ClientArgs) -> Outcome {
+    let c = Client::new(conn)?;
+    let page = c.call("GET", "/v1/workers", None, None).await?;
+    if c.json {
+        c.print_json(&page);
+        return Ok(EXIT_OK);
+    }
+    let rows: Vec<Vec<String>> = items(&page)
+        .map(|w| {
+            vec![
+                text(&w["name"]),
+                text(&w["kind"]),
+                list(&w["labels"]),
+                text(&w["incarnation"]),
+                w["attempts"].as_array().map_or(0, Vec::len).to_string(),
+                text(&w["last_seen_at"]),
+            ]
+        })
+        .collect();
+    c.table(&["NAME", "KIND", "LABELS", "INCARNATION", "ATTEMPTS", "LAST SEEN"], &rows);
+    Ok(EXIT_OK)
+}
+
+fn items(page: &Value) -> impl Iterator<Item = &Value> {
+    page["items"].as_array().into_iter().flatten()
+}
+
+/// A list of strings as `a,b` (`-` when empty).
+fn list(v: &Value) -> String {
+    let parts: Vec<String> = v.as_array().into_iter().flatten().map(text).collect();
+    if parts.is_empty() {
+        "-".into()
+    } else {
+        parts.join(",")
+    }
 }
 
 /// `berth suspend` and `berth resume`: the actions without a body.

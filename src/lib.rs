@@ -25,3 +25,4 @@ pub mod settings;
 pub mod store;
 pub mod window;
 pub mod wire;
+pub mod worker;

@@ -37,6 +37,7 @@ fn main() {
             from,
             replace,
         } => berth::export::run_import(&data_dir, &from, replace),
+        Command::Worker(args) => berth::worker::run(*args),
         Command::Deployer {
             deployer: DeployerCommand::Local { verb },
         } => berth::local_deployer::run(&verb),
@@ -69,7 +70,9 @@ fn main() {
         | Command::Rollback { .. }
         | Command::Suspend { .. }
         | Command::Resume { .. }
-        | Command::Delete { .. }) => berth::client::run(client),
+        | Command::Delete { .. }
+        | Command::Tokens { .. }
+        | Command::Workers { .. }) => berth::client::run(client),
     };
     std::process::exit(code);
 }

@@ -18,7 +18,7 @@ const SECRET_BYTES: usize = 32;
 /// is `text` (the default; colours only when stderr is a terminal, so
 /// journald and files get plain text) or `json` (one object per line, for
 /// log shippers).
-fn init_tracing() -> Result<(), String> {
+pub fn init_tracing() -> Result<(), String> {
     use std::io::IsTerminal;
     let filter = tracing_subscriber::EnvFilter::try_from_env("BERTH_LOG").unwrap_or_else(|_| {
         tracing_subscriber::EnvFilter::new("info,warp=warn,hyper=warn,hyper_util=warn")

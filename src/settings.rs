@@ -57,6 +57,19 @@ pub enum Command {
         #[arg(long)]
         replace: bool,
     },
+    /// Run builds for a berth on this machine (workers.md): poll its queue,
+    /// claim builds, run the deployer here, report back.
+    Worker(Box<WorkerArgs>),
+    /// Worker tokens: create (prints only the token), list, revoke.
+    Tokens {
+        #[command(subcommand)]
+        tokens: TokensCommand,
+    },
+    /// The workers: name, kind, labels, incarnation, running attempts, last seen.
+    Workers {
+        #[command(flatten)]
+        conn: ClientArgs,
+    },
     /// Run a built-in deployer (berth calls this itself; see spec deployer.md).
     Deployer {
         #[command(subcommand)]
@@ -195,6 +208,9 @@ impl Command {
             | Command::Export { .. }
             | Command::Import { .. } => true,
             Command::Deployer { .. }
+            | Command::Worker(_)
+            | Command::Tokens { .. }
+            | Command::Workers { .. }
             | Command::Deploy { .. }
             | Command::Preview { .. }
             | Command::Status { .. }
@@ -209,6 +225,66 @@ impl Command {
             | Command::Delete { .. } => false,
         }
     }
+}
+
+#[derive(Debug, Subcommand)]
+pub enum TokensCommand {
+    /// Make a token; only the token (`brt_...`) is printed, on stdout.
+    Create {
+        name: String,
+        /// worker (agent tokens come with agents).
+        #[arg(long, default_value = "worker")]
+        kind: String,
+        /// Labels a worker holding it may offer (comma-separated; none: any).
+        #[arg(long, default_value = "")]
+        labels: String,
+        #[command(flatten)]
+        conn: ClientArgs,
+    },
+    /// The tokens (never their secrets).
+    List {
+        #[command(flatten)]
+        conn: ClientArgs,
+    },
+    /// Revoke a token at once: its worker's attempts are lost.
+    Revoke {
+        name: String,
+        #[command(flatten)]
+        conn: ClientArgs,
+    },
+}
+
+/// Flags of `berth worker` (workers.md "`berth worker`").
+#[derive(Debug, Clone, Args)]
+pub struct WorkerArgs {
+    /// berth's address (https unless on loopback or --allow-http).
+    #[arg(long, env = "BERTH_URL", default_value = "http://127.0.0.1:8080")]
+    pub url: String,
+    /// A file holding the worker token (never on a command line).
+    #[arg(long, env = "BERTH_TOKEN_FILE")]
+    pub token_file: PathBuf,
+    /// Labels this worker offers (comma-separated).
+    #[arg(long, env = "BERTH_WORKER_LABELS", default_value = "", value_parser = parse_label_set)]
+    pub labels: LabelSet,
+    /// Attempts at once.
+    #[arg(long, env = "BERTH_WORKER_SLOTS", default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=64))]
+    pub slots: u8,
+    /// Its directory (0700, locked): work/, scratch/, jobs/, lost/.
+    #[arg(long, env = "BERTH_WORKER_DIR", default_value = "./berth-worker")]
+    pub work_dir: PathBuf,
+    /// The deployer it runs (as `berth serve --deployer`).
+    #[arg(long, env = "BERTH_DEPLOYER")]
+    pub deployer: Option<PathBuf>,
+    /// Run deployers as this user (the worker must run as root).
+    #[arg(long, env = "BERTH_DEPLOYER_USER")]
+    pub deployer_user: Option<String>,
+    /// On SIGTERM/SIGINT, how long running builds may go on before they
+    /// are stopped.
+    #[arg(long, env = "BERTH_SHUTDOWN_GRACE", default_value = "30s", value_parser = parse_duration)]
+    pub shutdown_grace: Duration,
+    /// Allow http:// to a berth that is not on loopback.
+    #[arg(long)]
+    pub allow_http: bool,
 }
 
 #[derive(Debug, Subcommand)]
@@ -417,7 +493,7 @@ pub struct Settings {
 
     /// Whether the embedded worker runs builds (workers.md "Which builds
     /// go where"); `off`: only `berth worker` processes run them.
-    #[arg(long, env = "BERTH_LOCAL_WORKER", default_value = "on", value_parser = parse_on_off)]
+    #[arg(long, env = "BERTH_LOCAL_WORKER", default_value = "on", value_parser = parse_on_off, action = clap::ArgAction::Set)]
     pub local_worker: bool,
 
     /// Labels the embedded worker offers (comma-separated).

@@ -60,7 +60,28 @@ pub fn read(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
         ApiError::internal()
     })?;
     let view = b.view(&snaps).map_err(StoreError::damaged_snapshot)?;
-    Ok(Reply::json(200, &view))
+    let mut shown = serde_json::to_value(&view).map_err(|_| ApiError::internal())?;
+    let attempt = rx.last_attempt(id)?;
+    // workers.md "What berth shows": the labels it needs, its worker, its attempt.
+    shown["labels"] = serde_json::json!(ctx.engine.settings.build_labels.0);
+    shown["worker"] = serde_json::json!(attempt.as_ref().map(|a| a.worker.clone()));
+    if let Some(a) = &attempt {
+        shown["job_id"] = serde_json::json!(format!(
+            "attempt:{}",
+            crate::authority::attempt_id(a.build, a.fence)
+        ));
+    }
+    shown["attempt"] = serde_json::json!(attempt.as_ref().map(|a| serde_json::json!({
+        "attempt_id": crate::authority::attempt_id(a.build, a.fence),
+        "worker": a.worker,
+        "worker_incarnation": a.incarnation,
+        "fence": a.fence,
+        "claimed_at": format_time(a.claimed_at),
+        "lease_expires_at": a.lease_expires_at.map(format_time),
+        "state": a.state.as_str(),
+        "cancel_requested_at": a.cancel_requested_at.map(format_time),
+    })));
+    Ok(Reply::json(200, &shown))
 }
 
 /// A parsed `Range: bytes=` header: one range only.

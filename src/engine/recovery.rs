@@ -115,7 +115,7 @@ pub fn recover_tx(tx: &Tx, hub: &Arc<Hub>, build_id: BuildId) -> StoreResult<Opt
 
 /// SIGTERM to the orphan's group, SIGKILL after `grace`, and wait until the
 /// group is gone.
-async fn stop_orphan(job: Job, grace: Duration) {
+pub async fn stop_orphan(job: Job, grace: Duration) {
     runner::signal_group(job.pid, Signal::SIGTERM);
     let deadline = tokio::time::Instant::now() + grace;
     while runner::group_alive(job.pid) && tokio::time::Instant::now() < deadline {

@@ -222,10 +222,13 @@ impl Server {
             .open(self.dir.join("server.log"))
             .unwrap();
         let mut command = Command::new(env!("CARGO_BIN_EXE_berth"));
+        command.arg("serve");
+        // A test that restarts berth on the port it had (a worker's --url)
+        // gives its own --listen.
+        if !self.args.iter().any(|a| a == "--listen") {
+            command.arg("--listen").arg("127.0.0.1:0");
+        }
         command
-            .arg("serve")
-            .arg("--listen")
-            .arg("127.0.0.1:0")
             .arg("--address-file")
             .arg(&address_file)
             .arg("--data-dir")

@@ -32,3 +32,4 @@ mod sboms;
 mod tenants;
 mod torture;
 mod webhooks;
+mod workers;

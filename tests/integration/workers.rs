@@ -1,0 +1,472 @@
+//! Builds on remote workers (workers.md): the real `berth serve` with its
+//! embedded worker off, real `berth worker` processes on loopback with
+//! their own work dirs, and scripted deployers; and the internal routes
+//! called by hand where a test must hold an attempt's authority itself.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use crate::harness::*;
+
+/// A deployer whose deploy writes its pid, says `start`, prints `tick N`
+/// every 50 ms until `<gates>/<deployment>` exists, then says `end`.
+fn ticking_deployer(dir: &Path) -> (PathBuf, PathBuf) {
+    let gates = dir.join("gates");
+    std::fs::create_dir_all(&gates).unwrap();
+    let body = format!(
+        "{SCRIPT_PRELUDE}\necho $$ > {g}/$dep.pid\necho \"start $verb $dep\"\nn=0\nwhile [ ! -e {g}/$dep ]; do n=$((n+1)); echo \"tick $n\"; sleep 0.05; done\nrm -f {g}/$dep\necho \"end $verb $dep\"\nprintf '%s' '{{\"nodes\":[]}}' > \"$BERTH_RESULT\"\n",
+        g = gates.display()
+    );
+    (script(dir, "ticking.sh", &body), gates)
+}
+
+/// berth with its embedded worker off, on `deployer`, leases of 5 s.
+async fn server(dir: &Path, deployer: &Path) -> Server {
+    server_with_lease(dir, deployer, "5s").await
+}
+
+async fn server_with_lease(dir: &Path, deployer: &Path, lease: &str) -> Server {
+    let opts = Options::default()
+        .deployer(deployer)
+        .arg("--local-worker")
+        .arg("off")
+        .arg("--lease-ttl")
+        .arg(lease)
+        .arg("--cancel-grace")
+        .arg("1s");
+    Server::start_in(dir.join("berth"), opts).await
+}
+
+/// A worker token made through the API; its secret in a file.
+async fn worker_token(s: &Server, name: &str) -> (String, PathBuf) {
+    let (status, made) = read(
+        s.post("/v1/tokens", &json!({"name": name, "kind": "worker"}))
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(status, 201, "{made}");
+    let token = made["token"].as_str().unwrap().to_string();
+    assert!(token.starts_with("brt_"));
+    let file = s.dir.join(format!("{name}.token"));
+    std::fs::write(&file, &token).unwrap();
+    (token, file)
+}
+
+/// A `berth worker` process.
+struct Worker {
+    child: Child,
+    dir: PathBuf,
+}
+
+impl Worker {
+    fn start(s: &Server, token_file: &Path, dir: &Path, deployer: &Path) -> Worker {
+        std::fs::create_dir_all(dir).unwrap();
+        let log = std::fs::File::create(dir.join("worker.log")).unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_berth"))
+            .arg("worker")
+            .arg("--url")
+            .arg(&s.base)
+            .arg("--token-file")
+            .arg(token_file)
+            .arg("--work-dir")
+            .arg(dir.join("w"))
+            .arg("--deployer")
+            .arg(deployer)
+            .arg("--shutdown-grace")
+            .arg("1s")
+            .env("BERTH_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .expect("start berth worker");
+        Worker {
+            child,
+            dir: dir.to_path_buf(),
+        }
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("worker.log")).unwrap_or_default()
+    }
+
+    fn signal(&self, sig: &str) {
+        let status = Command::new("kill")
+            .args([sig, &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+    }
+
+    async fn exit_code(&mut self) -> Option<i32> {
+        for _ in 0..400 {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status.code();
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        None
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        kill_groups_working_in(&self.dir);
+    }
+}
+
+fn pid_alive(pid: i32) -> bool {
+    Path::new(&format!("/proc/{pid}")).exists()
+        && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .unwrap_or_default()
+            .contains(") Z ")
+}
+
+async fn events_of(s: &Server, build: &str) -> Vec<SseEvent> {
+    let mut sse = Sse::open(s.get(&format!("/v1/builds/{build}/events"))).await;
+    sse.until_end().await
+}
+
+#[tokio::test]
+async fn a_build_on_a_remote_worker_reads_and_streams_as_a_local_one() {
+    let dir = temp_dir("worker-basic");
+    let (deployer, gates) = ticking_deployer(&dir);
+    let s = server(&dir, &deployer).await;
+    let (_, token_file) = worker_token(&s, "w1").await;
+    let _worker = Worker::start(&s, &token_file, &dir.join("w1"), &deployer);
+    let build = s.submit_ok("alice", json!({"n": 1})).await;
+    let running = s.wait_build(&build, "running").await;
+    assert_eq!(running["worker"], "w1", "{running}");
+    assert_eq!(running["attempt"]["state"], "active");
+    assert_eq!(running["attempt"]["fence"], 1);
+    let attempt = running["attempt"]["attempt_id"].as_str().unwrap().to_string();
+    assert_eq!(running["job_id"], format!("attempt:{attempt}"));
+    let (_, workers) = s.json("/v1/workers").await;
+    let w1 = workers["items"].as_array().unwrap().iter().find(|w| w["name"] == "w1").unwrap().clone();
+    assert_eq!(w1["attempts"][0]["attempt_id"], attempt.as_str(), "{workers}");
+    assert_eq!(w1["connected"], true);
+    eventually("ticks in the stored log", || async {
+        s.log_text(&build).await.contains("tick 3")
+    })
+    .await;
+    open_gate(&gates, "alice");
+    let done = s.wait_build(&build, "final").await;
+    assert_eq!(done["status"], "succeeded", "{done}");
+    let log = s.log_text(&build).await;
+    let lines: Vec<&str> = log.lines().collect();
+    assert_eq!(lines[0], format!("[berth] running on worker w1 (attempt {attempt})"));
+    assert_eq!(lines[1], "start deploy alice");
+    assert_eq!(*lines.last().unwrap(), "end deploy alice");
+    let ticks: Vec<u64> = lines.iter().filter_map(|l| l.strip_prefix("tick ")?.parse().ok()).collect();
+    assert_eq!(ticks, (1..=ticks.len() as u64).collect::<Vec<_>>(), "every line once, in order");
+    // The stream replays the claim before the first line, ids rising.
+    let events = events_of(&s, &build).await;
+    let ids: Vec<u64> = events.iter().filter_map(|e| e.id).collect();
+    assert!(ids.windows(2).all(|w| w[1] > w[0]), "{ids:?}");
+    let claimed = events.iter().position(|e| e.event == "attempt").unwrap();
+    let first_line = events.iter().position(|e| e.event == "log").unwrap();
+    assert!(claimed < first_line);
+    let claim: Value = serde_json::from_str(&events[claimed].data).unwrap();
+    assert_eq!(claim["change"], "claimed");
+    assert_eq!(claim["worker"], "w1");
+    let streamed: Vec<&str> = events.iter().filter(|e| e.event == "log").map(|e| e.data.as_str()).collect();
+    assert_eq!(streamed, lines, "the stream and the stored log agree");
+    let after = s.build(&build).await;
+    assert_eq!(after["attempt"]["state"], "ended");
+}
+
+#[tokio::test]
+async fn a_worker_paused_past_its_lease_loses_the_build_and_nothing_it_sends_after_lands() {
+    let dir = temp_dir("worker-paused");
+    let (deployer, gates) = ticking_deployer(&dir);
+    let s = server(&dir, &deployer).await;
+    let (_, token_file) = worker_token(&s, "w1").await;
+    let worker = Worker::start(&s, &token_file, &dir.join("w1"), &deployer);
+    let build = s.submit_ok("alice", json!({"n": 1})).await;
+    s.wait_build(&build, "running").await;
+    eventually("ticks in the stored log", || async {
+        s.log_text(&build).await.contains("tick 2")
+    })
+    .await;
+    worker.signal("-STOP");
+    let lost = s.wait_build(&build, "final").await;
+    assert_eq!(lost["status"], "failed", "{lost}");
+    assert_eq!(lost["failure"]["reason"], "lost_attempt", "{lost}");
+    assert_eq!(lost["attempt"]["state"], "lost");
+    let log_at_loss = s.log_text(&build).await;
+    assert!(log_at_loss.contains("[berth] lost: worker w1"), "{log_at_loss}");
+    let events_at_loss = events_of(&s, &build).await;
+    let losses = events_at_loss.iter().filter(|e| e.event == "attempt" && e.data.contains("\"lost\"")).count();
+    assert_eq!(losses, 1);
+    let pid: i32 = std::fs::read_to_string(gates.join("alice.pid")).unwrap().trim().parse().unwrap();
+    worker.signal("-CONT");
+    // The worker fences itself: its deployer is stopped (cancel grace 1 s
+    // comes with the claim), and what it sent after the loss was refused.
+    eventually("the deployer stopped after the resume", || async { !pid_alive(pid) }).await;
+    eventually("the worker saw its authority end", || async {
+        let log = worker.log();
+        log.contains("self-fence") || log.contains("the attempt is over") || log.contains("outcome refused")
+    })
+    .await;
+    assert_eq!(s.log_text(&build).await, log_at_loss, "no line of the old attempt after the loss");
+    assert_eq!(events_of(&s, &build).await, events_at_loss);
+    let (_, d) = s.json("/v1/deployments/alice").await;
+    assert_eq!(d["state"], "failed", "no rollback follows a lost attempt: {d}");
+}
+
+/// Holds an attempt's authority by hand: the protocol's refusals.
+struct ByHand<'a> {
+    s: &'a Server,
+    token: String,
+}
+
+impl ByHand<'_> {
+    async fn call(&self, path: &str, body: &Value) -> (u16, Value, bool) {
+        let r = self
+            .s
+            .http
+            .post(self.s.url(path))
+            .bearer_auth(&self.token)
+            .json(body)
+            .send()
+            .await
+            .unwrap();
+        let replayed = r.headers().get("idempotent-replayed").is_some();
+        let (status, body) = read(r).await;
+        (status, body, replayed)
+    }
+
+    async fn claim(&self, build: &str, op: &str) -> (u16, Value, bool) {
+        self.call(
+            &format!("/internal/v1/builds/{build}/claim"),
+            &json!({"operation_id": op, "worker_incarnation": "incarnation-by-hand", "labels": []}),
+        )
+        .await
+    }
+}
+
+fn op(n: u32) -> String {
+    format!("op-by-hand-{n:08}")
+}
+
+#[tokio::test]
+async fn stale_authority_resends_gaps_and_replays_follow_the_protocol() {
+    let dir = temp_dir("worker-protocol");
+    let (deployer, _gates) = ticking_deployer(&dir);
+    let s = server(&dir, &deployer).await;
+    let (token, _) = worker_token(&s, "hand").await;
+    let w = ByHand { s: &s, token };
+    let build = s.submit_ok("alice", json!({"n": 1})).await;
+    let (status, claim, _) = w.claim(&build, &op(1)).await;
+    assert_eq!(status, 200, "{claim}");
+    assert_eq!(claim["verb"], "deploy");
+    assert_eq!(claim["request"]["deployment"], "alice");
+    assert_eq!(claim["request"]["configuration"], json!({"n": 1}));
+    let attempt = claim["authority"]["attempt_id"].as_str().unwrap().to_string();
+    // The claim resent: the same answer, replayed, no second attempt.
+    let (status, again, replayed) = w.claim(&build, &op(1)).await;
+    assert_eq!((status, replayed), (200, true));
+    assert_eq!(again, claim);
+    let base = |op: &str, fence: u64| json!({"operation_id": op, "fence": fence, "worker_incarnation": "incarnation-by-hand"});
+    let progress = |op: &str, items: Value| {
+        let mut b = base(op, 1);
+        b["items"] = items;
+        b
+    };
+    let lines = |from: u64, to: u64| json!((from..=to).map(|n| json!({"seq": n, "log": format!("line {n}")})).collect::<Vec<_>>());
+    let p = format!("/internal/v1/attempts/{attempt}/progress");
+    let log_before = s.log_text(&build).await;
+    // Stale fence and incarnation: refused, no effect.
+    let (status, e, _) = w.call(&p, &{ let mut b = progress(&op(2), lines(1, 3)); b["fence"] = json!(2); b }).await;
+    assert_eq!((status, e["code"].as_str(), e["reason"].as_str()), (409, Some("precondition_failed"), Some("stale_authority")));
+    let (status, _, _) = w.call(&p, &{ let mut b = progress(&op(2), lines(1, 3)); b["worker_incarnation"] = json!("someone-else-1"); b }).await;
+    assert_eq!(status, 409);
+    assert_eq!(s.log_text(&build).await, log_before);
+    // Lines 1-3, resent: applied once.
+    let (status, a, _) = w.call(&p, &progress(&op(3), lines(1, 3))).await;
+    assert_eq!((status, a["applied_through"].as_u64()), (200, Some(3)));
+    let (status, _, replayed) = w.call(&p, &progress(&op(3), lines(1, 3))).await;
+    assert_eq!((status, replayed), (200, true));
+    let (status, e, _) = w.call(&p, &progress(&op(3), lines(1, 4))).await;
+    assert_eq!((status, e["code"].as_str()), (409, Some("idempotency_conflict")));
+    // An overlapping batch applies its new items only; a gap is refused.
+    let (status, a, _) = w.call(&p, &progress(&op(4), lines(2, 5))).await;
+    assert_eq!((status, a["applied_through"].as_u64()), (200, Some(5)));
+    let (status, e, _) = w.call(&p, &progress(&op(5), lines(7, 8))).await;
+    assert_eq!((status, e["reason"].as_str(), e["applied_through"].as_u64()), (409, Some("progress_gap"), Some(5)));
+    let log = s.log_text(&build).await;
+    let ours: Vec<&str> = log.lines().filter(|l| l.starts_with("line ")).collect();
+    assert_eq!(ours, ["line 1", "line 2", "line 3", "line 4", "line 5"]);
+    // Renew: a fresh lease.
+    let (status, r, _) = w.call(&format!("/internal/v1/attempts/{attempt}/renew"), &base(&op(6), 1)).await;
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(r["cancel"], false);
+    // The outcome must follow what was applied.
+    let o = format!("/internal/v1/attempts/{attempt}/outcome");
+    let outcome = |op: &str, through: u64| {
+        let mut b = base(op, 1);
+        b["progress_through"] = json!(through);
+        b["ended"] = json!({"kind": "exit", "code": 0});
+        b["result"] = json!({"nodes": [{"name": "web", "changed": true, "sbom": {"status": "unavailable", "reason": "none here"}}]});
+        b["health"] = Value::Null;
+        b
+    };
+    let (status, e, _) = w.call(&o, &outcome(&op(7), 4)).await;
+    assert_eq!((status, e["reason"].as_str()), (409, Some("progress_gap")));
+    let (status, done, _) = w.call(&o, &outcome(&op(8), 5)).await;
+    assert_eq!(status, 200, "{done}");
+    assert_eq!(done["status"], "succeeded");
+    // After the end: the outcome replays; anything new is stale.
+    let (status, again, replayed) = w.call(&o, &outcome(&op(8), 5)).await;
+    assert_eq!((status, replayed), (200, true));
+    assert_eq!(again, done);
+    let (status, e, _) = w.call(&p, &progress(&op(9), lines(6, 6))).await;
+    assert_eq!((status, e["reason"].as_str()), (409, Some("stale_authority")));
+    assert_eq!(s.build(&build).await["status"], "succeeded");
+    assert!(!s.log_text(&build).await.contains("line 6"));
+    // Another token's attempt does not exist for it.
+    let (other, _) = worker_token(&s, "other").await;
+    let w2 = ByHand { s: &s, token: other };
+    let (status, _, _) = w2.call(&format!("/internal/v1/attempts/{attempt}/renew"), &base(&op(10), 1)).await;
+    assert_eq!(status, 404);
+}
+
+#[tokio::test]
+async fn two_workers_racing_for_each_build_win_it_exactly_once() {
+    let dir = temp_dir("worker-race");
+    let (deployer, _gates) = ticking_deployer(&dir);
+    let s = server(&dir, &deployer).await;
+    let (a, _) = worker_token(&s, "racer-a").await;
+    let (b, _) = worker_token(&s, "racer-b").await;
+    let (wa, wb) = (ByHand { s: &s, token: a }, ByHand { s: &s, token: b });
+    for round in 0..20u32 {
+        let build = s.submit_ok("alice", json!({"round": round})).await;
+        let (op_a, op_b) = (op(round * 2), op(round * 2 + 1));
+        let (ra, rb) = tokio::join!(wa.claim(&build, &op_a), wb.claim(&build, &op_b));
+        let wins = [&ra, &rb].iter().filter(|r| r.0 == 200).count();
+        assert_eq!(wins, 1, "round {round}: {ra:?} {rb:?}");
+        let (winner, (_, claim, _), loser) = if ra.0 == 200 { (&wa, ra, rb) } else { (&wb, rb, ra) };
+        assert_eq!((loser.0, loser.1["reason"].as_str()), (409, Some("already_claimed")), "round {round}");
+        let attempt = claim["authority"]["attempt_id"].as_str().unwrap();
+        let body = json!({
+            "operation_id": op(1000 + round), "fence": claim["authority"]["fence"], "worker_incarnation": "incarnation-by-hand",
+            "progress_through": 0, "ended": {"kind": "exit", "code": 0}, "result": {"nodes": []}, "health": null,
+        });
+        let (status, done, _) = winner.call(&format!("/internal/v1/attempts/{attempt}/outcome"), &body).await;
+        assert_eq!((status, done["status"].as_str()), (200, Some("succeeded")), "{done}");
+    }
+}
+
+#[tokio::test]
+async fn a_revoked_token_loses_its_build_at_once_and_its_worker_stops_with_3() {
+    let dir = temp_dir("worker-revoked");
+    let (deployer, gates) = ticking_deployer(&dir);
+    let s = server_with_lease(&dir, &deployer, "60s").await;
+    let (token, token_file) = worker_token(&s, "w1").await;
+    let mut worker = Worker::start(&s, &token_file, &dir.join("w1"), &deployer);
+    let build = s.submit_ok("alice", json!({"n": 1})).await;
+    s.wait_build(&build, "running").await;
+    eventually("the deployer started", || async { gates.join("alice.pid").exists() }).await;
+    let (status, _) = read(s.delete("/v1/tokens/w1").send().await.unwrap()).await;
+    assert_eq!(status, 200);
+    // At once, long before its 60 s lease.
+    let lost = s.build(&build).await;
+    assert_eq!(lost["failure"]["reason"], "lost_attempt", "{lost}");
+    assert!(s.log_text(&build).await.contains("its token was revoked"));
+    assert_eq!(worker.exit_code().await, Some(3), "{}", worker.log());
+    let pid: i32 = std::fs::read_to_string(gates.join("alice.pid")).unwrap().trim().parse().unwrap();
+    assert!(!pid_alive(pid), "the deployer is stopped before the worker exits");
+    let r = s.http.get(s.url("/internal/v1/queue?worker_incarnation=incarnation-x")).bearer_auth(&token).send().await.unwrap();
+    assert_eq!(r.status(), 401);
+}
+
+#[tokio::test]
+async fn a_remote_build_goes_on_through_a_restart_of_berth() {
+    let dir = temp_dir("worker-restart");
+    let (deployer, gates) = ticking_deployer(&dir);
+    let mut s = server(&dir, &deployer).await;
+    let (_, token_file) = worker_token(&s, "w1").await;
+    let _worker = Worker::start(&s, &token_file, &dir.join("w1"), &deployer);
+    let build = s.submit_ok("alice", json!({"n": 1})).await;
+    s.wait_build(&build, "running").await;
+    eventually("ticks stored", || async { s.log_text(&build).await.contains("tick 2") }).await;
+    s.kill();
+    // Same port: the worker's --url stays right.
+    let port = s.base.rsplit(':').next().unwrap().to_string();
+    s.args.push("--listen".into());
+    s.args.push(format!("127.0.0.1:{port}"));
+    s.launch().await;
+    let after = s.build(&build).await;
+    assert_eq!(after["status"], "running", "a remote build is not interrupted by a restart: {after}");
+    eventually("ticks after the restart", || async {
+        let log = s.log_text(&build).await;
+        log.lines().filter(|l| l.starts_with("tick ")).count() > 20
+    })
+    .await;
+    open_gate(&gates, "alice");
+    let done = s.wait_build(&build, "final").await;
+    assert_eq!(done["status"], "succeeded", "{done}\n{}", s.log());
+    let log = s.log_text(&build).await;
+    let ticks: Vec<u64> = log.lines().filter_map(|l| l.strip_prefix("tick ")?.parse().ok()).collect();
+    assert_eq!(ticks, (1..=ticks.len() as u64).collect::<Vec<_>>(), "every line once, in order");
+    let events = events_of(&s, &build).await;
+    let ids: Vec<u64> = events.iter().filter_map(|e| e.id).collect();
+    assert!(ids.windows(2).all(|w| w[1] > w[0]), "{ids:?}");
+}
+
+#[tokio::test]
+async fn a_cancelled_remote_build_stops_its_deployer_and_ends_cancelled() {
+    let dir = temp_dir("worker-cancel");
+    let (deployer, gates) = ticking_deployer(&dir);
+    let s = server(&dir, &deployer).await;
+    let (_, token_file) = worker_token(&s, "w1").await;
+    let _worker = Worker::start(&s, &token_file, &dir.join("w1"), &deployer);
+    let build = s.submit_ok("alice", json!({"n": 1})).await;
+    s.wait_build(&build, "running").await;
+    eventually("the deployer started", || async { gates.join("alice.pid").exists() }).await;
+    let r = s.post(&format!("/v1/builds/{build}/cancel"), &json!({})).send().await.unwrap();
+    assert_eq!(r.status(), 202);
+    let done = s.wait_build(&build, "final").await;
+    assert_eq!(done["status"], "cancelled", "{done}");
+    let pid: i32 = std::fs::read_to_string(gates.join("alice.pid")).unwrap().trim().parse().unwrap();
+    assert!(!pid_alive(pid));
+}
+
+#[tokio::test]
+async fn worker_tokens_reach_only_their_routes_and_the_service_token_not_theirs() {
+    let dir = temp_dir("worker-tokens");
+    let (deployer, _gates) = ticking_deployer(&dir);
+    let s = server(&dir, &deployer).await;
+    let (token, _) = worker_token(&s, "w1").await;
+    let r = s.http.get(s.url("/v1/deployments")).bearer_auth(&token).send().await.unwrap();
+    let (status, e) = read(r).await;
+    assert_eq!((status, e["reason"].as_str()), (403, Some("token_kind")));
+    let r = s.http.get(s.url("/internal/v1/queue?worker_incarnation=incarnation-1")).bearer_auth(&s.token).send().await.unwrap();
+    let (status, e) = read(r).await;
+    assert_eq!((status, e["reason"].as_str()), (403, Some("token_kind")));
+    let r = s.http.get(s.url("/internal/v1/queue?worker_incarnation=incarnation-1&wait=0")).bearer_auth("brt_nobody").send().await.unwrap();
+    assert_eq!(r.status(), 401);
+    // The name is taken, `local` is reserved, and no secret is ever listed.
+    let (status, _) = read(s.post("/v1/tokens", &json!({"name": "w1", "kind": "worker"})).send().await.unwrap()).await;
+    assert_eq!(status, 409);
+    let (status, _) = read(s.post("/v1/tokens", &json!({"name": "local", "kind": "worker"})).send().await.unwrap()).await;
+    assert_eq!(status, 400);
+    let (_, list) = s.json("/v1/tokens").await;
+    assert_eq!(list["items"][0]["name"], "w1");
+    assert!(!list.to_string().contains("brt_"));
+    // The CLI prints only the token, and lists the workers.
+    let token_file = s.dir.join("data/service-token");
+    let (code, out) = berth(&["tokens", "create", "w2", "--kind", "worker", "--url", &s.base, "--token-file", token_file.to_str().unwrap()]);
+    assert_eq!(code, 0);
+    assert!(out.trim().starts_with("brt_") && out.trim().lines().count() == 1, "{out}");
+    let (code, out) = berth(&["workers", "--url", &s.base, "--token-file", token_file.to_str().unwrap()]);
+    assert_eq!(code, 0);
+    assert!(out.contains("w1") && out.contains("w2") && out.contains("remote"), "{out}");
+}
