@@ -330,7 +330,14 @@ async fn tokens_command(command: crate::settings::TokensCommand) -> Outcome {
                 return Ok(EXIT_OK);
             }
             let rows: Vec<Vec<String>> = items(&page)
-                .map(|t| vec![text(&t["name"]), text(&t["kind"]), list(&t["labels"]), text(&t["created_at"])])
+                .map(|t| {
+                    vec![
+                        text(&t["name"]),
+                        text(&t["kind"]),
+                        list(&t["labels"]),
+                        text(&t["created_at"]),
+                    ]
+                })
                 .collect();
             c.table(&["NAME", "KIND", "LABELS", "CREATED"], &rows);
             Ok(EXIT_OK)
@@ -365,7 +372,17 @@ async fn workers(conn: &ClientArgs) -> Outcome {
             ]
         })
         .collect();
-    c.table(&["NAME", "KIND", "LABELS", "INCARNATION", "ATTEMPTS", "LAST SEEN"], &rows);
+    c.table(
+        &[
+            "NAME",
+            "KIND",
+            "LABELS",
+            "INCARNATION",
+            "ATTEMPTS",
+            "LAST SEEN",
+        ],
+        &rows,
+    );
     Ok(EXIT_OK)
 }
 

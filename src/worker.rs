@@ -98,23 +98,42 @@ impl Worker {
         let usage = |why: String| (EXIT_USAGE, why);
         let url = reqwest::Url::parse(&args.url).map_err(|e| usage(format!("--url: {e}")))?;
         let loopback = url.host_str().is_some_and(|h| {
-            h == "localhost" || h.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback())
-                || h.trim_matches(['[', ']']).parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback())
+            h == "localhost"
+                || h.parse::<std::net::IpAddr>()
+                    .is_ok_and(|ip| ip.is_loopback())
+                || h.trim_matches(['[', ']'])
+                    .parse::<std::net::IpAddr>()
+                    .is_ok_and(|ip| ip.is_loopback())
         });
         if url.scheme() != "https" && !loopback && !args.allow_http {
-            return Err(usage("--url must be https unless berth is on loopback or --allow-http is given".into()));
+            return Err(usage(
+                "--url must be https unless berth is on loopback or --allow-http is given".into(),
+            ));
         }
         let token = std::fs::read_to_string(&args.token_file)
-            .map_err(|e| (EXIT_WORK_DIR, format!("cannot read --token-file {}: {e}", args.token_file.display())))?
+            .map_err(|e| {
+                (
+                    EXIT_WORK_DIR,
+                    format!(
+                        "cannot read --token-file {}: {e}",
+                        args.token_file.display()
+                    ),
+                )
+            })?
             .trim()
             .to_string();
-        let deployer = DeployerCommand::from_setting(args.deployer.as_deref(), args.deployer_user.as_deref())
-            .map_err(usage)?;
+        let deployer =
+            DeployerCommand::from_setting(args.deployer.as_deref(), args.deployer_user.as_deref())
+                .map_err(usage)?;
         let mut args = args;
         let lock = lock_work_dir(&args.work_dir).map_err(|why| (EXIT_WORK_DIR, why))?;
         // The deployer runs in its work dir: every path it is given is absolute.
-        args.work_dir = std::fs::canonicalize(&args.work_dir)
-            .map_err(|e| (EXIT_WORK_DIR, format!("cannot resolve {}: {e}", args.work_dir.display())))?;
+        args.work_dir = std::fs::canonicalize(&args.work_dir).map_err(|e| {
+            (
+                EXIT_WORK_DIR,
+                format!("cannot resolve {}: {e}", args.work_dir.display()),
+            )
+        })?;
         stop_orphans(&args.work_dir.join("jobs")).await;
         let api = Api::new(&args.url, token).map_err(|why| (EXIT_WORK_DIR, why))?;
         Ok(Worker {
@@ -141,7 +160,12 @@ impl Worker {
                 "/internal/v1/queue?worker_incarnation={}&labels={labels}&free_slots={free}&wait={POLL_WAIT_S}",
                 me.incarnation
             );
-            let poll = me.api.call(reqwest::Method::GET, &path, None, CALL_TIMEOUT + Duration::from_secs(POLL_WAIT_S));
+            let poll = me.api.call(
+                reqwest::Method::GET,
+                &path,
+                None,
+                CALL_TIMEOUT + Duration::from_secs(POLL_WAIT_S),
+            );
             let answer = tokio::select! {
                 answer = poll => answer,
                 Some((attempt, end)) = ended_rx.recv() => {
@@ -177,7 +201,9 @@ impl Worker {
                 if running.len() >= usize::from(me.args.slots) {
                     break;
                 }
-                let Some(build) = b["build"].as_str() else { continue };
+                let Some(build) = b["build"].as_str() else {
+                    continue;
+                };
                 if let Some((attempt, halt)) = me.claim_and_run(build, ended_tx.clone()).await {
                     running.insert(attempt, halt);
                 }
@@ -199,7 +225,10 @@ impl Worker {
         });
         let sent = Instant::now();
         let path = format!("/internal/v1/builds/{build}/claim");
-        let answer = self.api.resend(reqwest::Method::POST, &path, &body, sent + CALL_TIMEOUT * 2).await;
+        let answer = self
+            .api
+            .resend(reqwest::Method::POST, &path, &body, sent + CALL_TIMEOUT * 2)
+            .await;
         let claim = match answer {
             Ok((200, claim)) => claim,
             Ok((status, body)) => {
@@ -326,7 +355,12 @@ impl Attempt {
 
 impl Worker {
     /// Runs one attempt to its outcome (or its loss).
-    async fn run_attempt(self: Arc<Self>, mut a: Attempt, claim: Value, mut halt: watch::Receiver<Halt>) -> (String, AttemptEnd) {
+    async fn run_attempt(
+        self: Arc<Self>,
+        mut a: Attempt,
+        claim: Value,
+        mut halt: watch::Receiver<Halt>,
+    ) -> (String, AttemptEnd) {
         let id = a.id.clone();
         let work_dir = self.args.work_dir.join("work").join(&a.deployment);
         let root = self.args.work_dir.join("scratch").join(&id);
@@ -363,10 +397,22 @@ impl Worker {
         spawned.start();
         let (lines_tx, mut lines_rx) = mpsc::channel::<runner::Lines>(64);
         let (stop_tx, stop_rx) = watch::channel(false);
-        let waiter = tokio::spawn(runner::wait(spawned, a.build_timeout, a.cancel_grace, stop_rx, lines_tx));
+        let waiter = tokio::spawn(runner::wait(
+            spawned,
+            a.build_timeout,
+            a.cancel_grace,
+            stop_rx,
+            lines_tx,
+        ));
         let (renewed_tx, mut renewed) = watch::channel(a.deadline);
         let (fence_tx, mut fenced) = watch::channel(None::<AttemptEnd>);
-        let renewer = tokio::spawn(self.clone().renew_loop(a.id.clone(), a.fence, a.ttl, renewed_tx, fence_tx));
+        let renewer = tokio::spawn(self.clone().renew_loop(
+            a.id.clone(),
+            a.fence,
+            a.ttl,
+            renewed_tx,
+            fence_tx,
+        ));
         let mut pending: Vec<Value> = Vec::new();
         let mut sent_through = 0u64;
         let mut next_seq = 1u64;
@@ -421,7 +467,10 @@ impl Worker {
         }
         // The rest of the lines, then the outcome.
         while !pending.is_empty() {
-            if let Err(end) = self.send_progress(&mut a, &mut pending, &mut sent_through).await {
+            if let Err(end) = self
+                .send_progress(&mut a, &mut pending, &mut sent_through)
+                .await
+            {
                 renewer.abort();
                 remove_dir(&root);
                 return (id, end);
@@ -437,7 +486,9 @@ impl Worker {
                 Halt::No | Halt::Cancel | Halt::Fenced => json!({"kind": "cancelled"}),
             },
         };
-        let end = self.send_outcome(&mut a, sent_through, ended, Some(&root)).await;
+        let end = self
+            .send_outcome(&mut a, sent_through, ended, Some(&root))
+            .await;
         renewer.abort();
         remove_dir(&root);
         (id, end)
@@ -459,9 +510,15 @@ impl Worker {
             let body = json!({"operation_id": new_operation_id(), "fence": fence, "worker_incarnation": self.incarnation});
             loop {
                 let sent = Instant::now();
-                match self.api.call(reqwest::Method::POST, &path, Some(&body), CALL_TIMEOUT).await {
+                match self
+                    .api
+                    .call(reqwest::Method::POST, &path, Some(&body), CALL_TIMEOUT)
+                    .await
+                {
                     Ok((200, answer)) => {
-                        let ttl = answer["lease_ttl_ms"].as_u64().map_or(ttl, Duration::from_millis);
+                        let ttl = answer["lease_ttl_ms"]
+                            .as_u64()
+                            .map_or(ttl, Duration::from_millis);
                         let _ = renewed.send(sent + ttl);
                         break;
                     }
@@ -482,7 +539,12 @@ impl Worker {
     /// Sends the pending items (at most a batch), resending an unanswered
     /// batch with the same `operation_id`. `Ok(cancel)`, or the end of the
     /// attempt's authority.
-    async fn send_progress(&self, a: &mut Attempt, pending: &mut Vec<Value>, sent_through: &mut u64) -> Result<bool, AttemptEnd> {
+    async fn send_progress(
+        &self,
+        a: &mut Attempt,
+        pending: &mut Vec<Value>,
+        sent_through: &mut u64,
+    ) -> Result<bool, AttemptEnd> {
         let mut bytes = 0;
         let take = pending
             .iter()
@@ -493,10 +555,17 @@ impl Worker {
             .count()
             .clamp(1.min(pending.len()), BATCH_ITEMS);
         let items: Vec<Value> = pending[..take].to_vec();
-        let last = items.last().and_then(|i| i["seq"].as_u64()).unwrap_or(*sent_through);
+        let last = items
+            .last()
+            .and_then(|i| i["seq"].as_u64())
+            .unwrap_or(*sent_through);
         let body = json!({"operation_id": new_operation_id(), "fence": a.fence, "worker_incarnation": self.incarnation, "items": items});
         let path = format!("/internal/v1/attempts/{}/progress", a.id);
-        match self.api.resend(reqwest::Method::POST, &path, &body, a.deadline).await {
+        match self
+            .api
+            .resend(reqwest::Method::POST, &path, &body, a.deadline)
+            .await
+        {
             Ok((200, answer)) => {
                 pending.drain(..take);
                 *sent_through = answer["applied_through"].as_u64().unwrap_or(last);
@@ -515,7 +584,13 @@ impl Worker {
     }
 
     /// The outcome, resent until answered or the deadline passes.
-    async fn send_outcome(&self, a: &mut Attempt, through: u64, ended: Value, root: Option<&Path>) -> AttemptEnd {
+    async fn send_outcome(
+        &self,
+        a: &mut Attempt,
+        through: u64,
+        ended: Value,
+        root: Option<&Path>,
+    ) -> AttemptEnd {
         let (result, problem) = match root.map(runner::read_result) {
             Some(Ok(Some(bytes))) => match serde_json::from_slice::<Value>(&bytes) {
                 Ok(v) => (v, Value::Null),
@@ -530,7 +605,11 @@ impl Worker {
             "health": null, "files": {}, "work_state": null, "work_state_problem": null,
         });
         let path = format!("/internal/v1/attempts/{}/outcome", a.id);
-        match self.api.resend(reqwest::Method::POST, &path, &body, a.deadline).await {
+        match self
+            .api
+            .resend(reqwest::Method::POST, &path, &body, a.deadline)
+            .await
+        {
             Ok((200, _)) => AttemptEnd::Done,
             Ok((401 | 403, _)) => AttemptEnd::TokenRefused,
             Ok((status, answer)) => {
@@ -567,7 +646,13 @@ impl Api {
     }
 
     /// One call: its status and JSON body (null when it has none).
-    async fn call(&self, method: reqwest::Method, path: &str, body: Option<&Value>, limit: Duration) -> Result<(u16, Value), String> {
+    async fn call(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<&Value>,
+        limit: Duration,
+    ) -> Result<(u16, Value), String> {
         let mut req = self
             .http
             .request(method, format!("{}{path}", self.base))
@@ -579,22 +664,37 @@ impl Api {
         let resp = req.send().await.map_err(|e| e.to_string())?;
         let status = resp.status().as_u16();
         let bytes = resp.bytes().await.map_err(|e| e.to_string())?;
-        Ok((status, serde_json::from_slice(&bytes).unwrap_or(Value::Null)))
+        Ok((
+            status,
+            serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+        ))
     }
 
     /// A call resent (same body, so the same `operation_id`) while it gets
     /// no answer or a 5xx, until `deadline`.
-    async fn resend(&self, method: reqwest::Method, path: &str, body: &Value, deadline: Instant) -> Result<(u16, Value), String> {
+    async fn resend(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: &Value,
+        deadline: Instant,
+    ) -> Result<(u16, Value), String> {
         let mut pause = Duration::from_millis(100);
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return Err("no answer before the deadline".into());
             }
-            match self.call(method.clone(), path, Some(body), left.min(CALL_TIMEOUT)).await {
+            match self
+                .call(method.clone(), path, Some(body), left.min(CALL_TIMEOUT))
+                .await
+            {
                 Ok((status, answer)) if status < 500 => return Ok((status, answer)),
                 Ok(_) | Err(_) => {
-                    tokio::time::sleep(pause.min(deadline.saturating_duration_since(Instant::now()))).await;
+                    tokio::time::sleep(
+                        pause.min(deadline.saturating_duration_since(Instant::now())),
+                    )
+                    .await;
                     pause = (pause * 2).min(MAX_BACKOFF);
                 }
             }
@@ -619,7 +719,10 @@ fn stop_signal() -> watch::Receiver<()> {
     let (tx, rx) = watch::channel(());
     tokio::spawn(async move {
         use tokio::signal::unix::{signal, SignalKind};
-        let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+        let (Ok(mut term), Ok(mut int)) = (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+        ) else {
             tracing::error!("cannot listen for SIGTERM/SIGINT");
             return;
         };
@@ -645,7 +748,8 @@ fn new_operation_id() -> String {
 fn lock_work_dir(dir: &Path) -> Result<nix::fcntl::Flock<std::fs::File>, String> {
     use std::os::unix::fs::PermissionsExt;
     for sub in ["", "work", "scratch", "jobs", "lost"] {
-        std::fs::create_dir_all(dir.join(sub)).map_err(|e| format!("cannot create {}: {e}", dir.join(sub).display()))?;
+        std::fs::create_dir_all(dir.join(sub))
+            .map_err(|e| format!("cannot create {}: {e}", dir.join(sub).display()))?;
     }
     std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
         .map_err(|e| format!("cannot make {} private: {e}", dir.display()))?;
@@ -669,7 +773,9 @@ fn record_job(file: &Path, job: Job, grace: Duration) -> std::io::Result<()> {
 /// Stops each deployer an earlier run of this worker left (SIGTERM, its
 /// grace, SIGKILL) before the first call.
 async fn stop_orphans(jobs: &Path) {
-    let Ok(entries) = std::fs::read_dir(jobs) else { return };
+    let Ok(entries) = std::fs::read_dir(jobs) else {
+        return;
+    };
     for entry in entries.flatten() {
         let path = entry.path();
         let job = std::fs::read(&path)
@@ -683,7 +789,10 @@ async fn stop_orphans(jobs: &Path) {
                 Some((job, Duration::from_millis(v["cancel_grace_ms"].as_u64()?)))
             });
         if let Some((job, grace)) = job.filter(|(job, _)| runner::group_may_be_ours(job)) {
-            tracing::warn!(pid = job.pid, "stopping the deployer an earlier run of this worker left");
+            tracing::warn!(
+                pid = job.pid,
+                "stopping the deployer an earlier run of this worker left"
+            );
             crate::engine::recovery::stop_orphan(job, grace).await;
         }
         remove_file(&path);
@@ -698,7 +807,9 @@ fn keep_lost(work_root: &Path, work_dir: &Path, attempt: &str) {
     if let Err(e) = std::fs::rename(work_dir, lost.join(attempt)) {
         tracing::warn!(error = %e, "cannot keep a lost attempt's work dir");
     }
-    let Ok(entries) = std::fs::read_dir(&lost) else { return };
+    let Ok(entries) = std::fs::read_dir(&lost) else {
+        return;
+    };
     let mut kept: Vec<(std::time::SystemTime, PathBuf)> = entries
         .flatten()
         .filter_map(|e| Some((e.metadata().ok()?.modified().ok()?, e.path())))

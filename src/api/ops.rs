@@ -218,11 +218,75 @@ pub fn metrics(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
             "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}"
         );
     }
+    workers_exposition(ctx, &mut out)?;
     Ok(Reply::text(
         200,
         "text/plain; version=0.0.4",
         out.into_bytes(),
     ))
+}
+
+/// The workers' part of `/metrics` (workers.md "What berth shows").
+fn workers_exposition(ctx: &Ctx, out: &mut String) -> Result<(), ApiError> {
+    use crate::engine::attempts::{ATTEMPTS_LOST, REFUSED_STALE};
+    use crate::store::Lookup;
+    let e = &ctx.engine;
+    let rx = e.read()?;
+    let mut running: std::collections::BTreeMap<String, u64> = Default::default();
+    for (build, _) in rx.running()? {
+        if let Some(a) = rx.last_attempt(build)? {
+            if a.state == crate::model::AttemptState::Active {
+                *running.entry(a.worker).or_default() += 1;
+            }
+        }
+    }
+    let ttl = i64::try_from(e.settings.lease_ttl.as_millis()).unwrap_or(i64::MAX);
+    let (mut connected, mut disconnected) = (0u64, 0u64);
+    for (_, t) in rx.tokens()? {
+        let seen = t.seen.as_ref().is_some_and(|s| {
+            crate::model::now_millis() - s.at <= ttl.max(crate::authority::SEEN_EVERY_MS)
+        });
+        if seen {
+            connected += 1;
+        } else {
+            disconnected += 1;
+        }
+    }
+    let local_takes_builds = e.settings.local_worker
+        && e.settings
+            .build_labels
+            .0
+            .iter()
+            .all(|l| e.settings.local_labels.0.contains(l));
+    let waiting = if local_takes_builds {
+        0
+    } else {
+        rx.queued()?.len()
+    };
+    let _ = writeln!(out, "# HELP berth_workers Worker tokens by whether their worker called within a lease.\n# TYPE berth_workers gauge\nberth_workers{{state=\"connected\"}} {connected}\nberth_workers{{state=\"disconnected\"}} {disconnected}");
+    let _ = writeln!(out, "# HELP berth_attempts_running Authoritative attempts by worker.\n# TYPE berth_attempts_running gauge");
+    for (worker, n) in running {
+        let _ = writeln!(
+            out,
+            "berth_attempts_running{{worker=\"{}\"}} {n}",
+            label_value(&worker)
+        );
+    }
+    let lost = ATTEMPTS_LOST.load(Ordering::Relaxed);
+    let _ = writeln!(out, "# HELP berth_attempts_lost_total Attempts lost (lease passed, token revoked) since start.\n# TYPE berth_attempts_lost_total counter\nberth_attempts_lost_total {lost}");
+    let _ = writeln!(out, "# HELP berth_internal_refused_total Worker calls refused for stale authority since start.\n# TYPE berth_internal_refused_total counter");
+    for (reason, n) in ["stale_authority", "lease_expired"]
+        .iter()
+        .zip(&REFUSED_STALE)
+    {
+        let _ = writeln!(
+            out,
+            "berth_internal_refused_total{{reason=\"{reason}\"}} {}",
+            n.load(Ordering::Relaxed)
+        );
+    }
+    let _ = writeln!(out, "# HELP berth_builds_waiting_for_worker Queued builds the embedded worker cannot take.\n# TYPE berth_builds_waiting_for_worker gauge\nberth_builds_waiting_for_worker {waiting}");
+    Ok(())
 }
 
 #[cfg(test)]

@@ -33,6 +33,16 @@ use crate::model::*;
 use crate::settings::Settings;
 use crate::store::{Lookup, StoreResult, Tx};
 
+/// Attempts lost since start (`berth_attempts_lost_total`), counted after
+/// the commit that lost them.
+pub static ATTEMPTS_LOST: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+/// Internal calls refused for stale authority since start, by reason
+/// (`stale_authority`, `lease_expired`).
+pub static REFUSED_STALE: [std::sync::atomic::AtomicU64; 2] = [
+    std::sync::atomic::AtomicU64::new(0),
+    std::sync::atomic::AtomicU64::new(0),
+];
+
 /// How often the lease sweep looks for attempts whose lease passed.
 const LEASE_SWEEP: Duration = Duration::from_secs(1);
 
@@ -561,6 +571,13 @@ fn authorized(
     let now = now_millis();
     if let Err(stale) = authority::judge(&a, &call.call(), now) {
         refuse(tx, hub, &mut a, worker, stale, now)?;
+        let slot = match stale {
+            Stale::Authority => 0,
+            Stale::LeaseExpired => 1,
+        };
+        tx.after_commit(move || {
+            REFUSED_STALE[slot].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        });
         return Ok(Err(Refusal::Stale(stale)));
     }
     let answer = match run(tx, &mut a, now)? {
@@ -722,6 +739,9 @@ fn lose_tx(
     now: Millis,
 ) -> StoreResult<()> {
     authority::lose(a, cause);
+    tx.after_commit(|| {
+        ATTEMPTS_LOST.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    });
     let Some(mut b) = tx.build(a.build)? else {
         return tx.put_attempt(a);
     };

@@ -146,11 +146,24 @@ async fn a_build_on_a_remote_worker_reads_and_streams_as_a_local_one() {
     assert_eq!(running["worker"], "w1", "{running}");
     assert_eq!(running["attempt"]["state"], "active");
     assert_eq!(running["attempt"]["fence"], 1);
-    let attempt = running["attempt"]["attempt_id"].as_str().unwrap().to_string();
+    let attempt = running["attempt"]["attempt_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
     assert_eq!(running["job_id"], format!("attempt:{attempt}"));
     let (_, workers) = s.json("/v1/workers").await;
-    let w1 = workers["items"].as_array().unwrap().iter().find(|w| w["name"] == "w1").unwrap().clone();
-    assert_eq!(w1["attempts"][0]["attempt_id"], attempt.as_str(), "{workers}");
+    let w1 = workers["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|w| w["name"] == "w1")
+        .unwrap()
+        .clone();
+    assert_eq!(
+        w1["attempts"][0]["attempt_id"],
+        attempt.as_str(),
+        "{workers}"
+    );
     assert_eq!(w1["connected"], true);
     eventually("ticks in the stored log", || async {
         s.log_text(&build).await.contains("tick 3")
@@ -161,11 +174,21 @@ async fn a_build_on_a_remote_worker_reads_and_streams_as_a_local_one() {
     assert_eq!(done["status"], "succeeded", "{done}");
     let log = s.log_text(&build).await;
     let lines: Vec<&str> = log.lines().collect();
-    assert_eq!(lines[0], format!("[berth] running on worker w1 (attempt {attempt})"));
+    assert_eq!(
+        lines[0],
+        format!("[berth] running on worker w1 (attempt {attempt})")
+    );
     assert_eq!(lines[1], "start deploy alice");
     assert_eq!(*lines.last().unwrap(), "end deploy alice");
-    let ticks: Vec<u64> = lines.iter().filter_map(|l| l.strip_prefix("tick ")?.parse().ok()).collect();
-    assert_eq!(ticks, (1..=ticks.len() as u64).collect::<Vec<_>>(), "every line once, in order");
+    let ticks: Vec<u64> = lines
+        .iter()
+        .filter_map(|l| l.strip_prefix("tick ")?.parse().ok())
+        .collect();
+    assert_eq!(
+        ticks,
+        (1..=ticks.len() as u64).collect::<Vec<_>>(),
+        "every line once, in order"
+    );
     // The stream replays the claim before the first line, ids rising.
     let events = events_of(&s, &build).await;
     let ids: Vec<u64> = events.iter().filter_map(|e| e.id).collect();
@@ -176,7 +199,11 @@ async fn a_build_on_a_remote_worker_reads_and_streams_as_a_local_one() {
     let claim: Value = serde_json::from_str(&events[claimed].data).unwrap();
     assert_eq!(claim["change"], "claimed");
     assert_eq!(claim["worker"], "w1");
-    let streamed: Vec<&str> = events.iter().filter(|e| e.event == "log").map(|e| e.data.as_str()).collect();
+    let streamed: Vec<&str> = events
+        .iter()
+        .filter(|e| e.event == "log")
+        .map(|e| e.data.as_str())
+        .collect();
     assert_eq!(streamed, lines, "the stream and the stored log agree");
     let after = s.build(&build).await;
     assert_eq!(after["attempt"]["state"], "ended");
@@ -201,24 +228,46 @@ async fn a_worker_paused_past_its_lease_loses_the_build_and_nothing_it_sends_aft
     assert_eq!(lost["failure"]["reason"], "lost_attempt", "{lost}");
     assert_eq!(lost["attempt"]["state"], "lost");
     let log_at_loss = s.log_text(&build).await;
-    assert!(log_at_loss.contains("[berth] lost: worker w1"), "{log_at_loss}");
+    assert!(
+        log_at_loss.contains("[berth] lost: worker w1"),
+        "{log_at_loss}"
+    );
     let events_at_loss = events_of(&s, &build).await;
-    let losses = events_at_loss.iter().filter(|e| e.event == "attempt" && e.data.contains("\"lost\"")).count();
+    let losses = events_at_loss
+        .iter()
+        .filter(|e| e.event == "attempt" && e.data.contains("\"lost\""))
+        .count();
     assert_eq!(losses, 1);
-    let pid: i32 = std::fs::read_to_string(gates.join("alice.pid")).unwrap().trim().parse().unwrap();
+    let pid: i32 = std::fs::read_to_string(gates.join("alice.pid"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
     worker.signal("-CONT");
     // The worker fences itself: its deployer is stopped (cancel grace 1 s
     // comes with the claim), and what it sent after the loss was refused.
-    eventually("the deployer stopped after the resume", || async { !pid_alive(pid) }).await;
-    eventually("the worker saw its authority end", || async {
-        let log = worker.log();
-        log.contains("self-fence") || log.contains("the attempt is over") || log.contains("outcome refused")
+    eventually("the deployer stopped after the resume", || async {
+        !pid_alive(pid)
     })
     .await;
-    assert_eq!(s.log_text(&build).await, log_at_loss, "no line of the old attempt after the loss");
+    eventually("the worker saw its authority end", || async {
+        let log = worker.log();
+        log.contains("self-fence")
+            || log.contains("the attempt is over")
+            || log.contains("outcome refused")
+    })
+    .await;
+    assert_eq!(
+        s.log_text(&build).await,
+        log_at_loss,
+        "no line of the old attempt after the loss"
+    );
     assert_eq!(events_of(&s, &build).await, events_at_loss);
     let (_, d) = s.json("/v1/deployments/alice").await;
-    assert_eq!(d["state"], "failed", "no rollback follows a lost attempt: {d}");
+    assert_eq!(
+        d["state"], "failed",
+        "no rollback follows a lost attempt: {d}"
+    );
 }
 
 /// Holds an attempt's authority by hand: the protocol's refusals.
@@ -269,7 +318,10 @@ async fn stale_authority_resends_gaps_and_replays_follow_the_protocol() {
     assert_eq!(claim["verb"], "deploy");
     assert_eq!(claim["request"]["deployment"], "alice");
     assert_eq!(claim["request"]["configuration"], json!({"n": 1}));
-    let attempt = claim["authority"]["attempt_id"].as_str().unwrap().to_string();
+    let attempt = claim["authority"]["attempt_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
     // The claim resent: the same answer, replayed, no second attempt.
     let (status, again, replayed) = w.claim(&build, &op(1)).await;
     assert_eq!((status, replayed), (200, true));
@@ -280,13 +332,32 @@ async fn stale_authority_resends_gaps_and_replays_follow_the_protocol() {
         b["items"] = items;
         b
     };
-    let lines = |from: u64, to: u64| json!((from..=to).map(|n| json!({"seq": n, "log": format!("line {n}")})).collect::<Vec<_>>());
+    let lines = |from: u64, to: u64| {
+        json!((from..=to)
+            .map(|n| json!({"seq": n, "log": format!("line {n}")}))
+            .collect::<Vec<_>>())
+    };
     let p = format!("/internal/v1/attempts/{attempt}/progress");
     let log_before = s.log_text(&build).await;
     // Stale fence and incarnation: refused, no effect.
-    let (status, e, _) = w.call(&p, &{ let mut b = progress(&op(2), lines(1, 3)); b["fence"] = json!(2); b }).await;
-    assert_eq!((status, e["code"].as_str(), e["reason"].as_str()), (409, Some("precondition_failed"), Some("stale_authority")));
-    let (status, _, _) = w.call(&p, &{ let mut b = progress(&op(2), lines(1, 3)); b["worker_incarnation"] = json!("someone-else-1"); b }).await;
+    let (status, e, _) = w
+        .call(&p, &{
+            let mut b = progress(&op(2), lines(1, 3));
+            b["fence"] = json!(2);
+            b
+        })
+        .await;
+    assert_eq!(
+        (status, e["code"].as_str(), e["reason"].as_str()),
+        (409, Some("precondition_failed"), Some("stale_authority"))
+    );
+    let (status, _, _) = w
+        .call(&p, &{
+            let mut b = progress(&op(2), lines(1, 3));
+            b["worker_incarnation"] = json!("someone-else-1");
+            b
+        })
+        .await;
     assert_eq!(status, 409);
     assert_eq!(s.log_text(&build).await, log_before);
     // Lines 1-3, resent: applied once.
@@ -295,17 +366,28 @@ async fn stale_authority_resends_gaps_and_replays_follow_the_protocol() {
     let (status, _, replayed) = w.call(&p, &progress(&op(3), lines(1, 3))).await;
     assert_eq!((status, replayed), (200, true));
     let (status, e, _) = w.call(&p, &progress(&op(3), lines(1, 4))).await;
-    assert_eq!((status, e["code"].as_str()), (409, Some("idempotency_conflict")));
+    assert_eq!(
+        (status, e["code"].as_str()),
+        (409, Some("idempotency_conflict"))
+    );
     // An overlapping batch applies its new items only; a gap is refused.
     let (status, a, _) = w.call(&p, &progress(&op(4), lines(2, 5))).await;
     assert_eq!((status, a["applied_through"].as_u64()), (200, Some(5)));
     let (status, e, _) = w.call(&p, &progress(&op(5), lines(7, 8))).await;
-    assert_eq!((status, e["reason"].as_str(), e["applied_through"].as_u64()), (409, Some("progress_gap"), Some(5)));
+    assert_eq!(
+        (status, e["reason"].as_str(), e["applied_through"].as_u64()),
+        (409, Some("progress_gap"), Some(5))
+    );
     let log = s.log_text(&build).await;
     let ours: Vec<&str> = log.lines().filter(|l| l.starts_with("line ")).collect();
     assert_eq!(ours, ["line 1", "line 2", "line 3", "line 4", "line 5"]);
     // Renew: a fresh lease.
-    let (status, r, _) = w.call(&format!("/internal/v1/attempts/{attempt}/renew"), &base(&op(6), 1)).await;
+    let (status, r, _) = w
+        .call(
+            &format!("/internal/v1/attempts/{attempt}/renew"),
+            &base(&op(6), 1),
+        )
+        .await;
     assert_eq!(status, 200, "{r}");
     assert_eq!(r["cancel"], false);
     // The outcome must follow what was applied.
@@ -328,13 +410,24 @@ async fn stale_authority_resends_gaps_and_replays_follow_the_protocol() {
     assert_eq!((status, replayed), (200, true));
     assert_eq!(again, done);
     let (status, e, _) = w.call(&p, &progress(&op(9), lines(6, 6))).await;
-    assert_eq!((status, e["reason"].as_str()), (409, Some("stale_authority")));
+    assert_eq!(
+        (status, e["reason"].as_str()),
+        (409, Some("stale_authority"))
+    );
     assert_eq!(s.build(&build).await["status"], "succeeded");
     assert!(!s.log_text(&build).await.contains("line 6"));
     // Another token's attempt does not exist for it.
     let (other, _) = worker_token(&s, "other").await;
-    let w2 = ByHand { s: &s, token: other };
-    let (status, _, _) = w2.call(&format!("/internal/v1/attempts/{attempt}/renew"), &base(&op(10), 1)).await;
+    let w2 = ByHand {
+        s: &s,
+        token: other,
+    };
+    let (status, _, _) = w2
+        .call(
+            &format!("/internal/v1/attempts/{attempt}/renew"),
+            &base(&op(10), 1),
+        )
+        .await;
     assert_eq!(status, 404);
 }
 
@@ -352,15 +445,29 @@ async fn two_workers_racing_for_each_build_win_it_exactly_once() {
         let (ra, rb) = tokio::join!(wa.claim(&build, &op_a), wb.claim(&build, &op_b));
         let wins = [&ra, &rb].iter().filter(|r| r.0 == 200).count();
         assert_eq!(wins, 1, "round {round}: {ra:?} {rb:?}");
-        let (winner, (_, claim, _), loser) = if ra.0 == 200 { (&wa, ra, rb) } else { (&wb, rb, ra) };
-        assert_eq!((loser.0, loser.1["reason"].as_str()), (409, Some("already_claimed")), "round {round}");
+        let (winner, (_, claim, _), loser) = if ra.0 == 200 {
+            (&wa, ra, rb)
+        } else {
+            (&wb, rb, ra)
+        };
+        assert_eq!(
+            (loser.0, loser.1["reason"].as_str()),
+            (409, Some("already_claimed")),
+            "round {round}"
+        );
         let attempt = claim["authority"]["attempt_id"].as_str().unwrap();
         let body = json!({
             "operation_id": op(1000 + round), "fence": claim["authority"]["fence"], "worker_incarnation": "incarnation-by-hand",
             "progress_through": 0, "ended": {"kind": "exit", "code": 0}, "result": {"nodes": []}, "health": null,
         });
-        let (status, done, _) = winner.call(&format!("/internal/v1/attempts/{attempt}/outcome"), &body).await;
-        assert_eq!((status, done["status"].as_str()), (200, Some("succeeded")), "{done}");
+        let (status, done, _) = winner
+            .call(&format!("/internal/v1/attempts/{attempt}/outcome"), &body)
+            .await;
+        assert_eq!(
+            (status, done["status"].as_str()),
+            (200, Some("succeeded")),
+            "{done}"
+        );
     }
 }
 
@@ -373,7 +480,10 @@ async fn a_revoked_token_loses_its_build_at_once_and_its_worker_stops_with_3() {
     let mut worker = Worker::start(&s, &token_file, &dir.join("w1"), &deployer);
     let build = s.submit_ok("alice", json!({"n": 1})).await;
     s.wait_build(&build, "running").await;
-    eventually("the deployer started", || async { gates.join("alice.pid").exists() }).await;
+    eventually("the deployer started", || async {
+        gates.join("alice.pid").exists()
+    })
+    .await;
     let (status, _) = read(s.delete("/v1/tokens/w1").send().await.unwrap()).await;
     assert_eq!(status, 200);
     // At once, long before its 60 s lease.
@@ -381,9 +491,22 @@ async fn a_revoked_token_loses_its_build_at_once_and_its_worker_stops_with_3() {
     assert_eq!(lost["failure"]["reason"], "lost_attempt", "{lost}");
     assert!(s.log_text(&build).await.contains("its token was revoked"));
     assert_eq!(worker.exit_code().await, Some(3), "{}", worker.log());
-    let pid: i32 = std::fs::read_to_string(gates.join("alice.pid")).unwrap().trim().parse().unwrap();
-    assert!(!pid_alive(pid), "the deployer is stopped before the worker exits");
-    let r = s.http.get(s.url("/internal/v1/queue?worker_incarnation=incarnation-x")).bearer_auth(&token).send().await.unwrap();
+    let pid: i32 = std::fs::read_to_string(gates.join("alice.pid"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(
+        !pid_alive(pid),
+        "the deployer is stopped before the worker exits"
+    );
+    let r = s
+        .http
+        .get(s.url("/internal/v1/queue?worker_incarnation=incarnation-x"))
+        .bearer_auth(&token)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 401);
 }
 
@@ -396,7 +519,10 @@ async fn a_remote_build_goes_on_through_a_restart_of_berth() {
     let _worker = Worker::start(&s, &token_file, &dir.join("w1"), &deployer);
     let build = s.submit_ok("alice", json!({"n": 1})).await;
     s.wait_build(&build, "running").await;
-    eventually("ticks stored", || async { s.log_text(&build).await.contains("tick 2") }).await;
+    eventually("ticks stored", || async {
+        s.log_text(&build).await.contains("tick 2")
+    })
+    .await;
     s.kill();
     // Same port: the worker's --url stays right.
     let port = s.base.rsplit(':').next().unwrap().to_string();
@@ -404,7 +530,10 @@ async fn a_remote_build_goes_on_through_a_restart_of_berth() {
     s.args.push(format!("127.0.0.1:{port}"));
     s.launch().await;
     let after = s.build(&build).await;
-    assert_eq!(after["status"], "running", "a remote build is not interrupted by a restart: {after}");
+    assert_eq!(
+        after["status"], "running",
+        "a remote build is not interrupted by a restart: {after}"
+    );
     eventually("ticks after the restart", || async {
         let log = s.log_text(&build).await;
         log.lines().filter(|l| l.starts_with("tick ")).count() > 20
@@ -414,8 +543,15 @@ async fn a_remote_build_goes_on_through_a_restart_of_berth() {
     let done = s.wait_build(&build, "final").await;
     assert_eq!(done["status"], "succeeded", "{done}\n{}", s.log());
     let log = s.log_text(&build).await;
-    let ticks: Vec<u64> = log.lines().filter_map(|l| l.strip_prefix("tick ")?.parse().ok()).collect();
-    assert_eq!(ticks, (1..=ticks.len() as u64).collect::<Vec<_>>(), "every line once, in order");
+    let ticks: Vec<u64> = log
+        .lines()
+        .filter_map(|l| l.strip_prefix("tick ")?.parse().ok())
+        .collect();
+    assert_eq!(
+        ticks,
+        (1..=ticks.len() as u64).collect::<Vec<_>>(),
+        "every line once, in order"
+    );
     let events = events_of(&s, &build).await;
     let ids: Vec<u64> = events.iter().filter_map(|e| e.id).collect();
     assert!(ids.windows(2).all(|w| w[1] > w[0]), "{ids:?}");
@@ -430,12 +566,23 @@ async fn a_cancelled_remote_build_stops_its_deployer_and_ends_cancelled() {
     let _worker = Worker::start(&s, &token_file, &dir.join("w1"), &deployer);
     let build = s.submit_ok("alice", json!({"n": 1})).await;
     s.wait_build(&build, "running").await;
-    eventually("the deployer started", || async { gates.join("alice.pid").exists() }).await;
-    let r = s.post(&format!("/v1/builds/{build}/cancel"), &json!({})).send().await.unwrap();
+    eventually("the deployer started", || async {
+        gates.join("alice.pid").exists()
+    })
+    .await;
+    let r = s
+        .post(&format!("/v1/builds/{build}/cancel"), &json!({}))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 202);
     let done = s.wait_build(&build, "final").await;
     assert_eq!(done["status"], "cancelled", "{done}");
-    let pid: i32 = std::fs::read_to_string(gates.join("alice.pid")).unwrap().trim().parse().unwrap();
+    let pid: i32 = std::fs::read_to_string(gates.join("alice.pid"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
     assert!(!pid_alive(pid));
 }
 
@@ -445,28 +592,80 @@ async fn worker_tokens_reach_only_their_routes_and_the_service_token_not_theirs(
     let (deployer, _gates) = ticking_deployer(&dir);
     let s = server(&dir, &deployer).await;
     let (token, _) = worker_token(&s, "w1").await;
-    let r = s.http.get(s.url("/v1/deployments")).bearer_auth(&token).send().await.unwrap();
+    let r = s
+        .http
+        .get(s.url("/v1/deployments"))
+        .bearer_auth(&token)
+        .send()
+        .await
+        .unwrap();
     let (status, e) = read(r).await;
     assert_eq!((status, e["reason"].as_str()), (403, Some("token_kind")));
-    let r = s.http.get(s.url("/internal/v1/queue?worker_incarnation=incarnation-1")).bearer_auth(&s.token).send().await.unwrap();
+    let r = s
+        .http
+        .get(s.url("/internal/v1/queue?worker_incarnation=incarnation-1"))
+        .bearer_auth(&s.token)
+        .send()
+        .await
+        .unwrap();
     let (status, e) = read(r).await;
     assert_eq!((status, e["reason"].as_str()), (403, Some("token_kind")));
-    let r = s.http.get(s.url("/internal/v1/queue?worker_incarnation=incarnation-1&wait=0")).bearer_auth("brt_nobody").send().await.unwrap();
+    let r = s
+        .http
+        .get(s.url("/internal/v1/queue?worker_incarnation=incarnation-1&wait=0"))
+        .bearer_auth("brt_nobody")
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 401);
     // The name is taken, `local` is reserved, and no secret is ever listed.
-    let (status, _) = read(s.post("/v1/tokens", &json!({"name": "w1", "kind": "worker"})).send().await.unwrap()).await;
+    let (status, _) = read(
+        s.post("/v1/tokens", &json!({"name": "w1", "kind": "worker"}))
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
     assert_eq!(status, 409);
-    let (status, _) = read(s.post("/v1/tokens", &json!({"name": "local", "kind": "worker"})).send().await.unwrap()).await;
+    let (status, _) = read(
+        s.post("/v1/tokens", &json!({"name": "local", "kind": "worker"}))
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
     assert_eq!(status, 400);
     let (_, list) = s.json("/v1/tokens").await;
     assert_eq!(list["items"][0]["name"], "w1");
     assert!(!list.to_string().contains("brt_"));
     // The CLI prints only the token, and lists the workers.
     let token_file = s.dir.join("data/service-token");
-    let (code, out) = berth(&["tokens", "create", "w2", "--kind", "worker", "--url", &s.base, "--token-file", token_file.to_str().unwrap()]);
+    let (code, out) = berth(&[
+        "tokens",
+        "create",
+        "w2",
+        "--kind",
+        "worker",
+        "--url",
+        &s.base,
+        "--token-file",
+        token_file.to_str().unwrap(),
+    ]);
     assert_eq!(code, 0);
-    assert!(out.trim().starts_with("brt_") && out.trim().lines().count() == 1, "{out}");
-    let (code, out) = berth(&["workers", "--url", &s.base, "--token-file", token_file.to_str().unwrap()]);
+    assert!(
+        out.trim().starts_with("brt_") && out.trim().lines().count() == 1,
+        "{out}"
+    );
+    let (code, out) = berth(&[
+        "workers",
+        "--url",
+        &s.base,
+        "--token-file",
+        token_file.to_str().unwrap(),
+    ]);
     assert_eq!(code, 0);
-    assert!(out.contains("w1") && out.contains("w2") && out.contains("remote"), "{out}");
+    assert!(
+        out.contains("w1") && out.contains("w2") && out.contains("remote"),
+        "{out}"
+    );
 }
