@@ -24,6 +24,9 @@ use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 
 use crate::authority;
+use crate::engine::deployer::OneCall;
+use crate::engine::health::{health_step, Answer, CallEnd, HealthEnd, HealthIo, HealthLimits};
+use crate::engine::outcome::Halt as HealthHalt;
 use crate::engine::runner::{self, CallDirs, DeployerCommand, Ended, Invocation};
 use crate::model::Job;
 use crate::settings::WorkerArgs;
@@ -370,7 +373,10 @@ impl Worker {
             Ok(dirs) => dirs,
             Err(e) => {
                 let ended = json!({"kind": "not_run", "reason": "spawn_failed", "detail": format!("cannot create the build's directories: {e}")});
-                return (id, self.send_outcome(&mut a, 0, ended, None).await);
+                return (
+                    id,
+                    self.send_outcome(&mut a, 0, ended, None, Value::Null).await,
+                );
             }
         };
         let inv = Invocation {
@@ -384,7 +390,10 @@ impl Worker {
             Ok(s) => s,
             Err(e) => {
                 let ended = json!({"kind": "not_run", "reason": "spawn_failed", "detail": format!("the deployer could not be started: {e}")});
-                return (id, self.send_outcome(&mut a, 0, ended, None).await);
+                return (
+                    id,
+                    self.send_outcome(&mut a, 0, ended, None, Value::Null).await,
+                );
             }
         };
         let job_file = self.args.work_dir.join("jobs").join(format!("{id}.json"));
@@ -392,7 +401,10 @@ impl Worker {
             spawned.abandon();
             runner::signal_group(spawned.job.pid, nix::sys::signal::Signal::SIGKILL);
             let ended = json!({"kind": "not_run", "reason": "spawn_failed", "detail": format!("cannot record the deployer's process: {e}")});
-            return (id, self.send_outcome(&mut a, 0, ended, None).await);
+            return (
+                id,
+                self.send_outcome(&mut a, 0, ended, None, Value::Null).await,
+            );
         }
         spawned.start();
         let (lines_tx, mut lines_rx) = mpsc::channel::<runner::Lines>(64);
@@ -465,7 +477,7 @@ impl Worker {
             remove_dir(&root);
             return (id, end);
         }
-        // The rest of the lines, then the outcome.
+        // The rest of the lines, then the health step, then the outcome.
         while !pending.is_empty() {
             if let Err(end) = self
                 .send_progress(&mut a, &mut pending, &mut sent_through)
@@ -474,6 +486,30 @@ impl Worker {
                 renewer.abort();
                 remove_dir(&root);
                 return (id, end);
+            }
+        }
+        let mut health = Value::Null;
+        if let (Ok(Ended::Exit(0)), Some(limits)) = (&ended, health_limits(&claim)) {
+            if let Some(changed) = changed_nodes(&root) {
+                let mut io = WorkerHealth {
+                    worker: &self,
+                    attempt: &mut a,
+                    work_dir: work_dir.clone(),
+                    pending: &mut pending,
+                    next_seq: &mut next_seq,
+                    sent_through: &mut sent_through,
+                    halt: halt.clone(),
+                    renewed: &mut renewed,
+                    gone: None,
+                };
+                let end = health_step(&mut io, limits, &claim["request"], changed).await;
+                if let Some(end) = io.gone.take() {
+                    renewer.abort();
+                    keep_lost(&self.args.work_dir, &work_dir, &id);
+                    remove_dir(&root);
+                    return (id, end);
+                }
+                health = health_json(&end);
             }
         }
         let ended = match ended {
@@ -487,7 +523,7 @@ impl Worker {
             },
         };
         let end = self
-            .send_outcome(&mut a, sent_through, ended, Some(&root))
+            .send_outcome(&mut a, sent_through, ended, Some(&root), health)
             .await;
         renewer.abort();
         remove_dir(&root);
@@ -590,6 +626,7 @@ impl Worker {
         through: u64,
         ended: Value,
         root: Option<&Path>,
+        health: Value,
     ) -> AttemptEnd {
         let (result, problem) = match root.map(runner::read_result) {
             Some(Ok(Some(bytes))) => match serde_json::from_slice::<Value>(&bytes) {
@@ -602,7 +639,7 @@ impl Worker {
         let body = json!({
             "operation_id": new_operation_id(), "fence": a.fence, "worker_incarnation": self.incarnation,
             "progress_through": through, "ended": ended, "result": result, "result_problem": problem,
-            "health": null, "files": {}, "work_state": null, "work_state_problem": null,
+            "health": health, "files": {}, "work_state": null, "work_state_problem": null,
         });
         let path = format!("/internal/v1/attempts/{}/outcome", a.id);
         match self
@@ -620,6 +657,125 @@ impl Worker {
                 tracing::warn!(error = %e, attempt = %a.id, "outcome unanswered past the lease");
                 AttemptEnd::Done
             }
+        }
+    }
+}
+
+/// The health step's limits from a claim (`null`: the source has none).
+fn health_limits(claim: &Value) -> Option<HealthLimits> {
+    let h = &claim["health"];
+    Some(HealthLimits {
+        interval: Duration::from_millis(h["interval_ms"].as_u64()?),
+        timeout: Duration::from_millis(h["timeout_ms"].as_u64()?),
+    })
+}
+
+/// The nodes a deploy's result says it changed; `None` when the result is
+/// not one (berth judges it; there is nothing to check).
+fn changed_nodes(root: &Path) -> Option<Vec<String>> {
+    let bytes = runner::read_result(root).ok()??;
+    let result: Value = serde_json::from_slice(&bytes).ok()?;
+    let nodes = result["nodes"].as_array()?;
+    Some(
+        nodes
+            .iter()
+            .filter(|n| n["changed"].as_bool() == Some(true))
+            .filter_map(|n| n["name"].as_str().map(str::to_string))
+            .collect(),
+    )
+}
+
+fn health_json(end: &HealthEnd) -> Value {
+    match end {
+        HealthEnd::Confirmed => json!({"end": "confirmed"}),
+        HealthEnd::Failed(detail) => json!({"end": "failed", "detail": detail}),
+        HealthEnd::Halted(HealthHalt::Cancel | HealthHalt::No) => {
+            json!({"end": "halted", "by": "cancel"})
+        }
+        HealthEnd::Halted(HealthHalt::Shutdown) => json!({"end": "halted", "by": "shutdown"}),
+    }
+}
+
+/// A worker's side of the health step: the deployer here, the lines and
+/// answers as progress items sent at once, the attempt's halt switch.
+struct WorkerHealth<'a> {
+    worker: &'a Worker,
+    attempt: &'a mut Attempt,
+    work_dir: PathBuf,
+    pending: &'a mut Vec<Value>,
+    next_seq: &'a mut u64,
+    sent_through: &'a mut u64,
+    halt: watch::Receiver<Halt>,
+    renewed: &'a mut watch::Receiver<Instant>,
+    /// Set when the attempt's authority ended during the step.
+    gone: Option<AttemptEnd>,
+}
+
+impl WorkerHealth<'_> {
+    fn push(&mut self, mut item: Value) {
+        item["seq"] = json!(*self.next_seq);
+        *self.next_seq += 1;
+        self.pending.push(item);
+    }
+
+    /// Sends what is pending (with the renewer's latest deadline).
+    async fn flush(&mut self) {
+        if let Ok(true) = self.renewed.has_changed() {
+            self.attempt.deadline = *self.renewed.borrow_and_update();
+        }
+        while self.gone.is_none() && !self.pending.is_empty() {
+            if let Err(end) = self
+                .worker
+                .send_progress(self.attempt, self.pending, self.sent_through)
+                .await
+            {
+                self.gone = Some(end);
+            }
+        }
+    }
+}
+
+impl HealthIo for WorkerHealth<'_> {
+    async fn call(&mut self, verb: &'static str, request: &Value, limit: Duration) -> CallEnd {
+        let call = OneCall {
+            verb,
+            request: request.to_string().into_bytes(),
+            work_dir: Some(self.work_dir.clone()),
+            timeout: limit,
+            grace: self.attempt.cancel_grace.min(Duration::from_secs(5)),
+        };
+        let scratch = self.worker.args.work_dir.join("scratch");
+        call.run(&self.worker.deployer, &scratch, None)
+            .await
+            .map_err(|e| format!("{e:?}"))
+    }
+
+    async fn lines(&mut self, lines: &[String]) {
+        for line in lines.iter().take(50) {
+            self.push(json!({"log": line}));
+        }
+        self.flush().await;
+    }
+
+    async fn answer(&mut self, attempt: u32, a: &Answer) {
+        self.push(json!({"health": {"node": a.node, "healthy": a.healthy, "reason": a.reason, "attempt": attempt}}));
+        self.flush().await;
+    }
+
+    fn halted(&self) -> HealthHalt {
+        if self.gone.is_some() {
+            return HealthHalt::Cancel;
+        }
+        match *self.halt.borrow() {
+            Halt::No => HealthHalt::No,
+            Halt::Cancel | Halt::Fenced => HealthHalt::Cancel,
+            Halt::Shutdown => HealthHalt::Shutdown,
+        }
+    }
+
+    async fn halt_changed(&mut self) {
+        if self.halt.changed().await.is_err() {
+            std::future::pending::<()>().await;
         }
     }
 }

@@ -651,12 +651,12 @@ fn append<'i>(
                 let data =
                     json!({"node": node, "healthy": healthy, "reason": reason, "attempt": attempt});
                 amid.push(Amid::Event(BuildEvent::Health, data.to_string()));
-                amid.push(Amid::Line(match reason {
-                    None => format!("[berth] health check {attempt}: node {node} is healthy"),
-                    Some(r) => {
-                        format!("[berth] health check {attempt}: node {node} is not healthy: {r}")
-                    }
-                }));
+                let answer = super::health::Answer {
+                    node: node.clone(),
+                    healthy: *healthy,
+                    reason: reason.clone(),
+                };
+                amid.push(Amid::Line(super::health::answer_line(*attempt, &answer)));
             }
         }
     }

@@ -390,50 +390,98 @@ impl Engine {
         permit: Option<tokio::sync::OwnedSemaphorePermit>,
         timeout: std::time::Duration,
     ) -> Result<(Ended, Result<Option<Vec<u8>>, String>, Vec<String>), Refusal> {
-        let call_id = crate::hex::encode(&uuid::Uuid::now_v7().as_u128().to_be_bytes());
-        let root = self.settings.scratch_root().join(format!("call-{call_id}"));
-        let dirs = CallDirs::create(root.clone()).map_err(|e| {
-            tracing::error!(error = %e, dir = %root.display(), "cannot create a scratch dir");
-            Refusal::Internal
-        })?;
-        let inv = Invocation {
-            verb,
-            request,
-            work_dir: work_dir.unwrap_or_else(|| dirs.scratch.clone()),
-            scratch_dir: dirs.scratch,
-            result_path: dirs.result_path,
-        };
-        let cannot_start = |e: std::io::Error| {
-            tracing::error!(error = %e, program = %self.deployer.program.display(), "cannot start the deployer");
-            Refusal::eval_unavailable(
-                EvalUnavailable::Crashed,
-                "the deployer cannot be started; the server log has the detail",
-            )
-        };
-        // describe and eval record no job: their gate opens at once.
-        let spawned = runner::spawn(&self.deployer, &inv).map(|mut spawned| {
-            spawned.start();
-            spawned
-        });
-        let spawned = match spawned {
-            Ok(spawned) => spawned,
-            Err(e) => {
-                let _ = std::fs::remove_dir_all(&root);
-                return Err(cannot_start(e));
-            }
-        };
         let grace = self
             .settings
             .cancel_grace
             .min(std::time::Duration::from_secs(5));
-        let task = tokio::spawn(async move {
+        let call = OneCall {
+            verb,
+            request,
+            work_dir,
+            timeout,
+            grace,
+        };
+        call.run(&self.deployer, &self.settings.scratch_root(), permit)
+            .await
+            .map_err(|e| match e {
+                CallError::Setup(e) => {
+                    tracing::error!(error = %e, "cannot create a scratch dir");
+                    Refusal::Internal
+                }
+                CallError::Spawn(e) => {
+                    tracing::error!(error = %e, program = %self.deployer.program.display(), "cannot start the deployer");
+                    Refusal::eval_unavailable(
+                        EvalUnavailable::Crashed,
+                        "the deployer cannot be started; the server log has the detail",
+                    )
+                }
+                CallError::Task(e) => {
+                    tracing::error!(error = %e, "a deployer call's task stopped");
+                    Refusal::Internal
+                }
+            })
+    }
+}
+
+/// One deployer call that records no job (describe, eval, a health
+/// step's check and confirm), the same for berth and a worker: its own
+/// scratch dir under `scratch_root`, its time limit, its output kept.
+pub struct OneCall {
+    pub verb: &'static str,
+    pub request: Vec<u8>,
+    /// Its `BERTH_WORK_DIR` (a scratch dir of its own when `None`).
+    pub work_dir: Option<std::path::PathBuf>,
+    pub timeout: std::time::Duration,
+    /// SIGTERM to SIGKILL when it runs past `timeout`.
+    pub grace: std::time::Duration,
+}
+
+/// Why a call did not run to an end.
+#[derive(Debug)]
+pub enum CallError {
+    Setup(std::io::Error),
+    Spawn(std::io::Error),
+    Task(tokio::task::JoinError),
+}
+
+impl OneCall {
+    /// Runs it: how it ended, its result file, its first output lines.
+    /// `permit` (an eval slot) is held until the call ends, even when the
+    /// caller stops waiting for it.
+    pub async fn run(
+        self,
+        deployer: &runner::DeployerCommand,
+        scratch_root: &std::path::Path,
+        permit: Option<tokio::sync::OwnedSemaphorePermit>,
+    ) -> Result<(Ended, Result<Option<Vec<u8>>, String>, Vec<String>), CallError> {
+        let call_id = crate::hex::encode(&uuid::Uuid::now_v7().as_u128().to_be_bytes());
+        let root = scratch_root.join(format!("call-{call_id}"));
+        let dirs = CallDirs::create(root.clone()).map_err(CallError::Setup)?;
+        let inv = Invocation {
+            verb: self.verb,
+            request: self.request,
+            work_dir: self.work_dir.unwrap_or_else(|| dirs.scratch.clone()),
+            scratch_dir: dirs.scratch,
+            result_path: dirs.result_path,
+        };
+        // These calls record no job: their gate opens at once.
+        let spawned = match runner::spawn(deployer, &inv) {
+            Ok(mut spawned) => {
+                spawned.start();
+                spawned
+            }
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&root);
+                return Err(CallError::Spawn(e));
+            }
+        };
+        let (timeout, grace) = (self.timeout, self.grace);
+        tokio::spawn(async move {
             let _slot = permit;
             run_call(spawned, timeout, grace, root).await
-        });
-        task.await.map_err(|e| {
-            tracing::error!(error = %e, "a deployer call's task stopped");
-            Refusal::Internal
         })
+        .await
+        .map_err(CallError::Task)
     }
 }
 

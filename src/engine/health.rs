@@ -71,14 +71,242 @@ struct NodeHealth {
 }
 
 /// One node's answer, as the event and the log line show it.
-struct Answer {
-    node: String,
-    healthy: bool,
-    reason: Option<String>,
+pub struct Answer {
+    pub node: String,
+    pub healthy: bool,
+    pub reason: Option<String>,
 }
 
 fn cut(text: &str) -> String {
     text.chars().take(MAX_HEALTH_REASON_CHARS).collect()
+}
+
+/// How one `check` or `confirm` call ended: its end, its result file, its
+/// first output lines; `Err` when it could not be started.
+pub type CallEnd = Result<(Ended, Result<Option<Vec<u8>>, String>, Vec<String>), String>;
+
+/// What the health step needs from whoever runs it: berth's embedded
+/// worker (the build's log pipe) or a remote worker (its progress
+/// batches). The step itself, its order and its verdict are one.
+pub trait HealthIo {
+    /// One deployer call (`check`, `confirm`) within `limit`.
+    fn call(
+        &mut self,
+        verb: &'static str,
+        request: &Value,
+        limit: Duration,
+    ) -> impl std::future::Future<Output = CallEnd> + Send;
+    /// Lines into the build's log.
+    fn lines(&mut self, lines: &[String]) -> impl std::future::Future<Output = ()> + Send;
+    /// One node's answer: its `health` event, then its log line.
+    fn answer(&mut self, attempt: u32, a: &Answer) -> impl std::future::Future<Output = ()> + Send;
+    /// Who stopped the build, if anyone did.
+    fn halted(&self) -> Halt;
+    /// Returns when `halted` may have changed.
+    fn halt_changed(&mut self) -> impl std::future::Future<Output = ()> + Send;
+}
+
+/// The health step's two limits (`--health-interval`, `--health-timeout`).
+#[derive(Debug, Clone, Copy)]
+pub struct HealthLimits {
+    pub interval: Duration,
+    pub timeout: Duration,
+}
+
+/// Runs the health step for the nodes a deploy changed. `request` is the
+/// deploy's request.
+pub async fn health_step(
+    io: &mut impl HealthIo,
+    limits: HealthLimits,
+    request: &Value,
+    changed: Vec<String>,
+) -> HealthEnd {
+    let HealthLimits { interval, timeout } = limits;
+    let deadline = tokio::time::Instant::now() + timeout;
+    if timeout.is_zero() {
+        // Checks are off, but a deployer that armed a revert still hears
+        // `confirm`: turning checks off must not make every deploy go
+        // back by itself.
+        io.lines(&[
+            "[berth] health checks are off (--health-timeout 0): confirming at once".to_string(),
+        ])
+        .await;
+        return confirm(io, request, &changed).await;
+    }
+    io.lines(&[format!(
+        "[berth] health step: checking {} changed node(s) every {}s for up to {}s",
+        changed.len(),
+        interval.as_secs_f64(),
+        timeout.as_secs()
+    )])
+    .await;
+    let mut attempt: u32 = 1;
+    loop {
+        let halted = io.halted();
+        if halted != Halt::No {
+            return HealthEnd::Halted(halted);
+        }
+        let mut call = request.clone();
+        call["nodes"] = json!(changed);
+        call["attempt"] = json!(attempt);
+        let answers = check(io, &call, &changed, interval).await;
+        for answer in &answers {
+            io.answer(attempt, answer).await;
+        }
+        match answers.iter().find(|a| !a.healthy) {
+            None => return confirm(io, request, &changed).await,
+            Some(a) if tokio::time::Instant::now() + interval > deadline => {
+                let reason = a.reason.as_deref().unwrap_or("unhealthy");
+                return HealthEnd::Failed(cut(&format!(
+                    "node {} was not healthy within --health-timeout: {reason}",
+                    a.node
+                )));
+            }
+            Some(_) => {}
+        }
+        // The next check, unless a cancel comes first.
+        tokio::select! {
+            _ = tokio::time::sleep(interval) => {}
+            _ = io.halt_changed() => {}
+        }
+        attempt = attempt.saturating_add(1);
+    }
+}
+
+/// One `check` call: an answer for every changed node (a node the
+/// deployer did not answer for, a call that failed or timed out, all count
+/// as unhealthy, with the reason).
+async fn check(
+    io: &mut impl HealthIo,
+    request: &Value,
+    changed: &[String],
+    timeout: Duration,
+) -> Vec<Answer> {
+    let all_unhealthy = |reason: &str| {
+        changed
+            .iter()
+            .map(|node| Answer {
+                node: node.clone(),
+                healthy: false,
+                reason: Some(reason.to_string()),
+            })
+            .collect::<Vec<_>>()
+    };
+    let (ended, result, output) = match io.call("check", request, timeout).await {
+        Ok(c) => c,
+        Err(_) => return all_unhealthy("the deployer's check could not be started"),
+    };
+    io.lines(&output).await;
+    let parsed = match (ended, result) {
+        (Ended::Exit(0), Ok(Some(bytes))) => serde_json::from_slice::<CheckResult>(&bytes)
+            .map_err(|_| "the deployer's check result breaks the protocol"),
+        (Ended::Timeout, _) => return all_unhealthy("check_timeout"),
+        _ => Err("the deployer's check failed"),
+    };
+    let result = match parsed {
+        Ok(r) => r,
+        Err(why) => return all_unhealthy(why),
+    };
+    changed
+        .iter()
+        .map(|node| match result.nodes.iter().find(|n| &n.name == node) {
+            Some(n) => Answer {
+                node: node.clone(),
+                healthy: n.healthy,
+                reason: if n.healthy {
+                    None
+                } else {
+                    Some(cut(n.reason.as_deref().unwrap_or("unhealthy")))
+                },
+            },
+            None => Answer {
+                node: node.clone(),
+                healthy: false,
+                reason: Some("the check gave no answer for this node".into()),
+            },
+        })
+        .collect()
+}
+
+/// `confirm`: the deployer makes the new state permanent.
+async fn confirm(io: &mut impl HealthIo, request: &Value, changed: &[String]) -> HealthEnd {
+    let mut call = request.clone();
+    call["nodes"] = json!(changed);
+    let failed = match io.call("confirm", &call, CONFIRM_TIME_LIMIT).await {
+        Ok((ended, result, output)) => {
+            io.lines(&output).await;
+            confirm_failure(ended, result.is_ok_and(|r| r.is_some()))
+        }
+        Err(_) => Some("the deployer's confirm could not be started".to_string()),
+    };
+    match failed {
+        None => {
+            io.lines(&[
+                "[berth] health step: every changed node is healthy; confirmed".to_string(),
+            ])
+            .await;
+            HealthEnd::Confirmed
+        }
+        Some(why) => {
+            io.lines(&[format!("[berth] health step: {why}")]).await;
+            HealthEnd::Failed(why)
+        }
+    }
+}
+
+/// A health answer's log line.
+pub fn answer_line(attempt: u32, a: &Answer) -> String {
+    match &a.reason {
+        None => format!("[berth] health check {attempt}: node {} is healthy", a.node),
+        Some(reason) => format!(
+            "[berth] health check {attempt}: node {} is not healthy: {reason}",
+            a.node
+        ),
+    }
+}
+
+/// The embedded worker's side of the health step: its log pipe.
+struct PipeHealth<'a> {
+    engine: &'a Arc<Engine>,
+    build: BuildId,
+    work_dir: std::path::PathBuf,
+    pipe: &'a mut LogPipe,
+    cancel: &'a mut watch::Receiver<Halt>,
+}
+
+impl HealthIo for PipeHealth<'_> {
+    async fn call(&mut self, verb: &'static str, request: &Value, limit: Duration) -> CallEnd {
+        self.engine
+            .call_within(
+                verb,
+                request.to_string().into_bytes(),
+                Some(self.work_dir.clone()),
+                None,
+                limit,
+            )
+            .await
+            .map_err(|e| e.describe())
+    }
+
+    async fn lines(&mut self, lines: &[String]) {
+        self.engine.log_lines(self.pipe, lines).await;
+    }
+
+    async fn answer(&mut self, attempt: u32, a: &Answer) {
+        self.engine
+            .health_event(self.build, attempt, a, self.pipe)
+            .await;
+    }
+
+    fn halted(&self) -> Halt {
+        *self.cancel.borrow()
+    }
+
+    async fn halt_changed(&mut self) {
+        if self.cancel.changed().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    }
 }
 
 impl Engine {
@@ -92,176 +320,18 @@ impl Engine {
         pipe: &mut LogPipe,
         cancel: &mut watch::Receiver<Halt>,
     ) -> HealthEnd {
-        let interval = self.settings.health_interval;
-        let deadline = tokio::time::Instant::now() + self.settings.health_timeout;
-        let work_dir = self.settings.work_dir(&build.deployment);
-        if self.settings.health_timeout.is_zero() {
-            // Checks are off, but a deployer that armed a revert still
-            // hears `confirm`: turning checks off must not make every
-            // deploy go back by itself.
-            self.log_lines(
-                pipe,
-                &[
-                    "[berth] health checks are off (--health-timeout 0): confirming at once"
-                        .to_string(),
-                ],
-            )
-            .await;
-            return self.confirm(request, &changed, work_dir, pipe).await;
-        }
-        self.log_lines(
+        let limits = HealthLimits {
+            interval: self.settings.health_interval,
+            timeout: self.settings.health_timeout,
+        };
+        let mut io = PipeHealth {
+            engine: self,
+            build: build.id,
+            work_dir: self.settings.work_dir(&build.deployment),
             pipe,
-            &[format!(
-                "[berth] health step: checking {} changed node(s) every {}s for up to {}s",
-                changed.len(),
-                interval.as_secs_f64(),
-                self.settings.health_timeout.as_secs()
-            )],
-        )
-        .await;
-        let mut attempt: u32 = 1;
-        loop {
-            let halted = *cancel.borrow();
-            if halted != Halt::No {
-                return HealthEnd::Halted(halted);
-            }
-            let mut check = request.clone();
-            check["nodes"] = json!(changed);
-            check["attempt"] = json!(attempt);
-            let answers = self
-                .check(&check, &changed, work_dir.clone(), interval, pipe)
-                .await;
-            for answer in &answers {
-                self.health_event(build.id, attempt, answer, pipe).await;
-            }
-            let first_unhealthy = answers.iter().find(|a| !a.healthy);
-            match first_unhealthy {
-                None => return self.confirm(request, &changed, work_dir, pipe).await,
-                Some(a) if tokio::time::Instant::now() + interval > deadline => {
-                    let reason = a.reason.as_deref().unwrap_or("unhealthy");
-                    return HealthEnd::Failed(cut(&format!(
-                        "node {} was not healthy within --health-timeout: {reason}",
-                        a.node
-                    )));
-                }
-                Some(_) => {}
-            }
-            // The next check, unless a cancel comes first.
-            tokio::select! {
-                _ = tokio::time::sleep(interval) => {}
-                _ = cancel.changed() => {}
-            }
-            attempt = attempt.saturating_add(1);
-        }
-    }
-
-    /// One `check` call: an answer for every changed node (a node the
-    /// deployer did not answer for, a call that failed or timed out, all
-    /// count as unhealthy, with the reason).
-    async fn check(
-        &self,
-        request: &Value,
-        changed: &[String],
-        work_dir: std::path::PathBuf,
-        timeout: Duration,
-        pipe: &mut LogPipe,
-    ) -> Vec<Answer> {
-        let all_unhealthy = |reason: &str| {
-            changed
-                .iter()
-                .map(|node| Answer {
-                    node: node.clone(),
-                    healthy: false,
-                    reason: Some(reason.to_string()),
-                })
-                .collect::<Vec<_>>()
+            cancel,
         };
-        let called = self
-            .call_within(
-                "check",
-                request.to_string().into_bytes(),
-                Some(work_dir),
-                None,
-                timeout,
-            )
-            .await;
-        let (ended, result, output) = match called {
-            Ok(c) => c,
-            Err(_) => return all_unhealthy("the deployer's check could not be started"),
-        };
-        self.log_lines(pipe, &output).await;
-        let parsed = match (ended, result) {
-            (Ended::Exit(0), Ok(Some(bytes))) => serde_json::from_slice::<CheckResult>(&bytes)
-                .map_err(|_| "the deployer's check result breaks the protocol"),
-            (Ended::Timeout, _) => return all_unhealthy("check_timeout"),
-            _ => Err("the deployer's check failed"),
-        };
-        let result = match parsed {
-            Ok(r) => r,
-            Err(why) => return all_unhealthy(why),
-        };
-        changed
-            .iter()
-            .map(|node| match result.nodes.iter().find(|n| &n.name == node) {
-                Some(n) => Answer {
-                    node: node.clone(),
-                    healthy: n.healthy,
-                    reason: if n.healthy {
-                        None
-                    } else {
-                        Some(cut(n.reason.as_deref().unwrap_or("unhealthy")))
-                    },
-                },
-                None => Answer {
-                    node: node.clone(),
-                    healthy: false,
-                    reason: Some("the check gave no answer for this node".into()),
-                },
-            })
-            .collect()
-    }
-
-    /// `confirm`: the deployer makes the new state permanent.
-    async fn confirm(
-        &self,
-        request: &Value,
-        changed: &[String],
-        work_dir: std::path::PathBuf,
-        pipe: &mut LogPipe,
-    ) -> HealthEnd {
-        let mut confirm = request.clone();
-        confirm["nodes"] = json!(changed);
-        let called = self
-            .call_within(
-                "confirm",
-                confirm.to_string().into_bytes(),
-                Some(work_dir),
-                None,
-                CONFIRM_TIME_LIMIT,
-            )
-            .await;
-        let failed = match called {
-            Ok((ended, result, output)) => {
-                self.log_lines(pipe, &output).await;
-                confirm_failure(ended, result.is_ok_and(|r| r.is_some()))
-            }
-            Err(_) => Some("the deployer's confirm could not be started".to_string()),
-        };
-        match failed {
-            None => {
-                self.log_lines(
-                    pipe,
-                    &["[berth] health step: every changed node is healthy; confirmed".to_string()],
-                )
-                .await;
-                HealthEnd::Confirmed
-            }
-            Some(why) => {
-                self.log_lines(pipe, &[format!("[berth] health step: {why}")])
-                    .await;
-                HealthEnd::Failed(why)
-            }
-        }
+        health_step(&mut io, limits, request, changed).await
     }
 
     /// Lines of berth's own (or of a check's output, cut) into the log.
@@ -306,14 +376,7 @@ impl Engine {
                 tracing::error!(error = %e, build = %format_build_id(build), "cannot store a health event; its answer is in the log only");
             }
         }
-        let line = match &a.reason {
-            None => format!("[berth] health check {attempt}: node {} is healthy", a.node),
-            Some(reason) => format!(
-                "[berth] health check {attempt}: node {} is not healthy: {reason}",
-                a.node
-            ),
-        };
-        self.log_lines(pipe, &[line]).await;
+        self.log_lines(pipe, &[answer_line(attempt, a)]).await;
     }
 }
 

@@ -669,3 +669,77 @@ async fn worker_tokens_reach_only_their_routes_and_the_service_token_not_theirs(
         "{out}"
     );
 }
+
+/// A deployer with a health step: `web` unhealthy at the first check,
+/// healthy from the second; confirms are counted in `<ctrl>/confirms`.
+fn health_deployer(dir: &Path) -> (PathBuf, PathBuf) {
+    let ctrl = dir.join("ctrl");
+    std::fs::create_dir_all(&ctrl).unwrap();
+    let c = ctrl.display();
+    let body = format!(
+        r#"verb="$1"
+cat >/dev/null
+case "$verb" in
+describe) printf '%s' '{{"methods":["local"],"default_method":"local","actions":{{}},"catalog":[],"schema":null,"verbs":["check","confirm"]}}' > "$BERTH_RESULT";;
+eval) printf '%s' '{{"nodes":[{{"name":"web","names":[],"fingerprint":"f"}}]}}' > "$BERTH_RESULT";;
+deploy) echo "deploying web"; printf '%s' '{{"nodes":[{{"name":"web","changed":true,"fingerprint":"f"}}]}}' > "$BERTH_RESULT";;
+check)
+  n=$(cat {c}/checks 2>/dev/null || echo 0); n=$((n+1)); echo $n > {c}/checks
+  if [ $n -ge 2 ]; then h=true; else h=false; fi
+  printf '{{"nodes":[{{"name":"web","healthy":%s,"reason":"web.service failed"}}]}}' $h > "$BERTH_RESULT";;
+confirm) echo confirmed >> {c}/confirms; printf '{{}}' > "$BERTH_RESULT";;
+destroy) printf '{{}}' > "$BERTH_RESULT";;
+esac
+"#
+    );
+    (script(dir, "health.sh", &body), ctrl)
+}
+
+#[tokio::test]
+async fn a_worker_runs_the_health_step_and_berth_stores_its_answers() {
+    let dir = temp_dir("worker-health");
+    let (deployer, ctrl) = health_deployer(&dir);
+    let opts = Options::default()
+        .deployer(&deployer)
+        .arg("--local-worker")
+        .arg("off")
+        .arg("--health-interval")
+        .arg("1s");
+    let s = Server::start_in(dir.join("berth"), opts).await;
+    let (_, token_file) = worker_token(&s, "w1").await;
+    let _worker = Worker::start(&s, &token_file, &dir.join("w1"), &deployer);
+    let build = s.submit_ok("alice", json!({"n": 1})).await;
+    let done = s.wait_build(&build, "final").await;
+    assert_eq!(done["status"], "succeeded", "{done}");
+    assert_eq!(
+        std::fs::read_to_string(ctrl.join("confirms")).unwrap(),
+        "confirmed\n"
+    );
+    let log = s.log_text(&build).await;
+    assert!(
+        log.contains("[berth] health check 1: node web is not healthy: web.service failed"),
+        "{log}"
+    );
+    assert!(
+        log.contains("[berth] health check 2: node web is healthy"),
+        "{log}"
+    );
+    assert!(
+        log.contains("every changed node is healthy; confirmed"),
+        "{log}"
+    );
+    let events = events_of(&s, &build).await;
+    let health: Vec<Value> = events
+        .iter()
+        .filter(|e| e.event == "health")
+        .map(|e| serde_json::from_str(&e.data).unwrap())
+        .collect();
+    assert_eq!(health.len(), 2, "{events:?}");
+    assert_eq!(
+        (
+            health[0]["healthy"].as_bool(),
+            health[1]["healthy"].as_bool()
+        ),
+        (Some(false), Some(true))
+    );
+}
