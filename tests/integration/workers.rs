@@ -12,12 +12,13 @@ use serde_json::{json, Value};
 use crate::harness::*;
 
 /// A deployer whose deploy writes its pid, says `start`, prints `tick N`
-/// every 50 ms until `<gates>/<deployment>` exists, then says `end`.
+/// every 50 ms until `<gates>/<deployment>` exists, then says `end`. It
+/// ignores SIGPIPE, as a long build would, so it outlives a killed worker.
 fn ticking_deployer(dir: &Path) -> (PathBuf, PathBuf) {
     let gates = dir.join("gates");
     std::fs::create_dir_all(&gates).unwrap();
     let body = format!(
-        "{SCRIPT_PRELUDE}\necho $$ > {g}/$dep.pid\necho \"start $verb $dep\"\nn=0\nwhile [ ! -e {g}/$dep ]; do n=$((n+1)); echo \"tick $n\"; sleep 0.05; done\nrm -f {g}/$dep\necho \"end $verb $dep\"\nprintf '%s' '{{\"nodes\":[]}}' > \"$BERTH_RESULT\"\n",
+        "{SCRIPT_PRELUDE}\ntrap '' PIPE\necho $$ > {g}/$dep.pid\necho \"start $verb $dep\"\nn=0\nwhile [ ! -e {g}/$dep ]; do n=$((n+1)); echo \"tick $n\"; sleep 0.05; done\nrm -f {g}/$dep\necho \"end $verb $dep\"\nprintf '%s' '{{\"nodes\":[]}}' > \"$BERTH_RESULT\"\n",
         g = gates.display()
     );
     (script(dir, "ticking.sh", &body), gates)
@@ -742,4 +743,149 @@ async fn a_worker_runs_the_health_step_and_berth_stores_its_answers() {
         ),
         (Some(false), Some(true))
     );
+}
+
+#[tokio::test]
+async fn a_killed_worker_loses_its_build_and_restarted_stops_the_orphan_and_runs_the_next() {
+    let dir = temp_dir("worker-killed");
+    let (deployer, gates) = ticking_deployer(&dir);
+    let s = server(&dir, &deployer).await;
+    let (_, token_file) = worker_token(&s, "w1").await;
+    let mut worker = Worker::start(&s, &token_file, &dir.join("w1"), &deployer);
+    let build = s.submit_ok("alice", json!({"n": 1})).await;
+    let running = s.wait_build(&build, "running").await;
+    let first_incarnation = running["attempt"]["worker_incarnation"].clone();
+    eventually("the deployer started", || async {
+        gates.join("alice.pid").exists()
+    })
+    .await;
+    let orphan: i32 = std::fs::read_to_string(gates.join("alice.pid"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    worker.child.kill().unwrap();
+    worker.child.wait().unwrap();
+    let lost = s.wait_build(&build, "final").await;
+    assert_eq!(lost["failure"]["reason"], "lost_attempt", "{lost}");
+    // Lost by the sweep within a second of the lease's end (berth's clock).
+    let expired =
+        berth::model::parse_time(lost["attempt"]["lease_expires_at"].as_str().unwrap()).unwrap();
+    let finished = berth::model::parse_time(lost["finished_at"].as_str().unwrap()).unwrap();
+    assert!(
+        (0..=1_500).contains(&(finished - expired)),
+        "lost {} ms after the lease",
+        finished - expired
+    );
+    let (_, builds) = s.json("/v1/deployments/alice/builds").await;
+    assert_eq!(
+        builds["items"].as_array().unwrap().len(),
+        1,
+        "no rollback queued: {builds}"
+    );
+    assert!(
+        pid_alive(orphan),
+        "kill -9 of the worker leaves its deployer running"
+    );
+    std::fs::remove_file(gates.join("alice.pid")).unwrap();
+    // The same work dir: the orphan is stopped before the first call.
+    let _again = Worker::start(&s, &token_file, &dir.join("w1"), &deployer);
+    eventually("the orphaned deployer stopped", || async {
+        !pid_alive(orphan)
+    })
+    .await;
+    let next = s.submit_ok("alice", json!({"n": 2})).await;
+    let running = s.wait_build(&next, "running").await;
+    assert_ne!(running["attempt"]["worker_incarnation"], first_incarnation);
+    eventually("the next deployer started", || async {
+        gates.join("alice.pid").exists()
+    })
+    .await;
+    open_gate(&gates, "alice");
+    assert_eq!(s.wait_build(&next, "final").await["status"], "succeeded");
+}
+
+/// A proxy between a worker and berth that forwards every request and
+/// drops every `nth` answer (closing the connection instead).
+async fn dropping_proxy(upstream: String, nth: u64) -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let answers = Arc::new(AtomicU64::new(0));
+    let upstream = upstream.trim_start_matches("http://").to_string();
+    tokio::spawn(async move {
+        loop {
+            let Ok((client, _)) = listener.accept().await else {
+                return;
+            };
+            let (answers, upstream) = (answers.clone(), upstream.clone());
+            tokio::spawn(async move {
+                let Ok(server) = tokio::net::TcpStream::connect(&upstream).await else {
+                    return;
+                };
+                let (mut cr, mut cw) = client.into_split();
+                let (mut sr, mut sw) = server.into_split();
+                let up = tokio::spawn(async move {
+                    let _ = tokio::io::copy(&mut cr, &mut sw).await;
+                });
+                let mut buf = vec![0u8; 64 * 1024];
+                loop {
+                    let n = match sr.read(&mut buf).await {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => n,
+                    };
+                    if answers.fetch_add(1, Ordering::SeqCst) % nth == nth - 1 {
+                        break;
+                    }
+                    if cw.write_all(&buf[..n]).await.is_err() {
+                        break;
+                    }
+                }
+                up.abort();
+            });
+        }
+    });
+    format!("http://{addr}")
+}
+
+#[tokio::test]
+async fn answers_dropped_on_the_way_back_are_resent_and_every_line_lands_once_in_order() {
+    let dir = temp_dir("worker-dropped");
+    let (deployer, gates) = ticking_deployer(&dir);
+    let s = server(&dir, &deployer).await;
+    let (_, token_file) = worker_token(&s, "w1").await;
+    let proxy = dropping_proxy(s.base.clone(), 3).await;
+    let mut behind = Server::unstarted(dir.join("unused"), Options::default());
+    behind.base = proxy;
+    let worker = Worker::start(&behind, &token_file, &dir.join("w1"), &deployer);
+    let build = s.submit_ok("alice", json!({"n": 1})).await;
+    s.wait_build(&build, "running").await;
+    eventually("many ticks stored", || async {
+        s.log_text(&build)
+            .await
+            .lines()
+            .filter(|l| l.starts_with("tick "))
+            .count()
+            >= 40
+    })
+    .await;
+    open_gate(&gates, "alice");
+    let done = s.wait_build(&build, "final").await;
+    assert_eq!(done["status"], "succeeded", "{done}\n{}", worker.log());
+    let log = s.log_text(&build).await;
+    let ticks: Vec<u64> = log
+        .lines()
+        .filter_map(|l| l.strip_prefix("tick ")?.parse().ok())
+        .collect();
+    assert_eq!(
+        ticks,
+        (1..=ticks.len() as u64).collect::<Vec<_>>(),
+        "every line once, in order"
+    );
+    assert_eq!(log.lines().filter(|l| *l == "end deploy alice").count(), 1);
+    assert_eq!(done["attempt"]["fence"], 1, "one attempt");
+    let events = events_of(&s, &build).await;
+    assert_eq!(events.iter().filter(|e| e.event == "end").count(), 1);
 }
