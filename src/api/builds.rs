@@ -65,7 +65,10 @@ pub fn read(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
     // workers.md "What berth shows": the labels it needs, its worker, its attempt.
     shown["labels"] = serde_json::json!(ctx.engine.settings.build_labels.0);
     shown["worker"] = serde_json::json!(attempt.as_ref().map(|a| a.worker.clone()));
-    if let Some(a) = &attempt {
+    if let Some(a) = attempt
+        .as_ref()
+        .filter(|a| a.worker != crate::authority::LOCAL_WORKER)
+    {
         shown["job_id"] = serde_json::json!(format!(
             "attempt:{}",
             crate::authority::attempt_id(a.build, a.fence)

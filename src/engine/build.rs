@@ -32,10 +32,10 @@ impl Engine {
     pub(super) async fn run_build(self: Arc<Self>, build_id: BuildId) {
         let (cancel_tx, cancel_rx) = watch::channel(Halt::No);
         self.cancels.held().insert(build_id, cancel_tx);
-        let hub = self.hub.clone();
+        let (hub, incarnation) = (self.hub.clone(), self.incarnation.clone());
         let started = self
             .store
-            .write(move |tx| start_tx(tx, &hub, build_id))
+            .write(move |tx| start_tx(tx, &hub, build_id, &incarnation))
             .await;
         let (build, snaps) = match started {
             Ok(Some(started)) => started,
@@ -454,12 +454,15 @@ async fn forward_halt(mut cancel: watch::Receiver<Halt>, stop: watch::Sender<boo
     }
 }
 
-/// The start's write job: a build still queued becomes running; `None`
-/// when it is not queued any more (cancelled meanwhile) or has no deployment.
+/// The start's write job: a build still queued becomes running, claimed
+/// by the embedded worker (`incarnation`) as an attempt without a lease;
+/// `None` when it is not queued any more (cancelled, or claimed by a
+/// worker, meanwhile) or has no deployment.
 pub fn start_tx(
     tx: &Tx,
     hub: &Arc<Hub>,
     build_id: BuildId,
+    incarnation: &str,
 ) -> StoreResult<Option<(BuildRecord, BuildSnapshots)>> {
     let Some(mut b) = tx.build(build_id)? else {
         return Ok(None);
@@ -474,7 +477,18 @@ pub fn start_tx(
     if d.running.is_some() {
         return Ok(None);
     }
-    let snaps = Change::new(tx, hub).start(&mut d, &mut b)?;
+    let change = Change::new(tx, hub);
+    let snaps = change.start(&mut d, &mut b)?;
+    let last_fence = tx.last_attempt(build_id)?.map_or(0, |a| a.fence);
+    tx.put_attempt(&crate::authority::new_attempt(
+        build_id,
+        &b.deployment,
+        crate::authority::LOCAL_WORKER,
+        incarnation,
+        last_fence,
+        change.now(),
+        None,
+    ))?;
     Ok(Some((b, snaps)))
 }
 
@@ -520,5 +534,18 @@ pub fn finish_tx(tx: &Tx, hub: &Arc<Hub>, build_id: BuildId, f: &Arc<Finished>) 
         publish.committed(build_id, last_seq_used);
     });
     let mut d = tx.deployment(&b.deployment)?;
+    end_attempt(tx, build_id, AttemptState::Ended)?;
     Change::new(tx, hub).finish(d.as_mut(), &mut b, f.end.clone(), &f.nodes)
+}
+
+/// A build's active attempt ends with it (`Ended`), or with the berth that
+/// ran it (`Interrupted`); a lost one stays lost.
+pub fn end_attempt(tx: &Tx, build_id: BuildId, state: AttemptState) -> StoreResult<()> {
+    if let Some(mut a) = tx.last_attempt(build_id)? {
+        if a.state == AttemptState::Active {
+            a.state = state;
+            tx.put_attempt(&a)?;
+        }
+    }
+    Ok(())
 }

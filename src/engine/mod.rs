@@ -124,6 +124,9 @@ pub struct Engine {
     /// Anonymous denials folded per `--audit-denial-interval`.
     denials: audit::Denials,
     stop: watch::Sender<bool>,
+    /// The embedded worker's incarnation: drawn at each start, so a
+    /// restart is "the old incarnation's attempts end" (workers.md).
+    pub incarnation: String,
 }
 
 /// The source berth uses for its embedded `local` deployer when no
@@ -226,7 +229,12 @@ impl Engine {
             None => (builtin_source(), false),
         };
         let callback_rule = CallbackRule::new(&settings.callback_origin)?;
+        let mut random = [0u8; 16];
+        getrandom::fill(&mut random)
+            .map_err(|e| format!("no randomness for the incarnation: {e}"))?;
+        let incarnation = format!("local-{}", crate::hex::encode(&random));
         Ok(Arc::new(Engine {
+            incarnation,
             callback_rule,
             eval_slots: Arc::new(Semaphore::new(settings.eval_slots)),
             settings,

@@ -101,6 +101,8 @@ pub fn recover_tx(tx: &Tx, hub: &Arc<Hub>, build_id: BuildId) -> StoreResult<Opt
     // Lines up to the reservation may have been sent live.
     b.event_seq = b.event_seq.max(b.seq_reserved);
     let mut d = tx.deployment(&b.deployment)?;
+    // The old incarnation's attempt ends with it.
+    super::build::end_attempt(tx, build_id, AttemptState::Interrupted)?;
     Change::new(tx, hub).finish(
         d.as_mut(),
         &mut b,

@@ -889,3 +889,42 @@ async fn answers_dropped_on_the_way_back_are_resent_and_every_line_lands_once_in
     let events = events_of(&s, &build).await;
     assert_eq!(events.iter().filter(|e| e.event == "end").count(), 1);
 }
+
+#[tokio::test]
+async fn the_embedded_worker_runs_builds_as_attempts_that_a_restart_interrupts() {
+    let (mut s, gates, running) = server_with_a_running_build("worker-local", "alice").await;
+    let b = s.build(&running).await;
+    assert_eq!(b["worker"], "local", "{b}");
+    assert_eq!(
+        (
+            b["attempt"]["fence"].as_u64(),
+            b["attempt"]["state"].as_str()
+        ),
+        (Some(1), Some("active"))
+    );
+    assert!(
+        b["attempt"]["lease_expires_at"].is_null(),
+        "no lease on a single node"
+    );
+    assert!(b["attempt"]["worker_incarnation"]
+        .as_str()
+        .unwrap()
+        .starts_with("local-"));
+    s.kill();
+    s.launch().await;
+    let b = s.build(&running).await;
+    assert_eq!(b["failure"]["reason"], "interrupted_by_restart", "{b}");
+    assert_eq!(b["attempt"]["state"], "interrupted");
+    let next = s.submit_ok("alice", json!({"n": 2})).await;
+    let r = s.wait_build(&next, "running").await;
+    assert_ne!(
+        r["attempt"]["worker_incarnation"],
+        b["attempt"]["worker_incarnation"]
+    );
+    open_gate(&gates, "alice");
+    let done = s.wait_build(&next, "final").await;
+    assert_eq!(
+        (done["status"].as_str(), done["attempt"]["state"].as_str()),
+        (Some("succeeded"), Some("ended"))
+    );
+}

@@ -204,7 +204,7 @@ fn each_change_keeps_the_deployment_in_step() {
 
         let h = hub.clone();
         let (running, snaps) = store
-            .write(move |tx| start_tx(tx, &h, first.build.id))
+            .write(move |tx| start_tx(tx, &h, first.build.id, "local-test"))
             .await
             .unwrap()
             .unwrap();
@@ -235,7 +235,7 @@ fn each_change_keeps_the_deployment_in_step() {
             .unwrap();
         let h = hub.clone();
         store
-            .write(move |tx| start_tx(tx, &h, destroy.build_id))
+            .write(move |tx| start_tx(tx, &h, destroy.build_id, "local-test"))
             .await
             .unwrap()
             .unwrap();
@@ -400,7 +400,10 @@ async fn run_ops(store: &Store, hub: &Arc<Hub>, ops: &[Op]) -> Vec<BuildId> {
                         .is_some_and(|d| d.running.is_none())
                 });
                 if let Some((id, _)) = next {
-                    store.write(move |tx| start_tx(tx, &h, id)).await.unwrap();
+                    store
+                        .write(move |tx| start_tx(tx, &h, id, "local-test"))
+                        .await
+                        .unwrap();
                 }
             }
             Op::Finish { pick, status } => {
