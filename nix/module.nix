@@ -1,5 +1,6 @@
 # NixOS module for berth: a hardened service, the daily audit verify and the
-# periodic audit head push.
+# periodic audit head push; and, on any machine, a build worker
+# (`services.berth.worker`, workers.md).
 #
 #   imports = [ berth.nixosModules.default ];   # or ./nix/module.nix
 #   services.berth.enable = true;
@@ -38,10 +39,23 @@ let
     ++ flag "audit-denial-interval" cfg.audit.denialInterval
     ++ flag "audit-origin" cfg.audit.origin
     ++ optional cfg.metricsPublic "--metrics-public"
+    ++ optionals (!cfg.localWorker) [ "--local-worker" "off" ]
+    ++ list "local-labels" cfg.localLabels
+    ++ list "build-labels" cfg.buildLabels
+    ++ flag "lease-ttl" cfg.leaseTtl
     # Secrets come as systemd credentials, readable by this unit only.
     ++ optionals (cfg.serviceTokenFile != null) [ "--service-token-file" "%d/service-token" ]
     ++ optionals (cfg.callbackSecretFile != null) [ "--callback-secret-file" "%d/callback-secret" ]
     ++ cfg.extraArgs;
+  wcfg = cfg.worker;
+  required = name: value: if value == null then throw "services.berth.worker.${name} is required" else value;
+  workerArgs =
+    [ "${wcfg.package}/bin/berth" "worker" "--url" (required "url" wcfg.url) "--token-file" "%d/worker-token"
+      "--work-dir" wcfg.workDir "--slots" (toString wcfg.slots) "--deployer" wcfg.deployer ]
+    ++ list "labels" wcfg.labels
+    ++ flag "deployer-user" wcfg.deployerUser
+    ++ optional wcfg.allowHttp "--allow-http"
+    ++ wcfg.extraArgs;
   # The audit units read the store and nothing secret.
   secrets = [
     "-/run/credentials/berth.service"
@@ -159,13 +173,31 @@ in
       origin = mkOption { type = types.nullOr types.str; default = null; description = "Checkpoint origin line (default berth/<hostname>/audit)."; };
     };
     extraArgs = mkOption { type = types.listOf types.str; default = [ ]; description = "More `berth serve` flags (--shared-store too: the audit timers then read the live store file itself)."; };
+    localWorker = mkOption { type = types.bool; default = true; description = "Whether berth runs builds itself (false: only `berth worker` processes do)."; };
+    localLabels = mkOption { type = types.listOf types.str; default = [ ]; description = "Labels the embedded worker offers."; };
+    buildLabels = mkOption { type = types.listOf types.str; default = [ ]; description = "Labels every build requires of its worker."; };
+    leaseTtl = mkOption { type = types.nullOr types.str; default = null; example = "1m"; description = "How long a worker's claim or renew holds its build (default 30s; 5s to 10m)."; };
+    worker = {
+      enable = mkEnableOption "a berth build worker on this machine";
+      package = mkOption { type = types.package; default = cfg.package; defaultText = "config.services.berth.package"; description = "The berth package (by default services.berth.package, which the flake sets)."; };
+      url = mkOption { type = types.nullOr types.str; default = null; example = "https://berth.example.org"; description = "berth's address (https unless on loopback or allowHttp); required."; };
+      tokenFile = mkOption { type = types.nullOr types.path; default = null; description = "The worker token (`berth tokens create NAME --kind worker`), passed as a systemd credential; required."; };
+      labels = mkOption { type = types.listOf types.str; default = [ ]; description = "Labels this worker offers."; };
+      slots = mkOption { type = types.int; default = 1; description = "Builds at once (1-64)."; };
+      workDir = mkOption { type = types.str; default = "/var/lib/berth-worker"; description = "Its directory (0700, locked)."; };
+      deployer = mkOption { type = types.str; default = "builtin:nix"; description = "The deployer it runs (as services.berth.deployer)."; };
+      deployerUser = mkOption { type = types.nullOr types.str; default = null; description = "Run deployers as this user (the worker then runs as root)."; };
+      allowHttp = mkOption { type = types.bool; default = false; description = "Allow http:// to a berth that is not on loopback."; };
+      extraArgs = mkOption { type = types.listOf types.str; default = [ ]; description = "More `berth worker` flags."; };
+    };
   };
 
-  config = mkIf cfg.enable {
-    users.users.berth = { isSystemUser = true; group = "berth"; home = dataDir; };
-    users.groups.berth = { };
+  # Each part by its own switch: a worker machine runs no berth.
+  config = {
+    users.users.berth = mkIf cfg.enable { isSystemUser = true; group = "berth"; home = dataDir; };
+    users.groups.berth = mkIf cfg.enable { };
 
-    systemd.services.berth = {
+    systemd.services.berth = mkIf cfg.enable {
       description = "berth deployment control plane";
       wantedBy = [ "multi-user.target" ];
       after = [ "network-online.target" ];
@@ -219,19 +251,19 @@ in
       });
     };
 
-    systemd.services.berth-audit-verify = auditUnit {
+    systemd.services.berth-audit-verify = mkIf cfg.enable (auditUnit {
       description = "Verify berth's audit chain";
       command = [ "${cfg.package}/bin/berth" "audit" "verify" "--data-dir" dataDir ];
       readWrite = false;
       # Verifying signs nothing.
       hidden = [ "-${dataDir}/audit-signing.key" ];
-    };
-    systemd.timers.berth-audit-verify = {
+    });
+    systemd.timers.berth-audit-verify = mkIf cfg.enable {
       wantedBy = [ "timers.target" ];
       timerConfig = { OnCalendar = cfg.audit.verifyInterval; Persistent = true; };
     };
 
-    systemd.services.berth-audit-push-head = mkIf (cfg.audit.sink != null) (auditUnit {
+    systemd.services.berth-audit-push-head = mkIf (cfg.enable && cfg.audit.sink != null) (auditUnit {
       description = "Push berth's signed audit head to the witness sink";
       command = [ "${cfg.package}/bin/berth" "audit" "push-head" "--data-dir" dataDir "--sink" cfg.audit.sink ]
         ++ optionals (cfg.audit.origin != null) [ "--audit-origin" cfg.audit.origin ];
@@ -239,9 +271,40 @@ in
       readWrite = true;
       hidden = [ ];
     });
-    systemd.timers.berth-audit-push-head = mkIf (cfg.audit.sink != null) {
+    systemd.timers.berth-audit-push-head = mkIf (cfg.enable && cfg.audit.sink != null) {
       wantedBy = [ "timers.target" ];
       timerConfig = { OnCalendar = cfg.audit.pushInterval; Persistent = true; };
+    };
+
+    systemd.services.berth-worker = mkIf wcfg.enable {
+      description = "berth build worker";
+      wantedBy = [ "multi-user.target" ];
+      after = [ "network-online.target" ];
+      wants = [ "network-online.target" ];
+      path = [ config.nix.package pkgs.openssh ];
+      environment.NIX_REMOTE = "daemon";
+      serviceConfig = {
+        ExecStart = lib.escapeShellArgs workerArgs;
+        # The token is a credential, readable by this unit only.
+        LoadCredential = [ "worker-token:${toString (required "tokenFile" wcfg.tokenFile)}" ];
+        StateDirectory = optional (wcfg.workDir == "/var/lib/berth-worker") "berth-worker";
+        StateDirectoryMode = "0700";
+        ReadWritePaths = optional (wcfg.workDir != "/var/lib/berth-worker") wcfg.workDir;
+        # The worker stops its deployers itself on SIGTERM (after its
+        # --shutdown-grace, then their --cancel-grace): systemd waits past
+        # both before it kills what is left.
+        KillMode = "mixed";
+        TimeoutStopSec = "120s";
+        Restart = "on-failure";
+        # Exit 3: berth refused the token (revoked); restarting cannot help.
+        RestartPreventExitStatus = 3;
+        DynamicUser = wcfg.deployerUser == null;
+        ProtectSystem = "strict";
+        ProtectHome = true;
+        PrivateTmp = true;
+        NoNewPrivileges = wcfg.deployerUser == null;
+        RestrictAddressFamilies = [ "AF_UNIX" "AF_INET" "AF_INET6" ];
+      };
     };
   };
 }

@@ -432,6 +432,10 @@ async fn the_module_is_hardened_and_its_audit_units_verify_a_real_store() {
             absent(&services["berth-audit-push-head"]),
             "no sink, no push unit"
         );
+        assert!(
+            absent(&services["berth-worker"]),
+            "no worker unless enabled"
+        );
         let verify = &services["berth-audit-verify"]["serviceConfig"];
         assert_eq!(verify["SyslogIdentifier"], "berth-audit");
         assert_eq!(verify["LogExtraFields"], "BERTH_AUDIT=1");
@@ -584,6 +588,23 @@ fn every_option_reaches_its_unit(lib: &ModuleLib) {
             "origin": "berth/test/audit",
         },
         "extraArgs": ["--keep-builds", "50"],
+        "localWorker": false,
+        "localLabels": ["gpu"],
+        "buildLabels": ["gpu", "x86"],
+        "leaseTtl": "1m",
+        "worker": {
+            "enable": true,
+            "package": {"type": "derivation", "name": "berth", "outPath": "/nix/store/berth-worker"},
+            "url": "https://berth.example.org",
+            "tokenFile": "/run/keys/worker-token",
+            "labels": ["gpu", "x86"],
+            "slots": 4,
+            "workDir": "/srv/berth-worker",
+            "deployer": "builtin:local",
+            "deployerUser": "deploy",
+            "allowHttp": true,
+            "extraArgs": ["--shutdown-grace", "2m"],
+        },
     });
     let config = module_config(lib, &all);
     // The test names every option the module declares.
@@ -630,9 +651,47 @@ fn every_option_reaches_its_unit(lib: &ModuleLib) {
         ("--service-token-file", "%d/service-token"),
         ("--callback-secret-file", "%d/callback-secret"),
         ("--keep-builds", "50"),
+        ("--local-worker", "off"),
+        ("--local-labels", "gpu"),
+        ("--build-labels", "gpu,x86"),
+        ("--lease-ttl", "1m"),
     ] {
         assert!(has_flag(&words, flag, value), "{flag} {value}: {words:?}");
     }
+    // The worker: its token a credential, never on the command line.
+    let worker = &services["berth-worker"];
+    let worker_words = exec_words(worker);
+    assert_eq!(
+        worker_words[..2],
+        ["/nix/store/berth-worker/bin/berth", "worker"]
+    );
+    for (flag, value) in [
+        ("--url", "https://berth.example.org"),
+        ("--token-file", "%d/worker-token"),
+        ("--labels", "gpu,x86"),
+        ("--slots", "4"),
+        ("--work-dir", "/srv/berth-worker"),
+        ("--deployer", "builtin:local"),
+        ("--deployer-user", "deploy"),
+        ("--shutdown-grace", "2m"),
+    ] {
+        assert!(
+            has_flag(&worker_words, flag, value),
+            "{flag} {value}: {worker_words:?}"
+        );
+    }
+    assert!(
+        worker_words.iter().any(|w| w == "--allow-http"),
+        "{worker_words:?}"
+    );
+    let unit = &worker["serviceConfig"];
+    assert_eq!(
+        unit["LoadCredential"],
+        json!(["worker-token:/run/keys/worker-token"])
+    );
+    assert_eq!(unit["RestartPreventExitStatus"], 3);
+    assert_eq!(unit["KillMode"], "mixed");
+    assert_eq!(unit["ReadWritePaths"], json!(["/srv/berth-worker"]));
     assert!(words.iter().any(|w| w == "--metrics-public"), "{words:?}");
     let berth = &services["berth"];
     assert_eq!(
