@@ -463,6 +463,8 @@ async function buildView(id) {
       ' · ',
       b.kind,
       b.rollback_of ? [' · rollback to ', el('a', { href: `#/b/${b.rollback_of}`, 'data-rollback-of': b.rollback_of }, b.rollback_of.slice(0, 13) + '…')] : '',
+      // Which worker runs it (workers.md "What berth shows").
+      b.worker ? [' · on ', el('span', { 'data-worker': b.worker, title: b.attempt ? `attempt ${b.attempt.attempt_id}, fence ${b.attempt.fence}, ${b.attempt.state}` : '' }, b.worker === 'local' ? 'this machine' : `worker ${b.worker}`)] : '',
       ' · ',
       status,
       ' ',

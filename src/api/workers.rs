@@ -360,6 +360,8 @@ fn queue_now(
         }
     }
     let required = &ctx.engine.settings.build_labels.0;
+    let grace = i64::try_from(ctx.engine.settings.cancel_grace.as_millis()).unwrap_or(i64::MAX);
+    let now = now_millis();
     let mut builds = Vec::new();
     if required.iter().all(|l| labels.contains(l)) {
         for (build, deployment) in rx.queued()? {
@@ -371,6 +373,13 @@ fn queue_now(
                 continue;
             }
             let Some(b) = rx.build(build)? else { continue };
+            let held = match rx.deployment(&deployment)? {
+                Some(d) => crate::engine::attempts::held_after_loss(&rx, &d, now, grace)?,
+                None => true,
+            };
+            if held {
+                continue;
+            }
             builds.push(json!({
                 "build": format_build_id(build),
                 "deployment": deployment,

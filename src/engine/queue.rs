@@ -7,6 +7,7 @@
 //! being stopped starts nothing until it has exited.
 
 use crate::locks::Held;
+use crate::store::Lookup;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -50,8 +51,18 @@ impl Engine {
         let queued = rx.queued()?;
         // A deployment with a build running anywhere (a remote worker's
         // too) starts nothing (FR-009).
-        let running: std::collections::HashSet<String> =
+        let mut running: std::collections::HashSet<String> =
             rx.running()?.into_iter().map(|(_, d)| d).collect();
+        // A deployment whose remote attempt was just lost waits
+        // --cancel-grace (its worker is stopping the deployer).
+        let grace = i64::try_from(self.settings.cancel_grace.as_millis()).unwrap_or(i64::MAX);
+        for (_, deployment) in &queued {
+            if let Some(d) = rx.deployment(deployment)? {
+                if super::attempts::held_after_loss(&rx, &d, now_millis(), grace)? {
+                    running.insert(deployment.clone());
+                }
+            }
+        }
         drop(rx);
         let mut sched = self.sched.held();
         let slots = usize::from(self.settings.build_slots);
