@@ -137,7 +137,7 @@ fn storage(rt: &tokio::runtime::Runtime) {
                 &berth::engine::audit::Record::audit_only(audit),
             )?
             .expect("stored");
-            start_tx(tx, &hub, submitted.build.id)?.expect("started");
+            start_tx(tx, &hub, submitted.build.id, "local-bench")?.expect("started");
             finish_tx(tx, &hub, submitted.build.id, &done)
         }))
         .unwrap();

@@ -124,7 +124,7 @@ fn main() {
                             max_queued: 100,
                         };
                         let submitted = submit_tx(tx, &hub, &record, &berth::engine::audit::Record::audit_only(berth::engine::audit::system_draft("submit", None, berth::audit::Outcome::Ok)))?.expect("stored");
-                        start_tx(tx, &hub, submitted.build.id)?.expect("started");
+                        start_tx(tx, &hub, submitted.build.id, "local-bench")?.expect("started");
                         let done = Arc::new(Finished {
                             end: End {
                                 status: BuildStatus::Succeeded,

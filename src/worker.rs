@@ -43,6 +43,9 @@ const BATCH_DELAY: Duration = Duration::from_millis(100);
 /// Items, and bytes of lines, in one progress batch at most.
 const BATCH_ITEMS: usize = authority::MAX_BATCH_ITEMS;
 const BATCH_BYTES: usize = 512 * 1024;
+/// Items held unsent at most (a few batches); past it the deployer's
+/// output waits in its pipe.
+const MAX_PENDING: usize = 4 * BATCH_ITEMS;
 /// One call's time limit (a poll's is its wait plus this).
 const CALL_TIMEOUT: Duration = Duration::from_secs(30);
 /// A queue poll's wait.
@@ -163,7 +166,7 @@ impl Worker {
                 "/internal/v1/queue?worker_incarnation={}&labels={labels}&free_slots={free}&wait={POLL_WAIT_S}",
                 me.incarnation
             );
-            let poll = me.api.call(
+            let poll = me.api.call::<Value>(
                 reqwest::Method::GET,
                 &path,
                 None,
@@ -425,19 +428,26 @@ impl Worker {
             renewed_tx,
             fence_tx,
         ));
-        let mut pending: Vec<Value> = Vec::new();
+        let mut pending: Vec<Item> = Vec::new();
         let mut sent_through = 0u64;
         let mut next_seq = 1u64;
         let mut first_unsent: Option<Instant> = None;
         let mut halted = Halt::No;
         let mut gone: Option<AttemptEnd> = None;
         loop {
-            let due = first_unsent.map(|t| t + BATCH_DELAY);
+            // A full batch goes at once; else 100 ms after its first item.
+            let due = if pending.len() >= BATCH_ITEMS {
+                Some(Instant::now())
+            } else {
+                first_unsent.map(|t| t + BATCH_DELAY)
+            };
             tokio::select! {
-                batch = lines_rx.recv() => match batch {
+                // Past MAX_PENDING the deployer's output waits unread
+                // (nothing is dropped) until a batch is answered.
+                batch = lines_rx.recv(), if pending.len() < MAX_PENDING => match batch {
                     Some(lines) => {
                         for line in lines.iter() {
-                            pending.push(json!({"seq": next_seq, "log": line}));
+                            pending.push(Item::Log { seq: next_seq, log: line.to_string() });
                             next_seq += 1;
                         }
                         first_unsent.get_or_insert_with(Instant::now);
@@ -578,24 +588,26 @@ impl Worker {
     async fn send_progress(
         &self,
         a: &mut Attempt,
-        pending: &mut Vec<Value>,
+        pending: &mut Vec<Item>,
         sent_through: &mut u64,
     ) -> Result<bool, AttemptEnd> {
         let mut bytes = 0;
         let take = pending
             .iter()
             .take_while(|i| {
-                bytes += i["log"].as_str().map_or(64, str::len) + 32;
+                bytes += i.size();
                 bytes <= BATCH_BYTES
             })
             .count()
             .clamp(1.min(pending.len()), BATCH_ITEMS);
-        let items: Vec<Value> = pending[..take].to_vec();
-        let last = items
-            .last()
-            .and_then(|i| i["seq"].as_u64())
-            .unwrap_or(*sent_through);
-        let body = json!({"operation_id": new_operation_id(), "fence": a.fence, "worker_incarnation": self.incarnation, "items": items});
+        let last = pending[..take].last().map_or(*sent_through, Item::seq);
+        let operation_id = new_operation_id();
+        let body = ProgressBody {
+            operation_id: &operation_id,
+            fence: a.fence,
+            worker_incarnation: &self.incarnation,
+            items: &pending[..take],
+        };
         let path = format!("/internal/v1/attempts/{}/progress", a.id);
         match self
             .api
@@ -702,7 +714,7 @@ struct WorkerHealth<'a> {
     worker: &'a Worker,
     attempt: &'a mut Attempt,
     work_dir: PathBuf,
-    pending: &'a mut Vec<Value>,
+    pending: &'a mut Vec<Item>,
     next_seq: &'a mut u64,
     sent_through: &'a mut u64,
     halt: watch::Receiver<Halt>,
@@ -712,10 +724,9 @@ struct WorkerHealth<'a> {
 }
 
 impl WorkerHealth<'_> {
-    fn push(&mut self, mut item: Value) {
-        item["seq"] = json!(*self.next_seq);
+    fn next_seq(&mut self) -> u64 {
         *self.next_seq += 1;
-        self.pending.push(item);
+        *self.next_seq - 1
     }
 
     /// Sends what is pending (with the renewer's latest deadline).
@@ -752,13 +763,20 @@ impl HealthIo for WorkerHealth<'_> {
 
     async fn lines(&mut self, lines: &[String]) {
         for line in lines.iter().take(50) {
-            self.push(json!({"log": line}));
+            let seq = self.next_seq();
+            self.pending.push(Item::Log {
+                seq,
+                log: line.clone(),
+            });
         }
         self.flush().await;
     }
 
     async fn answer(&mut self, attempt: u32, a: &Answer) {
-        self.push(json!({"health": {"node": a.node, "healthy": a.healthy, "reason": a.reason, "attempt": attempt}}));
+        let seq = self.next_seq();
+        let health =
+            json!({"node": a.node, "healthy": a.healthy, "reason": a.reason, "attempt": attempt});
+        self.pending.push(Item::Health { seq, health });
         self.flush().await;
     }
 
@@ -776,6 +794,39 @@ impl HealthIo for WorkerHealth<'_> {
     async fn halt_changed(&mut self) {
         if self.halt.changed().await.is_err() {
             std::future::pending::<()>().await;
+        }
+    }
+}
+
+/// A progress batch as sent: its items borrowed, not copied.
+#[derive(serde::Serialize)]
+struct ProgressBody<'a> {
+    operation_id: &'a str,
+    fence: u64,
+    worker_incarnation: &'a str,
+    items: &'a [Item],
+}
+
+/// One progress item (workers.md "Progress"), serialized as sent.
+#[derive(serde::Serialize)]
+#[serde(untagged)]
+enum Item {
+    Log { seq: u64, log: String },
+    Health { seq: u64, health: Value },
+}
+
+impl Item {
+    fn seq(&self) -> u64 {
+        match self {
+            Item::Log { seq, .. } | Item::Health { seq, .. } => *seq,
+        }
+    }
+
+    /// About its bytes in a batch.
+    fn size(&self) -> usize {
+        match self {
+            Item::Log { log, .. } => log.len() + 32,
+            Item::Health { .. } => 256,
         }
     }
 }
@@ -802,11 +853,11 @@ impl Api {
     }
 
     /// One call: its status and JSON body (null when it has none).
-    async fn call(
+    async fn call<B: serde::Serialize + ?Sized>(
         &self,
         method: reqwest::Method,
         path: &str,
-        body: Option<&Value>,
+        body: Option<&B>,
         limit: Duration,
     ) -> Result<(u16, Value), String> {
         let mut req = self
@@ -828,11 +879,11 @@ impl Api {
 
     /// A call resent (same body, so the same `operation_id`) while it gets
     /// no answer or a 5xx, until `deadline`.
-    async fn resend(
+    async fn resend<B: serde::Serialize + ?Sized>(
         &self,
         method: reqwest::Method,
         path: &str,
-        body: &Value,
+        body: &B,
         deadline: Instant,
     ) -> Result<(u16, Value), String> {
         let mut pause = Duration::from_millis(100);

@@ -23,8 +23,9 @@ use crate::store::Lookup;
 /// A queue poll's `wait` at most, and its default (seconds).
 const MAX_POLL_WAIT_S: u64 = 60;
 const DEFAULT_POLL_WAIT_S: u64 = 25;
-/// How often a waiting poll looks at the queue again.
-const POLL_STEP: Duration = Duration::from_millis(200);
+/// How often a waiting poll looks at the queue again without a wake (a
+/// deployment's hold after a lost attempt ends without one).
+const POLL_STEP: Duration = Duration::from_millis(500);
 /// The longest detail a worker may give a `not_run` or a failed health step.
 const MAX_DETAIL_CHARS: usize = 2000;
 
@@ -281,12 +282,16 @@ fn incarnation(value: Option<&Value>, pointer: &str) -> Result<String, ApiError>
 fn operation_id(value: Option<&Value>) -> Result<String, ApiError> {
     match value.and_then(Value::as_str) {
         Some(o) if authority::is_operation_id(o) => Ok(o.to_string()),
-        _ => Err(bad(
-            "/operation_id",
-            "format",
-            "operation_id must be 16-128 of [A-Za-z0-9._~-]",
-        )),
+        _ => Err(operation_id_refused()),
     }
+}
+
+fn operation_id_refused() -> ApiError {
+    bad(
+        "/operation_id",
+        "format",
+        "operation_id must be 16-128 of [A-Za-z0-9._~-]",
+    )
 }
 
 fn number_param(req: &Request, name: &str, default: u64, max: u64) -> Result<u64, ApiError> {
@@ -327,6 +332,10 @@ pub async fn queue(ctx: &Ctx, req: &Request, auth: &WorkerAuth) -> Result<Reply,
         .await;
     let deadline = Instant::now() + Duration::from_secs(wait);
     loop {
+        // Armed before the read: a build queued between the two wakes it.
+        let changed = ctx.engine.queue_changed();
+        tokio::pin!(changed);
+        changed.as_mut().enable();
         let (builds, cancel) = queue_now(ctx, &auth.record.name, &labels, free as usize)?;
         if !builds.is_empty() || !cancel.is_empty() || Instant::now() >= deadline {
             return Ok(Reply::json(
@@ -334,7 +343,11 @@ pub async fn queue(ctx: &Ctx, req: &Request, auth: &WorkerAuth) -> Result<Reply,
                 &json!({"builds": builds, "cancel": cancel}),
             ));
         }
-        tokio::time::sleep(POLL_STEP.min(deadline - Instant::now())).await;
+        // The wake, or a look again anyway (a hold after a loss passing).
+        tokio::select! {
+            _ = changed => {}
+            _ = tokio::time::sleep(POLL_STEP.min(deadline - Instant::now())) => {}
+        }
     }
 }
 
@@ -467,26 +480,72 @@ pub async fn renew(ctx: &Ctx, req: &Request, auth: &WorkerAuth) -> Result<Reply,
     ))
 }
 
+/// A progress batch as it arrives: typed, so a batch of a thousand lines
+/// is read without building a JSON tree of it (the writer of the log is
+/// one thread; this runs before it, on the request's).
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ProgressBody {
+    operation_id: String,
+    fence: u64,
+    worker_incarnation: String,
+    items: Vec<ItemBody>,
+}
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ItemBody {
+    seq: u64,
+    #[serde(default)]
+    log: Option<String>,
+    #[serde(default)]
+    health: Option<HealthBody>,
+}
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct HealthBody {
+    node: String,
+    healthy: bool,
+    #[serde(default)]
+    reason: Option<String>,
+    attempt: u32,
+}
+
 /// `POST /internal/v1/attempts/{attempt}/progress`.
 pub async fn progress(ctx: &Ctx, req: &Request, auth: &WorkerAuth) -> Result<Reply, ApiError> {
     let attempt = attempt_of(req)?;
-    let map = super::json_object(
-        &req.body,
-        &["operation_id", "fence", "worker_incarnation", "items"],
-    )?;
-    let call = authority_call(req, &map)?;
-    let Some(Value::Array(list)) = map.get("items") else {
-        return Err(bad("/items", "type", "items must be a list"));
+    // serde's own message may quote the body: the refusal says what a
+    // batch is instead.
+    let body: ProgressBody = serde_json::from_slice(&req.body).map_err(|_| {
+        ApiError::bad_request(
+            "the body is not a progress batch: {\"operation_id\", \"fence\", \"worker_incarnation\", \"items\": [{\"seq\", \"log\"} or {\"seq\", \"health\"}]}",
+        )
+    })?;
+    if !authority::is_operation_id(&body.operation_id) {
+        return Err(operation_id_refused());
+    }
+    let call = AuthorityCall {
+        fence: Some(body.fence)
+            .filter(|f| *f >= 1)
+            .ok_or_else(|| bad("/fence", "type", "fence must be a whole number from 1"))?,
+        incarnation: incarnation(
+            Some(&Value::String(body.worker_incarnation)),
+            "/worker_incarnation",
+        )?,
+        operation_id: body.operation_id,
+        digest: authority::body_digest(&req.body),
     };
-    if list.len() > authority::MAX_BATCH_ITEMS {
+    if body.items.len() > authority::MAX_BATCH_ITEMS {
         return Err(bad(
             "/items",
             "batch_too_large",
             "at most 1000 items in one batch",
         ));
     }
-    let items = list
-        .iter()
+    let items = body
+        .items
+        .into_iter()
         .enumerate()
         .map(|(i, item)| progress_item(i, item))
         .collect::<Result<Vec<_>, _>>()?;
@@ -497,57 +556,41 @@ pub async fn progress(ctx: &Ctx, req: &Request, auth: &WorkerAuth) -> Result<Rep
     ))
 }
 
-fn progress_item(i: usize, item: &Value) -> Result<(u64, ProgressItem), ApiError> {
-    let pointer = format!("/items/{i}");
+fn progress_item(i: usize, item: ItemBody) -> Result<(u64, ProgressItem), ApiError> {
     let invalid = || {
-        bad(&pointer, "line_invalid", "an item is {\"seq\", \"log\"} or {\"seq\", \"health\"}; a log line has no CR or LF and at most 64 KiB")
+        bad(&format!("/items/{i}"), "line_invalid", "an item is {\"seq\", \"log\"} or {\"seq\", \"health\"}; a log line has no CR or LF and at most 64 KiB")
     };
-    let seq = item
-        .get("seq")
-        .and_then(Value::as_u64)
-        .filter(|s| *s >= 1)
-        .ok_or_else(invalid)?;
-    match (item.get("log"), item.get("health")) {
-        (Some(Value::String(line)), None) => {
+    if item.seq == 0 {
+        return Err(invalid());
+    }
+    match (item.log, item.health) {
+        (Some(line), None) => {
             if line.len() > authority::MAX_LINE_BYTES || line.contains(['\r', '\n']) {
                 return Err(invalid());
             }
-            Ok((seq, ProgressItem::Log(line.clone())))
+            Ok((item.seq, ProgressItem::Log(line)))
         }
         (None, Some(h)) => {
-            let node = h
-                .get("node")
-                .and_then(Value::as_str)
-                .filter(|n| crate::engine::verdict::valid_node_name(n));
-            let healthy = h.get("healthy").and_then(Value::as_bool);
-            let attempt = h
-                .get("attempt")
-                .and_then(Value::as_u64)
-                .and_then(|a| u32::try_from(a).ok());
-            let reason = match h.get("reason") {
-                None | Some(Value::Null) => None,
-                Some(Value::String(r)) => Some(
-                    r.chars()
-                        .take(MAX_DETAIL_CHARS)
-                        .collect::<String>()
-                        .replace(['\r', '\n'], " "),
-                ),
-                Some(_) => return Err(invalid()),
-            };
-            match (node, healthy, attempt) {
-                (Some(node), Some(healthy), Some(attempt)) => Ok((
-                    seq,
-                    ProgressItem::Health {
-                        node: node.to_string(),
-                        healthy,
-                        reason,
-                        attempt,
-                    },
-                )),
-                _ => Err(invalid()),
+            if !crate::engine::verdict::valid_node_name(&h.node) {
+                return Err(invalid());
             }
+            let reason = h.reason.map(|r| {
+                r.chars()
+                    .take(MAX_DETAIL_CHARS)
+                    .collect::<String>()
+                    .replace(['\r', '\n'], " ")
+            });
+            Ok((
+                item.seq,
+                ProgressItem::Health {
+                    node: h.node,
+                    healthy: h.healthy,
+                    reason,
+                    attempt: h.attempt,
+                },
+            ))
         }
-        _ => Err(invalid()),
+        (Some(_), Some(_)) | (None, None) => Err(invalid()),
     }
 }
 

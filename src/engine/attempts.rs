@@ -266,7 +266,8 @@ impl Engine {
         outcome: RemoteOutcome,
     ) -> Result<Answered, Refusal> {
         let (hub, settings) = (self.hub.clone(), self.settings.clone());
-        self.store
+        let answered = self
+            .store
             .write(move |tx| {
                 authorized(
                     tx,
@@ -286,7 +287,10 @@ impl Engine {
                     },
                 )
             })
-            .await?
+            .await?;
+        // The deployment's next build may go now.
+        self.wake_queue();
+        answered
     }
 
     /// Loses every active attempt of a revoked token at once (in the
@@ -337,8 +341,11 @@ impl Engine {
                     Ok(())
                 })
                 .await;
-            if let Err(e) = swept {
-                tracing::error!(error = %e, "the lease sweep could not store a loss; it tries again");
+            match swept {
+                Ok(()) => self.wake_queue(),
+                Err(e) => {
+                    tracing::error!(error = %e, "the lease sweep could not store a loss; it tries again")
+                }
             }
         }
     }
@@ -706,11 +713,13 @@ fn append_amid(
     now: Millis,
 ) -> StoreResult<()> {
     let mut log = LogBuffer::resume(b, max_log, a.dropped_lines);
-    let mut frames = Vec::with_capacity(items.len());
+    // (seq, kind, data) of what is stored, for the frames made after the
+    // commit (only when someone listens).
+    let mut sent: Vec<(u64, &'static str, String)> = Vec::with_capacity(items.len());
     for item in items {
         match item {
             Amid::Line(line) => match log.push(line) {
-                Some(seq) => frames.push(Frame::new(seq, "log", line.clone(), false)),
+                Some(seq) => sent.push((seq, "log", line.clone())),
                 None => {
                     a.dropped_lines += 1;
                     a.dropped_bytes += line.len() as u64 + 1;
@@ -731,7 +740,7 @@ fn append_amid(
                         at: now,
                     },
                 )?;
-                frames.push(Frame::new(seq, kind.name(), data.clone(), false));
+                sent.push((seq, kind.name(), data.clone()));
             }
         }
     }
@@ -742,7 +751,14 @@ fn append_amid(
     b.log_gaps = log.gaps.clone();
     let (hub, build) = (hub.clone(), b.id);
     tx.after_commit(move || {
-        hub.publish_all(&Channel::Build(build), frames);
+        let channel = Channel::Build(build);
+        if hub.listened(&channel) {
+            let frames = sent
+                .into_iter()
+                .map(|(seq, kind, data)| Frame::new(seq, kind, data, false))
+                .collect();
+            hub.publish_all(&channel, frames);
+        }
         hub.committed(build, last);
     });
     Ok(())

@@ -112,6 +112,9 @@ pub struct Engine {
     describing: deployer::Describing,
     sched: Mutex<Sched>,
     wake: Notify,
+    /// Wakes every open worker poll: the queue changed (a build queued or
+    /// ended, a cancel asked).
+    queue_changed: Notify,
     callbacks_wake: Notify,
     /// Wakes the automatic update loop (a policy changed).
     updates_wake: Notify,
@@ -246,6 +249,7 @@ impl Engine {
             describing: deployer::Describing::default(),
             sched: Mutex::new(Sched::default()),
             wake: Notify::new(),
+            queue_changed: Notify::new(),
             callbacks_wake: Notify::new(),
             updates_wake: Notify::new(),
             cancels: Mutex::new(HashMap::new()),
@@ -353,5 +357,13 @@ impl Engine {
     /// Wakes the queue: something was queued or a slot came free.
     pub fn wake_queue(&self) {
         self.wake.notify_one();
+        self.queue_changed.notify_waiters();
+    }
+
+    /// A future that completes at the next `wake_queue` (a worker's poll
+    /// waits on it; enable it before reading the queue so no wake falls
+    /// between the read and the wait).
+    pub fn queue_changed(&self) -> tokio::sync::futures::Notified<'_> {
+        self.queue_changed.notified()
     }
 }

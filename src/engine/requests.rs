@@ -424,6 +424,8 @@ impl Engine {
             if let Some(cancel) = self.cancels.held().get(&build_id) {
                 let _ = cancel.send(super::outcome::Halt::Cancel);
             }
+            // A remote worker hears it through its open poll.
+            self.wake_queue();
         }
         Ok(taken)
     }

@@ -229,6 +229,15 @@ impl Hub {
         self.publish_all(channel, vec![frame]);
     }
 
+    /// Whether anyone listens on `channel` now. A subscriber that comes
+    /// later reads what is committed from the store first, so frames of
+    /// committed rows need not be made for nobody.
+    pub fn listened(&self, channel: &Channel) -> bool {
+        self.lock()
+            .get(channel)
+            .is_some_and(|live| Arc::strong_count(live) > 1)
+    }
+
     /// Appends frames whose rows are committed (a worker's progress batch)
     /// to the channel's tail as one batch, if anyone listens.
     pub fn publish_all(&self, channel: &Channel, frames: Vec<Arc<Frame>>) {
