@@ -970,6 +970,10 @@ impl Client {
                         .as_str()
                         .map(|id| shown(&short(id)))
                         .unwrap_or_else(|| "-".into()),
+                    b["worker"]
+                        .as_str()
+                        .map(shown)
+                        .unwrap_or_else(|| "-".into()),
                     text(&b["created_at"]),
                 ]
             })
@@ -981,6 +985,7 @@ impl Client {
                 "KIND",
                 "TRIGGER",
                 "ROLLBACK TO",
+                "WORKER",
                 "CREATED",
             ],
             &rows,

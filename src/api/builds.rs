@@ -44,7 +44,15 @@ pub fn list(ctx: &Ctx, req: &Request, caller: &Caller) -> Result<Reply, ApiError
     } else {
         None
     };
-    let items: Vec<BuildSummary> = builds.iter().map(BuildRecord::summary).collect();
+    // Each summary with its labels and worker (workers.md "What berth shows").
+    let labels = &ctx.engine.settings.build_labels.0;
+    let mut items = Vec::with_capacity(builds.len());
+    for b in &builds {
+        let mut item = serde_json::to_value(b.summary()).map_err(|_| ApiError::internal())?;
+        item["labels"] = serde_json::json!(labels);
+        item["worker"] = serde_json::json!(rx.last_attempt(b.id)?.map(|a| a.worker));
+        items.push(item);
+    }
     Ok(Reply::json(
         200,
         &serde_json::json!({"items": items, "next_cursor": next_cursor}),
@@ -64,6 +72,7 @@ pub fn read(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
     let attempt = rx.last_attempt(id)?;
     // workers.md "What berth shows": the labels it needs, its worker, its attempt.
     shown["labels"] = serde_json::json!(ctx.engine.settings.build_labels.0);
+    // `worker` as the list shows it; `attempt` below in full.
     shown["worker"] = serde_json::json!(attempt.as_ref().map(|a| a.worker.clone()));
     if let Some(a) = attempt
         .as_ref()

@@ -208,6 +208,19 @@ async fn a_build_on_a_remote_worker_reads_and_streams_as_a_local_one() {
     assert_eq!(streamed, lines, "the stream and the stored log agree");
     let after = s.build(&build).await;
     assert_eq!(after["attempt"]["state"], "ended");
+    let (_, list) = s.json("/v1/deployments/alice/builds").await;
+    assert_eq!(list["items"][0]["worker"], "w1", "{list}");
+    let token_file = s.dir.join("data/service-token");
+    let (code, out) = berth(&[
+        "builds",
+        "alice",
+        "--url",
+        &s.base,
+        "--token-file",
+        token_file.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0);
+    assert!(out.contains("WORKER") && out.contains("w1"), "{out}");
 }
 
 #[tokio::test]
