@@ -941,3 +941,129 @@ async fn the_embedded_worker_runs_builds_as_attempts_that_a_restart_interrupts()
         (Some("succeeded"), Some("ended"))
     );
 }
+
+/// A deployer that records each deploy it runs (`<dir>/runs.log`, one line
+/// per build id), prints a few lines over a short random time, and ends.
+fn recording_deployer(dir: &Path) -> PathBuf {
+    let runs = dir.join("runs.log");
+    let body = format!(
+        r#"verb="$1"
+request=$(cat)
+case "$verb" in
+describe) printf '%s' '{{"methods":["local"],"default_method":"local","actions":{{}},"catalog":[],"schema":null}}' > "$BERTH_RESULT"; exit 0;;
+eval) printf '%s' '{{"nodes":[]}}' > "$BERTH_RESULT"; exit 0;;
+esac
+trap '' PIPE
+build=$(printf '%s' "$request" | sed -n 's/.*"build":"\([^"]*\)".*/\1/p')
+echo "$build" >> {runs}
+i=0; while [ $i -lt 5 ]; do i=$((i+1)); echo "step $i"; sleep 0.0$(( $$ % 9 + 1 )); done
+printf '%s' '{{"nodes":[]}}' > "$BERTH_RESULT"
+"#,
+        runs = runs.display()
+    );
+    script(dir, "recording.sh", &body)
+}
+
+/// kill -9 of berth and of workers at random instants while builds are
+/// queued: nothing acknowledged is lost, no build stays `running`, and no
+/// build's deployer runs twice. `BERTH_WORKER_TORTURE_TRIALS` (default 4)
+/// rounds; the seed is printed.
+#[tokio::test]
+async fn kill_9_of_berth_and_workers_loses_nothing_and_runs_no_build_twice() {
+    let trials: u64 = std::env::var("BERTH_WORKER_TORTURE_TRIALS")
+        .ok()
+        .and_then(|t| t.parse().ok())
+        .unwrap_or(4);
+    let seed = std::env::var("BERTH_TORTURE_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos() as u64
+                | 1
+        });
+    eprintln!("worker torture: {trials} trials, seed {seed} (BERTH_TORTURE_SEED to replay)");
+    let mut rng = crate::torture::Rng(seed);
+    let dir = temp_dir("worker-torture");
+    let deployer = recording_deployer(&dir);
+    let mut s = server(&dir, &deployer).await;
+    let port = s.base.rsplit(':').next().unwrap().to_string();
+    s.args.push("--listen".into());
+    s.args.push(format!("127.0.0.1:{port}"));
+    let (_, t1) = worker_token(&s, "w1").await;
+    let (_, t2) = worker_token(&s, "w2").await;
+    let mut workers = vec![
+        Worker::start(&s, &t1, &dir.join("w1"), &deployer),
+        Worker::start(&s, &t2, &dir.join("w2"), &deployer),
+    ];
+    let mut acknowledged = Vec::new();
+    for trial in 0..trials {
+        for n in 0..(3 + rng.below(5)) {
+            let id = format!("d{}", rng.below(4));
+            let r = s
+                .post(
+                    &format!("/v1/deployments/{id}/submit"),
+                    &json!({"configuration": {"t": trial, "n": n}, "mode": "enqueue"}),
+                )
+                .send()
+                .await;
+            if let Ok(r) = r {
+                let (status, body) = read(r).await;
+                if status == 202 {
+                    acknowledged.push(body["build_id"].as_str().unwrap().to_string());
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(rng.below(400))).await;
+        match rng.below(3) {
+            0 => {
+                s.kill();
+                s.launch().await;
+            }
+            which => {
+                let i = (which - 1) as usize;
+                let name = ["w1", "w2"][i];
+                let token = [&t1, &t2][i];
+                workers[i].child.kill().unwrap();
+                workers[i].child.wait().unwrap();
+                workers[i] = Worker::start(&s, token, &dir.join(name), &deployer);
+            }
+        }
+    }
+    // Every acknowledged build ends (a lost one a lease later), none twice.
+    for build in &acknowledged {
+        let b = s.wait_build(build, "final").await;
+        assert!(
+            matches!(b["status"].as_str(), Some("succeeded" | "failed")),
+            "{b}"
+        );
+        if b["status"] == "failed" {
+            assert!(
+                matches!(
+                    b["failure"]["reason"].as_str(),
+                    Some("lost_attempt" | "interrupted_by_restart")
+                ),
+                "{b}"
+            );
+        }
+    }
+    let runs = std::fs::read_to_string(dir.join("runs.log")).unwrap_or_default();
+    let mut seen = std::collections::HashMap::new();
+    for line in runs.lines() {
+        *seen.entry(line.to_string()).or_insert(0) += 1;
+    }
+    for (build, n) in &seen {
+        assert_eq!(*n, 1, "build {build} ran {n} times");
+    }
+    let (_, workers_now) = s.json("/v1/workers").await;
+    for w in workers_now["items"].as_array().unwrap() {
+        assert_eq!(w["attempts"], json!([]), "nothing left running: {w}");
+    }
+    eprintln!(
+        "worker torture: {} acknowledged builds, {} deploys ran, each once",
+        acknowledged.len(),
+        seen.len()
+    );
+}
