@@ -365,62 +365,25 @@ impl Worker {
         self: Arc<Self>,
         mut a: Attempt,
         claim: Value,
-        mut halt: watch::Receiver<Halt>,
+        halt: watch::Receiver<Halt>,
     ) -> (String, AttemptEnd) {
         let id = a.id.clone();
         let work_dir = self.args.work_dir.join("work").join(&a.deployment);
         let root = self.args.work_dir.join("scratch").join(&id);
-        let dirs = CallDirs::create(root.clone())
-            .and_then(|dirs| std::fs::create_dir_all(&work_dir).map(|_| dirs));
-        let dirs = match dirs {
-            Ok(dirs) => dirs,
-            Err(e) => {
-                let ended = json!({"kind": "not_run", "reason": "spawn_failed", "detail": format!("cannot create the build's directories: {e}")});
-                return (
-                    id,
-                    self.send_outcome(&mut a, 0, ended, None, Value::Null).await,
-                );
-            }
-        };
-        let inv = Invocation {
-            verb: a.verb,
-            request: claim["request"].to_string().into_bytes(),
-            work_dir: work_dir.clone(),
-            scratch_dir: dirs.scratch,
-            result_path: dirs.result_path,
-        };
-        let mut spawned = match runner::spawn(&self.deployer, &inv) {
-            Ok(s) => s,
-            Err(e) => {
-                let ended = json!({"kind": "not_run", "reason": "spawn_failed", "detail": format!("the deployer could not be started: {e}")});
-                return (
-                    id,
-                    self.send_outcome(&mut a, 0, ended, None, Value::Null).await,
-                );
-            }
-        };
         let job_file = self.args.work_dir.join("jobs").join(format!("{id}.json"));
-        if let Err(e) = record_job(&job_file, spawned.job, a.cancel_grace) {
-            spawned.abandon();
-            runner::signal_group(spawned.job.pid, nix::sys::signal::Signal::SIGKILL);
-            let ended = json!({"kind": "not_run", "reason": "spawn_failed", "detail": format!("cannot record the deployer's process: {e}")});
-            return (
-                id,
-                self.send_outcome(&mut a, 0, ended, None, Value::Null).await,
-            );
-        }
-        spawned.start();
-        let (lines_tx, mut lines_rx) = mpsc::channel::<runner::Lines>(64);
+        let spawned = match self.start_deployer(&a, &claim, &work_dir, &root, &job_file) {
+            Ok(spawned) => spawned,
+            Err(ended) => {
+                let end = self.send_outcome(&mut a, 0, ended, None, Value::Null).await;
+                return (id, end);
+            }
+        };
+        let (lines_tx, lines_rx) = mpsc::channel::<runner::Lines>(64);
         let (stop_tx, stop_rx) = watch::channel(false);
-        let waiter = tokio::spawn(runner::wait(
-            spawned,
-            a.build_timeout,
-            a.cancel_grace,
-            stop_rx,
-            lines_tx,
-        ));
-        let (renewed_tx, mut renewed) = watch::channel(a.deadline);
-        let (fence_tx, mut fenced) = watch::channel(None::<AttemptEnd>);
+        let (timeout, grace) = (a.build_timeout, a.cancel_grace);
+        let waiter = tokio::spawn(runner::wait(spawned, timeout, grace, stop_rx, lines_tx));
+        let (renewed_tx, renewed) = watch::channel(a.deadline);
+        let (fence_tx, fenced) = watch::channel(None::<AttemptEnd>);
         let renewer = tokio::spawn(self.clone().renew_loop(
             a.id.clone(),
             a.fence,
@@ -428,96 +391,157 @@ impl Worker {
             renewed_tx,
             fence_tx,
         ));
-        let mut pending: Vec<Item> = Vec::new();
-        let mut sent_through = 0u64;
-        let mut next_seq = 1u64;
-        let mut first_unsent: Option<Instant> = None;
-        let mut halted = Halt::No;
-        let mut gone: Option<AttemptEnd> = None;
+        let mut run = Run {
+            courier: Courier::default(),
+            lines: lines_rx,
+            stop: stop_tx,
+            renewed,
+            fenced,
+            halt,
+            halted: Halt::No,
+        };
+        let gone = self.pump(&mut a, &mut run).await;
+        let ended = waiter.await;
+        remove_file(&job_file);
+        let end = match gone {
+            Some(end) => {
+                keep_lost(&self.args.work_dir, &work_dir, &id);
+                end
+            }
+            None => {
+                self.conclude(&mut a, &claim, &mut run, ended, &work_dir, &root)
+                    .await
+            }
+        };
+        renewer.abort();
+        remove_dir(&root);
+        (id, end)
+    }
+
+    /// The deployer behind its gate, its process recorded in `jobs/` before
+    /// the gate opens; `Err` is the `not_run` end to report.
+    fn start_deployer(
+        &self,
+        a: &Attempt,
+        claim: &Value,
+        work_dir: &Path,
+        root: &Path,
+        job_file: &Path,
+    ) -> Result<runner::Spawned, Value> {
+        let not_run =
+            |detail: String| json!({"kind": "not_run", "reason": "spawn_failed", "detail": detail});
+        let dirs = CallDirs::create(root.to_path_buf())
+            .and_then(|dirs| std::fs::create_dir_all(work_dir).map(|_| dirs))
+            .map_err(|e| not_run(format!("cannot create the build's directories: {e}")))?;
+        let inv = Invocation {
+            verb: a.verb,
+            request: claim["request"].to_string().into_bytes(),
+            work_dir: work_dir.to_path_buf(),
+            scratch_dir: dirs.scratch,
+            result_path: dirs.result_path,
+        };
+        let mut spawned = runner::spawn(&self.deployer, &inv)
+            .map_err(|e| not_run(format!("the deployer could not be started: {e}")))?;
+        if let Err(e) = record_job(job_file, spawned.job, a.cancel_grace) {
+            spawned.abandon();
+            runner::signal_group(spawned.job.pid, nix::sys::signal::Signal::SIGKILL);
+            return Err(not_run(format!(
+                "cannot record the deployer's process: {e}"
+            )));
+        }
+        spawned.start();
+        Ok(spawned)
+    }
+
+    /// Moves the deployer's lines to berth while it runs, and stops it on a
+    /// cancel, a shutdown or the end of the authority. Returns how the
+    /// authority ended, when it did (nothing more is sent then).
+    async fn pump(&self, a: &mut Attempt, run: &mut Run) -> Option<AttemptEnd> {
+        let c = &mut run.courier;
         loop {
             // A full batch goes at once; else 100 ms after its first item.
-            let due = if pending.len() >= BATCH_ITEMS {
+            let due = if c.pending.len() >= BATCH_ITEMS {
                 Some(Instant::now())
             } else {
-                first_unsent.map(|t| t + BATCH_DELAY)
+                c.first_unsent.map(|t| t + BATCH_DELAY)
             };
+            let mut gone = None;
             tokio::select! {
                 // Past MAX_PENDING the deployer's output waits unread
                 // (nothing is dropped) until a batch is answered.
-                batch = lines_rx.recv(), if pending.len() < MAX_PENDING => match batch {
-                    Some(lines) => {
-                        for line in lines.iter() {
-                            pending.push(Item::Log { seq: next_seq, log: line.to_string() });
-                            next_seq += 1;
-                        }
-                        first_unsent.get_or_insert_with(Instant::now);
-                    }
-                    None => break,
+                batch = run.lines.recv(), if c.pending.len() < MAX_PENDING => match batch {
+                    Some(lines) => c.lines(&lines),
+                    None => return None,
                 },
                 _ = sleep_until_some(due) => {
-                    match self.send_progress(&mut a, &mut pending, &mut sent_through).await {
-                        Ok(cancel) => if cancel && halted == Halt::No { halted = Halt::Cancel; let _ = stop_tx.send(true); },
-                        Err(end) => { gone = Some(end); let _ = stop_tx.send(true); }
+                    match self.send_progress(a, &mut c.pending, &mut c.sent_through).await {
+                        Ok(true) if run.halted == Halt::No => run.halted = Halt::Cancel,
+                        Ok(_) => {}
+                        Err(end) => gone = Some(end),
                     }
-                    first_unsent = (!pending.is_empty()).then(Instant::now);
+                    c.first_unsent = (!c.pending.is_empty()).then(Instant::now);
                 }
-                _ = renewed.changed() => a.deadline = *renewed.borrow(),
-                _ = fenced.changed() => { gone = *fenced.borrow(); let _ = stop_tx.send(true); }
-                _ = halt.changed() => {
-                    let h = *halt.borrow();
-                    if h == Halt::Fenced { gone = Some(AttemptEnd::Done); }
-                    if halted == Halt::No { halted = h; }
-                    let _ = stop_tx.send(true);
+                _ = run.renewed.changed() => a.deadline = *run.renewed.borrow(),
+                _ = run.fenced.changed() => gone = *run.fenced.borrow(),
+                _ = run.halt.changed() => {
+                    let h = *run.halt.borrow();
+                    if h == Halt::Fenced {
+                        gone = Some(AttemptEnd::Done);
+                    }
+                    if run.halted == Halt::No {
+                        run.halted = h;
+                    }
                 }
                 _ = tokio::time::sleep_until(a.deadline) => {
                     tracing::warn!(attempt = %a.id, "the lease passed without a renew: stopping the deployer (self-fence)");
                     gone = Some(AttemptEnd::Done);
-                    let _ = stop_tx.send(true);
                 }
             }
+            if gone.is_some() || run.halted != Halt::No {
+                let _ = run.stop.send(true);
+            }
             if gone.is_some() {
-                break;
+                return gone;
             }
         }
-        let ended = waiter.await;
-        remove_file(&job_file);
-        if let Some(end) = gone {
-            renewer.abort();
-            keep_lost(&self.args.work_dir, &work_dir, &id);
-            remove_dir(&root);
-            return (id, end);
-        }
-        // The rest of the lines, then the health step, then the outcome.
-        while !pending.is_empty() {
+    }
+
+    /// After the deployer: the rest of its lines, the health step, the
+    /// outcome.
+    async fn conclude(
+        &self,
+        a: &mut Attempt,
+        claim: &Value,
+        run: &mut Run,
+        ended: Result<Ended, tokio::task::JoinError>,
+        work_dir: &Path,
+        root: &Path,
+    ) -> AttemptEnd {
+        let c = &mut run.courier;
+        while !c.pending.is_empty() {
             if let Err(end) = self
-                .send_progress(&mut a, &mut pending, &mut sent_through)
+                .send_progress(a, &mut c.pending, &mut c.sent_through)
                 .await
             {
-                renewer.abort();
-                remove_dir(&root);
-                return (id, end);
+                return end;
             }
         }
         let mut health = Value::Null;
-        if let (Ok(Ended::Exit(0)), Some(limits)) = (&ended, health_limits(&claim)) {
-            if let Some(changed) = changed_nodes(&root) {
+        if let (Ok(Ended::Exit(0)), Some(limits)) = (&ended, health_limits(claim)) {
+            if let Some(changed) = changed_nodes(root) {
                 let mut io = WorkerHealth {
-                    worker: &self,
-                    attempt: &mut a,
-                    work_dir: work_dir.clone(),
-                    pending: &mut pending,
-                    next_seq: &mut next_seq,
-                    sent_through: &mut sent_through,
-                    halt: halt.clone(),
-                    renewed: &mut renewed,
+                    worker: self,
+                    attempt: a,
+                    work_dir: work_dir.to_path_buf(),
+                    courier: c,
+                    halt: run.halt.clone(),
+                    renewed: &mut run.renewed,
                     gone: None,
                 };
                 let end = health_step(&mut io, limits, &claim["request"], changed).await;
                 if let Some(end) = io.gone.take() {
-                    renewer.abort();
-                    keep_lost(&self.args.work_dir, &work_dir, &id);
-                    remove_dir(&root);
-                    return (id, end);
+                    keep_lost(&self.args.work_dir, work_dir, &a.id);
+                    return end;
                 }
                 health = health_json(&end);
             }
@@ -527,17 +551,14 @@ impl Worker {
             Ok(Ended::Signal(sig)) => json!({"kind": "signal", "signal": sig}),
             Ok(Ended::StatusUnknown) | Err(_) => json!({"kind": "status_unknown"}),
             Ok(Ended::Timeout) => json!({"kind": "timeout"}),
-            Ok(Ended::Cancelled) => match halted {
+            Ok(Ended::Cancelled) => match run.halted {
                 Halt::Shutdown => json!({"kind": "shutdown"}),
                 Halt::No | Halt::Cancel | Halt::Fenced => json!({"kind": "cancelled"}),
             },
         };
-        let end = self
-            .send_outcome(&mut a, sent_through, ended, Some(&root), health)
-            .await;
-        renewer.abort();
-        remove_dir(&root);
-        (id, end)
+        let through = c.sent_through;
+        self.send_outcome(a, through, ended, Some(root), health)
+            .await
     }
 
     /// Renews every ttl/3 (retrying each second); reports each new deadline,
@@ -673,6 +694,50 @@ impl Worker {
     }
 }
 
+/// An attempt's progress items: numbered from 1, held until a batch
+/// carrying them is answered.
+#[derive(Default)]
+struct Courier {
+    pending: Vec<Item>,
+    /// The highest seq berth applied.
+    sent_through: u64,
+    /// The seq the next item gets (0 until the first: `next`).
+    next_seq: u64,
+    /// When the oldest unsent item arrived.
+    first_unsent: Option<Instant>,
+}
+
+impl Courier {
+    fn next(&mut self) -> u64 {
+        self.next_seq += 1;
+        self.next_seq
+    }
+
+    fn lines(&mut self, lines: &runner::Lines) {
+        for line in lines.iter() {
+            let seq = self.next();
+            self.pending.push(Item::Log {
+                seq,
+                log: line.to_string(),
+            });
+        }
+        self.first_unsent.get_or_insert_with(Instant::now);
+    }
+}
+
+/// A running attempt's signals: its lines, the deployer's stop switch,
+/// the renewer's deadlines and refusals, the worker's halt.
+struct Run {
+    courier: Courier,
+    lines: mpsc::Receiver<runner::Lines>,
+    stop: watch::Sender<bool>,
+    renewed: watch::Receiver<Instant>,
+    fenced: watch::Receiver<Option<AttemptEnd>>,
+    halt: watch::Receiver<Halt>,
+    /// Who stopped the deployer, first.
+    halted: Halt,
+}
+
 /// The health step's limits from a claim (`null`: the source has none).
 fn health_limits(claim: &Value) -> Option<HealthLimits> {
     let h = &claim["health"];
@@ -714,9 +779,7 @@ struct WorkerHealth<'a> {
     worker: &'a Worker,
     attempt: &'a mut Attempt,
     work_dir: PathBuf,
-    pending: &'a mut Vec<Item>,
-    next_seq: &'a mut u64,
-    sent_through: &'a mut u64,
+    courier: &'a mut Courier,
     halt: watch::Receiver<Halt>,
     renewed: &'a mut watch::Receiver<Instant>,
     /// Set when the attempt's authority ended during the step.
@@ -724,20 +787,16 @@ struct WorkerHealth<'a> {
 }
 
 impl WorkerHealth<'_> {
-    fn next_seq(&mut self) -> u64 {
-        *self.next_seq += 1;
-        *self.next_seq - 1
-    }
-
     /// Sends what is pending (with the renewer's latest deadline).
     async fn flush(&mut self) {
         if let Ok(true) = self.renewed.has_changed() {
             self.attempt.deadline = *self.renewed.borrow_and_update();
         }
-        while self.gone.is_none() && !self.pending.is_empty() {
+        let c = &mut *self.courier;
+        while self.gone.is_none() && !c.pending.is_empty() {
             if let Err(end) = self
                 .worker
-                .send_progress(self.attempt, self.pending, self.sent_through)
+                .send_progress(self.attempt, &mut c.pending, &mut c.sent_through)
                 .await
             {
                 self.gone = Some(end);
@@ -763,8 +822,8 @@ impl HealthIo for WorkerHealth<'_> {
 
     async fn lines(&mut self, lines: &[String]) {
         for line in lines.iter().take(50) {
-            let seq = self.next_seq();
-            self.pending.push(Item::Log {
+            let seq = self.courier.next();
+            self.courier.pending.push(Item::Log {
                 seq,
                 log: line.clone(),
             });
@@ -773,10 +832,10 @@ impl HealthIo for WorkerHealth<'_> {
     }
 
     async fn answer(&mut self, attempt: u32, a: &Answer) {
-        let seq = self.next_seq();
+        let seq = self.courier.next();
         let health =
             json!({"node": a.node, "healthy": a.healthy, "reason": a.reason, "attempt": attempt});
-        self.pending.push(Item::Health { seq, health });
+        self.courier.pending.push(Item::Health { seq, health });
         self.flush().await;
     }
 

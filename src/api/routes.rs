@@ -405,28 +405,9 @@ pub async fn authorize(
     path: &str,
     request_id: &str,
 ) -> Result<Authorized, ApiError> {
-    // A token berth issued reaches only its own routes, and never the
-    // callback (api.md "Authentication").
-    if let Some(e) = super::workers::refuse_issued_token(ctx, headers) {
-        return Err(e);
-    }
-    // An id berth could not have made is refused before the callback sees
-    // it (api.md): nothing of an invalid value is sent or cached.
-    if ask.scope == Scope::PathDeployment
-        && !crate::model::is_valid_deployment_id(params.get("id").map_or("", String::as_str))
-        && !auth::has_service_token(&ctx.service_token, headers)
+    if let Some(e) = refused_before_the_callback(ctx, ask, audit, params, headers, request_id).await
     {
-        let error = deployments::invalid_deployment_id();
-        if let Some(a) = audit {
-            let draft = audit::draft(a.action(params), None, params, request_id);
-            let refused = Refused {
-                error: deployments::invalid_deployment_id(),
-                actor: None,
-                trusted_backend: false,
-            };
-            audit::refused(ctx, draft, &refused).await;
-        }
-        return Err(error);
+        return Err(e);
     }
     let deployment = scope_deployment(ctx, ask.scope, params).await?;
     let draft = |deployment: &Option<String>| {
@@ -479,6 +460,39 @@ pub async fn authorize(
             Err(refused.error)
         }
     }
+}
+
+/// What is refused before the callback is asked: a token berth issued
+/// (it reaches only its own routes, and never the callback: api.md
+/// "Authentication"), and an id berth could not have made (nothing of an
+/// invalid value is sent or cached).
+async fn refused_before_the_callback(
+    ctx: &Ctx,
+    ask: Ask,
+    audit: Option<Audit>,
+    params: &Params,
+    headers: &warp::http::HeaderMap,
+    request_id: &str,
+) -> Option<ApiError> {
+    if let Some(e) = super::workers::refuse_issued_token(ctx, headers) {
+        return Some(e);
+    }
+    let invalid_id = ask.scope == Scope::PathDeployment
+        && !crate::model::is_valid_deployment_id(params.get("id").map_or("", String::as_str))
+        && !auth::has_service_token(&ctx.service_token, headers);
+    if !invalid_id {
+        return None;
+    }
+    if let Some(a) = audit {
+        let draft = audit::draft(a.action(params), None, params, request_id);
+        let refused = Refused {
+            error: deployments::invalid_deployment_id(),
+            actor: None,
+            trusted_backend: false,
+        };
+        audit::refused(ctx, draft, &refused).await;
+    }
+    Some(deployments::invalid_deployment_id())
 }
 
 /// The refusal of another token on a service-only route: `403`, as the

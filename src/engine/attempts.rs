@@ -416,15 +416,8 @@ fn claim_tx(
     };
     let last = tx.last_attempt(build_id)?;
     if let Some(last) = last.as_ref().filter(|a| a.worker == worker.name) {
-        match authority::replay(last, "claim", &call.operation_id, &call.digest) {
-            Replay::Same(answer) => {
-                return Ok(Ok(Answered {
-                    body: answer.to_string(),
-                    replayed: true,
-                }))
-            }
-            Replay::Conflict => return Ok(Err(Refusal::IdempotencyConflict)),
-            Replay::New => {}
+        if let Some(earlier) = replayed(last, "claim", &call.operation_id, &call.digest) {
+            return Ok(earlier);
         }
     }
     let mut d = tx.deployment(&b.deployment)?;
@@ -594,15 +587,8 @@ fn authorized(
     else {
         return Ok(Err(Refusal::NotFound(Missing::Attempt)));
     };
-    match authority::replay(&a, route, &call.operation_id, &call.digest) {
-        Replay::Same(answer) => {
-            return Ok(Ok(Answered {
-                body: answer.to_string(),
-                replayed: true,
-            }))
-        }
-        Replay::Conflict => return Ok(Err(Refusal::IdempotencyConflict)),
-        Replay::New => {}
+    if let Some(earlier) = replayed(&a, route, &call.operation_id, &call.digest) {
+        return Ok(earlier);
     }
     let now = now_millis();
     if let Err(stale) = authority::judge(&a, &call.call(), now) {
@@ -629,6 +615,25 @@ fn authorized(
     );
     tx.put_attempt(&a)?;
     Ok(Ok(Answered::new(answer)))
+}
+
+/// The answer to a call `a` has answered before (the same body), or the
+/// refusal of its `operation_id` used with another body; `None` for a new
+/// call.
+fn replayed(
+    a: &AttemptRecord,
+    route: &str,
+    operation_id: &str,
+    digest: &str,
+) -> Option<Result<Answered, Refusal>> {
+    match authority::replay(a, route, operation_id, digest) {
+        Replay::Same(answer) => Some(Ok(Answered {
+            body: answer.to_string(),
+            replayed: true,
+        })),
+        Replay::Conflict => Some(Err(Refusal::IdempotencyConflict)),
+        Replay::New => None,
+    }
 }
 
 /// A refused call: an active attempt whose lease passed is lost now (the
@@ -849,6 +854,30 @@ fn lose_tx(
     Change::new(tx, hub).audit(&draft)
 }
 
+/// berth's own closing lines of an accepted outcome: a node's missing
+/// SBOM, the lines past `--max-log-bytes`.
+fn closing_lines(
+    result: &Option<Result<Vec<super::outcome::NodeOutcome>, String>>,
+    a: &AttemptRecord,
+) -> Vec<Amid> {
+    let mut closing = Vec::new();
+    for node in result.iter().flatten().flatten() {
+        if let super::outcome::SbomOutcome::Unavailable(reason) = &node.sbom {
+            closing.push(Amid::Line(format!(
+                "[berth] node {}: SBOM unavailable: {reason}",
+                node.name
+            )));
+        }
+    }
+    if a.dropped_lines > 0 {
+        closing.push(Amid::Line(format!(
+            "[berth] {} line(s), {} byte(s) not stored: the log reached --max-log-bytes",
+            a.dropped_lines, a.dropped_bytes
+        )));
+    }
+    closing
+}
+
 /// The accepted outcome: the verdict as a local build's, stored with the
 /// build's final status in this transaction; returns the final summary.
 fn settle(
@@ -884,23 +913,7 @@ fn settle(
         (Ok(Ended::Exit(0)), Err(problem)) => Some(Err(format!("the result file: {problem}"))),
         _ => None,
     };
-    let mut closing = Vec::new();
-    if let Some(Ok(nodes)) = &result {
-        for node in nodes {
-            if let super::outcome::SbomOutcome::Unavailable(reason) = &node.sbom {
-                closing.push(Amid::Line(format!(
-                    "[berth] node {}: SBOM unavailable: {reason}",
-                    node.name
-                )));
-            }
-        }
-    }
-    if a.dropped_lines > 0 {
-        closing.push(Amid::Line(format!(
-            "[berth] {} line(s), {} byte(s) not stored: the log reached --max-log-bytes",
-            a.dropped_lines, a.dropped_bytes
-        )));
-    }
+    let closing = closing_lines(&result, a);
     append_amid(tx, hub, &mut b, a, u64::MAX, &closing, now)?;
     tx.put_build(&b)?;
     let judged = Outcome {

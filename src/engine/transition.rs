@@ -336,25 +336,7 @@ impl<'t, 'a> Change<'t, 'a> {
         let Some(reason) = failed.failure.as_ref().map(|f| f.reason) else {
             return Ok(());
         };
-        let broke = match reason {
-            FailureReason::HealthCheckFailed => true,
-            FailureReason::ExitStatus => ran,
-            FailureReason::SpawnFailed
-            | FailureReason::JobRecordFailed
-            | FailureReason::DeployerProtocol
-            | FailureReason::Timeout
-            | FailureReason::Cancelled
-            | FailureReason::InterruptedByShutdown
-            | FailureReason::InterruptedByRestart
-            | FailureReason::DiskFull
-            | FailureReason::LogWriteFailed
-            | FailureReason::FinalCommitFailed
-            | FailureReason::Internal
-            // A lost attempt is never followed by a rollback (workers.md).
-            | FailureReason::LostAttempt
-            | FailureReason::WorkStateUnavailable
-            | FailureReason::WorkStateInvalid => false,
-        };
+        let broke = breaks_what_was_deployed(reason, ran);
         let is_rollback =
             failed.rollback_of.is_some() || failed.trigger == Trigger::AutomaticRollback;
         if !broke
@@ -601,6 +583,31 @@ pub fn hold_back(
             blocks: true,
         },
     )
+}
+
+/// Whether a failure of `reason` broke what was deployed (lifecycle.md
+/// "Automatic rollback"): a failed health step, or the deployer failing
+/// after it started (`ran`). Every reason decided here.
+fn breaks_what_was_deployed(reason: FailureReason, ran: bool) -> bool {
+    match reason {
+        FailureReason::HealthCheckFailed => true,
+        FailureReason::ExitStatus => ran,
+        FailureReason::SpawnFailed
+        | FailureReason::JobRecordFailed
+        | FailureReason::DeployerProtocol
+        | FailureReason::Timeout
+        | FailureReason::Cancelled
+        | FailureReason::InterruptedByShutdown
+        | FailureReason::InterruptedByRestart
+        | FailureReason::DiskFull
+        | FailureReason::LogWriteFailed
+        | FailureReason::FinalCommitFailed
+        | FailureReason::Internal
+        // A lost attempt is never followed by a rollback (workers.md).
+        | FailureReason::LostAttempt
+        | FailureReason::WorkStateUnavailable
+        | FailureReason::WorkStateInvalid => false,
+    }
 }
 
 #[cfg(test)]

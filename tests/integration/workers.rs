@@ -994,7 +994,7 @@ async fn kill_9_of_berth_and_workers_loses_nothing_and_runs_no_build_twice() {
     s.args.push(format!("127.0.0.1:{port}"));
     let (_, t1) = worker_token(&s, "w1").await;
     let (_, t2) = worker_token(&s, "w2").await;
-    let mut workers = vec![
+    let mut workers = [
         Worker::start(&s, &t1, &dir.join("w1"), &deployer),
         Worker::start(&s, &t2, &dir.join("w2"), &deployer),
     ];
