@@ -387,7 +387,7 @@ fn queue_now(
             }
             let Some(b) = rx.build(build)? else { continue };
             let held = match rx.deployment(&deployment)? {
-                Some(d) => crate::engine::attempts::held_after_loss(&rx, &d, now, grace)?,
+                Some(d) => crate::engine::queue::held_after_loss(&rx, &d, now, grace)?,
                 None => true,
             };
             if held {

@@ -362,29 +362,6 @@ impl Engine {
     }
 }
 
-/// Whether `d` waits after a lost attempt (workers.md "Which builds go
-/// where"): its last build ended `lost_attempt` less than `--cancel-grace`
-/// (`grace_ms`) ago, the time a self-fenced worker takes to stop its
-/// deployer.
-pub fn held_after_loss(
-    rx: &impl Lookup,
-    d: &DeploymentRecord,
-    now: Millis,
-    grace_ms: i64,
-) -> StoreResult<bool> {
-    let Some(last) = &d.last_finished else {
-        return Ok(false);
-    };
-    let lost = rx
-        .last_attempt(last.build_id)?
-        .is_some_and(|a| a.state == AttemptState::Lost);
-    if !lost {
-        return Ok(false);
-    }
-    let ended = rx.build(last.build_id)?.and_then(|b| b.finished_at);
-    Ok(ended.is_some_and(|at| now < at.saturating_add(grace_ms)))
-}
-
 /// A cancel the worker has not answered within `--cancel-grace` +
 /// `--lease-ttl` (ms in `grace`): the build ends `cancelled` without it.
 fn cancel_overdue(a: &AttemptRecord, now: Millis, grace: i64) -> bool {
@@ -423,7 +400,7 @@ fn claim_tx(
     let mut d = tx.deployment(&b.deployment)?;
     let grace = i64::try_from(ctx.settings.cancel_grace.as_millis()).unwrap_or(i64::MAX);
     let held = match &d {
-        Some(d) => held_after_loss(tx, d, now_millis(), grace)?,
+        Some(d) => super::queue::held_after_loss(tx, d, now_millis(), grace)?,
         None => false,
     };
     let claimable = d.as_ref().is_some_and(|d| d.running.is_none())

@@ -4,10 +4,11 @@
 //! `--build-slots` run at once; the oldest waiting build of any deployment
 //! that has nothing running goes next, so no deployment can starve another.
 //! A deployment whose orphaned deployer (from before a restart) is still
-//! being stopped starts nothing until it has exited.
+//! being stopped starts nothing until it has exited, nor one whose build
+//! on a worker was just lost (`held_after_loss`), on any worker.
 
 use crate::locks::Held;
-use crate::store::Lookup;
+use crate::store::{Lookup, StoreResult};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -58,7 +59,7 @@ impl Engine {
         let grace = i64::try_from(self.settings.cancel_grace.as_millis()).unwrap_or(i64::MAX);
         for (_, deployment) in &queued {
             if let Some(d) = rx.deployment(deployment)? {
-                if super::attempts::held_after_loss(&rx, &d, now_millis(), grace)? {
+                if held_after_loss(&rx, &d, now_millis(), grace)? {
                     running.insert(deployment.clone());
                 }
             }
@@ -107,4 +108,27 @@ impl Engine {
         self.sched.held().blocked.remove(deployment);
         self.wake_queue();
     }
+}
+
+/// Whether `d` waits after a lost attempt (workers.md "Which builds go
+/// where"): its last build ended `lost_attempt` less than `--cancel-grace`
+/// (`grace_ms`) ago, the time a self-fenced worker takes to stop its
+/// deployer.
+pub fn held_after_loss(
+    rx: &impl Lookup,
+    d: &DeploymentRecord,
+    now: Millis,
+    grace_ms: i64,
+) -> StoreResult<bool> {
+    let Some(last) = &d.last_finished else {
+        return Ok(false);
+    };
+    let lost = rx
+        .last_attempt(last.build_id)?
+        .is_some_and(|a| a.state == AttemptState::Lost);
+    if !lost {
+        return Ok(false);
+    }
+    let ended = rx.build(last.build_id)?.and_then(|b| b.finished_at);
+    Ok(ended.is_some_and(|at| now < at.saturating_add(grace_ms)))
 }
