@@ -146,6 +146,11 @@ mod tests {
 pub struct Quotas(Arc<Mutex<HashMap<String, usize>>>);
 
 impl Quotas {
+    /// The shares of `key` held now.
+    pub fn held(&self, key: &str) -> usize {
+        self.0.held().get(key).copied().unwrap_or(0)
+    }
+
     pub fn take(&self, key: &str, max: usize) -> Option<QuotaGuard> {
         let mut held = self.0.held();
         let count = held.entry(key.to_string()).or_default();

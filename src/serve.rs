@@ -151,6 +151,7 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
         idempotency: Default::default(),
         tickets: Default::default(),
         streams: Default::default(),
+        polls: Default::default(),
         derivations: Default::default(),
         body_budget: api::BodyBudget::new(engine.settings.max_body_bytes_in_flight),
         authz: api::auth::Authz::new(engine.settings.authz_url.clone()),

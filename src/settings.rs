@@ -509,6 +509,11 @@ pub struct Settings {
     #[arg(long, env = "BERTH_LEASE_TTL", default_value = "30s", value_parser = parse_lease_ttl)]
     pub lease_ttl: Duration,
 
+    /// Open worker polls at most, all workers together (each worker may
+    /// hold 2).
+    #[arg(long, env = "BERTH_MAX_WORKER_POLLS", default_value_t = 10_000, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub max_worker_polls: u32,
+
     /// Worker and agent tokens at most.
     #[arg(long, env = "BERTH_MAX_WORKERS", default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..=100_000))]
     pub max_workers: u32,

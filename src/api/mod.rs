@@ -134,6 +134,8 @@ pub struct Ctx {
     pub tickets: events::Tickets,
     /// Open event streams per principal (`--max-streams-per-caller`).
     pub streams: crate::locks::Quotas,
+    /// Open worker polls: per worker, and all of them under `ALL_POLLS`.
+    pub polls: crate::locks::Quotas,
     /// Derivations running at once (see `derive::MAX_DERIVATIONS`).
     pub derivations: derive::Derivations,
     /// Bytes of request bodies in memory at once.

@@ -20,6 +20,12 @@ use crate::engine::tokens::{NewToken, Token, TOKEN_PREFIX};
 use crate::model::*;
 use crate::store::Lookup;
 
+/// Open polls one worker may hold (workers.md "Limits and errors").
+const POLLS_PER_WORKER: usize = 2;
+/// The key of every open poll in `Ctx::polls`: no token may be named so
+/// (a DNS label has no `*`).
+pub const ALL_POLLS: &str = "*";
+
 /// A queue poll's `wait` at most, and its default (seconds).
 const MAX_POLL_WAIT_S: u64 = 60;
 const DEFAULT_POLL_WAIT_S: u64 = 25;
@@ -327,6 +333,20 @@ pub async fn queue(ctx: &Ctx, req: &Request, auth: &WorkerAuth) -> Result<Reply,
         authority::MAX_ATTEMPTS_PER_WORKER as u64,
     )?;
     let wait = number_param(req, "wait", DEFAULT_POLL_WAIT_S, MAX_POLL_WAIT_S)?;
+    let too_many = || {
+        ApiError::new(
+            Code::Unavailable,
+            "too many open worker polls; poll again shortly",
+        )
+        .reason("too_many_polls")
+        .retry_after(1)
+    };
+    let max = ctx.engine.settings.max_worker_polls as usize;
+    let _all = ctx.polls.take(ALL_POLLS, max).ok_or_else(too_many)?;
+    let _mine = ctx
+        .polls
+        .take(&auth.record.name, POLLS_PER_WORKER)
+        .ok_or_else(too_many)?;
     ctx.engine
         .saw_worker(auth.hash.clone(), &auth.record, &incarnation, &labels)
         .await;

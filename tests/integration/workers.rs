@@ -632,6 +632,33 @@ async fn worker_tokens_reach_only_their_routes_and_the_service_token_not_theirs(
         .await
         .unwrap();
     assert_eq!(r.status(), 401);
+    // Two open polls per worker; a third waits its turn.
+    let poll = || {
+        s.http
+            .get(s.url("/internal/v1/queue?worker_incarnation=incarnation-1&wait=3"))
+            .bearer_auth(&token)
+            .send()
+    };
+    let (first, second) = (poll(), poll());
+    let held = async {
+        eventually("two polls open", || async {
+            s.metrics().await.contains("berth_worker_polls 2")
+        })
+        .await;
+        read(poll().await.unwrap()).await
+    };
+    let (first, second, (status, e)) = tokio::join!(first, second, held);
+    assert_eq!(
+        (status, e["reason"].as_str()),
+        (503, Some("too_many_polls"))
+    );
+    assert_eq!(
+        (
+            first.unwrap().status().as_u16(),
+            second.unwrap().status().as_u16()
+        ),
+        (200, 200)
+    );
     // The name is taken, `local` is reserved, and no secret is ever listed.
     let (status, _) = read(
         s.post("/v1/tokens", &json!({"name": "w1", "kind": "worker"}))
