@@ -45,11 +45,11 @@ pub fn list(ctx: &Ctx, req: &Request, caller: &Caller) -> Result<Reply, ApiError
         None
     };
     // Each summary with its labels and worker (workers.md "What berth shows").
-    let labels = &ctx.engine.settings.build_labels.0;
     let mut items = Vec::with_capacity(builds.len());
     for b in &builds {
         let mut item = serde_json::to_value(b.summary()).map_err(|_| ApiError::internal())?;
-        item["labels"] = serde_json::json!(labels);
+        let digest = rx.build_snapshots(b.id)?.map(|s| s.snapshot.source.digest);
+        item["labels"] = serde_json::json!(required_labels(ctx, digest.as_deref().unwrap_or("")));
         item["worker"] = serde_json::json!(rx.last_attempt(b.id)?.map(|a| a.worker));
         items.push(item);
     }
@@ -57,6 +57,14 @@ pub fn list(ctx: &Ctx, req: &Request, caller: &Caller) -> Result<Reply, ApiError
         200,
         &serde_json::json!({"items": items, "next_cursor": next_cursor}),
     ))
+}
+
+/// The labels a build of a source requires, as far as this process knows
+/// its source (else `--build-labels` alone).
+fn required_labels(ctx: &Ctx, digest: &str) -> Vec<String> {
+    ctx.engine
+        .required_labels(digest)
+        .unwrap_or_else(|| ctx.engine.settings.build_labels.0.clone())
 }
 
 pub fn read(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
@@ -71,7 +79,7 @@ pub fn read(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
     let mut shown = serde_json::to_value(&view).map_err(|_| ApiError::internal())?;
     let attempt = rx.last_attempt(id)?;
     // workers.md "What berth shows": the labels it needs, its worker, its attempt.
-    shown["labels"] = serde_json::json!(ctx.engine.settings.build_labels.0);
+    shown["labels"] = serde_json::json!(required_labels(ctx, &snaps.snapshot.source.digest));
     // `worker` as the list shows it; `attempt` below in full.
     shown["worker"] = serde_json::json!(attempt.as_ref().map(|a| a.worker.clone()));
     if let Some(a) = attempt

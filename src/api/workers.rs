@@ -392,11 +392,11 @@ fn queue_now(
             }
         }
     }
-    let required = &ctx.engine.settings.build_labels.0;
+    let flag_labels = &ctx.engine.settings.build_labels.0;
     let grace = i64::try_from(ctx.engine.settings.cancel_grace.as_millis()).unwrap_or(i64::MAX);
     let now = now_millis();
     let mut builds = Vec::new();
-    if required.iter().all(|l| labels.contains(l)) {
+    if flag_labels.iter().all(|l| labels.contains(l)) {
         for (build, deployment) in rx.queued()? {
             if builds.len() >= free {
                 break;
@@ -410,7 +410,14 @@ fn queue_now(
                 Some(d) => crate::engine::queue::held_after_loss(&rx, &d, now, grace)?,
                 None => true,
             };
-            if held {
+            // A source not described yet in this process is listed: the
+            // claim describes it and decides.
+            let required = match rx.build_snapshots(build)? {
+                Some(snaps) => ctx.engine.required_labels(&snaps.snapshot.source.digest),
+                None => None,
+            }
+            .unwrap_or_else(|| flag_labels.clone());
+            if held || !required.iter().all(|l| labels.contains(l)) {
                 continue;
             }
             builds.push(json!({

@@ -167,11 +167,17 @@ impl Engine {
             Some(s) => self.checks_health(s).await,
             None => false,
         };
+        // Described just above (or never describable: then the flag's).
+        let required = snaps
+            .as_ref()
+            .and_then(|s| self.required_labels(&s.snapshot.source.digest))
+            .unwrap_or_else(|| self.settings.build_labels.0.clone());
         let blocked: HashSet<String> = self.blocked_deployments();
         let (hub, settings) = (self.hub.clone(), self.settings.clone());
         let scene = ClaimContext {
             settings,
             health,
+            required,
             blocked,
         };
         self.store
@@ -375,6 +381,8 @@ struct ClaimContext {
     settings: Arc<Settings>,
     /// Whether the build's source has a health step.
     health: bool,
+    /// The labels the build requires.
+    required: Vec<String>,
     /// Deployments whose orphaned deployer is still being stopped.
     blocked: HashSet<String>,
 }
@@ -411,7 +419,7 @@ fn claim_tx(
     let scene = ClaimScene {
         status: b.status,
         claimable,
-        required: &ctx.settings.build_labels.0,
+        required: &ctx.required,
         offered: &call.labels,
         held,
     };

@@ -30,6 +30,9 @@ const FINAL_COMMIT_MAX_PAUSE: Duration = Duration::from_secs(30);
 
 impl Engine {
     pub(super) async fn run_build(self: Arc<Self>, build_id: BuildId) {
+        if !self.fits_the_embedded_worker(build_id).await {
+            return self.release_slot(build_id);
+        }
         let (cancel_tx, cancel_rx) = watch::channel(Halt::No);
         self.cancels.held().insert(build_id, cancel_tx);
         let (hub, incarnation) = (self.hub.clone(), self.incarnation.clone());
@@ -53,6 +56,33 @@ impl Engine {
         // Otherwise the build is still `running` in the store: its slot
         // stays taken, so nothing of its deployment starts on top of it,
         // until a restart's recovery fails it.
+    }
+
+    /// Whether the embedded worker offers every label the build requires,
+    /// its source described now (the queue judged it by what was known).
+    async fn fits_the_embedded_worker(&self, build_id: BuildId) -> bool {
+        let snaps = match self
+            .store
+            .read()
+            .and_then(|rx| rx.build_snapshots(build_id))
+        {
+            Ok(Some(snaps)) => snaps,
+            // Gone: the start's own job finds it not queued.
+            Ok(None) => return true,
+            Err(e) => {
+                tracing::warn!(error = %e, build = %format_build_id(build_id), "cannot read a queued build's snapshots; it waits for the next pass");
+                return false;
+            }
+        };
+        if let Err(e) = self.describe(&snaps.snapshot.source).await {
+            tracing::warn!(error = %e.describe(), "cannot describe a queued build's source; its labels are the flag's");
+        }
+        let required = self
+            .required_labels(&snaps.snapshot.source.digest)
+            .unwrap_or_else(|| self.settings.build_labels.0.clone());
+        required
+            .iter()
+            .all(|l| self.settings.local_labels.0.contains(l))
     }
 
     /// Runs the deployer and captures the log; returns how it ended. Each

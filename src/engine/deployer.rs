@@ -34,6 +34,8 @@ struct DescribeResult {
     schema: Option<Value>,
     #[serde(default)]
     verbs: Vec<String>,
+    #[serde(default)]
+    labels: Vec<String>,
 }
 
 /// What a source says about itself, with its schema compiled.
@@ -45,6 +47,8 @@ pub struct Described {
     pub renames: Vec<Rename>,
     /// The optional verbs the deployer implements (`check`, `confirm`).
     pub verbs: Vec<String>,
+    /// The labels a worker needs to run this source's builds (sorted).
+    pub labels: Vec<String>,
     validator: Option<(boon::Schemas, boon::SchemaIndex)>,
 }
 
@@ -70,6 +74,8 @@ impl Described {
         if !r.methods.contains(&r.default_method) {
             return Err("describe result: default_method is not one of methods".into());
         }
+        let labels = crate::authority::parse_labels(&r.labels.join(","))
+            .map_err(|why| format!("describe result: labels: {why}"))?;
         let validator = match r.schema {
             None | Some(Value::Null) => None,
             Some(schema) => {
@@ -92,6 +98,7 @@ impl Described {
             catalog: r.catalog,
             renames: r.renames,
             verbs: r.verbs,
+            labels,
             validator,
         })
     }
@@ -221,6 +228,19 @@ impl Describing {
 impl Engine {
     fn described_in_memory(&self, digest: &str) -> Option<Arc<Described>> {
         self.described.held().get(digest).cloned()
+    }
+
+    /// The labels a build of `source` requires (workers.md "Which builds go
+    /// where"): `--build-labels` and the source's own, sorted. `None` while
+    /// the source is not described in this process yet (a claim describes
+    /// it and decides).
+    pub fn required_labels(&self, source_digest: &str) -> Option<Vec<String>> {
+        let described = self.described_in_memory(source_digest)?;
+        let mut labels = self.settings.build_labels.0.clone();
+        labels.extend(described.labels.iter().cloned());
+        labels.sort();
+        labels.dedup();
+        Some(labels)
     }
 
     /// `describe` of a source: memory, then the store, then the deployer

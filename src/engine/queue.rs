@@ -38,43 +38,19 @@ impl Engine {
         if self.sched.held().running.len() >= usize::from(self.settings.build_slots) {
             return Ok(());
         }
-        // The embedded worker takes builds only when on and offering every
-        // label builds require (workers.md "Which builds go where").
-        let labels = &self.settings.build_labels.0;
-        if !self.settings.local_worker
-            || !labels
-                .iter()
-                .all(|l| self.settings.local_labels.0.contains(l))
-        {
+        if !self.settings.local_worker {
             return Ok(());
         }
-        let rx = self.store.read()?;
-        let queued = rx.queued()?;
-        // A deployment with a build running anywhere (a remote worker's
-        // too) starts nothing (FR-009).
-        let mut running: std::collections::HashSet<String> =
-            rx.running()?.into_iter().map(|(_, d)| d).collect();
-        // A deployment whose remote attempt was just lost waits
-        // --cancel-grace (its worker is stopping the deployer).
-        let grace = i64::try_from(self.settings.cancel_grace.as_millis()).unwrap_or(i64::MAX);
-        for (_, deployment) in &queued {
-            if let Some(d) = rx.deployment(deployment)? {
-                if held_after_loss(&rx, &d, now_millis(), grace)? {
-                    running.insert(deployment.clone());
-                }
-            }
-        }
-        drop(rx);
+        let candidates = self.startable()?;
         let mut sched = self.sched.held();
         let slots = usize::from(self.settings.build_slots);
-        for (build_id, deployment) in queued {
+        for (build_id, deployment) in candidates {
             if sched.running.len() >= slots {
                 break;
             }
             let busy = sched.running.contains_key(&build_id)
                 || sched.running.values().any(|d| *d == deployment)
-                || sched.blocked.contains(&deployment)
-                || running.contains(&deployment);
+                || sched.blocked.contains(&deployment);
             if busy {
                 continue;
             }
@@ -87,6 +63,45 @@ impl Engine {
             "more builds hold a slot than --build-slots"
         );
         Ok(())
+    }
+
+    /// The queued builds the embedded worker may start, oldest first: not
+    /// of a deployment with a build running anywhere (a remote worker's
+    /// too: FR-009) or held after a lost attempt (its worker is stopping
+    /// the deployer), and requiring only labels it offers (workers.md
+    /// "Which builds go where"; a source not described in this process yet
+    /// by `--build-labels`, and `run_build` checks again).
+    fn startable(&self) -> Result<Vec<(BuildId, String)>, crate::store::StoreError> {
+        let rx = self.store.read()?;
+        let mut busy: std::collections::HashSet<String> =
+            rx.running()?.into_iter().map(|(_, d)| d).collect();
+        let grace = i64::try_from(self.settings.cancel_grace.as_millis()).unwrap_or(i64::MAX);
+        let mut out = Vec::new();
+        for (build, deployment) in rx.queued()? {
+            if busy.contains(&deployment) {
+                continue;
+            }
+            if let Some(d) = rx.deployment(&deployment)? {
+                if held_after_loss(&rx, &d, now_millis(), grace)? {
+                    busy.insert(deployment);
+                    continue;
+                }
+            }
+            let required = match rx.build_snapshots(build)? {
+                Some(s) => self.required_labels(&s.snapshot.source.digest),
+                None => None,
+            }
+            .unwrap_or_else(|| self.settings.build_labels.0.clone());
+            if required
+                .iter()
+                .all(|l| self.settings.local_labels.0.contains(l))
+            {
+                out.push((build, deployment.clone()));
+            }
+            // Only the oldest queued build of a deployment may start.
+            busy.insert(deployment);
+        }
+        Ok(out)
     }
 
     pub(super) fn release_slot(&self, build_id: BuildId) {

@@ -1094,3 +1094,70 @@ async fn kill_9_of_berth_and_workers_loses_nothing_and_runs_no_build_twice() {
         seen.len()
     );
 }
+
+#[tokio::test]
+async fn a_sources_labels_send_its_builds_only_to_a_worker_offering_them() {
+    let dir = temp_dir("worker-labels");
+    let body = r#"verb="$1"
+cat >/dev/null
+case "$verb" in
+describe) printf '%s' '{"methods":["local"],"default_method":"local","actions":{},"catalog":[],"schema":null,"labels":["gpu"]}' > "$BERTH_RESULT";;
+eval) printf '%s' '{"nodes":[]}' > "$BERTH_RESULT";;
+*) echo "ran on $(basename "$(dirname "$(dirname "$BERTH_WORK_DIR")")")"; printf '%s' '{"nodes":[]}' > "$BERTH_RESULT";;
+esac
+"#;
+    let deployer = script(&dir, "labelled.sh", body);
+    // The embedded worker stays on but offers no label.
+    let s = Server::start_in(dir.join("berth"), Options::default().deployer(&deployer)).await;
+    let (token, token_file) = worker_token(&s, "plain").await;
+    let build = s.submit_ok("alice", json!({"n": 1})).await;
+    let queued = s.build(&build).await;
+    assert_eq!(queued["labels"], json!(["gpu"]), "{queued}");
+    // A worker without the label is offered nothing and may not claim it.
+    let r = s
+        .http
+        .get(s.url("/internal/v1/queue?worker_incarnation=incarnation-1&wait=0"))
+        .bearer_auth(&token)
+        .send()
+        .await
+        .unwrap();
+    let (_, q) = read(r).await;
+    assert_eq!(q["builds"], json!([]), "{q}");
+    let w = ByHand {
+        s: &s,
+        token: token.clone(),
+    };
+    let (status, e, _) = w.claim(&build, &op(1)).await;
+    assert_eq!(
+        (status, e["reason"].as_str()),
+        (409, Some("labels_mismatch"))
+    );
+    assert_eq!(
+        s.build(&build).await["status"],
+        "queued",
+        "neither the embedded worker nor a plain one runs it"
+    );
+    drop(token_file);
+    let (_, gpu_file) = worker_token(&s, "gpu-box").await;
+    let gpu = Command::new(env!("CARGO_BIN_EXE_berth"))
+        .args(["worker", "--url", &s.base, "--labels", "gpu", "--deployer"])
+        .arg(&deployer)
+        .arg("--token-file")
+        .arg(&gpu_file)
+        .arg("--work-dir")
+        .arg(dir.join("gpu-box/w"))
+        .stdin(Stdio::null())
+        .spawn()
+        .unwrap();
+    let gpu = Worker {
+        child: gpu,
+        dir: dir.join("gpu-box"),
+    };
+    let done = s.wait_build(&build, "final").await;
+    assert_eq!(
+        (done["status"].as_str(), done["worker"].as_str()),
+        (Some("succeeded"), Some("gpu-box")),
+        "{done}\n{}",
+        gpu.log()
+    );
+}
