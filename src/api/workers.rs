@@ -26,6 +26,9 @@ const POLLS_PER_WORKER: usize = 2;
 /// (a DNS label has no `*`).
 pub const ALL_POLLS: &str = "*";
 
+/// Why an outcome has no result (workers.md "Outcome").
+const RESULT_PROBLEMS: [&str; 4] = ["missing", "too_large", "not_json", "unsafe"];
+
 /// A queue poll's `wait` at most, and its default (seconds).
 const MAX_POLL_WAIT_S: u64 = 60;
 const DEFAULT_POLL_WAIT_S: u64 = 25;
@@ -654,7 +657,12 @@ pub async fn outcome(ctx: &Ctx, req: &Request, auth: &WorkerAuth) -> Result<Repl
     let ended = remote_end(map.get("ended"))?;
     let result = match (map.get("result"), map.get("result_problem")) {
         (Some(v), None | Some(Value::Null)) if !v.is_null() => Ok(v.to_string()),
-        (None | Some(Value::Null), Some(Value::String(p))) => Err(p.chars().take(64).collect()),
+        // Only the problems workers.md names reach the build's failure.
+        (None | Some(Value::Null), Some(Value::String(p)))
+            if RESULT_PROBLEMS.contains(&p.as_str()) =>
+        {
+            Err(p.clone())
+        }
         (None | Some(Value::Null), None | Some(Value::Null)) => Err("missing".to_string()),
         _ => {
             return Err(bad(

@@ -414,6 +414,13 @@ async fn stale_authority_resends_gaps_and_replays_follow_the_protocol() {
         b["health"] = Value::Null;
         b
     };
+    // A result problem workers.md does not name is refused (it would
+    // become the build's failure detail).
+    let mut odd = outcome(&op(11), 5);
+    odd["result"] = Value::Null;
+    odd["result_problem"] = json!("the worker's own words");
+    let (status, _, _) = w.call(&o, &odd).await;
+    assert_eq!(status, 400);
     let (status, e, _) = w.call(&o, &outcome(&op(7), 4)).await;
     assert_eq!((status, e["reason"].as_str()), (409, Some("progress_gap")));
     let (status, done, _) = w.call(&o, &outcome(&op(8), 5)).await;
