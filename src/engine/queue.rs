@@ -41,7 +41,19 @@ impl Engine {
         if !self.settings.local_worker {
             return Ok(());
         }
-        let candidates = self.startable()?;
+        // What this engine is starting already, and its slots left.
+        let (free, taken) = {
+            let sched = self.sched.held();
+            let free = usize::from(self.settings.build_slots).saturating_sub(sched.running.len());
+            let taken: std::collections::HashSet<String> = sched
+                .running
+                .values()
+                .chain(sched.blocked.iter())
+                .cloned()
+                .collect();
+            (free, taken)
+        };
+        let candidates = self.startable(free, taken)?;
         let mut sched = self.sched.held();
         let slots = usize::from(self.settings.build_slots);
         for (build_id, deployment) in candidates {
@@ -71,13 +83,23 @@ impl Engine {
     /// the deployer), and requiring only labels it offers (workers.md
     /// "Which builds go where"; a source not described in this process yet
     /// by `--build-labels`, and `run_build` checks again).
-    fn startable(&self) -> Result<Vec<(BuildId, String)>, crate::store::StoreError> {
+    /// `taken`: the deployments this engine is starting or stopping a
+    /// deployer of. It stops at `want` (the free slots): a long queue costs
+    /// a dispatch a scan of its ids, not a read of each build.
+    fn startable(
+        &self,
+        want: usize,
+        taken: std::collections::HashSet<String>,
+    ) -> Result<Vec<(BuildId, String)>, crate::store::StoreError> {
         let rx = self.store.read()?;
-        let mut busy: std::collections::HashSet<String> =
-            rx.running()?.into_iter().map(|(_, d)| d).collect();
+        let mut busy = taken;
+        busy.extend(rx.running()?.into_iter().map(|(_, d)| d));
         let grace = i64::try_from(self.settings.cancel_grace.as_millis()).unwrap_or(i64::MAX);
         let mut out = Vec::new();
         for (build, deployment) in rx.queued()? {
+            if out.len() >= want {
+                break;
+            }
             if busy.contains(&deployment) {
                 continue;
             }
