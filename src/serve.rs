@@ -14,6 +14,17 @@ use crate::store::Store;
 /// Random bytes in a generated secret (256 bits).
 const SECRET_BYTES: usize = 32;
 
+/// Everything the engine runs by itself, once it is ready.
+fn run_in_the_background(engine: &Arc<crate::engine::Engine>) {
+    tokio::spawn(engine.clone().run_queue());
+    tokio::spawn(engine.clone().run_callbacks());
+    tokio::spawn(engine.clone().run_webhooks());
+    tokio::spawn(engine.clone().run_sweeps());
+    tokio::spawn(engine.clone().run_leases());
+    tokio::spawn(engine.clone().run_denial_flush());
+    tokio::spawn(engine.clone().run_updates());
+}
+
 /// The server log on stderr: `BERTH_LOG` filters it; `BERTH_LOG_FORMAT`
 /// is `text` (the default; colours only when stderr is a terminal, so
 /// journald and files get plain text) or `json` (one object per line, for
@@ -166,13 +177,7 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
         .await
         .map_err(|e| format!("recovery failed: {e}"))?;
     engine.ready.store(true, Ordering::SeqCst);
-    tokio::spawn(engine.clone().run_queue());
-    tokio::spawn(engine.clone().run_callbacks());
-    tokio::spawn(engine.clone().run_webhooks());
-    tokio::spawn(engine.clone().run_sweeps());
-    tokio::spawn(engine.clone().run_leases());
-    tokio::spawn(engine.clone().run_denial_flush());
-    tokio::spawn(engine.clone().run_updates());
+    run_in_the_background(&engine);
     {
         let ctx = ctx.clone();
         tokio::spawn(async move {

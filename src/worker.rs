@@ -48,6 +48,9 @@ const BATCH_BYTES: usize = 512 * 1024;
 const MAX_PENDING: usize = 4 * BATCH_ITEMS;
 /// One call's time limit (a poll's is its wait plus this).
 const CALL_TIMEOUT: Duration = Duration::from_secs(30);
+/// The longest answer the worker reads (a claim carries a configuration
+/// of at most berth's `--max-body`, 1 MiB by default).
+const MAX_ANSWER_BYTES: usize = 16 * 1024 * 1024;
 /// A queue poll's wait.
 const POLL_WAIT_S: u64 = 25;
 /// Lost attempts' work dirs kept under `lost/`.
@@ -246,7 +249,11 @@ impl Worker {
                 return None;
             }
         };
-        let attempt = Attempt::from_claim(&claim, sent)?;
+        let Some(attempt) = Attempt::from_claim(&claim, sent) else {
+            // Its lease ends on berth's side; nothing runs here.
+            tracing::error!(%build, "a claim answer this worker cannot read; the build will be lost a lease later");
+            return None;
+        };
         let id = attempt.id.clone();
         let (halt_tx, halt_rx) = watch::channel(Halt::No);
         let me = self.clone();
@@ -927,13 +934,26 @@ impl Api {
         if let Some(body) = body {
             req = req.json(body);
         }
-        let resp = req.send().await.map_err(|e| e.to_string())?;
+        let mut resp = req.send().await.map_err(|e| e.to_string())?;
         let status = resp.status().as_u16();
-        let bytes = resp.bytes().await.map_err(|e| e.to_string())?;
-        Ok((
-            status,
-            serde_json::from_slice(&bytes).unwrap_or(Value::Null),
-        ))
+        // An answer is read up to MAX_ANSWER_BYTES: whatever stands at the
+        // URL cannot make the worker hold more.
+        let mut bytes = Vec::new();
+        while let Some(chunk) = resp.chunk().await.map_err(|e| e.to_string())? {
+            if bytes.len() + chunk.len() > MAX_ANSWER_BYTES {
+                return Err(format!("an answer longer than {MAX_ANSWER_BYTES} bytes"));
+            }
+            bytes.extend_from_slice(&chunk);
+        }
+        match serde_json::from_slice(&bytes) {
+            Ok(answer) => Ok((status, answer)),
+            // A success must be berth's JSON; a refusal from something in
+            // between (a proxy's page) is judged by its status alone.
+            Err(e) if (200..300).contains(&status) => {
+                Err(format!("an answer that is not JSON: {e}"))
+            }
+            Err(_) => Ok((status, Value::Null)),
+        }
     }
 
     /// A call resent (same body, so the same `operation_id`) while it gets
