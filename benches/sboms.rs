@@ -113,6 +113,8 @@ fn storage(rt: &tokio::runtime::Runtime) {
             late_frames: vec![],
             last_seq_used: 0,
             log_gaps: vec![],
+            work_state: berth::engine::work_state::NewWorkState::Unchanged,
+            keep_work_states: 3,
         });
         rt.block_on(store.write(move |tx| {
             let record = SubmitRecord {

@@ -136,6 +136,8 @@ fn main() {
                             late_frames: vec![],
                             last_seq_used: 0,
                             log_gaps: vec![],
+                            work_state: berth::engine::work_state::NewWorkState::Unchanged,
+                            keep_work_states: 3,
                         });
                         finish_tx(tx, &hub, submitted.build.id, &done)?;
                     }

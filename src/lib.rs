@@ -3,6 +3,7 @@
 //! See ARCHITECTURE.md for the map; `main.rs` is only the CLI.
 
 pub mod api;
+pub mod archive;
 pub mod audit;
 pub mod audit_cli;
 pub mod authority;

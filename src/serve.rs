@@ -21,6 +21,7 @@ fn run_in_the_background(engine: &Arc<crate::engine::Engine>) {
     tokio::spawn(engine.clone().run_webhooks());
     tokio::spawn(engine.clone().run_sweeps());
     tokio::spawn(engine.clone().run_leases());
+    tokio::spawn(engine.clone().sweep_staging());
     tokio::spawn(engine.clone().run_denial_flush());
     tokio::spawn(engine.clone().run_updates());
 }

@@ -514,6 +514,20 @@ pub struct Settings {
     #[arg(long, env = "BERTH_MAX_WORKER_POLLS", default_value_t = 10_000, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
     pub max_worker_polls: u32,
 
+    /// The largest work state (a deployment's work dir as a tar archive;
+    /// 1 MiB to 4 GiB).
+    #[arg(long, env = "BERTH_MAX_WORK_STATE", default_value_t = 64 << 20, value_parser = clap::value_parser!(u64).range((1 << 20)..=(4 << 30)))]
+    pub max_work_state: u64,
+
+    /// Work states kept per deployment, the current one included (1-100).
+    #[arg(long, env = "BERTH_KEEP_WORK_STATES", default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
+    pub keep_work_states: u32,
+
+    /// Bytes a worker may stage per attempt (its SBOM files and work
+    /// state, uploaded before its outcome).
+    #[arg(long, env = "BERTH_MAX_ATTEMPT_UPLOAD", default_value_t = 2 << 30, value_parser = clap::value_parser!(u64).range((1 << 20)..))]
+    pub max_attempt_upload: u64,
+
     /// Worker and agent tokens at most.
     #[arg(long, env = "BERTH_MAX_WORKERS", default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..=100_000))]
     pub max_workers: u32,

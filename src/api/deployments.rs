@@ -182,6 +182,10 @@ struct DeploymentView {
     event_cursor: String,
     created_at: String,
     updated_at: String,
+    /// The deployment read (GET) only: its work states, null before its
+    /// first remote claim (workers.md "The work state").
+    #[serde(skip_serializing_if = "Option::is_none")]
+    work_state: Option<Value>,
 }
 
 /// What a read shows of the sources of a deployment, from their cached
@@ -257,6 +261,18 @@ pub fn render_view(
     audit: &[crate::audit::Event],
     earlier_build: bool,
 ) -> Result<Reply, StoreError> {
+    let v = view_of(facts, d, last_build, last_try, audit, earlier_build)?;
+    Ok(Reply::json(200, &v).header("ETag", format!("\"{}\"", d.revision)))
+}
+
+fn view_of(
+    facts: &SourceFacts,
+    d: &DeploymentRecord,
+    last_build: Option<&BuildRecord>,
+    last_try: Option<&UpdateTry>,
+    audit: &[crate::audit::Event],
+    earlier_build: bool,
+) -> Result<DeploymentView, StoreError> {
     let instances = instances_of(&d.snapshot.configuration, facts.catalog(&d.snapshot.source))?;
     let deployed_instances = match &d.deployed {
         Some(dep) => instances_of(
@@ -324,13 +340,43 @@ pub fn render_view(
         event_cursor: d.event_seq.to_string(),
         created_at: format_time(d.created_at),
         updated_at: format_time(d.updated_at),
+        work_state: None,
     };
-    Ok(Reply::json(200, &v).header("ETag", format!("\"{}\"", d.revision)))
+    Ok(v)
+}
+
+/// A deployment's work states as its read shows them.
+fn work_state_view(w: Option<&WorkStates>) -> Value {
+    let one = |r: &WorkStateRef| {
+        serde_json::json!({
+            "digest": r.digest,
+            "size": r.size,
+            "build_id": r.build.map(format_build_id),
+            "stored_at": format_time(r.stored_at),
+        })
+    };
+    match w {
+        None => Value::Null,
+        Some(w) => {
+            let previous: Vec<Value> = w.previous.iter().map(one).collect();
+            match &w.current {
+                Some(c) => {
+                    let mut v = one(c);
+                    v["previous"] = Value::Array(previous);
+                    v
+                }
+                None => serde_json::json!({
+                    "digest": null, "size": 0, "build_id": null, "stored_at": null,
+                    "previous": previous,
+                }),
+            }
+        }
+    }
 }
 
 pub async fn read(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
     let id = deployment_id(req)?;
-    let (d, last_build, last_try, audit, earlier) = {
+    let (d, last_build, last_try, audit, earlier, work_states) = {
         let rx = ctx.engine.read()?;
         let d = rx
             .deployment(&id)?
@@ -338,17 +384,27 @@ pub async fn read(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
         let last_build = d.last_build.map(|b| rx.build(b)).transpose()?.flatten();
         let audit = crate::engine::audit::of_deployment(&rx, &id)?;
         let earlier = rx.rollback_target(&d)?.is_some();
-        (d, last_build, rx.update_try(&id)?, audit, earlier)
+        let work_states = rx.work_states(&id)?;
+        (
+            d,
+            last_build,
+            rx.update_try(&id)?,
+            audit,
+            earlier,
+            work_states,
+        )
     };
     let facts = SourceFacts::of(ctx, &d).await;
-    Ok(render_view(
+    let mut v = view_of(
         &facts,
         &d,
         last_build.as_ref(),
         last_try.as_ref(),
         &audit,
         earlier,
-    )?)
+    )?;
+    v.work_state = Some(work_state_view(work_states.as_ref()));
+    Ok(Reply::json(200, &v).header("ETag", format!("\"{}\"", d.revision)))
 }
 
 /// `If-Match: "<revision>"` (also bare, or weak `W/"..."`); `*` or absent

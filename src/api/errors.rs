@@ -253,6 +253,12 @@ impl From<Refusal> for ApiError {
             Refusal::NotFound(Missing::Webhook) => ApiError::not_found("webhook"),
             Refusal::NotFound(Missing::Token) => ApiError::not_found("token"),
             Refusal::NotFound(Missing::Attempt) => ApiError::not_found("attempt"),
+            Refusal::NotFound(Missing::WorkState) => ApiError::not_found("work state"),
+            Refusal::InvalidWorkState(why) => {
+                ApiError::bad_request(format!("not a valid work state: {why}"))
+                    .field("/body", "work_state_invalid")
+            }
+            Refusal::TooLarge(why) => ApiError::new(Code::PayloadTooLarge, why),
             Refusal::Claim(c) => ApiError::conflict(c.reason(), claim_message(c)),
             Refusal::Stale(stale) => {
                 ApiError::new(Code::StaleAuthority, stale_message(stale)).reason(stale.reason())
@@ -358,6 +364,9 @@ fn conflict_message(c: Conflict) -> &'static str {
             "a token of this name exists; revoke it first or pick another name"
         }
         Conflict::WorkerLimit => "--max-workers tokens exist; revoke one first",
+        Conflict::BuildRunning => {
+            "a build of this deployment is claimed or running; wait for it to end"
+        }
     }
 }
 

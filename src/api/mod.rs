@@ -155,6 +155,10 @@ pub struct Request {
     pub request_id: String,
     /// The connection, when an event stream may take it over (HTTP/1.1).
     pub wire: Option<Arc<crate::wire::Wire>>,
+    /// A route whose body is a file (`Handler::file_body_limit`): the body
+    /// received into one; `body` then holds its digest, which is what an
+    /// idempotency key's body check compares.
+    pub upload: Option<crate::engine::staging::Upload>,
 }
 
 /// The connection a request came on, put in its extensions by `serve`.
@@ -346,6 +350,27 @@ where
             return fail(e);
         }
     };
+    if let Some(limit) = matched.handler.file_body_limit(&ctx.engine.settings) {
+        let upload = match receive_upload(ctx, &headers, body, limit).await {
+            Ok(upload) => upload,
+            Err(e) => return fail(e),
+        };
+        let req = Request {
+            method,
+            route,
+            params,
+            query,
+            headers,
+            body: Bytes::from(upload.digest.clone()),
+            request_id: request_id.to_string(),
+            wire,
+            upload: Some(upload),
+        };
+        return match run_handler(ctx, &bound, &req).await {
+            Ok(r) => Ok((route, r)),
+            Err(e) => fail(e),
+        };
+    }
     // The body's share of --max-body-bytes-in-flight is held until the
     // request is answered.
     let (body, _body_share) = match checked_body(ctx, &method, &headers, body).await {
@@ -367,6 +392,7 @@ where
         body,
         request_id: request_id.to_string(),
         wire,
+        upload: None,
     };
     // A read that raced a store reopen (after an I/O error) runs again.
     let answer = reading(
@@ -532,6 +558,103 @@ where
         }
     }
     Ok((body, share))
+}
+
+/// A file body's time: `--body-timeout` for each `UPLOAD_BYTES_PER_TIMEOUT`
+/// of its declared length (or of its limit), so a large upload on a slow
+/// link is not cut while a stalled one still is.
+const UPLOAD_BYTES_PER_TIMEOUT: u64 = 8 << 20;
+
+/// Receives a file body (at most `limit` bytes) into a file under the
+/// staging root's `incoming/`, hashing it as it arrives. The file goes
+/// when the `Upload` is dropped, unless a handler moved it into place.
+async fn receive_upload<S, B>(
+    ctx: &Ctx,
+    headers: &HeaderMap,
+    body: S,
+    limit: u64,
+) -> Result<crate::engine::staging::Upload, ApiError>
+where
+    S: futures_util::Stream<Item = Result<B, warp::Error>> + Unpin,
+    B: bytes::Buf,
+{
+    let too_large = || {
+        ApiError::new(
+            Code::PayloadTooLarge,
+            format!("the body is larger than this route allows ({limit} bytes)"),
+        )
+    };
+    let declared = headers
+        .get("content-length")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit) {
+        return Err(too_large());
+    }
+    let periods = 1 + declared.unwrap_or(limit) / UPLOAD_BYTES_PER_TIMEOUT;
+    let allowed = ctx
+        .engine
+        .settings
+        .body_timeout
+        .saturating_mul(u32::try_from(periods).unwrap_or(u32::MAX));
+    match tokio::time::timeout(allowed, write_upload(ctx, body, limit)).await {
+        Ok(Ok(Some(upload))) => Ok(upload),
+        Ok(Ok(None)) => Err(too_large()),
+        Ok(Err(e)) => Err(e),
+        Err(_) => {
+            let mut e =
+                ApiError::bad_request("the body did not arrive in time (--body-timeout per 8 MiB)")
+                    .field("", "body_timeout");
+            e.close = true;
+            Err(e)
+        }
+    }
+}
+
+/// The body into a new file; `None` when it passed `limit`.
+async fn write_upload<S, B>(
+    ctx: &Ctx,
+    mut body: S,
+    limit: u64,
+) -> Result<Option<crate::engine::staging::Upload>, ApiError>
+where
+    S: futures_util::Stream<Item = Result<B, warp::Error>> + Unpin,
+    B: bytes::Buf,
+{
+    use sha2::Digest;
+    use tokio::io::AsyncWriteExt;
+    let dir = ctx.engine.incoming_dir();
+    let failed = |e: std::io::Error| {
+        tracing::error!(error = %e, dir = %dir.display(), "cannot receive an upload");
+        ApiError::new(Code::Unavailable, "the upload cannot be stored now").retry_after(5)
+    };
+    tokio::fs::create_dir_all(&dir).await.map_err(failed)?;
+    let mut upload = crate::engine::staging::Upload {
+        path: dir.join(uuid::Uuid::now_v7().simple().to_string()),
+        digest: String::new(),
+        len: 0,
+    };
+    let mut file = tokio::fs::File::create(&upload.path)
+        .await
+        .map_err(failed)?;
+    let mut hasher = sha2::Sha256::new();
+    while let Some(chunk) = body.next().await {
+        let mut chunk = chunk.map_err(|_| ApiError::bad_request("the body could not be read"))?;
+        while chunk.has_remaining() {
+            let part = chunk.chunk();
+            upload.len += part.len() as u64;
+            if upload.len > limit {
+                return Ok(None);
+            }
+            hasher.update(part);
+            file.write_all(part).await.map_err(failed)?;
+            let n = part.len();
+            chunk.advance(n);
+        }
+    }
+    file.flush().await.map_err(failed)?;
+    upload.digest = format!("sha256:{}", crate::hex::encode(&hasher.finalize()));
+    Ok(Some(upload))
 }
 
 fn too_large(max: usize) -> ApiError {

@@ -288,6 +288,8 @@ fn workers_exposition(ctx: &Ctx, out: &mut String) -> Result<(), ApiError> {
     let polls = ctx.polls.held(super::workers::ALL_POLLS);
     let _ = writeln!(out, "# HELP berth_worker_polls Open worker polls.\n# TYPE berth_worker_polls gauge\nberth_worker_polls {polls}");
     let _ = writeln!(out, "# HELP berth_builds_waiting_for_worker Queued builds the embedded worker cannot take.\n# TYPE berth_builds_waiting_for_worker gauge\nberth_builds_waiting_for_worker {waiting}");
+    let stored = rx.work_state_bytes()?;
+    let _ = writeln!(out, "# HELP berth_work_state_bytes Compressed bytes of the stored work states.\n# TYPE berth_work_state_bytes gauge\nberth_work_state_bytes {stored}");
     Ok(())
 }
 

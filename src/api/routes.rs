@@ -65,6 +65,7 @@ pub enum TokenCall {
     ListDeliveries,
     ListTokens,
     ListWorkers,
+    ReadWorkState,
 }
 
 /// A route that changes state: token-authenticated, audited, and run under
@@ -82,6 +83,7 @@ pub enum MutationCall {
     TestWebhook,
     CreateToken,
     RevokeToken,
+    PutWorkState,
 }
 
 /// A route of `berth worker`: a worker token only (workers.md "Internal
@@ -94,6 +96,29 @@ pub enum WorkerCall {
     Renew,
     Progress,
     Outcome,
+    Blob,
+    WorkState,
+}
+
+impl Handler {
+    /// The most bytes of a route whose body is a file (received into one,
+    /// not into memory, and not JSON); `None` for every other route.
+    pub fn file_body_limit(self, settings: &crate::settings::Settings) -> Option<u64> {
+        match self {
+            Handler::Worker(WorkerCall::Blob) => Some(
+                settings
+                    .max_work_state
+                    .max(crate::engine::staging::MIN_BLOB_BYTES),
+            ),
+            Handler::Mutation(MutationCall::PutWorkState, ..) => Some(settings.max_work_state),
+            Handler::Public(_)
+            | Handler::Metrics
+            | Handler::Stream(_)
+            | Handler::Token(..)
+            | Handler::Mutation(..)
+            | Handler::Worker(_) => None,
+        }
+    }
 }
 
 /// An event stream: the service token or a stream ticket for its path (a
@@ -298,6 +323,8 @@ pub const ROUTES: &[Route] = &[
     token_row("GET", "/v1/deployments/{id}/builds", TokenCall::ListBuilds, P::Read, PathDeployment, NotFound),
     token_row("GET", "/v1/deployments/{id}/sboms", TokenCall::ListSboms, P::Read, PathDeployment, NotFound),
     token_row("GET", "/v1/deployments/{id}/sboms/{node}", TokenCall::ReadSbom, P::Read, PathDeployment, NotFound),
+    token_row("GET", "/v1/deployments/{id}/work-state", TokenCall::ReadWorkState, P::Tokens, ServiceOnly, Forbidden),
+    mutation_row("PUT", "/v1/deployments/{id}/work-state", MutationCall::PutWorkState, P::Tokens, ServiceOnly, Audit::Action("work_state_put")),
     token_row("GET", "/v1/builds/{build}", TokenCall::ReadBuild, P::Read, BuildsDeployment, NotFound),
     token_row("GET", "/v1/builds/{build}/log", TokenCall::BuildLog, P::Read, BuildsDeployment, NotFound),
     mutation_row("POST", "/v1/builds/{build}/cancel", MutationCall::CancelBuild, P::Cancel, BuildsDeployment, Audit::Action("cancel")),
@@ -325,6 +352,8 @@ pub const ROUTES: &[Route] = &[
     worker_row("POST", "/internal/v1/builds/{build}/claim", WorkerCall::Claim),
     worker_row("POST", "/internal/v1/attempts/{attempt}/renew", WorkerCall::Renew),
     worker_row("POST", "/internal/v1/attempts/{attempt}/progress", WorkerCall::Progress),
+    worker_row("PUT", "/internal/v1/attempts/{attempt}/blobs/{digest}", WorkerCall::Blob),
+    worker_row("GET", "/internal/v1/attempts/{attempt}/work-state", WorkerCall::WorkState),
     worker_row("POST", "/internal/v1/attempts/{attempt}/outcome", WorkerCall::Outcome),
 ];
 
@@ -611,6 +640,7 @@ pub async fn token(
         TokenCall::ListDeliveries => webhooks::deliveries(ctx, req, caller),
         TokenCall::ListTokens => workers::list_tokens(ctx),
         TokenCall::ListWorkers => workers::list_workers(ctx),
+        TokenCall::ReadWorkState => workers::read_work_state(ctx, req),
     };
     reply.map(Answer::Reply)
 }
@@ -678,6 +708,12 @@ pub async fn mutation(
         MutationCall::RevokeToken => {
             idempotency::mutation(ctx, req, caller, w, |w| workers::revoke_token(ctx, req, w)).await
         }
+        MutationCall::PutWorkState => {
+            idempotency::mutation(ctx, req, caller, w, |w| {
+                workers::put_work_state(ctx, req, w)
+            })
+            .await
+        }
     };
     if let Err(e) = &result {
         audit::failed(ctx, draft, e).await;
@@ -699,6 +735,8 @@ pub async fn worker(
         WorkerCall::Renew => workers::renew(ctx, req, auth).await,
         WorkerCall::Progress => workers::progress(ctx, req, auth).await,
         WorkerCall::Outcome => workers::outcome(ctx, req, auth).await,
+        WorkerCall::Blob => workers::blob(ctx, req, auth).await,
+        WorkerCall::WorkState => workers::attempt_work_state(ctx, req, auth),
     };
     reply.map(Answer::Reply)
 }

@@ -3,6 +3,7 @@
 //! the shape of its call and asks the engine, whose write jobs apply the
 //! authority rules of `crate::authority`.
 
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
@@ -16,7 +17,9 @@ use crate::engine::attempts::{
 };
 use crate::engine::health::HealthEnd;
 use crate::engine::outcome::Halt;
+use crate::engine::staging::AttemptAuthority;
 use crate::engine::tokens::{NewToken, Token, TOKEN_PREFIX};
+use crate::engine::work_state::Expected;
 use crate::model::*;
 use crate::store::Lookup;
 
@@ -673,17 +676,78 @@ pub async fn outcome(ctx: &Ctx, req: &Request, auth: &WorkerAuth) -> Result<Repl
         }
     };
     let health = remote_health(map.get("health"))?;
+    let (work_state, work_state_problem) = outcome_work_state(&map)?;
     let outcome = RemoteOutcome {
         progress_through,
         ended,
         result,
         health,
+        files: outcome_files(map.get("files"))?,
+        work_state,
+        work_state_problem,
     };
     Ok(answered(
         ctx.engine
             .outcome(auth.caller(), attempt, call, outcome)
             .await?,
     ))
+}
+
+/// The most SBOM files one outcome names.
+const MAX_OUTCOME_FILES: usize = 10_000;
+
+/// An outcome's `files`: SBOM paths -> digests of staged blobs.
+fn outcome_files(v: Option<&Value>) -> Result<BTreeMap<String, String>, ApiError> {
+    let invalid = || {
+        bad(
+            "/files",
+            "type",
+            "files must map each SBOM path to the sha256:<hex> digest of an uploaded blob",
+        )
+    };
+    let Some(v) = v.filter(|v| !v.is_null()) else {
+        return Ok(BTreeMap::new());
+    };
+    let map = v.as_object().ok_or_else(invalid)?;
+    if map.len() > MAX_OUTCOME_FILES {
+        return Err(bad("/files", "too_many", "at most 10000 files"));
+    }
+    map.iter()
+        .map(|(path, digest)| match digest.as_str() {
+            Some(d) if crate::archive::is_digest(d) => Ok((path.clone(), d.to_string())),
+            _ => Err(invalid()),
+        })
+        .collect()
+}
+
+/// An outcome's `work_state` digest (null: an empty work dir) and its
+/// `work_state_problem`.
+fn outcome_work_state(
+    map: &serde_json::Map<String, Value>,
+) -> Result<(Option<String>, Option<String>), ApiError> {
+    let digest = match map.get("work_state") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(d)) if crate::archive::is_digest(d) => Some(d.clone()),
+        Some(_) => {
+            return Err(bad(
+                "/work_state",
+                "type",
+                "work_state must be null or a sha256:<hex> digest",
+            ))
+        }
+    };
+    let problem = match map.get("work_state_problem") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(p)) if p == "too_large" || p == "unreadable" => Some(p.clone()),
+        Some(_) => {
+            return Err(bad(
+                "/work_state_problem",
+                "type",
+                "work_state_problem must be null, too_large or unreadable",
+            ))
+        }
+    };
+    Ok((digest, problem))
 }
 
 fn remote_end(v: Option<&Value>) -> Result<RemoteEnd, ApiError> {
@@ -746,4 +810,174 @@ fn remote_health(v: Option<&Value>) -> Result<Option<HealthEnd>, ApiError> {
         },
         _ => return Err(invalid()),
     }))
+}
+
+/// The authority a blob upload or a work state download carries in its
+/// headers.
+fn header_authority(req: &Request) -> Result<AttemptAuthority, ApiError> {
+    let header = |name: &str| req.headers.get(name).and_then(|v| v.to_str().ok());
+    let fence = header("berth-fence")
+        .and_then(|v| v.parse::<u64>().ok())
+        .filter(|f| *f >= 1)
+        .ok_or_else(|| {
+            bad(
+                "/headers/berth-fence",
+                "format",
+                "Berth-Fence must be the attempt's fence, a whole number from 1",
+            )
+        })?;
+    let incarnation = header("berth-worker-incarnation")
+        .filter(|i| authority::is_authority_id(i))
+        .ok_or_else(|| {
+            bad(
+                "/headers/berth-worker-incarnation",
+                "format",
+                "Berth-Worker-Incarnation must match ^[A-Za-z0-9][A-Za-z0-9_-]{7,127}$",
+            )
+        })?;
+    Ok(AttemptAuthority {
+        fence,
+        incarnation: incarnation.to_string(),
+    })
+}
+
+/// `PUT /internal/v1/attempts/{attempt}/blobs/{digest}`: an SBOM file or
+/// the work state archive, staged for the attempt's outcome.
+pub async fn blob(ctx: &Ctx, req: &Request, auth: &WorkerAuth) -> Result<Reply, ApiError> {
+    let attempt = attempt_of(req)?;
+    let who = header_authority(req)?;
+    let digest = req.param("digest");
+    if !crate::archive::is_digest(digest) {
+        return Err(bad(
+            "/path/digest",
+            "format",
+            "the digest must be sha256: and 64 lower-case hex digits",
+        ));
+    }
+    let Some(upload) = &req.upload else {
+        return Err(ApiError::internal());
+    };
+    if upload.digest != digest {
+        return Err(bad(
+            "/path/digest",
+            "digest_mismatch",
+            "the body's SHA-256 is not the digest in the path",
+        ));
+    }
+    let stored = ctx
+        .engine
+        .stage_blob(&auth.caller(), attempt, &who, digest, upload)
+        .await?;
+    let status = if stored { 201 } else { 200 };
+    Ok(Reply::json(
+        status,
+        &json!({"digest": digest, "size": upload.len}),
+    ))
+}
+
+/// An archive as an answer: `application/x-tar`, its digest as the ETag,
+/// a `Range: bytes=` honoured as the log's is.
+fn tar_reply(req: &Request, digest: &str, tar: Vec<u8>) -> Result<Reply, ApiError> {
+    let etag = format!("\"{digest}\"");
+    let Some(range) = req.headers.get("range") else {
+        return Ok(Reply::text(200, "application/x-tar", tar).header("ETag", etag));
+    };
+    let range = range.to_str().map_err(|_| {
+        bad(
+            "/headers/range",
+            "format",
+            "Range must be bytes=START-[END]",
+        )
+    })?;
+    let parsed = super::builds::parse_range(range)?;
+    let len = tar.len() as u64;
+    let Some((start, end)) = super::builds::resolve_range(&parsed, len) else {
+        return Err(ApiError::new(
+            Code::RangeNotSatisfiable,
+            "the range is outside the archive",
+        ));
+    };
+    let part = tar[start as usize..=end as usize].to_vec();
+    Ok(Reply::text(206, "application/x-tar", part)
+        .header("ETag", etag)
+        .header("Content-Range", format!("bytes {start}-{end}/{len}")))
+}
+
+/// `GET /internal/v1/attempts/{attempt}/work-state`: the archive the
+/// attempt starts from.
+pub fn attempt_work_state(ctx: &Ctx, req: &Request, auth: &WorkerAuth) -> Result<Reply, ApiError> {
+    let attempt = attempt_of(req)?;
+    let who = header_authority(req)?;
+    let (found, tar) = ctx
+        .engine
+        .attempt_work_state(&auth.caller(), attempt, &who)?;
+    tar_reply(req, &found.digest, tar)
+}
+
+/// `GET /v1/deployments/{id}/work-state[?digest=]`: a kept archive.
+pub fn read_work_state(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
+    let digest = req
+        .query
+        .iter()
+        .find(|(k, _)| k == "digest")
+        .map(|(_, v)| v.as_str());
+    let (found, tar) = ctx.engine.work_state(req.param("id"), digest)?;
+    tar_reply(req, &found.digest, tar)
+}
+
+/// `If-Match` of a work state PUT: `"<digest>"`, or `"none"` when the
+/// deployment has none; required.
+fn expected_work_state(req: &Request) -> Result<Expected, ApiError> {
+    let bad_match = || {
+        ApiError::bad_request(
+            "If-Match must be the current work state's ETag, \"sha256:<hex>\", or \"none\"",
+        )
+        .field("/headers/if-match", "format")
+    };
+    let raw = req.headers.get("if-match").ok_or_else(bad_match)?;
+    let text = raw.to_str().map_err(|_| bad_match())?.trim();
+    let text = text
+        .strip_prefix('"')
+        .and_then(|t| t.strip_suffix('"'))
+        .unwrap_or(text);
+    match text {
+        "none" => Ok(Expected::Nothing),
+        d if crate::archive::is_digest(d) => Ok(Expected::Digest(d.to_string())),
+        _ => Err(bad_match()),
+    }
+}
+
+/// `PUT /v1/deployments/{id}/work-state`: makes an archive current.
+pub async fn put_work_state(ctx: &Ctx, req: &Request, w: Write) -> Result<Reply, ApiError> {
+    let id = req.param("id").to_string();
+    let expected = expected_work_state(req)?;
+    let Some(upload) = &req.upload else {
+        return Err(ApiError::internal());
+    };
+    let (path, max) = (upload.path.clone(), ctx.engine.settings.max_work_state);
+    let prepared = tokio::task::spawn_blocking(move || {
+        let tar = std::fs::read(&path).map_err(|e| format!("the upload cannot be read: {e}"))?;
+        crate::engine::work_state::prepare(&tar, max)
+    })
+    .await
+    .map_err(|_| ApiError::internal())?
+    .map_err(|why| {
+        ApiError::bad_request(format!("not a valid work state: {why}"))
+            .field("/body", "work_state_invalid")
+    })?;
+    let record = w.record(|r: &WorkStateRef| Reply::json(200, &stored_work_state(r)));
+    let stored = ctx
+        .engine
+        .put_work_state(id, expected, prepared, record)
+        .await?;
+    Ok(Reply::json(200, &stored_work_state(&stored)))
+}
+
+fn stored_work_state(r: &WorkStateRef) -> Value {
+    json!({
+        "digest": r.digest,
+        "size": r.size,
+        "build_id": r.build.map(format_build_id),
+        "stored_at": format_time(r.stored_at),
+    })
 }

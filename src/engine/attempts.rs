@@ -23,8 +23,10 @@ use super::log_pipe::{Chunk, LogBuffer};
 use super::outcome::{End, Halt};
 use super::refusal::{Missing, Refusal};
 use super::runner::Ended;
+use super::staging::PreparedFiles;
 use super::transition::Change;
 use super::verdict::{parse_result, Outcome};
+use super::work_state::NewWorkState;
 use super::Engine;
 use crate::audit::{Actor, Draft, Outcome as AuditOutcome};
 use crate::authority::{self, Call, ClaimScene, Replay, Stale};
@@ -129,6 +131,12 @@ pub struct RemoteOutcome {
     /// The result file's JSON text, or why there is none.
     pub result: Result<String, String>,
     pub health: Option<HealthEnd>,
+    /// The result's SBOM paths -> the digests of the staged files.
+    pub files: std::collections::BTreeMap<String, String>,
+    /// The digest of the work dir's archive at the end (`None`: empty).
+    pub work_state: Option<String>,
+    /// Why the worker could not archive its work dir.
+    pub work_state_problem: Option<String>,
 }
 
 /// An internal call's answer: its JSON text, and whether it is the replay
@@ -173,16 +181,44 @@ impl Engine {
             .and_then(|s| self.required_labels(&s.snapshot.source.digest))
             .unwrap_or_else(|| self.settings.build_labels.0.clone());
         let blocked: HashSet<String> = self.blocked_deployments();
+        let first_work_state = match &snaps {
+            Some(_) => self.first_work_state(build).await?,
+            None => NewWorkState::Unchanged,
+        };
         let (hub, settings) = (self.hub.clone(), self.settings.clone());
         let scene = ClaimContext {
             settings,
             health,
             required,
             blocked,
+            first_work_state,
         };
         self.store
             .write(move |tx| claim_tx(tx, &hub, &scene, &worker, build, &call))
             .await?
+    }
+
+    /// The work state a deployment's first remote claim stores: berth's own
+    /// work dir, archived (`Unchanged` once one is stored). A work dir that
+    /// cannot be archived keeps the build from remote workers: the claim is
+    /// refused `not_claimable` and berth's log says why.
+    async fn first_work_state(&self, build: BuildId) -> Result<NewWorkState, Refusal> {
+        let rx = self.store.read()?;
+        let Some(b) = rx.build(build)? else {
+            return Ok(NewWorkState::Unchanged);
+        };
+        if rx.work_states(&b.deployment)?.is_some() {
+            return Ok(NewWorkState::Unchanged);
+        }
+        drop(rx);
+        match self.archive_local_work_dir(&b.deployment).await {
+            Ok(Some(prepared)) => Ok(NewWorkState::Archive(prepared)),
+            Ok(None) => Ok(NewWorkState::Empty),
+            Err(why) => {
+                tracing::warn!(deployment = %b.deployment, error = %why, "a remote worker cannot take this deployment's builds: its work dir cannot be archived");
+                Err(Refusal::Claim(authority::ClaimRefusal::NotClaimable))
+            }
+        }
     }
 
     /// `POST /internal/v1/attempts/{attempt}/renew`.
@@ -269,8 +305,30 @@ impl Engine {
         worker: WorkerCaller,
         attempt: (BuildId, u64),
         call: AuthorityCall,
-        outcome: RemoteOutcome,
+        mut outcome: RemoteOutcome,
     ) -> Result<Answered, Refusal> {
+        // The files are read and checked before the write job, which stores
+        // them only if the call has authority. An unknown attempt is the
+        // job's to refuse.
+        let deployment = self
+            .store
+            .read()?
+            .attempt(attempt.0, attempt.1)?
+            .filter(|a| a.worker == worker.name)
+            .map(|a| a.deployment);
+        let files = match deployment {
+            Some(d) => Some(Arc::new(
+                self.prepare_files(
+                    attempt,
+                    &d,
+                    std::mem::take(&mut outcome.files),
+                    outcome.work_state.take(),
+                    outcome.work_state_problem.take(),
+                )
+                .await?,
+            )),
+            None => None,
+        };
         let (hub, settings) = (self.hub.clone(), self.settings.clone());
         let answered = self
             .store
@@ -288,12 +346,19 @@ impl Engine {
                                 applied_through: a.applied_through,
                             }));
                         }
-                        let summary = settle(tx, &hub, &settings, a, &worker, &outcome, now)?;
+                        let Some(files) = &files else {
+                            return Ok(Err(Refusal::NotFound(Missing::Attempt)));
+                        };
+                        let summary =
+                            settle(tx, &hub, &settings, a, &worker, (&outcome, files), now)?;
                         Ok(Ok(summary))
                     },
                 )
             })
             .await?;
+        if answered.is_ok() {
+            self.drop_staged(attempt);
+        }
         // The deployment's next build may go now.
         self.wake_queue();
         answered
@@ -385,6 +450,8 @@ struct ClaimContext {
     required: Vec<String>,
     /// Deployments whose orphaned deployer is still being stopped.
     blocked: HashSet<String>,
+    /// The deployment's first stored work state, when it has none yet.
+    first_work_state: NewWorkState,
 }
 
 /// The claim's write job (workers.md "Claim").
@@ -447,6 +514,22 @@ fn claim_tx(
         Some(ttl),
     );
     let snaps = change.start(d, &mut b)?;
+    if tx.work_states(&b.deployment)?.is_none() {
+        // From this claim on the stored work state is the truth.
+        let first = match &ctx.first_work_state {
+            NewWorkState::Unchanged => &NewWorkState::Empty,
+            first => first,
+        };
+        super::work_state::keep_tx(
+            tx,
+            &b.deployment,
+            first,
+            None,
+            ctx.settings.keep_work_states,
+            now,
+        )?;
+    }
+    let work_state = tx.work_states(&b.deployment)?.and_then(|w| w.current);
     let id = authority::attempt_id(build_id, a.fence);
     let claimed = attempt_event("claimed", &a);
     let line = format!("[berth] running on worker {} (attempt {id})", worker.name);
@@ -454,7 +537,7 @@ fn claim_tx(
     append_amid(tx, hub, &mut b, &mut a, u64::MAX, &items, now)?;
     tx.put_build(&b)?;
     change.audit(&worker_draft("attempt_claim", worker, &b, AuditOutcome::Ok))?;
-    let answer = claim_answer(&ctx.settings, &b, &snaps, &a, ctx.health)?;
+    let answer = claim_answer(&ctx.settings, &b, &snaps, &a, ctx.health, work_state)?;
     authority::keep_reply(
         &mut a,
         "claim",
@@ -486,6 +569,7 @@ fn claim_answer(
     snaps: &BuildSnapshots,
     a: &AttemptRecord,
     health: bool,
+    work_state: Option<WorkStateRef>,
 ) -> StoreResult<String> {
     let request = deployer_request(b, snaps).map_err(|e| {
         crate::store::StoreError::corrupt(format!("a stored configuration snapshot: {e}"))
@@ -508,10 +592,11 @@ fn claim_answer(
         "verb": verb,
         "request": request,
         "health": health,
-        "work_state": null,
+        "work_state": work_state.map(|w| json!({"digest": w.digest, "size": w.size})),
         "limits": {
             "build_timeout_ms": ms(settings.build_timeout),
             "cancel_grace_ms": ms(settings.cancel_grace),
+            "max_work_state": settings.max_work_state,
             "max_batch_items": authority::MAX_BATCH_ITEMS,
             "max_body": settings.max_body,
         },
@@ -810,6 +895,9 @@ fn lose_tx(
         late_frames: vec![],
         last_seq_used: b.event_seq,
         log_gaps: b.log_gaps.clone(),
+        // A lost attempt stores no work state.
+        work_state: NewWorkState::Unchanged,
+        keep_work_states: 1,
     });
     finish_tx(tx, hub, b.id, &finished)?;
     if !cancelled {
@@ -871,7 +959,7 @@ fn settle(
     settings: &Settings,
     a: &mut AttemptRecord,
     worker: &WorkerCaller,
-    outcome: &RemoteOutcome,
+    (outcome, files): (&RemoteOutcome, &PreparedFiles),
     now: Millis,
 ) -> StoreResult<String> {
     let Some(mut b) = tx.build(a.build)? else {
@@ -890,10 +978,13 @@ fn settle(
             (Err(Failure::new(*reason, detail.clone())), Halt::No)
         }
     };
-    // No SBOM files travel yet: a node that names one has it missing.
+    // A path the outcome's `files` does not name is a missing file.
     let result = match (&ended, &outcome.result) {
-        (Ok(Ended::Exit(0)), Ok(text)) => Some(parse_result(text.as_bytes(), b.kind, |_| {
-            Err("the SBOM file was not uploaded by the worker".to_string())
+        (Ok(Ended::Exit(0)), Ok(text)) => Some(parse_result(text.as_bytes(), b.kind, |path| {
+            match files.sboms.get(path) {
+                Some(prepared) => prepared.clone(),
+                None => Err("the SBOM file was not uploaded by the worker".to_string()),
+            }
         })),
         (Ok(Ended::Exit(0)), Err(problem)) => Some(Err(format!("the result file: {problem}"))),
         _ => None,
@@ -909,6 +1000,7 @@ fn settle(
         log: LogBuffer::new(0, 0, 0),
         disk_failure: None,
         halted,
+        work_state_problem: files.work_state_problem.clone(),
     };
     let end = judged.verdict(settings.build_timeout);
     let nodes = match judged.result {
@@ -923,6 +1015,8 @@ fn settle(
         late_frames: vec![],
         last_seq_used: b.event_seq,
         log_gaps: b.log_gaps.clone(),
+        work_state: files.work_state.clone(),
+        keep_work_states: settings.keep_work_states,
     });
     finish_tx(tx, hub, b.id, &finished)?;
     let Some(done) = tx.build(b.id)? else {

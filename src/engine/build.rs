@@ -18,6 +18,7 @@ use super::queue::QUEUE_POLL;
 use super::runner::{self, CallDirs, Ended, Invocation};
 use super::transition::Change;
 use super::verdict::{read_deploy_result, Outcome};
+use super::work_state::NewWorkState;
 use super::Engine;
 use crate::events::{Channel, Frame, Hub};
 use crate::model::*;
@@ -49,8 +50,24 @@ impl Engine {
                 return self.release_slot(build_id);
             }
         };
-        let outcome = self.execute(&build, &snaps, cancel_rx).await;
-        if self.finish(build, outcome).await {
+        let (outcome, work_state) = match self.restore_work_state(&build).await {
+            Ok(start) => {
+                let mut outcome = self.execute(&build, &snaps, cancel_rx).await;
+                let (work_state, problem) =
+                    self.collect_work_state(&build.deployment, &start).await;
+                outcome.work_state_problem = problem;
+                (outcome, work_state)
+            }
+            Err(failure) => {
+                let root = self.settings.scratch_root().join(format_build_id(build.id));
+                let log = LogBuffer::new(0, build.log_first_seq, build.seq_reserved);
+                (
+                    Outcome::failed(&root, failure, log),
+                    NewWorkState::Unchanged,
+                )
+            }
+        };
+        if self.finish(build, outcome, work_state).await {
             self.release_slot(build_id);
         }
         // Otherwise the build is still `running` in the store: its slot
@@ -173,6 +190,7 @@ impl Engine {
             log: pipe.log,
             disk_failure: pipe.disk_failure,
             halted,
+            work_state_problem: None,
         }
     }
 
@@ -327,7 +345,12 @@ impl Engine {
     /// The final transaction: status, last log chunk, the deployment's
     /// deployed snapshot and pending counters, the destroy callback. Returns
     /// whether the final status is stored.
-    async fn finish(self: &Arc<Self>, build: BuildRecord, mut outcome: Outcome) -> bool {
+    async fn finish(
+        self: &Arc<Self>,
+        build: BuildRecord,
+        mut outcome: Outcome,
+        work_state: NewWorkState,
+    ) -> bool {
         let end = outcome.verdict(self.settings.build_timeout);
         let nodes = match outcome.result.take() {
             Some(Ok(nodes)) => nodes,
@@ -374,6 +397,8 @@ impl Engine {
             late_frames,
             last_seq_used,
             log_gaps: outcome.log.gaps.clone(),
+            work_state,
+            keep_work_states: self.settings.keep_work_states,
         });
         // A destroy whose deployer succeeded has nothing left behind its
         // work dir: it goes before the commit that says so, so a reader who
@@ -420,6 +445,8 @@ impl Engine {
                     late_frames: vec![],
                     last_seq_used: finished.last_seq_used,
                     log_gaps: finished.log_gaps.clone(),
+                    work_state: NewWorkState::Unchanged,
+                    keep_work_states: self.settings.keep_work_states,
                 });
                 let hub = self.hub.clone();
                 match self
@@ -535,6 +562,11 @@ pub struct Finished {
     pub last_seq_used: u64,
     /// Every seq amid the log's lines that went to another event.
     pub log_gaps: Vec<u64>,
+    /// The deployment's work state after the build (stored whatever the
+    /// verdict; a destroy that succeeds forgets them all).
+    pub work_state: NewWorkState,
+    /// `--keep-work-states`.
+    pub keep_work_states: u32,
 }
 
 /// The final write job: the last log chunk, then the final status through
@@ -565,6 +597,18 @@ pub fn finish_tx(tx: &Tx, hub: &Arc<Hub>, build_id: BuildId, f: &Arc<Finished>) 
     });
     let mut d = tx.deployment(&b.deployment)?;
     end_attempt(tx, build_id, AttemptState::Ended)?;
+    if b.kind == BuildKind::Destroy && f.end.status == BuildStatus::Succeeded {
+        super::work_state::forget_tx(tx, &b.deployment)?;
+    } else {
+        super::work_state::keep_tx(
+            tx,
+            &b.deployment,
+            &f.work_state,
+            Some(build_id),
+            f.keep_work_states,
+            now_millis(),
+        )?;
+    }
     Change::new(tx, hub).finish(d.as_mut(), &mut b, f.end.clone(), &f.nodes)
 }
 

@@ -23,12 +23,14 @@ pub mod refusal;
 pub mod requests;
 pub mod runner;
 pub mod sboms;
+pub mod staging;
 pub mod sweeps;
 pub mod tokens;
 pub mod transition;
 pub mod updates;
 pub mod verdict;
 pub mod webhooks;
+pub mod work_state;
 
 pub use audit::Recorder;
 pub use requests::{CancelTaken, DestroyQueued, Mode, SubmitInput, Submitted};

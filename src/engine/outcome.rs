@@ -66,7 +66,7 @@ pub enum SbomOutcome {
 }
 
 /// A document split for the store.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct PreparedSbom {
     /// zstd of the skeleton's JSON text.
     pub skeleton: Vec<u8>,
@@ -79,7 +79,7 @@ pub struct PreparedSbom {
 /// a component already stored keeps only its text (compressed in the
 /// transaction only if it was collected meanwhile). With 90% of components
 /// shared, this spares most of the compression.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub enum ComponentBytes {
     Compressed(Vec<u8>),
     Known(String),

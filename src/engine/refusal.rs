@@ -36,6 +36,8 @@ pub enum Missing {
     Token,
     /// An attempt id no attempt has, or another token's attempt.
     Attempt,
+    /// A deployment without a stored work state (or not that digest).
+    WorkState,
 }
 
 /// A lifecycle rule that refuses the change (api.md: 409 `conflict` with
@@ -56,6 +58,8 @@ pub enum Conflict {
     TokenExists,
     /// `--max-workers` tokens exist.
     WorkerLimit,
+    /// A build of the deployment is claimed or running (a work state PUT).
+    BuildRunning,
 }
 
 impl Conflict {
@@ -69,6 +73,7 @@ impl Conflict {
             Conflict::TooManyWebhooks => "max_webhooks",
             Conflict::TokenExists => "token_exists",
             Conflict::WorkerLimit => "worker_limit",
+            Conflict::BuildRunning => "build_running",
         }
     }
 }
@@ -147,6 +152,10 @@ pub enum Refusal {
     ProgressGap {
         applied_through: u64,
     },
+    /// An archive that is not a valid work state (400, the text says why).
+    InvalidWorkState(String),
+    /// An upload past its limit (413; the text names the limit).
+    TooLarge(String),
     /// The store failed; its class decides the answer (a full disk, ...).
     Store(StoreError),
     /// Something berth itself got wrong; the server log has the detail.

@@ -30,6 +30,9 @@ pub(super) struct Outcome {
     pub(super) disk_failure: Option<FailureReason>,
     /// Who stopped the deployer, when it was stopped.
     pub(super) halted: Halt,
+    /// Why the work dir at the end could not be stored (a deployment whose
+    /// work state is stored): a would-be success fails `work_state_invalid`.
+    pub(super) work_state_problem: Option<String>,
 }
 
 impl Outcome {
@@ -43,12 +46,17 @@ impl Outcome {
             log,
             disk_failure: None,
             halted: Halt::No,
+            work_state_problem: None,
         }
     }
 
     /// The build's final status, failure and exit code.
     pub(super) fn verdict(&self, timeout: Duration) -> End {
-        let (status, failure, exit_code) = self.judge(timeout);
+        let (mut status, mut failure, exit_code) = self.judge(timeout);
+        if let (BuildStatus::Succeeded, Some(why)) = (status, &self.work_state_problem) {
+            status = BuildStatus::Failed;
+            failure = Some(Failure::new(FailureReason::WorkStateInvalid, why.clone()));
+        }
         End {
             status,
             failure,
@@ -284,8 +292,17 @@ fn read_sbom(
         OpenError::Missing => "the SBOM file is missing".to_string(),
         OpenError::Refused(why) => why,
     })?;
-    let doc = sbom::check(&bytes)?;
-    drop(bytes);
+    prepare_sbom(&bytes, store)
+}
+
+/// Checks an SBOM file's bytes (sbom.md) and splits and compresses it for
+/// the build's final transaction (components the store has already are
+/// not compressed again).
+pub(super) fn prepare_sbom(
+    bytes: &[u8],
+    store: &crate::store::Store,
+) -> Result<PreparedSbom, String> {
+    let doc = sbom::check(bytes)?;
     let split = sbom::split(doc)?;
     let compress = |text: &[u8]| {
         compress::compress(text).map_err(|_| "the SBOM could not be compressed".to_string())

@@ -308,6 +308,13 @@ fn load_into(partial: &Path, origin: &mut dyn Origin, identity: &str) -> Result<
             // An export from before workers has no tokens and no attempts.
             continue;
         }
+        if matches!(
+            store_table,
+            Table::WorkStates | Table::WorkStateBlobs | Table::WorkStatePieces
+        ) && origin.version() < schema::FIRST_EXPORT_WITH_WORK_STATES
+        {
+            continue;
+        }
         let mut bar = progress.table(table.name, 0);
         origin.rows(table, &mut |values| {
             bar.row(values.iter().map(Value::size).sum());

@@ -20,7 +20,7 @@ use crate::store::{
 
 /// The version of this relational layout, in `berth_meta`. A target holding
 /// a newer one is refused; bump it when a table or column changes meaning.
-pub const EXPORT_SCHEMA_VERSION: u32 = 4;
+pub const EXPORT_SCHEMA_VERSION: u32 = 5;
 
 /// The first export layout with the webhook tables (an older export has
 /// none, and imports without subscriptions).
@@ -29,6 +29,10 @@ pub const FIRST_EXPORT_WITH_WEBHOOKS: u32 = 3;
 /// The first export layout with worker tokens and build attempts (an
 /// older export has none).
 pub const FIRST_EXPORT_WITH_WORKERS: u32 = 4;
+
+/// The first export layout with deployments' work states (an older export
+/// has none).
+pub const FIRST_EXPORT_WITH_WORK_STATES: u32 = 5;
 
 /// The export layouts this berth reads: version 1 split an idempotency
 /// key's identity wrongly (its `subject` held U+0000 for callback and
@@ -394,6 +398,38 @@ pub const TABLES: &[RelTable] = &[
         primary_key: &["build_id", "fence"],
         references: &[("build_id", "builds")],
     },
+    RelTable {
+        name: "work_state_blobs",
+        store_table: Table::WorkStateBlobs,
+        columns: &[
+            col("digest", Text),
+            col("size", Int),
+            col("refs", Int),
+            col("record", Json),
+        ],
+        primary_key: &["digest"],
+        references: &[],
+    },
+    RelTable {
+        // An archive's zstd stream in pieces: concatenated in `piece`
+        // order they decompress to the tar whose SHA-256 is `digest`.
+        name: "work_state_pieces",
+        store_table: Table::WorkStatePieces,
+        columns: &[col("digest", Text), col("piece", Int), col("data", Bytes)],
+        primary_key: &["digest", "piece"],
+        references: &[],
+    },
+    RelTable {
+        name: "work_states",
+        store_table: Table::WorkStates,
+        columns: &[
+            col("deployment_id", Text),
+            opt("current_digest", Text),
+            col("record", Json),
+        ],
+        primary_key: &["deployment_id"],
+        references: &[],
+    },
 ];
 
 /// The relational table holding a carried store table.
@@ -565,6 +601,22 @@ pub fn to_values(row: &Row) -> Result<Vec<Value>, String> {
             V::Text(a.state.as_str().to_string()),
             V::Time(a.claimed_at),
             json(a)?,
+        ],
+        Row::WorkStates { deployment, record } => vec![
+            V::Text(deployment.clone()),
+            text_or_null(&record.current.as_ref().map(|c| c.digest.clone())),
+            json(record)?,
+        ],
+        Row::WorkStateBlob { digest, record } => vec![
+            V::Text(digest.clone()),
+            int(record.size, "a work state's size")?,
+            V::Int(record.refs.into()),
+            json(record)?,
+        ],
+        Row::WorkStatePiece { digest, n, bytes } => vec![
+            V::Text(digest.clone()),
+            int(*n, "a piece number")?,
+            V::Bytes(bytes.clone()),
         ],
         Row::Component { hash, refs, text } => vec![
             V::Text(hex(hash)),
@@ -856,6 +908,19 @@ fn row_of(table: &RelTable, values: Vec<Value>) -> Result<Row, String> {
             record: c.record()?,
         },
         Table::Attempts => Row::Attempt(c.record()?),
+        Table::WorkStates => Row::WorkStates {
+            deployment: c.text("deployment_id")?,
+            record: c.record()?,
+        },
+        Table::WorkStateBlobs => Row::WorkStateBlob {
+            digest: c.text("digest")?,
+            record: c.record()?,
+        },
+        Table::WorkStatePieces => Row::WorkStatePiece {
+            digest: c.text("digest")?,
+            n: u64::try_from(c.int("piece")?).map_err(|_| c.bad("piece"))?,
+            bytes: c.bytes("data")?,
+        },
         Table::SbomComponents => Row::Component {
             hash: c.hash("hash")?,
             refs: u32::try_from(c.int("refs")?).map_err(|_| c.bad("refs"))?,

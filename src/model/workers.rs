@@ -129,3 +129,55 @@ pub struct AttemptRecord {
     /// The last answers, for replays (at most `authority::KEPT_REPLIES`).
     pub replies: Vec<KeptReply>,
 }
+
+/// One stored work state of a deployment (workers.md "The work state"):
+/// an archive of its `BERTH_WORK_DIR`, kept by digest.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkStateRef {
+    /// `sha256:<64 hex>` of the archive.
+    pub digest: String,
+    /// The archive's bytes (uncompressed).
+    pub size: u64,
+    /// The build whose end left it; `None` for the first one (archived
+    /// from berth's own work dir at the first remote claim) and for one a
+    /// `PUT` made current.
+    pub build: Option<BuildId>,
+    pub stored_at: Millis,
+}
+
+/// A deployment's work states, under its id. The row exists from the
+/// deployment's first remote claim on: before it, the work dir on berth's
+/// machine is the truth; after it, the stored state is.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkStates {
+    /// The one the next attempt gets; `None`: an empty work dir.
+    pub current: Option<WorkStateRef>,
+    /// Older ones, newest first (at most `--keep-work-states` - 1), each
+    /// digest at most once in the list with `current`.
+    pub previous: Vec<WorkStateRef>,
+}
+
+impl WorkStates {
+    /// Every kept state, the current first.
+    pub fn all(&self) -> impl Iterator<Item = &WorkStateRef> {
+        self.current.iter().chain(self.previous.iter())
+    }
+}
+
+/// A stored archive, once per digest: zstd-compressed, in pieces of at
+/// most `PIECE_BYTES`, counted by the deployments' lists that name it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkStateBlob {
+    /// The archive's bytes (uncompressed).
+    pub size: u64,
+    /// Its compressed bytes, all pieces.
+    pub stored_bytes: u64,
+    pub pieces: u64,
+    /// Entries of `WorkStates` lists naming it.
+    pub refs: u32,
+}
+
+impl WorkStateBlob {
+    /// The most compressed bytes one piece row holds.
+    pub const PIECE_BYTES: usize = 1 << 20;
+}

@@ -22,7 +22,7 @@ use super::{
 use crate::audit::{self as chain, Outcome};
 use crate::model::{
     AttemptRecord, BuildId, BuildRecord, BuildSnapshots, DeploymentRecord, NodeSbom, Source,
-    TokenRecord, UpdateTry,
+    TokenRecord, UpdateTry, WorkStateBlob, WorkStates,
 };
 
 /// One row of a carried table, decoded (compressed text decompressed).
@@ -111,6 +111,20 @@ pub enum Row {
         record: TokenRecord,
     },
     Attempt(AttemptRecord),
+    WorkStates {
+        deployment: String,
+        record: WorkStates,
+    },
+    WorkStateBlob {
+        digest: String,
+        record: WorkStateBlob,
+    },
+    /// One piece of an archive's zstd stream, as stored.
+    WorkStatePiece {
+        digest: String,
+        n: u64,
+        bytes: Vec<u8>,
+    },
 }
 
 impl Row {
@@ -137,6 +151,9 @@ impl Row {
             Row::Delivery { .. } => Table::WebhookDeliveries,
             Row::Token { .. } => Table::Tokens,
             Row::Attempt(_) => Table::Attempts,
+            Row::WorkStates { .. } => Table::WorkStates,
+            Row::WorkStateBlob { .. } => Table::WorkStateBlobs,
+            Row::WorkStatePiece { .. } => Table::WorkStatePieces,
         }
     }
 }
@@ -206,6 +223,9 @@ impl Rx {
             Table::WebhookDeliveries => txn.open_table(WEBHOOK_DELIVERIES)?.len()?,
             Table::Tokens => txn.open_table(TOKENS)?.len()?,
             Table::Attempts => txn.open_table(ATTEMPTS)?.len()?,
+            Table::WorkStates => txn.open_table(WORK_STATES)?.len()?,
+            Table::WorkStateBlobs => txn.open_table(WORK_STATE_BLOBS)?.len()?,
+            Table::WorkStatePieces => txn.open_table(WORK_STATE_PIECES)?.len()?,
             Table::Queued
             | Table::Running
             | Table::LogIndex
@@ -433,6 +453,35 @@ impl Rx {
                     each(Row::Attempt(decode(entry?.1.value())?))?;
                 }
             }
+            Table::WorkStates => {
+                for entry in txn.open_table(WORK_STATES)?.iter()? {
+                    let (k, v) = entry?;
+                    each(Row::WorkStates {
+                        deployment: k.value().to_string(),
+                        record: decode(v.value())?,
+                    })?;
+                }
+            }
+            Table::WorkStateBlobs => {
+                for entry in txn.open_table(WORK_STATE_BLOBS)?.iter()? {
+                    let (k, v) = entry?;
+                    each(Row::WorkStateBlob {
+                        digest: k.value().to_string(),
+                        record: decode(v.value())?,
+                    })?;
+                }
+            }
+            Table::WorkStatePieces => {
+                for entry in txn.open_table(WORK_STATE_PIECES)?.iter()? {
+                    let (k, v) = entry?;
+                    let (digest, n) = k.value();
+                    each(Row::WorkStatePiece {
+                        digest: digest.to_string(),
+                        n,
+                        bytes: v.value().to_vec(),
+                    })?;
+                }
+            }
             Table::Queued
             | Table::Running
             | Table::LogIndex
@@ -551,6 +600,21 @@ impl Loader {
             } => tx.put_delivery(webhook, id, &record)?,
             Row::Token { hash, record } => tx.put_token(&hash, &record)?,
             Row::Attempt(record) => tx.put_attempt(&record)?,
+            Row::WorkStates { deployment, record } => tx.put_work_states(&deployment, &record)?,
+            Row::WorkStateBlob { digest, record } => {
+                super::codec::with_encoded(&record, |bytes| {
+                    self.txn
+                        .open_table(WORK_STATE_BLOBS)?
+                        .insert(digest.as_str(), bytes)
+                        .map(drop)
+                        .map_err(StoreError::from)
+                })?;
+            }
+            Row::WorkStatePiece { digest, n, bytes } => {
+                self.txn
+                    .open_table(WORK_STATE_PIECES)?
+                    .insert((digest.as_str(), n), bytes.as_slice())?;
+            }
             Row::Component { hash, refs, text } => {
                 let row = component_row(refs, &compress(&text)?);
                 self.txn

@@ -29,6 +29,8 @@
 //! | 9 | `deployment_rows`: a deployment's builds index, channel events and audit index in one table (the three tables before it removed) |
 //! | 10 | `merkle_nodes` keeps subtrees of 8 audit events and up (`store::tables::STORED_FROM_LEVEL`); the smaller ones are computed from the events, except a pruned prefix's |
 //! | 11 | `webhook_queue`: the pending deliveries by subscription, then by when they are due (`webhook_due`, by time first, removed), so one subscription's backlog never hides another's |
+//! | 12 | `tokens`, `attempts`: worker tokens and build attempts (new tables, empty) |
+//! | 13 | `work_states`, `work_state_blobs`, `work_state_pieces`: deployments' work states (new tables, empty) |
 //!
 //! Releases before version 2 existed wrote version 1 but may already hold
 //! any of the later indexes (they were added by presence checks), so each
@@ -59,7 +61,7 @@ use super::{
 use crate::model::BuildId;
 
 /// The layout this binary writes and reads.
-pub const LAYOUT_VERSION: u32 = 12;
+pub const LAYOUT_VERSION: u32 = 13;
 
 /// The `meta` key holding the layout version (u32 LE). Its name predates
 /// the word "layout" and stays, so every release finds it.
@@ -74,7 +76,7 @@ struct Migration {
 }
 
 /// Every migration, in order; `MIGRATIONS[i].to == i + 2`.
-const MIGRATIONS: [Migration; 11] = [
+const MIGRATIONS: [Migration; 12] = [
     Migration {
         to: 2,
         what: "index every build's log chunks",
@@ -129,6 +131,11 @@ const MIGRATIONS: [Migration; 11] = [
         to: 12,
         what: "add the tables of worker tokens and build attempts",
         run: worker_tables,
+    },
+    Migration {
+        to: 13,
+        what: "add the tables of deployments' work states",
+        run: work_state_tables,
     },
 ];
 
@@ -400,6 +407,11 @@ fn webhook_queue_by_subscription(txn: &WriteTransaction) -> StoreResult<()> {
 /// v12: the worker tables, empty (the open creates every table of today;
 /// this step makes the version say so).
 fn worker_tables(_txn: &WriteTransaction) -> StoreResult<()> {
+    Ok(())
+}
+
+/// v13: the work state tables, empty (as v12).
+fn work_state_tables(_txn: &WriteTransaction) -> StoreResult<()> {
     Ok(())
 }
 

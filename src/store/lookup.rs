@@ -16,7 +16,7 @@ use super::view::Rows;
 use super::{decode, DeliveryRecord, IdempotencyRecord, StoreResult, WebhookRecord};
 use crate::model::{
     AttemptRecord, BuildId, BuildKind, BuildRecord, BuildSnapshots, BuildStatus, DeploymentRecord,
-    NodeSbom, Source, TokenRecord, UpdateTry,
+    NodeSbom, Source, TokenRecord, UpdateTry, WorkStateBlob, WorkStates,
 };
 
 /// A table of encoded records.
@@ -146,6 +146,51 @@ pub trait Lookup {
             Some(entry) => Ok(Some(decode(entry?.1.value())?)),
             None => Ok(None),
         }
+    }
+
+    /// A deployment's work states; `None` before its first remote claim.
+    fn work_states(&self, deployment: &str) -> StoreResult<Option<WorkStates>> {
+        self.open(WORK_STATES)?.record(deployment)
+    }
+
+    fn work_state_blob(&self, digest: &str) -> StoreResult<Option<WorkStateBlob>> {
+        self.open(WORK_STATE_BLOBS)?.record(digest)
+    }
+
+    /// A stored archive's bytes, decompressed; `None` when none has that
+    /// digest.
+    fn work_state_archive(&self, digest: &str) -> StoreResult<Option<Vec<u8>>> {
+        let Some(blob) = self.work_state_blob(digest)? else {
+            return Ok(None);
+        };
+        let pieces = self.open(WORK_STATE_PIECES)?;
+        let mut compressed = Vec::with_capacity(usize::try_from(blob.stored_bytes).unwrap_or(0));
+        for n in 0..blob.pieces {
+            let Some(piece) = pieces.get((digest, n))? else {
+                return Err(super::StoreError::corrupt(
+                    "a work state without one of its pieces",
+                ));
+            };
+            compressed.extend_from_slice(piece.value());
+        }
+        let tar = super::compress::decompress(&compressed)?;
+        if tar.len() as u64 != blob.size {
+            return Err(super::StoreError::corrupt(
+                "a work state of another size than recorded",
+            ));
+        }
+        Ok(Some(tar))
+    }
+
+    /// The compressed bytes of every stored archive (`berth_work_state_bytes`).
+    fn work_state_bytes(&self) -> StoreResult<u64> {
+        let t = self.open(WORK_STATE_BLOBS)?;
+        let mut total = 0u64;
+        for entry in t.iter()? {
+            let blob: WorkStateBlob = decode(entry?.1.value())?;
+            total = total.saturating_add(blob.stored_bytes);
+        }
+        Ok(total)
     }
 
     fn idempotency(&self, key: &str) -> StoreResult<Option<IdempotencyRecord>> {

@@ -210,6 +210,22 @@ pub const TOKENS: TableDefinition<&str, &[u8]> = TableDefinition::new(Table::Tok
 pub const ATTEMPTS: TableDefinition<(u128, u64), &[u8]> =
     TableDefinition::new(Table::Attempts.name());
 
+/// Deployment id -> `WorkStates`: its current and kept work states, from
+/// its first remote claim on (workers.md "The work state").
+pub const WORK_STATES: TableDefinition<&str, &[u8]> =
+    TableDefinition::new(Table::WorkStates.name());
+
+/// Digest (`sha256:<hex>`) -> `WorkStateBlob`: each stored archive once,
+/// with the count of lists naming it.
+pub const WORK_STATE_BLOBS: TableDefinition<&str, &[u8]> =
+    TableDefinition::new(Table::WorkStateBlobs.name());
+
+/// (digest, piece number from 0) -> compressed bytes: an archive's zstd
+/// stream in pieces of at most `WorkStateBlob::PIECE_BYTES`, so no row is
+/// as large as the archive.
+pub const WORK_STATE_PIECES: TableDefinition<(&str, u64), &[u8]> =
+    TableDefinition::new(Table::WorkStatePieces.name());
+
 /// Every redb table, one variant each: its name, whether an export carries
 /// its rows or an import rebuilds it from another table, and the store's
 /// open creating it. Every decision about a table is an exhaustive `match`
@@ -243,6 +259,9 @@ pub enum Table {
     WebhookQueue,
     Tokens,
     Attempts,
+    WorkStates,
+    WorkStateBlobs,
+    WorkStatePieces,
 }
 
 /// What an export does with a table.
@@ -261,7 +280,7 @@ impl Table {
     /// Every table. The carried ones come first, in the order an import
     /// writes them (a row's parent before the row: builds before their
     /// logs), then the rebuilt indexes.
-    pub const ALL: [Table; 26] = [
+    pub const ALL: [Table; 29] = [
         Table::Meta,
         Table::Sources,
         Table::DescribeCache,
@@ -282,6 +301,9 @@ impl Table {
         Table::WebhookDeliveries,
         Table::Tokens,
         Table::Attempts,
+        Table::WorkStateBlobs,
+        Table::WorkStatePieces,
+        Table::WorkStates,
         Table::Queued,
         Table::Running,
         Table::LogIndex,
@@ -325,6 +347,9 @@ impl Table {
             Table::WebhookQueue => "webhook_queue",
             Table::Tokens => "tokens",
             Table::Attempts => "attempts",
+            Table::WorkStates => "work_states",
+            Table::WorkStateBlobs => "work_state_blobs",
+            Table::WorkStatePieces => "work_state_pieces",
         }
     }
 
@@ -351,7 +376,10 @@ impl Table {
             | Table::Webhooks
             | Table::WebhookDeliveries
             | Table::Tokens
-            | Table::Attempts => Carried,
+            | Table::Attempts
+            | Table::WorkStates
+            | Table::WorkStateBlobs
+            | Table::WorkStatePieces => Carried,
             Table::Queued | Table::Running => Rebuilt {
                 from: Table::Builds,
             },
@@ -425,6 +453,9 @@ impl Table {
             Table::WebhookQueue => each.with(WEBHOOK_QUEUE),
             Table::Tokens => each.with(TOKENS),
             Table::Attempts => each.with(ATTEMPTS),
+            Table::WorkStates => each.with(WORK_STATES),
+            Table::WorkStateBlobs => each.with(WORK_STATE_BLOBS),
+            Table::WorkStatePieces => each.with(WORK_STATE_PIECES),
         }
     }
 }

@@ -4,6 +4,7 @@
 use redb::{ReadableTable, TableHandle, WriteTransaction};
 
 use super::logged::{Keep, Logged, Open, OpenTables};
+use super::lookup::Lookup;
 use super::redo::Ops;
 use super::tables::*;
 use super::writer::Hook;
@@ -14,7 +15,7 @@ use super::{
 };
 use crate::model::{
     AttemptRecord, BuildId, BuildRecord, BuildSnapshots, BuildStatus, DeploymentRecord, Millis,
-    NodeSbom, Source, TokenRecord, UpdateTry,
+    NodeSbom, Source, TokenRecord, UpdateTry, WorkStateBlob, WorkStates,
 };
 
 /// A table's entry in `enum Table`, which the redo log names it by.
@@ -507,6 +508,69 @@ impl<'o, 'a> Tx<'o, 'a> {
         put_record(self.table(ATTEMPTS)?, (a.build, a.fence), a)
     }
 
+    pub fn put_work_states(&self, deployment: &str, w: &WorkStates) -> StoreResult<()> {
+        put_record(self.table(WORK_STATES)?, deployment, w)
+    }
+
+    pub fn remove_work_states(&self, deployment: &str) -> StoreResult<()> {
+        self.table(WORK_STATES)?.remove(deployment)?;
+        Ok(())
+    }
+
+    /// One more list naming the archive `digest`; stores it (`compressed`,
+    /// zstd, called only when the archive is new) in pieces.
+    pub fn ref_work_state(
+        &self,
+        digest: &str,
+        size: u64,
+        compressed: impl FnOnce() -> StoreResult<std::sync::Arc<Vec<u8>>>,
+    ) -> StoreResult<()> {
+        let blob = match self.work_state_blob(digest)? {
+            Some(mut blob) => {
+                blob.refs = blob
+                    .refs
+                    .checked_add(1)
+                    .ok_or_else(|| StoreError::corrupt("a work state named by 2^32 lists"))?;
+                blob
+            }
+            None => {
+                let bytes = compressed()?;
+                let mut pieces = self.table(WORK_STATE_PIECES)?;
+                let mut n = 0u64;
+                for piece in bytes.chunks(WorkStateBlob::PIECE_BYTES) {
+                    pieces.insert((digest, n), piece)?;
+                    n += 1;
+                }
+                WorkStateBlob {
+                    size,
+                    stored_bytes: bytes.len() as u64,
+                    pieces: n,
+                    refs: 1,
+                }
+            }
+        };
+        put_record(self.table(WORK_STATE_BLOBS)?, digest, &blob)
+    }
+
+    /// One list fewer naming `digest`; the archive goes with the last.
+    pub fn unref_work_state(&self, digest: &str) -> StoreResult<()> {
+        let Some(mut blob) = self.work_state_blob(digest)? else {
+            return Err(StoreError::corrupt(
+                "a work state list names a missing archive",
+            ));
+        };
+        if blob.refs > 1 {
+            blob.refs -= 1;
+            return put_record(self.table(WORK_STATE_BLOBS)?, digest, &blob);
+        }
+        let mut pieces = self.table(WORK_STATE_PIECES)?;
+        for n in 0..blob.pieces {
+            pieces.remove((digest, n))?;
+        }
+        self.table(WORK_STATE_BLOBS)?.remove(digest)?;
+        Ok(())
+    }
+
     /// Deletes every stored row (the `--reset-dev-state` path).
     pub fn clear_all(&self) -> StoreResult<()> {
         macro_rules! clear {
@@ -527,7 +591,10 @@ impl<'o, 'a> Tx<'o, 'a> {
             UPDATE_TRIES,
             SBOM_NODES,
             SBOM_COMPONENTS,
-            ATTEMPTS
+            ATTEMPTS,
+            WORK_STATES,
+            WORK_STATE_BLOBS,
+            WORK_STATE_PIECES
         );
         // The audit chain outlives a reset (it records the reset), and so
         // does its by-deployment index; builds and events go.

@@ -1168,3 +1168,142 @@ esac
         gpu.log()
     );
 }
+
+/// A deployer that counts its deploys of a deployment in its work dir
+/// (`count N` in the log) and hands over one node's SBOM, copied from
+/// `sbom`; its destroy leaves nothing.
+fn counting_deployer(dir: &Path, sbom: &Path) -> PathBuf {
+    let body = format!(
+        r#"{SCRIPT_PRELUDE}
+case "$verb" in
+deploy)
+  n=$(cat "$BERTH_WORK_DIR/count" 2>/dev/null || echo 0)
+  n=$((n+1))
+  echo "$n" > "$BERTH_WORK_DIR/count"
+  mkdir -p "$BERTH_WORK_DIR/deep/er"
+  ln -sf ../count "$BERTH_WORK_DIR/deep/link"
+  echo "count $n"
+  mkdir -p "$BERTH_SCRATCH_DIR/sbom"
+  cp "{sbom}" "$BERTH_SCRATCH_DIR/sbom/web.cdx.json"
+  printf '%s' '{{"nodes":[{{"name":"web","changed":true,"sbom":{{"status":"ready","path":"sbom/web.cdx.json"}}}}]}}' > "$BERTH_RESULT"
+  exit 0;;
+destroy) printf '{{}}' > "$BERTH_RESULT"; exit 0;;
+esac
+exit 2
+"#,
+        sbom = sbom.display()
+    );
+    script(dir, "counting.sh", &body)
+}
+
+fn sha256_digest(bytes: &[u8]) -> String {
+    berth::archive::digest(bytes)
+}
+
+#[tokio::test]
+async fn the_work_state_and_sboms_travel_between_workers_and_a_destroy_forgets_them() {
+    let dir = temp_dir("worker-work-state");
+    let sbom =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/sbom/dropwizard-1.3.15__bom.json");
+    assert!(sbom.is_file(), "missing test data {}", sbom.display());
+    let deployer = counting_deployer(&dir, &sbom);
+    let s = server(&dir, &deployer).await;
+    let (_, token_file) = worker_token(&s, "w1").await;
+    let first = Worker::start(&s, &token_file, &dir.join("w1"), &deployer);
+    let build = s.submit_ok("alice", json!({"n": 1})).await;
+    let done = s.wait_build(&build, "final").await;
+    assert_eq!(done["status"], "succeeded", "{done} {}", first.log());
+    assert!(s.log_text(&build).await.contains("count 1"));
+    let (_, d) = s.json("/v1/deployments/alice").await;
+    let d1 = d["work_state"]["digest"]
+        .as_str()
+        .expect("a work state")
+        .to_string();
+    assert_eq!(d["work_state"]["build_id"], build.as_str(), "{d}");
+    // The SBOM the worker uploaded is the node's.
+    let (status, node) = s.json("/v1/deployments/alice/sboms/web").await;
+    assert_eq!(status, 200, "{node}");
+    // Another worker, on another work dir, takes the next build from where
+    // the first left the work dir.
+    drop(first);
+    let (_, token_file) = worker_token(&s, "w2").await;
+    let second = Worker::start(&s, &token_file, &dir.join("w2"), &deployer);
+    let next = s.submit_ok("alice", json!({"n": 2})).await;
+    let done = s.wait_build(&next, "final").await;
+    assert_eq!(done["status"], "succeeded", "{done} {}", second.log());
+    assert_eq!(done["worker"], "w2");
+    assert!(
+        s.log_text(&next).await.contains("count 2"),
+        "the work state travelled"
+    );
+    let (_, d) = s.json("/v1/deployments/alice").await;
+    let d2 = d["work_state"]["digest"].as_str().unwrap().to_string();
+    assert_ne!(d1, d2);
+    assert_eq!(d["work_state"]["previous"][0]["digest"], d1.as_str(), "{d}");
+    // Served with its digest: the current one, and a kept one by digest.
+    let current = s
+        .get("/v1/deployments/alice/work-state")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(current.status(), 200);
+    assert_eq!(current.headers()["etag"], format!("\"{d2}\"").as_str());
+    let tar = current.bytes().await.unwrap();
+    assert_eq!(sha256_digest(&tar), d2);
+    let old = s
+        .get(&format!("/v1/deployments/alice/work-state?digest={d1}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(sha256_digest(&old.bytes().await.unwrap()), d1);
+    // A repair: If-Match must name the current one, the body be an archive.
+    let put = |if_match: String, body: Vec<u8>| {
+        client()
+            .put(s.url("/v1/deployments/alice/work-state"))
+            .bearer_auth(&s.token)
+            .header("If-Match", if_match)
+            .body(body)
+            .send()
+    };
+    let stale = put(format!("\"{d1}\""), tar.to_vec()).await.unwrap();
+    assert_eq!(stale.status(), 412);
+    let (status, bad) = read(
+        put(format!("\"{d2}\""), b"not a tar".repeat(100))
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(status, 400, "{bad}");
+    assert_eq!(bad["fields"][0]["code"], "work_state_invalid", "{bad}");
+    assert!(
+        !bad.to_string().contains("not a tar"),
+        "the body is never echoed: {bad}"
+    );
+    let old_tar = s
+        .get(&format!("/v1/deployments/alice/work-state?digest={d1}"))
+        .send()
+        .await
+        .unwrap()
+        .bytes()
+        .await
+        .unwrap();
+    let (status, put_back) = read(put(format!("\"{d2}\""), old_tar.to_vec()).await.unwrap()).await;
+    assert_eq!(status, 200, "{put_back}");
+    assert_eq!(put_back["digest"], d1.as_str());
+    let third = s.submit_ok("alice", json!({"n": 3})).await;
+    s.wait_build(&third, "final").await;
+    assert!(
+        s.log_text(&third).await.contains("count 2"),
+        "the repaired state was used"
+    );
+    assert!(s.metrics().await.contains("berth_work_state_bytes "));
+    // A destroy that succeeds forgets every work state of the deployment.
+    let (status, gone) = read(s.delete("/v1/deployments/alice").send().await.unwrap()).await;
+    assert_eq!(status, 202, "{gone}");
+    let destroy = gone["build_id"].as_str().unwrap().to_string();
+    assert_eq!(s.wait_build(&destroy, "final").await["status"], "succeeded");
+    let (status, _) = s.json("/v1/deployments/alice/work-state").await;
+    assert_eq!(status, 404);
+    let (_, d) = s.json("/v1/deployments/alice").await;
+    assert_eq!(d["work_state"], Value::Null, "{d}");
+}

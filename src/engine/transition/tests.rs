@@ -157,6 +157,8 @@ fn end(status: BuildStatus) -> Arc<Finished> {
         late_frames: vec![],
         last_seq_used: 0,
         log_gaps: vec![],
+        work_state: crate::engine::work_state::NewWorkState::Unchanged,
+        keep_work_states: 3,
     })
 }
 

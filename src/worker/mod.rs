@@ -31,6 +31,9 @@ use crate::engine::runner::{self, CallDirs, DeployerCommand, Ended, Invocation};
 use crate::model::Job;
 use crate::settings::WorkerArgs;
 
+mod files;
+use files::Carried;
+
 /// Exit codes (workers.md "`berth worker`").
 pub const EXIT_STOPPED: i32 = 0;
 pub const EXIT_WORK_DIR: i32 = 1;
@@ -336,6 +339,9 @@ struct Attempt {
     cancel_grace: Duration,
     deployment: String,
     verb: &'static str,
+    /// The digest of the work state the claim hands out (`None`: empty).
+    work_state: Option<String>,
+    max_work_state: u64,
 }
 
 impl Attempt {
@@ -362,6 +368,16 @@ impl Attempt {
             cancel_grace: ms(&claim["limits"]["cancel_grace_ms"])?,
             deployment: deployment.to_string(),
             verb,
+            work_state: match &claim["work_state"] {
+                Value::Null => None,
+                w => Some(
+                    w["digest"]
+                        .as_str()
+                        .filter(|d| crate::archive::is_digest(d))?
+                        .to_string(),
+                ),
+            },
+            max_work_state: claim["limits"]["max_work_state"].as_u64()?,
         })
     }
 }
@@ -378,10 +394,19 @@ impl Worker {
         let work_dir = self.args.work_dir.join("work").join(&a.deployment);
         let root = self.args.work_dir.join("scratch").join(&id);
         let job_file = self.args.work_dir.join("jobs").join(format!("{id}.json"));
-        let spawned = match self.start_deployer(&a, &claim, &work_dir, &root, &job_file) {
+        let started = match self.restore(&a, &work_dir).await {
+            Ok(()) => self.start_deployer(&a, &claim, &work_dir, &root, &job_file),
+            Err(detail) => Err(
+                json!({"kind": "not_run", "reason": "work_state_unavailable", "detail": detail}),
+            ),
+        };
+        let spawned = match started {
             Ok(spawned) => spawned,
             Err(ended) => {
-                let end = self.send_outcome(&mut a, 0, ended, None, Value::Null).await;
+                let carried = Carried::untouched(&a);
+                let end = self
+                    .send_outcome(&mut a, 0, ended, None, Value::Null, carried)
+                    .await;
                 return (id, end);
             }
         };
@@ -564,7 +589,13 @@ impl Worker {
             },
         };
         let through = c.sent_through;
-        self.send_outcome(a, through, ended, Some(root), health)
+        let result = runner::read_result(root)
+            .ok()
+            .flatten()
+            .and_then(|bytes| serde_json::from_slice::<Value>(&bytes).ok())
+            .unwrap_or(Value::Null);
+        let carried = self.carry(a, root, work_dir, &result).await;
+        self.send_outcome(a, through, ended, Some(root), health, carried)
             .await
     }
 
@@ -667,6 +698,7 @@ impl Worker {
         ended: Value,
         root: Option<&Path>,
         health: Value,
+        carried: Carried,
     ) -> AttemptEnd {
         let (result, problem) = match root.map(runner::read_result) {
             Some(Ok(Some(bytes))) => match serde_json::from_slice::<Value>(&bytes) {
@@ -679,7 +711,8 @@ impl Worker {
         let body = json!({
             "operation_id": new_operation_id(), "fence": a.fence, "worker_incarnation": self.incarnation,
             "progress_through": through, "ended": ended, "result": result, "result_problem": problem,
-            "health": health, "files": {}, "work_state": null, "work_state_problem": null,
+            "health": health, "files": carried.files, "work_state": carried.work_state,
+            "work_state_problem": carried.work_state_problem,
         });
         let path = format!("/internal/v1/attempts/{}/outcome", a.id);
         match self
