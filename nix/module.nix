@@ -43,6 +43,7 @@ let
     ++ list "local-labels" cfg.localLabels
     ++ list "build-labels" cfg.buildLabels
     ++ flag "lease-ttl" cfg.leaseTtl
+    ++ flag "max-work-state" cfg.maxWorkState
     # Secrets come as systemd credentials, readable by this unit only.
     ++ optionals (cfg.serviceTokenFile != null) [ "--service-token-file" "%d/service-token" ]
     ++ optionals (cfg.callbackSecretFile != null) [ "--callback-secret-file" "%d/callback-secret" ]
@@ -176,6 +177,7 @@ in
     localWorker = mkOption { type = types.bool; default = true; description = "Whether berth runs builds itself (false: only `berth worker` processes do)."; };
     localLabels = mkOption { type = types.listOf types.str; default = [ ]; description = "Labels the embedded worker offers."; };
     buildLabels = mkOption { type = types.listOf types.str; default = [ ]; description = "Labels every build requires of its worker."; };
+    maxWorkState = mkOption { type = types.nullOr types.int; default = null; example = 268435456; description = "The largest work state (bytes) a deployment keeps between builds on workers (default 64 MiB; 1 MiB to 4 GiB)."; };
     leaseTtl = mkOption { type = types.nullOr types.str; default = null; example = "1m"; description = "How long a worker's claim or renew holds its build (default 30s; 5s to 10m)."; };
     worker = {
       enable = mkEnableOption "a berth build worker on this machine";

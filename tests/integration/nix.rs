@@ -592,6 +592,7 @@ fn every_option_reaches_its_unit(lib: &ModuleLib) {
         "localLabels": ["gpu"],
         "buildLabels": ["gpu", "x86"],
         "leaseTtl": "1m",
+        "maxWorkState": 268435456,
         "worker": {
             "enable": true,
             "package": {"type": "derivation", "name": "berth", "outPath": "/nix/store/berth-worker"},
@@ -655,6 +656,7 @@ fn every_option_reaches_its_unit(lib: &ModuleLib) {
         ("--local-labels", "gpu"),
         ("--build-labels", "gpu,x86"),
         ("--lease-ttl", "1m"),
+        ("--max-work-state", "268435456"),
     ] {
         assert!(has_flag(&words, flag, value), "{flag} {value}: {words:?}");
     }
