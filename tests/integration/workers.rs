@@ -1307,3 +1307,105 @@ async fn the_work_state_and_sboms_travel_between_workers_and_a_destroy_forgets_t
     let (_, d) = s.json("/v1/deployments/alice").await;
     assert_eq!(d["work_state"], Value::Null, "{d}");
 }
+
+#[tokio::test]
+async fn the_embedded_worker_hands_its_work_dir_to_a_remote_one_and_continues_from_the_stored_state(
+) {
+    let dir = temp_dir("worker-work-state-embedded");
+    let sbom =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/sbom/dropwizard-1.3.15__bom.json");
+    let deployer = counting_deployer(&dir, &sbom);
+    // First the embedded worker alone: its work dir is berth's own.
+    let opts = Options::default()
+        .deployer(&deployer)
+        .arg("--lease-ttl")
+        .arg("5s");
+    let mut s = Server::start_in(dir.join("berth"), opts).await;
+    let first = s.submit_ok("alice", json!({"n": 1})).await;
+    assert_eq!(s.wait_build(&first, "final").await["status"], "succeeded");
+    assert!(s.log_text(&first).await.contains("count 1"));
+    let (_, d) = s.json("/v1/deployments/alice").await;
+    assert_eq!(
+        d["work_state"],
+        Value::Null,
+        "nothing archived before a remote claim: {d}"
+    );
+    // Builds that need a label only a remote worker offers: its first
+    // claim archives berth's work dir, and the count goes on there.
+    let port = s.base.rsplit(':').next().unwrap().to_string();
+    s.kill();
+    s.args
+        .extend(["--listen".into(), format!("127.0.0.1:{port}")]);
+    s.args.extend(["--build-labels".into(), "remote".into()]);
+    s.launch().await;
+    let (_, token_file) = worker_token(&s, "far").await;
+    let far = Command::new(env!("CARGO_BIN_EXE_berth"))
+        .args([
+            "worker",
+            "--url",
+            &s.base,
+            "--labels",
+            "remote",
+            "--deployer",
+        ])
+        .arg(&deployer)
+        .arg("--token-file")
+        .arg(&token_file)
+        .arg("--work-dir")
+        .arg(dir.join("far/w"))
+        .stdin(Stdio::null())
+        .spawn()
+        .unwrap();
+    let far = Worker {
+        child: far,
+        dir: dir.join("far"),
+    };
+    let second = s.submit_ok("alice", json!({"n": 2})).await;
+    let done = s.wait_build(&second, "final").await;
+    assert_eq!(
+        (done["status"].as_str(), done["worker"].as_str()),
+        (Some("succeeded"), Some("far")),
+        "{done}"
+    );
+    assert!(
+        s.log_text(&second).await.contains("count 2"),
+        "berth's work dir went with the claim"
+    );
+    // The embedded worker again: it starts from the stored state, and
+    // stores what it leaves.
+    drop(far);
+    s.kill();
+    let labels = s.args.iter().position(|a| a == "--build-labels").unwrap();
+    s.args.drain(labels..labels + 2);
+    s.launch().await;
+    let third = s.submit_ok("alice", json!({"n": 3})).await;
+    let done = s.wait_build(&third, "final").await;
+    assert_eq!(
+        (done["status"].as_str(), done["worker"].as_str()),
+        (Some("succeeded"), Some("local")),
+        "{done}"
+    );
+    assert!(
+        s.log_text(&third).await.contains("count 3"),
+        "the stored state was unpacked"
+    );
+    let (_, d) = s.json("/v1/deployments/alice").await;
+    assert_eq!(d["work_state"]["build_id"], third.as_str(), "{d}");
+    let tar = s
+        .get("/v1/deployments/alice/work-state")
+        .send()
+        .await
+        .unwrap()
+        .bytes()
+        .await
+        .unwrap();
+    let mut archive = tar::Archive::new(tar.as_ref());
+    let mut count = String::new();
+    for entry in archive.entries().unwrap() {
+        let mut entry = entry.unwrap();
+        if entry.path().unwrap().as_os_str() == "count" {
+            std::io::Read::read_to_string(&mut entry, &mut count).unwrap();
+        }
+    }
+    assert_eq!(count.trim(), "3");
+}
