@@ -185,6 +185,25 @@ async fn populate(s: &Server, plans: &Path) -> Vec<String> {
         status == 404 || d["state"] == "idle"
     })
     .await;
+    // d4: work states (as a repair makes them), two kept.
+    let mut current = "none".to_string();
+    for n in 0..2 {
+        let src = plans.join(format!("d4/state{n}"));
+        std::fs::create_dir_all(src.join("gcroots")).unwrap();
+        std::fs::write(src.join("generation"), format!("{n}\n")).unwrap();
+        let packed = berth::archive::pack(&src, 1 << 20).unwrap().unwrap();
+        let r = s
+            .http
+            .put(s.url("/v1/deployments/d4/work-state"))
+            .bearer_auth(&s.token)
+            .header("If-Match", format!("\"{current}\""))
+            .body(packed.tar)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        current = packed.digest;
+    }
     // A denied call is audited too.
     let r = s
         .http
@@ -214,6 +233,17 @@ async fn reads(s: &Server, ids: &[String], audit_size: u64) -> BTreeMap<String, 
             let (status, v) = s.json(&path).await;
             get(path, json!({"status": status, "body": v}));
         }
+        let state = s
+            .get(&format!("/v1/deployments/{id}/work-state"))
+            .send()
+            .await
+            .unwrap();
+        let status = state.status().as_u16();
+        let body = state.bytes().await.unwrap();
+        get(
+            format!("/v1/deployments/{id}/work-state"),
+            json!({"status": status, "digest": (status == 200).then(|| berth::archive::digest(&body))}),
+        );
         let (_, sboms) = s.json(&format!("/v1/deployments/{id}/sboms")).await;
         for node in sboms["nodes"].as_array().into_iter().flatten() {
             let path = format!(
