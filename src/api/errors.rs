@@ -254,10 +254,6 @@ impl From<Refusal> for ApiError {
             Refusal::NotFound(Missing::Token) => ApiError::not_found("token"),
             Refusal::NotFound(Missing::Attempt) => ApiError::not_found("attempt"),
             Refusal::NotFound(Missing::WorkState) => ApiError::not_found("work state"),
-            Refusal::InvalidWorkState(why) => {
-                ApiError::bad_request(format!("not a valid work state: {why}"))
-                    .field("/body", "work_state_invalid")
-            }
             Refusal::TooLarge(why) => ApiError::new(Code::PayloadTooLarge, why),
             Refusal::Claim(c) => ApiError::conflict(c.reason(), claim_message(c)),
             Refusal::Stale(stale) => {

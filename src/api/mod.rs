@@ -350,39 +350,19 @@ where
             return fail(e);
         }
     };
-    if let Some(limit) = matched.handler.file_body_limit(&ctx.engine.settings) {
-        let upload = match receive_upload(ctx, &headers, body, limit).await {
-            Ok(upload) => upload,
-            Err(e) => return fail(e),
-        };
-        let req = Request {
-            method,
-            route,
-            params,
-            query,
-            headers,
-            body: Bytes::from(upload.digest.clone()),
-            request_id: request_id.to_string(),
-            wire,
-            upload: Some(upload),
-        };
-        return match run_handler(ctx, &bound, &req).await {
-            Ok(r) => Ok((route, r)),
-            Err(e) => fail(e),
-        };
-    }
     // The body's share of --max-body-bytes-in-flight is held until the
     // request is answered.
-    let (body, _body_share) = match checked_body(ctx, &method, &headers, body).await {
-        Ok(read) => read,
-        Err(e) => {
-            // After authentication a refusal is the caller's (audit.md).
-            if let Bound::Mutation(_, audit_as, who) = &bound {
-                routes::audit_failure(ctx, *audit_as, &params, request_id, who, &e).await;
+    let (body, upload, _body_share) =
+        match request_body(ctx, matched.handler, &method, &headers, body).await {
+            Ok(read) => read,
+            Err(e) => {
+                // After authentication a refusal is the caller's (audit.md).
+                if let Bound::Mutation(_, audit_as, who) = &bound {
+                    routes::audit_failure(ctx, *audit_as, &params, request_id, who, &e).await;
+                }
+                return fail(e);
             }
-            return fail(e);
-        }
-    };
+        };
     let req = Request {
         method,
         route,
@@ -392,7 +372,7 @@ where
         body,
         request_id: request_id.to_string(),
         wire,
-        upload: None,
+        upload,
     };
     // A read that raced a store reopen (after an I/O error) runs again.
     let answer = reading(
@@ -492,6 +472,38 @@ where
                 tokio::time::sleep(READ_RETRY_PAUSE).await;
             }
             done => return done,
+        }
+    }
+}
+
+/// A request's body: a file for a route whose body is one (its digest as
+/// `body`, the `Upload` beside it), else `checked_body`'s.
+async fn request_body<S, B>(
+    ctx: &Ctx,
+    handler: routes::Handler,
+    method: &Method,
+    headers: &HeaderMap,
+    body: S,
+) -> Result<
+    (
+        Bytes,
+        Option<crate::engine::staging::Upload>,
+        Option<tokio::sync::OwnedSemaphorePermit>,
+    ),
+    ApiError,
+>
+where
+    S: futures_util::Stream<Item = Result<B, warp::Error>> + Unpin,
+    B: bytes::Buf,
+{
+    match handler.file_body_limit(&ctx.engine.settings) {
+        Some(limit) => {
+            let upload = receive_upload(ctx, headers, body, limit).await?;
+            Ok((Bytes::from(upload.digest.clone()), Some(upload), None))
+        }
+        None => {
+            let (body, share) = checked_body(ctx, method, headers, body).await?;
+            Ok((body, None, share))
         }
     }
 }

@@ -514,22 +514,7 @@ fn claim_tx(
         Some(ttl),
     );
     let snaps = change.start(d, &mut b)?;
-    if tx.work_states(&b.deployment)?.is_none() {
-        // From this claim on the stored work state is the truth.
-        let first = match &ctx.first_work_state {
-            NewWorkState::Unchanged => &NewWorkState::Empty,
-            first => first,
-        };
-        super::work_state::keep_tx(
-            tx,
-            &b.deployment,
-            first,
-            None,
-            ctx.settings.keep_work_states,
-            now,
-        )?;
-    }
-    let work_state = tx.work_states(&b.deployment)?.and_then(|w| w.current);
+    let work_state = handed_work_state(tx, ctx, &b.deployment, now)?;
     let id = authority::attempt_id(build_id, a.fence);
     let claimed = attempt_event("claimed", &a);
     let line = format!("[berth] running on worker {} (attempt {id})", worker.name);
@@ -547,6 +532,26 @@ fn claim_tx(
     );
     tx.put_attempt(&a)?;
     Ok(Ok(Answered::new(answer)))
+}
+
+/// The work state a claim hands out; the deployment's first remote claim
+/// stores berth's own work dir as its first (from then on the stored work
+/// state is the truth).
+fn handed_work_state(
+    tx: &Tx,
+    ctx: &ClaimContext,
+    deployment: &str,
+    now: Millis,
+) -> StoreResult<Option<WorkStateRef>> {
+    if tx.work_states(deployment)?.is_none() {
+        let first = match &ctx.first_work_state {
+            NewWorkState::Unchanged => &NewWorkState::Empty,
+            first => first,
+        };
+        let keep = ctx.settings.keep_work_states;
+        super::work_state::keep_tx(tx, deployment, first, None, keep, now)?;
+    }
+    Ok(tx.work_states(deployment)?.and_then(|w| w.current))
 }
 
 /// Authoritative attempts `worker` holds now.

@@ -152,8 +152,6 @@ pub enum Refusal {
     ProgressGap {
         applied_through: u64,
     },
-    /// An archive that is not a valid work state (400, the text says why).
-    InvalidWorkState(String),
     /// An upload past its limit (413; the text names the limit).
     TooLarge(String),
     /// The store failed; its class decides the answer (a full disk, ...).

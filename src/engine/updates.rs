@@ -280,7 +280,6 @@ fn refusal_code(r: &Refusal) -> &'static str {
         Refusal::Stale(s) => s.reason(),
         Refusal::IdempotencyConflict => "idempotency_conflict",
         Refusal::ProgressGap { .. } => "progress_gap",
-        Refusal::InvalidWorkState(_) => "work_state_invalid",
         Refusal::TooLarge(_) => "payload_too_large",
         Refusal::Store(_) | Refusal::Internal => "internal",
     }
