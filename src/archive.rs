@@ -309,6 +309,26 @@ pub fn empty_dir(dir: &Path) -> io::Result<()> {
     std::fs::create_dir_all(dir)
 }
 
+/// Makes `dir` a deployer's work dir holding `tar` (empty for `None`),
+/// owned by `owner` (the `--deployer-user`) when given, on the blocking
+/// pool. The error says what failed.
+pub async fn restore(
+    tar: Option<Vec<u8>>,
+    dir: PathBuf,
+    owner: Option<(u32, u32)>,
+) -> Result<(), String> {
+    tokio::task::spawn_blocking(move || {
+        match tar {
+            Some(tar) => unpack(&tar, &dir),
+            None => empty_dir(&dir),
+        }
+        .and_then(|()| chown_all(&dir, owner))
+    })
+    .await
+    .map_err(|e| format!("unpacking the work state failed: {e}"))?
+    .map_err(|e| format!("cannot unpack the work state: {e}"))
+}
+
 /// Gives `dir` and everything in it to `owner` (uid, gid), links
 /// themselves and not what they name; nothing when `None`.
 pub fn chown_all(dir: &Path, owner: Option<(u32, u32)>) -> io::Result<()> {

@@ -259,20 +259,8 @@ pub fn render_view(
     last_build: Option<&BuildRecord>,
     last_try: Option<&UpdateTry>,
     audit: &[crate::audit::Event],
-    earlier_build: bool,
+    (earlier_build, work_state): (bool, Option<Value>),
 ) -> Result<Reply, StoreError> {
-    let v = view_of(facts, d, last_build, last_try, audit, earlier_build)?;
-    Ok(Reply::json(200, &v).header("ETag", format!("\"{}\"", d.revision)))
-}
-
-fn view_of(
-    facts: &SourceFacts,
-    d: &DeploymentRecord,
-    last_build: Option<&BuildRecord>,
-    last_try: Option<&UpdateTry>,
-    audit: &[crate::audit::Event],
-    earlier_build: bool,
-) -> Result<DeploymentView, StoreError> {
     let instances = instances_of(&d.snapshot.configuration, facts.catalog(&d.snapshot.source))?;
     let deployed_instances = match &d.deployed {
         Some(dep) => instances_of(
@@ -340,9 +328,9 @@ fn view_of(
         event_cursor: d.event_seq.to_string(),
         created_at: format_time(d.created_at),
         updated_at: format_time(d.updated_at),
-        work_state: None,
+        work_state,
     };
-    Ok(v)
+    Ok(Reply::json(200, &v).header("ETag", format!("\"{}\"", d.revision)))
 }
 
 /// A deployment's work states as its read shows them.
@@ -395,16 +383,14 @@ pub async fn read(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
         )
     };
     let facts = SourceFacts::of(ctx, &d).await;
-    let mut v = view_of(
+    Ok(render_view(
         &facts,
         &d,
         last_build.as_ref(),
         last_try.as_ref(),
         &audit,
-        earlier,
-    )?;
-    v.work_state = Some(work_state_view(work_states.as_ref()));
-    Ok(Reply::json(200, &v).header("ETag", format!("\"{}\"", d.revision)))
+        (earlier, Some(work_state_view(work_states.as_ref()))),
+    )?)
 }
 
 /// `If-Match: "<revision>"` (also bare, or weak `W/"..."`); `*` or absent
@@ -503,7 +489,7 @@ pub async fn set_update_policy(ctx: &Ctx, req: &Request, w: Write) -> Result<Rep
             set.last_build.as_ref(),
             set.last_try.as_ref(),
             &set.audit,
-            set.rollback_target.is_some(),
+            (set.rollback_target.is_some(), None),
         )
     };
     let render = Arc::new(render);

@@ -866,7 +866,7 @@ pub async fn blob(ctx: &Ctx, req: &Request, auth: &WorkerAuth) -> Result<Reply, 
     }
     let stored = ctx
         .engine
-        .stage_blob(&auth.caller(), attempt, &who, digest, upload)
+        .stage_blob(&auth.caller().name, attempt, &who, digest, upload)
         .await?;
     let status = if stored { 201 } else { 200 };
     Ok(Reply::json(
@@ -910,7 +910,7 @@ pub fn attempt_work_state(ctx: &Ctx, req: &Request, auth: &WorkerAuth) -> Result
     let who = header_authority(req)?;
     let (found, tar) = ctx
         .engine
-        .attempt_work_state(&auth.caller(), attempt, &who)?;
+        .attempt_work_state(&auth.caller().name, attempt, &who)?;
     tar_reply(req, &found.digest, tar)
 }
 

@@ -21,7 +21,6 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::attempts::WorkerCaller;
 use super::outcome::PreparedSbom;
 use super::refusal::{Missing, Refusal};
 use super::work_state::{prepare, NewWorkState};
@@ -104,14 +103,14 @@ impl Engine {
     /// is left to the sweep, which loses it within a second.
     fn judge_reading(
         &self,
-        worker: &WorkerCaller,
+        worker: &str,
         attempt: (BuildId, u64),
         who: &AttemptAuthority,
     ) -> Result<AttemptRecord, Refusal> {
         let rx = self.store.read()?;
         let a = rx
             .attempt(attempt.0, attempt.1)?
-            .filter(|a| a.worker == worker.name)
+            .filter(|a| a.worker == worker)
             .ok_or(Refusal::NotFound(Missing::Attempt))?;
         let call = authority::Call {
             operation_id: "",
@@ -127,7 +126,7 @@ impl Engine {
     /// `false` when it was staged already.
     pub async fn stage_blob(
         &self,
-        worker: &WorkerCaller,
+        worker: &str,
         attempt: (BuildId, u64),
         who: &AttemptAuthority,
         digest: &str,
@@ -165,7 +164,7 @@ impl Engine {
     /// attempt started from (nothing changes it while the build runs).
     pub fn attempt_work_state(
         &self,
-        worker: &WorkerCaller,
+        worker: &str,
         attempt: (BuildId, u64),
         who: &AttemptAuthority,
     ) -> Result<(WorkStateRef, Vec<u8>), Refusal> {

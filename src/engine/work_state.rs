@@ -265,17 +265,9 @@ impl Engine {
         };
         drop(rx);
         let dir = self.settings.work_dir(&build.deployment);
-        let owner = self.deployer.run_as;
-        tokio::task::spawn_blocking(move || {
-            match tar {
-                Some(tar) => archive::unpack(&tar, &dir),
-                None => archive::empty_dir(&dir),
-            }
-            .and_then(|()| archive::chown_all(&dir, owner))
-        })
-        .await
-        .map_err(|e| unavailable(format!("unpacking the work state failed: {e}")))?
-        .map_err(|e| unavailable(format!("cannot unpack the work state: {e}")))?;
+        archive::restore(tar, dir, self.deployer.run_as)
+            .await
+            .map_err(unavailable)?;
         Ok(Start::Stored(w.current.map(|c| c.digest)))
     }
 

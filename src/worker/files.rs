@@ -42,17 +42,7 @@ impl Worker {
             None => None,
             Some(digest) => Some(self.download(a, digest).await?),
         };
-        let (dir, owner) = (work_dir.to_path_buf(), self.deployer.run_as);
-        tokio::task::spawn_blocking(move || {
-            match tar {
-                Some(tar) => archive::unpack(&tar, &dir),
-                None => archive::empty_dir(&dir),
-            }
-            .and_then(|()| archive::chown_all(&dir, owner))
-        })
-        .await
-        .map_err(|e| format!("unpacking the work state failed: {e}"))?
-        .map_err(|e| format!("cannot unpack the work state: {e}"))
+        archive::restore(tar, work_dir.to_path_buf(), self.deployer.run_as).await
     }
 
     /// The attempt's work state archive, checked against its digest.

@@ -66,6 +66,17 @@ struct Worker {
 
 impl Worker {
     fn start(s: &Server, token_file: &Path, dir: &Path, deployer: &Path) -> Worker {
+        Worker::start_with(s, token_file, dir, deployer, &[])
+    }
+
+    /// A worker with more flags (`--labels gpu`, ...).
+    fn start_with(
+        s: &Server,
+        token_file: &Path,
+        dir: &Path,
+        deployer: &Path,
+        flags: &[&str],
+    ) -> Worker {
         std::fs::create_dir_all(dir).unwrap();
         let log = std::fs::File::create(dir.join("worker.log")).unwrap();
         let child = Command::new(env!("CARGO_BIN_EXE_berth"))
@@ -80,6 +91,7 @@ impl Worker {
             .arg(deployer)
             .arg("--shutdown-grace")
             .arg("1s")
+            .args(flags)
             .env("BERTH_LOG", "info")
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())
@@ -1146,20 +1158,13 @@ esac
     );
     drop(token_file);
     let (_, gpu_file) = worker_token(&s, "gpu-box").await;
-    let gpu = Command::new(env!("CARGO_BIN_EXE_berth"))
-        .args(["worker", "--url", &s.base, "--labels", "gpu", "--deployer"])
-        .arg(&deployer)
-        .arg("--token-file")
-        .arg(&gpu_file)
-        .arg("--work-dir")
-        .arg(dir.join("gpu-box/w"))
-        .stdin(Stdio::null())
-        .spawn()
-        .unwrap();
-    let gpu = Worker {
-        child: gpu,
-        dir: dir.join("gpu-box"),
-    };
+    let gpu = Worker::start_with(
+        &s,
+        &gpu_file,
+        &dir.join("gpu-box"),
+        &deployer,
+        &["--labels", "gpu"],
+    );
     let done = s.wait_build(&build, "final").await;
     assert_eq!(
         (done["status"].as_str(), done["worker"].as_str()),
@@ -1308,6 +1313,24 @@ async fn the_work_state_and_sboms_travel_between_workers_and_a_destroy_forgets_t
     assert_eq!(d["work_state"], Value::Null, "{d}");
 }
 
+/// Deploys alice on the counting deployer: it succeeds on `worker` and its
+/// log counts `n` (the work dir came along). The build's id.
+async fn deploy_counted(s: &Server, n: u32, worker: &str) -> String {
+    let build = s.submit_ok("alice", json!({"n": n})).await;
+    let done = s.wait_build(&build, "final").await;
+    assert_eq!(
+        (done["status"].as_str(), done["worker"].as_str()),
+        (Some("succeeded"), Some(worker)),
+        "{done}"
+    );
+    let log = s.log_text(&build).await;
+    assert!(
+        log.contains(&format!("count {n}")),
+        "the work dir came along: {log}"
+    );
+    build
+}
+
 #[tokio::test]
 async fn the_embedded_worker_hands_its_work_dir_to_a_remote_one_and_continues_from_the_stored_state(
 ) {
@@ -1339,38 +1362,14 @@ async fn the_embedded_worker_hands_its_work_dir_to_a_remote_one_and_continues_fr
     s.args.extend(["--build-labels".into(), "remote".into()]);
     s.launch().await;
     let (_, token_file) = worker_token(&s, "far").await;
-    let far = Command::new(env!("CARGO_BIN_EXE_berth"))
-        .args([
-            "worker",
-            "--url",
-            &s.base,
-            "--labels",
-            "remote",
-            "--deployer",
-        ])
-        .arg(&deployer)
-        .arg("--token-file")
-        .arg(&token_file)
-        .arg("--work-dir")
-        .arg(dir.join("far/w"))
-        .stdin(Stdio::null())
-        .spawn()
-        .unwrap();
-    let far = Worker {
-        child: far,
-        dir: dir.join("far"),
-    };
-    let second = s.submit_ok("alice", json!({"n": 2})).await;
-    let done = s.wait_build(&second, "final").await;
-    assert_eq!(
-        (done["status"].as_str(), done["worker"].as_str()),
-        (Some("succeeded"), Some("far")),
-        "{done}"
+    let far = Worker::start_with(
+        &s,
+        &token_file,
+        &dir.join("far"),
+        &deployer,
+        &["--labels", "remote"],
     );
-    assert!(
-        s.log_text(&second).await.contains("count 2"),
-        "berth's work dir went with the claim"
-    );
+    deploy_counted(&s, 2, "far").await;
     // The embedded worker again: it starts from the stored state, and
     // stores what it leaves.
     drop(far);
@@ -1378,17 +1377,7 @@ async fn the_embedded_worker_hands_its_work_dir_to_a_remote_one_and_continues_fr
     let labels = s.args.iter().position(|a| a == "--build-labels").unwrap();
     s.args.drain(labels..labels + 2);
     s.launch().await;
-    let third = s.submit_ok("alice", json!({"n": 3})).await;
-    let done = s.wait_build(&third, "final").await;
-    assert_eq!(
-        (done["status"].as_str(), done["worker"].as_str()),
-        (Some("succeeded"), Some("local")),
-        "{done}"
-    );
-    assert!(
-        s.log_text(&third).await.contains("count 3"),
-        "the stored state was unpacked"
-    );
+    let third = deploy_counted(&s, 3, "local").await;
     let (_, d) = s.json("/v1/deployments/alice").await;
     assert_eq!(d["work_state"]["build_id"], third.as_str(), "{d}");
     let tar = s
