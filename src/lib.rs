@@ -20,6 +20,7 @@ pub mod local_deployer;
 pub mod locks;
 pub mod model;
 pub mod nix_deployer;
+pub mod rollout;
 pub mod sbom;
 pub mod serve;
 pub mod settings;
