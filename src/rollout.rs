@@ -435,8 +435,11 @@ pub enum AbortBy {
 pub struct Wave {
     pub nodes: Vec<String>,
     pub state: WaveState,
-    /// Each node an `activate` `new` named, with its answer.
+    /// Each node an `activate` `new` named, with its answer (`false`
+    /// until answered).
     pub activated: BTreeMap<String, bool>,
+    /// Whether the `activate` `new` call's answer was taken.
+    pub answered: bool,
     pub activated_at: Option<Millis>,
     pub passed_at: Option<Millis>,
 }
@@ -492,6 +495,11 @@ pub enum Next {
 /// What happened, for `Rollout::apply`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Event {
+    /// Wave `wave`'s `activate` `new` is about to be called: its nodes are
+    /// named from now on (an abort meanwhile reverts them).
+    ActivateStarted {
+        wave: usize,
+    },
     /// The answers of wave `wave`'s `activate` `new`, one per node.
     Activated {
         wave: usize,
@@ -542,6 +550,7 @@ impl Rollout {
                     nodes,
                     state: WaveState::Pending,
                     activated: BTreeMap::new(),
+                    answered: false,
                     activated_at: None,
                     passed_at: None,
                 })
@@ -641,20 +650,30 @@ impl Rollout {
                     r.regate = true;
                 }
             }
-            (Event::Activated { wave, answers }, Next::Activate { wave: w, nodes })
-                if *wave == w && answers.keys().eq(sorted(&nodes).iter()) =>
+            (Event::ActivateStarted { wave }, Next::Activate { wave: w, nodes })
+                if *wave == w && r.unanswered().is_none() =>
             {
                 r.wave = w;
                 let wave = &mut r.waves[w - 1];
-                wave.activated = answers.clone();
-                wave.state = WaveState::Checking;
+                wave.state = WaveState::Activating;
+                wave.activated = nodes.into_iter().map(|n| (n, false)).collect();
                 wave.activated_at = Some(now);
-                r.regate = false;
             }
-            (Event::ActivateFailed, Next::Activate { wave, nodes }) => {
-                r.wave = wave;
-                r.waves[wave - 1].activated = nodes.into_iter().map(|n| (n, false)).collect();
-                r.begin_abort(AbortBy::Activate);
+            (Event::Activated { wave, answers }, _) if r.in_flight(*wave, answers) => {
+                let w = &mut r.waves[wave - 1];
+                w.activated = answers.clone();
+                w.answered = true;
+                if r.state == State::Running {
+                    w.state = WaveState::Checking;
+                    r.regate = false;
+                }
+            }
+            (Event::ActivateFailed, _) if r.unanswered().is_some() => {
+                let w = r.wave;
+                r.waves[w - 1].answered = true;
+                if r.state == State::Running {
+                    r.begin_abort(AbortBy::Activate);
+                }
             }
             (Event::GatePassed, Next::Gate { .. }) => r.gate_passed(now),
             (Event::GateFailed, Next::Gate { .. }) => r.begin_abort(AbortBy::Health),
@@ -674,6 +693,20 @@ impl Rollout {
             _ => return Err(Refused),
         }
         Ok(r)
+    }
+
+    /// The wave whose `activate` `new` was called and not answered.
+    pub fn unanswered(&self) -> Option<usize> {
+        let w = self.waves.get(self.wave.checked_sub(1)?)?;
+        (w.activated_at.is_some() && !w.answered).then_some(self.wave)
+    }
+
+    /// Whether wave `wave`'s `activate` `new` is the call in flight and
+    /// `answers` name exactly its nodes.
+    fn in_flight(&self, wave: usize, answers: &BTreeMap<String, bool>) -> bool {
+        self.unanswered() == Some(wave)
+            && matches!(self.state, State::Running | State::Aborting)
+            && answers.keys().eq(self.waves[wave - 1].activated.keys())
     }
 
     /// Whether a pause or an abort may still be asked (`rollout_ending`
@@ -760,12 +793,6 @@ impl Rollout {
         self.wait_until = None;
         self.regate = false;
     }
-}
-
-fn sorted(nodes: &[String]) -> Vec<String> {
-    let mut v = nodes.to_vec();
-    v.sort();
-    v
 }
 
 #[cfg(test)]

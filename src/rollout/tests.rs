@@ -167,6 +167,9 @@ fn step_strategy() -> impl Strategy<Value = Step> {
 /// The event that doing `next` gives, by the step's luck.
 fn outcome_of(next: &Next, ok: bool, healthy: bool, now: Millis, r: &Rollout) -> Option<Event> {
     Some(match next {
+        Next::Activate { wave, .. } if r.unanswered() != Some(*wave) => {
+            Event::ActivateStarted { wave: *wave }
+        }
         Next::Activate { wave, nodes } if ok => Event::Activated {
             wave: *wave,
             answers: nodes
@@ -205,10 +208,6 @@ proptest! {
         let mut activated: Vec<String> = Vec::new();
         for step in world {
             let next = r.next(frozen);
-            // Never a wave after the first while a freeze holds.
-            if let Next::Activate { wave, .. } = &next {
-                prop_assert!(!(frozen && *wave > 1), "wave {wave} while frozen: {r:?}");
-            }
             // A revert names only nodes an activate named.
             if let Next::Revert { nodes, .. } = &next {
                 prop_assert!(nodes.iter().all(|n| activated.contains(n)), "{nodes:?} / {activated:?}");
@@ -226,6 +225,10 @@ proptest! {
             let before = r.clone();
             match r.apply(&event, now, frozen) {
                 Ok(after) => {
+                    // Never a wave after the first begins while a freeze holds.
+                    if let Event::ActivateStarted { wave } = &event {
+                        prop_assert!(!(frozen && *wave > 1), "wave {wave} while frozen: {before:?}");
+                    }
                     for node in named_by(&event, &next) {
                         // Never a node activated twice in one rollout.
                         prop_assert!(!activated.contains(&node), "{node} twice: {before:?}");
@@ -247,11 +250,10 @@ proptest! {
     }
 }
 
-/// The nodes an applied event says an `activate` `new` named.
+/// The nodes an applied event says an `activate` `new` was called for.
 fn named_by(event: &Event, next: &Next) -> Vec<String> {
     match (event, next) {
-        (Event::Activated { answers, .. }, _) => answers.keys().cloned().collect(),
-        (Event::ActivateFailed, Next::Activate { nodes, .. }) => nodes.clone(),
+        (Event::ActivateStarted { .. }, Next::Activate { nodes, .. }) => nodes.clone(),
         _ => vec![],
     }
 }
@@ -275,6 +277,7 @@ fn a_walk_through_pause_wait_freeze_and_confirm() {
             nodes: vec!["web-0".into()]
         }
     );
+    r = go(&r, Event::ActivateStarted { wave: 1 }, 0, false);
     r = go(
         &r,
         Event::Activated {
@@ -325,6 +328,7 @@ fn a_walk_through_pause_wait_freeze_and_confirm() {
             nodes: vec!["web-1".into(), "web-2".into()]
         }
     );
+    r = go(&r, Event::ActivateStarted { wave: 2 }, 6, false);
     r = go(
         &r,
         Event::Activated {
@@ -356,6 +360,9 @@ fn an_abort_reverts_the_activated_waves_last_first() {
             panic!("{r:?}")
         };
         let answers = nodes.iter().map(|n| (n.clone(), true)).collect();
+        r = r
+            .apply(&Event::ActivateStarted { wave }, 0, false)
+            .expect("fits");
         r = r
             .apply(&Event::Activated { wave, answers }, 0, false)
             .expect("fits");
