@@ -13,10 +13,9 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::model::Millis;
+use crate::model::{AbortBy, Millis, Outcome, Rollout, State, Wave, WaveState};
 
 /// Wave steps a policy lists at most.
 pub const MAX_WAVE_STEPS: usize = 64;
@@ -383,86 +382,6 @@ pub fn check_reason(text: &str) -> Result<(), &'static str> {
         return Err("control_character");
     }
     Ok(())
-}
-
-/// Where a rollout is (rollouts.md "States").
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum State {
-    Running,
-    Waiting,
-    Paused,
-    Frozen,
-    Confirming,
-    Aborting,
-    Finished,
-}
-
-/// Where one wave is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum WaveState {
-    Pending,
-    Activating,
-    Checking,
-    Passed,
-    Reverting,
-    Reverted,
-}
-
-/// How a finished rollout ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Outcome {
-    Succeeded,
-    Aborted,
-    Failed,
-    Cancelled,
-}
-
-/// What began an abort.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum AbortBy {
-    Action,
-    Health,
-    Activate,
-    Confirm,
-}
-
-/// One wave of a rollout.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Wave {
-    pub nodes: Vec<String>,
-    pub state: WaveState,
-    /// Each node an `activate` `new` named, with its answer (`false`
-    /// until answered).
-    pub activated: BTreeMap<String, bool>,
-    /// Whether the `activate` `new` call's answer was taken.
-    pub answered: bool,
-    pub activated_at: Option<Millis>,
-    pub passed_at: Option<Millis>,
-}
-
-/// A rollout as stored with its build: the plan and where it is.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Rollout {
-    pub state: State,
-    /// The current wave, 1-based (0 before the first).
-    pub wave: usize,
-    pub waves: Vec<Wave>,
-    /// The policy's pauses (`pause_after`) and its wait, kept at the start.
-    pub pause_after: BTreeSet<u32>,
-    pub wait_seconds: u32,
-    pub wait_until: Option<Millis>,
-    /// A pause asked for (by the policy or an action) and not yet resumed.
-    pub paused: bool,
-    /// The last wave whose holds (its policy pause, its wait) are spent.
-    pub held: usize,
-    /// The gate runs again over every activated node (after a hold).
-    pub regate: bool,
-    pub abort: Option<AbortBy>,
-    pub result: Option<Outcome>,
 }
 
 /// What the rollout does next.

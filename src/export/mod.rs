@@ -315,6 +315,11 @@ fn load_into(partial: &Path, origin: &mut dyn Origin, identity: &str) -> Result<
         {
             continue;
         }
+        if matches!(store_table, Table::Rollouts | Table::RolloutPolicies)
+            && origin.version() < schema::FIRST_EXPORT_WITH_ROLLOUTS
+        {
+            continue;
+        }
         let mut bar = progress.table(table.name, 0);
         origin.rows(table, &mut |values| {
             bar.row(values.iter().map(Value::size).sum());

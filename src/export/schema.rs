@@ -20,7 +20,7 @@ use crate::store::{
 
 /// The version of this relational layout, in `berth_meta`. A target holding
 /// a newer one is refused; bump it when a table or column changes meaning.
-pub const EXPORT_SCHEMA_VERSION: u32 = 5;
+pub const EXPORT_SCHEMA_VERSION: u32 = 6;
 
 /// The first export layout with the webhook tables (an older export has
 /// none, and imports without subscriptions).
@@ -33,6 +33,9 @@ pub const FIRST_EXPORT_WITH_WORKERS: u32 = 4;
 /// The first export layout with deployments' work states (an older export
 /// has none).
 pub const FIRST_EXPORT_WITH_WORK_STATES: u32 = 5;
+
+/// The first export layout with rollouts and rollout policies.
+pub const FIRST_EXPORT_WITH_ROLLOUTS: u32 = 6;
 
 /// The export layouts this berth reads: version 1 split an idempotency
 /// key's identity wrongly (its `subject` held U+0000 for callback and
@@ -430,6 +433,25 @@ pub const TABLES: &[RelTable] = &[
         primary_key: &["deployment_id"],
         references: &[],
     },
+    RelTable {
+        name: "build_rollouts",
+        store_table: Table::Rollouts,
+        columns: &[
+            col("build_id", Uuid),
+            col("deployment_id", Text),
+            col("state", Text),
+            col("record", Json),
+        ],
+        primary_key: &["build_id"],
+        references: &[("build_id", "builds")],
+    },
+    RelTable {
+        name: "rollout_policies",
+        store_table: Table::RolloutPolicies,
+        columns: &[col("deployment_id", Text), col("policy", Json)],
+        primary_key: &["deployment_id"],
+        references: &[],
+    },
 ];
 
 /// The relational table holding a carried store table.
@@ -613,6 +635,15 @@ pub fn to_values(row: &Row) -> Result<Vec<Value>, String> {
             V::Int(record.refs.into()),
             json(record)?,
         ],
+        Row::Rollout(r) => vec![
+            V::Uuid(r.build),
+            V::Text(r.deployment.clone()),
+            V::Text(serde_plain(&r.rollout.state)?),
+            json(r)?,
+        ],
+        Row::RolloutPolicy { deployment, text } => {
+            vec![V::Text(deployment.clone()), V::Json(text.clone())]
+        }
         Row::WorkStatePiece { digest, n, bytes } => vec![
             V::Text(digest.clone()),
             int(*n, "a piece number")?,
@@ -915,6 +946,11 @@ fn row_of(table: &RelTable, values: Vec<Value>) -> Result<Row, String> {
         Table::WorkStateBlobs => Row::WorkStateBlob {
             digest: c.text("digest")?,
             record: c.record()?,
+        },
+        Table::Rollouts => Row::Rollout(c.record()?),
+        Table::RolloutPolicies => Row::RolloutPolicy {
+            deployment: c.text("deployment_id")?,
+            text: c.json_text("policy")?,
         },
         Table::WorkStatePieces => Row::WorkStatePiece {
             digest: c.text("digest")?,

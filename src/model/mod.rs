@@ -6,7 +6,9 @@
 
 use serde::{Deserialize, Serialize};
 
+mod rollouts;
 mod workers;
+pub use rollouts::*;
 use serde_json::value::RawValue;
 pub use workers::*;
 

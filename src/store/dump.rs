@@ -21,8 +21,8 @@ use super::{
 };
 use crate::audit::{self as chain, Outcome};
 use crate::model::{
-    AttemptRecord, BuildId, BuildRecord, BuildSnapshots, DeploymentRecord, NodeSbom, Source,
-    TokenRecord, UpdateTry, WorkStateBlob, WorkStates,
+    AttemptRecord, BuildId, BuildRecord, BuildSnapshots, DeploymentRecord, NodeSbom, RolloutRecord,
+    Source, TokenRecord, UpdateTry, WorkStateBlob, WorkStates,
 };
 
 /// One row of a carried table, decoded (compressed text decompressed).
@@ -125,6 +125,11 @@ pub enum Row {
         n: u64,
         bytes: Vec<u8>,
     },
+    Rollout(RolloutRecord),
+    RolloutPolicy {
+        deployment: String,
+        text: String,
+    },
 }
 
 impl Row {
@@ -154,6 +159,8 @@ impl Row {
             Row::WorkStates { .. } => Table::WorkStates,
             Row::WorkStateBlob { .. } => Table::WorkStateBlobs,
             Row::WorkStatePiece { .. } => Table::WorkStatePieces,
+            Row::Rollout(_) => Table::Rollouts,
+            Row::RolloutPolicy { .. } => Table::RolloutPolicies,
         }
     }
 }
@@ -226,6 +233,8 @@ impl Rx {
             Table::WorkStates => txn.open_table(WORK_STATES)?.len()?,
             Table::WorkStateBlobs => txn.open_table(WORK_STATE_BLOBS)?.len()?,
             Table::WorkStatePieces => txn.open_table(WORK_STATE_PIECES)?.len()?,
+            Table::Rollouts => txn.open_table(ROLLOUTS)?.len()?,
+            Table::RolloutPolicies => txn.open_table(ROLLOUT_POLICIES)?.len()?,
             Table::Queued
             | Table::Running
             | Table::LogIndex
@@ -482,6 +491,20 @@ impl Rx {
                     })?;
                 }
             }
+            Table::Rollouts => {
+                for entry in txn.open_table(ROLLOUTS)?.iter()? {
+                    each(Row::Rollout(decode(entry?.1.value())?))?;
+                }
+            }
+            Table::RolloutPolicies => {
+                for entry in txn.open_table(ROLLOUT_POLICIES)?.iter()? {
+                    let (k, v) = entry?;
+                    each(Row::RolloutPolicy {
+                        deployment: k.value().to_string(),
+                        text: utf8(v.value().to_vec(), "a rollout policy")?,
+                    })?;
+                }
+            }
             Table::Queued
             | Table::Running
             | Table::LogIndex
@@ -609,6 +632,10 @@ impl Loader {
                         .map(drop)
                         .map_err(StoreError::from)
                 })?;
+            }
+            Row::Rollout(record) => tx.put_rollout(&record)?,
+            Row::RolloutPolicy { deployment, text } => {
+                tx.put_rollout_policy(&deployment, Some(&text))?
             }
             Row::WorkStatePiece { digest, n, bytes } => {
                 self.txn

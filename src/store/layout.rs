@@ -31,6 +31,7 @@
 //! | 11 | `webhook_queue`: the pending deliveries by subscription, then by when they are due (`webhook_due`, by time first, removed), so one subscription's backlog never hides another's |
 //! | 12 | `tokens`, `attempts`: worker tokens and build attempts (new tables, empty) |
 //! | 13 | `work_states`, `work_state_blobs`, `work_state_pieces`: deployments' work states (new tables, empty) |
+//! | 14 | `rollouts`, `rollout_policies`: rollouts in waves and each deployment's policy (new tables, empty) |
 //!
 //! Releases before version 2 existed wrote version 1 but may already hold
 //! any of the later indexes (they were added by presence checks), so each
@@ -61,7 +62,7 @@ use super::{
 use crate::model::BuildId;
 
 /// The layout this binary writes and reads.
-pub const LAYOUT_VERSION: u32 = 13;
+pub const LAYOUT_VERSION: u32 = 14;
 
 /// The `meta` key holding the layout version (u32 LE). Its name predates
 /// the word "layout" and stays, so every release finds it.
@@ -76,7 +77,7 @@ struct Migration {
 }
 
 /// Every migration, in order; `MIGRATIONS[i].to == i + 2`.
-const MIGRATIONS: [Migration; 12] = [
+const MIGRATIONS: [Migration; 13] = [
     Migration {
         to: 2,
         what: "index every build's log chunks",
@@ -136,6 +137,11 @@ const MIGRATIONS: [Migration; 12] = [
         to: 13,
         what: "add the tables of deployments' work states",
         run: work_state_tables,
+    },
+    Migration {
+        to: 14,
+        what: "add the tables of rollouts and rollout policies",
+        run: rollout_tables,
     },
 ];
 
@@ -412,6 +418,11 @@ fn worker_tables(_txn: &WriteTransaction) -> StoreResult<()> {
 
 /// v13: the work state tables, empty (as v12).
 fn work_state_tables(_txn: &WriteTransaction) -> StoreResult<()> {
+    Ok(())
+}
+
+/// v14: the rollout tables, empty (as v12).
+fn rollout_tables(_txn: &WriteTransaction) -> StoreResult<()> {
     Ok(())
 }
 

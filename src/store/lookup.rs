@@ -16,7 +16,7 @@ use super::view::Rows;
 use super::{decode, DeliveryRecord, IdempotencyRecord, StoreResult, WebhookRecord};
 use crate::model::{
     AttemptRecord, BuildId, BuildKind, BuildRecord, BuildSnapshots, BuildStatus, DeploymentRecord,
-    NodeSbom, Source, TokenRecord, UpdateTry, WorkStateBlob, WorkStates,
+    NodeSbom, RolloutRecord, Source, TokenRecord, UpdateTry, WorkStateBlob, WorkStates,
 };
 
 /// A table of encoded records.
@@ -144,6 +144,21 @@ pub trait Lookup {
         let newest = t.range((build, 0u64)..=(build, u64::MAX))?.next_back();
         match newest {
             Some(entry) => Ok(Some(decode(entry?.1.value())?)),
+            None => Ok(None),
+        }
+    }
+
+    /// A build's rollout; `None` for a build without one.
+    fn rollout(&self, build: BuildId) -> StoreResult<Option<RolloutRecord>> {
+        self.open(ROLLOUTS)?.record(build)
+    }
+
+    /// A deployment's rollout policy as given (JSON text); `None`: `{}`.
+    fn rollout_policy(&self, deployment: &str) -> StoreResult<Option<String>> {
+        match self.open(ROLLOUT_POLICIES)?.get(deployment)? {
+            Some(v) => String::from_utf8(v.value().to_vec())
+                .map(Some)
+                .map_err(|_| super::StoreError::corrupt("a rollout policy that is not UTF-8")),
             None => Ok(None),
         }
     }

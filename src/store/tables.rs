@@ -226,6 +226,15 @@ pub const WORK_STATE_BLOBS: TableDefinition<&str, &[u8]> =
 pub const WORK_STATE_PIECES: TableDefinition<(&str, u64), &[u8]> =
     TableDefinition::new(Table::WorkStatePieces.name());
 
+/// Build id -> `RolloutRecord`: a deploy build's rollout in waves
+/// (rollouts.md), its plan and where it is.
+pub const ROLLOUTS: TableDefinition<u128, &[u8]> = TableDefinition::new(Table::Rollouts.name());
+
+/// Deployment id -> its rollout policy, the JSON text as given (rollouts.md
+/// "The rollout policy"); no row: `{}`.
+pub const ROLLOUT_POLICIES: TableDefinition<&str, &[u8]> =
+    TableDefinition::new(Table::RolloutPolicies.name());
+
 /// Every redb table, one variant each: its name, whether an export carries
 /// its rows or an import rebuilds it from another table, and the store's
 /// open creating it. Every decision about a table is an exhaustive `match`
@@ -262,6 +271,8 @@ pub enum Table {
     WorkStates,
     WorkStateBlobs,
     WorkStatePieces,
+    Rollouts,
+    RolloutPolicies,
 }
 
 /// What an export does with a table.
@@ -280,7 +291,7 @@ impl Table {
     /// Every table. The carried ones come first, in the order an import
     /// writes them (a row's parent before the row: builds before their
     /// logs), then the rebuilt indexes.
-    pub const ALL: [Table; 29] = [
+    pub const ALL: [Table; 31] = [
         Table::Meta,
         Table::Sources,
         Table::DescribeCache,
@@ -304,6 +315,8 @@ impl Table {
         Table::WorkStateBlobs,
         Table::WorkStatePieces,
         Table::WorkStates,
+        Table::Rollouts,
+        Table::RolloutPolicies,
         Table::Queued,
         Table::Running,
         Table::LogIndex,
@@ -350,6 +363,8 @@ impl Table {
             Table::WorkStates => "work_states",
             Table::WorkStateBlobs => "work_state_blobs",
             Table::WorkStatePieces => "work_state_pieces",
+            Table::Rollouts => "rollouts",
+            Table::RolloutPolicies => "rollout_policies",
         }
     }
 
@@ -379,7 +394,9 @@ impl Table {
             | Table::Attempts
             | Table::WorkStates
             | Table::WorkStateBlobs
-            | Table::WorkStatePieces => Carried,
+            | Table::WorkStatePieces
+            | Table::Rollouts
+            | Table::RolloutPolicies => Carried,
             Table::Queued | Table::Running => Rebuilt {
                 from: Table::Builds,
             },
@@ -456,6 +473,8 @@ impl Table {
             Table::WorkStates => each.with(WORK_STATES),
             Table::WorkStateBlobs => each.with(WORK_STATE_BLOBS),
             Table::WorkStatePieces => each.with(WORK_STATE_PIECES),
+            Table::Rollouts => each.with(ROLLOUTS),
+            Table::RolloutPolicies => each.with(ROLLOUT_POLICIES),
         }
     }
 }

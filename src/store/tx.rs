@@ -15,7 +15,7 @@ use super::{
 };
 use crate::model::{
     AttemptRecord, BuildId, BuildRecord, BuildSnapshots, BuildStatus, DeploymentRecord, Millis,
-    NodeSbom, Source, TokenRecord, UpdateTry, WorkStateBlob, WorkStates,
+    NodeSbom, RolloutRecord, Source, TokenRecord, UpdateTry, WorkStateBlob, WorkStates,
 };
 
 /// A table's entry in `enum Table`, which the redo log names it by.
@@ -508,6 +508,20 @@ impl<'o, 'a> Tx<'o, 'a> {
         put_record(self.table(ATTEMPTS)?, (a.build, a.fence), a)
     }
 
+    pub fn put_rollout(&self, r: &RolloutRecord) -> StoreResult<()> {
+        put_record(self.table(ROLLOUTS)?, r.build, r)
+    }
+
+    /// Stores a deployment's rollout policy (its JSON text); `None`: `{}`.
+    pub fn put_rollout_policy(&self, deployment: &str, text: Option<&str>) -> StoreResult<()> {
+        let mut t = self.table(ROLLOUT_POLICIES)?;
+        match text {
+            Some(text) => t.insert(deployment, text.as_bytes())?,
+            None => t.remove(deployment)?,
+        };
+        Ok(())
+    }
+
     pub fn put_work_states(&self, deployment: &str, w: &WorkStates) -> StoreResult<()> {
         put_record(self.table(WORK_STATES)?, deployment, w)
     }
@@ -594,7 +608,9 @@ impl<'o, 'a> Tx<'o, 'a> {
             ATTEMPTS,
             WORK_STATES,
             WORK_STATE_BLOBS,
-            WORK_STATE_PIECES
+            WORK_STATE_PIECES,
+            ROLLOUTS,
+            ROLLOUT_POLICIES
         );
         // The audit chain outlives a reset (it records the reset), and so
         // does its by-deployment index; builds and events go.
