@@ -18,6 +18,7 @@ use super::queue::QUEUE_POLL;
 use super::runner::{self, CallDirs, Ended, Invocation};
 use super::transition::Change;
 use super::verdict::{read_deploy_result, Outcome};
+use super::rollouts::Verbs;
 use super::work_state::NewWorkState;
 use super::Engine;
 use crate::events::{Channel, Frame, Hub};
@@ -163,19 +164,28 @@ impl Engine {
         // a deployer that can check its nodes (lifecycle.md).
         let mut health = None;
         if let (Ok(Ended::Exit(0)), Some(Ok(nodes))) = (&ended, &result) {
-            if build.kind == BuildKind::Deploy && self.checks_health(snaps).await {
-                let changed = nodes
-                    .iter()
-                    .filter(|n| n.changed)
-                    .map(|n| n.name.clone())
-                    .collect();
-                let mut cancel = halt.clone();
-                health = Some(
+            let after = match build.kind {
+                BuildKind::Deploy => self.after_deploy(snaps).await,
+                BuildKind::Destroy => AfterDeploy::Nothing,
+            };
+            let changed = nodes
+                .iter()
+                .filter(|n| n.changed)
+                .map(|n| n.name.clone())
+                .collect();
+            let mut cancel = halt.clone();
+            health = match after {
+                AfterDeploy::Nothing => None,
+                AfterDeploy::HealthStep => Some(
                     self.health_step(build, &request, changed, &mut pipe, &mut cancel)
                         .await,
-                );
-                pipe.wait_all().await;
-            }
+                ),
+                AfterDeploy::Rollout(verbs) => Some(
+                    self.rollout_step(build, &request, changed, verbs, &mut pipe, &mut cancel)
+                        .await,
+                ),
+            };
+            pipe.wait_all().await;
         }
         let halted = match (&ended, &health) {
             (_, Some(HealthEnd::Halted(h))) => *h,
@@ -191,6 +201,25 @@ impl Engine {
             disk_failure: pipe.disk_failure,
             halted,
             work_state_problem: None,
+        }
+    }
+
+    /// What follows a deploy that exited 0 with a valid result: a rollout
+    /// when its deployer lists `activate`, else the health step when it
+    /// lists `check` and `confirm`. A source whose describe cannot be read
+    /// now has neither, and the log of berth says so.
+    async fn after_deploy(&self, snaps: &BuildSnapshots) -> AfterDeploy {
+        match self.describe(&snaps.snapshot.source).await {
+            Ok(described) if described.activates() => AfterDeploy::Rollout(Verbs {
+                check: described.verbs.iter().any(|v| v == "check"),
+                confirm: described.verbs.iter().any(|v| v == "confirm"),
+            }),
+            Ok(described) if described.checks_health() => AfterDeploy::HealthStep,
+            Ok(_) => AfterDeploy::Nothing,
+            Err(e) => {
+                tracing::error!(digest = %snaps.snapshot.source.digest, error = %e.describe(), "cannot read a describe after a deploy; the build has no health step");
+                AfterDeploy::Nothing
+            }
         }
     }
 
@@ -547,6 +576,13 @@ pub fn start_tx(
         None,
     ))?;
     Ok(Some((b, snaps)))
+}
+
+/// What follows a deploy that exited 0 with a valid result.
+enum AfterDeploy {
+    Nothing,
+    HealthStep,
+    Rollout(Verbs),
 }
 
 /// What the final transaction of a build stores.

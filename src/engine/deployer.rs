@@ -45,7 +45,8 @@ pub struct Described {
     pub actions: BTreeMap<String, Vec<String>>,
     pub catalog: Vec<CatalogEntry>,
     pub renames: Vec<Rename>,
-    /// The optional verbs the deployer implements (`check`, `confirm`).
+    /// The optional verbs the deployer implements (`check`, `confirm`,
+    /// `activate`).
     pub verbs: Vec<String>,
     /// The labels a worker needs to run this source's builds (sorted).
     pub labels: Vec<String>,
@@ -66,6 +67,12 @@ impl Described {
         ["check", "confirm"]
             .iter()
             .all(|v| self.verbs.iter().any(|have| have == v))
+    }
+
+    /// rollouts.md: with `activate`, a deploy builds and activates nothing,
+    /// and berth activates its changed nodes in waves.
+    pub fn activates(&self) -> bool {
+        self.verbs.iter().any(|v| v == "activate")
     }
 
     pub fn parse(text: &str) -> Result<Described, String> {

@@ -55,6 +55,10 @@ pub enum HealthEnd {
     Failed(String),
     /// Cancelled (or berth stopping) during the step: nothing confirmed.
     Halted(Halt),
+    /// A rollout that aborted otherwise than by a gate (rollouts.md
+    /// "Abort"): by an action (`rollout_aborted`) or a failed `activate`
+    /// call (its call's reason).
+    Aborted(FailureReason, String),
 }
 
 #[derive(Deserialize)]
@@ -176,7 +180,7 @@ pub async fn health_step(
 /// One `check` call: an answer for every changed node (a node the
 /// deployer did not answer for, a call that failed or timed out, all count
 /// as unhealthy, with the reason).
-async fn check(
+pub(super) async fn check(
     io: &mut impl HealthIo,
     request: &Value,
     changed: &[String],
@@ -229,7 +233,7 @@ async fn check(
 }
 
 /// `confirm`: the deployer makes the new state permanent.
-async fn confirm(io: &mut impl HealthIo, request: &Value, changed: &[String]) -> HealthEnd {
+pub(super) async fn confirm(io: &mut impl HealthIo, request: &Value, changed: &[String]) -> HealthEnd {
     let mut call = request.clone();
     call["nodes"] = json!(changed);
     let failed = match io.call("confirm", &call, CONFIRM_TIME_LIMIT).await {
@@ -265,13 +269,14 @@ pub fn answer_line(attempt: u32, a: &Answer) -> String {
     }
 }
 
-/// The embedded worker's side of the health step: its log pipe.
-struct PipeHealth<'a> {
-    engine: &'a Arc<Engine>,
-    build: BuildId,
-    work_dir: std::path::PathBuf,
-    pipe: &'a mut LogPipe,
-    cancel: &'a mut watch::Receiver<Halt>,
+/// The embedded worker's side of the health step (and of a rollout's
+/// calls): its log pipe.
+pub(super) struct PipeHealth<'a> {
+    pub(super) engine: &'a Arc<Engine>,
+    pub(super) build: BuildId,
+    pub(super) work_dir: std::path::PathBuf,
+    pub(super) pipe: &'a mut LogPipe,
+    pub(super) cancel: &'a mut watch::Receiver<Halt>,
 }
 
 impl HealthIo for PipeHealth<'_> {
@@ -352,31 +357,45 @@ impl Engine {
             "attempt": attempt,
         })
         .to_string();
-        pipe.commit_pending().await;
-        if pipe.log.gaps.len() < MAX_LOG_GAPS {
-            let (seq, gaps) = pipe.log.take_gap();
-            let (hub, data) = (self.hub.clone(), data.clone());
-            let stored = self
-                .store
-                .write(move |tx| {
-                    let Some(mut b) = tx.build(build)? else {
-                        return Err(StoreError::corrupt("a running build without its record"));
-                    };
-                    b.log_gaps = gaps.clone();
-                    b.event_seq = b.event_seq.max(seq);
-                    b.seq_reserved = b.seq_reserved.max(seq);
-                    events::build_health(tx, &hub, build, seq, data.clone(), now_millis())?;
-                    tx.put_build(&b)
-                })
-                .await;
-            // The seq stays skipped (every later commit of the build stores
-            // the gaps), so a lost event never shifts a line's id; the
-            // answer is still in the log line below.
-            if let Err(e) = stored {
-                tracing::error!(error = %e, build = %format_build_id(build), "cannot store a health event; its answer is in the log only");
-            }
-        }
+        self.build_event_amid(build, events::BuildEvent::Health, data, pipe)
+            .await;
         self.log_lines(pipe, &[answer_line(attempt, a)]).await;
+    }
+
+    /// An event of a running build on the embedded worker amid its log
+    /// lines: its own commit, after the lines before it, with the next id
+    /// of the build channel.
+    pub(super) async fn build_event_amid(
+        &self,
+        build: BuildId,
+        kind: events::BuildEvent,
+        data: String,
+        pipe: &mut LogPipe,
+    ) {
+        pipe.commit_pending().await;
+        if pipe.log.gaps.len() >= MAX_LOG_GAPS {
+            return;
+        }
+        let (seq, gaps) = pipe.log.take_gap();
+        let hub = self.hub.clone();
+        let stored = self
+            .store
+            .write(move |tx| {
+                let Some(mut b) = tx.build(build)? else {
+                    return Err(StoreError::corrupt("a running build without its record"));
+                };
+                b.log_gaps = gaps.clone();
+                b.event_seq = b.event_seq.max(seq);
+                b.seq_reserved = b.seq_reserved.max(seq);
+                events::build_event_amid_log(tx, &hub, build, seq, kind, data.clone(), now_millis())?;
+                tx.put_build(&b)
+            })
+            .await;
+        // The seq stays skipped (every later commit of the build stores
+        // the gaps), so a lost event never shifts a line's id.
+        if let Err(e) = stored {
+            tracing::error!(error = %e, build = %format_build_id(build), event = kind.name(), "cannot store a build event; the log has what it said");
+        }
     }
 }
 

@@ -21,6 +21,7 @@ pub mod queue;
 pub mod recovery;
 pub mod refusal;
 pub mod requests;
+pub mod rollouts;
 pub mod runner;
 pub mod sboms;
 pub mod staging;
@@ -117,6 +118,8 @@ pub struct Engine {
     /// Wakes every open worker poll: the queue changed (a build queued or
     /// ended, a cancel asked).
     queue_changed: Notify,
+    /// Rings when an action changed a rollout: its runner reads it again.
+    rollout_wake: Notify,
     callbacks_wake: Notify,
     /// Wakes the automatic update loop (a policy changed).
     updates_wake: Notify,
@@ -252,6 +255,7 @@ impl Engine {
             sched: Mutex::new(Sched::default()),
             wake: Notify::new(),
             queue_changed: Notify::new(),
+            rollout_wake: Notify::new(),
             callbacks_wake: Notify::new(),
             updates_wake: Notify::new(),
             cancels: Mutex::new(HashMap::new()),

@@ -422,6 +422,14 @@ impl<'t, 'a> Change<'t, 'a> {
         self.tx.put_deployment(d)
     }
 
+    /// A visible change of a build's rollout (rollouts.md "States"): the
+    /// deployment channel's `rollout` event with `summary`, a new revision
+    /// and its `deployment` event, the record stored.
+    pub fn rollout_changed(&self, d: &mut DeploymentRecord, summary: String) -> StoreResult<()> {
+        events::deployment_event(self.tx, self.hub, d, "rollout", summary, self.now)?;
+        self.update(d)
+    }
+
     /// Sets the update policy; returns whether it changed. A new policy
     /// allows a new automatic try of the default source already tried. The
     /// caller stores `d` (with `update`, or with the build it queues).
@@ -606,7 +614,9 @@ fn breaks_what_was_deployed(reason: FailureReason, ran: bool) -> bool {
         // A lost attempt is never followed by a rollback (workers.md).
         | FailureReason::LostAttempt
         | FailureReason::WorkStateUnavailable
-        | FailureReason::WorkStateInvalid => false,
+        | FailureReason::WorkStateInvalid
+        // An aborted rollout put its nodes back already (rollouts.md).
+        | FailureReason::RolloutAborted => false,
     }
 }
 

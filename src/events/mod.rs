@@ -82,6 +82,8 @@ pub enum BuildEvent {
     Health,
     /// A worker claimed the build, or lost it (workers.md).
     Attempt,
+    /// A rollout's summary, at each change the runner sees (rollouts.md).
+    Rollout,
 }
 
 impl BuildEvent {
@@ -90,13 +92,19 @@ impl BuildEvent {
             BuildEvent::Status => "status",
             BuildEvent::Health => "health",
             BuildEvent::Attempt => "attempt",
+            BuildEvent::Rollout => "rollout",
         }
     }
 
     /// The kind of a stored event by its name; `None` for a name no berth
     /// stores (damage).
     pub fn named(name: &str) -> Option<BuildEvent> {
-        [BuildEvent::Status, BuildEvent::Health, BuildEvent::Attempt]
+        [
+            BuildEvent::Status,
+            BuildEvent::Health,
+            BuildEvent::Attempt,
+            BuildEvent::Rollout,
+        ]
             .into_iter()
             .find(|e| e.name() == name)
     }

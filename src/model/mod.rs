@@ -255,10 +255,12 @@ pub enum FailureReason {
     /// The worker's work state at the end was missing, too large or not
     /// a valid archive.
     WorkStateInvalid,
+    /// A rollout aborted by `rollout_abort` (its nodes are back already).
+    RolloutAborted,
 }
 
 impl FailureReason {
-    pub const ALL: [FailureReason; 16] = [
+    pub const ALL: [FailureReason; 17] = [
         FailureReason::SpawnFailed,
         FailureReason::JobRecordFailed,
         FailureReason::ExitStatus,
@@ -275,6 +277,7 @@ impl FailureReason {
         FailureReason::LostAttempt,
         FailureReason::WorkStateUnavailable,
         FailureReason::WorkStateInvalid,
+        FailureReason::RolloutAborted,
     ];
 
     pub const fn as_str(self) -> &'static str {
@@ -295,6 +298,7 @@ impl FailureReason {
             FailureReason::LostAttempt => "lost_attempt",
             FailureReason::WorkStateUnavailable => "work_state_unavailable",
             FailureReason::WorkStateInvalid => "work_state_invalid",
+            FailureReason::RolloutAborted => "rollout_aborted",
         }
     }
 }

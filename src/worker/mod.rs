@@ -806,6 +806,8 @@ fn health_json(end: &HealthEnd) -> Value {
     match end {
         HealthEnd::Confirmed => json!({"end": "confirmed"}),
         HealthEnd::Failed(detail) => json!({"end": "failed", "detail": detail}),
+        // A worker runs no rollout of its own (berth orchestrates them).
+        HealthEnd::Aborted(_, detail) => json!({"end": "failed", "detail": detail}),
         HealthEnd::Halted(HealthHalt::Cancel | HealthHalt::No) => {
             json!({"end": "halted", "by": "cancel"})
         }

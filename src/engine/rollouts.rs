@@ -1,0 +1,656 @@
+//! Rollouts in waves, run by berth (rollouts.md "The procedure"): for a
+//! deploy whose source lists `activate`, the changed nodes are activated a
+//! wave at a time, each wave gated by `check`, with the policy's pauses
+//! and waits between waves, then confirmed; pause, resume and abort come
+//! as actions.
+//!
+//! Why it exists apart from `health`: the health step is one wave with no
+//! holds; a rollout may run for hours, and people steer it while it runs.
+//! What may happen next is `crate::rollout`'s pure machine; this module
+//! runs the calls it asks for, stores each step in one transaction (the
+//! record; on a visible change the deployment's revision and its
+//! `rollout` and `deployment` events, so `If-Match` guards every step), and
+//! emits the build channel's `rollout` event as the runner sees each
+//! change. Actions change the record in their own transactions and ring
+//! `rollout_wake`; the runner reads the record again before each step.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tokio::sync::watch;
+
+use super::health::{self, HealthEnd, HealthIo, PipeHealth};
+use super::log_pipe::LogPipe;
+use super::outcome::Halt;
+use super::runner::Ended;
+use super::transition::Change;
+use super::Engine;
+use crate::events::BuildEvent;
+use crate::model::*;
+use crate::rollout::{self as plan, Event, Next, Policy, Staging};
+use crate::store::{Lookup, StoreError, StoreResult};
+
+/// How often a held rollout looks again without a wake (a wait's end).
+const HOLD_STEP: Duration = Duration::from_secs(1);
+/// A node's reason from `activate` is cut to this many characters.
+const MAX_ACTIVATE_REASON_CHARS: usize = 500;
+
+/// The summary of a rollout (rollouts.md "States"): the deployment read's
+/// `rollout` and the data of `rollout` events.
+pub fn summary(r: &RolloutRecord) -> Value {
+    let nodes_total: usize = r.rollout.waves.iter().map(|w| w.nodes.len()).sum();
+    json!({
+        "deployment": r.deployment,
+        "build_id": format_build_id(r.build),
+        "state": r.rollout.state,
+        "wave": r.rollout.wave,
+        "wave_count": r.rollout.waves.len(),
+        "nodes_total": nodes_total,
+        "nodes_activated": r.rollout.activated_nodes().len(),
+        "unhealthy_count": r.unhealthy.len(),
+        "paused": r.pause.as_ref().map(note_view),
+        "wait_until": r.rollout.wait_until.map(format_time),
+        "abort": r.abort.as_ref().map(note_view),
+        "result": r.rollout.result,
+    })
+}
+
+/// The build read's `rollout`.
+pub fn view(r: &RolloutRecord) -> Value {
+    let policy: Value = serde_json::from_str(&r.policy).unwrap_or(Value::Null);
+    json!({
+        "state": r.rollout.state,
+        "wave": r.rollout.wave,
+        "wave_count": r.rollout.waves.len(),
+        "policy": policy,
+        "wait_until": r.rollout.wait_until.map(format_time),
+        "waves": r.rollout.waves.iter().map(|w| json!({
+            "nodes": w.nodes,
+            "state": w.state,
+            "activated": w.activated,
+            "activated_at": w.activated_at.map(format_time),
+            "passed_at": w.passed_at.map(format_time),
+        })).collect::<Vec<_>>(),
+        "unhealthy": r.unhealthy.iter().map(|(node, reason, since)| json!({
+            "node": node, "reason": reason, "since": format_time(*since),
+        })).collect::<Vec<_>>(),
+        "paused": r.pause.as_ref().map(note_view),
+        "abort": r.abort.as_ref().map(note_view),
+        "result": r.rollout.result,
+        "started_at": format_time(r.started_at),
+        "updated_at": format_time(r.updated_at),
+    })
+}
+
+fn note_view(n: &RolloutNote) -> Value {
+    json!({
+        "by": n.by,
+        "at": format_time(n.at),
+        "actor": n.actor.as_deref().and_then(|a| serde_json::from_str::<Value>(a).ok()),
+        "reason": n.reason,
+    })
+}
+
+/// Whether a change of `before` to `after` is one people see (a new
+/// revision and events): its state, wave, pause, abort or result.
+fn visible(before: &RolloutRecord, after: &RolloutRecord) -> bool {
+    let (a, b) = (&before.rollout, &after.rollout);
+    a.state != b.state
+        || a.wave != b.wave
+        || a.paused != b.paused
+        || a.abort != b.abort
+        || a.result != b.result
+}
+
+/// The note an event leaves: who paused, who or what aborted.
+pub struct Noted {
+    pub event: Event,
+    pub note: Option<RolloutNote>,
+}
+
+impl Noted {
+    fn bare(event: Event) -> Noted {
+        Noted { event, note: None }
+    }
+
+    fn by(event: Event, by: &str, reason: impl Into<String>) -> Noted {
+        Noted {
+            event,
+            note: Some(RolloutNote {
+                by: by.into(),
+                at: now_millis(),
+                actor: None,
+                reason: Some(reason.into()),
+            }),
+        }
+    }
+}
+
+#[derive(Deserialize)]
+struct ActivateResult {
+    nodes: Vec<ActivateNode>,
+}
+
+#[derive(Deserialize)]
+struct ActivateNode {
+    name: String,
+    activated: bool,
+    #[serde(default)]
+    reason: Option<String>,
+}
+
+/// Which of `check` and `confirm` a rollout's deployer lists: without
+/// `check` a gate counts only the `activate` answers; without `confirm`
+/// nothing is called after the last wave.
+#[derive(Debug, Clone, Copy)]
+pub struct Verbs {
+    pub check: bool,
+    pub confirm: bool,
+}
+
+/// How one `activate` call ended: each node's answer, or why the call
+/// failed (its failure reason and words).
+type Activation = Result<BTreeMap<String, (bool, Option<String>)>, (FailureReason, String)>;
+
+impl Engine {
+    /// A deployment's rollout policy (`{}` when none is stored).
+    pub fn rollout_policy(&self, deployment: &str) -> StoreResult<(Policy, String)> {
+        let text = self.store.read()?.rollout_policy(deployment)?;
+        let text = text.unwrap_or_else(|| "{}".to_string());
+        let value: Value = serde_json::from_str(&text)
+            .map_err(|_| StoreError::corrupt("a stored rollout policy is not JSON"))?;
+        let policy = Policy::parse(&value)
+            .map_err(|_| StoreError::corrupt("a stored rollout policy breaks its rules"))?;
+        Ok((policy, text))
+    }
+
+    /// Applies `noted` to a build's rollout in one transaction; the record
+    /// after it, or `None` when the event did not fit (nothing changed).
+    pub async fn rollout_apply(
+        &self,
+        build: BuildId,
+        noted: Noted,
+    ) -> StoreResult<Option<RolloutRecord>> {
+        let hub = self.hub.clone();
+        let noted = Arc::new(noted);
+        self.store
+            .write(move |tx| {
+                let Some(before) = tx.rollout(build)? else {
+                    return Ok(None);
+                };
+                let now = now_millis();
+                let Ok(rollout) = before.rollout.apply(&noted.event, now, false) else {
+                    return Ok(None);
+                };
+                let mut after = before.clone();
+                after.rollout = rollout;
+                after.updated_at = now;
+                take_note(&mut after, &noted);
+                tx.put_rollout(&after)?;
+                if visible(&before, &after) {
+                    if let Some(mut d) = tx.deployment(&after.deployment)? {
+                        let change = Change::new(tx, &hub);
+                        change.rollout_changed(&mut d, summary(&after).to_string())?;
+                    }
+                }
+                Ok(Some(after))
+            })
+            .await
+    }
+
+    /// Rings every rollout runner (an action changed a rollout).
+    pub fn wake_rollouts(&self) {
+        self.rollout_wake.notify_waiters();
+    }
+
+    /// The rollout of a deploy that exited 0 with a valid result, whose
+    /// source lists `activate`: planned, stored, run to its end. How it
+    /// ended, as the build's verdict reads a health step.
+    pub(super) async fn rollout_step(
+        self: &Arc<Self>,
+        build: &BuildRecord,
+        request: &Value,
+        changed: Vec<String>,
+        verbs: Verbs,
+        pipe: &mut LogPipe,
+        cancel: &mut watch::Receiver<Halt>,
+    ) -> HealthEnd {
+        if changed.len() > plan::MAX_ROLLOUT_NODES {
+            return HealthEnd::Aborted(
+                FailureReason::DeployerProtocol,
+                format!(
+                    "the deploy changed {} nodes; a rollout takes at most {}",
+                    changed.len(),
+                    plan::MAX_ROLLOUT_NODES
+                ),
+            );
+        }
+        if let Err(e) = self.start_rollout(build, changed).await {
+            tracing::error!(error = %e, build = %format_build_id(build.id), "cannot store a rollout's plan");
+            return HealthEnd::Failed("the rollout's plan could not be stored".into());
+        }
+        let mut io = PipeHealth {
+            engine: self,
+            build: build.id,
+            work_dir: self.settings.work_dir(&build.deployment),
+            pipe,
+            cancel,
+        };
+        let mut run = Run {
+            engine: self.clone(),
+            build: build.id,
+            request: request.clone(),
+            verbs,
+            shown: None,
+            activate_failure: None,
+        };
+        run.to_the_end(&mut io).await
+    }
+
+    /// Plans the rollout and stores it, with its first `rollout` events.
+    async fn start_rollout(&self, build: &BuildRecord, changed: Vec<String>) -> StoreResult<()> {
+        let (policy, text) = self.rollout_policy(&build.deployment)?;
+        // The way back (a rollback) and a toggle of what ran before
+        // (suspend, resume) are one wave.
+        let staging = match &build.trigger {
+            Trigger::Submit | Trigger::AutomaticUpdate => Staging::Staged,
+            Trigger::Action(_) | Trigger::AutomaticRollback | Trigger::Delete => Staging::OneWave,
+        };
+        let waves = plan::plan(&changed, &policy, staging);
+        let now = now_millis();
+        let record = RolloutRecord {
+            build: build.id,
+            deployment: build.deployment.clone(),
+            rollout: Rollout::new(waves, &policy, staging),
+            policy: text,
+            pause: None,
+            abort: None,
+            unhealthy: vec![],
+            started_at: now,
+            updated_at: now,
+        };
+        let hub = self.hub.clone();
+        self.store
+            .write(move |tx| {
+                tx.put_rollout(&record)?;
+                if let Some(mut d) = tx.deployment(&record.deployment)? {
+                    let change = Change::new(tx, &hub);
+                    change.rollout_changed(&mut d, summary(&record).to_string())?;
+                }
+                Ok(())
+            })
+            .await
+    }
+}
+
+/// What a pause, abort or resume leaves on the record.
+fn take_note(after: &mut RolloutRecord, noted: &Noted) {
+    match &noted.event {
+        Event::PauseAsked => after.pause = noted.note.clone(),
+        Event::Resumed => after.pause = None,
+        Event::AbortAsked | Event::GateFailed | Event::ActivateFailed | Event::ConfirmFailed => {
+            if after.abort.is_none() {
+                after.abort = noted.note.clone();
+            }
+        }
+        Event::GatePassed
+        | Event::ActivateStarted { .. }
+        | Event::Activated { .. }
+        | Event::WaitOver
+        | Event::FreezeHeld
+        | Event::FreezeLifted
+        | Event::Reverted { .. }
+        | Event::Confirmed
+        | Event::Cancelled
+        | Event::Failed => {}
+    }
+    // A pause set by the policy at a gate.
+    if after.rollout.paused && after.pause.is_none() {
+        after.pause = Some(RolloutNote {
+            by: "policy".into(),
+            at: after.updated_at,
+            actor: None,
+            reason: None,
+        });
+    }
+    if !after.rollout.paused {
+        after.pause = None;
+    }
+}
+
+/// One rollout's runner.
+struct Run {
+    engine: Arc<Engine>,
+    build: BuildId,
+    request: Value,
+    verbs: Verbs,
+    /// The summary the build channel showed last.
+    shown: Option<String>,
+    /// Why an `activate` call failed, for the build's failure.
+    activate_failure: Option<(FailureReason, String)>,
+}
+
+impl Run {
+    async fn to_the_end(&mut self, io: &mut PipeHealth<'_>) -> HealthEnd {
+        loop {
+            let record = match self.engine.store.read().and_then(|rx| rx.rollout(self.build)) {
+                Ok(Some(r)) => r,
+                Ok(None) | Err(_) => {
+                    return HealthEnd::Failed("the rollout's record cannot be read".into())
+                }
+            };
+            self.show(io, &record).await;
+            let halted = io.halted();
+            if halted != Halt::No {
+                self.apply(Noted::bare(Event::Cancelled)).await;
+                return HealthEnd::Halted(halted);
+            }
+            let step = record.rollout.next(false);
+            match step {
+                Next::Done(outcome) => return self.ended(outcome, &record),
+                Next::Activate { wave, nodes } => self.activate(io, &record, wave, nodes).await,
+                Next::Gate { nodes } => self.gate(io, &record, nodes).await,
+                Next::Hold(state) => self.hold(io, &record, state).await,
+                Next::Confirm { .. } if !self.verbs.confirm => {
+                    self.apply(Noted::bare(Event::Confirmed)).await;
+                }
+                Next::Confirm { nodes } => {
+                    let noted = match health::confirm(io, &self.request, &nodes).await {
+                        HealthEnd::Confirmed => Noted::bare(Event::Confirmed),
+                        HealthEnd::Failed(why) | HealthEnd::Aborted(_, why) => {
+                            Noted::by(Event::ConfirmFailed, "confirm", why)
+                        }
+                        HealthEnd::Halted(_) => continue,
+                    };
+                    self.apply(noted).await;
+                }
+                Next::Revert { wave, nodes } => {
+                    self.revert(io, wave, nodes).await;
+                }
+            }
+        }
+    }
+
+    async fn apply(&self, noted: Noted) -> Option<RolloutRecord> {
+        match self.engine.rollout_apply(self.build, noted).await {
+            Ok(after) => after,
+            Err(e) => {
+                tracing::error!(error = %e, build = %format_build_id(self.build), "cannot store a rollout's step; it is tried again");
+                tokio::time::sleep(HOLD_STEP).await;
+                None
+            }
+        }
+    }
+
+    /// The build channel's `rollout` event when the summary changed since
+    /// it was last shown.
+    async fn show(&mut self, io: &mut PipeHealth<'_>, record: &RolloutRecord) {
+        let text = summary(record).to_string();
+        if self.shown.as_deref() == Some(text.as_str()) {
+            return;
+        }
+        self.engine
+            .build_event_amid(self.build, BuildEvent::Rollout, text.clone(), io.pipe)
+            .await;
+        self.shown = Some(text);
+    }
+
+    fn ended(&self, outcome: crate::model::Outcome, record: &RolloutRecord) -> HealthEnd {
+        let why = || {
+            record
+                .abort
+                .as_ref()
+                .and_then(|n| n.reason.clone())
+                .unwrap_or_else(|| "the rollout was aborted".into())
+        };
+        match outcome {
+            crate::model::Outcome::Succeeded => HealthEnd::Confirmed,
+            crate::model::Outcome::Cancelled => HealthEnd::Halted(Halt::Cancel),
+            crate::model::Outcome::Failed => HealthEnd::Failed(why()),
+            crate::model::Outcome::Aborted => match record.rollout.abort {
+                Some(AbortBy::Action) => HealthEnd::Aborted(
+                    FailureReason::RolloutAborted,
+                    format!("aborted in wave {}: {}", record.rollout.wave, why()),
+                ),
+                Some(AbortBy::Activate) => match &self.activate_failure {
+                    Some((reason, detail)) => HealthEnd::Aborted(*reason, detail.clone()),
+                    None => HealthEnd::Aborted(FailureReason::ExitStatus, why()),
+                },
+                Some(AbortBy::Health | AbortBy::Confirm) | None => HealthEnd::Failed(why()),
+            },
+        }
+    }
+
+    /// Wave `wave`'s `activate` `new` (its nodes named first).
+    async fn activate(
+        &mut self,
+        io: &mut PipeHealth<'_>,
+        record: &RolloutRecord,
+        wave: usize,
+        nodes: Vec<String>,
+    ) {
+        if record.rollout.unanswered() != Some(wave) {
+            self.apply(Noted::bare(Event::ActivateStarted { wave })).await;
+            return;
+        }
+        io.lines(&[format!(
+            "[berth] wave {wave}/{}: activating {}",
+            record.rollout.waves.len(),
+            nodes.join(", ")
+        )])
+        .await;
+        let noted = match self.call_activate(io, wave, &nodes, "new").await {
+            Ok(answers) => {
+                for (node, (ok, reason)) in &answers {
+                    if !ok {
+                        let reason = reason.as_deref().unwrap_or("not activated");
+                        io.lines(&[format!("[berth] node {node} was not activated: {reason}")])
+                            .await;
+                    }
+                }
+                let answers = answers.into_iter().map(|(n, (ok, _))| (n, ok)).collect();
+                Noted::bare(Event::Activated { wave, answers })
+            }
+            Err((reason, detail)) => {
+                io.lines(&[format!("[berth] wave {wave}: {detail}")]).await;
+                self.activate_failure = Some((reason, detail.clone()));
+                Noted::by(Event::ActivateFailed, "activate", detail)
+            }
+        };
+        self.apply(noted).await;
+    }
+
+    /// One `activate` call for `nodes` of `wave` towards `target`.
+    async fn call_activate(
+        &self,
+        io: &mut PipeHealth<'_>,
+        wave: usize,
+        nodes: &[String],
+        target: &str,
+    ) -> Activation {
+        let mut call = self.request.clone();
+        call["nodes"] = json!(nodes);
+        call["wave"] = json!(wave);
+        call["target"] = json!(target);
+        let limit = match self.engine.settings.build_timeout {
+            t if t.is_zero() => Duration::from_secs(24 * 3600),
+            t => t,
+        };
+        let (ended, result, output) = io
+            .call("activate", &call, limit)
+            .await
+            .map_err(|e| (FailureReason::SpawnFailed, format!("the deployer's activate could not be started: {e}")))?;
+        io.lines(&output).await;
+        let bytes = match (ended, result) {
+            (Ended::Exit(0), Ok(Some(bytes))) => bytes,
+            (Ended::Exit(0), _) => {
+                return Err((
+                    FailureReason::DeployerProtocol,
+                    "the deployer's activate exited 0 without a result".into(),
+                ))
+            }
+            (Ended::Timeout, _) => {
+                return Err((
+                    FailureReason::Timeout,
+                    "the deployer's activate ran longer than --build-timeout".into(),
+                ))
+            }
+            (ended, _) => {
+                return Err((
+                    FailureReason::ExitStatus,
+                    format!("the deployer's activate failed ({ended:?})"),
+                ))
+            }
+        };
+        let protocol = |why: &str| (FailureReason::DeployerProtocol, why.to_string());
+        let parsed: ActivateResult = serde_json::from_slice(&bytes)
+            .map_err(|_| protocol("the deployer's activate result breaks the protocol"))?;
+        let mut answers = BTreeMap::new();
+        for n in parsed.nodes {
+            let reason = n
+                .reason
+                .map(|r| r.chars().take(MAX_ACTIVATE_REASON_CHARS).collect::<String>());
+            answers.insert(n.name, (n.activated, reason));
+        }
+        let asked: BTreeSet<&String> = nodes.iter().collect();
+        if answers.len() != nodes.len() || !answers.keys().all(|k| asked.contains(k)) {
+            return Err(protocol(
+                "the deployer's activate did not answer once for each requested node",
+            ));
+        }
+        Ok(answers)
+    }
+
+    /// The gate: `check` the nodes at once and every `--health-interval`
+    /// until each wave has at most its allowance of unhealthy nodes, or
+    /// the deadline passes.
+    async fn gate(&mut self, io: &mut PipeHealth<'_>, record: &RolloutRecord, nodes: Vec<String>) {
+        let (policy, _) = match self.engine.rollout_policy(&record.deployment) {
+            Ok(p) => p,
+            Err(_) => (Policy::default(), String::new()),
+        };
+        let settings = &self.engine.settings;
+        let interval = settings.health_interval;
+        let deadline_after = match policy.progress_deadline_seconds {
+            Some(s) => Duration::from_secs(u64::from(s)),
+            None => settings.health_timeout,
+        };
+        let checks = self.verbs.check && !deadline_after.is_zero();
+        // Without checks a gate has no time to wait for: activate answers
+        // alone decide it.
+        let deadline = tokio::time::Instant::now() + deadline_after;
+        let waves: Vec<&Wave> = record
+            .rollout
+            .waves
+            .iter()
+            .filter(|w| w.activated.keys().any(|n| nodes.contains(n)))
+            .collect();
+        let mut attempt: u32 = 1;
+        loop {
+            let mut unhealthy: BTreeMap<String, String> = BTreeMap::new();
+            for w in &waves {
+                for (node, ok) in &w.activated {
+                    if !ok {
+                        unhealthy.insert(node.clone(), "not activated".into());
+                    }
+                }
+            }
+            if checks {
+                let mut call = self.request.clone();
+                call["nodes"] = json!(nodes);
+                call["attempt"] = json!(attempt);
+                call["wave"] = json!(record.rollout.wave);
+                let answers = health::check(io, &call, &nodes, interval).await;
+                for a in &answers {
+                    io.answer(attempt, a).await;
+                    if !a.healthy {
+                        let reason = a.reason.clone().unwrap_or_else(|| "unhealthy".into());
+                        unhealthy.entry(a.node.clone()).or_insert(reason);
+                    }
+                }
+            }
+            let over = waves.iter().find(|w| {
+                let bad = w.nodes.iter().filter(|n| unhealthy.contains_key(*n)).count();
+                bad > plan::allowance(policy.max_unhealthy, w.nodes.len())
+            });
+            let Some(over) = over else {
+                self.apply(Noted::bare(Event::GatePassed)).await;
+                return;
+            };
+            let out_of_time = !checks || tokio::time::Instant::now() + interval > deadline;
+            if out_of_time || io.halted() != Halt::No || self.aborted().await {
+                let node = over.nodes.iter().find(|n| unhealthy.contains_key(*n));
+                let detail = match node {
+                    Some(n) => format!(
+                        "wave {}: node {n} was not healthy in time: {}",
+                        record.rollout.wave, unhealthy[n]
+                    ),
+                    None => format!("wave {}: the gate did not pass", record.rollout.wave),
+                };
+                if io.halted() == Halt::No && !self.aborted().await {
+                    self.apply(Noted::by(Event::GateFailed, "health", detail)).await;
+                }
+                return;
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(interval) => {}
+                _ = io.halt_changed() => {}
+                _ = self.engine.rollout_wake.notified() => {}
+            }
+            attempt = attempt.saturating_add(1);
+        }
+    }
+
+    /// Whether the rollout is being aborted (an action came meanwhile).
+    async fn aborted(&self) -> bool {
+        matches!(
+            self.engine.store.read().and_then(|rx| rx.rollout(self.build)),
+            Ok(Some(r)) if r.rollout.state == crate::model::State::Aborting
+        )
+    }
+
+    /// A hold: until the wait's end, a wake (an action) or a halt.
+    async fn hold(&self, io: &mut PipeHealth<'_>, record: &RolloutRecord, state: crate::model::State) {
+        if state == crate::model::State::Waiting
+            && record.rollout.wait_until.is_some_and(|at| now_millis() >= at)
+        {
+            self.apply(Noted::bare(Event::WaitOver)).await;
+            return;
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(HOLD_STEP) => {}
+            _ = io.halt_changed() => {}
+            _ = self.engine.rollout_wake.notified() => {}
+        }
+    }
+
+    /// Wave `wave` put back: `activate` `previous` for the nodes an
+    /// `activate` named; a failure is logged and the next wave goes back
+    /// anyway.
+    async fn revert(&self, io: &mut PipeHealth<'_>, wave: usize, nodes: Vec<String>) {
+        io.lines(&[format!(
+            "[berth] wave {wave}: putting back {}",
+            nodes.join(", ")
+        )])
+        .await;
+        match self.call_activate(io, wave, &nodes, "previous").await {
+            Ok(answers) => {
+                for (node, (ok, reason)) in answers {
+                    if !ok {
+                        let reason = reason.unwrap_or_else(|| "not put back".into());
+                        io.lines(&[format!("[berth] node {node} was not put back: {reason}")])
+                            .await;
+                    }
+                }
+            }
+            Err((_, detail)) => {
+                io.lines(&[format!("[berth] wave {wave} was not put back: {detail}")])
+                    .await;
+            }
+        }
+        self.apply(Noted::bare(Event::Reverted { wave })).await;
+    }
+}
