@@ -101,6 +101,10 @@ pub fn read(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
         "state": a.state.as_str(),
         "cancel_requested_at": a.cancel_requested_at.map(format_time),
     })));
+    shown["rollout"] = match rx.rollout(id)? {
+        Some(r) => crate::engine::rollouts::view(&r),
+        None => serde_json::Value::Null,
+    };
     Ok(Reply::json(200, &shown))
 }
 

@@ -182,10 +182,20 @@ struct DeploymentView {
     event_cursor: String,
     created_at: String,
     updated_at: String,
-    /// The deployment read (GET) only: its work states, null before its
-    /// first remote claim (workers.md "The work state").
-    #[serde(skip_serializing_if = "Option::is_none")]
-    work_state: Option<Value>,
+    /// The deployment read (GET) only: its work states (workers.md), its
+    /// rollout policy and its newest rollout (rollouts.md).
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
+    read_only: Option<serde_json::Map<String, Value>>,
+}
+
+/// What a deployment's view shows besides its record.
+pub struct Shown {
+    /// A retained succeeded deploy build before the deployed one exists.
+    pub earlier_build: bool,
+    /// The rollout of its running build (the rollout actions' reasons).
+    pub rollout: Option<RolloutRecord>,
+    /// Fields only the read (GET) shows.
+    pub read_only: Option<serde_json::Map<String, Value>>,
 }
 
 /// What a read shows of the sources of a deployment, from their cached
@@ -259,8 +269,13 @@ pub fn render_view(
     last_build: Option<&BuildRecord>,
     last_try: Option<&UpdateTry>,
     audit: &[crate::audit::Event],
-    (earlier_build, work_state): (bool, Option<Value>),
+    shown: Shown,
 ) -> Result<Reply, StoreError> {
+    let Shown {
+        earlier_build,
+        rollout,
+        read_only,
+    } = shown;
     let instances = instances_of(&d.snapshot.configuration, facts.catalog(&d.snapshot.source))?;
     let deployed_instances = match &d.deployed {
         Some(dep) => instances_of(
@@ -281,6 +296,7 @@ pub fn render_view(
     let facts_of_actions = engine::actions::Facts {
         supported,
         earlier_build,
+        rollout: rollout.as_ref().map(|r| &r.rollout),
     };
     let actions = engine::actions::list(d, &facts_of_actions)
         .into_iter()
@@ -328,9 +344,40 @@ pub fn render_view(
         event_cursor: d.event_seq.to_string(),
         created_at: format_time(d.created_at),
         updated_at: format_time(d.updated_at),
-        work_state,
+        read_only,
     };
     Ok(Reply::json(200, &v).header("ETag", format!("\"{}\"", d.revision)))
+}
+
+/// What only the deployment read shows, and the running build's rollout.
+fn read_extras(rx: &crate::store::Rx, d: &DeploymentRecord) -> Result<Shown, StoreError> {
+    let running = d.running.map(|b| rx.rollout(b)).transpose()?.flatten();
+    let newest = match &running {
+        Some(r) => Some(r.clone()),
+        None => d.last_build.map(|b| rx.rollout(b)).transpose()?.flatten(),
+    };
+    let policy = match rx.rollout_policy(&d.id)? {
+        Some(text) => serde_json::from_str(&text)
+            .map_err(|_| StoreError::corrupt("a stored rollout policy is not JSON"))?,
+        None => serde_json::json!({}),
+    };
+    let mut read_only = serde_json::Map::new();
+    read_only.insert(
+        "work_state".into(),
+        work_state_view(rx.work_states(&d.id)?.as_ref()),
+    );
+    read_only.insert("rollout_policy".into(), policy);
+    read_only.insert(
+        "rollout".into(),
+        newest
+            .as_ref()
+            .map_or(Value::Null, engine::rollouts::summary),
+    );
+    Ok(Shown {
+        earlier_build: rx.rollback_target(d)?.is_some(),
+        rollout: running,
+        read_only: Some(read_only),
+    })
 }
 
 /// A deployment's work states as its read shows them.
@@ -364,23 +411,15 @@ fn work_state_view(w: Option<&WorkStates>) -> Value {
 
 pub async fn read(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
     let id = deployment_id(req)?;
-    let (d, last_build, last_try, audit, earlier, work_states) = {
+    let (d, last_build, last_try, audit, extras) = {
         let rx = ctx.engine.read()?;
         let d = rx
             .deployment(&id)?
             .ok_or_else(|| ApiError::not_found("deployment"))?;
         let last_build = d.last_build.map(|b| rx.build(b)).transpose()?.flatten();
         let audit = crate::engine::audit::of_deployment(&rx, &id)?;
-        let earlier = rx.rollback_target(&d)?.is_some();
-        let work_states = rx.work_states(&id)?;
-        (
-            d,
-            last_build,
-            rx.update_try(&id)?,
-            audit,
-            earlier,
-            work_states,
-        )
+        let extras = read_extras(&rx, &d)?;
+        (d, last_build, rx.update_try(&id)?, audit, extras)
     };
     let facts = SourceFacts::of(ctx, &d).await;
     Ok(render_view(
@@ -389,7 +428,7 @@ pub async fn read(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
         last_build.as_ref(),
         last_try.as_ref(),
         &audit,
-        (earlier, Some(work_state_view(work_states.as_ref()))),
+        extras,
     )?)
 }
 
@@ -421,6 +460,9 @@ pub async fn act(ctx: &Ctx, req: &Request, w: Write) -> Result<Reply, ApiError> 
     let id = deployment_id(req)?;
     let expected = if_match(req)?;
     let name = req.param("name");
+    if let Some(action) = engine::rollouts::RolloutAction::from_name(name) {
+        return rollout_act(ctx, req, w, action).await;
+    }
     let target = match (name, req.body.is_empty()) {
         (_, true) => None,
         ("rollback", false) => rollback_target(&req.body)?,
@@ -438,6 +480,60 @@ pub async fn act(ctx: &Ctx, req: &Request, w: Write) -> Result<Reply, ApiError> 
     };
     let queued = ctx.engine.act(&id, call, record).await?;
     Ok(action_reply(&queued))
+}
+
+/// `POST .../actions/rollout_pause|rollout_resume|rollout_abort`: 202
+/// with the rollout's build and its summary after the step. Pause and
+/// abort take an optional `{"reason"}`.
+async fn rollout_act(
+    ctx: &Ctx,
+    req: &Request,
+    w: Write,
+    action: engine::rollouts::RolloutAction,
+) -> Result<Reply, ApiError> {
+    use engine::rollouts::{RolloutActed, RolloutAction};
+    let id = deployment_id(req)?;
+    let expected = if_match(req)?;
+    let fields: &[&str] = match action {
+        RolloutAction::Pause | RolloutAction::Abort => &["reason"],
+        RolloutAction::Resume => &[],
+    };
+    let reason = if req.body.is_empty() {
+        None
+    } else {
+        match super::json_object(&req.body, fields)?.get("reason") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(r)) => {
+                crate::rollout::check_reason(r).map_err(|code| {
+                    ApiError::bad_request("a reason is 1-500 characters without control characters")
+                        .field("/reason", code)
+                })?;
+                Some(r.clone())
+            }
+            Some(_) => {
+                return Err(
+                    ApiError::bad_request("reason must be a string").field("/reason", "type")
+                )
+            }
+        }
+    };
+    let actor = w
+        .audit
+        .actor
+        .as_ref()
+        .and_then(|a| serde_json::to_string(a).ok());
+    let reply = |a: &RolloutActed| {
+        Reply::json(
+            202,
+            &serde_json::json!({"build_id": format_build_id(a.build_id), "rollout": a.summary}),
+        )
+    };
+    let record = w.record(reply);
+    let acted = ctx
+        .engine
+        .rollout_act(&id, action, expected, reason, actor, record)
+        .await?;
+    Ok(reply(&acted))
 }
 
 /// A rollback body: `{"build_id": "<uuid>"}` or `{}`. An id that is not a
@@ -474,12 +570,56 @@ pub async fn set_update_policy(ctx: &Ctx, req: &Request, w: Write) -> Result<Rep
     }
     let body = super::parse_json(&req.body)?;
     let policy = parse_policy(&body, "")?;
-    // The answer is rendered inside the change's transaction (an idempotent
-    // replay must be the same bytes), from describes read before it.
+    policy_change(ctx, &id, w, |record| {
+        ctx.engine.set_update_policy(&id, policy, expected, record)
+    })
+    .await
+}
+
+/// `PUT /v1/deployments/{id}/rollout-policy`: 200 with the deployment; the
+/// policy is stored as given (rollouts.md "The rollout policy").
+pub async fn set_rollout_policy(ctx: &Ctx, req: &Request, w: Write) -> Result<Reply, ApiError> {
+    let id = deployment_id(req)?;
+    let expected = if_match(req)?;
+    if req.body.is_empty() {
+        return Err(ApiError::bad_request("a policy body is required").field("", "required"));
+    }
+    let body = super::parse_json(&req.body)?;
+    let policy = rollout_policy(&body, "")?;
+    policy_change(ctx, &id, w, |record| {
+        ctx.engine
+            .set_rollout_policy(&id, body.to_string(), policy, expected, record)
+    })
+    .await
+}
+
+/// A rollout policy, or a 400 naming each broken rule (`at`: where the
+/// policy sits in the body).
+pub fn rollout_policy(body: &Value, at: &str) -> Result<crate::rollout::Policy, ApiError> {
+    crate::rollout::Policy::parse(body).map_err(|problems| {
+        let first = problems
+            .first()
+            .map(|p| p.message.clone())
+            .unwrap_or_default();
+        problems.iter().fold(
+            ApiError::bad_request(format!("the rollout policy breaks its rules: {first}")),
+            |e, p| e.field(format!("{at}{}", p.pointer), p.code),
+        )
+    })
+}
+
+/// A change of a deployment's policies, answered with the deployment as
+/// the change's transaction renders it (an idempotent replay is the same
+/// bytes), from describes read before it.
+async fn policy_change<F, Fut>(ctx: &Ctx, id: &str, w: Write, change: F) -> Result<Reply, ApiError>
+where
+    F: FnOnce(engine::audit::Record<PolicySet>) -> Fut,
+    Fut: std::future::Future<Output = Result<PolicySet, engine::refusal::Refusal>>,
+{
     let d = ctx
         .engine
         .read()?
-        .deployment(&id)?
+        .deployment(id)?
         .ok_or_else(|| ApiError::not_found("deployment"))?;
     let facts = Arc::new(SourceFacts::of(ctx, &d).await);
     let render = move |set: &PolicySet| {
@@ -489,7 +629,11 @@ pub async fn set_update_policy(ctx: &Ctx, req: &Request, w: Write) -> Result<Rep
             set.last_build.as_ref(),
             set.last_try.as_ref(),
             &set.audit,
-            (set.rollback_target.is_some(), None),
+            Shown {
+                earlier_build: set.rollback_target.is_some(),
+                rollout: set.rollout.clone(),
+                read_only: None,
+            },
         )
     };
     let render = Arc::new(render);
@@ -497,10 +641,7 @@ pub async fn set_update_policy(ctx: &Ctx, req: &Request, w: Write) -> Result<Rep
         let render = render.clone();
         w.record_checked(move |set: &PolicySet| render(set))
     };
-    let set = ctx
-        .engine
-        .set_update_policy(&id, policy, expected, record)
-        .await?;
+    let set = change(record).await?;
     Ok(render(&set)?)
 }
 

@@ -363,6 +363,9 @@ fn conflict_message(c: Conflict) -> &'static str {
         Conflict::BuildRunning => {
             "a build of this deployment is claimed or running; wait for it to end"
         }
+        Conflict::RolloutUnsupported => {
+            "this deployment's source does not list activate; only the policy {} applies to it"
+        }
     }
 }
 

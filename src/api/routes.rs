@@ -75,6 +75,7 @@ pub enum MutationCall {
     Submit,
     Act,
     SetUpdatePolicy,
+    SetRolloutPolicy,
     DeleteDeployment,
     CancelBuild,
     CreateWebhook,
@@ -320,6 +321,7 @@ pub const ROUTES: &[Route] = &[
     token_row("POST", "/v1/deployments/{id}/preview", TokenCall::Preview, P::Preview, PathDeployment, Forbidden),
     mutation_row("POST", "/v1/deployments/{id}/actions/{name}", MutationCall::Act, P::Action, PathDeployment, Audit::ActionByName),
     mutation_row("PUT", "/v1/deployments/{id}/update-policy", MutationCall::SetUpdatePolicy, P::UpdatePolicy, PathDeployment, Audit::Action("update_policy")),
+    mutation_row("PUT", "/v1/deployments/{id}/rollout-policy", MutationCall::SetRolloutPolicy, P::UpdatePolicy, PathDeployment, Audit::Action("rollout_policy")),
     token_row("GET", "/v1/deployments/{id}/builds", TokenCall::ListBuilds, P::Read, PathDeployment, NotFound),
     token_row("GET", "/v1/deployments/{id}/sboms", TokenCall::ListSboms, P::Read, PathDeployment, NotFound),
     token_row("GET", "/v1/deployments/{id}/sboms/{node}", TokenCall::ReadSbom, P::Read, PathDeployment, NotFound),
@@ -369,6 +371,9 @@ impl Audit {
                 Some("suspend") => "action:suspend",
                 Some("resume") => "action:resume",
                 Some("rollback") => "action:rollback",
+                Some("rollout_pause") => "action:rollout_pause",
+                Some("rollout_resume") => "action:rollout_resume",
+                Some("rollout_abort") => "action:rollout_abort",
                 Some(_) | None => "action",
             },
         }
@@ -681,6 +686,12 @@ pub async fn mutation(
         MutationCall::SetUpdatePolicy => {
             idempotency::mutation(ctx, req, caller, w, |w| {
                 deployments::set_update_policy(ctx, req, w)
+            })
+            .await
+        }
+        MutationCall::SetRolloutPolicy => {
+            idempotency::mutation(ctx, req, caller, w, |w| {
+                deployments::set_rollout_policy(ctx, req, w)
             })
             .await
         }

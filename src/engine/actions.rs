@@ -51,18 +51,20 @@ pub struct Action {
 }
 
 /// What the list needs besides the record.
-pub struct Facts<S: Fn(&str) -> bool> {
+pub struct Facts<'r, S: Fn(&str) -> bool> {
     /// The source of the last successful deploy lists the action for its
     /// method in `describe`.
     pub supported: S,
     /// A retained succeeded deploy build before the deployed one exists
     /// (`Lookup::rollback_target`).
     pub earlier_build: bool,
+    /// The rollout of the running build, if it has one.
+    pub rollout: Option<&'r Rollout>,
 }
 
 /// Every action with the first reason that disables it, in lifecycle.md's
 /// order of checks.
-pub fn list<S: Fn(&str) -> bool>(d: &DeploymentRecord, facts: &Facts<S>) -> Vec<Action> {
+pub fn list<S: Fn(&str) -> bool>(d: &DeploymentRecord, facts: &Facts<'_, S>) -> Vec<Action> {
     // After a failed or cancelled build the deployment may be in either
     // state: both toggles are accepted and the state reasons are not used.
     let after_failure = matches!(d.state(), DeploymentState::Failed);
@@ -109,7 +111,18 @@ pub fn list<S: Fn(&str) -> bool>(d: &DeploymentRecord, facts: &Facts<S>) -> Vec<
         toggle(true, Named::Suspend.name()),
         toggle(false, Named::Resume.name()),
         rollback,
+        rollout_action(super::rollouts::RolloutAction::Pause, facts.rollout),
+        rollout_action(super::rollouts::RolloutAction::Resume, facts.rollout),
+        rollout_action(super::rollouts::RolloutAction::Abort, facts.rollout),
     ]
+}
+
+/// A rollout action, always listed (rollouts.md).
+fn rollout_action(a: super::rollouts::RolloutAction, rollout: Option<&Rollout>) -> Action {
+    Action {
+        name: a.name(),
+        reason: a.disabled(rollout),
+    }
 }
 
 /// An action that was taken: the queued deploy build.
@@ -243,9 +256,14 @@ pub fn act_tx(
             )));
         }
     }
+    let rollout = match d.running {
+        Some(b) => tx.rollout(b)?,
+        None => None,
+    };
     let facts = Facts {
         supported: |name: &str| name == named.name() && checked.supported,
         earlier_build: earlier.is_some(),
+        rollout: rollout.as_ref().map(|r| &r.rollout),
     };
     let action = list(&d, &facts)
         .into_iter()
@@ -355,11 +373,62 @@ mod tests {
         let facts = Facts {
             supported: |_: &str| supported,
             earlier_build: true,
+            rollout: None,
         };
         list(d, &facts)
             .into_iter()
+            .filter(|a| !a.name.starts_with("rollout_"))
             .map(|a| (a.name, a.reason.map(Reason::code)))
             .collect()
+    }
+
+    #[test]
+    fn rollout_actions_are_always_listed_with_their_reasons() {
+        use crate::rollout::{plan, Event, Policy, Staging};
+        let reasons = |r: Option<&Rollout>| -> Vec<(&str, Option<&str>)> {
+            let facts = Facts {
+                supported: |_: &str| true,
+                earlier_build: true,
+                rollout: r,
+            };
+            list(&deployment(), &facts)
+                .into_iter()
+                .filter(|a| a.name.starts_with("rollout_"))
+                .map(|a| (a.name, a.reason.map(Reason::code)))
+                .collect()
+        };
+        let none = Some("no_rollout");
+        assert_eq!(
+            reasons(None),
+            [
+                ("rollout_pause", none),
+                ("rollout_resume", none),
+                ("rollout_abort", none)
+            ]
+        );
+        let policy = Policy::default();
+        let nodes = vec!["web".to_string()];
+        let running = Rollout::new(
+            plan(&nodes, &policy, Staging::Staged),
+            &policy,
+            Staging::Staged,
+        );
+        assert_eq!(
+            reasons(Some(&running)),
+            [
+                ("rollout_pause", None),
+                ("rollout_resume", Some("not_paused")),
+                ("rollout_abort", None)
+            ]
+        );
+        let paused = running.apply(&Event::PauseAsked, 0, false).expect("fits");
+        assert_eq!(
+            reasons(Some(&paused))[0],
+            ("rollout_pause", Some("already_paused"))
+        );
+        assert_eq!(reasons(Some(&paused))[1], ("rollout_resume", None));
+        let aborting = running.apply(&Event::AbortAsked, 0, false).expect("fits");
+        assert_eq!(reasons(Some(&aborting))[2], ("rollout_abort", none));
     }
 
     #[test]
@@ -437,6 +506,7 @@ mod tests {
         let alone = Facts {
             supported: |_: &str| true,
             earlier_build: false,
+            rollout: None,
         };
         assert_eq!(
             list(&active, &alone)[4].reason.map(Reason::code),

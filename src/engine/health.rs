@@ -233,7 +233,11 @@ pub(super) async fn check(
 }
 
 /// `confirm`: the deployer makes the new state permanent.
-pub(super) async fn confirm(io: &mut impl HealthIo, request: &Value, changed: &[String]) -> HealthEnd {
+pub(super) async fn confirm(
+    io: &mut impl HealthIo,
+    request: &Value,
+    changed: &[String],
+) -> HealthEnd {
     let mut call = request.clone();
     call["nodes"] = json!(changed);
     let failed = match io.call("confirm", &call, CONFIRM_TIME_LIMIT).await {
@@ -387,7 +391,15 @@ impl Engine {
                 b.log_gaps = gaps.clone();
                 b.event_seq = b.event_seq.max(seq);
                 b.seq_reserved = b.seq_reserved.max(seq);
-                events::build_event_amid_log(tx, &hub, build, seq, kind, data.clone(), now_millis())?;
+                events::build_event_amid_log(
+                    tx,
+                    &hub,
+                    build,
+                    seq,
+                    kind,
+                    data.clone(),
+                    now_millis(),
+                )?;
                 tx.put_build(&b)
             })
             .await;

@@ -60,6 +60,8 @@ pub enum Conflict {
     WorkerLimit,
     /// A build of the deployment is claimed or running (a work state PUT).
     BuildRunning,
+    /// A rollout policy other than `{}` for a source without `activate`.
+    RolloutUnsupported,
 }
 
 impl Conflict {
@@ -74,6 +76,7 @@ impl Conflict {
             Conflict::TokenExists => "token_exists",
             Conflict::WorkerLimit => "worker_limit",
             Conflict::BuildRunning => "build_running",
+            Conflict::RolloutUnsupported => "rollout_unsupported",
         }
     }
 }
@@ -206,6 +209,12 @@ pub enum ActionReason {
     /// of this deployment (unknown, another deployment's, a destroy, failed,
     /// pruned: all alike, so nobody can probe other deployments' builds).
     RollbackTargetInvalid,
+    /// No unfinished rollout (rollouts.md "Pause, resume, abort").
+    NoRollout,
+    AlreadyPaused,
+    NotPaused,
+    /// The rollout is confirming or aborting.
+    RolloutEnding,
 }
 
 impl ActionReason {
@@ -219,6 +228,10 @@ impl ActionReason {
             ActionReason::UnsupportedByRevision => "unsupported_by_revision",
             ActionReason::NoEarlierBuild => "no_earlier_build",
             ActionReason::RollbackTargetInvalid => "rollback_target_invalid",
+            ActionReason::NoRollout => "no_rollout",
+            ActionReason::AlreadyPaused => "already_paused",
+            ActionReason::NotPaused => "not_paused",
+            ActionReason::RolloutEnding => "rollout_ending",
         }
     }
 }

@@ -22,9 +22,11 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::watch;
 
+use super::audit::{Audited, Record};
 use super::health::{self, HealthEnd, HealthIo, PipeHealth};
 use super::log_pipe::LogPipe;
 use super::outcome::Halt;
+use super::refusal::{ActionReason, Conflict, Missing, Refusal};
 use super::runner::Ended;
 use super::transition::Change;
 use super::Engine;
@@ -155,7 +157,191 @@ pub struct Verbs {
 /// failed (its failure reason and words).
 type Activation = Result<BTreeMap<String, (bool, Option<String>)>, (FailureReason, String)>;
 
+/// A rollout action (rollouts.md "Pause, resume, abort").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RolloutAction {
+    Pause,
+    Resume,
+    Abort,
+}
+
+impl RolloutAction {
+    pub fn from_name(name: &str) -> Option<RolloutAction> {
+        match name {
+            "rollout_pause" => Some(RolloutAction::Pause),
+            "rollout_resume" => Some(RolloutAction::Resume),
+            "rollout_abort" => Some(RolloutAction::Abort),
+            _ => None,
+        }
+    }
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            RolloutAction::Pause => "rollout_pause",
+            RolloutAction::Resume => "rollout_resume",
+            RolloutAction::Abort => "rollout_abort",
+        }
+    }
+
+    /// The first reason that disables it for a deployment whose unfinished
+    /// rollout is `r` (none: `no_rollout`).
+    pub fn disabled(self, r: Option<&Rollout>) -> Option<ActionReason> {
+        use crate::model::State;
+        let Some(r) = r.filter(|r| r.state != State::Finished) else {
+            return Some(ActionReason::NoRollout);
+        };
+        let ending = matches!(r.state, State::Confirming | State::Aborting);
+        match self {
+            RolloutAction::Pause if r.paused => Some(ActionReason::AlreadyPaused),
+            RolloutAction::Pause | RolloutAction::Abort if ending => {
+                Some(ActionReason::RolloutEnding)
+            }
+            RolloutAction::Resume if !r.paused => Some(ActionReason::NotPaused),
+            RolloutAction::Pause | RolloutAction::Resume | RolloutAction::Abort => None,
+        }
+    }
+
+    fn event(self) -> Event {
+        match self {
+            RolloutAction::Pause => Event::PauseAsked,
+            RolloutAction::Resume => Event::Resumed,
+            RolloutAction::Abort => Event::AbortAsked,
+        }
+    }
+}
+
+/// A rollout action taken: the rollout's build and its summary after it.
+#[derive(Debug)]
+pub struct RolloutActed {
+    pub build_id: BuildId,
+    pub summary: Value,
+}
+
+impl Audited for RolloutActed {
+    fn audited_build(&self) -> Option<BuildId> {
+        Some(self.build_id)
+    }
+}
+
 impl Engine {
+    /// `POST /v1/deployments/{id}/actions/rollout_*`: one step of the
+    /// deployment's unfinished rollout, under `If-Match`, in one
+    /// transaction with its audit event; the runner is rung.
+    pub async fn rollout_act(
+        self: &Arc<Self>,
+        id: &str,
+        action: RolloutAction,
+        if_match: Option<u64>,
+        reason: Option<String>,
+        actor: Option<String>,
+        record: Record<RolloutActed>,
+    ) -> Result<RolloutActed, Refusal> {
+        let (hub, id) = (self.hub.clone(), id.to_string());
+        let record = Arc::new(record);
+        let acted = self
+            .store
+            .write(move |tx| {
+                let Some(mut d) = tx.deployment(&id)? else {
+                    return Ok(Err(Refusal::NotFound(Missing::Deployment)));
+                };
+                if if_match.is_some_and(|r| r != d.revision) {
+                    return Ok(Err(Refusal::PreconditionFailed));
+                }
+                let found = match d.running {
+                    Some(b) => tx.rollout(b)?,
+                    None => None,
+                };
+                if let Some(reason) = action.disabled(found.as_ref().map(|r| &r.rollout)) {
+                    return Ok(Err(Refusal::ActionRefused(reason)));
+                }
+                let Some(before) = found else {
+                    return Ok(Err(Refusal::ActionRefused(ActionReason::NoRollout)));
+                };
+                let now = now_millis();
+                let Ok(rollout) = before.rollout.apply(&action.event(), now, false) else {
+                    return Ok(Err(Refusal::ActionRefused(ActionReason::RolloutEnding)));
+                };
+                let mut after = before.clone();
+                after.rollout = rollout;
+                after.updated_at = now;
+                let note = RolloutNote {
+                    by: "action".into(),
+                    at: now,
+                    actor: actor.clone(),
+                    reason: reason.clone(),
+                };
+                take_note(
+                    &mut after,
+                    &Noted {
+                        event: action.event(),
+                        note: Some(note),
+                    },
+                );
+                tx.put_rollout(&after)?;
+                let change = Change::new(tx, &hub);
+                change.rollout_changed(&mut d, summary(&after).to_string())?;
+                let acted = RolloutActed {
+                    build_id: after.build,
+                    summary: summary(&after),
+                };
+                record.store(&change, &acted)?;
+                Ok(Ok(acted))
+            })
+            .await??;
+        self.wake_rollouts();
+        Ok(acted)
+    }
+
+    /// `PUT /v1/deployments/{id}/rollout-policy` (and a submit's
+    /// `rollout`): stores the policy as given; a policy other than `{}`
+    /// needs a source that lists `activate`.
+    pub async fn set_rollout_policy(
+        self: &Arc<Self>,
+        id: &str,
+        text: String,
+        policy: Policy,
+        if_match: Option<u64>,
+        record: Record<super::updates::PolicySet>,
+    ) -> Result<super::updates::PolicySet, Refusal> {
+        let d = self
+            .store
+            .read()?
+            .deployment(id)?
+            .ok_or(Refusal::NotFound(Missing::Deployment))?;
+        if !policy.is_default() && !self.describe(&d.snapshot.source).await?.activates() {
+            return Err(Refusal::Conflict(Conflict::RolloutUnsupported));
+        }
+        let (hub, id) = (self.hub.clone(), id.to_string());
+        self.store
+            .write(move |tx| {
+                let Some(mut d) = tx.deployment(&id)? else {
+                    return Ok(Err(Refusal::NotFound(Missing::Deployment)));
+                };
+                if if_match.is_some_and(|r| r != d.revision) {
+                    return Ok(Err(Refusal::PreconditionFailed));
+                }
+                let change = Change::new(tx, &hub);
+                if tx.rollout_policy(&id)?.as_deref() != Some(text.as_str()) {
+                    tx.put_rollout_policy(&id, Some(&text))?;
+                    change.update(&mut d)?;
+                }
+                change.audit(&record.audit)?;
+                let set = super::updates::PolicySet {
+                    last_build: d.last_build.map(|b| tx.build(b)).transpose()?.flatten(),
+                    last_try: tx.update_try(&id)?,
+                    audit: super::audit::of_deployment(tx, &id)?,
+                    rollback_target: tx.rollback_target(&d)?,
+                    rollout: d.running.map(|b| tx.rollout(b)).transpose()?.flatten(),
+                    deployment: d,
+                };
+                if let Some(reply) = &record.reply {
+                    reply(tx, &set)?;
+                }
+                Ok(Ok(set))
+            })
+            .await?
+    }
+
     /// A deployment's rollout policy (`{}` when none is stored).
     pub fn rollout_policy(&self, deployment: &str) -> StoreResult<(Policy, String)> {
         let text = self.store.read()?.rollout_policy(deployment)?;
@@ -336,7 +522,12 @@ struct Run {
 impl Run {
     async fn to_the_end(&mut self, io: &mut PipeHealth<'_>) -> HealthEnd {
         loop {
-            let record = match self.engine.store.read().and_then(|rx| rx.rollout(self.build)) {
+            let record = match self
+                .engine
+                .store
+                .read()
+                .and_then(|rx| rx.rollout(self.build))
+            {
                 Ok(Some(r)) => r,
                 Ok(None) | Err(_) => {
                     return HealthEnd::Failed("the rollout's record cannot be read".into())
@@ -433,7 +624,8 @@ impl Run {
         nodes: Vec<String>,
     ) {
         if record.rollout.unanswered() != Some(wave) {
-            self.apply(Noted::bare(Event::ActivateStarted { wave })).await;
+            self.apply(Noted::bare(Event::ActivateStarted { wave }))
+                .await;
             return;
         }
         io.lines(&[format!(
@@ -479,10 +671,12 @@ impl Run {
             t if t.is_zero() => Duration::from_secs(24 * 3600),
             t => t,
         };
-        let (ended, result, output) = io
-            .call("activate", &call, limit)
-            .await
-            .map_err(|e| (FailureReason::SpawnFailed, format!("the deployer's activate could not be started: {e}")))?;
+        let (ended, result, output) = io.call("activate", &call, limit).await.map_err(|e| {
+            (
+                FailureReason::SpawnFailed,
+                format!("the deployer's activate could not be started: {e}"),
+            )
+        })?;
         io.lines(&output).await;
         let bytes = match (ended, result) {
             (Ended::Exit(0), Ok(Some(bytes))) => bytes,
@@ -510,9 +704,11 @@ impl Run {
             .map_err(|_| protocol("the deployer's activate result breaks the protocol"))?;
         let mut answers = BTreeMap::new();
         for n in parsed.nodes {
-            let reason = n
-                .reason
-                .map(|r| r.chars().take(MAX_ACTIVATE_REASON_CHARS).collect::<String>());
+            let reason = n.reason.map(|r| {
+                r.chars()
+                    .take(MAX_ACTIVATE_REASON_CHARS)
+                    .collect::<String>()
+            });
             answers.insert(n.name, (n.activated, reason));
         }
         let asked: BTreeSet<&String> = nodes.iter().collect();
@@ -573,7 +769,11 @@ impl Run {
                 }
             }
             let over = waves.iter().find(|w| {
-                let bad = w.nodes.iter().filter(|n| unhealthy.contains_key(*n)).count();
+                let bad = w
+                    .nodes
+                    .iter()
+                    .filter(|n| unhealthy.contains_key(*n))
+                    .count();
                 bad > plan::allowance(policy.max_unhealthy, w.nodes.len())
             });
             let Some(over) = over else {
@@ -591,7 +791,8 @@ impl Run {
                     None => format!("wave {}: the gate did not pass", record.rollout.wave),
                 };
                 if io.halted() == Halt::No && !self.aborted().await {
-                    self.apply(Noted::by(Event::GateFailed, "health", detail)).await;
+                    self.apply(Noted::by(Event::GateFailed, "health", detail))
+                        .await;
                 }
                 return;
             }
@@ -613,9 +814,17 @@ impl Run {
     }
 
     /// A hold: until the wait's end, a wake (an action) or a halt.
-    async fn hold(&self, io: &mut PipeHealth<'_>, record: &RolloutRecord, state: crate::model::State) {
+    async fn hold(
+        &self,
+        io: &mut PipeHealth<'_>,
+        record: &RolloutRecord,
+        state: crate::model::State,
+    ) {
         if state == crate::model::State::Waiting
-            && record.rollout.wait_until.is_some_and(|at| now_millis() >= at)
+            && record
+                .rollout
+                .wait_until
+                .is_some_and(|at| now_millis() >= at)
         {
             self.apply(Noted::bare(Event::WaitOver)).await;
             return;

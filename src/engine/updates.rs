@@ -72,6 +72,8 @@ pub struct PolicySet {
     pub audit: Vec<crate::audit::Event>,
     /// What a rollback without a target would return to.
     pub rollback_target: Option<BuildId>,
+    /// The running build's rollout (the actions list's reasons).
+    pub rollout: Option<RolloutRecord>,
 }
 
 impl Audited for PolicySet {
@@ -313,6 +315,7 @@ pub fn set_policy_tx(
         last_try: tx.update_try(id)?,
         audit: super::audit::of_deployment(tx, id)?,
         rollback_target: tx.rollback_target(&d)?,
+        rollout: d.running.map(|b| tx.rollout(b)).transpose()?.flatten(),
         deployment: d,
     };
     if let Some(reply) = &record.reply {

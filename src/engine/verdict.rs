@@ -128,11 +128,9 @@ impl Outcome {
             Ended::Exit(0) => match &self.result {
                 Some(Ok(_)) => match &self.health {
                     None | Some(HealthEnd::Confirmed) => (BuildStatus::Succeeded, None, Some(0)),
-                    Some(HealthEnd::Aborted(reason, detail)) => (
-                        BuildStatus::Failed,
-                        fail(*reason, detail.clone()),
-                        Some(0),
-                    ),
+                    Some(HealthEnd::Aborted(reason, detail)) => {
+                        (BuildStatus::Failed, fail(*reason, detail.clone()), Some(0))
+                    }
                     Some(HealthEnd::Failed(detail)) => (
                         BuildStatus::Failed,
                         fail(R::HealthCheckFailed, detail.clone()),

@@ -105,8 +105,8 @@ impl BuildEvent {
             BuildEvent::Attempt,
             BuildEvent::Rollout,
         ]
-            .into_iter()
-            .find(|e| e.name() == name)
+        .into_iter()
+        .find(|e| e.name() == name)
     }
 }
 
