@@ -26,6 +26,7 @@ mod powerfs;
 mod queue;
 mod redo;
 mod restart;
+mod rollouts;
 mod routes;
 mod safe_deploys;
 mod sboms;

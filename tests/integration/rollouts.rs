@@ -1,0 +1,293 @@
+//! Rollouts in waves (rollouts.md): the real `berth serve` with a scripted
+//! deployer that lists `activate`, `check` and `confirm` and records every
+//! call it gets, one line each.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::{json, Value};
+
+use crate::harness::*;
+
+/// A deployer whose deploy changes nodes n1..n5 and activates nothing;
+/// `activate`, `check` and `confirm` append `<verb> [target wave] nodes` to
+/// `<dir>/calls.log`. A node named in `<dir>/unhealthy` is unhealthy.
+fn recording_deployer(dir: &Path) -> (PathBuf, PathBuf) {
+    let calls = dir.join("calls.log");
+    let body = format!(
+        r#"verb="$1"
+req=$(cat)
+calls="{calls}"
+unhealthy="{unhealthy}"
+field() {{ printf '%s' "$req" | python3 -c "import json,sys; r=json.load(sys.stdin); v=r.get('$1'); print(' '.join(v) if isinstance(v, list) else v)"; }}
+case "$verb" in
+describe) printf '%s' '{{"methods":["local"],"default_method":"local","actions":{{}},"catalog":[],"schema":null,"verbs":["check","confirm","activate"]}}' > "$BERTH_RESULT";;
+eval) printf '%s' '{{"nodes":[]}}' > "$BERTH_RESULT";;
+deploy)
+  echo "deploy" >> "$calls"
+  printf '%s' '{{"nodes":[{{"name":"n1","changed":true}},{{"name":"n2","changed":true}},{{"name":"n3","changed":true}},{{"name":"n4","changed":true}},{{"name":"n5","changed":true}}]}}' > "$BERTH_RESULT";;
+activate)
+  nodes=$(field nodes)
+  echo "activate $(field target) $(field wave) $nodes" >> "$calls"
+  out=""
+  for n in $nodes; do out="$out{{\"name\":\"$n\",\"activated\":true}},"; done
+  printf '{{"nodes":[%s]}}' "${{out%,}}" > "$BERTH_RESULT";;
+check)
+  nodes=$(field nodes)
+  echo "check $nodes" >> "$calls"
+  out=""
+  for n in $nodes; do
+    if grep -qx "$n" "$unhealthy" 2>/dev/null; then h=false; else h=true; fi
+    out="$out{{\"name\":\"$n\",\"healthy\":$h,\"reason\":\"test\"}},"
+  done
+  printf '{{"nodes":[%s]}}' "${{out%,}}" > "$BERTH_RESULT";;
+confirm) echo "confirm $(field nodes)" >> "$calls"; printf '{{}}' > "$BERTH_RESULT";;
+destroy) printf '{{}}' > "$BERTH_RESULT";;
+esac
+exit 0
+"#,
+        calls = calls.display(),
+        unhealthy = dir.join("unhealthy").display()
+    );
+    (script(dir, "rollout.sh", &body), calls)
+}
+
+fn calls_of(file: &Path) -> Vec<String> {
+    std::fs::read_to_string(file)
+        .unwrap_or_default()
+        .lines()
+        .map(str::to_string)
+        .collect()
+}
+
+async fn rollout_server(tag: &str) -> (Server, PathBuf) {
+    let dir = temp_dir(tag);
+    let (deployer, calls) = recording_deployer(&dir);
+    let opts = Options::default()
+        .deployer(&deployer)
+        .arg("--health-interval")
+        .arg("1s");
+    (Server::start_in(dir.join("berth"), opts).await, calls)
+}
+
+async fn set_policy(s: &Server, policy: Value) -> Value {
+    let r = s
+        .http
+        .put(s.url("/v1/deployments/alice/rollout-policy"))
+        .bearer_auth(&s.token)
+        .json(&policy)
+        .send()
+        .await
+        .unwrap();
+    let (status, body) = read(r).await;
+    assert_eq!(status, 200, "{body}");
+    body
+}
+
+async fn wait_rollout(s: &Server, build: &str, state: &str) -> Value {
+    let mut last = Value::Null;
+    for _ in 0..400 {
+        last = s.build(build).await;
+        if last["rollout"]["state"] == state {
+            return last;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(25)).await;
+    }
+    panic!("the rollout never reached {state}: {last}");
+}
+
+async fn act(s: &Server, name: &str, revision: Option<u64>, body: Value) -> (u16, Value) {
+    let mut req = s
+        .http
+        .post(s.url(&format!("/v1/deployments/alice/actions/{name}")))
+        .bearer_auth(&s.token)
+        .json(&body);
+    if let Some(r) = revision {
+        req = req.header("If-Match", format!("\"{r}\""));
+    }
+    read(req.send().await.unwrap()).await
+}
+
+fn reason_of<'a>(d: &'a Value, action: &str) -> &'a Value {
+    let actions = d["actions"].as_array().expect("actions");
+    &actions.iter().find(|a| a["name"] == action).expect(action)["reason"]
+}
+
+#[tokio::test]
+async fn waves_of_the_stated_sizes_pause_resume_under_if_match_and_confirm_once() {
+    let (s, calls) = rollout_server("rollout-waves").await;
+    // The first deploy has no policy: one wave of every changed node.
+    let first = s.submit_ok("alice", json!({"n": 1})).await;
+    assert_eq!(s.wait_build(&first, "final").await["status"], "succeeded");
+    assert_eq!(
+        calls_of(&calls),
+        [
+            "deploy",
+            "activate new 1 n1 n2 n3 n4 n5",
+            "check n1 n2 n3 n4 n5",
+            "confirm n1 n2 n3 n4 n5"
+        ]
+    );
+    std::fs::remove_file(&calls).unwrap();
+    let policy = json!({"waves": [1, "60%"], "pause_after": [1]});
+    let d = set_policy(&s, policy.clone()).await;
+    assert_eq!(
+        d["rollout_policy"],
+        Value::Null,
+        "the answer is not the read"
+    );
+    let (_, d) = s.json("/v1/deployments/alice").await;
+    assert_eq!(d["rollout_policy"], policy);
+    let build = s.submit_ok("alice", json!({"n": 2})).await;
+    let paused = wait_rollout(&s, &build, "paused").await;
+    assert_eq!(paused["status"], "running");
+    assert_eq!(paused["rollout"]["wave"], 1);
+    assert_eq!(paused["rollout"]["wave_count"], 3);
+    assert_eq!(paused["rollout"]["paused"]["by"], "policy");
+    let sizes: Vec<usize> = paused["rollout"]["waves"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| w["nodes"].as_array().unwrap().len())
+        .collect();
+    assert_eq!(sizes, [1, 2, 2]);
+    assert_eq!(
+        calls_of(&calls),
+        ["deploy", "activate new 1 n1", "check n1"],
+        "nothing after wave 1's gate while paused"
+    );
+    let (_, d) = s.json("/v1/deployments/alice").await;
+    assert_eq!(d["rollout"]["state"], "paused", "{d}");
+    assert_eq!(reason_of(&d, "rollout_pause"), "already_paused");
+    assert_eq!(reason_of(&d, "rollout_resume"), &Value::Null);
+    assert_eq!(reason_of(&d, "rollback"), "build_pending");
+    let revision = d["revision"].as_u64().unwrap();
+    // A stale If-Match changes nothing.
+    let (status, _) = act(&s, "rollout_resume", Some(revision - 1), json!({})).await;
+    assert_eq!(status, 412);
+    assert_eq!(s.build(&build).await["rollout"]["state"], "paused");
+    let (status, resumed) = act(&s, "rollout_resume", Some(revision), json!({})).await;
+    assert_eq!(status, 202, "{resumed}");
+    assert_eq!(resumed["build_id"], build.as_str());
+    let done = s.wait_build(&build, "final").await;
+    assert_eq!(done["status"], "succeeded", "{done}");
+    assert_eq!(done["rollout"]["result"], "succeeded");
+    assert_eq!(
+        calls_of(&calls),
+        [
+            "deploy",
+            "activate new 1 n1",
+            "check n1",
+            "check n1",
+            "activate new 2 n2 n3",
+            "check n2 n3",
+            "activate new 3 n4 n5",
+            "check n4 n5",
+            "confirm n1 n2 n3 n4 n5"
+        ],
+        "the gate again after the pause, each node activated once, one confirm"
+    );
+    // Both channels carried the rollout's steps.
+    let mut sse = Sse::open(s.get(&format!("/v1/builds/{build}/events"))).await;
+    let events = sse.until_end().await;
+    assert!(events.iter().any(|e| e.event == "rollout"));
+    let (status, _) = act(&s, "rollout_pause", None, json!({})).await;
+    assert_eq!(status, 409, "no rollout any more");
+}
+
+#[tokio::test]
+async fn an_abort_puts_the_activated_waves_back_last_first_without_confirm_or_rollback() {
+    let (s, calls) = rollout_server("rollout-abort").await;
+    let first = s.submit_ok("alice", json!({"n": 1})).await;
+    assert_eq!(s.wait_build(&first, "final").await["status"], "succeeded");
+    set_policy(&s, json!({"waves": [1, 3], "pause_after": [2]})).await;
+    std::fs::remove_file(&calls).unwrap();
+    let build = s.submit_ok("alice", json!({"n": 2})).await;
+    wait_rollout(&s, &build, "paused").await;
+    let (status, body) = act(&s, "rollout_abort", None, json!({"reason": "bad metrics"})).await;
+    assert_eq!(status, 202, "{body}");
+    let done = s.wait_build(&build, "final").await;
+    assert_eq!(done["status"], "failed", "{done}");
+    assert_eq!(done["failure"]["reason"], "rollout_aborted", "{done}");
+    assert_eq!(done["rollout"]["result"], "aborted");
+    assert_eq!(done["rollout"]["abort"]["by"], "action");
+    assert_eq!(done["rollout"]["abort"]["reason"], "bad metrics");
+    assert_eq!(
+        calls_of(&calls),
+        [
+            "deploy",
+            "activate new 1 n1",
+            "check n1",
+            "activate new 2 n2 n3",
+            "check n2 n3",
+            "activate previous 2 n2 n3",
+            "activate previous 1 n1"
+        ],
+        "back wave by wave, last first; no confirm"
+    );
+    // No automatic rollback after an abort: the nodes are back already.
+    let (_, d) = s.json("/v1/deployments/alice").await;
+    assert_eq!(d["last_build"]["id"], build.as_str(), "{d}");
+}
+
+#[tokio::test]
+async fn a_wave_that_stays_unhealthy_aborts_by_itself() {
+    let (s, calls) = rollout_server("rollout-unhealthy").await;
+    let first = s.submit_ok("alice", json!({"n": 1})).await;
+    assert_eq!(s.wait_build(&first, "final").await["status"], "succeeded");
+    set_policy(&s, json!({"waves": [2], "progress_deadline_seconds": 5})).await;
+    std::fs::write(calls.with_file_name("unhealthy"), "n4\n").unwrap();
+    std::fs::remove_file(&calls).unwrap();
+    let build = s.submit_ok_without_rollback("alice", json!({"n": 2})).await;
+    let done = s.wait_build(&build, "final").await;
+    assert_eq!(done["status"], "failed", "{done}");
+    assert_eq!(done["failure"]["reason"], "health_check_failed");
+    assert!(
+        done["failure"]["detail"].as_str().unwrap().contains("n4"),
+        "{done}"
+    );
+    assert_eq!(done["rollout"]["abort"]["by"], "health");
+    let log = calls_of(&calls);
+    assert!(
+        log.contains(&"activate previous 2 n3 n4 n5".to_string()),
+        "{log:?}"
+    );
+    assert_eq!(log.last().unwrap(), "activate previous 1 n1 n2");
+    assert!(!log.iter().any(|l| l.starts_with("confirm")), "{log:?}");
+}
+
+#[tokio::test]
+async fn a_policy_is_checked_rule_by_rule_and_a_broken_one_stores_nothing() {
+    let (s, _) = rollout_server("rollout-policy").await;
+    s.submit_ok("alice", json!({"n": 1})).await;
+    let r = s
+        .http
+        .put(s.url("/v1/deployments/alice/rollout-policy"))
+        .bearer_auth(&s.token)
+        .json(&json!({"waves": [2, 1], "wait_seconds": -1}))
+        .send()
+        .await
+        .unwrap();
+    let (status, body) = read(r).await;
+    assert_eq!(status, 400, "{body}");
+    let fields: Vec<(String, String)> = body["fields"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| {
+            (
+                f["pointer"].as_str().unwrap().into(),
+                f["code"].as_str().unwrap().into(),
+            )
+        })
+        .collect();
+    assert!(
+        fields.contains(&("/waves/1".into(), "not_increasing".into())),
+        "{body}"
+    );
+    assert!(
+        fields.contains(&("/wait_seconds".into(), "range".into())),
+        "{body}"
+    );
+    let (_, d) = s.json("/v1/deployments/alice").await;
+    assert_eq!(d["rollout_policy"], json!({}), "nothing stored");
+}
