@@ -288,6 +288,19 @@ fn workers_exposition(ctx: &Ctx, out: &mut String) -> Result<(), ApiError> {
     let polls = ctx.polls.held(super::workers::ALL_POLLS);
     let _ = writeln!(out, "# HELP berth_worker_polls Open worker polls.\n# TYPE berth_worker_polls gauge\nberth_worker_polls {polls}");
     let _ = writeln!(out, "# HELP berth_builds_waiting_for_worker Queued builds the embedded worker cannot take.\n# TYPE berth_builds_waiting_for_worker gauge\nberth_builds_waiting_for_worker {waiting}");
+    let mut rollouts: std::collections::BTreeMap<&str, u64> = std::collections::BTreeMap::new();
+    for (build, _) in rx.running()? {
+        if let Some(r) = rx.rollout(build)? {
+            *rollouts.entry(r.rollout.state.as_str()).or_default() += 1;
+        }
+    }
+    let _ = writeln!(
+        out,
+        "# HELP berth_rollouts Rollouts of running builds by state.\n# TYPE berth_rollouts gauge"
+    );
+    for (state, n) in rollouts {
+        let _ = writeln!(out, "berth_rollouts{{state=\"{state}\"}} {n}");
+    }
     let stored = rx.work_state_bytes()?;
     let _ = writeln!(out, "# HELP berth_work_state_bytes Compressed bytes of the stored work states.\n# TYPE berth_work_state_bytes gauge\nberth_work_state_bytes {stored}");
     Ok(())

@@ -13,7 +13,7 @@ use crate::model::*;
 use crate::store::{DeliveryRecord, DeliveryStatus, Lookup, StoreResult, Tx};
 
 /// Every event type a subscription may name (`"*"`: all of them).
-pub const EVENT_TYPES: [&str; 9] = [
+pub const EVENT_TYPES: [&str; 13] = [
     "build.queued",
     "build.started",
     "build.succeeded",
@@ -22,6 +22,10 @@ pub const EVENT_TYPES: [&str; 9] = [
     "build.lost",
     "deployment.rollback_queued",
     "deployment.destroyed",
+    "rollout.paused",
+    "rollout.resumed",
+    "rollout.aborted",
+    "rollout.finished",
     "ping",
 ];
 /// Queues `event_type` for every subscription that wants it, in `tx` (the

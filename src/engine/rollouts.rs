@@ -96,6 +96,24 @@ fn note_view(n: &RolloutNote) -> Value {
     })
 }
 
+/// The webhook a step of a rollout sends (notifications.md): a pause in
+/// effect, a resume, an abort begun, the end.
+fn webhook(before: &RolloutRecord, after: &RolloutRecord) -> Option<&'static str> {
+    use crate::model::State;
+    let (a, b) = (&before.rollout, &after.rollout);
+    if a.result.is_none() && b.result.is_some() {
+        Some("rollout.finished")
+    } else if a.abort.is_none() && b.abort.is_some() {
+        Some("rollout.aborted")
+    } else if a.state != State::Paused && b.state == State::Paused {
+        Some("rollout.paused")
+    } else if a.paused && !b.paused {
+        Some("rollout.resumed")
+    } else {
+        None
+    }
+}
+
 /// Whether a change of `before` to `after` is one people see (a new
 /// revision and events): its state, wave, pause, abort or result.
 fn visible(before: &RolloutRecord, after: &RolloutRecord) -> bool {
@@ -279,7 +297,8 @@ impl Engine {
                 );
                 tx.put_rollout(&after)?;
                 let change = Change::new(tx, &hub);
-                change.rollout_changed(&mut d, summary(&after).to_string())?;
+                let hook = webhook(&before, &after);
+                change.rollout_changed(&mut d, summary(&after).to_string(), hook)?;
                 let acted = RolloutActed {
                     build_id: after.build,
                     summary: summary(&after),
@@ -379,7 +398,8 @@ impl Engine {
                 if visible(&before, &after) {
                     if let Some(mut d) = tx.deployment(&after.deployment)? {
                         let change = Change::new(tx, &hub);
-                        change.rollout_changed(&mut d, summary(&after).to_string())?;
+                        let hook = webhook(&before, &after);
+                        change.rollout_changed(&mut d, summary(&after).to_string(), hook)?;
                     }
                 }
                 Ok(Some(after))
@@ -433,7 +453,7 @@ impl Engine {
             shown: None,
             activate_failure: None,
         };
-        run.to_the_end(&mut io).await
+        run.run_to_end(&mut io).await
     }
 
     /// Plans the rollout and stores it, with its first `rollout` events.
@@ -464,7 +484,7 @@ impl Engine {
                 tx.put_rollout(&record)?;
                 if let Some(mut d) = tx.deployment(&record.deployment)? {
                     let change = Change::new(tx, &hub);
-                    change.rollout_changed(&mut d, summary(&record).to_string())?;
+                    change.rollout_changed(&mut d, summary(&record).to_string(), None)?;
                 }
                 Ok(())
             })
@@ -520,7 +540,7 @@ struct Run {
 }
 
 impl Run {
-    async fn to_the_end(&mut self, io: &mut PipeHealth<'_>) -> HealthEnd {
+    async fn run_to_end(&mut self, io: &mut PipeHealth<'_>) -> HealthEnd {
         loop {
             let record = match self
                 .engine
@@ -724,10 +744,14 @@ impl Run {
     /// until each wave has at most its allowance of unhealthy nodes, or
     /// the deadline passes.
     async fn gate(&mut self, io: &mut PipeHealth<'_>, record: &RolloutRecord, nodes: Vec<String>) {
-        let (policy, _) = match self.engine.rollout_policy(&record.deployment) {
-            Ok(p) => p,
-            Err(_) => (Policy::default(), String::new()),
-        };
+        // The policy the rollout started with, not one set since.
+        let policy = serde_json::from_str::<Value>(&record.policy)
+            .map_err(|e| e.to_string())
+            .and_then(|v| Policy::parse(&v).map_err(|_| "it breaks its rules".to_string()))
+            .unwrap_or_else(|why| {
+                tracing::error!(build = %format_build_id(self.build), error = %why, "a rollout's stored policy cannot be read; its gates allow no unhealthy node");
+                Policy::default()
+            });
         let settings = &self.engine.settings;
         let interval = settings.health_interval;
         let deadline_after = match policy.progress_deadline_seconds {

@@ -425,7 +425,27 @@ impl<'t, 'a> Change<'t, 'a> {
     /// A visible change of a build's rollout (rollouts.md "States"): the
     /// deployment channel's `rollout` event with `summary`, a new revision
     /// and its `deployment` event, the record stored.
-    pub fn rollout_changed(&self, d: &mut DeploymentRecord, summary: String) -> StoreResult<()> {
+    pub fn rollout_changed(
+        &self,
+        d: &mut DeploymentRecord,
+        summary: String,
+        webhook: Option<&'static str>,
+    ) -> StoreResult<()> {
+        if let Some(event_type) = webhook {
+            let data = || {
+                serde_json::from_str(&summary)
+                    .map_err(|e| StoreError::other(format!("a rollout summary as JSON: {e}")))
+            };
+            super::outbox::outbox(
+                self.tx,
+                self.hub,
+                event_type,
+                Some(&d.id),
+                None,
+                data,
+                self.now,
+            )?;
+        }
         events::deployment_event(self.tx, self.hub, d, "rollout", summary, self.now)?;
         self.update(d)
     }

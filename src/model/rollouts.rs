@@ -20,6 +20,20 @@ pub enum State {
     Finished,
 }
 
+impl State {
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            State::Running => "running",
+            State::Waiting => "waiting",
+            State::Paused => "paused",
+            State::Frozen => "frozen",
+            State::Confirming => "confirming",
+            State::Aborting => "aborting",
+            State::Finished => "finished",
+        }
+    }
+}
+
 /// Where one wave is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

@@ -155,6 +155,12 @@ async fn waves_of_the_stated_sizes_pause_resume_under_if_match_and_confirm_once(
         ["deploy", "activate new 1 n1", "check n1"],
         "nothing after wave 1's gate while paused"
     );
+    assert!(
+        s.metrics()
+            .await
+            .contains("berth_rollouts{state=\"paused\"} 1"),
+        "the paused rollout is counted"
+    );
     let (_, d) = s.json("/v1/deployments/alice").await;
     assert_eq!(d["rollout"]["state"], "paused", "{d}");
     assert_eq!(reason_of(&d, "rollout_pause"), "already_paused");
