@@ -164,6 +164,7 @@ async fn dispatch(command: Command) -> Outcome {
             c.queued(answer, wait).await
         }
         Command::Tokens { tokens } => tokens_command(tokens).await,
+        Command::Rollout { rollout } => rollout_command(rollout).await,
         Command::Workers { conn } => workers(&conn).await,
         Command::Serve(_)
         | Command::Worker(_)
@@ -350,6 +351,93 @@ async fn tokens_command(command: crate::settings::TokensCommand) -> Outcome {
             Ok(EXIT_OK)
         }
     }
+}
+
+/// `berth rollout status|pause|resume|abort` (rollouts.md).
+async fn rollout_command(command: crate::settings::RolloutCommand) -> Outcome {
+    use crate::settings::RolloutCommand as R;
+    let (name, id, reason, revision, wait, conn) = match command {
+        R::Status { id, conn } => return rollout_status(&id, &conn).await,
+        R::Pause {
+            id,
+            reason,
+            revision,
+            conn,
+        } => ("rollout_pause", id, reason, revision, false, conn),
+        R::Resume { id, revision, conn } => ("rollout_resume", id, None, revision, false, conn),
+        R::Abort {
+            id,
+            reason,
+            revision,
+            wait,
+            conn,
+        } => ("rollout_abort", id, reason, revision, wait, conn),
+    };
+    let mut c = Client::new(&conn)?;
+    c.if_match = revision;
+    let body = reason.map(|r| json!({"reason": r}));
+    let answer = c
+        .mutate(
+            "POST",
+            &format!("/v1/deployments/{}/actions/{name}", path(&id)),
+            body,
+        )
+        .await?;
+    if wait {
+        return c.follow(&text(&answer["build_id"])).await;
+    }
+    if c.json {
+        c.print_json(&answer);
+    } else {
+        out!("{}", text(&answer["rollout"]["state"]));
+    }
+    Ok(EXIT_OK)
+}
+
+/// `berth rollout status ID`: the deployment's newest rollout.
+async fn rollout_status(id: &str, conn: &ClientArgs) -> Outcome {
+    let c = Client::new(conn)?;
+    let d = c
+        .call("GET", &format!("/v1/deployments/{}", path(id)), None, None)
+        .await?;
+    if c.json {
+        c.print_json(&json!({"revision": d["revision"], "rollout": d["rollout"]}));
+        return Ok(EXIT_OK);
+    }
+    let r = &d["rollout"];
+    if r.is_null() {
+        out!("no rollout (revision {})", text(&d["revision"]));
+        return Ok(EXIT_OK);
+    }
+    let paused = match &r["paused"] {
+        Value::Null => "-".to_string(),
+        p => format!("by {} {}", text(&p["by"]), text(&p["reason"])),
+    };
+    let rows = vec![
+        vec!["build".to_string(), text(&r["build_id"])],
+        vec!["state".to_string(), text(&r["state"])],
+        vec![
+            "wave".to_string(),
+            format!("{}/{}", text(&r["wave"]), text(&r["wave_count"])),
+        ],
+        vec![
+            "nodes".to_string(),
+            format!(
+                "{}/{} activated, {} unhealthy",
+                text(&r["nodes_activated"]),
+                text(&r["nodes_total"]),
+                text(&r["unhealthy_count"])
+            ),
+        ],
+        vec!["paused".to_string(), paused],
+        vec!["wait until".to_string(), text(&r["wait_until"])],
+        vec!["result".to_string(), text(&r["result"])],
+        vec!["revision".to_string(), text(&d["revision"])],
+    ];
+    for row in rows {
+        out!("{:<11} {}", row[0], row[1]);
+    }
+    Ok(EXIT_OK)
 }
 
 /// `berth workers`: the embedded worker and every worker token.
@@ -566,6 +654,8 @@ struct Client {
     colour: bool,
     /// Log lines printed as they are (piped, or `logs --raw`).
     raw_log_lines: bool,
+    /// `If-Match: "<revision>"` on every call (`--revision`).
+    if_match: Option<u64>,
 }
 
 impl Client {
@@ -591,6 +681,7 @@ impl Client {
             json: conn.json,
             colour: std::io::stdout().is_terminal() && std::env::var_os("NO_COLOR").is_none(),
             raw_log_lines: !std::io::stdout().is_terminal(),
+            if_match: None,
         })
     }
 
@@ -602,6 +693,9 @@ impl Client {
             .bearer_auth(&self.token);
         for (k, v) in &self.actor {
             r = r.header(*k, v);
+        }
+        if let Some(revision) = self.if_match {
+            r = r.header("if-match", format!("\"{revision}\""));
         }
         r
     }

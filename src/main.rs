@@ -72,6 +72,7 @@ fn main() {
         | Command::Resume { .. }
         | Command::Delete { .. }
         | Command::Tokens { .. }
+        | Command::Rollout { .. }
         | Command::Workers { .. }) => berth::client::run(client),
     };
     std::process::exit(code);

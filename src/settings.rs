@@ -65,6 +65,12 @@ pub enum Command {
         #[command(subcommand)]
         tokens: TokensCommand,
     },
+    /// A deployment's rollout in waves: status, pause, resume, abort
+    /// (rollouts.md).
+    Rollout {
+        #[command(subcommand)]
+        rollout: RolloutCommand,
+    },
     /// The workers: name, kind, labels, incarnation, running attempts, last seen.
     Workers {
         #[command(flatten)]
@@ -210,6 +216,7 @@ impl Command {
             Command::Deployer { .. }
             | Command::Worker(_)
             | Command::Tokens { .. }
+            | Command::Rollout { .. }
             | Command::Workers { .. }
             | Command::Deploy { .. }
             | Command::Preview { .. }
@@ -225,6 +232,49 @@ impl Command {
             | Command::Delete { .. } => false,
         }
     }
+}
+
+#[derive(Debug, Subcommand)]
+pub enum RolloutCommand {
+    /// State, wave k/n, nodes activated and unhealthy, pause or wait, and
+    /// the deployment's revision (for --revision).
+    Status {
+        id: String,
+        #[command(flatten)]
+        conn: ClientArgs,
+    },
+    /// Pause after the current wave's gate (at once while waiting).
+    Pause {
+        id: String,
+        #[arg(long)]
+        reason: Option<String>,
+        /// Act only if the deployment is still at this revision.
+        #[arg(long)]
+        revision: Option<u64>,
+        #[command(flatten)]
+        conn: ClientArgs,
+    },
+    /// Resume: the gate again, then the next wave.
+    Resume {
+        id: String,
+        #[arg(long)]
+        revision: Option<u64>,
+        #[command(flatten)]
+        conn: ClientArgs,
+    },
+    /// Put the activated waves back, last first; the build fails.
+    Abort {
+        id: String,
+        #[arg(long)]
+        reason: Option<String>,
+        #[arg(long)]
+        revision: Option<u64>,
+        /// Wait for the build's end; the exit status is its outcome.
+        #[arg(long)]
+        wait: bool,
+        #[command(flatten)]
+        conn: ClientArgs,
+    },
 }
 
 #[derive(Debug, Subcommand)]

@@ -167,9 +167,28 @@ async fn waves_of_the_stated_sizes_pause_resume_under_if_match_and_confirm_once(
     assert_eq!(reason_of(&d, "rollout_resume"), &Value::Null);
     assert_eq!(reason_of(&d, "rollback"), "build_pending");
     let revision = d["revision"].as_u64().unwrap();
-    // A stale If-Match changes nothing.
+    // A stale If-Match changes nothing; the CLI shows what it would act on.
     let (status, _) = act(&s, "rollout_resume", Some(revision - 1), json!({})).await;
     assert_eq!(status, 412);
+    let token_file = s.dir.join("data/service-token");
+    let cli = |args: &[&str]| {
+        let mut all = vec!["rollout"];
+        all.extend_from_slice(args);
+        all.extend_from_slice(&[
+            "--url",
+            &s.base,
+            "--token-file",
+            token_file.to_str().unwrap(),
+        ]);
+        berth(&all)
+    };
+    let (code, out) = cli(&["status", "alice"]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("paused") && out.contains("1/3"), "{out}");
+    assert!(out.contains(&format!("revision    {revision}")), "{out}");
+    let stale = (revision - 1).to_string();
+    let (code, out) = cli(&["resume", "alice", "--revision", &stale]);
+    assert_eq!(code, 3, "a stale revision is refused: {out}");
     assert_eq!(s.build(&build).await["rollout"]["state"], "paused");
     let (status, resumed) = act(&s, "rollout_resume", Some(revision), json!({})).await;
     assert_eq!(status, 202, "{resumed}");
