@@ -129,6 +129,7 @@ fn storage(rt: &tokio::runtime::Runtime) {
                 update_policy: None,
                 auto_rollback: None,
                 max_queued: 100,
+                rollout_policy: None,
             };
             let audit =
                 berth::engine::audit::system_draft("submit", None, berth::audit::Outcome::Ok);

@@ -122,6 +122,7 @@ fn main() {
                             update_policy: Some(policy.clone()),
                             auto_rollback: None,
                             max_queued: 100,
+                            rollout_policy: None,
                         };
                         let submitted = submit_tx(tx, &hub, &record, &berth::engine::audit::Record::audit_only(berth::engine::audit::system_draft("submit", None, berth::audit::Outcome::Ok)))?.expect("stored");
                         start_tx(tx, &hub, submitted.build.id, "local-bench")?.expect("started");

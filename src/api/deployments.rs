@@ -652,6 +652,7 @@ const SUBMIT_FIELDS: &[&str] = &[
     "keep_deployed_revision",
     "update_policy",
     "auto_rollback",
+    "rollout",
 ];
 const PREVIEW_FIELDS: &[&str] = &["configuration", "source", "keep_deployed_revision"];
 
@@ -721,6 +722,10 @@ fn parse_submit(req: &Request, allowed: &[&str]) -> Result<SubmitInput, ApiError
                 .field("/auto_rollback", "type"))
         }
     };
+    let rollout = match map.get("rollout") {
+        None | Some(Value::Null) => None,
+        Some(p) => Some((rollout_policy(p, "/rollout")?, p.to_string())),
+    };
     Ok(SubmitInput {
         configuration_text,
         configuration,
@@ -729,6 +734,7 @@ fn parse_submit(req: &Request, allowed: &[&str]) -> Result<SubmitInput, ApiError
         keep_deployed_revision,
         update_policy,
         auto_rollback,
+        rollout,
     })
 }
 
@@ -833,7 +839,8 @@ pub async fn submit(
     let input = parse_submit(req, SUBMIT_FIELDS)?;
     // api.md "Authentication": a body that sets the policy or the automatic
     // rollback also needs `update_policy`.
-    let sets_policy = input.update_policy.is_some() || input.auto_rollback.is_some();
+    let sets_policy =
+        input.update_policy.is_some() || input.auto_rollback.is_some() || input.rollout.is_some();
     if sets_policy
         && !super::auth::may_also(
             &ctx.authz,
@@ -847,7 +854,7 @@ pub async fn submit(
     {
         return Err(ApiError::new(
             super::errors::Code::Forbidden,
-            "the authorization callback denied update_policy, which this submit's update_policy or auto_rollback needs",
+            "the authorization callback denied update_policy, which this submit's update_policy, auto_rollback or rollout needs",
         ));
     }
     let record = w.record(submitted_reply);

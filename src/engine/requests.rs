@@ -69,6 +69,8 @@ pub struct SubmitInput {
     pub update_policy: Option<UpdatePolicy>,
     /// `auto_rollback`; `None` keeps the stored value.
     pub auto_rollback: Option<bool>,
+    /// `rollout`: the policy and its JSON text; `None` keeps the stored one.
+    pub rollout: Option<(crate::rollout::Policy, String)>,
 }
 
 /// What a validated configuration resolved to.
@@ -191,6 +193,8 @@ pub struct SubmitRecord {
     pub update_policy: Option<UpdatePolicy>,
     pub auto_rollback: Option<bool>,
     pub max_queued: u32,
+    /// The rollout policy's JSON text to store with the submit.
+    pub rollout_policy: Option<String>,
 }
 
 fn contains_nul(v: &Value) -> bool {
@@ -369,6 +373,11 @@ impl Engine {
         let v = self
             .validate(id, &input, existing.as_ref(), false, false)
             .await?;
+        if let Some((policy, _)) = &input.rollout {
+            if !policy.is_default() && !self.describe(&v.source).await?.activates() {
+                return Err(Refusal::Conflict(Conflict::RolloutUnsupported));
+            }
+        }
         let submit = SubmitRecord {
             id: id.to_string(),
             snapshot: Snapshot {
@@ -381,6 +390,7 @@ impl Engine {
             update_policy: input.update_policy,
             auto_rollback: input.auto_rollback,
             max_queued: self.settings.max_queued_builds,
+            rollout_policy: input.rollout.map(|(_, text)| text),
         };
         let hub = self.hub.clone();
         let submitted = self
@@ -495,6 +505,9 @@ pub fn submit_tx(
     }
     if let Some(on) = s.auto_rollback {
         d.auto_rollback = on;
+    }
+    if let Some(text) = &s.rollout_policy {
+        tx.put_rollout_policy(&s.id, Some(text))?;
     }
     let queued = change.enqueue_summarized(
         &mut d,

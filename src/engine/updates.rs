@@ -208,6 +208,7 @@ impl Engine {
             keep_deployed_revision: false,
             update_policy: None,
             auto_rollback: None,
+            rollout: None,
         };
         let v = self.validate(id, &input, Some(&d), false, false).await?;
         let hub = self.hub.clone();

@@ -315,4 +315,22 @@ async fn a_policy_is_checked_rule_by_rule_and_a_broken_one_stores_nothing() {
     );
     let (_, d) = s.json("/v1/deployments/alice").await;
     assert_eq!(d["rollout_policy"], json!({}), "nothing stored");
+    // A submit may carry the policy; a broken one stores neither.
+    let (status, body) = s
+        .submit(
+            "alice",
+            json!({"configuration": {"n": 2}, "rollout": {"waves": [0]}}),
+        )
+        .await;
+    assert_eq!(status, 400, "{body}");
+    assert_eq!(body["fields"][0]["pointer"], "/rollout/waves/0", "{body}");
+    let (status, body) = s
+        .submit(
+            "alice",
+            json!({"configuration": {"n": 3}, "rollout": {"waves": [2]}, "mode": "enqueue"}),
+        )
+        .await;
+    assert_eq!(status, 202, "{body}");
+    let (_, d) = s.json("/v1/deployments/alice").await;
+    assert_eq!(d["rollout_policy"], json!({"waves": [2]}));
 }

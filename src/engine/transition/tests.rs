@@ -128,6 +128,7 @@ fn submit_record_of(id: &str, mode: Mode, source: Source) -> SubmitRecord {
         update_policy: None,
         auto_rollback: None,
         max_queued: 100,
+        rollout_policy: None,
     }
 }
 
