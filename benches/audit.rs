@@ -62,6 +62,7 @@ fn submit_record(n: usize) -> SubmitRecord {
         update_policy: None,
         auto_rollback: None,
         max_queued: 1_000_000,
+        rollout_policy: None,
     }
 }
 
