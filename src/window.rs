@@ -20,6 +20,9 @@ use crate::model::{Frequency, UpdatePolicy};
 
 /// Longest window (lifecycle.md): 24 hours.
 pub const MAX_DURATION_MINUTES: u32 = 1440;
+/// Longest weekly or monthly freeze window (rollouts.md "Freeze"): a week,
+/// so a weekend fits.
+pub const MAX_FREEZE_DURATION_MINUTES: u32 = 10_080;
 /// Shortest window: three ticks of the longest `--update-interval`.
 pub const MIN_DURATION_MINUTES: u32 = 15;
 /// Local days searched for the next opening: a monthly window opens at
@@ -101,24 +104,59 @@ impl Window {
         else {
             return Ok(None);
         };
+        Window::checked(
+            *frequency,
+            *day,
+            start,
+            *duration_minutes,
+            time_zone,
+            MAX_DURATION_MINUTES,
+        )
+        .map(Some)
+    }
+
+    /// A freeze's window (rollouts.md "Freeze"): a policy window's rules,
+    /// but a weekly or monthly one may last up to a week.
+    pub fn for_freeze(
+        frequency: Frequency,
+        day: Option<u8>,
+        start: &str,
+        duration_minutes: u32,
+        time_zone: &str,
+    ) -> Result<Window, InvalidPolicy> {
+        let max = match frequency {
+            Frequency::Daily => MAX_DURATION_MINUTES,
+            Frequency::Weekly | Frequency::Monthly => MAX_FREEZE_DURATION_MINUTES,
+        };
+        Window::checked(frequency, day, start, duration_minutes, time_zone, max)
+    }
+
+    fn checked(
+        frequency: Frequency,
+        day: Option<u8>,
+        start: &str,
+        duration_minutes: u32,
+        time_zone: &str,
+        max_minutes: u32,
+    ) -> Result<Window, InvalidPolicy> {
         let day = match (frequency, day) {
             (Frequency::Daily, None) => 0,
-            (Frequency::Weekly, Some(d @ 1..=7)) => *d,
-            (Frequency::Monthly, Some(d @ 1..=31)) => *d,
+            (Frequency::Weekly, Some(d @ 1..=7)) => d,
+            (Frequency::Monthly, Some(d @ 1..=31)) => d,
             _ => return Err(InvalidPolicy::Day),
         };
         let start = parse_start(start).ok_or(InvalidPolicy::Start)?;
-        if !(MIN_DURATION_MINUTES..=MAX_DURATION_MINUTES).contains(duration_minutes) {
+        if !(MIN_DURATION_MINUTES..=max_minutes).contains(&duration_minutes) {
             return Err(InvalidPolicy::Duration);
         }
         let zone = zone(time_zone).ok_or(InvalidPolicy::TimeZone)?;
-        Ok(Some(Window {
-            frequency: *frequency,
+        Ok(Window {
+            frequency,
             day,
             start,
-            duration: Duration::minutes(i64::from(*duration_minutes)),
+            duration: Duration::minutes(i64::from(duration_minutes)),
             zone,
-        }))
+        })
     }
 
     /// Whether a window opens on the local date `date`.
@@ -145,10 +183,11 @@ impl Window {
         let today = now
             .to_offset(self.zone.get_offset_utc(&now).to_utc())
             .date();
-        // A window lasts at most a day, so one open now opened on one of
-        // the last two local dates (or today); the latest opening wins.
+        // A window open now opened at most its duration ago: on one of the
+        // last local dates that covers (a day's window: the last two, or
+        // today); the latest opening wins.
         let mut open = None;
-        for back in (0..=2).rev() {
+        for back in (0..=self.duration.whole_days() + 2).rev() {
             let Some(date) = today.checked_sub(Duration::days(back)) else {
                 continue;
             };

@@ -77,6 +77,8 @@ pub enum Procedure {
     /// Worker tokens and the workers list: never asked (the service token
     /// only).
     Tokens,
+    /// A deployment's freeze (rollouts.md "Freeze").
+    Freeze,
 }
 
 impl Procedure {
@@ -93,6 +95,7 @@ impl Procedure {
             Procedure::Stream => "stream",
             Procedure::Webhooks => "webhooks",
             Procedure::Tokens => "tokens",
+            Procedure::Freeze => "freeze",
         }
     }
 }

@@ -194,6 +194,8 @@ pub struct Shown {
     pub earlier_build: bool,
     /// The rollout of its running build (the rollout actions' reasons).
     pub rollout: Option<RolloutRecord>,
+    /// A freeze holds it (the actions' `frozen` reasons).
+    pub frozen: bool,
     /// Fields only the read (GET) shows.
     pub read_only: Option<serde_json::Map<String, Value>>,
 }
@@ -274,6 +276,7 @@ pub fn render_view(
     let Shown {
         earlier_build,
         rollout,
+        frozen,
         read_only,
     } = shown;
     let instances = instances_of(&d.snapshot.configuration, facts.catalog(&d.snapshot.source))?;
@@ -297,6 +300,7 @@ pub fn render_view(
         supported,
         earlier_build,
         rollout: rollout.as_ref().map(|r| &r.rollout),
+        frozen,
     };
     let actions = engine::actions::list(d, &facts_of_actions)
         .into_iter()
@@ -373,9 +377,20 @@ fn read_extras(rx: &crate::store::Rx, d: &DeploymentRecord) -> Result<Shown, Sto
             .as_ref()
             .map_or(Value::Null, engine::rollouts::summary),
     );
+    let now = now_millis();
+    let scope = engine::freeze::Scope::Deployment(d.id.clone());
+    let own = rx.freeze(&d.id)?;
+    read_only.insert(
+        "freeze".into(),
+        own.as_ref()
+            .map_or(Value::Null, |f| engine::freeze::view(&scope, f, now)),
+    );
+    let held = engine::freeze::holding(rx, &d.id, now)?;
+    read_only.insert("frozen".into(), engine::freeze::frozen_view(&held, now));
     Ok(Shown {
         earlier_build: rx.rollback_target(d)?.is_some(),
         rollout: running,
+        frozen: held.is_some(),
         read_only: Some(read_only),
     })
 }
@@ -632,6 +647,7 @@ where
             Shown {
                 earlier_build: set.rollback_target.is_some(),
                 rollout: set.rollout.clone(),
+                frozen: set.frozen,
                 read_only: None,
             },
         )

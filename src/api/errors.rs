@@ -254,6 +254,12 @@ impl From<Refusal> for ApiError {
             Refusal::NotFound(Missing::Token) => ApiError::not_found("token"),
             Refusal::NotFound(Missing::Attempt) => ApiError::not_found("attempt"),
             Refusal::NotFound(Missing::WorkState) => ApiError::not_found("work state"),
+            Refusal::NotFound(Missing::Freeze) => {
+                ApiError::new(Code::NotFound, "no freeze is set there").reason("not_frozen")
+            }
+            Refusal::Frozen { scope, reason } => {
+                ApiError::conflict("frozen", format!("frozen ({scope}): {reason}"))
+            }
             Refusal::TooLarge(why) => ApiError::new(Code::PayloadTooLarge, why),
             Refusal::Claim(c) => ApiError::conflict(c.reason(), claim_message(c)),
             Refusal::Stale(stale) => {

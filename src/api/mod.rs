@@ -31,6 +31,7 @@ pub mod deployments;
 pub mod derive;
 pub mod errors;
 pub mod events;
+pub mod freeze;
 pub mod idempotency;
 pub mod ops;
 pub mod page;

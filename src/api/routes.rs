@@ -24,8 +24,8 @@ use std::sync::Arc;
 use super::auth::{self, Caller, Procedure, Question, Refused};
 use super::errors::{ApiError, Code};
 use super::{
-    audit, builds, deployments, derive, events, idempotency, ops, page, sboms, webhooks, workers,
-    Answer, Ctx, Request,
+    audit, builds, deployments, derive, events, freeze, idempotency, ops, page, sboms, webhooks,
+    workers, Answer, Ctx, Request,
 };
 use crate::model::parse_build_id;
 use crate::store::{Lookup, StoreErrorKind};
@@ -66,6 +66,7 @@ pub enum TokenCall {
     ListTokens,
     ListWorkers,
     ReadWorkState,
+    ReadFreeze,
 }
 
 /// A route that changes state: token-authenticated, audited, and run under
@@ -85,6 +86,8 @@ pub enum MutationCall {
     CreateToken,
     RevokeToken,
     PutWorkState,
+    SetFreeze,
+    LiftFreeze,
 }
 
 /// A route of `berth worker`: a worker token only (workers.md "Internal
@@ -350,6 +353,12 @@ pub const ROUTES: &[Route] = &[
     token_row("GET", "/v1/tokens", TokenCall::ListTokens, P::Tokens, ServiceOnly, Forbidden),
     mutation_row("DELETE", "/v1/tokens/{name}", MutationCall::RevokeToken, P::Tokens, ServiceOnly, Audit::Action("token_revoke")),
     token_row("GET", "/v1/workers", TokenCall::ListWorkers, P::Tokens, ServiceOnly, Forbidden),
+    token_row("GET", "/v1/freeze", TokenCall::ReadFreeze, P::Read, Server, Forbidden),
+    mutation_row("PUT", "/v1/freeze", MutationCall::SetFreeze, P::Freeze, ServiceOnly, Audit::Action("freeze_set")),
+    mutation_row("DELETE", "/v1/freeze", MutationCall::LiftFreeze, P::Freeze, ServiceOnly, Audit::Action("freeze_lift")),
+    token_row("GET", "/v1/deployments/{id}/freeze", TokenCall::ReadFreeze, P::Read, PathDeployment, NotFound),
+    mutation_row("PUT", "/v1/deployments/{id}/freeze", MutationCall::SetFreeze, P::Freeze, PathDeployment, Audit::Action("freeze_set")),
+    mutation_row("DELETE", "/v1/deployments/{id}/freeze", MutationCall::LiftFreeze, P::Freeze, PathDeployment, Audit::Action("freeze_lift")),
     worker_row("GET", "/internal/v1/queue", WorkerCall::Queue),
     worker_row("POST", "/internal/v1/builds/{build}/claim", WorkerCall::Claim),
     worker_row("POST", "/internal/v1/attempts/{attempt}/renew", WorkerCall::Renew),
@@ -646,6 +655,7 @@ pub async fn token(
         TokenCall::ListTokens => workers::list_tokens(ctx),
         TokenCall::ListWorkers => workers::list_workers(ctx),
         TokenCall::ReadWorkState => workers::read_work_state(ctx, req),
+        TokenCall::ReadFreeze => freeze::read(ctx, req),
     };
     reply.map(Answer::Reply)
 }
@@ -718,6 +728,12 @@ pub async fn mutation(
         }
         MutationCall::RevokeToken => {
             idempotency::mutation(ctx, req, caller, w, |w| workers::revoke_token(ctx, req, w)).await
+        }
+        MutationCall::SetFreeze => {
+            idempotency::mutation(ctx, req, caller, w, |w| freeze::set(ctx, req, w)).await
+        }
+        MutationCall::LiftFreeze => {
+            idempotency::mutation(ctx, req, caller, w, |w| freeze::lift(ctx, req, w)).await
         }
         MutationCall::PutWorkState => {
             idempotency::mutation(ctx, req, caller, w, |w| {

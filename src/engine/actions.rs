@@ -60,6 +60,8 @@ pub struct Facts<'r, S: Fn(&str) -> bool> {
     pub earlier_build: bool,
     /// The rollout of the running build, if it has one.
     pub rollout: Option<&'r Rollout>,
+    /// A freeze holds the deployment.
+    pub frozen: bool,
 }
 
 /// Every action with the first reason that disables it, in lifecycle.md's
@@ -82,6 +84,8 @@ pub fn list<S: Fn(&str) -> bool>(d: &DeploymentRecord, facts: &Facts<'_, S>) -> 
             })
         } else if !(facts.supported)(name) {
             Some(Reason::UnsupportedByRevision)
+        } else if facts.frozen {
+            Some(Reason::Frozen)
         } else {
             None
         };
@@ -102,7 +106,11 @@ pub fn list<S: Fn(&str) -> bool>(d: &DeploymentRecord, facts: &Facts<'_, S>) -> 
     vec![
         Action {
             name: "deploy",
-            reason: d.suspended.then_some(Reason::Suspended),
+            reason: if d.suspended {
+                Some(Reason::Suspended)
+            } else {
+                facts.frozen.then_some(Reason::Frozen)
+            },
         },
         Action {
             name: "delete",
@@ -111,17 +119,20 @@ pub fn list<S: Fn(&str) -> bool>(d: &DeploymentRecord, facts: &Facts<'_, S>) -> 
         toggle(true, Named::Suspend.name()),
         toggle(false, Named::Resume.name()),
         rollback,
-        rollout_action(super::rollouts::RolloutAction::Pause, facts.rollout),
-        rollout_action(super::rollouts::RolloutAction::Resume, facts.rollout),
-        rollout_action(super::rollouts::RolloutAction::Abort, facts.rollout),
+        rollout_action(super::rollouts::RolloutAction::Pause, facts),
+        rollout_action(super::rollouts::RolloutAction::Resume, facts),
+        rollout_action(super::rollouts::RolloutAction::Abort, facts),
     ]
 }
 
 /// A rollout action, always listed (rollouts.md).
-fn rollout_action(a: super::rollouts::RolloutAction, rollout: Option<&Rollout>) -> Action {
+fn rollout_action<S: Fn(&str) -> bool>(
+    a: super::rollouts::RolloutAction,
+    facts: &Facts<'_, S>,
+) -> Action {
     Action {
         name: a.name(),
-        reason: a.disabled(rollout),
+        reason: a.disabled(facts.rollout, facts.frozen),
     }
 }
 
@@ -260,16 +271,23 @@ pub fn act_tx(
         Some(b) => tx.rollout(b)?,
         None => None,
     };
+    let held = super::freeze::holding(tx, id, now_millis())?;
     let facts = Facts {
         supported: |name: &str| name == named.name() && checked.supported,
         earlier_build: earlier.is_some(),
         rollout: rollout.as_ref().map(|r| &r.rollout),
+        frozen: held.is_some(),
     };
     let action = list(&d, &facts)
         .into_iter()
         .find(|a| a.name == named.name());
-    if let Some(reason) = action.and_then(|a| a.reason) {
-        return Ok(Acted::Refused(Refusal::ActionRefused(reason)));
+    match (action.and_then(|a| a.reason), &held) {
+        // A freeze's refusal says whose freeze and quotes its reason.
+        (Some(Reason::Frozen), Some((scope, f))) => {
+            return Ok(Acted::Refused(super::freeze::refusal(scope, f)))
+        }
+        (Some(reason), _) => return Ok(Acted::Refused(Refusal::ActionRefused(reason))),
+        (None, _) => {}
     }
     let Some(deployed) = d.deployed.clone() else {
         return Ok(Acted::Refused(Refusal::ActionRefused(Reason::NotDeployed)));
@@ -374,6 +392,7 @@ mod tests {
             supported: |_: &str| supported,
             earlier_build: true,
             rollout: None,
+            frozen: false,
         };
         list(d, &facts)
             .into_iter()
@@ -390,6 +409,7 @@ mod tests {
                 supported: |_: &str| true,
                 earlier_build: true,
                 rollout: r,
+                frozen: false,
             };
             list(&deployment(), &facts)
                 .into_iter()
@@ -507,6 +527,7 @@ mod tests {
             supported: |_: &str| true,
             earlier_build: false,
             rollout: None,
+            frozen: false,
         };
         assert_eq!(
             list(&active, &alone)[4].reason.map(Reason::code),

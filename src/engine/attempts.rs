@@ -480,6 +480,7 @@ fn claim_tx(
     };
     let claimable = d.as_ref().is_some_and(|d| d.running.is_none())
         && !held
+        && !super::queue::frozen_out(tx, &b, now_millis())?
         && !ctx.blocked.contains(&b.deployment)
         && !tx.queued_before(&b.deployment, build_id)?;
     let held = held_by(tx, &worker.name)?;

@@ -13,6 +13,7 @@ pub mod audit_events;
 pub mod build;
 pub mod callbacks;
 pub mod deployer;
+pub mod freeze;
 pub mod health;
 pub mod log_pipe;
 pub mod outbox;

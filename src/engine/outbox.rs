@@ -13,7 +13,7 @@ use crate::model::*;
 use crate::store::{DeliveryRecord, DeliveryStatus, Lookup, StoreResult, Tx};
 
 /// Every event type a subscription may name (`"*"`: all of them).
-pub const EVENT_TYPES: [&str; 13] = [
+pub const EVENT_TYPES: [&str; 15] = [
     "build.queued",
     "build.started",
     "build.succeeded",
@@ -26,6 +26,8 @@ pub const EVENT_TYPES: [&str; 13] = [
     "rollout.resumed",
     "rollout.aborted",
     "rollout.finished",
+    "freeze.set",
+    "freeze.lifted",
     "ping",
 ];
 /// Queues `event_type` for every subscription that wants it, in `tx` (the

@@ -109,6 +109,12 @@ impl Engine {
                     continue;
                 }
             }
+            if let Some(b) = rx.build(build)? {
+                if frozen_out(&rx, &b, now_millis())? {
+                    busy.insert(deployment);
+                    continue;
+                }
+            }
             let required = match rx.build_snapshots(build)? {
                 Some(s) => self.required_labels(&s.snapshot.source.digest),
                 None => None,
@@ -151,6 +157,22 @@ impl Engine {
 /// where"): its last build ended `lost_attempt` less than `--cancel-grace`
 /// (`grace_ms`) ago, the time a self-fenced worker takes to stop its
 /// deployer.
+/// Whether a freeze keeps the queued build `b` from starting (rollouts.md
+/// "Freeze"): a deploy that is no rollback waits while one holds its
+/// deployment (and the builds behind it wait too); a destroy and a
+/// rollback go.
+pub fn frozen_out(rx: &impl Lookup, b: &BuildRecord, now: Millis) -> StoreResult<bool> {
+    let way_back = match &b.trigger {
+        Trigger::AutomaticRollback => true,
+        Trigger::Action(name) => name == "rollback",
+        Trigger::Submit | Trigger::Delete | Trigger::AutomaticUpdate => false,
+    };
+    if b.kind == BuildKind::Destroy || way_back {
+        return Ok(false);
+    }
+    Ok(super::freeze::holding(rx, &b.deployment, now)?.is_some())
+}
+
 pub fn held_after_loss(
     rx: &impl Lookup,
     d: &DeploymentRecord,

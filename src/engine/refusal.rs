@@ -38,6 +38,8 @@ pub enum Missing {
     Attempt,
     /// A deployment without a stored work state (or not that digest).
     WorkState,
+    /// No freeze is set there (`404 not_frozen`).
+    Freeze,
 }
 
 /// A lifecycle rule that refuses the change (api.md: 409 `conflict` with
@@ -157,6 +159,12 @@ pub enum Refusal {
     },
     /// An upload past its limit (413; the text names the limit).
     TooLarge(String),
+    /// A freeze holds (409 `conflict` `frozen`): its scope and its own
+    /// words.
+    Frozen {
+        scope: &'static str,
+        reason: String,
+    },
     /// The store failed; its class decides the answer (a full disk, ...).
     Store(StoreError),
     /// Something berth itself got wrong; the server log has the detail.
@@ -215,6 +223,8 @@ pub enum ActionReason {
     NotPaused,
     /// The rollout is confirming or aborting.
     RolloutEnding,
+    /// A freeze holds the deployment (rollouts.md "Freeze").
+    Frozen,
 }
 
 impl ActionReason {
@@ -232,6 +242,7 @@ impl ActionReason {
             ActionReason::AlreadyPaused => "already_paused",
             ActionReason::NotPaused => "not_paused",
             ActionReason::RolloutEnding => "rollout_ending",
+            ActionReason::Frozen => "frozen",
         }
     }
 }

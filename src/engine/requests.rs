@@ -453,6 +453,9 @@ pub fn submit_tx(
         return Err(crate::store::StoreError::injected("submit.job"));
     }
     let change = Change::new(tx, hub);
+    if let Some((scope, f)) = super::freeze::holding(tx, &s.id, change.now())? {
+        return Ok(Err(super::freeze::refusal(&scope, &f)));
+    }
     let existing = tx.deployment(&s.id)?;
     if let Some(d) = &existing {
         if d.suspended {

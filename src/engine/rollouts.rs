@@ -202,8 +202,8 @@ impl RolloutAction {
     }
 
     /// The first reason that disables it for a deployment whose unfinished
-    /// rollout is `r` (none: `no_rollout`).
-    pub fn disabled(self, r: Option<&Rollout>) -> Option<ActionReason> {
+    /// rollout is `r` (none: `no_rollout`), `frozen` while a freeze holds.
+    pub fn disabled(self, r: Option<&Rollout>, frozen: bool) -> Option<ActionReason> {
         use crate::model::State;
         let Some(r) = r.filter(|r| r.state != State::Finished) else {
             return Some(ActionReason::NoRollout);
@@ -215,6 +215,7 @@ impl RolloutAction {
                 Some(ActionReason::RolloutEnding)
             }
             RolloutAction::Resume if !r.paused => Some(ActionReason::NotPaused),
+            RolloutAction::Resume if frozen => Some(ActionReason::Frozen),
             RolloutAction::Pause | RolloutAction::Resume | RolloutAction::Abort => None,
         }
     }
@@ -269,8 +270,14 @@ impl Engine {
                     Some(b) => tx.rollout(b)?,
                     None => None,
                 };
-                if let Some(reason) = action.disabled(found.as_ref().map(|r| &r.rollout)) {
-                    return Ok(Err(Refusal::ActionRefused(reason)));
+                let held = super::freeze::holding(tx, &id, now_millis())?;
+                let disabled = action.disabled(found.as_ref().map(|r| &r.rollout), held.is_some());
+                match (disabled, &held) {
+                    (Some(ActionReason::Frozen), Some((scope, f))) => {
+                        return Ok(Err(super::freeze::refusal(scope, f)))
+                    }
+                    (Some(reason), _) => return Ok(Err(Refusal::ActionRefused(reason))),
+                    (None, _) => {}
                 }
                 let Some(before) = found else {
                     return Ok(Err(Refusal::ActionRefused(ActionReason::NoRollout)));
@@ -351,6 +358,7 @@ impl Engine {
                     audit: super::audit::of_deployment(tx, &id)?,
                     rollback_target: tx.rollback_target(&d)?,
                     rollout: d.running.map(|b| tx.rollout(b)).transpose()?.flatten(),
+                    frozen: super::freeze::holding(tx, &id, now_millis())?.is_some(),
                     deployment: d,
                 };
                 if let Some(reply) = &record.reply {
@@ -387,7 +395,8 @@ impl Engine {
                     return Ok(None);
                 };
                 let now = now_millis();
-                let Ok(rollout) = before.rollout.apply(&noted.event, now, false) else {
+                let frozen = super::freeze::holding(tx, &before.deployment, now)?.is_some();
+                let Ok(rollout) = before.rollout.apply(&noted.event, now, frozen) else {
                     return Ok(None);
                 };
                 let mut after = before.clone();
@@ -559,7 +568,8 @@ impl Run {
                 self.apply(Noted::bare(Event::Cancelled)).await;
                 return HealthEnd::Halted(halted);
             }
-            let step = record.rollout.next(false);
+            let frozen = self.frozen(&record.deployment);
+            let step = record.rollout.next(frozen);
             match step {
                 Next::Done(outcome) => return self.ended(outcome, &record),
                 Next::Activate { wave, nodes } => self.activate(io, &record, wave, nodes).await,
@@ -837,20 +847,45 @@ impl Run {
         )
     }
 
-    /// A hold: until the wait's end, a wake (an action) or a halt.
+    /// Whether a freeze holds the deployment now (a store that cannot be
+    /// read holds it: no wave starts on a guess).
+    fn frozen(&self, deployment: &str) -> bool {
+        match self
+            .engine
+            .store
+            .read()
+            .and_then(|rx| super::freeze::holding(&rx, deployment, now_millis()))
+        {
+            Ok(held) => held.is_some(),
+            Err(e) => {
+                tracing::error!(error = %e, "cannot read the freezes; the rollout holds");
+                true
+            }
+        }
+    }
+
+    /// A hold: until the wait's end, a wake (an action or a lift), the
+    /// freeze's next look, or a halt.
     async fn hold(
         &self,
         io: &mut PipeHealth<'_>,
         record: &RolloutRecord,
         state: crate::model::State,
     ) {
-        if state == crate::model::State::Waiting
-            && record
-                .rollout
-                .wait_until
-                .is_some_and(|at| now_millis() >= at)
-        {
-            self.apply(Noted::bare(Event::WaitOver)).await;
+        use crate::model::State;
+        let now = now_millis();
+        let event = match state {
+            State::Waiting if record.rollout.wait_until.is_some_and(|at| now >= at) => {
+                Some(Event::WaitOver)
+            }
+            // The next wave meets a freeze: the rollout shows it held.
+            State::Frozen if record.rollout.state == State::Running => Some(Event::FreezeHeld),
+            State::Frozen if !self.frozen(&record.deployment) => Some(Event::FreezeLifted),
+            State::Waiting | State::Paused | State::Frozen => None,
+            State::Running | State::Confirming | State::Aborting | State::Finished => None,
+        };
+        if let Some(event) = event {
+            self.apply(Noted::bare(event)).await;
             return;
         }
         tokio::select! {

@@ -74,6 +74,8 @@ pub struct PolicySet {
     pub rollback_target: Option<BuildId>,
     /// The running build's rollout (the actions list's reasons).
     pub rollout: Option<RolloutRecord>,
+    /// A freeze holds the deployment (the actions list's reasons).
+    pub frozen: bool,
 }
 
 impl Audited for PolicySet {
@@ -128,6 +130,9 @@ impl Engine {
             if !self.ready.load(std::sync::atomic::Ordering::SeqCst) {
                 continue;
             }
+            if let Err(e) = self.expire_freezes().await {
+                tracing::error!(error = %e, "cannot remove an expired freeze; it is tried again next pass");
+            }
             match self.update_pass(OffsetDateTime::now_utc()).await {
                 Ok(pass) if pass.started + pass.refused > 0 => {
                     tracing::info!(
@@ -158,8 +163,12 @@ impl Engine {
                 let rx = self.store.read()?;
                 let page = rx.deployments_after(after.as_deref(), PASS_PAGE)?;
                 let mut due_ids = Vec::new();
+                let now_ms = millis_of(now);
                 for d in &page {
-                    if due(d, rx.update_try(&d.id)?.as_ref(), Some(&default), now) {
+                    // A freeze makes an update not due: no try is recorded.
+                    if due(d, rx.update_try(&d.id)?.as_ref(), Some(&default), now)
+                        && super::freeze::holding(&rx, &d.id, now_ms)?.is_none()
+                    {
                         due_ids.push(d.id.clone());
                     }
                 }
@@ -267,6 +276,11 @@ impl Engine {
     }
 }
 
+/// An instant as milliseconds since the epoch.
+fn millis_of(t: OffsetDateTime) -> Millis {
+    i64::try_from(t.unix_timestamp_nanos() / 1_000_000).unwrap_or(i64::MAX)
+}
+
 /// The reason code a refused try shows.
 fn refusal_code(r: &Refusal) -> &'static str {
     match r {
@@ -284,6 +298,7 @@ fn refusal_code(r: &Refusal) -> &'static str {
         Refusal::IdempotencyConflict => "idempotency_conflict",
         Refusal::ProgressGap { .. } => "progress_gap",
         Refusal::TooLarge(_) => "payload_too_large",
+        Refusal::Frozen { .. } => "frozen",
         Refusal::Store(_) | Refusal::Internal => "internal",
     }
 }
@@ -317,6 +332,7 @@ pub fn set_policy_tx(
         audit: super::audit::of_deployment(tx, id)?,
         rollback_target: tx.rollback_target(&d)?,
         rollout: d.running.map(|b| tx.rollout(b)).transpose()?.flatten(),
+        frozen: super::freeze::holding(tx, id, now_millis())?.is_some(),
         deployment: d,
     };
     if let Some(reply) = &record.reply {
@@ -339,7 +355,9 @@ pub fn automatic_update_tx(
     let Some(mut d) = tx.deployment(id)? else {
         return Ok(false);
     };
-    if !due(&d, tx.update_try(id)?.as_ref(), Some(default), now) {
+    if !due(&d, tx.update_try(id)?.as_ref(), Some(default), now)
+        || super::freeze::holding(tx, id, millis_of(now))?.is_some()
+    {
         return Ok(false);
     }
     let snapshot = Snapshot {

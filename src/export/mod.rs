@@ -315,8 +315,10 @@ fn load_into(partial: &Path, origin: &mut dyn Origin, identity: &str) -> Result<
         {
             continue;
         }
-        if matches!(store_table, Table::Rollouts | Table::RolloutPolicies)
-            && origin.version() < schema::FIRST_EXPORT_WITH_ROLLOUTS
+        if matches!(
+            store_table,
+            Table::Rollouts | Table::RolloutPolicies | Table::Freezes
+        ) && origin.version() < schema::FIRST_EXPORT_WITH_ROLLOUTS
         {
             continue;
         }

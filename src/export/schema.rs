@@ -446,6 +446,17 @@ pub const TABLES: &[RelTable] = &[
         references: &[("build_id", "builds")],
     },
     RelTable {
+        name: "freezes",
+        store_table: Table::Freezes,
+        columns: &[
+            col("scope_key", Text),
+            col("reason", Text),
+            col("record", Json),
+        ],
+        primary_key: &["scope_key"],
+        references: &[],
+    },
+    RelTable {
         name: "rollout_policies",
         store_table: Table::RolloutPolicies,
         columns: &[col("deployment_id", Text), col("policy", Json)],
@@ -633,6 +644,11 @@ pub fn to_values(row: &Row) -> Result<Vec<Value>, String> {
             V::Text(digest.clone()),
             int(record.size, "a work state's size")?,
             V::Int(record.refs.into()),
+            json(record)?,
+        ],
+        Row::Freeze { key, record } => vec![
+            V::Text(key.clone()),
+            V::Text(record.reason.clone()),
             json(record)?,
         ],
         Row::Rollout(r) => vec![
@@ -948,6 +964,10 @@ fn row_of(table: &RelTable, values: Vec<Value>) -> Result<Row, String> {
             record: c.record()?,
         },
         Table::Rollouts => Row::Rollout(c.record()?),
+        Table::Freezes => Row::Freeze {
+            key: c.text("scope_key")?,
+            record: c.record()?,
+        },
         Table::RolloutPolicies => Row::RolloutPolicy {
             deployment: c.text("deployment_id")?,
             text: c.json_text("policy")?,

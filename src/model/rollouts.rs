@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 
-use super::{BuildId, Millis};
+use super::{BuildId, Frequency, Millis};
 
 /// Where a rollout is (rollouts.md "States").
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -128,4 +128,34 @@ pub struct RolloutNote {
     /// The actor as JSON text, when a person acted.
     pub actor: Option<String>,
     pub reason: Option<String>,
+}
+
+/// The key of the global freeze in the store (no deployment id has a `*`).
+pub const GLOBAL_FREEZE: &str = "*";
+
+/// A freeze's window (rollouts.md "Freeze"): lifecycle.md's window fields
+/// without `kind`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FreezeWindow {
+    pub frequency: Frequency,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub day: Option<u8>,
+    pub start: String,
+    pub duration_minutes: u32,
+    pub time_zone: String,
+}
+
+/// A freeze, global or of one deployment: no change while it is active.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FreezeRecord {
+    /// Whoever set it, in their words (1-500 characters, no control
+    /// characters): what a refusal's message quotes.
+    pub reason: String,
+    /// When it ends by itself; `None`: until lifted.
+    pub until: Option<Millis>,
+    /// Active only while this window is open, when given.
+    pub window: Option<FreezeWindow>,
+    pub set_at: Millis,
+    /// The actor who set it, as JSON text.
+    pub set_by: Option<String>,
 }

@@ -21,8 +21,8 @@ use super::{
 };
 use crate::audit::{self as chain, Outcome};
 use crate::model::{
-    AttemptRecord, BuildId, BuildRecord, BuildSnapshots, DeploymentRecord, NodeSbom, RolloutRecord,
-    Source, TokenRecord, UpdateTry, WorkStateBlob, WorkStates,
+    AttemptRecord, BuildId, BuildRecord, BuildSnapshots, DeploymentRecord, FreezeRecord, NodeSbom,
+    RolloutRecord, Source, TokenRecord, UpdateTry, WorkStateBlob, WorkStates,
 };
 
 /// One row of a carried table, decoded (compressed text decompressed).
@@ -130,6 +130,11 @@ pub enum Row {
         deployment: String,
         text: String,
     },
+    Freeze {
+        /// `*` (global) or a deployment id.
+        key: String,
+        record: FreezeRecord,
+    },
 }
 
 impl Row {
@@ -161,6 +166,7 @@ impl Row {
             Row::WorkStatePiece { .. } => Table::WorkStatePieces,
             Row::Rollout(_) => Table::Rollouts,
             Row::RolloutPolicy { .. } => Table::RolloutPolicies,
+            Row::Freeze { .. } => Table::Freezes,
         }
     }
 }
@@ -235,6 +241,7 @@ impl Rx {
             Table::WorkStatePieces => txn.open_table(WORK_STATE_PIECES)?.len()?,
             Table::Rollouts => txn.open_table(ROLLOUTS)?.len()?,
             Table::RolloutPolicies => txn.open_table(ROLLOUT_POLICIES)?.len()?,
+            Table::Freezes => txn.open_table(FREEZES)?.len()?,
             Table::Queued
             | Table::Running
             | Table::LogIndex
@@ -505,6 +512,15 @@ impl Rx {
                     })?;
                 }
             }
+            Table::Freezes => {
+                for entry in txn.open_table(FREEZES)?.iter()? {
+                    let (k, v) = entry?;
+                    each(Row::Freeze {
+                        key: k.value().to_string(),
+                        record: decode(v.value())?,
+                    })?;
+                }
+            }
             Table::Queued
             | Table::Running
             | Table::LogIndex
@@ -637,6 +653,7 @@ impl Loader {
             Row::RolloutPolicy { deployment, text } => {
                 tx.put_rollout_policy(&deployment, Some(&text))?
             }
+            Row::Freeze { key, record } => tx.put_freeze(&key, Some(&record))?,
             Row::WorkStatePiece { digest, n, bytes } => {
                 self.txn
                     .open_table(WORK_STATE_PIECES)?

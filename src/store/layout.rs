@@ -31,7 +31,7 @@
 //! | 11 | `webhook_queue`: the pending deliveries by subscription, then by when they are due (`webhook_due`, by time first, removed), so one subscription's backlog never hides another's |
 //! | 12 | `tokens`, `attempts`: worker tokens and build attempts (new tables, empty) |
 //! | 13 | `work_states`, `work_state_blobs`, `work_state_pieces`: deployments' work states (new tables, empty) |
-//! | 14 | `rollouts`, `rollout_policies`: rollouts in waves and each deployment's policy (new tables, empty) |
+//! | 14 | `rollouts`, `rollout_policies`, `freezes`: rollouts in waves, each deployment's policy, freezes (new tables, empty) |
 //!
 //! Releases before version 2 existed wrote version 1 but may already hold
 //! any of the later indexes (they were added by presence checks), so each
@@ -140,7 +140,7 @@ const MIGRATIONS: [Migration; 13] = [
     },
     Migration {
         to: 14,
-        what: "add the tables of rollouts and rollout policies",
+        what: "add the tables of rollouts, rollout policies and freezes",
         run: rollout_tables,
     },
 ];

@@ -16,7 +16,8 @@ use super::view::Rows;
 use super::{decode, DeliveryRecord, IdempotencyRecord, StoreResult, WebhookRecord};
 use crate::model::{
     AttemptRecord, BuildId, BuildKind, BuildRecord, BuildSnapshots, BuildStatus, DeploymentRecord,
-    NodeSbom, RolloutRecord, Source, TokenRecord, UpdateTry, WorkStateBlob, WorkStates,
+    FreezeRecord, NodeSbom, RolloutRecord, Source, TokenRecord, UpdateTry, WorkStateBlob,
+    WorkStates,
 };
 
 /// A table of encoded records.
@@ -146,6 +147,35 @@ pub trait Lookup {
             Some(entry) => Ok(Some(decode(entry?.1.value())?)),
             None => Ok(None),
         }
+    }
+
+    /// The freeze under `key` (`GLOBAL_FREEZE` or a deployment id).
+    fn freeze(&self, key: &str) -> StoreResult<Option<FreezeRecord>> {
+        self.open(FREEZES)?.record(key)
+    }
+
+    /// Every freeze with its key.
+    fn freezes(&self) -> StoreResult<Vec<(String, FreezeRecord)>> {
+        let t = self.open(FREEZES)?;
+        let mut out = Vec::new();
+        for entry in t.iter()? {
+            let (k, v) = entry?;
+            out.push((k.value().to_string(), decode(v.value())?));
+        }
+        Ok(out)
+    }
+
+    /// The global freeze's `ETag` counter (0 before the first set).
+    fn freeze_etag(&self) -> StoreResult<u64> {
+        let meta = self.open(META)?;
+        let Some(v) = meta.get(super::FREEZE_ETAG_KEY)? else {
+            return Ok(0);
+        };
+        let bytes: [u8; 8] = v
+            .value()
+            .try_into()
+            .map_err(|_| super::StoreError::corrupt("a freeze ETag that is not 8 bytes"))?;
+        Ok(u64::from_le_bytes(bytes))
     }
 
     /// A build's rollout; `None` for a build without one.

@@ -481,6 +481,8 @@ where
 
 /// `meta` key of the builds-by-status counts (5 x u64 LE, by `BuildStatus`).
 const BUILD_COUNTS_KEY: &str = "build_counts";
+/// The `meta` key of the global freeze's `ETag` counter (u64 LE).
+const FREEZE_ETAG_KEY: &str = "freeze_etag";
 
 fn encode_counts(counts: &[u64; 5]) -> Vec<u8> {
     counts.iter().flat_map(|c| c.to_le_bytes()).collect()

@@ -235,6 +235,10 @@ pub const ROLLOUTS: TableDefinition<u128, &[u8]> = TableDefinition::new(Table::R
 pub const ROLLOUT_POLICIES: TableDefinition<&str, &[u8]> =
     TableDefinition::new(Table::RolloutPolicies.name());
 
+/// `*` (the global freeze) or a deployment id -> `FreezeRecord`
+/// (rollouts.md "Freeze").
+pub const FREEZES: TableDefinition<&str, &[u8]> = TableDefinition::new(Table::Freezes.name());
+
 /// Every redb table, one variant each: its name, whether an export carries
 /// its rows or an import rebuilds it from another table, and the store's
 /// open creating it. Every decision about a table is an exhaustive `match`
@@ -273,6 +277,7 @@ pub enum Table {
     WorkStatePieces,
     Rollouts,
     RolloutPolicies,
+    Freezes,
 }
 
 /// What an export does with a table.
@@ -291,7 +296,7 @@ impl Table {
     /// Every table. The carried ones come first, in the order an import
     /// writes them (a row's parent before the row: builds before their
     /// logs), then the rebuilt indexes.
-    pub const ALL: [Table; 31] = [
+    pub const ALL: [Table; 32] = [
         Table::Meta,
         Table::Sources,
         Table::DescribeCache,
@@ -317,6 +322,7 @@ impl Table {
         Table::WorkStates,
         Table::Rollouts,
         Table::RolloutPolicies,
+        Table::Freezes,
         Table::Queued,
         Table::Running,
         Table::LogIndex,
@@ -365,6 +371,7 @@ impl Table {
             Table::WorkStatePieces => "work_state_pieces",
             Table::Rollouts => "rollouts",
             Table::RolloutPolicies => "rollout_policies",
+            Table::Freezes => "freezes",
         }
     }
 
@@ -396,7 +403,8 @@ impl Table {
             | Table::WorkStateBlobs
             | Table::WorkStatePieces
             | Table::Rollouts
-            | Table::RolloutPolicies => Carried,
+            | Table::RolloutPolicies
+            | Table::Freezes => Carried,
             Table::Queued | Table::Running => Rebuilt {
                 from: Table::Builds,
             },
@@ -475,6 +483,7 @@ impl Table {
             Table::WorkStatePieces => each.with(WORK_STATE_PIECES),
             Table::Rollouts => each.with(ROLLOUTS),
             Table::RolloutPolicies => each.with(ROLLOUT_POLICIES),
+            Table::Freezes => each.with(FREEZES),
         }
     }
 }

@@ -14,8 +14,9 @@ use super::{
     StoreError, StoreResult, StoredEvent, WebhookRecord, BUILD_COUNTS_KEY,
 };
 use crate::model::{
-    AttemptRecord, BuildId, BuildRecord, BuildSnapshots, BuildStatus, DeploymentRecord, Millis,
-    NodeSbom, RolloutRecord, Source, TokenRecord, UpdateTry, WorkStateBlob, WorkStates,
+    AttemptRecord, BuildId, BuildRecord, BuildSnapshots, BuildStatus, DeploymentRecord,
+    FreezeRecord, Millis, NodeSbom, RolloutRecord, Source, TokenRecord, UpdateTry, WorkStateBlob,
+    WorkStates,
 };
 
 /// A table's entry in `enum Table`, which the redo log names it by.
@@ -508,6 +509,26 @@ impl<'o, 'a> Tx<'o, 'a> {
         put_record(self.table(ATTEMPTS)?, (a.build, a.fence), a)
     }
 
+    /// Sets (`Some`) or lifts (`None`) the freeze under `key`
+    /// (`GLOBAL_FREEZE` or a deployment id).
+    pub fn put_freeze(&self, key: &str, f: Option<&FreezeRecord>) -> StoreResult<()> {
+        match f {
+            Some(f) => put_record(self.table(FREEZES)?, key, f),
+            None => {
+                self.table(FREEZES)?.remove(key)?;
+                Ok(())
+            }
+        }
+    }
+
+    /// The global freeze's `ETag` counter, raised by each set and lift.
+    pub fn bump_freeze_etag(&self) -> StoreResult<u64> {
+        let next = self.freeze_etag()? + 1;
+        self.table(META)?
+            .insert(super::FREEZE_ETAG_KEY, next.to_le_bytes().as_slice())?;
+        Ok(next)
+    }
+
     pub fn put_rollout(&self, r: &RolloutRecord) -> StoreResult<()> {
         put_record(self.table(ROLLOUTS)?, r.build, r)
     }
@@ -610,7 +631,8 @@ impl<'o, 'a> Tx<'o, 'a> {
             WORK_STATE_BLOBS,
             WORK_STATE_PIECES,
             ROLLOUTS,
-            ROLLOUT_POLICIES
+            ROLLOUT_POLICIES,
+            FREEZES
         );
         // The audit chain outlives a reset (it records the reset), and so
         // does its by-deployment index; builds and events go.

@@ -65,6 +65,8 @@ async fn rollout_server(tag: &str) -> (Server, PathBuf) {
     let opts = Options::default()
         .deployer(&deployer)
         .arg("--health-interval")
+        .arg("1s")
+        .arg("--update-interval")
         .arg("1s");
     (Server::start_in(dir.join("berth"), opts).await, calls)
 }
@@ -333,4 +335,130 @@ async fn a_policy_is_checked_rule_by_rule_and_a_broken_one_stores_nothing() {
     assert_eq!(status, 202, "{body}");
     let (_, d) = s.json("/v1/deployments/alice").await;
     assert_eq!(d["rollout_policy"], json!({"waves": [2]}));
+}
+
+async fn put_freeze(s: &Server, path: &str, body: Value) -> (u16, Value) {
+    let r = s
+        .http
+        .put(s.url(path))
+        .bearer_auth(&s.token)
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    read(r).await
+}
+
+#[tokio::test]
+async fn a_freeze_refuses_change_in_its_own_words_and_lets_the_way_back_through() {
+    let (s, _) = rollout_server("freeze-refuses").await;
+    for n in 1..=2 {
+        let b = s.submit_ok("alice", json!({"n": n})).await;
+        assert_eq!(s.wait_build(&b, "final").await["status"], "succeeded");
+    }
+    let (status, set) = put_freeze(
+        &s,
+        "/v1/deployments/alice/freeze",
+        json!({"reason": "release week: ask Ada"}),
+    )
+    .await;
+    assert_eq!(status, 200, "{set}");
+    assert_eq!(set["freeze"]["active"], true);
+    let (_, before) = s.json("/v1/deployments/alice").await;
+    assert_eq!(before["frozen"]["reason"], "release week: ask Ada");
+    assert_eq!(reason_of(&before, "deploy"), "frozen");
+    let (status, refused) = s.submit("alice", json!({"configuration": {"n": 3}})).await;
+    assert_eq!(status, 409, "{refused}");
+    assert_eq!(refused["reason"], "frozen");
+    assert_eq!(
+        refused["message"],
+        "frozen (deployment): release week: ask Ada"
+    );
+    let (_, after) = s.json("/v1/deployments/alice").await;
+    assert_eq!(
+        after["revision"], before["revision"],
+        "a refused submit stores nothing"
+    );
+    // The way back goes through a freeze.
+    let (status, back) = act(&s, "rollback", None, json!({})).await;
+    assert_eq!(status, 202, "{back}");
+    let back = back["build_id"].as_str().unwrap().to_string();
+    assert_eq!(s.wait_build(&back, "final").await["status"], "succeeded");
+    // Lifted, it is gone; a second lift finds none.
+    let lift = || async {
+        read(
+            s.delete("/v1/deployments/alice/freeze")
+                .send()
+                .await
+                .unwrap(),
+        )
+        .await
+    };
+    assert_eq!(lift().await.0, 200);
+    let (status, again) = lift().await;
+    assert_eq!(
+        (status, again["reason"].as_str()),
+        (404, Some("not_frozen"))
+    );
+    let b = s.submit_ok("alice", json!({"n": 4})).await;
+    assert_eq!(s.wait_build(&b, "final").await["status"], "succeeded");
+    // A freeze that ends by itself.
+    let until = berth::model::format_time(berth::model::now_millis() + 1500);
+    let (status, _) = put_freeze(
+        &s,
+        "/v1/freeze",
+        json!({"reason": "for a moment", "until": until}),
+    )
+    .await;
+    assert_eq!(status, 200);
+    let (status, _) = s.submit("alice", json!({"configuration": {"n": 5}})).await;
+    assert_eq!(status, 409, "the global freeze holds every deployment");
+    eventually("the freeze expired", || async {
+        s.json("/v1/freeze").await.1["freeze"].is_null()
+    })
+    .await;
+    let b = s.submit_ok("alice", json!({"n": 6})).await;
+    assert_eq!(s.wait_build(&b, "final").await["status"], "succeeded");
+}
+
+#[tokio::test]
+async fn a_freeze_holds_a_rollouts_next_wave_until_it_is_lifted() {
+    let (s, calls) = rollout_server("freeze-rollout").await;
+    let first = s.submit_ok("alice", json!({"n": 1})).await;
+    assert_eq!(s.wait_build(&first, "final").await["status"], "succeeded");
+    set_policy(&s, json!({"waves": [1], "wait_seconds": 1})).await;
+    std::fs::remove_file(&calls).unwrap();
+    let build = s.submit_ok("alice", json!({"n": 2})).await;
+    wait_rollout(&s, &build, "waiting").await;
+    let (status, _) = put_freeze(&s, "/v1/freeze", json!({"reason": "incident 42"})).await;
+    assert_eq!(status, 200);
+    let held = wait_rollout(&s, &build, "frozen").await;
+    assert_eq!(held["status"], "running");
+    assert_eq!(
+        calls_of(&calls),
+        ["deploy", "activate new 1 n1", "check n1", "check n1"],
+        "the gate ran again after the wait, and no wave began"
+    );
+    let (_, d) = s.json("/v1/deployments/alice").await;
+    assert_eq!(d["frozen"]["scope"], "global");
+    assert_eq!(
+        reason_of(&d, "rollout_pause"),
+        &Value::Null,
+        "a pause stops: allowed"
+    );
+    let lifted = s.delete("/v1/freeze").send().await.unwrap();
+    assert_eq!(lifted.status(), 200);
+    let done = s.wait_build(&build, "final").await;
+    assert_eq!(done["status"], "succeeded", "{done}");
+    let log = calls_of(&calls);
+    assert_eq!(
+        &log[4..],
+        [
+            "check n1",
+            "activate new 2 n2 n3 n4 n5",
+            "check n2 n3 n4 n5",
+            "confirm n1 n2 n3 n4 n5"
+        ],
+        "after the lift: the gate again, then the next wave: {log:?}"
+    );
 }
