@@ -364,3 +364,66 @@ fn bump(tx: &Tx, hub: &Arc<crate::events::Hub>, scope: &Scope) -> StoreResult<u6
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ms(text: &str) -> Millis {
+        parse_time(text).expect("a time")
+    }
+
+    fn weekend(time_zone: &str) -> FreezeRecord {
+        FreezeRecord {
+            reason: "weekend".into(),
+            until: None,
+            // Friday 18:00 local, for 62 hours: to Monday 08:00.
+            window: Some(FreezeWindow {
+                frequency: Frequency::Weekly,
+                day: Some(5),
+                start: "18:00".into(),
+                duration_minutes: 62 * 60,
+                time_zone: time_zone.into(),
+            }),
+            set_at: 0,
+            set_by: None,
+        }
+    }
+
+    #[test]
+    fn a_weekend_window_counts_days_after_it_opened_and_says_when_it_changes() {
+        let f = weekend("Europe/Amsterdam");
+        // Friday 2026-10-23 17:59 CEST is before; Sunday noon is inside.
+        assert!(!is_active(&f, ms("2026-10-23T15:59:00Z")));
+        assert!(is_active(&f, ms("2026-10-25T11:00:00Z")));
+        // The clocks went back that Sunday at 03:00 CEST: 62 real hours from
+        // Friday 16:00Z end Monday 06:00Z (07:00 CET).
+        assert!(is_active(&f, ms("2026-10-26T05:59:00Z")));
+        assert!(!is_active(&f, ms("2026-10-26T06:00:00Z")));
+        assert_eq!(
+            next_change(&f, ms("2026-10-25T11:00:00Z")),
+            Some(ms("2026-10-26T06:00:00Z"))
+        );
+        assert_eq!(
+            next_change(&f, ms("2026-10-23T12:00:00Z")),
+            Some(ms("2026-10-23T16:00:00Z"))
+        );
+    }
+
+    #[test]
+    fn until_ends_a_freeze_and_bounds_its_next_change() {
+        let mut f = weekend("UTC");
+        f.window = None;
+        f.until = Some(ms("2026-12-24T00:00:00Z"));
+        assert!(is_active(&f, ms("2026-12-23T23:59:59Z")));
+        assert!(!is_active(&f, ms("2026-12-24T00:00:00Z")));
+        assert_eq!(
+            next_change(&f, ms("2026-12-01T00:00:00Z")),
+            Some(ms("2026-12-24T00:00:00Z"))
+        );
+        let now = ms("2026-12-01T00:00:00Z");
+        assert!(check_until(Some(now - 1), now).is_err());
+        assert!(check_until(Some(now + 367 * 24 * 3600 * 1000), now).is_err());
+        assert!(check_until(Some(now + 1000), now).is_ok());
+    }
+}

@@ -446,6 +446,13 @@ pub const TABLES: &[RelTable] = &[
         references: &[("build_id", "builds")],
     },
     RelTable {
+        name: "rollout_policies",
+        store_table: Table::RolloutPolicies,
+        columns: &[col("deployment_id", Text), col("policy", Json)],
+        primary_key: &["deployment_id"],
+        references: &[],
+    },
+    RelTable {
         name: "freezes",
         store_table: Table::Freezes,
         columns: &[
@@ -454,13 +461,6 @@ pub const TABLES: &[RelTable] = &[
             col("record", Json),
         ],
         primary_key: &["scope_key"],
-        references: &[],
-    },
-    RelTable {
-        name: "rollout_policies",
-        store_table: Table::RolloutPolicies,
-        columns: &[col("deployment_id", Text), col("policy", Json)],
-        primary_key: &["deployment_id"],
         references: &[],
     },
 ];
