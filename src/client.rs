@@ -165,6 +165,7 @@ async fn dispatch(command: Command) -> Outcome {
         }
         Command::Tokens { tokens } => tokens_command(tokens).await,
         Command::Rollout { rollout } => rollout_command(rollout).await,
+        Command::Freeze { freeze } => freeze_command(freeze).await,
         Command::Workers { conn } => workers(&conn).await,
         Command::Serve(_)
         | Command::Worker(_)
@@ -392,6 +393,91 @@ async fn rollout_command(command: crate::settings::RolloutCommand) -> Outcome {
         out!("{}", text(&answer["rollout"]["state"]));
     }
     Ok(EXIT_OK)
+}
+
+/// The freeze route of `id`, or of `--global`; neither (or both) is a
+/// usage error.
+fn freeze_path(id: Option<&str>, global: bool) -> Result<String, Stop> {
+    match (id, global) {
+        (Some(id), false) => Ok(format!("/v1/deployments/{}/freeze", path(id))),
+        (None, true) => Ok("/v1/freeze".into()),
+        (Some(_), true) | (None, false) => Err(Stop::usage(
+            "name a deployment, or --global for every one (never both)".into(),
+        )),
+    }
+}
+
+/// `berth freeze set|lift|status` (rollouts.md "Freeze").
+async fn freeze_command(command: crate::settings::FreezeCommand) -> Outcome {
+    use crate::settings::FreezeCommand as F;
+    match command {
+        F::Set {
+            id,
+            global,
+            reason,
+            until,
+            window,
+            conn,
+        } => {
+            let route = freeze_path(id.as_deref(), global)?;
+            let window = match window {
+                Some(w) => Some(
+                    serde_json::from_str::<Value>(&w)
+                        .map_err(|e| Stop::usage(format!("--window is not JSON: {e}")))?,
+                ),
+                None => None,
+            };
+            let c = Client::new(&conn)?;
+            let body = json!({"reason": reason, "until": until, "window": window});
+            let answer = c.mutate("PUT", &route, Some(body)).await?;
+            c.show_freeze(&answer["freeze"]);
+            Ok(EXIT_OK)
+        }
+        F::Lift { id, global, conn } => {
+            let route = freeze_path(id.as_deref(), global)?;
+            let c = Client::new(&conn)?;
+            c.mutate("DELETE", &route, None).await?;
+            eprintln!("lifted");
+            Ok(EXIT_OK)
+        }
+        F::Status { id, conn } => {
+            let c = Client::new(&conn)?;
+            let global = c.call("GET", "/v1/freeze", None, None).await?;
+            let Some(id) = id else {
+                c.show_freeze(&global["freeze"]);
+                return Ok(EXIT_OK);
+            };
+            let d = c
+                .call("GET", &format!("/v1/deployments/{}", path(&id)), None, None)
+                .await?;
+            if c.json {
+                c.print_json(&json!({"freeze": d["freeze"], "frozen": d["frozen"], "global": global["freeze"]}));
+                return Ok(EXIT_OK);
+            }
+            out!("own:     {}", describe_freeze(&d["freeze"]));
+            out!("global:  {}", describe_freeze(&global["freeze"]));
+            out!("holding: {}", describe_freeze(&d["frozen"]));
+            Ok(EXIT_OK)
+        }
+    }
+}
+
+/// A freeze in one line (its reason with control characters escaped by
+/// `text`), or `none`.
+fn describe_freeze(f: &Value) -> String {
+    if f.is_null() {
+        return "none".into();
+    }
+    let active = match &f["active"] {
+        Value::Bool(false) => " (not active now)",
+        _ => "",
+    };
+    format!(
+        "{} ({}){active}, until {}",
+        text(&f["reason"]),
+        text(&f["scope"]),
+        text(&f["until"])
+    )
 }
 
 /// `berth rollout status ID`: the deployment's newest rollout.
@@ -698,6 +784,15 @@ impl Client {
             r = r.header("if-match", format!("\"{revision}\""));
         }
         r
+    }
+
+    /// A freeze as `freeze status` and `set` show it.
+    fn show_freeze(&self, f: &Value) {
+        if self.json {
+            self.print_json(f);
+        } else {
+            out!("{}", describe_freeze(f));
+        }
     }
 
     /// A mutation: one fresh idempotency key through every retry.

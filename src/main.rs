@@ -73,6 +73,7 @@ fn main() {
         | Command::Delete { .. }
         | Command::Tokens { .. }
         | Command::Rollout { .. }
+        | Command::Freeze { .. }
         | Command::Workers { .. }) => berth::client::run(client),
     };
     std::process::exit(code);

@@ -71,6 +71,11 @@ pub enum Command {
         #[command(subcommand)]
         rollout: RolloutCommand,
     },
+    /// Freezes (rollouts.md "Freeze"): set, lift, status.
+    Freeze {
+        #[command(subcommand)]
+        freeze: FreezeCommand,
+    },
     /// The workers: name, kind, labels, incarnation, running attempts, last seen.
     Workers {
         #[command(flatten)]
@@ -217,6 +222,7 @@ impl Command {
             | Command::Worker(_)
             | Command::Tokens { .. }
             | Command::Rollout { .. }
+            | Command::Freeze { .. }
             | Command::Workers { .. }
             | Command::Deploy { .. }
             | Command::Preview { .. }
@@ -232,6 +238,44 @@ impl Command {
             | Command::Delete { .. } => false,
         }
     }
+}
+
+#[derive(Debug, Subcommand)]
+pub enum FreezeCommand {
+    /// Set or replace a freeze: of one deployment, or with --global of
+    /// every one (neither is a usage error, so nobody freezes everything by
+    /// accident).
+    Set {
+        id: Option<String>,
+        #[arg(long)]
+        global: bool,
+        /// Why, in words others will read (1-500 characters).
+        #[arg(long)]
+        reason: String,
+        /// When it ends by itself (RFC 3339).
+        #[arg(long)]
+        until: Option<String>,
+        /// A window (JSON: frequency, day, start, duration_minutes, time_zone).
+        #[arg(long)]
+        window: Option<String>,
+        #[command(flatten)]
+        conn: ClientArgs,
+    },
+    /// Lift a freeze.
+    Lift {
+        id: Option<String>,
+        #[arg(long)]
+        global: bool,
+        #[command(flatten)]
+        conn: ClientArgs,
+    },
+    /// The global freeze; with an id, that deployment's own and the one
+    /// holding it now.
+    Status {
+        id: Option<String>,
+        #[command(flatten)]
+        conn: ClientArgs,
+    },
 }
 
 #[derive(Debug, Subcommand)]

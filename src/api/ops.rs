@@ -301,6 +301,18 @@ fn workers_exposition(ctx: &Ctx, out: &mut String) -> Result<(), ApiError> {
     for (state, n) in rollouts {
         let _ = writeln!(out, "berth_rollouts{{state=\"{state}\"}} {n}");
     }
+    let now = crate::model::now_millis();
+    let (mut global, mut own) = (0u64, 0u64);
+    for (key, f) in rx.freezes()? {
+        if crate::engine::freeze::is_active(&f, now) {
+            if key == crate::model::GLOBAL_FREEZE {
+                global += 1;
+            } else {
+                own += 1;
+            }
+        }
+    }
+    let _ = writeln!(out, "# HELP berth_freezes_active Active freezes by scope.\n# TYPE berth_freezes_active gauge\nberth_freezes_active{{scope=\"global\"}} {global}\nberth_freezes_active{{scope=\"deployment\"}} {own}");
     let stored = rx.work_state_bytes()?;
     let _ = writeln!(out, "# HELP berth_work_state_bytes Compressed bytes of the stored work states.\n# TYPE berth_work_state_bytes gauge\nberth_work_state_bytes {stored}");
     Ok(())

@@ -402,6 +402,31 @@ async fn a_freeze_refuses_change_in_its_own_words_and_lets_the_way_back_through(
     );
     let b = s.submit_ok("alice", json!({"n": 4})).await;
     assert_eq!(s.wait_build(&b, "final").await["status"], "succeeded");
+    // The CLI: neither an id nor --global is a usage error.
+    let token_file = s.dir.join("data/service-token");
+    let conn = [
+        "--url",
+        s.base.as_str(),
+        "--token-file",
+        token_file.to_str().unwrap(),
+    ];
+    let cli = |args: &[&str]| {
+        let mut all = vec!["freeze"];
+        all.extend_from_slice(args);
+        all.extend_from_slice(&conn);
+        berth(&all)
+    };
+    assert_eq!(cli(&["set", "--reason", "x"]).0, 2);
+    let (code, out) = cli(&["set", "alice", "--reason", "audit\u{1b}[31m"]);
+    assert_eq!(code, 3, "a control character is refused: {out}");
+    let (code, out) = cli(&["set", "alice", "--reason", "audit week"]);
+    assert_eq!(code, 0, "{out}");
+    let (code, out) = cli(&["status", "alice"]);
+    assert!(
+        code == 0 && out.contains("holding: audit week (deployment)"),
+        "{out}"
+    );
+    assert_eq!(cli(&["lift", "alice"]).0, 0);
     // A freeze that ends by itself.
     let until = berth::model::format_time(berth::model::now_millis() + 1500);
     let (status, _) = put_freeze(
@@ -413,6 +438,10 @@ async fn a_freeze_refuses_change_in_its_own_words_and_lets_the_way_back_through(
     assert_eq!(status, 200);
     let (status, _) = s.submit("alice", json!({"configuration": {"n": 5}})).await;
     assert_eq!(status, 409, "the global freeze holds every deployment");
+    assert!(s
+        .metrics()
+        .await
+        .contains("berth_freezes_active{scope=\"global\"} 1"));
     eventually("the freeze expired", || async {
         s.json("/v1/freeze").await.1["freeze"].is_null()
     })
