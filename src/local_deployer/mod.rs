@@ -6,6 +6,7 @@
 //! `BERTH_RESULT`, `BERTH_WORK_DIR`, `BERTH_SCRATCH_DIR`, exit status) and
 //! shares no state with the server. It "deploys" into the work dir.
 
+mod activate;
 pub mod catalog;
 
 use std::io::Write;
@@ -60,6 +61,7 @@ pub fn run(verb: &str) -> i32 {
             "destroy" => destroy(request),
             "check" => check(request),
             "confirm" => confirm(request),
+            "activate" if activate::enabled() => activate::activate(request),
             _ => return None,
         };
         Some(match outcome {
@@ -79,7 +81,11 @@ fn describe() -> Option<Value> {
         "catalog": catalog::catalog(),
         "renames": [],
         "schema": catalog::schema(),
-        "verbs": ["check", "confirm"],
+        "verbs": if activate::enabled() {
+            json!(["check", "confirm", "activate"])
+        } else {
+            json!(["check", "confirm"])
+        },
     }))
 }
 
@@ -385,15 +391,24 @@ fn deploy(request: &Value) -> VerbResult {
                 node.name
             )));
         }
-        write_atomically(&path, text.as_bytes())
-            .map_err(|e| fail(format!("cannot write {}: {e}", path.display())))?;
-        activated.push(node.name.clone());
-        write_state(&work, deployment, &activated, suspended).map_err(fail)?;
-        step(&format!(
-            "activating node {}: switching to configuration",
-            node.name
-        ))
-        .map_err(term)?;
+        if activate::enabled() {
+            // berth activates it later, a wave at a time (`activate`).
+            let pending = activate::pending_path(&work, &node.name);
+            crate::durable::create_dir_all(&work.join("pending"), 0o777)
+                .and_then(|_| write_atomically(&pending, text.as_bytes()))
+                .map_err(|e| fail(format!("cannot write {}: {e}", pending.display())))?;
+            step(&format!("node {} is built; berth activates it", node.name)).map_err(term)?;
+        } else {
+            write_atomically(&path, text.as_bytes())
+                .map_err(|e| fail(format!("cannot write {}: {e}", path.display())))?;
+            activated.push(node.name.clone());
+            write_state(&work, deployment, &activated, suspended).map_err(fail)?;
+            step(&format!(
+                "activating node {}: switching to configuration",
+                node.name
+            ))
+            .map_err(term)?;
+        }
         let sbom_rel = format!("sbom/{}.cdx.json", node.name);
         let sbom = match write_sbom(&scratch.join(&sbom_rel), node) {
             Ok(()) => json!({"status": "ready", "path": sbom_rel}),

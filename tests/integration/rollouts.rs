@@ -491,3 +491,65 @@ async fn a_freeze_holds_a_rollouts_next_wave_until_it_is_lifted() {
         "after the lift: the gate again, then the next wave: {log:?}"
     );
 }
+
+/// Every node file of the local deployer's work dir for `deployment`:
+/// name -> content.
+fn local_nodes(s: &Server, deployment: &str) -> std::collections::BTreeMap<String, String> {
+    let dir = s.dir.join("data/work").join(deployment).join("nodes");
+    std::fs::read_dir(&dir)
+        .map(|entries| {
+            entries
+                .flatten()
+                .map(|e| {
+                    (
+                        e.file_name().to_string_lossy().into_owned(),
+                        std::fs::read_to_string(e.path()).unwrap_or_default(),
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+#[tokio::test]
+async fn the_local_deployer_activates_in_waves_and_an_abort_puts_its_nodes_back() {
+    let dir = temp_dir("rollout-local");
+    let opts = Options::default()
+        .env("BERTH_LOCAL_ACTIVATE", "1")
+        .arg("--health-interval")
+        .arg("1s");
+    let s = Server::start_in(dir.join("berth"), opts).await;
+    let config = |domain: &str| json!({"domain": domain, "applications": {"mastodon": {"enable": true}, "nextcloud": {"enable": true}}});
+    let first = s.submit_ok("alice", config("a.example.org")).await;
+    let done = s.wait_build(&first, "final").await;
+    assert_eq!(done["status"], "succeeded", "{done}\n{}", s.log());
+    assert_eq!(done["rollout"]["result"], "succeeded");
+    let before = local_nodes(&s, "alice");
+    assert!(before.len() >= 2, "{before:?}");
+    set_policy(&s, json!({"waves": [1], "pause_after": [1]})).await;
+    let build = s.submit_ok("alice", config("b.example.org")).await;
+    let paused = wait_rollout(&s, &build, "paused").await;
+    let first_wave: Vec<String> = paused["rollout"]["waves"][0]["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n.as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(first_wave.len(), 1);
+    let during = local_nodes(&s, "alice");
+    let changed: Vec<&String> = during
+        .iter()
+        .filter(|(name, text)| before.get(*name) != Some(*text))
+        .map(|(name, _)| name)
+        .collect();
+    assert_eq!(
+        changed,
+        [&format!("{}.json", first_wave[0])],
+        "only wave 1's node runs the new configuration"
+    );
+    let (status, _) = act(&s, "rollout_abort", None, json!({})).await;
+    assert_eq!(status, 202);
+    let done = s.wait_build(&build, "final").await;
+    assert_eq!(done["failure"]["reason"], "rollout_aborted", "{done}");
+    assert_eq!(local_nodes(&s, "alice"), before, "every node is back");
+}
