@@ -332,8 +332,14 @@ async function deploymentView(id) {
       if (!r.ok) message.replaceChildren(problem(r));
       else render();
     };
+    // The rollout's waves come with its build.
+    const rolloutBuild = d.rollout ? await api('GET', `/v1/builds/${d.rollout.build_id}`) : null;
+    if (gone) return;
     show(
       el('h1', {}, id, ' ', badge(d.state)),
+      d.frozen
+        ? el('p', { class: 'banner', role: 'status', 'data-frozen': d.frozen.scope }, `Frozen (${d.frozen.scope}): ${d.frozen.reason}`, d.frozen.until ? ` — until ${when(d.frozen.until)}` : '')
+        : '',
       message,
       el(
         'div',
@@ -367,6 +373,7 @@ async function deploymentView(id) {
         el('dt', {}, 'Revision'),
         el('dd', {}, String(d.revision)),
       ),
+      d.rollout ? rolloutSection(d.rollout, rolloutBuild && rolloutBuild.ok ? rolloutBuild.data.rollout : null) : '',
       el('h2', {}, 'Builds'),
       el(
         'div',
@@ -425,7 +432,42 @@ async function deploymentView(id) {
       render().catch((e) => (e instanceof Unauthorized ? refused() : null));
     }, 100);
   };
-  follow(`${path}/events`, { deployment: again, build: again, sbom: again, resync_required: again });
+  follow(`${path}/events`, { deployment: again, build: again, sbom: again, rollout: again, resync_required: again });
+}
+
+// A rollout: where it is, and each wave with its nodes and their state
+// (pending, activated, not activated, back); the pause, resume and abort
+// buttons are the actions above, each with its reason when disabled.
+function rolloutSection(summary, full) {
+  const held = summary.paused
+    ? ` — paused by ${summary.paused.by}${summary.paused.reason ? ': ' + summary.paused.reason : ''}`
+    : summary.wait_until
+      ? ` — waiting until ${when(summary.wait_until)}`
+      : '';
+  const waves = full ? full.waves : [];
+  const nodeState = (w, n) => {
+    if (w.state === 'reverted') return 'back';
+    if (!(n in w.activated)) return 'pending';
+    return w.activated[n] ? 'activated' : 'not activated';
+  };
+  return el(
+    'section',
+    { class: 'rollout' },
+    el('h2', {}, 'Rollout'),
+    el(
+      'p',
+      { 'data-rollout': summary.state },
+      `${summary.state}: wave ${summary.wave} of ${summary.wave_count}, ${summary.nodes_activated}/${summary.nodes_total} nodes activated, ${summary.unhealthy_count} unhealthy`,
+      held,
+      summary.abort ? ` — aborted by ${summary.abort.by}${summary.abort.reason ? ': ' + summary.abort.reason : ''}` : '',
+      summary.result ? ` — ${summary.result}` : '',
+    ),
+    el(
+      'ol',
+      { class: 'waves' },
+      waves.map((w) => el('li', { 'data-wave-state': w.state }, `${w.state}: `, w.nodes.map((n) => el('span', { class: 'node', 'data-node-state': nodeState(w, n) }, n, ' ')))),
+    ),
+  );
 }
 
 async function buildView(id) {

@@ -128,6 +128,19 @@ try {
   await page.waitForFunction((n) => document.querySelectorAll('table tbody tr').length > n, rowsBefore);
   await page.waitForSelector('button[data-action]', { state: 'attached' });
   await page.screenshot({ path: `${artifacts}/deployment.png`, fullPage: true });
+  // A freeze shows as a banner in its own words; the rollout buttons are
+  // there, disabled with their reason while no rollout runs.
+  const frozen = await api('PUT', '/v1/freeze', { reason: 'release week: ask Ada' });
+  check(frozen.status === 200, `freeze: ${frozen.text}`);
+  await page.goto(base + '/#/b/' + firstWeb);
+  await page.goto(base + '/#/d/web');
+  await page.waitForSelector('[data-frozen=global]');
+  check((await page.textContent('[data-frozen]')).includes('release week: ask Ada'), 'the banner quotes the freeze');
+  check((await page.getAttribute('button[data-action=rollout_abort]', 'title')) === 'no_rollout', 'rollout_abort says no_rollout');
+  check(await page.isDisabled('button[data-action=rollout_pause]'), 'rollout_pause is disabled');
+  await page.screenshot({ path: `${artifacts}/frozen.png` });
+  const lifted = await api('DELETE', '/v1/freeze');
+  check(lifted.status === 200, `lift: ${lifted.text}`);
   // A disabled action says why.
   const disabled = page.locator('button[data-action]:disabled').first();
   if ((await disabled.count()) > 0) check(((await disabled.getAttribute('title')) || '').length > 0, 'a disabled action has a reason');

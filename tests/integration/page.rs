@@ -188,3 +188,48 @@ async fn the_page_signs_in_submits_and_follows_a_build_in_chromium() {
         assert!(artifacts.join(shot).is_file(), "screenshot {shot}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_page_shows_a_rollouts_waves_and_resumes_it_in_chromium() {
+    let test = "page::the_page_shows_a_rollouts_waves_and_resumes_it_in_chromium";
+    let Some((chromium, root)) = browser_ready(test) else {
+        return;
+    };
+    let s = Server::start(Options::default().env("BERTH_LOCAL_ACTIVATE", "1")).await;
+    let config = |domain: &str| serde_json::json!({"domain": domain, "applications": {"mastodon": {"enable": true}, "nextcloud": {"enable": true}}});
+    let first = s.submit_ok("alice", config("a.example.org")).await;
+    assert_eq!(s.wait_build(&first, "final").await["status"], "succeeded");
+    let r = s
+        .http
+        .put(s.url("/v1/deployments/alice/rollout-policy"))
+        .bearer_auth(&s.token)
+        .json(&serde_json::json!({"waves": [1], "pause_after": [1]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let build = s.submit_ok("alice", config("b.example.org")).await;
+    eventually("the rollout paused", || async {
+        s.build(&build).await["rollout"]["state"] == "paused"
+    })
+    .await;
+    let artifacts = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/browser-artifacts");
+    std::fs::create_dir_all(&artifacts).unwrap();
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new("node")
+            .arg(root.join("rollout.mjs"))
+            .env("BERTH_URL", &s.base)
+            .env("BERTH_TOKEN", &s.token)
+            .env("CHROMIUM", &chromium)
+            .env("ARTIFACTS", &artifacts)
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "the browser test failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
