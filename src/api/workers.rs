@@ -423,7 +423,15 @@ fn queue_now(
                 None => None,
             }
             .unwrap_or_else(|| flag_labels.clone());
-            if held || !required.iter().all(|l| labels.contains(l)) {
+            let here_only = b.kind == BuildKind::Deploy
+                && rx.build_snapshots(build)?.is_some_and(|snaps| {
+                    ctx.engine.rollout_stays_here(&snaps.snapshot.source.digest)
+                });
+            if held
+                || here_only
+                || crate::engine::queue::frozen_out(&rx, &b, now)?
+                || !required.iter().all(|l| labels.contains(l))
+            {
                 continue;
             }
             builds.push(json!({

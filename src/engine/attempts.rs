@@ -175,6 +175,17 @@ impl Engine {
             Some(s) => self.checks_health(s).await,
             None => false,
         };
+        // Described just above: a deploy whose deployer lists `activate`
+        // runs its rollout on the embedded worker only (for now).
+        let is_deploy = self
+            .store
+            .read()?
+            .build(build)?
+            .is_some_and(|b| b.kind == BuildKind::Deploy);
+        let here_only = is_deploy
+            && snaps
+                .as_ref()
+                .is_some_and(|s| self.rollout_stays_here(&s.snapshot.source.digest));
         // Described just above (or never describable: then the flag's).
         let required = snaps
             .as_ref()
@@ -192,6 +203,7 @@ impl Engine {
             required,
             blocked,
             first_work_state,
+            here_only,
         };
         self.store
             .write(move |tx| claim_tx(tx, &hub, &scene, &worker, build, &call))
@@ -452,6 +464,8 @@ struct ClaimContext {
     blocked: HashSet<String>,
     /// The deployment's first stored work state, when it has none yet.
     first_work_state: NewWorkState,
+    /// A deploy whose rollout only the embedded worker runs.
+    here_only: bool,
 }
 
 /// The claim's write job (workers.md "Claim").
@@ -480,6 +494,7 @@ fn claim_tx(
     };
     let claimable = d.as_ref().is_some_and(|d| d.running.is_none())
         && !held
+        && !ctx.here_only
         && !super::queue::frozen_out(tx, &b, now_millis())?
         && !ctx.blocked.contains(&b.deployment)
         && !tx.queued_before(&b.deployment, build_id)?;

@@ -250,6 +250,15 @@ impl Engine {
         Some(labels)
     }
 
+    /// Whether a deploy of this source runs only on the embedded worker:
+    /// its deployer lists `activate`, and berth runs a rollout's calls
+    /// itself (rollouts on remote workers are not built yet). Known only
+    /// once described in this process.
+    pub fn rollout_stays_here(&self, source_digest: &str) -> bool {
+        self.described_in_memory(source_digest)
+            .is_some_and(|d| d.activates())
+    }
+
     /// `describe` of a source: memory, then the store, then the deployer
     /// (one call per digest at a time; a failure is remembered briefly).
     pub async fn describe(&self, source: &Source) -> Result<Arc<Described>, Refusal> {

@@ -553,3 +553,52 @@ async fn the_local_deployer_activates_in_waves_and_an_abort_puts_its_nodes_back(
     assert_eq!(done["failure"]["reason"], "rollout_aborted", "{done}");
     assert_eq!(local_nodes(&s, "alice"), before, "every node is back");
 }
+
+#[tokio::test]
+async fn a_rollout_stays_on_the_embedded_worker_for_now() {
+    let dir = temp_dir("rollout-not-remote");
+    let (deployer, _) = recording_deployer(&dir);
+    let opts = Options::default()
+        .deployer(&deployer)
+        .arg("--local-worker")
+        .arg("off");
+    let s = Server::start_in(dir.join("berth"), opts).await;
+    let build = s.submit_ok("alice", json!({"n": 1})).await;
+    let (status, made) = read(
+        s.post("/v1/tokens", &json!({"name": "w1", "kind": "worker"}))
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(status, 201, "{made}");
+    let token = made["token"].as_str().unwrap().to_string();
+    let incarnation = "incarnation-0001";
+    let queue = s
+        .http
+        .get(s.url(&format!(
+            "/internal/v1/queue?worker_incarnation={incarnation}&free_slots=1&wait=0"
+        )))
+        .bearer_auth(&token)
+        .send()
+        .await
+        .unwrap();
+    let (status, listed) = read(queue).await;
+    assert_eq!(status, 200, "{listed}");
+    assert_eq!(
+        listed["builds"],
+        json!([]),
+        "a rollout's deploy is not offered"
+    );
+    let claim = s
+        .http
+        .post(s.url(&format!("/internal/v1/builds/{build}/claim")))
+        .bearer_auth(&token)
+        .json(&json!({"operation_id": "claim-operation-0001", "worker_incarnation": incarnation, "labels": []}))
+        .send()
+        .await
+        .unwrap();
+    let (status, refused) = read(claim).await;
+    assert_eq!(status, 409, "{refused}");
+    assert_eq!(refused["reason"], "not_claimable");
+}
