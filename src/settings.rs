@@ -555,6 +555,13 @@ pub struct Settings {
     #[arg(long, env = "BERTH_HEALTH_INTERVAL", default_value = "5s", value_parser = parse_health_interval)]
     pub health_interval: Duration,
 
+    /// How often a held rollout (paused, waiting, frozen) checks its
+    /// activated nodes (5s to 10m; keep it under a third of a deployer's
+    /// revert timeout): the answers keep armed reverts alive and the page
+    /// current, and decide nothing.
+    #[arg(long, env = "BERTH_ROLLOUT_WATCH_INTERVAL", default_value = "60s", value_parser = parse_watch_interval)]
+    pub rollout_watch_interval: Duration,
+
     /// Origins (scheme://host[:port]) a webhook URL may have
     /// (comma-separated; none by default, so no subscription is possible
     /// until one is named).
@@ -837,6 +844,9 @@ const HEALTH_INTERVAL_RANGE: (Duration, Duration) =
     (Duration::from_millis(100), Duration::from_secs(600));
 
 /// `--update-interval`: 1 s to 5 minutes.
+/// `--rollout-watch-interval`: 5 s to 10 min (rollouts.md).
+const WATCH_INTERVAL_RANGE: (Duration, Duration) =
+    (Duration::from_secs(5), Duration::from_secs(600));
 const UPDATE_INTERVAL_RANGE: (Duration, Duration) = (Duration::from_secs(1), MAX_UPDATE_INTERVAL);
 
 /// A duration within `range`; the error names the flag's range.
@@ -897,6 +907,10 @@ fn parse_lease_ttl(text: &str) -> Result<Duration, String> {
 
 fn parse_health_interval(text: &str) -> Result<Duration, String> {
     duration_within(text, HEALTH_INTERVAL_RANGE, "health interval")
+}
+
+fn parse_watch_interval(text: &str) -> Result<Duration, String> {
+    duration_within(text, WATCH_INTERVAL_RANGE, "rollout watch interval")
 }
 
 fn parse_update_interval(text: &str) -> Result<Duration, String> {

@@ -416,6 +416,41 @@ impl Engine {
             .await
     }
 
+    /// Stores what the latest checks said of the nodes they named: each
+    /// unhealthy node with its reason, since when (kept while it stays
+    /// unhealthy); a node that answered healthy leaves the list. Health
+    /// answers raise no revision.
+    async fn note_health(&self, build: BuildId, answers: Vec<(String, Option<String>)>) {
+        let written = self
+            .store
+            .write(move |tx| {
+                let Some(mut r) = tx.rollout(build)? else {
+                    return Ok(());
+                };
+                let now = now_millis();
+                let before = r.unhealthy.clone();
+                for (node, reason) in &answers {
+                    let known = r.unhealthy.iter().position(|(n, _, _)| n == node);
+                    match (reason, known) {
+                        (None, Some(i)) => {
+                            r.unhealthy.remove(i);
+                        }
+                        (None, None) => {}
+                        (Some(why), Some(i)) => r.unhealthy[i].1 = why.clone(),
+                        (Some(why), None) => r.unhealthy.push((node.clone(), why.clone(), now)),
+                    }
+                }
+                if r.unhealthy != before {
+                    tx.put_rollout(&r)?;
+                }
+                Ok(())
+            })
+            .await;
+        if let Err(e) = written {
+            tracing::error!(error = %e, build = %format_build_id(build), "cannot store a rollout's health answers; the next check tries again");
+        }
+    }
+
     /// Rings every rollout runner (an action changed a rollout).
     pub fn wake_rollouts(&self) {
         self.rollout_wake.notify_waiters();
@@ -460,6 +495,7 @@ impl Engine {
             request: request.clone(),
             verbs,
             shown: None,
+            watched: None,
             activate_failure: None,
         };
         run.run_to_end(&mut io).await
@@ -544,6 +580,8 @@ struct Run {
     verbs: Verbs,
     /// The summary the build channel showed last.
     shown: Option<String>,
+    /// When the watch last checked the activated nodes of a held rollout.
+    watched: Option<tokio::time::Instant>,
     /// Why an `activate` call failed, for the build's failure.
     activate_failure: Option<(FailureReason, String)>,
 }
@@ -801,6 +839,11 @@ impl Run {
                         unhealthy.entry(a.node.clone()).or_insert(reason);
                     }
                 }
+                let noted = answers
+                    .iter()
+                    .map(|a| (a.node.clone(), a.reason.clone()))
+                    .collect();
+                self.engine.note_health(self.build, noted).await;
             }
             let over = waves.iter().find(|w| {
                 let bad = w
@@ -812,6 +855,7 @@ impl Run {
             });
             let Some(over) = over else {
                 self.apply(Noted::bare(Event::GatePassed)).await;
+                self.watched = Some(tokio::time::Instant::now());
                 return;
             };
             let out_of_time = !checks || tokio::time::Instant::now() + interval > deadline;
@@ -867,7 +911,7 @@ impl Run {
     /// A hold: until the wait's end, a wake (an action or a lift), the
     /// freeze's next look, or a halt.
     async fn hold(
-        &self,
+        &mut self,
         io: &mut PipeHealth<'_>,
         record: &RolloutRecord,
         state: crate::model::State,
@@ -888,11 +932,58 @@ impl Run {
             self.apply(Noted::bare(event)).await;
             return;
         }
+        self.watch(io, record).await;
         tokio::select! {
             _ = tokio::time::sleep(HOLD_STEP) => {}
             _ = io.halt_changed() => {}
             _ = self.engine.rollout_wake.notified() => {}
         }
+    }
+
+    /// The watch of a held rollout: every `--rollout-watch-interval`, a
+    /// `check` of every activated node; a `health` event only for a node
+    /// whose health changed. It decides nothing (the next gate does).
+    async fn watch(&mut self, io: &mut PipeHealth<'_>, record: &RolloutRecord) {
+        let every = self.engine.settings.rollout_watch_interval;
+        // A hold begins right after a gate's check: the first watch is a
+        // whole interval later.
+        let Some(last) = self.watched else {
+            self.watched = Some(tokio::time::Instant::now());
+            return;
+        };
+        let due = last.elapsed() >= every;
+        let nodes: Vec<String> = record
+            .rollout
+            .waves
+            .iter()
+            .flat_map(|w| {
+                w.activated
+                    .iter()
+                    .filter(|(_, ok)| **ok)
+                    .map(|(n, _)| n.clone())
+            })
+            .collect();
+        if !self.verbs.check || !due || nodes.is_empty() {
+            return;
+        }
+        self.watched = Some(tokio::time::Instant::now());
+        let mut call = self.request.clone();
+        call["nodes"] = json!(nodes);
+        call["attempt"] = json!(0);
+        call["wave"] = json!(record.rollout.wave);
+        let interval = self.engine.settings.health_interval;
+        let answers = health::check(io, &call, &nodes, interval).await;
+        let was_unhealthy = |node: &str| record.unhealthy.iter().any(|(n, _, _)| n == node);
+        for a in &answers {
+            if a.healthy == was_unhealthy(&a.node) {
+                io.answer(0, a).await;
+            }
+        }
+        let noted = answers
+            .iter()
+            .map(|a| (a.node.clone(), a.reason.clone()))
+            .collect();
+        self.engine.note_health(self.build, noted).await;
     }
 
     /// Wave `wave` put back: `activate` `previous` for the nodes an

@@ -602,3 +602,36 @@ async fn a_rollout_stays_on_the_embedded_worker_for_now() {
     assert_eq!(status, 409, "{refused}");
     assert_eq!(refused["reason"], "not_claimable");
 }
+
+#[tokio::test]
+async fn a_paused_rollout_is_watched_and_the_watch_decides_nothing() {
+    let dir = temp_dir("rollout-watch");
+    let (deployer, calls) = recording_deployer(&dir);
+    let opts = Options::default()
+        .deployer(&deployer)
+        .arg("--health-interval")
+        .arg("1s")
+        .arg("--rollout-watch-interval")
+        .arg("5s");
+    let s = Server::start_in(dir.join("berth"), opts).await;
+    let first = s.submit_ok("alice", json!({"n": 1})).await;
+    assert_eq!(s.wait_build(&first, "final").await["status"], "succeeded");
+    set_policy(&s, json!({"waves": [1], "pause_after": [1]})).await;
+    std::fs::remove_file(&calls).unwrap();
+    let build = s.submit_ok("alice", json!({"n": 2})).await;
+    wait_rollout(&s, &build, "paused").await;
+    // n1 goes bad while the rollout is paused: the watch sees it.
+    std::fs::write(calls.with_file_name("unhealthy"), "n1\n").unwrap();
+    eventually("the watch saw n1 unhealthy", || async {
+        s.build(&build).await["rollout"]["unhealthy"][0]["node"] == "n1"
+    })
+    .await;
+    let b = s.build(&build).await;
+    assert_eq!(b["rollout"]["state"], "paused", "the watch decides nothing");
+    assert!(
+        calls_of(&calls).iter().filter(|l| *l == "check n1").count() >= 2,
+        "the gate's check, then the watch's"
+    );
+    let (_, d) = s.json("/v1/deployments/alice").await;
+    assert_eq!(d["rollout"]["unhealthy_count"], 1);
+}
