@@ -219,6 +219,7 @@ pub fn metrics(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
         );
     }
     workers_exposition(ctx, &mut out)?;
+    rollout_exposition(&ctx.engine.read()?, &mut out)?;
     Ok(Reply::text(
         200,
         "text/plain; version=0.0.4",
@@ -227,6 +228,37 @@ pub fn metrics(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
 }
 
 /// The workers' part of `/metrics` (workers.md "What berth shows").
+/// `berth_rollouts{state}` and `berth_freezes_active{scope}`.
+fn rollout_exposition(rx: &crate::store::Rx, out: &mut String) -> Result<(), ApiError> {
+    use crate::store::Lookup;
+    let mut rollouts: std::collections::BTreeMap<&str, u64> = std::collections::BTreeMap::new();
+    for (build, _) in rx.running()? {
+        if let Some(r) = rx.rollout(build)? {
+            *rollouts.entry(r.rollout.state.as_str()).or_default() += 1;
+        }
+    }
+    let _ = writeln!(
+        out,
+        "# HELP berth_rollouts Rollouts of running builds by state.\n# TYPE berth_rollouts gauge"
+    );
+    for (state, n) in rollouts {
+        let _ = writeln!(out, "berth_rollouts{{state=\"{state}\"}} {n}");
+    }
+    let now = crate::model::now_millis();
+    let (mut global, mut own) = (0u64, 0u64);
+    for (key, f) in rx.freezes()? {
+        if crate::engine::freeze::is_active(&f, now) {
+            if key == crate::model::GLOBAL_FREEZE {
+                global += 1;
+            } else {
+                own += 1;
+            }
+        }
+    }
+    let _ = writeln!(out, "# HELP berth_freezes_active Active freezes by scope.\n# TYPE berth_freezes_active gauge\nberth_freezes_active{{scope=\"global\"}} {global}\nberth_freezes_active{{scope=\"deployment\"}} {own}");
+    Ok(())
+}
+
 fn workers_exposition(ctx: &Ctx, out: &mut String) -> Result<(), ApiError> {
     use crate::engine::attempts::{ATTEMPTS_LOST, REFUSED_STALE};
     use crate::store::Lookup;
@@ -288,31 +320,6 @@ fn workers_exposition(ctx: &Ctx, out: &mut String) -> Result<(), ApiError> {
     let polls = ctx.polls.held(super::workers::ALL_POLLS);
     let _ = writeln!(out, "# HELP berth_worker_polls Open worker polls.\n# TYPE berth_worker_polls gauge\nberth_worker_polls {polls}");
     let _ = writeln!(out, "# HELP berth_builds_waiting_for_worker Queued builds the embedded worker cannot take.\n# TYPE berth_builds_waiting_for_worker gauge\nberth_builds_waiting_for_worker {waiting}");
-    let mut rollouts: std::collections::BTreeMap<&str, u64> = std::collections::BTreeMap::new();
-    for (build, _) in rx.running()? {
-        if let Some(r) = rx.rollout(build)? {
-            *rollouts.entry(r.rollout.state.as_str()).or_default() += 1;
-        }
-    }
-    let _ = writeln!(
-        out,
-        "# HELP berth_rollouts Rollouts of running builds by state.\n# TYPE berth_rollouts gauge"
-    );
-    for (state, n) in rollouts {
-        let _ = writeln!(out, "berth_rollouts{{state=\"{state}\"}} {n}");
-    }
-    let now = crate::model::now_millis();
-    let (mut global, mut own) = (0u64, 0u64);
-    for (key, f) in rx.freezes()? {
-        if crate::engine::freeze::is_active(&f, now) {
-            if key == crate::model::GLOBAL_FREEZE {
-                global += 1;
-            } else {
-                own += 1;
-            }
-        }
-    }
-    let _ = writeln!(out, "# HELP berth_freezes_active Active freezes by scope.\n# TYPE berth_freezes_active gauge\nberth_freezes_active{{scope=\"global\"}} {global}\nberth_freezes_active{{scope=\"deployment\"}} {own}");
     let stored = rx.work_state_bytes()?;
     let _ = writeln!(out, "# HELP berth_work_state_bytes Compressed bytes of the stored work states.\n# TYPE berth_work_state_bytes gauge\nberth_work_state_bytes {stored}");
     Ok(())

@@ -160,33 +160,11 @@ impl Engine {
         forward.abort();
         let halted = *halt.borrow();
         let (ended, result) = self.collect_run(build, &root, ended, pgid).await;
-        // The health step: a deploy that exited 0 with a valid result, and
-        // a deployer that can check its nodes (lifecycle.md).
-        let mut health = None;
-        if let (Ok(Ended::Exit(0)), Some(Ok(nodes))) = (&ended, &result) {
-            let after = match build.kind {
-                BuildKind::Deploy => self.after_deploy(snaps).await,
-                BuildKind::Destroy => AfterDeploy::Nothing,
-            };
-            let changed = nodes
-                .iter()
-                .filter(|n| n.changed)
-                .map(|n| n.name.clone())
-                .collect();
-            let mut cancel = halt.clone();
-            health = match after {
-                AfterDeploy::Nothing => None,
-                AfterDeploy::HealthStep => Some(
-                    self.health_step(build, &request, changed, &mut pipe, &mut cancel)
-                        .await,
-                ),
-                AfterDeploy::Rollout(verbs) => Some(
-                    self.rollout_step(build, &request, changed, verbs, &mut pipe, &mut cancel)
-                        .await,
-                ),
-            };
-            pipe.wait_all().await;
-        }
+        // The health step or the rollout: a deploy that exited 0 with a
+        // valid result.
+        let health = self
+            .after_a_good_deploy(build, snaps, &request, (&ended, &result), &mut pipe, &halt)
+            .await;
         let halted = match (&ended, &health) {
             (_, Some(HealthEnd::Halted(h))) => *h,
             (Ok(Ended::Cancelled), _) => halted,
@@ -202,6 +180,45 @@ impl Engine {
             halted,
             work_state_problem: None,
         }
+    }
+
+    /// The health step, or the rollout, of a deploy that exited 0 with a
+    /// valid result; `None` for anything else.
+    async fn after_a_good_deploy(
+        self: &Arc<Self>,
+        build: &BuildRecord,
+        snaps: &BuildSnapshots,
+        request: &serde_json::Value,
+        (ended, result): (&Result<Ended, Failure>, &Option<CheckedResult>),
+        pipe: &mut LogPipe,
+        halt: &watch::Receiver<Halt>,
+    ) -> Option<HealthEnd> {
+        let (Ok(Ended::Exit(0)), Some(Ok(nodes))) = (ended, result) else {
+            return None;
+        };
+        let after = match build.kind {
+            BuildKind::Deploy => self.after_deploy(snaps).await,
+            BuildKind::Destroy => AfterDeploy::Nothing,
+        };
+        let changed = nodes
+            .iter()
+            .filter(|n| n.changed)
+            .map(|n| n.name.clone())
+            .collect();
+        let mut cancel = halt.clone();
+        let end = match after {
+            AfterDeploy::Nothing => None,
+            AfterDeploy::HealthStep => Some(
+                self.health_step(build, request, changed, pipe, &mut cancel)
+                    .await,
+            ),
+            AfterDeploy::Rollout(verbs) => Some(
+                self.rollout_step(build, request, changed, verbs, pipe, &mut cancel)
+                    .await,
+            ),
+        };
+        pipe.wait_all().await;
+        end
     }
 
     /// What follows a deploy that exited 0 with a valid result: a rollout
@@ -577,6 +594,10 @@ pub fn start_tx(
     ))?;
     Ok(Some((b, snaps)))
 }
+
+/// A deploy's result, read and checked: its nodes, or why it breaks the
+/// protocol.
+type CheckedResult = Result<Vec<super::outcome::NodeOutcome>, String>;
 
 /// What follows a deploy that exited 0 with a valid result.
 enum AfterDeploy {

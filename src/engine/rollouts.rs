@@ -537,6 +537,27 @@ impl Engine {
     }
 }
 
+/// The nodes of `waves` whose `activate` answered `false`.
+fn not_activated(waves: &[&Wave]) -> BTreeMap<String, String> {
+    waves
+        .iter()
+        .flat_map(|w| w.activated.iter())
+        .filter(|(_, ok)| !**ok)
+        .map(|(node, _)| (node.clone(), "not activated".to_string()))
+        .collect()
+}
+
+/// Why a gate failed: the wave, its first unhealthy node and the reason.
+fn gate_failure(wave: usize, over: &Wave, unhealthy: &BTreeMap<String, String>) -> String {
+    match over.nodes.iter().find(|n| unhealthy.contains_key(*n)) {
+        Some(n) => format!(
+            "wave {wave}: node {n} was not healthy in time: {}",
+            unhealthy[n]
+        ),
+        None => format!("wave {wave}: the gate did not pass"),
+    }
+}
+
 /// What a pause, abort or resume leaves on the record.
 fn take_note(after: &mut RolloutRecord, noted: &Noted) {
     match &noted.event {
@@ -790,16 +811,11 @@ impl Run {
 
     /// The gate: `check` the nodes at once and every `--health-interval`
     /// until each wave has at most its allowance of unhealthy nodes, or
-    /// the deadline passes.
+    /// the deadline passes. Without checks (`--health-timeout 0` and no
+    /// deadline in the policy, or no `check` verb) the `activate` answers
+    /// alone decide it, at once.
     async fn gate(&mut self, io: &mut PipeHealth<'_>, record: &RolloutRecord, nodes: Vec<String>) {
-        // The policy the rollout started with, not one set since.
-        let policy = serde_json::from_str::<Value>(&record.policy)
-            .map_err(|e| e.to_string())
-            .and_then(|v| Policy::parse(&v).map_err(|_| "it breaks its rules".to_string()))
-            .unwrap_or_else(|why| {
-                tracing::error!(build = %format_build_id(self.build), error = %why, "a rollout's stored policy cannot be read; its gates allow no unhealthy node");
-                Policy::default()
-            });
+        let policy = self.started_policy(record);
         let settings = &self.engine.settings;
         let interval = settings.health_interval;
         let deadline_after = match policy.progress_deadline_seconds {
@@ -807,8 +823,6 @@ impl Run {
             None => settings.health_timeout,
         };
         let checks = self.verbs.check && !deadline_after.is_zero();
-        // Without checks a gate has no time to wait for: activate answers
-        // alone decide it.
         let deadline = tokio::time::Instant::now() + deadline_after;
         let waves: Vec<&Wave> = record
             .rollout
@@ -818,32 +832,11 @@ impl Run {
             .collect();
         let mut attempt: u32 = 1;
         loop {
-            let mut unhealthy: BTreeMap<String, String> = BTreeMap::new();
-            for w in &waves {
-                for (node, ok) in &w.activated {
-                    if !ok {
-                        unhealthy.insert(node.clone(), "not activated".into());
-                    }
-                }
-            }
+            let mut unhealthy = not_activated(&waves);
             if checks {
-                let mut call = self.request.clone();
-                call["nodes"] = json!(nodes);
-                call["attempt"] = json!(attempt);
-                call["wave"] = json!(record.rollout.wave);
-                let answers = health::check(io, &call, &nodes, interval).await;
-                for a in &answers {
-                    io.answer(attempt, a).await;
-                    if !a.healthy {
-                        let reason = a.reason.clone().unwrap_or_else(|| "unhealthy".into());
-                        unhealthy.entry(a.node.clone()).or_insert(reason);
-                    }
+                for (node, reason) in self.check_gate(io, record, &nodes, attempt).await {
+                    unhealthy.entry(node).or_insert(reason);
                 }
-                let noted = answers
-                    .iter()
-                    .map(|a| (a.node.clone(), a.reason.clone()))
-                    .collect();
-                self.engine.note_health(self.build, noted).await;
             }
             let over = waves.iter().find(|w| {
                 let bad = w
@@ -860,15 +853,8 @@ impl Run {
             };
             let out_of_time = !checks || tokio::time::Instant::now() + interval > deadline;
             if out_of_time || io.halted() != Halt::No || self.aborted().await {
-                let node = over.nodes.iter().find(|n| unhealthy.contains_key(*n));
-                let detail = match node {
-                    Some(n) => format!(
-                        "wave {}: node {n} was not healthy in time: {}",
-                        record.rollout.wave, unhealthy[n]
-                    ),
-                    None => format!("wave {}: the gate did not pass", record.rollout.wave),
-                };
                 if io.halted() == Halt::No && !self.aborted().await {
+                    let detail = gate_failure(record.rollout.wave, over, &unhealthy);
                     self.apply(Noted::by(Event::GateFailed, "health", detail))
                         .await;
                 }
@@ -881,6 +867,46 @@ impl Run {
             }
             attempt = attempt.saturating_add(1);
         }
+    }
+
+    /// The policy the rollout started with, not one set since.
+    fn started_policy(&self, record: &RolloutRecord) -> Policy {
+        serde_json::from_str::<Value>(&record.policy)
+            .map_err(|e| e.to_string())
+            .and_then(|v| Policy::parse(&v).map_err(|_| "it breaks its rules".to_string()))
+            .unwrap_or_else(|why| {
+                tracing::error!(build = %format_build_id(self.build), error = %why, "a rollout's stored policy cannot be read; its gates allow no unhealthy node");
+                Policy::default()
+            })
+    }
+
+    /// One `check` of a gate: each answer a `health` event and noted on
+    /// the rollout; the unhealthy nodes with their reasons.
+    async fn check_gate(
+        &self,
+        io: &mut PipeHealth<'_>,
+        record: &RolloutRecord,
+        nodes: &[String],
+        attempt: u32,
+    ) -> Vec<(String, String)> {
+        let mut call = self.request.clone();
+        call["nodes"] = json!(nodes);
+        call["attempt"] = json!(attempt);
+        call["wave"] = json!(record.rollout.wave);
+        let answers = health::check(io, &call, nodes, self.engine.settings.health_interval).await;
+        for a in &answers {
+            io.answer(attempt, a).await;
+        }
+        let noted = answers
+            .iter()
+            .map(|a| (a.node.clone(), a.reason.clone()))
+            .collect();
+        self.engine.note_health(self.build, noted).await;
+        answers
+            .into_iter()
+            .filter(|a| !a.healthy)
+            .map(|a| (a.node, a.reason.unwrap_or_else(|| "unhealthy".into())))
+            .collect()
     }
 
     /// Whether the rollout is being aborted (an action came meanwhile).
