@@ -65,9 +65,8 @@ fn millis(t: OffsetDateTime) -> Millis {
     i64::try_from(t.unix_timestamp_nanos() / 1_000_000).unwrap_or(i64::MAX)
 }
 
-/// A stored window, resolved (`None` when the stored one no longer
-/// resolves, which a set never stores).
-fn window_of(w: &FreezeWindow) -> Option<crate::window::Window> {
+/// A freeze's window, resolved under its rules.
+fn resolve(w: &FreezeWindow) -> Result<crate::window::Window, crate::window::InvalidPolicy> {
     crate::window::Window::for_freeze(
         w.frequency,
         w.day,
@@ -75,7 +74,12 @@ fn window_of(w: &FreezeWindow) -> Option<crate::window::Window> {
         w.duration_minutes,
         &w.time_zone,
     )
-    .ok()
+}
+
+/// A stored window, resolved (`None` when the stored one no longer
+/// resolves, which a set never stores).
+fn window_of(w: &FreezeWindow) -> Option<crate::window::Window> {
+    resolve(w).ok()
 }
 
 /// Whether `f` is active at `now`: before its `until`, and inside its
@@ -183,14 +187,7 @@ pub fn check_until(until: Option<Millis>, now: Millis) -> Result<(), (&'static s
 
 /// Checks a freeze's window against its rules.
 pub fn check_window(w: &FreezeWindow) -> Result<(), crate::window::InvalidPolicy> {
-    crate::window::Window::for_freeze(
-        w.frequency,
-        w.day,
-        &w.start,
-        w.duration_minutes,
-        &w.time_zone,
-    )
-    .map(drop)
+    resolve(w).map(drop)
 }
 
 impl Engine {

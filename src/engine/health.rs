@@ -283,6 +283,25 @@ pub(super) struct PipeHealth<'a> {
     pub(super) cancel: &'a mut watch::Receiver<Halt>,
 }
 
+impl<'a> PipeHealth<'a> {
+    /// The embedded worker's side of `build`'s calls: its work dir, its
+    /// log pipe, its halt signal.
+    pub(super) fn of(
+        engine: &'a Arc<Engine>,
+        build: &BuildRecord,
+        pipe: &'a mut LogPipe,
+        cancel: &'a mut watch::Receiver<Halt>,
+    ) -> PipeHealth<'a> {
+        PipeHealth {
+            engine,
+            build: build.id,
+            work_dir: engine.settings.work_dir(&build.deployment),
+            pipe,
+            cancel,
+        }
+    }
+}
+
 impl HealthIo for PipeHealth<'_> {
     async fn call(&mut self, verb: &'static str, request: &Value, limit: Duration) -> CallEnd {
         self.engine
@@ -333,13 +352,7 @@ impl Engine {
             interval: self.settings.health_interval,
             timeout: self.settings.health_timeout,
         };
-        let mut io = PipeHealth {
-            engine: self,
-            build: build.id,
-            work_dir: self.settings.work_dir(&build.deployment),
-            pipe,
-            cancel,
-        };
+        let mut io = PipeHealth::of(self, build, pipe, cancel);
         health_step(&mut io, limits, request, changed).await
     }
 

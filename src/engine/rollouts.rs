@@ -482,13 +482,7 @@ impl Engine {
             tracing::error!(error = %e, build = %format_build_id(build.id), "cannot store a rollout's plan");
             return HealthEnd::Failed("the rollout's plan could not be stored".into());
         }
-        let mut io = PipeHealth {
-            engine: self,
-            build: build.id,
-            work_dir: self.settings.work_dir(&build.deployment),
-            pipe,
-            cancel,
-        };
+        let mut io = PipeHealth::of(self, build, pipe, cancel);
         let mut run = Run {
             engine: self.clone(),
             build: build.id,
