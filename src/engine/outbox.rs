@@ -32,7 +32,8 @@ pub const EVENT_TYPES: [&str; 15] = [
 ];
 /// Queues `event_type` for every subscription that wants it, in `tx` (the
 /// transaction of the change it reports). `deployment` filters by the
-/// subscriptions' `deployments`; `only` names one subscription (a ping).
+/// subscriptions' `deployments` (`None`: only those with none); `only`
+/// names one subscription (a ping).
 /// `data` is built only when some subscription wants the event: every
 /// build's change of status passes here, on the store's writer thread,
 /// and most stores have no subscription at all.
@@ -53,9 +54,12 @@ pub fn outbox(
             Some(o) => o == *id,
             None => w.events.iter().any(|e| e == "*" || e == event_type),
         })
-        .filter(|(_, w)| match (&w.deployments, deployment) {
-            (Some(list), Some(dep)) => list.iter().any(|d| d == dep),
-            _ => true,
+        .filter(|(_, w)| match (&w.deployments, deployment, only) {
+            (Some(list), Some(dep), _) => list.iter().any(|d| d == dep),
+            // An event of no deployment (the global freeze's) reaches only
+            // subscriptions to every deployment; a ping, the one it names.
+            (Some(_), None, None) => false,
+            (Some(_), None, Some(_)) | (None, _, _) => true,
         })
         .map(|(id, _)| id)
         .collect();

@@ -635,3 +635,45 @@ async fn a_paused_rollout_is_watched_and_the_watch_decides_nothing() {
     let (_, d) = s.json("/v1/deployments/alice").await;
     assert_eq!(d["rollout"]["unhealthy_count"], 1);
 }
+
+#[tokio::test]
+async fn the_global_freezes_webhooks_reach_only_subscriptions_to_every_deployment() {
+    let dir = temp_dir("freeze-webhooks");
+    let (deployer, _) = recording_deployer(&dir);
+    let opts = Options::default()
+        .deployer(&deployer)
+        .arg("--webhook-origin")
+        .arg("http://127.0.0.1:9");
+    let server = Server::start_in(dir.join("berth"), opts).await;
+    let s = &server;
+    s.submit_ok("alice", json!({"n": 1})).await;
+    let subscribe = |deployments: Value| {
+        let body = json!({"url": "http://127.0.0.1:9/hook", "events": ["freeze.set"], "deployments": deployments});
+        async move {
+            let (status, made) = read(s.post("/v1/webhooks", &body).send().await.unwrap()).await;
+            assert_eq!(status, 201, "{made}");
+            made["id"].as_str().unwrap().to_string()
+        }
+    };
+    let everyone = subscribe(Value::Null).await;
+    let alice_only = subscribe(json!(["alice"])).await;
+    let count = |id: String| async move {
+        let (_, page) = s.json(&format!("/v1/webhooks/{id}/deliveries")).await;
+        page["items"].as_array().map_or(0, Vec::len)
+    };
+    put_freeze(&s, "/v1/freeze", json!({"reason": "all of it"})).await;
+    assert_eq!(count(everyone.clone()).await, 1);
+    assert_eq!(
+        count(alice_only.clone()).await,
+        0,
+        "the global freeze is no one deployment's"
+    );
+    put_freeze(
+        &s,
+        "/v1/deployments/alice/freeze",
+        json!({"reason": "alice"}),
+    )
+    .await;
+    assert_eq!(count(everyone).await, 2);
+    assert_eq!(count(alice_only).await, 1);
+}
