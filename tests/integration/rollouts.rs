@@ -661,7 +661,7 @@ async fn the_global_freezes_webhooks_reach_only_subscriptions_to_every_deploymen
         let (_, page) = s.json(&format!("/v1/webhooks/{id}/deliveries")).await;
         page["items"].as_array().map_or(0, Vec::len)
     };
-    put_freeze(&s, "/v1/freeze", json!({"reason": "all of it"})).await;
+    put_freeze(s, "/v1/freeze", json!({"reason": "all of it"})).await;
     assert_eq!(count(everyone.clone()).await, 1);
     assert_eq!(
         count(alice_only.clone()).await,
