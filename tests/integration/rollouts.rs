@@ -669,7 +669,7 @@ async fn the_global_freezes_webhooks_reach_only_subscriptions_to_every_deploymen
         "the global freeze is no one deployment's"
     );
     put_freeze(
-        &s,
+        s,
         "/v1/deployments/alice/freeze",
         json!({"reason": "alice"}),
     )
