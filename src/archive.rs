@@ -131,6 +131,7 @@ fn append(
     let meta = std::fs::symlink_metadata(&full).map_err(|e| unreadable(&full, &e))?;
     let mut header = tar::Header::new_ustar();
     header.set_mode(meta.mode() & 0o7777);
+    // A tar mtime cannot be before 1970: an older file is archived at 0.
     header.set_mtime(u64::try_from(meta.mtime()).unwrap_or(0));
     header.set_uid(0);
     header.set_gid(0);

@@ -234,6 +234,40 @@ pub struct Checked {
     pub supported: bool,
 }
 
+/// Why the action may not run now: a bad rollback target, or the first
+/// reason the `actions` list shows (the list and the route never disagree).
+fn refusal(
+    tx: &Tx,
+    d: &DeploymentRecord,
+    call: &ActionCall,
+    checked: &Checked,
+    earlier_build: bool,
+) -> StoreResult<Option<Refusal>> {
+    let named = checked.named;
+    // A named target is judged before the list: one answer for every bad
+    // target (lifecycle.md), whatever the default target would be.
+    if let (Named::Rollback, Some(target)) = (named, call.target) {
+        if !tx.is_rollback_target(d, target)? {
+            return Ok(Some(Refusal::ActionRefused(Reason::RollbackTargetInvalid)));
+        }
+    }
+    let rollout = match d.running {
+        Some(b) => tx.rollout(b)?,
+        None => None,
+    };
+    let held = super::freeze::holding(tx, &d.id, now_millis())?;
+    let facts = Facts {
+        supported: |name: &str| name == named.name() && checked.supported,
+        earlier_build,
+        rollout: rollout.as_ref().map(|r| &r.rollout),
+        frozen: held.is_some(),
+    };
+    let action = list(d, &facts).into_iter().find(|a| a.name == named.name());
+    Ok(action
+        .and_then(|a| a.reason)
+        .map(|reason| super::freeze::action_refusal(reason, &held)))
+}
+
 /// The action's write job (it may run again alone; see `Store::write`).
 pub fn act_tx(
     tx: &Tx,
@@ -258,36 +292,8 @@ pub fn act_tx(
         return Ok(Acted::DescribeAgain);
     }
     let earlier = tx.rollback_target(&d)?;
-    // A named target is judged before the list: one answer for every bad
-    // target (lifecycle.md), whatever the default target would be.
-    if let (Named::Rollback, Some(target)) = (named, call.target) {
-        if !tx.is_rollback_target(&d, target)? {
-            return Ok(Acted::Refused(Refusal::ActionRefused(
-                Reason::RollbackTargetInvalid,
-            )));
-        }
-    }
-    let rollout = match d.running {
-        Some(b) => tx.rollout(b)?,
-        None => None,
-    };
-    let held = super::freeze::holding(tx, id, now_millis())?;
-    let facts = Facts {
-        supported: |name: &str| name == named.name() && checked.supported,
-        earlier_build: earlier.is_some(),
-        rollout: rollout.as_ref().map(|r| &r.rollout),
-        frozen: held.is_some(),
-    };
-    let action = list(&d, &facts)
-        .into_iter()
-        .find(|a| a.name == named.name());
-    match (action.and_then(|a| a.reason), &held) {
-        // A freeze's refusal says whose freeze and quotes its reason.
-        (Some(Reason::Frozen), Some((scope, f))) => {
-            return Ok(Acted::Refused(super::freeze::refusal(scope, f)))
-        }
-        (Some(reason), _) => return Ok(Acted::Refused(Refusal::ActionRefused(reason))),
-        (None, _) => {}
+    if let Some(refusal) = refusal(tx, &d, call, checked, earlier.is_some())? {
+        return Ok(Acted::Refused(refusal));
     }
     let Some(deployed) = d.deployed.clone() else {
         return Ok(Acted::Refused(Refusal::ActionRefused(Reason::NotDeployed)));

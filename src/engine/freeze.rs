@@ -133,6 +133,18 @@ pub fn refusal(scope: &Scope, f: &FreezeRecord) -> Refusal {
     }
 }
 
+/// The refusal of an action the `actions` list shows disabled: a freeze's
+/// says whose freeze and quotes its reason, the others give their code.
+pub fn action_refusal(
+    reason: super::refusal::ActionReason,
+    held: &Option<(Scope, FreezeRecord)>,
+) -> Refusal {
+    match (reason, held) {
+        (super::refusal::ActionReason::Frozen, Some((scope, f))) => refusal(scope, f),
+        (reason, _) => Refusal::ActionRefused(reason),
+    }
+}
+
 /// A freeze as the API shows it.
 pub fn view(scope: &Scope, f: &FreezeRecord, now: Millis) -> Value {
     json!({

@@ -453,27 +453,12 @@ pub fn submit_tx(
         return Err(crate::store::StoreError::injected("submit.job"));
     }
     let change = Change::new(tx, hub);
-    if let Some((scope, f)) = super::freeze::holding(tx, &s.id, change.now())? {
-        return Ok(Err(super::freeze::refusal(&scope, &f)));
-    }
     let existing = tx.deployment(&s.id)?;
-    if let Some(d) = &existing {
-        if d.suspended {
-            return Ok(Err(Refusal::Conflict(Conflict::Suspended)));
-        }
-        if s.mode == Mode::Replace && d.running.is_some() {
-            return Ok(Err(Refusal::QueueFull(QueueFull::BuildRunning)));
-        }
-        if let Err(refusal) = check_queue_room(d, s.max_queued) {
-            return Ok(Err(refusal));
-        }
-    }
     let registered = tx.source(&s.snapshot.source.digest)?;
-    if registered
-        .as_ref()
-        .is_some_and(|registered| *registered != s.snapshot.source)
+    if let Some(refusal) =
+        submit_refusal(tx, s, existing.as_ref(), registered.as_ref(), change.now())?
     {
-        return Ok(Err(Refusal::Conflict(Conflict::SourceImmutable)));
+        return Ok(Err(refusal));
     }
     let now = change.now();
     let mut d = existing.unwrap_or_else(|| DeploymentRecord {
@@ -534,6 +519,36 @@ pub fn submit_tx(
     };
     record.store(&change, &submitted)?;
     Ok(Ok(submitted))
+}
+
+/// Why a submit may not be stored now, in the order of the checks: a
+/// freeze, a suspended deployment, a running build it would replace, a
+/// full queue, a digest registered with another url or rev.
+fn submit_refusal(
+    tx: &Tx,
+    s: &SubmitRecord,
+    existing: Option<&DeploymentRecord>,
+    registered: Option<&Source>,
+    now: Millis,
+) -> StoreResult<Option<Refusal>> {
+    if let Some((scope, f)) = super::freeze::holding(tx, &s.id, now)? {
+        return Ok(Some(super::freeze::refusal(&scope, &f)));
+    }
+    if let Some(d) = existing {
+        if d.suspended {
+            return Ok(Some(Refusal::Conflict(Conflict::Suspended)));
+        }
+        if s.mode == Mode::Replace && d.running.is_some() {
+            return Ok(Some(Refusal::QueueFull(QueueFull::BuildRunning)));
+        }
+        if let Err(refusal) = check_queue_room(d, s.max_queued) {
+            return Ok(Some(refusal));
+        }
+    }
+    if registered.is_some_and(|registered| *registered != s.snapshot.source) {
+        return Ok(Some(Refusal::Conflict(Conflict::SourceImmutable)));
+    }
+    Ok(None)
 }
 
 /// The delete's write job: a destroy of what is deployed (or of the last

@@ -272,12 +272,8 @@ impl Engine {
                 };
                 let held = super::freeze::holding(tx, &id, now_millis())?;
                 let disabled = action.disabled(found.as_ref().map(|r| &r.rollout), held.is_some());
-                match (disabled, &held) {
-                    (Some(ActionReason::Frozen), Some((scope, f))) => {
-                        return Ok(Err(super::freeze::refusal(scope, f)))
-                    }
-                    (Some(reason), _) => return Ok(Err(Refusal::ActionRefused(reason))),
-                    (None, _) => {}
+                if let Some(reason) = disabled {
+                    return Ok(Err(super::freeze::action_refusal(reason, &held)));
                 }
                 let Some(before) = found else {
                     return Ok(Err(Refusal::ActionRefused(ActionReason::NoRollout)));

@@ -495,6 +495,10 @@ fn hex(bytes: &[u8]) -> String {
 }
 
 /// A store row as the values of its relational row, in column order.
+///
+/// One arm per kind of row: the match is exhaustive on purpose (a
+/// new table does not compile until it is decided here), so its length
+/// is the number of tables, not logic to follow.
 pub fn to_values(row: &Row) -> Result<Vec<Value>, String> {
     use Value as V;
     Ok(match row {
@@ -796,6 +800,10 @@ pub fn from_values(table: &RelTable, values: Vec<Value>) -> Result<Row, String> 
 const MAX_KEY_CHARS_SHOWN: usize = 64;
 
 /// A relational row read from its canonical columns.
+///
+/// One arm per carried table: the match is exhaustive on purpose (a
+/// new table does not compile until it is decided here), so its length
+/// is the number of tables, not logic to follow.
 fn row_of(table: &RelTable, values: Vec<Value>) -> Result<Row, String> {
     if values.len() != table.columns.len() {
         return Err(format!(

@@ -391,24 +391,13 @@ fn deploy(request: &Value) -> VerbResult {
                 node.name
             )));
         }
-        if activate::enabled() {
-            // berth activates it later, a wave at a time (`activate`).
-            let pending = activate::pending_path(&work, &node.name);
-            crate::durable::create_dir_all(&work.join("pending"), 0o777)
-                .and_then(|_| write_atomically(&pending, text.as_bytes()))
-                .map_err(|e| fail(format!("cannot write {}: {e}", pending.display())))?;
-            step(&format!("node {} is built; berth activates it", node.name)).map_err(term)?;
-        } else {
-            write_atomically(&path, text.as_bytes())
-                .map_err(|e| fail(format!("cannot write {}: {e}", path.display())))?;
-            activated.push(node.name.clone());
-            write_state(&work, deployment, &activated, suspended).map_err(fail)?;
-            step(&format!(
-                "activating node {}: switching to configuration",
-                node.name
-            ))
-            .map_err(term)?;
-        }
+        place(
+            &work,
+            node,
+            &text,
+            &path,
+            (deployment, &mut activated, suspended),
+        )?;
         let sbom_rel = format!("sbom/{}.cdx.json", node.name);
         let sbom = match write_sbom(&scratch.join(&sbom_rel), node) {
             Ok(()) => json!({"status": "ready", "path": sbom_rel}),
@@ -436,6 +425,35 @@ fn deploy(request: &Value) -> VerbResult {
     write_state(&work, deployment, &activated, suspended).map_err(fail)?;
     println!("deployment {deployment} is active");
     Ok(Some(json!({"nodes": results})))
+}
+
+/// A changed node's render: pending for berth to activate it (with
+/// `BERTH_LOCAL_ACTIVATE=1`), else activated here and now.
+fn place(
+    work: &Path,
+    node: &Node,
+    text: &str,
+    path: &Path,
+    (deployment, activated, suspended): (&str, &mut Vec<String>, bool),
+) -> Result<(), (Option<Value>, i32)> {
+    let term = |_| (None, EXIT_TERMINATED);
+    if activate::enabled() {
+        // berth activates it later, a wave at a time (`activate`).
+        let pending = activate::pending_path(work, &node.name);
+        crate::durable::create_dir_all(&work.join("pending"), 0o777)
+            .and_then(|_| write_atomically(&pending, text.as_bytes()))
+            .map_err(|e| fail(format!("cannot write {}: {e}", pending.display())))?;
+        return step(&format!("node {} is built; berth activates it", node.name)).map_err(term);
+    }
+    write_atomically(path, text.as_bytes())
+        .map_err(|e| fail(format!("cannot write {}: {e}", path.display())))?;
+    activated.push(node.name.clone());
+    write_state(work, deployment, activated, suspended).map_err(fail)?;
+    step(&format!(
+        "activating node {}: switching to configuration",
+        node.name
+    ))
+    .map_err(term)
 }
 
 fn destroy(request: &Value) -> VerbResult {

@@ -259,6 +259,10 @@ impl Rx {
     }
 
     /// Every row of the carried `table`, in key order, to `each`.
+    ///
+    /// One arm per carried table: the match is exhaustive on purpose (a
+    /// new table does not compile until it is decided here), so its length
+    /// is the number of tables, not logic to follow.
     pub fn dump(&self, table: Table, each: Sink<'_>) -> StoreResult<()> {
         if !self.has_table(table)? {
             return Ok(());
@@ -568,6 +572,10 @@ impl Loader {
     }
 
     /// Writes one row and the index entries it implies.
+    ///
+    /// One arm per kind of row: the match is exhaustive on purpose (a
+    /// new table does not compile until it is decided here), so its length
+    /// is the number of tables, not logic to follow.
     pub fn load(&mut self, row: Row) -> StoreResult<()> {
         let tx = Tx::new(&self.txn, None);
         match row {

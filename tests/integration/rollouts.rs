@@ -60,14 +60,22 @@ fn calls_of(file: &Path) -> Vec<String> {
 }
 
 async fn rollout_server(tag: &str) -> (Server, PathBuf) {
+    rollout_server_with(tag, &[]).await
+}
+
+/// berth on the recording deployer (checks every second), with more flags.
+async fn rollout_server_with(tag: &str, flags: &[&str]) -> (Server, PathBuf) {
     let dir = temp_dir(tag);
     let (deployer, calls) = recording_deployer(&dir);
-    let opts = Options::default()
+    let mut opts = Options::default()
         .deployer(&deployer)
         .arg("--health-interval")
         .arg("1s")
         .arg("--update-interval")
         .arg("1s");
+    for flag in flags {
+        opts = opts.arg(flag);
+    }
     (Server::start_in(dir.join("berth"), opts).await, calls)
 }
 
@@ -556,13 +564,7 @@ async fn the_local_deployer_activates_in_waves_and_an_abort_puts_its_nodes_back(
 
 #[tokio::test]
 async fn a_rollout_stays_on_the_embedded_worker_for_now() {
-    let dir = temp_dir("rollout-not-remote");
-    let (deployer, _) = recording_deployer(&dir);
-    let opts = Options::default()
-        .deployer(&deployer)
-        .arg("--local-worker")
-        .arg("off");
-    let s = Server::start_in(dir.join("berth"), opts).await;
+    let (s, _) = rollout_server_with("rollout-not-remote", &["--local-worker", "off"]).await;
     let build = s.submit_ok("alice", json!({"n": 1})).await;
     let (status, made) = read(
         s.post("/v1/tokens", &json!({"name": "w1", "kind": "worker"}))
@@ -605,15 +607,8 @@ async fn a_rollout_stays_on_the_embedded_worker_for_now() {
 
 #[tokio::test]
 async fn a_paused_rollout_is_watched_and_the_watch_decides_nothing() {
-    let dir = temp_dir("rollout-watch");
-    let (deployer, calls) = recording_deployer(&dir);
-    let opts = Options::default()
-        .deployer(&deployer)
-        .arg("--health-interval")
-        .arg("1s")
-        .arg("--rollout-watch-interval")
-        .arg("5s");
-    let s = Server::start_in(dir.join("berth"), opts).await;
+    let (s, calls) =
+        rollout_server_with("rollout-watch", &["--rollout-watch-interval", "5s"]).await;
     let first = s.submit_ok("alice", json!({"n": 1})).await;
     assert_eq!(s.wait_build(&first, "final").await["status"], "succeeded");
     set_policy(&s, json!({"waves": [1], "pause_after": [1]})).await;
@@ -638,13 +633,11 @@ async fn a_paused_rollout_is_watched_and_the_watch_decides_nothing() {
 
 #[tokio::test]
 async fn the_global_freezes_webhooks_reach_only_subscriptions_to_every_deployment() {
-    let dir = temp_dir("freeze-webhooks");
-    let (deployer, _) = recording_deployer(&dir);
-    let opts = Options::default()
-        .deployer(&deployer)
-        .arg("--webhook-origin")
-        .arg("http://127.0.0.1:9");
-    let server = Server::start_in(dir.join("berth"), opts).await;
+    let (server, _) = rollout_server_with(
+        "freeze-webhooks",
+        &["--webhook-origin", "http://127.0.0.1:9"],
+    )
+    .await;
     let s = &server;
     s.submit_ok("alice", json!({"n": 1})).await;
     let subscribe = |deployments: Value| {
