@@ -68,6 +68,28 @@ impl Engine {
                 )
             }
         };
+        self.conclude(build, outcome, work_state).await;
+    }
+
+    /// The end of a run on the embedded worker: the final commit, then its
+    /// slot comes free. A rollout halted by a shutdown is not ended: its
+    /// build stays `running` and goes on after the next start
+    /// (rollouts.md "With the rest of berth").
+    pub(super) async fn conclude(
+        self: &Arc<Self>,
+        build: BuildRecord,
+        outcome: Outcome,
+        work_state: NewWorkState,
+    ) {
+        let build_id = build.id;
+        if outcome.halted == Halt::Shutdown && self.rollout_goes_on(build_id) {
+            tracing::info!(build = %format_build_id(build_id), "the rollout stays running; it goes on after the next start");
+            // The deploy's result and SBOMs are stored with the plan.
+            if let Err(e) = std::fs::remove_dir_all(&outcome.root) {
+                tracing::warn!(error = %e, dir = %outcome.root.display(), "cannot remove a build's call dir; the next start empties it");
+            }
+            return self.release_slot(build_id);
+        }
         if self.finish(build, outcome, work_state).await {
             self.release_slot(build_id);
         }
@@ -213,7 +235,7 @@ impl Engine {
                     .await,
             ),
             AfterDeploy::Rollout(verbs) => Some(
-                self.rollout_step(build, request, changed, verbs, pipe, &mut cancel)
+                self.rollout_step(build, request, nodes, verbs, pipe, &mut cancel)
                     .await,
             ),
         };
@@ -237,6 +259,15 @@ impl Engine {
                 tracing::error!(digest = %snaps.snapshot.source.digest, error = %e.describe(), "cannot read a describe after a deploy; the build has no health step");
                 AfterDeploy::Nothing
             }
+        }
+    }
+
+    /// The verbs of a rollout's source, `None` when it no longer lists
+    /// `activate` (or cannot be described now).
+    pub(super) async fn rollout_verbs(&self, snaps: &BuildSnapshots) -> Option<Verbs> {
+        match self.after_deploy(snaps).await {
+            AfterDeploy::Rollout(verbs) => Some(verbs),
+            AfterDeploy::HealthStep | AfterDeploy::Nothing => None,
         }
     }
 
@@ -582,17 +613,28 @@ pub fn start_tx(
     }
     let change = Change::new(tx, hub);
     let snaps = change.start(&mut d, &mut b)?;
-    let last_fence = tx.last_attempt(build_id)?.map_or(0, |a| a.fence);
+    begin_local_attempt(tx, &b, incarnation, change.now())?;
+    Ok(Some((b, snaps)))
+}
+
+/// A new attempt of the embedded worker (`incarnation`) on `b`, without a
+/// lease, its fence above the last one's.
+pub fn begin_local_attempt(
+    tx: &Tx,
+    b: &BuildRecord,
+    incarnation: &str,
+    now: Millis,
+) -> StoreResult<()> {
+    let last_fence = tx.last_attempt(b.id)?.map_or(0, |a| a.fence);
     tx.put_attempt(&crate::authority::new_attempt(
-        build_id,
+        b.id,
         &b.deployment,
         crate::authority::LOCAL_WORKER,
         incarnation,
         last_fence,
-        change.now(),
+        now,
         None,
-    ))?;
-    Ok(Some((b, snaps)))
+    ))
 }
 
 /// A deploy's result, read and checked: its nodes, or why it breaks the
@@ -654,6 +696,7 @@ pub fn finish_tx(tx: &Tx, hub: &Arc<Hub>, build_id: BuildId, f: &Arc<Finished>) 
     });
     let mut d = tx.deployment(&b.deployment)?;
     end_attempt(tx, build_id, AttemptState::Ended)?;
+    tx.put_rollout_result::<()>(build_id, None)?;
     if b.kind == BuildKind::Destroy && f.end.status == BuildStatus::Succeeded {
         super::work_state::forget_tx(tx, &b.deployment)?;
     } else {

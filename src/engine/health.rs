@@ -357,7 +357,7 @@ impl Engine {
     }
 
     /// Lines of berth's own (or of a check's output, cut) into the log.
-    async fn log_lines(&self, pipe: &mut LogPipe, lines: &[String]) {
+    pub(super) async fn log_lines(&self, pipe: &mut LogPipe, lines: &[String]) {
         let lines = Lines::of(lines.iter().take(MAX_CALL_LINES_IN_LOG).map(String::as_str));
         if !lines.is_empty() {
             pipe.lines(lines).await;

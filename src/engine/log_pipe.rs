@@ -321,6 +321,15 @@ impl LogBuffer {
         log
     }
 
+    /// The buffer of a build of the embedded worker that goes on after a
+    /// restart (a rollout): as `resume`, with lines published before
+    /// they commit, so within the reservation.
+    pub fn after_restart(b: &BuildRecord, max_bytes: u64) -> Self {
+        let mut log = LogBuffer::resume(b, max_bytes, 0);
+        log.reserved = b.seq_reserved;
+        log
+    }
+
     /// Adds a line and returns its seq, or counts it as dropped (no seq)
     /// past `--max-log-bytes`.
     pub fn push(&mut self, line: &str) -> Option<u64> {

@@ -22,6 +22,7 @@ pub mod queue;
 pub mod recovery;
 pub mod refusal;
 pub mod requests;
+pub mod resume;
 pub mod rollouts;
 pub mod runner;
 pub mod sboms;
@@ -270,11 +271,13 @@ impl Engine {
         }))
     }
 
-    /// Tells long-lived tasks (event streams) that berth is stopping.
+    /// Tells long-lived tasks (event streams, rollouts between calls) that
+    /// berth is stopping.
     pub fn begin_shutdown(&self) {
         self.stopping
             .store(true, std::sync::atomic::Ordering::SeqCst);
         self.stop.send_replace(true);
+        self.wake_rollouts();
     }
 
     /// Commits `job` as a write that must land (`Urgency::Must`: it may

@@ -3,6 +3,8 @@
 //! (`build`): how it ended, who stopped it, and each node's SBOM prepared
 //! for the store. Data only, so none of those modules imports another for it.
 
+use serde::{Deserialize, Serialize};
+
 use crate::model::*;
 use crate::sbom;
 use crate::store::compress;
@@ -48,7 +50,8 @@ impl End {
 
 /// A node of a deploy result, with its SBOM read, checked and prepared for
 /// the store (split, canonical, compressed) off the async runtime.
-#[derive(Debug)]
+/// (A rollout stores its build's nodes with its plan: `Serialize`.)
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct NodeOutcome {
     pub name: String,
     pub changed: bool,
@@ -56,7 +59,7 @@ pub struct NodeOutcome {
     pub fingerprint: Option<String>,
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub enum SbomOutcome {
     Ready(PreparedSbom),
     /// Why the node has no SBOM from this deploy (a person reads it).
@@ -66,7 +69,7 @@ pub enum SbomOutcome {
 }
 
 /// A document split for the store.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct PreparedSbom {
     /// zstd of the skeleton's JSON text.
     pub skeleton: Vec<u8>,
@@ -79,7 +82,7 @@ pub struct PreparedSbom {
 /// a component already stored keeps only its text (compressed in the
 /// transaction only if it was collected meanwhile). With 90% of components
 /// shared, this spares most of the compression.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub enum ComponentBytes {
     Compressed(Vec<u8>),
     Known(String),

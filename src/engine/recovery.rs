@@ -1,6 +1,8 @@
 //! What happens at start, before `/readyz` turns ready (spec storage.md
 //! "Restart"): every build still `running` failed with
-//! `interrupted_by_restart`; a deployer that outlived a crashed berth is
+//! `interrupted_by_restart`, except one on a remote worker (its lease
+//! starts again) and a rollout whose plan is stored (it goes on,
+//! `resume`); a deployer that outlived a crashed berth is
 //! stopped, and its deployment starts nothing until it has exited (the next
 //! build would share its work dir). Queued builds stay queued. A write
 //! that fails for a reason that may pass (a full disk) is retried, with
@@ -50,24 +52,45 @@ impl Engine {
                 tracing::info!(build = %format_build_id(build_id), %deployment, "a build on a remote worker goes on after the restart");
                 continue;
             }
-            let hub = self.hub.clone();
-            let orphan = self
+            let incarnation = self.incarnation.clone();
+            let resumed = self
                 .write_until_landed(
                     build_id,
-                    "marking an interrupted build failed (not ready until it lands)",
+                    "letting a rollout go on (not ready until it lands)",
                     RETRY_MAX_PAUSE,
-                    move |tx| recover_tx(tx, &hub, build_id),
+                    move |tx| super::resume::resume_tx(tx, build_id, &incarnation),
                 )
                 .await?;
-            tracing::warn!(build = %format_build_id(build_id), %deployment, "build interrupted by restart: marked failed");
+            let orphan = match resumed {
+                Some(job) => {
+                    tracing::info!(build = %format_build_id(build_id), %deployment, "a rollout goes on after the restart");
+                    job
+                }
+                None => {
+                    let hub = self.hub.clone();
+                    let job = self
+                        .write_until_landed(
+                            build_id,
+                            "marking an interrupted build failed (not ready until it lands)",
+                            RETRY_MAX_PAUSE,
+                            move |tx| recover_tx(tx, &hub, build_id),
+                        )
+                        .await?;
+                    tracing::warn!(build = %format_build_id(build_id), %deployment, "build interrupted by restart: marked failed");
+                    job
+                }
+            };
             if let Some(job) = orphan.filter(runner::group_may_be_ours) {
                 tracing::warn!(pid = job.pid, %deployment, "stopping the deployer that outlived the last run");
                 self.block_deployment(&deployment);
-                let engine = self.clone();
+                let (engine, blocked) = (self.clone(), deployment.clone());
                 tokio::spawn(async move {
                     stop_orphan(job, engine.settings.cancel_grace).await;
-                    engine.unblock_deployment(&deployment);
+                    engine.unblock_deployment(&blocked);
                 });
+            }
+            if resumed.is_some() {
+                self.resume_rollout(build_id, deployment);
             }
         }
         Ok(())
@@ -101,8 +124,10 @@ pub fn recover_tx(tx: &Tx, hub: &Arc<Hub>, build_id: BuildId) -> StoreResult<Opt
     // Lines up to the reservation may have been sent live.
     b.event_seq = b.event_seq.max(b.seq_reserved);
     let mut d = tx.deployment(&b.deployment)?;
-    // The old incarnation's attempt ends with it.
+    // The old incarnation's attempt ends with it, and a rollout's stored
+    // result with the build.
     super::build::end_attempt(tx, build_id, AttemptState::Interrupted)?;
+    tx.put_rollout_result::<()>(build_id, None)?;
     Change::new(tx, hub).finish(
         d.as_mut(),
         &mut b,

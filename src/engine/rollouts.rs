@@ -25,7 +25,7 @@ use tokio::sync::watch;
 use super::audit::{Audited, Record};
 use super::health::{self, HealthEnd, HealthIo, PipeHealth};
 use super::log_pipe::LogPipe;
-use super::outcome::Halt;
+use super::outcome::{Halt, NodeOutcome};
 use super::refusal::{ActionReason, Conflict, Missing, Refusal};
 use super::runner::Ended;
 use super::transition::Change;
@@ -452,18 +452,24 @@ impl Engine {
         self.rollout_wake.notify_waiters();
     }
 
-    /// The rollout of a deploy that exited 0 with a valid result, whose
-    /// source lists `activate`: planned, stored, run to its end. How it
-    /// ended, as the build's verdict reads a health step.
+    /// The rollout of a deploy that exited 0 with a valid result (`nodes`),
+    /// whose source lists `activate`: planned, stored with that result,
+    /// run to its end. How it ended, as the build's verdict reads a health
+    /// step.
     pub(super) async fn rollout_step(
         self: &Arc<Self>,
         build: &BuildRecord,
         request: &Value,
-        changed: Vec<String>,
+        nodes: &[NodeOutcome],
         verbs: Verbs,
         pipe: &mut LogPipe,
         cancel: &mut watch::Receiver<Halt>,
     ) -> HealthEnd {
+        let changed: Vec<String> = nodes
+            .iter()
+            .filter(|n| n.changed)
+            .map(|n| n.name.clone())
+            .collect();
         if changed.len() > plan::MAX_ROLLOUT_NODES {
             return HealthEnd::Aborted(
                 FailureReason::DeployerProtocol,
@@ -474,10 +480,23 @@ impl Engine {
                 ),
             );
         }
-        if let Err(e) = self.start_rollout(build, changed).await {
+        if let Err(e) = self.start_rollout(build, changed, nodes.to_vec()).await {
             tracing::error!(error = %e, build = %format_build_id(build.id), "cannot store a rollout's plan");
             return HealthEnd::Failed("the rollout's plan could not be stored".into());
         }
+        self.run_rollout(build, request, verbs, pipe, cancel).await
+    }
+
+    /// Runs a stored rollout from where its record says it is, to its end
+    /// or to a shutdown (the record stays as it is then).
+    pub(super) async fn run_rollout(
+        self: &Arc<Self>,
+        build: &BuildRecord,
+        request: &Value,
+        verbs: Verbs,
+        pipe: &mut LogPipe,
+        cancel: &mut watch::Receiver<Halt>,
+    ) -> HealthEnd {
         let mut io = PipeHealth::of(self, build, pipe, cancel);
         let mut run = Run {
             engine: self.clone(),
@@ -488,11 +507,20 @@ impl Engine {
             watched: None,
             activate_failure: None,
         };
-        run.run_to_end(&mut io).await
+        let end = run.run_to_end(&mut io).await;
+        io.pipe.commit_pending().await;
+        end
     }
 
-    /// Plans the rollout and stores it, with its first `rollout` events.
-    async fn start_rollout(&self, build: &BuildRecord, changed: Vec<String>) -> StoreResult<()> {
+    /// Plans the rollout and stores it with the deploy's result (what the
+    /// final commit stores, also after a restart), with its first
+    /// `rollout` events.
+    async fn start_rollout(
+        &self,
+        build: &BuildRecord,
+        changed: Vec<String>,
+        nodes: Vec<NodeOutcome>,
+    ) -> StoreResult<()> {
         let (policy, text) = self.rollout_policy(&build.deployment)?;
         // The way back (a rollback) and a toggle of what ran before
         // (suspend, resume) are one wave.
@@ -513,10 +541,11 @@ impl Engine {
             started_at: now,
             updated_at: now,
         };
-        let hub = self.hub.clone();
+        let (hub, nodes) = (self.hub.clone(), Arc::new(nodes));
         self.store
             .write(move |tx| {
                 tx.put_rollout(&record)?;
+                tx.put_rollout_result(record.build, Some(nodes.as_ref()))?;
                 if let Some(mut d) = tx.deployment(&record.deployment)? {
                     let change = Change::new(tx, &hub);
                     change.rollout_changed(&mut d, summary(&record).to_string(), None)?;
@@ -612,10 +641,15 @@ impl Run {
                 }
             };
             self.show(io, &record).await;
-            let halted = io.halted();
-            if halted != Halt::No {
-                self.apply(Noted::bare(Event::Cancelled)).await;
-                return HealthEnd::Halted(halted);
+            match self.halted(io) {
+                Halt::No => {}
+                Halt::Cancel => {
+                    self.apply(Noted::bare(Event::Cancelled)).await;
+                    return HealthEnd::Halted(Halt::Cancel);
+                }
+                // The record stays as it is: the rollout goes on after the
+                // next start.
+                Halt::Shutdown => return HealthEnd::Halted(Halt::Shutdown),
             }
             let frozen = self.frozen(&record.deployment);
             let step = record.rollout.next(frozen);
@@ -641,6 +675,23 @@ impl Run {
                     self.revert(io, wave, nodes).await;
                 }
             }
+        }
+    }
+
+    /// Who stops the rollout: a cancel, or a shutdown as soon as berth
+    /// begins one (a rollout between calls need not wait out
+    /// `--shutdown-grace`: it goes on after the next start).
+    fn halted(&self, io: &PipeHealth<'_>) -> Halt {
+        match io.halted() {
+            Halt::No
+                if self
+                    .engine
+                    .stopping
+                    .load(std::sync::atomic::Ordering::SeqCst) =>
+            {
+                Halt::Shutdown
+            }
+            halted => halted,
         }
     }
 
@@ -842,8 +893,8 @@ impl Run {
                 return;
             };
             let out_of_time = !checks || tokio::time::Instant::now() + interval > deadline;
-            if out_of_time || io.halted() != Halt::No || self.aborted().await {
-                if io.halted() == Halt::No && !self.aborted().await {
+            if out_of_time || self.halted(io) != Halt::No || self.aborted().await {
+                if self.halted(io) == Halt::No && !self.aborted().await {
                     let detail = gate_failure(record.rollout.wave, over, &unhealthy);
                     self.apply(Noted::by(Event::GateFailed, "health", detail))
                         .await;

@@ -322,6 +322,11 @@ fn load_into(partial: &Path, origin: &mut dyn Origin, identity: &str) -> Result<
         {
             continue;
         }
+        if store_table == Table::RolloutResults
+            && origin.version() < schema::FIRST_EXPORT_WITH_ROLLOUT_RESULTS
+        {
+            continue;
+        }
         let mut bar = progress.table(table.name, 0);
         origin.rows(table, &mut |values| {
             bar.row(values.iter().map(Value::size).sum());

@@ -20,7 +20,7 @@ use crate::store::{
 
 /// The version of this relational layout, in `berth_meta`. A target holding
 /// a newer one is refused; bump it when a table or column changes meaning.
-pub const EXPORT_SCHEMA_VERSION: u32 = 6;
+pub const EXPORT_SCHEMA_VERSION: u32 = 7;
 
 /// The first export layout with the webhook tables (an older export has
 /// none, and imports without subscriptions).
@@ -36,6 +36,9 @@ pub const FIRST_EXPORT_WITH_WORK_STATES: u32 = 5;
 
 /// The first export layout with rollouts and rollout policies.
 pub const FIRST_EXPORT_WITH_ROLLOUTS: u32 = 6;
+
+/// The first export layout with rollout builds' deploy results.
+pub const FIRST_EXPORT_WITH_ROLLOUT_RESULTS: u32 = 7;
 
 /// The export layouts this berth reads: version 1 split an idempotency
 /// key's identity wrongly (its `subject` held U+0000 for callback and
@@ -463,6 +466,13 @@ pub const TABLES: &[RelTable] = &[
         primary_key: &["scope_key"],
         references: &[],
     },
+    RelTable {
+        name: "rollout_results",
+        store_table: Table::RolloutResults,
+        columns: &[col("build_id", Uuid), col("result", Bytes)],
+        primary_key: &["build_id"],
+        references: &[("build_id", "builds")],
+    },
 ];
 
 /// The relational table holding a carried store table.
@@ -661,6 +671,7 @@ pub fn to_values(row: &Row) -> Result<Vec<Value>, String> {
             V::Text(serde_plain(&r.rollout.state)?),
             json(r)?,
         ],
+        Row::RolloutResult { build, bytes } => vec![V::Uuid(*build), V::Bytes(bytes.clone())],
         Row::RolloutPolicy { deployment, text } => {
             vec![V::Text(deployment.clone()), V::Json(text.clone())]
         }
@@ -972,6 +983,10 @@ fn row_of(table: &RelTable, values: Vec<Value>) -> Result<Row, String> {
             record: c.record()?,
         },
         Table::Rollouts => Row::Rollout(c.record()?),
+        Table::RolloutResults => Row::RolloutResult {
+            build: c.uuid("build_id")?,
+            bytes: c.bytes("result")?,
+        },
         Table::Freezes => Row::Freeze {
             key: c.text("scope_key")?,
             record: c.record()?,

@@ -376,7 +376,8 @@ pub struct BuildRecord {
     /// their chunk commits); after a crash, new events start above it.
     pub seq_reserved: u64,
     /// The seq of the first log line; line `i` has seq `log_first_seq + i`
-    /// plus one for each entry of `log_gaps` at or below `i` (`line_seq`).
+    /// plus one for each entry of `log_gaps` at or below `i` and the seqs of
+    /// each of `log_holes` at or below `i` (`line_seq`).
     pub log_first_seq: u64,
     /// The build this one returns to (a rollback), else `None`. (`default`:
     /// an export of layout 4 has no such member; bincode records are
@@ -387,11 +388,27 @@ pub struct BuildRecord {
     /// line (a `health` event), in order; at most `MAX_LOG_GAPS`.
     #[serde(default)]
     pub log_gaps: Vec<u64>,
+    /// Runs of seqs skipped before a line: a rollout that went on after a
+    /// restart starts above the ids its last run may have sent
+    /// (`seq_reserved`), one hole per restart; at most `MAX_LOG_HOLES`.
+    #[serde(default)]
+    pub log_holes: Vec<LogHole>,
 }
 
 /// Non-log events amid a build's log lines at most (health events: one per
 /// changed node per check).
 pub const MAX_LOG_GAPS: usize = 4096;
+
+/// Restarts one build goes on after at most (a rollout's); past it the
+/// build fails `interrupted_by_restart`.
+pub const MAX_LOG_HOLES: usize = 64;
+
+/// `seqs` ids skipped before log line `line`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LogHole {
+    pub line: u64,
+    pub seqs: u64,
+}
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
@@ -692,13 +709,20 @@ impl BuildRecord {
             log_first_seq: 0,
             rollback_of: None,
             log_gaps: Vec::new(),
+            log_holes: Vec::new(),
         }
     }
 
     /// The seq of log line `line` (its index in the log).
     pub fn line_seq(&self, line: u64) -> u64 {
         let skipped = self.log_gaps.partition_point(|&g| g <= line) as u64;
-        self.log_first_seq + line + skipped
+        let holes: u64 = self
+            .log_holes
+            .iter()
+            .filter(|h| h.line <= line)
+            .map(|h| h.seqs)
+            .sum();
+        self.log_first_seq + line + skipped + holes
     }
 
     pub fn summary(&self) -> BuildSummary {

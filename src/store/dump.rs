@@ -135,6 +135,11 @@ pub enum Row {
         key: String,
         record: FreezeRecord,
     },
+    /// A rollout build's deploy result, the engine's bytes as stored.
+    RolloutResult {
+        build: BuildId,
+        bytes: Vec<u8>,
+    },
 }
 
 impl Row {
@@ -167,6 +172,7 @@ impl Row {
             Row::Rollout(_) => Table::Rollouts,
             Row::RolloutPolicy { .. } => Table::RolloutPolicies,
             Row::Freeze { .. } => Table::Freezes,
+            Row::RolloutResult { .. } => Table::RolloutResults,
         }
     }
 }
@@ -242,6 +248,7 @@ impl Rx {
             Table::Rollouts => txn.open_table(ROLLOUTS)?.len()?,
             Table::RolloutPolicies => txn.open_table(ROLLOUT_POLICIES)?.len()?,
             Table::Freezes => txn.open_table(FREEZES)?.len()?,
+            Table::RolloutResults => txn.open_table(ROLLOUT_RESULTS)?.len()?,
             Table::Queued
             | Table::Running
             | Table::LogIndex
@@ -525,6 +532,15 @@ impl Rx {
                     })?;
                 }
             }
+            Table::RolloutResults => {
+                for entry in txn.open_table(ROLLOUT_RESULTS)?.iter()? {
+                    let (k, v) = entry?;
+                    each(Row::RolloutResult {
+                        build: k.value(),
+                        bytes: v.value().to_vec(),
+                    })?;
+                }
+            }
             Table::Queued
             | Table::Running
             | Table::LogIndex
@@ -662,6 +678,7 @@ impl Loader {
                 tx.put_rollout_policy(&deployment, Some(&text))?
             }
             Row::Freeze { key, record } => tx.put_freeze(&key, Some(&record))?,
+            Row::RolloutResult { build, bytes } => tx.put_rollout_result_bytes(build, &bytes)?,
             Row::WorkStatePiece { digest, n, bytes } => {
                 self.txn
                     .open_table(WORK_STATE_PIECES)?

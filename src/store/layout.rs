@@ -32,6 +32,7 @@
 //! | 12 | `tokens`, `attempts`: worker tokens and build attempts (new tables, empty) |
 //! | 13 | `work_states`, `work_state_blobs`, `work_state_pieces`: deployments' work states (new tables, empty) |
 //! | 14 | `rollouts`, `rollout_policies`, `freezes`: rollouts in waves, each deployment's policy, freezes (new tables, empty) |
+//! | 15 | a build's `log_holes` (every build record rewritten) and `rollout_results` (new, empty): a rollout goes on after a restart |
 //!
 //! Releases before version 2 existed wrote version 1 but may already hold
 //! any of the later indexes (they were added by presence checks), so each
@@ -62,7 +63,7 @@ use super::{
 use crate::model::BuildId;
 
 /// The layout this binary writes and reads.
-pub const LAYOUT_VERSION: u32 = 14;
+pub const LAYOUT_VERSION: u32 = 15;
 
 /// The `meta` key holding the layout version (u32 LE). Its name predates
 /// the word "layout" and stays, so every release finds it.
@@ -77,7 +78,7 @@ struct Migration {
 }
 
 /// Every migration, in order; `MIGRATIONS[i].to == i + 2`.
-const MIGRATIONS: [Migration; 13] = [
+const MIGRATIONS: [Migration; 14] = [
     Migration {
         to: 2,
         what: "index every build's log chunks",
@@ -142,6 +143,11 @@ const MIGRATIONS: [Migration; 13] = [
         to: 14,
         what: "add the tables of rollouts, rollout policies and freezes",
         run: rollout_tables,
+    },
+    Migration {
+        to: 15,
+        what: "let a rollout go on after a restart (log holes, deploy results)",
+        run: rollouts_after_a_restart,
     },
 ];
 
@@ -426,6 +432,24 @@ fn rollout_tables(_txn: &WriteTransaction) -> StoreResult<()> {
     Ok(())
 }
 
+/// v15: every build record gains `log_holes` (read in its layout-14
+/// shape, `v14`, and written in the current one); `rollout_results` is
+/// new and empty.
+fn rollouts_after_a_restart(txn: &WriteTransaction) -> StoreResult<()> {
+    use crate::store::codec;
+    let mut builds = txn.open_table(BUILDS)?;
+    let mut rewritten: Vec<(u128, Vec<u8>)> = Vec::new();
+    for entry in builds.iter()? {
+        let (k, v) = entry?;
+        let old: v14::BuildRecord = decode(v.value())?;
+        rewritten.push((k.value(), codec::encode(&old.into_current())));
+    }
+    for (id, bytes) in &rewritten {
+        builds.insert(*id, bytes.as_slice())?;
+    }
+    Ok(())
+}
+
 /// The version a file records; `None` for a file berth never opened.
 pub(super) fn recorded_version(txn: &WriteTransaction) -> StoreResult<Option<u32>> {
     let meta = txn.open_table(META)?;
@@ -608,7 +632,7 @@ fn records_for_safe_deploys(txn: &WriteTransaction) -> StoreResult<()> {
     for entry in builds.iter()? {
         let (k, v) = entry?;
         let old: v4::BuildRecord = decode(v.value())?;
-        rewritten.push((k.value(), codec::encode(&old.into_current())));
+        rewritten.push((k.value(), codec::encode(&old.into_v14())));
     }
     for (id, bytes) in &rewritten {
         builds.insert(*id, bytes.as_slice())?;
@@ -669,6 +693,68 @@ mod v5 {
     }
 }
 
+/// The build record as layouts 5 to 14 stored it (read by the migration to
+/// 15; the migration to 5 writes it).
+mod v14 {
+    use serde::{Deserialize, Serialize};
+
+    use crate::model::{self as current, *};
+
+    #[derive(Deserialize, Serialize)]
+    pub struct BuildRecord {
+        pub id: BuildId,
+        pub deployment: String,
+        pub kind: BuildKind,
+        pub trigger: Trigger,
+        pub status: BuildStatus,
+        pub suspended: bool,
+        pub method: String,
+        pub created_at: Millis,
+        pub started_at: Option<Millis>,
+        pub finished_at: Option<Millis>,
+        pub exit_code: Option<i32>,
+        pub failure: Option<Failure>,
+        pub job: Option<Job>,
+        pub log_bytes: u64,
+        pub log_lines: u64,
+        pub log_chunks: u32,
+        pub event_seq: u64,
+        pub seq_reserved: u64,
+        pub log_first_seq: u64,
+        pub rollback_of: Option<BuildId>,
+        pub log_gaps: Vec<u64>,
+    }
+
+    impl BuildRecord {
+        pub fn into_current(self) -> current::BuildRecord {
+            current::BuildRecord {
+                id: self.id,
+                deployment: self.deployment,
+                kind: self.kind,
+                trigger: self.trigger,
+                status: self.status,
+                suspended: self.suspended,
+                method: self.method,
+                created_at: self.created_at,
+                started_at: self.started_at,
+                finished_at: self.finished_at,
+                exit_code: self.exit_code,
+                failure: self.failure,
+                job: self.job,
+                log_bytes: self.log_bytes,
+                log_lines: self.log_lines,
+                log_chunks: self.log_chunks,
+                event_seq: self.event_seq,
+                seq_reserved: self.seq_reserved,
+                log_first_seq: self.log_first_seq,
+                rollback_of: self.rollback_of,
+                log_gaps: self.log_gaps,
+                log_holes: Vec::new(),
+            }
+        }
+    }
+}
+
 /// The records as layout 4 stored them (read by the migration to 5 only).
 mod v4 {
     use serde::Deserialize;
@@ -704,8 +790,8 @@ mod v4 {
             self.status
         }
 
-        pub fn into_current(self) -> current::BuildRecord {
-            current::BuildRecord {
+        pub fn into_v14(self) -> super::v14::BuildRecord {
+            super::v14::BuildRecord {
                 id: self.id,
                 deployment: self.deployment,
                 kind: self.kind,

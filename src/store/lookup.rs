@@ -183,6 +183,18 @@ pub trait Lookup {
         self.open(ROLLOUTS)?.record(build)
     }
 
+    /// A rollout build's deploy result as the engine stored it with the
+    /// plan; `None` once the build finished.
+    fn rollout_result<T: serde::de::DeserializeOwned>(
+        &self,
+        build: BuildId,
+    ) -> StoreResult<Option<T>>
+    where
+        Self: Sized,
+    {
+        self.open(ROLLOUT_RESULTS)?.record(build)
+    }
+
     /// A deployment's rollout policy as given (JSON text); `None`: `{}`.
     fn rollout_policy(&self, deployment: &str) -> StoreResult<Option<String>> {
         match self.open(ROLLOUT_POLICIES)?.get(deployment)? {

@@ -235,6 +235,13 @@ pub const ROLLOUTS: TableDefinition<u128, &[u8]> = TableDefinition::new(Table::R
 pub const ROLLOUT_POLICIES: TableDefinition<&str, &[u8]> =
     TableDefinition::new(Table::RolloutPolicies.name());
 
+/// Build id -> a rollout build's deploy result as checked (its nodes and
+/// their SBOMs prepared for the store), stored with the plan so a rollout
+/// that goes on after a restart can finish; removed with the final
+/// status. The bytes are the engine's (`engine::rollouts`).
+pub const ROLLOUT_RESULTS: TableDefinition<u128, &[u8]> =
+    TableDefinition::new(Table::RolloutResults.name());
+
 /// `*` (the global freeze) or a deployment id -> `FreezeRecord`
 /// (rollouts.md "Freeze").
 pub const FREEZES: TableDefinition<&str, &[u8]> = TableDefinition::new(Table::Freezes.name());
@@ -278,6 +285,7 @@ pub enum Table {
     Rollouts,
     RolloutPolicies,
     Freezes,
+    RolloutResults,
 }
 
 /// What an export does with a table.
@@ -296,7 +304,7 @@ impl Table {
     /// Every table. The carried ones come first, in the order an import
     /// writes them (a row's parent before the row: builds before their
     /// logs), then the rebuilt indexes.
-    pub const ALL: [Table; 32] = [
+    pub const ALL: [Table; 33] = [
         Table::Meta,
         Table::Sources,
         Table::DescribeCache,
@@ -323,6 +331,7 @@ impl Table {
         Table::Rollouts,
         Table::RolloutPolicies,
         Table::Freezes,
+        Table::RolloutResults,
         Table::Queued,
         Table::Running,
         Table::LogIndex,
@@ -372,6 +381,7 @@ impl Table {
             Table::Rollouts => "rollouts",
             Table::RolloutPolicies => "rollout_policies",
             Table::Freezes => "freezes",
+            Table::RolloutResults => "rollout_results",
         }
     }
 
@@ -404,7 +414,8 @@ impl Table {
             | Table::WorkStatePieces
             | Table::Rollouts
             | Table::RolloutPolicies
-            | Table::Freezes => Carried,
+            | Table::Freezes
+            | Table::RolloutResults => Carried,
             Table::Queued | Table::Running => Rebuilt {
                 from: Table::Builds,
             },
@@ -484,6 +495,7 @@ impl Table {
             Table::Rollouts => each.with(ROLLOUTS),
             Table::RolloutPolicies => each.with(ROLLOUT_POLICIES),
             Table::Freezes => each.with(FREEZES),
+            Table::RolloutResults => each.with(ROLLOUT_RESULTS),
         }
     }
 }

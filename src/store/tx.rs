@@ -533,6 +533,28 @@ impl<'o, 'a> Tx<'o, 'a> {
         put_record(self.table(ROLLOUTS)?, r.build, r)
     }
 
+    /// Stores a rollout build's deploy result (any record of the
+    /// engine's); `None` removes it.
+    pub fn put_rollout_result<T: serde::Serialize>(
+        &self,
+        build: BuildId,
+        result: Option<&T>,
+    ) -> StoreResult<()> {
+        match result {
+            Some(result) => put_record(self.table(ROLLOUT_RESULTS)?, build, result),
+            None => {
+                self.table(ROLLOUT_RESULTS)?.remove(build)?;
+                Ok(())
+            }
+        }
+    }
+
+    /// Stores a rollout build's deploy result as an import carries it.
+    pub(super) fn put_rollout_result_bytes(&self, build: BuildId, bytes: &[u8]) -> StoreResult<()> {
+        self.table(ROLLOUT_RESULTS)?.insert(build, bytes)?;
+        Ok(())
+    }
+
     /// Stores a deployment's rollout policy (its JSON text); `None`: `{}`.
     pub fn put_rollout_policy(&self, deployment: &str, text: Option<&str>) -> StoreResult<()> {
         let mut t = self.table(ROLLOUT_POLICIES)?;
@@ -632,7 +654,8 @@ impl<'o, 'a> Tx<'o, 'a> {
             WORK_STATE_PIECES,
             ROLLOUTS,
             ROLLOUT_POLICIES,
-            FREEZES
+            FREEZES,
+            ROLLOUT_RESULTS
         );
         // The audit chain outlives a reset (it records the reset), and so
         // does its by-deployment index; builds and events go.

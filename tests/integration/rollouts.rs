@@ -670,3 +670,91 @@ async fn the_global_freezes_webhooks_reach_only_subscriptions_to_every_deploymen
     assert_eq!(count(everyone).await, 2);
     assert_eq!(count(alice_only).await, 1);
 }
+
+/// The ids of a build's events, replayed from the start.
+async fn replayed_ids(s: &Server, build: &str) -> Vec<u64> {
+    let mut sse = Sse::open(s.get(&format!("/v1/builds/{build}/events"))).await;
+    sse.until_end().await.iter().filter_map(|e| e.id).collect()
+}
+
+#[tokio::test]
+async fn a_rollout_goes_on_after_a_stop_and_after_kill_9_without_activating_a_node_twice() {
+    let (mut s, calls) = rollout_server("rollout-restart").await;
+    let first = s.submit_ok("alice", json!({"n": 1})).await;
+    assert_eq!(s.wait_build(&first, "final").await["status"], "succeeded");
+    std::fs::remove_file(&calls).unwrap();
+    set_policy(
+        &s,
+        json!({"waves": [1, "60%"], "pause_after": [1], "progress_deadline_seconds": 120}),
+    )
+    .await;
+    let build = s.submit_ok("alice", json!({"n": 2})).await;
+    wait_rollout(&s, &build, "paused").await;
+    // A stop while paused: quick (no --shutdown-grace for a rollout
+    // between calls), and the build stays running.
+    let stopped_at = std::time::Instant::now();
+    assert!(s.terminate().success());
+    assert!(
+        stopped_at.elapsed() < std::time::Duration::from_secs(20),
+        "a paused rollout held the stop for {:?}",
+        stopped_at.elapsed()
+    );
+    s.launch().await;
+    let after_stop = s.build(&build).await;
+    assert_eq!(after_stop["status"], "running", "{after_stop}");
+    assert_eq!(after_stop["rollout"]["state"], "paused");
+    assert_eq!(after_stop["rollout"]["wave"], 1);
+    // Wave 2's gate holds on an unhealthy n2; berth is killed during it.
+    std::fs::write(s.dir.join("../unhealthy"), "n2\n").unwrap();
+    let (status, body) = act(&s, "rollout_resume", None, json!({})).await;
+    assert_eq!(status, 202, "{body}");
+    eventually("wave 2's gate checks n2 twice", || async {
+        calls_of(&calls)
+            .iter()
+            .filter(|c| *c == "check n2 n3")
+            .count()
+            >= 2
+    })
+    .await;
+    s.kill();
+    s.launch().await;
+    let after_kill = s.build(&build).await;
+    assert_eq!(after_kill["status"], "running", "{after_kill}");
+    assert_eq!(after_kill["rollout"]["wave"], 2);
+    std::fs::remove_file(s.dir.join("../unhealthy")).unwrap();
+    let done = s.wait_build(&build, "final").await;
+    assert_eq!(done["status"], "succeeded", "{done}");
+    assert_eq!(done["rollout"]["result"], "succeeded");
+    let activated: Vec<String> = calls_of(&calls)
+        .into_iter()
+        .filter(|c| c.starts_with("activate"))
+        .collect();
+    assert_eq!(
+        activated,
+        [
+            "activate new 1 n1",
+            "activate new 2 n2 n3",
+            "activate new 3 n4 n5"
+        ],
+        "each node activated once across a stop and a kill -9"
+    );
+    assert_eq!(
+        calls_of(&calls).last().map(String::as_str),
+        Some("confirm n1 n2 n3 n4 n5")
+    );
+    // The log says where it went on, and no event id was used twice.
+    let log = s.log_text(&build).await;
+    assert_eq!(
+        log.matches("the rollout goes on where it was").count(),
+        2,
+        "{log}"
+    );
+    let ids = replayed_ids(&s, &build).await;
+    assert!(
+        ids.windows(2).all(|w| w[0] < w[1]),
+        "replayed ids rise strictly: {ids:?}"
+    );
+    // Each start ran it under a new attempt; the last ended with it.
+    assert_eq!(done["attempt"]["fence"], 3, "{done}");
+    assert_eq!(done["attempt"]["state"], "ended");
+}
