@@ -14,6 +14,7 @@ use super::runner::{self, CallDirs, Ended, Invocation};
 use super::Engine;
 use crate::derive::{CatalogEntry, Rename};
 use crate::model::Source;
+use crate::store::Lookup;
 
 /// Schema errors reported in one refusal at most.
 const MAX_SCHEMA_FIELDS: usize = 20;
@@ -412,12 +413,21 @@ impl Engine {
         work_dir: Option<std::path::PathBuf>,
         permit: Option<tokio::sync::OwnedSemaphorePermit>,
     ) -> Result<(Ended, Result<Option<Vec<u8>>, String>, Vec<String>), Refusal> {
-        self.call_within(verb, request, work_dir, permit, self.settings.eval_timeout)
-            .await
+        self.call_within(
+            verb,
+            request,
+            work_dir,
+            permit,
+            self.settings.eval_timeout,
+            None,
+        )
+        .await
     }
 
     /// As `call`, with its own time limit (a health check's is
-    /// `--health-interval`).
+    /// `--health-interval`); a call of a running build (`of_build`: a
+    /// health step's or a rollout's) is its job until the next one, so a
+    /// restart stops it if it outlives berth.
     pub(super) async fn call_within(
         &self,
         verb: &'static str,
@@ -425,7 +435,8 @@ impl Engine {
         work_dir: Option<std::path::PathBuf>,
         permit: Option<tokio::sync::OwnedSemaphorePermit>,
         timeout: std::time::Duration,
-    ) -> Result<(Ended, Result<Option<Vec<u8>>, String>, Vec<String>), Refusal> {
+        of_build: Option<crate::model::BuildId>,
+    ) -> Result<CallEnded, Refusal> {
         let grace = self
             .settings
             .cancel_grace
@@ -437,7 +448,23 @@ impl Engine {
             timeout,
             grace,
         };
-        call.run(&self.deployer, &self.settings.scratch_root(), permit)
+        let store = self.store.clone();
+        let record = |job| async move {
+            let Some(build) = of_build else {
+                return Ok(());
+            };
+            store
+                .write(move |tx| {
+                    let Some(mut b) = tx.build(build)? else {
+                        return Ok(());
+                    };
+                    b.job = Some(job);
+                    tx.put_build(&b)
+                })
+                .await
+                .map_err(|e| e.to_string())
+        };
+        call.run_recorded(&self.deployer, &self.settings.scratch_root(), permit, record)
             .await
             .map_err(|e| match e {
                 CallError::Setup(e) => {
@@ -453,6 +480,10 @@ impl Engine {
                 }
                 CallError::Task(e) => {
                     tracing::error!(error = %e, "a deployer call's task stopped");
+                    Refusal::Internal
+                }
+                CallError::Record(e) => {
+                    tracing::error!(error = %e, "cannot record a deployer call's process; it did not run");
                     Refusal::Internal
                 }
             })
@@ -478,7 +509,12 @@ pub enum CallError {
     Setup(std::io::Error),
     Spawn(std::io::Error),
     Task(tokio::task::JoinError),
+    /// Its process could not be recorded (a store that failed).
+    Record(String),
 }
+
+/// How a call ended: its end, its result file, its first output lines.
+pub type CallEnded = (Ended, Result<Option<Vec<u8>>, String>, Vec<String>);
 
 impl OneCall {
     /// Runs it: how it ended, its result file, its first output lines.
@@ -489,7 +525,25 @@ impl OneCall {
         deployer: &runner::DeployerCommand,
         scratch_root: &std::path::Path,
         permit: Option<tokio::sync::OwnedSemaphorePermit>,
-    ) -> Result<(Ended, Result<Option<Vec<u8>>, String>, Vec<String>), CallError> {
+    ) -> Result<CallEnded, CallError> {
+        self.run_recorded(deployer, scratch_root, permit, |_| async { Ok(()) })
+            .await
+    }
+
+    /// As `run`, with the call's process recorded by `record` before the
+    /// deployer may do anything (its gate opens after), so a restart finds
+    /// it if berth dies meanwhile. A record that fails: nothing ran.
+    pub async fn run_recorded<R, F>(
+        self,
+        deployer: &runner::DeployerCommand,
+        scratch_root: &std::path::Path,
+        permit: Option<tokio::sync::OwnedSemaphorePermit>,
+        record: R,
+    ) -> Result<CallEnded, CallError>
+    where
+        R: FnOnce(crate::model::Job) -> F,
+        F: std::future::Future<Output = Result<(), String>>,
+    {
         let call_id = crate::hex::encode(&uuid::Uuid::now_v7().as_u128().to_be_bytes());
         let root = scratch_root.join(format!("call-{call_id}"));
         let dirs = CallDirs::create(root.clone()).map_err(CallError::Setup)?;
@@ -500,17 +554,27 @@ impl OneCall {
             scratch_dir: dirs.scratch,
             result_path: dirs.result_path,
         };
-        // These calls record no job: their gate opens at once.
-        let spawned = match runner::spawn(deployer, &inv) {
-            Ok(mut spawned) => {
-                spawned.start();
-                spawned
-            }
+        let mut spawned = match runner::spawn(deployer, &inv) {
+            Ok(spawned) => spawned,
             Err(e) => {
                 let _ = std::fs::remove_dir_all(&root);
                 return Err(CallError::Spawn(e));
             }
         };
+        if let Err(why) = record(spawned.job).await {
+            // The gate stays closed: the process exits without running the
+            // deployer, and is reaped here.
+            spawned.abandon();
+            runner::signal_group(spawned.job.pid, nix::sys::signal::Signal::SIGKILL);
+            let (ended, _, _) =
+                run_call(spawned, self.timeout, std::time::Duration::ZERO, root).await;
+            tracing::debug!(
+                ?ended,
+                "reaped a deployer call whose process could not be recorded"
+            );
+            return Err(CallError::Record(why));
+        }
+        spawned.start();
         let (timeout, grace) = (self.timeout, self.grace);
         tokio::spawn(async move {
             let _slot = permit;

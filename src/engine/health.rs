@@ -311,6 +311,7 @@ impl HealthIo for PipeHealth<'_> {
                 Some(self.work_dir.clone()),
                 None,
                 limit,
+                Some(self.build),
             )
             .await
             .map_err(|e| e.describe())

@@ -10,7 +10,9 @@ use crate::harness::*;
 
 /// A deployer whose deploy changes nodes n1..n5 and activates nothing;
 /// `activate`, `check` and `confirm` append `<verb> [target wave] nodes` to
-/// `<dir>/calls.log`. A node named in `<dir>/unhealthy` is unhealthy.
+/// `<dir>/calls.log`. A node named in `<dir>/unhealthy` is unhealthy; while
+/// `<dir>/slow` exists an `activate` writes its pid to `<dir>/slow.pid`
+/// and hangs.
 fn recording_deployer(dir: &Path) -> (PathBuf, PathBuf) {
     let calls = dir.join("calls.log");
     let body = format!(
@@ -28,6 +30,7 @@ deploy)
 activate)
   nodes=$(field nodes)
   echo "activate $(field target) $(field wave) $nodes" >> "$calls"
+  if [ -e "{slow}" ]; then echo $$ > "{slow}.pid"; sleep 600; fi
   out=""
   for n in $nodes; do out="$out{{\"name\":\"$n\",\"activated\":true}},"; done
   printf '{{"nodes":[%s]}}' "${{out%,}}" > "$BERTH_RESULT";;
@@ -46,7 +49,8 @@ esac
 exit 0
 "#,
         calls = calls.display(),
-        unhealthy = dir.join("unhealthy").display()
+        unhealthy = dir.join("unhealthy").display(),
+        slow = dir.join("slow").display()
     );
     (script(dir, "rollout.sh", &body), calls)
 }
@@ -757,4 +761,48 @@ async fn a_rollout_goes_on_after_a_stop_and_after_kill_9_without_activating_a_no
     // Each start ran it under a new attempt; the last ended with it.
     assert_eq!(done["attempt"]["fence"], 3, "{done}");
     assert_eq!(done["attempt"]["state"], "ended");
+}
+
+#[tokio::test]
+async fn an_activate_in_flight_at_kill_9_is_stopped_and_called_again_after_the_restart() {
+    let (mut s, calls) = rollout_server("rollout-orphan").await;
+    let first = s.submit_ok("alice", json!({"n": 1})).await;
+    assert_eq!(s.wait_build(&first, "final").await["status"], "succeeded");
+    std::fs::remove_file(&calls).unwrap();
+    set_policy(&s, json!({"waves": [2, 3]})).await;
+    let slow = s.dir.join("../slow");
+    std::fs::write(&slow, "").unwrap();
+    let build = s.submit_ok("alice", json!({"n": 2})).await;
+    let pid_file = s.dir.join("../slow.pid");
+    eventually("wave 1's activate hangs", || async { pid_file.exists() }).await;
+    let pid: i32 = std::fs::read_to_string(&pid_file)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    s.kill();
+    let alive = |pid: i32| std::path::Path::new(&format!("/proc/{pid}")).exists();
+    assert!(
+        alive(pid),
+        "the activate outlived berth (the fault is real)"
+    );
+    std::fs::remove_file(&slow).unwrap();
+    s.launch().await;
+    eventually("the orphaned activate is stopped", || async { !alive(pid) }).await;
+    let done = s.wait_build(&build, "final").await;
+    assert_eq!(done["status"], "succeeded", "{done}");
+    let activated: Vec<String> = calls_of(&calls)
+        .into_iter()
+        .filter(|c| c.starts_with("activate"))
+        .collect();
+    assert_eq!(
+        activated,
+        [
+            "activate new 1 n1 n2",
+            "activate new 1 n1 n2",
+            "activate new 2 n3",
+            "activate new 3 n4 n5"
+        ],
+        "the call whose answer was not stored is made again, once"
+    );
 }
