@@ -74,6 +74,7 @@ pub fn run(verb: &str) -> i32 {
             "describe" => describe(request),
             "eval" => eval(request),
             "deploy" => deploy(request),
+            "activate" => activate_nodes(request),
             "check" => check(request),
             "confirm" => confirm(request),
             "destroy" => destroy(request),
@@ -304,11 +305,12 @@ fn describe(request: &Value) -> Outcome {
             Failure::Refused(m) => Failure::Broken(format!("describe: {m}")),
             other => other,
         })?;
-    // This deployer checks and confirms every node itself (deployer.md),
-    // whatever the source says.
+    // This deployer activates, checks and confirms every node itself
+    // (deployer.md), whatever the source says: berth rolls a deploy out
+    // node by node (rollouts.md).
     match described.as_object_mut() {
         Some(map) => {
-            map.insert("verbs".into(), json!(["check", "confirm"]));
+            map.insert("verbs".into(), json!(["check", "confirm", "activate"]));
         }
         None => {
             return Err(Failure::Broken(
@@ -598,6 +600,12 @@ fn batch_ssh_options() -> String {
 /// `REVERT` script. The revert is a detached process on the target
 /// itself, so it fires even when berth never reaches the node again.
 ///
+/// Each arm has its own id, `<token>.<time>.<pid>`, in `armed`; settling
+/// an arm is `mkdir settled.<arm id>`, which the revert, a confirm and a
+/// re-arm (`CHECK`) each take first, so exactly one of them acts on it.
+/// The previous toplevel stays in `previous` for a re-arm and a revert
+/// asked by berth (`GO_BACK`).
+///
 /// One arm per host: a host's system is one, so the first node that arms
 /// on it holds it (`.holder` beside the node dirs, made with `ln -s`,
 /// which is atomic and never replaces), and another deployment's node is
@@ -614,17 +622,19 @@ if ! ln -s "held-by:$holder" "$base/.holder" 2>/dev/null && [ "$(readlink "$base
 fi
 if [ -z "$previous" ] && [ -e /run/current-system ]; then previous="$(readlink -f /run/current-system)"; fi
 rm -rf "$d/reverted" "$d"/settled.*
-printf '%s\n' "$token" > "$d/armed" || exit 1
+arm="$token.$(date +%s).$$"
+printf '%s\n' "$arm" > "$d/armed" || exit 1
+printf '%s\n' "$previous" > "$d/previous" || exit 1
 if [ -n "$previous" ]; then
   detach=; command -v setsid >/dev/null 2>&1 && detach=setsid
-  nohup $detach sh -c 'sleep "$1"; shift; sh -c "$@"' revert "$timeout" "$revert" revert "$d" "$token" "$previous" </dev/null >>"$d/revert.log" 2>&1 &
+  nohup $detach sh -c 'sleep "$1"; shift; sh -c "$@"' revert "$timeout" "$revert" revert "$d" "$arm" "$previous" </dev/null >>"$d/revert.log" 2>&1 &
   echo "armed: back to the previous system after ${timeout}s unless confirmed"
 else
   echo "no previous system on this node: nothing to go back to"
 fi
 if ! "$toplevel/bin/switch-to-configuration" test; then
   echo "switch-to-configuration test failed" >&2
-  if [ -n "$previous" ] && mkdir "$d/settled.$token" 2>/dev/null; then
+  if [ -n "$previous" ] && mkdir "$d/settled.$arm" 2>/dev/null; then
     rm -f "$d/armed"; echo "going back to the previous system"
     "$previous/bin/switch-to-configuration" test
   fi
@@ -632,17 +642,29 @@ if ! "$toplevel/bin/switch-to-configuration" test; then
 fi"#;
 
 /// On the target, when the armed time is up: go back to the previous
-/// system, unless this deploy was settled first. Arguments: the node's
-/// dir, the token, the previous toplevel. `mkdir settled.<token>` is the
-/// one atomic step both this and `CONFIRM` take first: whichever makes
-/// it acts, the other finds it made and does nothing, so a confirm near
-/// the timeout never leaves the node on the old system while its boot
-/// entry says the new one.
-const REVERT: &str = r#"d="$1"; token="$2"; previous="$3"
-mkdir "$d/settled.$token" 2>/dev/null || exit 0
-[ "$(cat "$d/armed" 2>/dev/null)" = "$token" ] || exit 0
-rm -f "$d/armed"; printf '%s\n' "$token" > "$d/reverted"
+/// system, unless this arm was settled first. Arguments: the node's dir,
+/// the arm's id, the previous toplevel. `mkdir settled.<arm id>` is the
+/// one atomic step this, `CONFIRM` and a re-arm take first: whichever
+/// makes it acts, the others find it made and do nothing, so a confirm
+/// near the timeout never leaves the node on the old system while its
+/// boot entry says the new one, and a re-armed node ignores its old timer.
+const REVERT: &str = r#"d="$1"; arm="$2"; previous="$3"
+mkdir "$d/settled.$arm" 2>/dev/null || exit 0
+[ "$(cat "$d/armed" 2>/dev/null)" = "$arm" ] || exit 0
+rm -f "$d/armed"; printf '%s\n' "${arm%%.*}" > "$d/reverted"
 "$previous/bin/switch-to-configuration" test"#;
+
+/// On the target, for `activate` `previous`: settle this deploy's arm (its
+/// timer then does nothing) and go back to the previous system now.
+/// Arguments: the node's dir, the token. Exit 3: nothing to go back to.
+const GO_BACK: &str = r#"d="$1"; token="$2"
+previous="$(cat "$d/previous" 2>/dev/null)"
+arm="$(cat "$d/armed" 2>/dev/null)"
+case "$arm" in "$token".*) mkdir "$d/settled.$arm" 2>/dev/null && rm -f "$d/armed" ;; esac
+if [ -z "$previous" ]; then echo "no previous system on this node: nothing to go back to" >&2; exit 3; fi
+"$previous/bin/switch-to-configuration" test || exit 1
+printf '%s\n' "$token" > "$d/reverted"
+echo "back on the previous system""#;
 
 /// On the target, at a destroy: the host's claim is released if this
 /// node holds it. Arguments: the node dirs' base, the holder's name.
@@ -650,9 +672,12 @@ const RELEASE: &str =
     r#"if [ "$(readlink "$1/.holder" 2>/dev/null)" = "held-by:$2" ]; then rm -f "$1/.holder"; fi"#;
 
 /// On the target: the node's health, one last line `healthy` or
-/// `unhealthy: <reason>`. Arguments: the node's dir, the token, the
-/// source's check (a store path, or empty).
-const CHECK: &str = r#"d="$1"; token="$2"; check="$3"
+/// `unhealthy: <reason>`; a healthy node holding this deploy's arm is
+/// re-armed for another timeout (the old arm settled first, so its timer
+/// does nothing): a rollout's watch keeps its nodes from going back while
+/// berth runs. Arguments: the node's dir, the token, the source's check (a
+/// store path, or empty), the timeout in seconds, the `REVERT` script.
+const CHECK: &str = r#"d="$1"; token="$2"; check="$3"; timeout="$4"; revert="$5"
 if [ "$(cat "$d/reverted" 2>/dev/null)" = "$token" ]; then
   echo "unhealthy: the node went back to its previous system (no confirm in time)"; exit 0
 fi
@@ -667,13 +692,25 @@ if [ -n "$check" ]; then
     echo "unhealthy: the source's check failed: $(printf '%s\n' "$out" | tail -n 1)"; exit 0
   fi
 fi
+arm="$(cat "$d/armed" 2>/dev/null)"; previous="$(cat "$d/previous" 2>/dev/null)"
+case "$arm" in "$token".*)
+  if [ -n "$previous" ] && mkdir "$d/settled.$arm" 2>/dev/null; then
+    new="$token.$(date +%s).$$"
+    printf '%s\n' "$new" > "$d/armed"
+    detach=; command -v setsid >/dev/null 2>&1 && detach=setsid
+    nohup $detach sh -c 'sleep "$1"; shift; sh -c "$@"' revert "$timeout" "$revert" revert "$d" "$new" "$previous" </dev/null >>"$d/revert.log" 2>&1 &
+    echo "re-armed: back to the previous system after ${timeout}s unless confirmed"
+  fi ;;
+esac
 echo healthy"#;
 
 /// On the target: disarm (only this deploy's arm), then the system
 /// profile and the boot entry. Arguments: the node's dir, the token, the
 /// toplevel, the profile.
 const CONFIRM: &str = r#"d="$1"; token="$2"; toplevel="$3"; profile="$4"
-if ! mkdir "$d/settled.$token" 2>/dev/null || [ "$(cat "$d/armed" 2>/dev/null)" != "$token" ]; then
+arm="$(cat "$d/armed" 2>/dev/null)"
+case "$arm" in "$token".*) ;; *) arm=; ;; esac
+if [ -z "$arm" ] || ! mkdir "$d/settled.$arm" 2>/dev/null || [ "$(cat "$d/armed" 2>/dev/null)" != "$arm" ]; then
   echo "this deploy's revert is not armed on the node any more: it fired, or another deploy armed it" >&2; exit 1
 fi
 rm -f "$d/armed"
@@ -845,11 +882,8 @@ fn deploy(request: &Value) -> Outcome {
         roots.push(toplevel);
         keep_roots(&work, name, &roots);
         if changed {
-            // The revert goes to the newest confirmed system other than
-            // this one (a rollback's own toplevel is among the kept).
-            let previous = kept.iter().map(String::as_str).find(|p| *p != toplevel);
-            activate(request, name, toplevel, check.as_deref(), target, previous)
-                .map_err(Failure::Broken)?;
+            // Activated by `activate`, wave by wave (rollouts.md).
+            println!("{name}: built; berth activates it in its wave");
             changed_nodes.push((name.as_str(), node, fingerprint));
         } else {
             println!("{name}: unchanged");
@@ -876,6 +910,95 @@ fn deploy(request: &Value) -> Outcome {
     }
     write_state(&work, &next)?;
     Ok(json!({ "nodes": results }))
+}
+
+/// The toplevel a node goes back to: the newest confirmed one other than
+/// its last deploy's (a rollback's own toplevel is among the kept).
+fn previous_of(node: &NodeState) -> Option<&str> {
+    node.kept
+        .iter()
+        .map(String::as_str)
+        .find(|p| *p != node.toplevel)
+}
+
+/// `activate`: each requested node to its new toplevel (copy, arm the
+/// revert, `switch-to-configuration test`) or back to its previous one;
+/// one node's failure answers `false` and the others go on.
+fn activate_nodes(request: &Value) -> Outcome {
+    let work = dir_from_env("BERTH_WORK_DIR")?;
+    let state = read_state(&work)?;
+    let to_new = match request["target"].as_str() {
+        Some("new") => true,
+        Some("previous") => false,
+        _ => {
+            return Err(Failure::Broken(
+                "the request's target is not \"new\" or \"previous\"".into(),
+            ))
+        }
+    };
+    let mut answers = Vec::new();
+    for (name, node) in requested_nodes(request, &state)? {
+        let done = if to_new {
+            let target = node.target.as_deref();
+            activate(
+                request,
+                &name,
+                &node.toplevel,
+                node.check.as_deref(),
+                target,
+                previous_of(node),
+            )
+        } else {
+            go_back(request, &name, node)
+        };
+        answers.push(match done {
+            Ok(()) => json!({"name": name, "activated": true}),
+            Err(reason) => {
+                println!("{name}: {reason}");
+                json!({"name": name, "activated": false, "reason": reason})
+            }
+        });
+    }
+    Ok(json!({ "nodes": answers }))
+}
+
+/// `activate` `previous` for one node: the configured command with the
+/// previous toplevel, or over SSH (`GO_BACK`), or nothing for a node
+/// built only.
+fn go_back(request: &Value, name: &str, node: &NodeState) -> Result<(), String> {
+    if let Ok(command) = std::env::var("BERTH_NIX_ACTIVATE") {
+        let previous = previous_of(node).ok_or("no previous system: nothing to go back to")?;
+        println!("putting {name} back with the configured command");
+        let status = Command::new("/bin/sh")
+            .args(["-c", &command])
+            .env("NODE", name)
+            .env("TOPLEVEL", previous)
+            .env("TARGET", node.target.as_deref().unwrap_or(""))
+            .status()
+            .map_err(|e| format!("putting {name} back: {e}"))?;
+        return if status.success() {
+            Ok(())
+        } else {
+            Err(format!("putting {name} back failed ({status})"))
+        };
+    }
+    let Some(target) = node.target.as_deref() else {
+        println!("{name}: built only; nothing to put back");
+        return Ok(());
+    };
+    let token = request["build"].as_str().unwrap_or("");
+    let deployment = request["deployment"].as_str().unwrap_or("");
+    println!("putting {name} back on {target}");
+    let status = ssh(target, GO_BACK, &[&target_dir(deployment, name), token])
+        .status()
+        .map_err(|e| format!("cannot run ssh: {e}"))?;
+    match status.code() {
+        Some(0) => Ok(()),
+        Some(3) => Err("no previous system on the node: nothing to go back to".into()),
+        _ => Err(format!(
+            "putting {name} back on its target failed ({status})"
+        )),
+    }
 }
 
 /// The nodes a `check` or `confirm` request names, with their state.
@@ -906,6 +1029,11 @@ fn check(request: &Value) -> Outcome {
     let state = read_state(&work)?;
     let token = request["build"].as_str().unwrap_or("");
     let deployment = request["deployment"].as_str().unwrap_or("");
+    let timeout = knob(
+        "BERTH_NIX_CONFIRM_TIMEOUT",
+        DEFAULT_CONFIRM_TIMEOUT_SECS,
+        MAX_CONFIRM_TIMEOUT_SECS,
+    )?;
     let mut answers = Vec::new();
     for (name, node) in requested_nodes(request, &state)? {
         let Some(target) = node
@@ -925,6 +1053,8 @@ fn check(request: &Value) -> Outcome {
                 &target_dir(deployment, &name),
                 token,
                 node.check.as_deref().unwrap_or(""),
+                &timeout.to_string(),
+                REVERT,
             ],
         )
         .stderr(Stdio::inherit())
@@ -1158,6 +1288,7 @@ mod tests {
                 format!("echo \"new $1\" >> {}/history", dir.display()),
             ),
             ("stubs/nix-env", "exit 0".to_string()),
+            ("stubs/systemctl", "echo running".to_string()),
         ] {
             let path = dir.join(name);
             std::fs::create_dir_all(path.parent().unwrap()).unwrap();
@@ -1195,11 +1326,12 @@ mod tests {
         let profile = dir.join("profile");
         for round in 0..40 {
             let token = format!("build-{round}");
+            let arm = format!("{token}.0.{round}");
             std::fs::create_dir_all(&node).unwrap();
-            std::fs::write(node.join("armed"), format!("{token}\n")).unwrap();
+            std::fs::write(node.join("armed"), format!("{arm}\n")).unwrap();
             let _ = std::fs::remove_file(dir.join("history"));
             let node = node.to_str().unwrap();
-            let mut revert = on_target(&dir, REVERT, &[node, &token, old.to_str().unwrap()])
+            let mut revert = on_target(&dir, REVERT, &[node, &arm, old.to_str().unwrap()])
                 .spawn()
                 .unwrap();
             let confirm_args = [
@@ -1225,6 +1357,61 @@ mod tests {
                 "round {round}: {history:?}"
             );
         }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A healthy check re-arms: the old arm's timer then does nothing, and
+    /// the confirm settles the new arm.
+    #[test]
+    fn a_check_re_arms_so_the_old_timer_does_nothing_and_the_confirm_still_settles() {
+        let dir = target_scratch("re-arm");
+        let node = dir.join("node");
+        std::fs::create_dir_all(&node).unwrap();
+        std::fs::write(node.join("armed"), "tok.0.1\n").unwrap();
+        std::fs::write(
+            node.join("previous"),
+            format!("{}\n", dir.join("old").display()),
+        )
+        .unwrap();
+        let node_text = node.to_str().unwrap();
+        // The new timer's script does nothing here (it would sleep an hour).
+        let checked = on_target(&dir, CHECK, &[node_text, "tok", "", "3600", "exit 0"])
+            .stdout(Stdio::piped())
+            .output()
+            .unwrap();
+        let said = String::from_utf8_lossy(&checked.stdout).to_string();
+        assert!(
+            said.contains("re-armed") && said.trim_end().ends_with("healthy"),
+            "{said}"
+        );
+        let armed = std::fs::read_to_string(node.join("armed")).unwrap();
+        assert!(
+            armed.starts_with("tok.") && armed.trim() != "tok.0.1",
+            "{armed}"
+        );
+        let old = dir.join("old");
+        let fired =
+            on_target(&dir, REVERT, &[node_text, "tok.0.1", old.to_str().unwrap()]).status();
+        assert!(fired.unwrap().success());
+        let history = || std::fs::read_to_string(dir.join("history")).unwrap_or_default();
+        assert!(
+            !history().contains("old test"),
+            "the old timer went back: {}",
+            history()
+        );
+        let new = dir.join("new");
+        let profile = dir.join("profile");
+        let confirm = [
+            node_text,
+            "tok",
+            new.to_str().unwrap(),
+            profile.to_str().unwrap(),
+        ];
+        assert!(on_target(&dir, CONFIRM, &confirm)
+            .status()
+            .unwrap()
+            .success());
+        assert!(history().contains("new boot"), "{}", history());
         let _ = std::fs::remove_dir_all(&dir);
     }
 

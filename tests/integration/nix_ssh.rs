@@ -314,17 +314,15 @@ async fn activation_over_ssh_is_confirmed_checked_rolled_back_and_reverted_by_th
         took_ms(&end_rb)
     );
 
-    // A deploy whose confirm never comes: berth is killed during the
-    // health step, and the target goes back by itself after the timeout.
+    // A deploy whose confirm never comes: berth is killed once the target
+    // runs it, and the target goes back by itself after the timeout.
     let b4 = s.submit_ok("alice", configuration("blue", true)).await;
-    eventually("the health step of the deploy has begun", || {
-        let s = &s;
-        let b4 = b4.clone();
-        async move { s.log_text(&b4).await.contains("[berth] health step") }
+    eventually("the broken system is active on the target", || {
+        let state = &state;
+        let active2 = &active2;
+        async move { !machine(state).0.is_empty() && machine(state).0 != *active2 }
     })
     .await;
-    let (broken_active, _) = machine(&state);
-    assert_ne!(broken_active, active2, "the broken system was activated");
     s.kill();
     let killed_at = Instant::now();
     let deadline = Instant::now() + Duration::from_secs(90);
@@ -347,21 +345,27 @@ async fn activation_over_ssh_is_confirmed_checked_rolled_back_and_reverted_by_th
         "{history_after}"
     );
     println!("the target reverted {reverted_after:?} after berth was killed (BERTH_NIX_CONFIRM_TIMEOUT 20 s from the activation)");
-    // After a restart the interrupted build is not rolled back (the
-    // target already went back; berth never rolls back an interruption).
+    // After a restart the rollout goes on (rollouts.md): its gate finds
+    // the node unhealthy or gone back, it aborts, and the automatic
+    // rollback follows; the target stays on the second toplevel.
     s.launch().await;
     let end4 = s.wait_build(&b4, "final").await;
     assert_eq!(end4["status"], "failed", "{end4}");
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    let after = builds(&s).await;
-    let rollbacks = after
-        .iter()
-        .filter(|b| b["trigger"] == "automatic_rollback")
-        .count();
-    assert_eq!(
-        rollbacks, 1,
-        "an interrupted build was rolled back: {after:?}"
-    );
+    assert_eq!(end4["failure"]["reason"], "health_check_failed", "{end4}");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let rollbacks: Vec<Value> = builds(&s)
+            .await
+            .into_iter()
+            .filter(|b| b["trigger"] == "automatic_rollback")
+            .collect();
+        if rollbacks.len() == 2 && rollbacks.iter().all(|b| b["status"] == "succeeded") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{rollbacks:?}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(machine(&state), (active2.clone(), active2.clone()));
     drop(sshd);
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -392,5 +396,135 @@ async fn a_target_that_is_an_ssh_option_never_reaches_ssh() {
     let log = s.log_text(&b).await;
     assert!(log.contains("is not an SSH destination"), "{log}");
     assert!(!marker.exists(), "ssh ran the target's ProxyCommand");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Two nodes: `mastodon` on the SSH target, `forgejo` built only.
+fn two_nodes(theme: &str) -> Value {
+    json!({"domain": "alice.example.org", "applications": {
+        "mastodon": {"enable": true, "target": "berth-target", "theme": theme},
+        "forgejo": {"enable": true, "theme": theme},
+    }})
+}
+
+async fn put_policy(s: &Server, policy: Value) {
+    let r = s
+        .http
+        .put(s.url("/v1/deployments/alice/rollout-policy"))
+        .bearer_auth(&s.token)
+        .json(&policy)
+        .send()
+        .await
+        .unwrap();
+    let (status, body) = read(r).await;
+    assert_eq!(status, 200, "{body}");
+}
+
+/// rollouts.md "The deployers": the Nix deployer's `activate` per node over
+/// a real sshd, in two waves with a wait longer than the target's revert
+/// timeout between them (the watch's checks re-arm the revert, so the node
+/// never goes back), then an abort after the first wave that puts the
+/// node back on its previous system.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nix_rollout_keeps_its_revert_alive_across_a_long_wait_and_an_abort_puts_the_node_back() {
+    let test = "nix_ssh::a_nix_rollout_keeps_its_revert_alive_across_a_long_wait_and_an_abort_puts_the_node_back";
+    if !nix_can_build(test) {
+        return;
+    }
+    let dir = temp_dir("nix-ssh-rollout");
+    let state = dir.join("machine");
+    let stand_ins = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/nix-target");
+    let Some(sshd) = start_sshd(test, &dir, &stand_ins, &state) else {
+        return;
+    };
+    std::fs::create_dir_all(dir.join("profiles")).unwrap();
+    let profile = dir.join("profiles/system");
+    let s = Server::start(
+        nix_options(&example_source())
+            .env("NIX_SSHOPTS", &format!("-F {}", sshd.ssh_config.display()))
+            .env("BERTH_NIX_CONFIRM_TIMEOUT", "12")
+            .env("BERTH_NIX_PROFILE", profile.to_str().unwrap())
+            .env(
+                "BERTH_NIX_TARGET_DIR",
+                dir.join("target-dir").to_str().unwrap(),
+            )
+            .arg("--health-interval")
+            .arg("3s")
+            .arg("--health-timeout")
+            .arg("20s")
+            .arg("--rollout-watch-interval")
+            .arg("5s"),
+    )
+    .await;
+    let b1 = s.submit_ok("alice", two_nodes("light")).await;
+    let end1 = s.wait_build(&b1, "final").await;
+    assert_eq!(
+        end1["status"],
+        "succeeded",
+        "{end1}\n{}",
+        s.log_text(&b1).await
+    );
+    let (active1, _) = machine(&state);
+
+    // Two waves with 30 s between them: the revert armed at wave 1 (12 s)
+    // is re-armed by every watch check (5 s), so it never fires.
+    put_policy(
+        &s,
+        json!({"waves": [1], "first": ["mastodon"], "wait_seconds": 30}),
+    )
+    .await;
+    let b2 = s.submit_ok("alice", two_nodes("dark")).await;
+    let end2 = s.wait_build(&b2, "final").await;
+    let log2 = s.log_text(&b2).await;
+    assert_eq!(end2["status"], "succeeded", "{end2}\n{log2}");
+    let waves = end2["rollout"]["waves"].as_array().unwrap();
+    assert_eq!(waves[0]["nodes"], json!(["mastodon"]));
+    assert_eq!(waves[1]["nodes"], json!(["forgejo"]));
+    assert!(
+        log2.contains("re-armed: back to the previous system"),
+        "{log2}"
+    );
+    let (active2, boot2) = machine(&state);
+    assert_ne!(active2, active1);
+    assert_eq!(boot2, active2, "confirmed after the last wave");
+    let history = std::fs::read_to_string(state.join("history")).unwrap();
+    let since: Vec<&str> = history
+        .lines()
+        .skip_while(|l| *l != format!("test {active2}"))
+        .collect();
+    assert!(
+        !since.contains(&format!("test {active1}").as_str()),
+        "the target went back during the wait:\n{history}"
+    );
+
+    // An abort after wave 1 puts mastodon back; nothing is confirmed.
+    put_policy(
+        &s,
+        json!({"waves": [1], "first": ["mastodon"], "pause_after": [1]}),
+    )
+    .await;
+    let b3 = s.submit_ok("alice", two_nodes("blue")).await;
+    eventually("the rollout pauses after wave 1", || {
+        let s = &s;
+        let b3 = b3.clone();
+        async move { s.build(&b3).await["rollout"]["state"] == "paused" }
+    })
+    .await;
+    assert_ne!(machine(&state).0, active2, "wave 1 activated mastodon");
+    let r = s
+        .post("/v1/deployments/alice/actions/rollout_abort", &json!({}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 202);
+    let end3 = s.wait_build(&b3, "final").await;
+    assert_eq!(end3["status"], "failed", "{end3}");
+    assert_eq!(end3["failure"]["reason"], "rollout_aborted", "{end3}");
+    assert_eq!(
+        machine(&state),
+        (active2.clone(), active2.clone()),
+        "mastodon is back on the second system and it stays the boot entry"
+    );
+    drop(sshd);
     let _ = std::fs::remove_dir_all(&dir);
 }
