@@ -100,6 +100,8 @@ pub enum WorkerCall {
     Renew,
     Progress,
     Outcome,
+    /// A rollout build's call ended (`calls/{seq}`).
+    CallReport,
     Blob,
     WorkState,
 }
@@ -366,6 +368,7 @@ pub const ROUTES: &[Route] = &[
     worker_row("PUT", "/internal/v1/attempts/{attempt}/blobs/{digest}", WorkerCall::Blob),
     worker_row("GET", "/internal/v1/attempts/{attempt}/work-state", WorkerCall::WorkState),
     worker_row("POST", "/internal/v1/attempts/{attempt}/outcome", WorkerCall::Outcome),
+    worker_row("POST", "/internal/v1/attempts/{attempt}/calls/{seq}", WorkerCall::CallReport),
 ];
 
 /// A matched route's path parameters.
@@ -762,6 +765,7 @@ pub async fn worker(
         WorkerCall::Renew => workers::renew(ctx, req, auth).await,
         WorkerCall::Progress => workers::progress(ctx, req, auth).await,
         WorkerCall::Outcome => workers::outcome(ctx, req, auth).await,
+        WorkerCall::CallReport => workers::call_report(ctx, req, auth).await,
         WorkerCall::Blob => workers::blob(ctx, req, auth).await,
         WorkerCall::WorkState => workers::attempt_work_state(ctx, req, auth),
     };

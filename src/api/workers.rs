@@ -423,12 +423,7 @@ fn queue_now(
                 None => None,
             }
             .unwrap_or_else(|| flag_labels.clone());
-            let here_only = b.kind == BuildKind::Deploy
-                && rx.build_snapshots(build)?.is_some_and(|snaps| {
-                    ctx.engine.rollout_stays_here(&snaps.snapshot.source.digest)
-                });
             if held
-                || here_only
                 || crate::engine::queue::frozen_out(&rx, &b, now)?
                 || !required.iter().all(|l| labels.contains(l))
             {
@@ -635,26 +630,61 @@ fn progress_item(i: usize, item: ItemBody) -> Result<(u64, ProgressItem), ApiErr
     }
 }
 
+/// The members of an outcome (`health` only there) and of a call's report.
+const OUTCOME_MEMBERS: [&str; 11] = [
+    "operation_id",
+    "fence",
+    "worker_incarnation",
+    "progress_through",
+    "ended",
+    "result",
+    "result_problem",
+    "health",
+    "files",
+    "work_state",
+    "work_state_problem",
+];
+
 /// `POST /internal/v1/attempts/{attempt}/outcome`.
 pub async fn outcome(ctx: &Ctx, req: &Request, auth: &WorkerAuth) -> Result<Reply, ApiError> {
     let attempt = attempt_of(req)?;
-    let map = super::json_object(
-        &req.body,
-        &[
-            "operation_id",
-            "fence",
-            "worker_incarnation",
-            "progress_through",
-            "ended",
-            "result",
-            "result_problem",
-            "health",
-            "files",
-            "work_state",
-            "work_state_problem",
-        ],
-    )?;
+    let map = super::json_object(&req.body, &OUTCOME_MEMBERS)?;
     let call = authority_call(req, &map)?;
+    let outcome = remote_outcome(&map)?;
+    Ok(answered(
+        ctx.engine
+            .outcome(auth.caller(), attempt, call, outcome)
+            .await?,
+    ))
+}
+
+/// `POST /internal/v1/attempts/{attempt}/calls/{seq}`: one call of a
+/// rollout build ended (workers.md "Rollouts on workers"); the body is an
+/// outcome's without `health`.
+pub async fn call_report(ctx: &Ctx, req: &Request, auth: &WorkerAuth) -> Result<Reply, ApiError> {
+    let attempt = attempt_of(req)?;
+    let seq = req
+        .param("seq")
+        .parse::<u64>()
+        .ok()
+        .filter(|s| *s >= 1)
+        .ok_or_else(|| ApiError::not_found("call"))?;
+    let members: Vec<&str> = OUTCOME_MEMBERS
+        .into_iter()
+        .filter(|m| *m != "health")
+        .collect();
+    let map = super::json_object(&req.body, &members)?;
+    let call = authority_call(req, &map)?;
+    let report = remote_outcome(&map)?;
+    Ok(answered(
+        ctx.engine
+            .call_report(auth.caller(), attempt, call, seq, report)
+            .await?,
+    ))
+}
+
+/// An outcome's (or a call report's) members past its authority.
+fn remote_outcome(map: &serde_json::Map<String, Value>) -> Result<RemoteOutcome, ApiError> {
     let progress_through = map
         .get("progress_through")
         .and_then(Value::as_u64)
@@ -684,8 +714,8 @@ pub async fn outcome(ctx: &Ctx, req: &Request, auth: &WorkerAuth) -> Result<Repl
         }
     };
     let health = remote_health(map.get("health"))?;
-    let (work_state, work_state_problem) = outcome_work_state(&map)?;
-    let outcome = RemoteOutcome {
+    let (work_state, work_state_problem) = outcome_work_state(map)?;
+    Ok(RemoteOutcome {
         progress_through,
         ended,
         result,
@@ -693,12 +723,7 @@ pub async fn outcome(ctx: &Ctx, req: &Request, auth: &WorkerAuth) -> Result<Repl
         files: outcome_files(map.get("files"))?,
         work_state,
         work_state_problem,
-    };
-    Ok(answered(
-        ctx.engine
-            .outcome(auth.caller(), attempt, call, outcome)
-            .await?,
-    ))
+    })
 }
 
 /// The most SBOM files one outcome names.

@@ -15,11 +15,12 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use serde_json::json;
+use serde_json::{json, Value};
 
 use super::build::{deployer_request, finish_tx, Finished};
 use super::health::HealthEnd;
 use super::log_pipe::{Chunk, LogBuffer};
+use super::build::CheckedResult;
 use super::outcome::{End, Halt};
 use super::refusal::{Missing, Refusal};
 use super::runner::Ended;
@@ -176,16 +177,8 @@ impl Engine {
             None => false,
         };
         // Described just above: a deploy whose deployer lists `activate`
-        // runs its rollout on the embedded worker only (for now).
-        let is_deploy = self
-            .store
-            .read()?
-            .build(build)?
-            .is_some_and(|b| b.kind == BuildKind::Deploy);
-        let here_only = is_deploy
-            && snaps
-                .as_ref()
-                .is_some_and(|s| self.rollout_stays_here(&s.snapshot.source.digest));
+        // is a rollout, its calls handed out one at a time.
+        let rolls_out = self.rolls_out(build)?;
         // Described just above (or never describable: then the flag's).
         let required = snaps
             .as_ref()
@@ -203,7 +196,7 @@ impl Engine {
             required,
             blocked,
             first_work_state,
-            here_only,
+            rolls_out,
         };
         self.store
             .write(move |tx| claim_tx(tx, &hub, &scene, &worker, build, &call))
@@ -233,7 +226,21 @@ impl Engine {
         }
     }
 
-    /// `POST /internal/v1/attempts/{attempt}/renew`.
+    /// Whether `build` is a deploy that rolls out: its source lists
+    /// `activate` (as described in this process; the claim described it).
+    fn rolls_out(&self, build: BuildId) -> Result<bool, Refusal> {
+        let rx = self.store.read()?;
+        let Some(b) = rx.build(build)? else {
+            return Ok(false);
+        };
+        let Some(snaps) = rx.build_snapshots(build)? else {
+            return Ok(false);
+        };
+        Ok(b.kind == BuildKind::Deploy && self.lists_activate(&snaps.snapshot.source.digest))
+    }
+
+    /// `POST /internal/v1/attempts/{attempt}/renew`. A rollout's worker
+    /// also learns its next call here (`next_call`, `done`).
     pub async fn renew(
         self: &Arc<Self>,
         worker: WorkerCaller,
@@ -241,20 +248,107 @@ impl Engine {
         call: AuthorityCall,
     ) -> Result<Answered, Refusal> {
         let (hub, ttl) = (self.hub.clone(), self.lease_ttl_ms());
+        let next_call = self.remote_rollouts.next_call(attempt.0);
         self.store
             .write(move |tx| {
-                authorized(tx, &hub, &worker, attempt, "renew", &call, |_, a, now| {
+                authorized(tx, &hub, &worker, attempt, "renew", &call, |tx, a, now| {
                     authority::renew(a, now, ttl);
                     a.accepted_calls += 1;
                     Ok(Ok(json!({
                         "lease_expires_at": a.lease_expires_at.map(format_time),
                         "lease_ttl_ms": ttl,
                         "cancel": a.cancel_requested_at.is_some(),
+                        "next_call": next_call,
+                        "done": super::remote_rollout::rollout_done(tx, a.build)?,
                     })
                     .to_string()))
                 })
             })
             .await?
+    }
+
+    /// `POST /internal/v1/attempts/{attempt}/calls/{seq}`: the end of one
+    /// call of a rollout build. Call 1, its `deploy`, starts the rollout
+    /// when it exited 0 with a valid result (the plan, the result and the
+    /// work state stored in the call's transaction); a later call's end
+    /// goes to the runner waiting for it. A report of a call berth no
+    /// longer waits for (berth restarted meanwhile) is taken and changes
+    /// nothing: the runner asks again.
+    pub async fn call_report(
+        self: &Arc<Self>,
+        worker: WorkerCaller,
+        attempt: (BuildId, u64),
+        call: AuthorityCall,
+        seq: u64,
+        mut report: RemoteOutcome,
+    ) -> Result<Answered, Refusal> {
+        let build = attempt.0;
+        let files = if seq == super::remote_rollout::FIRST_CALL {
+            let deployment = self
+                .store
+                .read()?
+                .attempt(build, attempt.1)?
+                .filter(|a| a.worker == worker.name)
+                .map(|a| a.deployment);
+            match deployment {
+                Some(d) => Some(Arc::new(
+                    self.prepare_files(
+                        attempt,
+                        &d,
+                        std::mem::take(&mut report.files),
+                        report.work_state.take(),
+                        report.work_state_problem.take(),
+                    )
+                    .await?,
+                )),
+                None => None,
+            }
+        } else {
+            None
+        };
+        let (hub, settings) = (self.hub.clone(), self.settings.clone());
+        let report = Arc::new(report);
+        let in_job = report.clone();
+        let answered = self
+            .store
+            .write(move |tx| {
+                authorized(tx, &hub, &worker, attempt, "call", &call, |tx, a, now| {
+                    if in_job.progress_through != a.applied_through {
+                        return Ok(Err(Refusal::ProgressGap {
+                            applied_through: a.applied_through,
+                        }));
+                    }
+                    if let Some(files) = &files {
+                        deploy_reported_tx(tx, &hub, &settings, a.build, &in_job, files, now)?;
+                    }
+                    a.accepted_calls += 1;
+                    Ok(Ok(json!({
+                        "next_call": Value::Null,
+                        "done": super::remote_rollout::rollout_done(tx, a.build)?,
+                    })
+                    .to_string()))
+                })
+            })
+            .await?;
+        let Ok(answer) = &answered else {
+            return answered;
+        };
+        if answer.replayed {
+            return answered;
+        }
+        if seq == super::remote_rollout::FIRST_CALL {
+            self.drop_staged(attempt);
+            let started = self.store.read()?.rollout(build)?.is_some();
+            if started {
+                self.start_remote_rollout(build);
+            }
+        } else if let Some(reply) = self.remote_rollouts.take_reply(build, seq) {
+            let end = super::remote_rollout::call_end(&report.ended, &report.result);
+            if reply.send(end).is_err() {
+                tracing::warn!(build = %format_build_id(build), seq, "a rollout's call was reported after its runner stopped waiting");
+            }
+        }
+        answered
     }
 
     /// `POST /internal/v1/attempts/{attempt}/progress`.
@@ -341,6 +435,7 @@ impl Engine {
             )),
             None => None,
         };
+        let rolls_out = self.rolls_out(attempt.0)?;
         let (hub, settings) = (self.hub.clone(), self.settings.clone());
         let answered = self
             .store
@@ -361,8 +456,8 @@ impl Engine {
                         let Some(files) = &files else {
                             return Ok(Err(Refusal::NotFound(Missing::Attempt)));
                         };
-                        let summary =
-                            settle(tx, &hub, &settings, a, &worker, (&outcome, files), now)?;
+                        let reported = (&outcome, files.as_ref(), rolls_out);
+                        let summary = settle(tx, &hub, &settings, a, &worker, reported, now)?;
                         Ok(Ok(summary))
                     },
                 )
@@ -370,6 +465,7 @@ impl Engine {
             .await?;
         if answered.is_ok() {
             self.drop_staged(attempt);
+            self.remote_rollouts.forget(attempt.0);
         }
         // The deployment's next build may go now.
         self.wake_queue();
@@ -464,8 +560,8 @@ struct ClaimContext {
     blocked: HashSet<String>,
     /// The deployment's first stored work state, when it has none yet.
     first_work_state: NewWorkState,
-    /// A deploy whose rollout only the embedded worker runs.
-    here_only: bool,
+    /// A deploy that rolls out (its deployer lists `activate`).
+    rolls_out: bool,
 }
 
 /// The claim's write job (workers.md "Claim").
@@ -494,7 +590,6 @@ fn claim_tx(
     };
     let claimable = d.as_ref().is_some_and(|d| d.running.is_none())
         && !held
-        && !ctx.here_only
         && !super::queue::frozen_out(tx, &b, now_millis())?
         && !ctx.blocked.contains(&b.deployment)
         && !tx.queued_before(&b.deployment, build_id)?;
@@ -538,7 +633,7 @@ fn claim_tx(
     append_amid(tx, hub, &mut b, &mut a, u64::MAX, &items, now)?;
     tx.put_build(&b)?;
     change.audit(&worker_draft("attempt_claim", worker, &b, AuditOutcome::Ok))?;
-    let answer = claim_answer(&ctx.settings, &b, &snaps, &a, ctx.health, work_state)?;
+    let answer = claim_answer(&ctx.settings, &b, &snaps, &a, ctx, work_state)?;
     authority::keep_reply(
         &mut a,
         "claim",
@@ -589,9 +684,11 @@ fn claim_answer(
     b: &BuildRecord,
     snaps: &BuildSnapshots,
     a: &AttemptRecord,
-    health: bool,
+    ctx: &ClaimContext,
     work_state: Option<WorkStateRef>,
 ) -> StoreResult<String> {
+    // A rollout's gates and confirm are berth's calls, not a health step.
+    let health = ctx.health && !ctx.rolls_out;
     let request = deployer_request(b, snaps).map_err(|e| {
         crate::store::StoreError::corrupt(format!("a stored configuration snapshot: {e}"))
     })?;
@@ -613,6 +710,7 @@ fn claim_answer(
         "verb": verb,
         "request": request,
         "health": health,
+        "rollout": ctx.rolls_out,
         "work_state": work_state.map(|w| json!({"digest": w.digest, "size": w.size})),
         "limits": {
             "build_timeout_ms": ms(settings.build_timeout),
@@ -754,8 +852,91 @@ fn refuse(
     Change::new(tx, hub).audit(&draft)
 }
 
+/// The nodes and the health end a remote rollout build's verdict reads:
+/// the rollout's when its plan is stored; a deploy that changed more nodes
+/// than a rollout takes fails `deployer_protocol`, as on the embedded
+/// worker.
+fn rollout_verdict(
+    tx: &Tx,
+    hub: &Arc<Hub>,
+    build: BuildId,
+    result: Option<CheckedResult>,
+    halted: Halt,
+    reported: &Option<HealthEnd>,
+) -> StoreResult<(Option<CheckedResult>, Option<HealthEnd>)> {
+    if let Some((nodes, end)) = super::remote_rollout::settled_view(tx, hub, build, halted)? {
+        return Ok((Some(Ok(nodes)), Some(end)));
+    }
+    let changed = match &result {
+        Some(Ok(nodes)) => nodes.iter().filter(|n| n.changed).count(),
+        Some(Err(_)) | None => 0,
+    };
+    if changed > crate::rollout::MAX_ROLLOUT_NODES {
+        let why = format!(
+            "the deploy changed {changed} nodes; a rollout takes at most {}",
+            crate::rollout::MAX_ROLLOUT_NODES
+        );
+        return Ok((
+            result,
+            Some(HealthEnd::Aborted(FailureReason::DeployerProtocol, why)),
+        ));
+    }
+    Ok((result, reported.clone()))
+}
+
+/// A rollout build's `deploy` reported (call 1): when it exited 0 with a
+/// valid result, its rollout is planned and stored with that result and
+/// the work state it left (what a later call starts from); otherwise
+/// nothing, and the worker's outcome judges the deploy as any other.
+fn deploy_reported_tx(
+    tx: &Tx,
+    hub: &Arc<Hub>,
+    settings: &Settings,
+    build: BuildId,
+    report: &RemoteOutcome,
+    files: &PreparedFiles,
+    now: Millis,
+) -> StoreResult<()> {
+    let Some(b) = tx.build(build)? else {
+        return Ok(());
+    };
+    let deployed = matches!(report.ended, RemoteEnd::Exit(0)) && files.work_state_problem.is_none();
+    if tx.rollout(build)?.is_some() || !deployed {
+        return Ok(());
+    }
+    let Ok(text) = &report.result else {
+        return Ok(());
+    };
+    let nodes = parse_result(text.as_bytes(), b.kind, |path| {
+        match files.sboms.get(path) {
+            Some(prepared) => prepared.clone(),
+            None => Err("the SBOM file was not uploaded by the worker".to_string()),
+        }
+    });
+    let Ok(nodes) = nodes else {
+        return Ok(());
+    };
+    let changed: Vec<String> = nodes
+        .iter()
+        .filter(|n| n.changed)
+        .map(|n| n.name.clone())
+        .collect();
+    if changed.len() > crate::rollout::MAX_ROLLOUT_NODES {
+        return Ok(());
+    }
+    super::work_state::keep_tx(
+        tx,
+        &b.deployment,
+        &files.work_state,
+        Some(build),
+        settings.keep_work_states,
+        now,
+    )?;
+    super::rollouts::plan_tx(tx, hub, &b, &changed, &nodes)
+}
+
 /// What goes into a build's log amid its lines.
-enum Amid {
+pub(super) enum Amid {
     Line(String),
     Event(BuildEvent, String),
 }
@@ -799,7 +980,7 @@ fn append<'i>(
 /// channel, and publishes them together after the commit. Lines past
 /// `--max-log-bytes` are counted in the attempt, not stored; an event
 /// past `MAX_LOG_GAPS` is kept only as its line.
-fn append_amid(
+pub(super) fn append_amid(
     tx: &Tx,
     hub: &Arc<Hub>,
     b: &mut BuildRecord,
@@ -909,6 +1090,10 @@ fn lose_tx(
     } else {
         End::failed(FailureReason::LostAttempt, &detail)
     };
+    // A rollout on the lost worker ends with its build (its runner sees
+    // the record finished and stops).
+    let halted = if cancelled { Halt::Cancel } else { Halt::No };
+    super::remote_rollout::settled_view(tx, hub, b.id, halted)?;
     let finished = Arc::new(Finished {
         end,
         nodes: vec![],
@@ -980,7 +1165,7 @@ fn settle(
     settings: &Settings,
     a: &mut AttemptRecord,
     worker: &WorkerCaller,
-    (outcome, files): (&RemoteOutcome, &PreparedFiles),
+    (outcome, files, rolls_out): (&RemoteOutcome, &PreparedFiles, bool),
     now: Millis,
 ) -> StoreResult<String> {
     let Some(mut b) = tx.build(a.build)? else {
@@ -1010,6 +1195,13 @@ fn settle(
         (Ok(Ended::Exit(0)), Err(problem)) => Some(Err(format!("the result file: {problem}"))),
         _ => None,
     };
+    // A rollout's nodes are those stored with its plan, its end the
+    // rollout's (workers.md "Rollouts on workers").
+    let (result, health) = if rolls_out && b.kind == BuildKind::Deploy {
+        rollout_verdict(tx, hub, b.id, result, halted, &outcome.health)?
+    } else {
+        (result, outcome.health.clone())
+    };
     let closing = closing_lines(&result, a);
     append_amid(tx, hub, &mut b, a, u64::MAX, &closing, now)?;
     tx.put_build(&b)?;
@@ -1017,7 +1209,7 @@ fn settle(
         root: std::path::PathBuf::new(),
         ended,
         result,
-        health: outcome.health.clone(),
+        health,
         log: LogBuffer::new(0, 0, 0),
         disk_failure: None,
         halted,

@@ -639,7 +639,7 @@ pub fn begin_local_attempt(
 
 /// A deploy's result, read and checked: its nodes, or why it breaks the
 /// protocol.
-type CheckedResult = Result<Vec<super::outcome::NodeOutcome>, String>;
+pub(super) type CheckedResult = Result<Vec<super::outcome::NodeOutcome>, String>;
 
 /// What follows a deploy that exited 0 with a valid result.
 enum AfterDeploy {

@@ -251,11 +251,9 @@ impl Engine {
         Some(labels)
     }
 
-    /// Whether a deploy of this source runs only on the embedded worker:
-    /// its deployer lists `activate`, and berth runs a rollout's calls
-    /// itself (rollouts on remote workers are not built yet). Known only
-    /// once described in this process.
-    pub fn rollout_stays_here(&self, source_digest: &str) -> bool {
+    /// Whether a deploy of this source rolls out: its deployer lists
+    /// `activate`. Known only once described in this process.
+    pub fn lists_activate(&self, source_digest: &str) -> bool {
         self.described_in_memory(source_digest)
             .is_some_and(|d| d.activates())
     }

@@ -21,6 +21,7 @@ pub mod outcome;
 pub mod queue;
 pub mod recovery;
 pub mod refusal;
+pub mod remote_rollout;
 pub mod requests;
 pub mod resume;
 pub mod rollouts;
@@ -122,6 +123,8 @@ pub struct Engine {
     queue_changed: Notify,
     /// Rings when an action changed a rollout: its runner reads it again.
     rollout_wake: Notify,
+    /// The calls of rollouts on remote workers waiting for them.
+    remote_rollouts: remote_rollout::RemoteRollouts,
     callbacks_wake: Notify,
     /// Wakes the automatic update loop (a policy changed).
     updates_wake: Notify,
@@ -258,6 +261,7 @@ impl Engine {
             wake: Notify::new(),
             queue_changed: Notify::new(),
             rollout_wake: Notify::new(),
+            remote_rollouts: remote_rollout::RemoteRollouts::default(),
             callbacks_wake: Notify::new(),
             updates_wake: Notify::new(),
             cancels: Mutex::new(HashMap::new()),

@@ -50,6 +50,9 @@ impl Engine {
                 .await?;
             if remote {
                 tracing::info!(build = %format_build_id(build_id), %deployment, "a build on a remote worker goes on after the restart");
+                if self.rollout_goes_on(build_id) {
+                    self.start_remote_rollout(build_id);
+                }
                 continue;
             }
             let incarnation = self.incarnation.clone();

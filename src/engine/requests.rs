@@ -434,7 +434,10 @@ impl Engine {
             if let Some(cancel) = self.cancels.held().get(&build_id) {
                 let _ = cancel.send(super::outcome::Halt::Cancel);
             }
-            // A remote worker hears it through its open poll.
+            // A remote worker hears it through its open poll; a rollout's
+            // runner for a remote worker at once.
+            self.remote_rollouts
+                .halt(build_id, super::outcome::Halt::Cancel);
             self.wake_queue();
         }
         Ok(taken)

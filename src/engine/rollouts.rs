@@ -132,7 +132,7 @@ pub struct Noted {
 }
 
 impl Noted {
-    fn bare(event: Event) -> Noted {
+    pub(super) fn bare(event: Event) -> Noted {
         Noted { event, note: None }
     }
 
@@ -367,13 +367,7 @@ impl Engine {
 
     /// A deployment's rollout policy (`{}` when none is stored).
     pub fn rollout_policy(&self, deployment: &str) -> StoreResult<(Policy, String)> {
-        let text = self.store.read()?.rollout_policy(deployment)?;
-        let text = text.unwrap_or_else(|| "{}".to_string());
-        let value: Value = serde_json::from_str(&text)
-            .map_err(|_| StoreError::corrupt("a stored rollout policy is not JSON"))?;
-        let policy = Policy::parse(&value)
-            .map_err(|_| StoreError::corrupt("a stored rollout policy breaks its rules"))?;
-        Ok((policy, text))
+        stored_policy(&self.store.read()?, deployment)
     }
 
     /// Applies `noted` to a build's rollout in one transaction; the record
@@ -498,16 +492,9 @@ impl Engine {
         cancel: &mut watch::Receiver<Halt>,
     ) -> HealthEnd {
         let mut io = PipeHealth::of(self, build, pipe, cancel);
-        let mut run = Run {
-            engine: self.clone(),
-            build: build.id,
-            request: request.clone(),
-            verbs,
-            shown: None,
-            watched: None,
-            activate_failure: None,
-        };
-        let end = run.run_to_end(&mut io).await;
+        let end = Run::new(self, build.id, request, verbs)
+            .run_to_end(&mut io)
+            .await;
         io.pipe.commit_pending().await;
         end
     }
@@ -521,39 +508,61 @@ impl Engine {
         changed: Vec<String>,
         nodes: Vec<NodeOutcome>,
     ) -> StoreResult<()> {
-        let (policy, text) = self.rollout_policy(&build.deployment)?;
-        // The way back (a rollback) and a toggle of what ran before
-        // (suspend, resume) are one wave.
-        let staging = match &build.trigger {
-            Trigger::Submit | Trigger::AutomaticUpdate => Staging::Staged,
-            Trigger::Action(_) | Trigger::AutomaticRollback | Trigger::Delete => Staging::OneWave,
-        };
-        let waves = plan::plan(&changed, &policy, staging);
-        let now = now_millis();
-        let record = RolloutRecord {
-            build: build.id,
-            deployment: build.deployment.clone(),
-            rollout: Rollout::new(waves, &policy, staging),
-            policy: text,
-            pause: None,
-            abort: None,
-            unhealthy: vec![],
-            started_at: now,
-            updated_at: now,
-        };
-        let (hub, nodes) = (self.hub.clone(), Arc::new(nodes));
+        let (hub, build, nodes) = (self.hub.clone(), build.clone(), Arc::new(nodes));
         self.store
-            .write(move |tx| {
-                tx.put_rollout(&record)?;
-                tx.put_rollout_result(record.build, Some(nodes.as_ref()))?;
-                if let Some(mut d) = tx.deployment(&record.deployment)? {
-                    let change = Change::new(tx, &hub);
-                    change.rollout_changed(&mut d, summary(&record).to_string(), None)?;
-                }
-                Ok(())
-            })
+            .write(move |tx| plan_tx(tx, &hub, &build, &changed, &nodes))
             .await
     }
+}
+
+/// A deployment's stored rollout policy (`{}` when none is stored).
+fn stored_policy(rx: &impl Lookup, deployment: &str) -> StoreResult<(Policy, String)> {
+    let text = rx.rollout_policy(deployment)?;
+    let text = text.unwrap_or_else(|| "{}".to_string());
+    let value: Value = serde_json::from_str(&text)
+        .map_err(|_| StoreError::corrupt("a stored rollout policy is not JSON"))?;
+    let policy = Policy::parse(&value)
+        .map_err(|_| StoreError::corrupt("a stored rollout policy breaks its rules"))?;
+    Ok((policy, text))
+}
+
+/// The write job that starts a rollout: the plan of `build`'s changed
+/// nodes under the deployment's policy, stored with the deploy's result
+/// (`nodes`), and its first `rollout` events.
+pub(super) fn plan_tx(
+    tx: &crate::store::Tx,
+    hub: &Arc<crate::events::Hub>,
+    build: &BuildRecord,
+    changed: &[String],
+    nodes: &[NodeOutcome],
+) -> StoreResult<()> {
+    let (policy, text) = stored_policy(tx, &build.deployment)?;
+    // The way back (a rollback) and a toggle of what ran before (suspend,
+    // resume) are one wave.
+    let staging = match &build.trigger {
+        Trigger::Submit | Trigger::AutomaticUpdate => Staging::Staged,
+        Trigger::Action(_) | Trigger::AutomaticRollback | Trigger::Delete => Staging::OneWave,
+    };
+    let waves = plan::plan(changed, &policy, staging);
+    let now = now_millis();
+    let record = RolloutRecord {
+        build: build.id,
+        deployment: build.deployment.clone(),
+        rollout: Rollout::new(waves, &policy, staging),
+        policy: text,
+        pause: None,
+        abort: None,
+        unhealthy: vec![],
+        started_at: now,
+        updated_at: now,
+    };
+    tx.put_rollout(&record)?;
+    tx.put_rollout_result(record.build, Some(&nodes))?;
+    if let Some(mut d) = tx.deployment(&record.deployment)? {
+        let change = Change::new(tx, hub);
+        change.rollout_changed(&mut d, summary(&record).to_string(), None)?;
+    }
+    Ok(())
 }
 
 /// The nodes of `waves` whose `activate` answered `false`.
@@ -612,8 +621,61 @@ fn take_note(after: &mut RolloutRecord, noted: &Noted) {
     }
 }
 
+/// What a rollout's runner needs beyond the health step's calls: events
+/// of its own amid the build's log (the `rollout` event). The embedded
+/// worker's log pipe (`PipeHealth`) and a remote worker's attempt
+/// (`remote_rollout::RemoteIo`) each give it.
+pub(super) trait RolloutIo: HealthIo + Send {
+    fn event(
+        &mut self,
+        kind: BuildEvent,
+        data: String,
+    ) -> impl std::future::Future<Output = ()> + Send;
+}
+
+impl RolloutIo for PipeHealth<'_> {
+    async fn event(&mut self, kind: BuildEvent, data: String) {
+        self.engine
+            .build_event_amid(self.build, kind, data, self.pipe)
+            .await;
+    }
+}
+
+/// How a finished rollout ended, as the build's verdict reads a health
+/// step; `activate_failure` is why an `activate` call failed, when the
+/// runner saw it (else the abort's words).
+pub(super) fn end_of(
+    outcome: crate::model::Outcome,
+    record: &RolloutRecord,
+    activate_failure: Option<&(FailureReason, String)>,
+) -> HealthEnd {
+    let why = || {
+        record
+            .abort
+            .as_ref()
+            .and_then(|n| n.reason.clone())
+            .unwrap_or_else(|| "the rollout was aborted".into())
+    };
+    match outcome {
+        crate::model::Outcome::Succeeded => HealthEnd::Confirmed,
+        crate::model::Outcome::Cancelled => HealthEnd::Halted(Halt::Cancel),
+        crate::model::Outcome::Failed => HealthEnd::Failed(why()),
+        crate::model::Outcome::Aborted => match record.rollout.abort {
+            Some(AbortBy::Action) => HealthEnd::Aborted(
+                FailureReason::RolloutAborted,
+                format!("aborted in wave {}: {}", record.rollout.wave, why()),
+            ),
+            Some(AbortBy::Activate) => match activate_failure {
+                Some((reason, detail)) => HealthEnd::Aborted(*reason, detail.clone()),
+                None => HealthEnd::Aborted(FailureReason::ExitStatus, why()),
+            },
+            Some(AbortBy::Health | AbortBy::Confirm) | None => HealthEnd::Failed(why()),
+        },
+    }
+}
+
 /// One rollout's runner.
-struct Run {
+pub(super) struct Run {
     engine: Arc<Engine>,
     build: BuildId,
     request: Value,
@@ -627,7 +689,21 @@ struct Run {
 }
 
 impl Run {
-    async fn run_to_end(&mut self, io: &mut PipeHealth<'_>) -> HealthEnd {
+    pub(super) fn new(engine: &Arc<Engine>, build: BuildId, request: &Value, verbs: Verbs) -> Run {
+        Run {
+            engine: engine.clone(),
+            build,
+            request: request.clone(),
+            verbs,
+            shown: None,
+            watched: None,
+            activate_failure: None,
+        }
+    }
+
+    /// Runs the stored rollout from where its record is to its end (or to
+    /// a halt).
+    pub(super) async fn run_to_end(&mut self, io: &mut impl RolloutIo) -> HealthEnd {
         loop {
             let record = match self
                 .engine
@@ -681,7 +757,7 @@ impl Run {
     /// Who stops the rollout: a cancel, or a shutdown as soon as berth
     /// begins one (a rollout between calls need not wait out
     /// `--shutdown-grace`: it goes on after the next start).
-    fn halted(&self, io: &PipeHealth<'_>) -> Halt {
+    fn halted(&self, io: &impl RolloutIo) -> Halt {
         match io.halted() {
             Halt::No
                 if self
@@ -708,47 +784,23 @@ impl Run {
 
     /// The build channel's `rollout` event when the summary changed since
     /// it was last shown.
-    async fn show(&mut self, io: &mut PipeHealth<'_>, record: &RolloutRecord) {
+    async fn show(&mut self, io: &mut impl RolloutIo, record: &RolloutRecord) {
         let text = summary(record).to_string();
         if self.shown.as_deref() == Some(text.as_str()) {
             return;
         }
-        self.engine
-            .build_event_amid(self.build, BuildEvent::Rollout, text.clone(), io.pipe)
-            .await;
+        io.event(BuildEvent::Rollout, text.clone()).await;
         self.shown = Some(text);
     }
 
     fn ended(&self, outcome: crate::model::Outcome, record: &RolloutRecord) -> HealthEnd {
-        let why = || {
-            record
-                .abort
-                .as_ref()
-                .and_then(|n| n.reason.clone())
-                .unwrap_or_else(|| "the rollout was aborted".into())
-        };
-        match outcome {
-            crate::model::Outcome::Succeeded => HealthEnd::Confirmed,
-            crate::model::Outcome::Cancelled => HealthEnd::Halted(Halt::Cancel),
-            crate::model::Outcome::Failed => HealthEnd::Failed(why()),
-            crate::model::Outcome::Aborted => match record.rollout.abort {
-                Some(AbortBy::Action) => HealthEnd::Aborted(
-                    FailureReason::RolloutAborted,
-                    format!("aborted in wave {}: {}", record.rollout.wave, why()),
-                ),
-                Some(AbortBy::Activate) => match &self.activate_failure {
-                    Some((reason, detail)) => HealthEnd::Aborted(*reason, detail.clone()),
-                    None => HealthEnd::Aborted(FailureReason::ExitStatus, why()),
-                },
-                Some(AbortBy::Health | AbortBy::Confirm) | None => HealthEnd::Failed(why()),
-            },
-        }
+        end_of(outcome, record, self.activate_failure.as_ref())
     }
 
     /// Wave `wave`'s `activate` `new` (its nodes named first).
     async fn activate(
         &mut self,
-        io: &mut PipeHealth<'_>,
+        io: &mut impl RolloutIo,
         record: &RolloutRecord,
         wave: usize,
         nodes: Vec<String>,
@@ -788,7 +840,7 @@ impl Run {
     /// One `activate` call for `nodes` of `wave` towards `target`.
     async fn call_activate(
         &self,
-        io: &mut PipeHealth<'_>,
+        io: &mut impl RolloutIo,
         wave: usize,
         nodes: &[String],
         target: &str,
@@ -855,7 +907,7 @@ impl Run {
     /// the deadline passes. Without checks (`--health-timeout 0` and no
     /// deadline in the policy, or no `check` verb) the `activate` answers
     /// alone decide it, at once.
-    async fn gate(&mut self, io: &mut PipeHealth<'_>, record: &RolloutRecord, nodes: Vec<String>) {
+    async fn gate(&mut self, io: &mut impl RolloutIo, record: &RolloutRecord, nodes: Vec<String>) {
         let policy = self.started_policy(record);
         let settings = &self.engine.settings;
         let interval = settings.health_interval;
@@ -925,7 +977,7 @@ impl Run {
     /// the rollout; the unhealthy nodes with their reasons.
     async fn check_gate(
         &self,
-        io: &mut PipeHealth<'_>,
+        io: &mut impl RolloutIo,
         record: &RolloutRecord,
         nodes: &[String],
         attempt: u32,
@@ -979,7 +1031,7 @@ impl Run {
     /// freeze's next look, or a halt.
     async fn hold(
         &mut self,
-        io: &mut PipeHealth<'_>,
+        io: &mut impl RolloutIo,
         record: &RolloutRecord,
         state: crate::model::State,
     ) {
@@ -1010,7 +1062,7 @@ impl Run {
     /// The watch of a held rollout: every `--rollout-watch-interval`, a
     /// `check` of every activated node; a `health` event only for a node
     /// whose health changed. It decides nothing (the next gate does).
-    async fn watch(&mut self, io: &mut PipeHealth<'_>, record: &RolloutRecord) {
+    async fn watch(&mut self, io: &mut impl RolloutIo, record: &RolloutRecord) {
         let every = self.engine.settings.rollout_watch_interval;
         // A hold begins right after a gate's check: the first watch is a
         // whole interval later.
@@ -1056,7 +1108,7 @@ impl Run {
     /// Wave `wave` put back: `activate` `previous` for the nodes an
     /// `activate` named; a failure is logged and the next wave goes back
     /// anyway.
-    async fn revert(&self, io: &mut PipeHealth<'_>, wave: usize, nodes: Vec<String>) {
+    async fn revert(&self, io: &mut impl RolloutIo, wave: usize, nodes: Vec<String>) {
         io.lines(&[format!(
             "[berth] wave {wave}: putting back {}",
             nodes.join(", ")

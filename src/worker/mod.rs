@@ -32,6 +32,7 @@ use crate::model::Job;
 use crate::settings::WorkerArgs;
 
 mod files;
+mod rollout;
 use files::Carried;
 
 /// Exit codes (workers.md "`berth worker`").
@@ -342,6 +343,8 @@ struct Attempt {
     /// The digest of the work state the claim hands out (`None`: empty).
     work_state: Option<String>,
     max_work_state: u64,
+    /// A rollout build: berth hands out its calls after the deploy.
+    rollout: bool,
 }
 
 impl Attempt {
@@ -378,6 +381,7 @@ impl Attempt {
                 ),
             },
             max_work_state: claim["limits"]["max_work_state"].as_u64()?,
+            rollout: claim["rollout"].as_bool().unwrap_or(false),
         })
     }
 }
@@ -578,15 +582,10 @@ impl Worker {
                 health = health_json(&end);
             }
         }
+        let deployed = matches!(ended, Ok(Ended::Exit(0)));
         let ended = match ended {
-            Ok(Ended::Exit(code)) => json!({"kind": "exit", "code": code}),
-            Ok(Ended::Signal(sig)) => json!({"kind": "signal", "signal": sig}),
-            Ok(Ended::StatusUnknown) | Err(_) => json!({"kind": "status_unknown"}),
-            Ok(Ended::Timeout) => json!({"kind": "timeout"}),
-            Ok(Ended::Cancelled) => match run.halted {
-                Halt::Shutdown => json!({"kind": "shutdown"}),
-                Halt::No | Halt::Cancel | Halt::Fenced => json!({"kind": "cancelled"}),
-            },
+            Ok(ended) => rollout::ended_json(&ended, run.halted),
+            Err(_) => json!({"kind": "status_unknown"}),
         };
         let through = c.sent_through;
         let result = runner::read_result(root)
@@ -595,6 +594,9 @@ impl Worker {
             .and_then(|bytes| serde_json::from_slice::<Value>(&bytes).ok())
             .unwrap_or(Value::Null);
         let carried = self.carry(a, root, work_dir, &result).await;
+        if a.rollout && deployed && run.halted == Halt::No {
+            return self.follow_rollout(a, run, work_dir, root, carried).await;
+        }
         self.send_outcome(a, through, ended, Some(root), health, carried)
             .await
     }

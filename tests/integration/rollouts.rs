@@ -567,46 +567,76 @@ async fn the_local_deployer_activates_in_waves_and_an_abort_puts_its_nodes_back(
 }
 
 #[tokio::test]
-async fn a_rollout_stays_on_the_embedded_worker_for_now() {
-    let (s, _) = rollout_server_with("rollout-not-remote", &["--local-worker", "off"]).await;
-    let build = s.submit_ok("alice", json!({"n": 1})).await;
-    let (status, made) = read(
-        s.post("/v1/tokens", &json!({"name": "w1", "kind": "worker"}))
-            .send()
-            .await
-            .unwrap(),
-    )
-    .await;
-    assert_eq!(status, 201, "{made}");
-    let token = made["token"].as_str().unwrap().to_string();
-    let incarnation = "incarnation-0001";
-    let queue = s
-        .http
-        .get(s.url(&format!(
-            "/internal/v1/queue?worker_incarnation={incarnation}&free_slots=1&wait=0"
-        )))
-        .bearer_auth(&token)
-        .send()
-        .await
-        .unwrap();
-    let (status, listed) = read(queue).await;
-    assert_eq!(status, 200, "{listed}");
+async fn a_rollout_on_a_remote_worker_runs_each_call_there_and_a_lost_worker_fails_it() {
+    let flags = [
+        "--local-worker",
+        "off",
+        "--lease-ttl",
+        "5s",
+        "--cancel-grace",
+        "1s",
+    ];
+    let (s, calls) = rollout_server_with("rollout-remote", &flags).await;
+    let (_, token_file) = crate::workers::worker_token(&s, "w1").await;
+    let deployer = s.dir.join("../rollout.sh");
+    let mut worker =
+        crate::workers::Worker::start(&s, &token_file, &s.dir.join("../w1"), &deployer);
+    let first = s.submit_ok("alice", json!({"n": 1})).await;
+    let done = s.wait_build(&first, "final").await;
+    assert_eq!(done["status"], "succeeded", "{done}\n{}", worker.log());
+    assert_eq!(done["attempt"]["worker"], "w1", "{done}");
     assert_eq!(
-        listed["builds"],
-        json!([]),
-        "a rollout's deploy is not offered"
+        calls_of(&calls),
+        [
+            "deploy",
+            "activate new 1 n1 n2 n3 n4 n5",
+            "check n1 n2 n3 n4 n5",
+            "confirm n1 n2 n3 n4 n5"
+        ],
+        "every call ran on the worker, once"
     );
-    let claim = s
-        .http
-        .post(s.url(&format!("/internal/v1/builds/{build}/claim")))
-        .bearer_auth(&token)
-        .json(&json!({"operation_id": "claim-operation-0001", "worker_incarnation": incarnation, "labels": []}))
-        .send()
-        .await
-        .unwrap();
-    let (status, refused) = read(claim).await;
-    assert_eq!(status, 409, "{refused}");
-    assert_eq!(refused["reason"], "not_claimable");
+    std::fs::remove_file(&calls).unwrap();
+    set_policy(&s, json!({"waves": [1, "60%"], "pause_after": [1]})).await;
+    let build = s.submit_ok("alice", json!({"n": 2})).await;
+    wait_rollout(&s, &build, "paused").await;
+    assert_eq!(
+        calls_of(&calls),
+        ["deploy", "activate new 1 n1", "check n1"]
+    );
+    let (status, _) = act(&s, "rollout_resume", None, json!({})).await;
+    assert_eq!(status, 202);
+    let done = s.wait_build(&build, "final").await;
+    assert_eq!(done["status"], "succeeded", "{done}\n{}", worker.log());
+    let activated: Vec<String> = calls_of(&calls)
+        .into_iter()
+        .filter(|c| c.starts_with("activate"))
+        .collect();
+    assert_eq!(
+        activated,
+        [
+            "activate new 1 n1",
+            "activate new 2 n2 n3",
+            "activate new 3 n4 n5"
+        ]
+    );
+    let log = s.log_text(&build).await;
+    assert!(log.contains("[berth] wave 2/3: activating n2, n3"), "{log}");
+    let mut sse = Sse::open(s.get(&format!("/v1/builds/{build}/events"))).await;
+    let events = sse.until_end().await;
+    assert!(events.iter().any(|e| e.event == "rollout"));
+    assert!(events.iter().any(|e| e.event == "health"));
+    let ids: Vec<u64> = events.iter().filter_map(|e| e.id).collect();
+    assert!(ids.windows(2).all(|w| w[0] < w[1]), "{ids:?}");
+
+    // The worker dies while the rollout is paused: its lease passes and
+    // the build fails `lost_attempt`; the rollout ends with it.
+    std::fs::remove_file(&calls).unwrap();
+    let lost = s.submit_ok("alice", json!({"n": 3})).await;
+    wait_rollout(&s, &lost, "paused").await;
+    worker.kill();
+    let end = s.wait_build(&lost, "final").await;
+    assert_eq!(end["failure"]["reason"], "lost_attempt", "{end}");
+    assert_eq!(end["rollout"]["result"], "failed", "{end}");
 }
 
 #[tokio::test]

@@ -42,7 +42,7 @@ async fn server_with_lease(dir: &Path, deployer: &Path, lease: &str) -> Server {
 }
 
 /// A worker token made through the API; its secret in a file.
-async fn worker_token(s: &Server, name: &str) -> (String, PathBuf) {
+pub(crate) async fn worker_token(s: &Server, name: &str) -> (String, PathBuf) {
     let (status, made) = read(
         s.post("/v1/tokens", &json!({"name": name, "kind": "worker"}))
             .send()
@@ -59,13 +59,13 @@ async fn worker_token(s: &Server, name: &str) -> (String, PathBuf) {
 }
 
 /// A `berth worker` process.
-struct Worker {
+pub(crate) struct Worker {
     child: Child,
     dir: PathBuf,
 }
 
 impl Worker {
-    fn start(s: &Server, token_file: &Path, dir: &Path, deployer: &Path) -> Worker {
+    pub(crate) fn start(s: &Server, token_file: &Path, dir: &Path, deployer: &Path) -> Worker {
         Worker::start_with(s, token_file, dir, deployer, &[])
     }
 
@@ -104,7 +104,13 @@ impl Worker {
         }
     }
 
-    fn log(&self) -> String {
+    /// kill -9 of the worker (its deployers stay, as after a crash).
+    pub(crate) fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    pub(crate) fn log(&self) -> String {
         std::fs::read_to_string(self.dir.join("worker.log")).unwrap_or_default()
     }
 
