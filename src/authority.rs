@@ -246,12 +246,16 @@ pub struct ClaimScene<'a> {
     pub offered: &'a [String],
     /// Authoritative attempts the worker holds now.
     pub held: usize,
+    /// A running rollout build whose worker was lost between calls: it
+    /// goes on with the next claim (workers.md "Rollouts on workers").
+    pub handed_over: bool,
 }
 
 /// The claim rule (workers.md "Claim"): `None` when the claim wins.
 pub fn claim_refusal(s: &ClaimScene) -> Option<ClaimRefusal> {
     match s.status {
-        BuildStatus::Running => return Some(ClaimRefusal::AlreadyClaimed),
+        BuildStatus::Running if !s.handed_over => return Some(ClaimRefusal::AlreadyClaimed),
+        BuildStatus::Running => {}
         BuildStatus::Succeeded | BuildStatus::Failed | BuildStatus::Cancelled => {
             return Some(ClaimRefusal::NotQueued)
         }

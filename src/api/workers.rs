@@ -387,7 +387,30 @@ fn queue_now(
     let rx = ctx.engine.read()?;
     let mut busy = std::collections::HashSet::new();
     let mut cancel = Vec::new();
+    let mut builds = Vec::new();
+    let flag_labels = &ctx.engine.settings.build_labels.0;
     for (build, deployment) in rx.running()? {
+        // A rollout whose worker was lost between calls goes on with the
+        // next claim (workers.md "Rollouts on workers").
+        if let Some(b) = rx.build(build)? {
+            let required = match rx.build_snapshots(build)? {
+                Some(snaps) => ctx.engine.required_labels(&snaps.snapshot.source.digest),
+                None => None,
+            }
+            .unwrap_or_else(|| flag_labels.clone());
+            if builds.len() < free
+                && required.iter().all(|l| labels.contains(l))
+                && crate::engine::remote_rollout::awaits_claim(&rx, &b)?
+            {
+                builds.push(json!({
+                    "build": format_build_id(build),
+                    "deployment": deployment,
+                    "kind": b.kind,
+                    "labels": required,
+                    "queued_at": format_time(b.created_at),
+                }));
+            }
+        }
         busy.insert(deployment);
         if let Some(a) = rx.last_attempt(build)? {
             if a.worker == worker
@@ -398,10 +421,8 @@ fn queue_now(
             }
         }
     }
-    let flag_labels = &ctx.engine.settings.build_labels.0;
     let grace = i64::try_from(ctx.engine.settings.cancel_grace.as_millis()).unwrap_or(i64::MAX);
     let now = now_millis();
-    let mut builds = Vec::new();
     if flag_labels.iter().all(|l| labels.contains(l)) {
         for (build, deployment) in rx.queued()? {
             if builds.len() >= free {

@@ -216,6 +216,7 @@ impl World {
                     required: &[],
                     offered: &[],
                     held,
+                    handed_over: false,
                 };
                 if claim_refusal(&scene).is_some() {
                     return false;

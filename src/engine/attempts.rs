@@ -17,10 +17,10 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
+use super::build::CheckedResult;
 use super::build::{deployer_request, finish_tx, Finished};
 use super::health::HealthEnd;
 use super::log_pipe::{Chunk, LogBuffer};
-use super::build::CheckedResult;
 use super::outcome::{End, Halt};
 use super::refusal::{Missing, Refusal};
 use super::runner::Ended;
@@ -249,7 +249,9 @@ impl Engine {
     ) -> Result<Answered, Refusal> {
         let (hub, ttl) = (self.hub.clone(), self.lease_ttl_ms());
         let next_call = self.remote_rollouts.next_call(attempt.0);
-        self.store
+        let handed = next_call["seq"].as_u64();
+        let answered = self
+            .store
             .write(move |tx| {
                 authorized(tx, &hub, &worker, attempt, "renew", &call, |tx, a, now| {
                     authority::renew(a, now, ttl);
@@ -264,7 +266,13 @@ impl Engine {
                     .to_string()))
                 })
             })
-            .await?
+            .await?;
+        if let (Ok(answer), Some(seq)) = (&answered, handed) {
+            if !answer.replayed {
+                self.remote_rollouts.delivered(attempt.0, seq, attempt.1);
+            }
+        }
+        answered
     }
 
     /// `POST /internal/v1/attempts/{attempt}/calls/{seq}`: the end of one
@@ -588,11 +596,16 @@ fn claim_tx(
         Some(d) => super::queue::held_after_loss(tx, d, now_millis(), grace)?,
         None => false,
     };
-    let claimable = d.as_ref().is_some_and(|d| d.running.is_none())
-        && !held
-        && !super::queue::frozen_out(tx, &b, now_millis())?
-        && !ctx.blocked.contains(&b.deployment)
-        && !tx.queued_before(&b.deployment, build_id)?;
+    let handed_over = super::remote_rollout::awaits_claim(tx, &b)?;
+    let claimable = if handed_over {
+        !ctx.blocked.contains(&b.deployment)
+    } else {
+        d.as_ref().is_some_and(|d| d.running.is_none())
+            && !held
+            && !super::queue::frozen_out(tx, &b, now_millis())?
+            && !ctx.blocked.contains(&b.deployment)
+            && !tx.queued_before(&b.deployment, build_id)?
+    };
     let held = held_by(tx, &worker.name)?;
     let scene = ClaimScene {
         status: b.status,
@@ -600,6 +613,7 @@ fn claim_tx(
         required: &ctx.required,
         offered: &call.labels,
         held,
+        handed_over,
     };
     let change = Change::new(tx, hub);
     if let Some(refusal) = authority::claim_refusal(&scene) {
@@ -624,16 +638,34 @@ fn claim_tx(
         now,
         Some(ttl),
     );
-    let snaps = change.start(d, &mut b)?;
+    let snaps = if handed_over {
+        tx.build_snapshots(build_id)?
+            .ok_or_else(|| crate::store::StoreError::corrupt("a build without its snapshots"))?
+    } else {
+        change.start(d, &mut b)?
+    };
     let work_state = handed_work_state(tx, ctx, &b.deployment, now)?;
     let id = authority::attempt_id(build_id, a.fence);
     let claimed = attempt_event("claimed", &a);
-    let line = format!("[berth] running on worker {} (attempt {id})", worker.name);
+    let line = match handed_over {
+        true => format!(
+            "[berth] the rollout goes on on worker {} (attempt {id})",
+            worker.name
+        ),
+        false => format!("[berth] running on worker {} (attempt {id})", worker.name),
+    };
     let items = [Amid::Event(BuildEvent::Attempt, claimed), Amid::Line(line)];
     append_amid(tx, hub, &mut b, &mut a, u64::MAX, &items, now)?;
     tx.put_build(&b)?;
     change.audit(&worker_draft("attempt_claim", worker, &b, AuditOutcome::Ok))?;
-    let answer = claim_answer(&ctx.settings, &b, &snaps, &a, ctx, work_state)?;
+    let answer = claim_answer(
+        &ctx.settings,
+        &b,
+        &snaps,
+        &a,
+        (ctx, handed_over),
+        work_state,
+    )?;
     authority::keep_reply(
         &mut a,
         "claim",
@@ -684,7 +716,7 @@ fn claim_answer(
     b: &BuildRecord,
     snaps: &BuildSnapshots,
     a: &AttemptRecord,
-    ctx: &ClaimContext,
+    (ctx, deployed): (&ClaimContext, bool),
     work_state: Option<WorkStateRef>,
 ) -> StoreResult<String> {
     // A rollout's gates and confirm are berth's calls, not a health step.
@@ -711,6 +743,8 @@ fn claim_answer(
         "request": request,
         "health": health,
         "rollout": ctx.rolls_out,
+        // A rollout handed over: its deploy ran; its calls follow.
+        "deployed": deployed,
         "work_state": work_state.map(|w| json!({"digest": w.digest, "size": w.size})),
         "limits": {
             "build_timeout_ms": ms(settings.build_timeout),
@@ -1085,10 +1119,42 @@ fn lose_tx(
     tx.put_build(&b)?;
     tx.put_attempt(a)?;
     let cancelled = a.cancel_requested_at.is_some();
+    // A rollout waits for the next claim (its runner fails it instead
+    // when the worker was lost during a call).
+    let handed_over = !cancelled && super::remote_rollout::awaits_claim(tx, &b)?;
+    if handed_over {
+        let line = "[berth] the rollout waits for the next worker to claim it".to_string();
+        append_amid(tx, hub, &mut b, a, u64::MAX, &[Amid::Line(line)], now)?;
+        tx.put_build(&b)?;
+        tx.put_attempt(a)?;
+    } else {
+        end_lost_tx(tx, hub, &b, cancelled, &detail, now)?;
+    }
+    let mut draft = crate::engine::audit::system_draft(
+        "attempt_lost",
+        Some(b.deployment.clone()),
+        AuditOutcome::Ok,
+    );
+    draft.build = Some(format_build_id(b.id));
+    draft.reason = Some(why.replace(' ', "_"));
+    draft.count = a.accepted_calls;
+    Change::new(tx, hub).audit(&draft)
+}
+
+/// A lost attempt's build ends: `lost_attempt` (or `cancelled`, when a
+/// cancel was asked), its rollout with it, the `build.lost` webhook.
+fn end_lost_tx(
+    tx: &Tx,
+    hub: &Arc<Hub>,
+    b: &BuildRecord,
+    cancelled: bool,
+    detail: &str,
+    now: Millis,
+) -> StoreResult<()> {
     let end = if cancelled {
         End::cancelled("cancelled; the worker stopped answering")
     } else {
-        End::failed(FailureReason::LostAttempt, &detail)
+        End::failed(FailureReason::LostAttempt, detail)
     };
     // A rollout on the lost worker ends with its build (its runner sees
     // the record finished and stops).
@@ -1122,15 +1188,7 @@ fn lose_tx(
             now,
         )?;
     }
-    let mut draft = crate::engine::audit::system_draft(
-        "attempt_lost",
-        Some(b.deployment.clone()),
-        AuditOutcome::Ok,
-    );
-    draft.build = Some(format_build_id(b.id));
-    draft.reason = Some(why.replace(' ', "_"));
-    draft.count = a.accepted_calls;
-    Change::new(tx, hub).audit(&draft)
+    Ok(())
 }
 
 /// berth's own closing lines of an accepted outcome: a node's missing

@@ -66,6 +66,9 @@ struct Pending {
     verb: &'static str,
     request: Value,
     reply: oneshot::Sender<CallEnd>,
+    /// The attempt (its fence) whose renew answer carried it, and when:
+    /// from then the call runs there, and its limit counts.
+    delivered: Option<(u64, tokio::time::Instant)>,
 }
 
 impl RemoteRollouts {
@@ -114,8 +117,31 @@ impl RemoteRollouts {
             verb,
             request,
             reply,
+            delivered: None,
         });
         Some(seq)
+    }
+
+    /// Call `seq` reached the worker of attempt `fence` (a renew answer
+    /// carrying it was given).
+    pub fn delivered(&self, build: BuildId, seq: u64, fence: u64) {
+        if let Some(p) = self
+            .slots
+            .held()
+            .get_mut(&build)
+            .and_then(|s| s.pending.as_mut())
+        {
+            if p.seq == seq && p.delivered.is_none() {
+                p.delivered = Some((fence, tokio::time::Instant::now()));
+            }
+        }
+    }
+
+    /// Where call `seq` runs, once delivered.
+    fn delivery(&self, build: BuildId, seq: u64) -> Option<(u64, tokio::time::Instant)> {
+        let slots = self.slots.held();
+        let p = slots.get(&build)?.pending.as_ref()?;
+        (p.seq == seq).then_some(p.delivered).flatten()
     }
 
     /// The reply of call `seq`, when it is the one waiting.
@@ -186,8 +212,10 @@ impl Engine {
             let end = engine.run_remote_rollout(build, halt).await;
             tracing::info!(build = %format_build_id(build), end = ?end, "a remote rollout's runner ended");
             if end != Some(super::health::HealthEnd::Halted(Halt::Shutdown)) {
-                // Nothing more to hand out; the worker's outcome ends it.
+                // Nothing more to hand out. The worker holding the build
+                // sends its outcome; when none does, berth ends it here.
                 engine.remote_rollouts.withdraw_all(build);
+                engine.end_remote_rollout(build, None).await;
             }
         });
     }
@@ -232,13 +260,29 @@ impl Engine {
         )
     }
 
-    /// Whether `build` runs on an active attempt of a remote worker.
-    fn remote_attempt_active(&self, build: BuildId) -> bool {
-        match self.store.read().and_then(|rx| rx.last_attempt(build)) {
+    /// Whether attempt `fence` of `build` is active.
+    fn attempt_active(&self, build: BuildId, fence: u64) -> bool {
+        match self.store.read().and_then(|rx| rx.attempt(build, fence)) {
             Ok(Some(a)) => a.state == AttemptState::Active,
             Ok(None) => false,
             // Unknown for now: the call's own limit still bounds the wait.
             Err(_) => true,
+        }
+    }
+
+    /// Ends a remote rollout's build here, when no worker will send its
+    /// outcome: `lost` (a worker lost during a call, or a call never
+    /// reported) fails it `lost_attempt`; else (the rollout ended while no
+    /// worker held the build) its verdict is the rollout's. Nothing when
+    /// the build ended meanwhile or a worker holds it.
+    async fn end_remote_rollout(&self, build: BuildId, lost: Option<String>) {
+        let (hub, timeout) = (self.hub.clone(), self.settings.build_timeout);
+        let ended = self
+            .store
+            .write(move |tx| end_unheld_tx(tx, &hub, build, lost.as_deref(), timeout))
+            .await;
+        if let Err(e) = ended {
+            tracing::error!(error = %e, build = %format_build_id(build), "cannot end a remote rollout's build; the lease sweep or a restart ends it");
         }
     }
 
@@ -303,23 +347,29 @@ impl HealthIo for RemoteIo {
         let Some(seq) = rollouts.hand_out(self.build, verb, request.clone(), reply) else {
             return Err("the rollout's runner has no slot".into());
         };
-        let deadline = tokio::time::sleep(limit + CALL_SLACK);
-        tokio::pin!(deadline);
+        // Until a worker holds the build, the call waits for a claim; from
+        // its delivery it has `limit` (and the way back) to be reported.
         loop {
             tokio::select! {
                 got = &mut answered => {
                     return got.unwrap_or_else(|_| Err("the worker running the call was lost".into()));
                 }
-                _ = &mut deadline => {
-                    rollouts.withdraw(self.build, seq);
-                    return Err(format!("the worker did not report the {verb} call in time"));
-                }
-                _ = tokio::time::sleep(LOST_POLL) => {
-                    if !self.engine.remote_attempt_active(self.build) {
-                        rollouts.withdraw(self.build, seq);
-                        return Err("the worker running the call was lost".into());
-                    }
-                }
+                _ = tokio::time::sleep(LOST_POLL) => {}
+            }
+            let Some((fence, at)) = rollouts.delivery(self.build, seq) else {
+                continue;
+            };
+            let lost = !self.engine.attempt_active(self.build, fence);
+            if lost || at.elapsed() > limit + CALL_SLACK {
+                rollouts.withdraw(self.build, seq);
+                let why = match lost {
+                    true => format!("the worker was lost during the {verb} call"),
+                    false => format!("the worker did not report the {verb} call in time"),
+                };
+                self.engine
+                    .end_remote_rollout(self.build, Some(why.clone()))
+                    .await;
+                return Err(why);
             }
         }
     }
@@ -401,4 +451,76 @@ pub fn settled_view(
         }
     };
     Ok(Some((nodes, end)))
+}
+
+/// Whether `b` is a running rollout build on a remote worker whose last
+/// attempt is over (lost between calls): it goes on with the next claim.
+pub fn awaits_claim(tx: &impl Lookup, b: &BuildRecord) -> StoreResult<bool> {
+    if b.status != BuildStatus::Running || b.kind != BuildKind::Deploy {
+        return Ok(false);
+    }
+    let Some(a) = tx.last_attempt(b.id)? else {
+        return Ok(false);
+    };
+    if a.worker == crate::authority::LOCAL_WORKER || a.state == AttemptState::Active {
+        return Ok(false);
+    }
+    Ok(tx
+        .rollout(b.id)?
+        .is_some_and(|r| r.rollout.state != crate::model::State::Finished))
+}
+
+/// The write job of `Engine::end_remote_rollout`.
+fn end_unheld_tx(
+    tx: &Tx,
+    hub: &Arc<crate::events::Hub>,
+    build: BuildId,
+    lost: Option<&str>,
+    timeout: Duration,
+) -> StoreResult<()> {
+    let Some(b) = tx.build(build)? else {
+        return Ok(());
+    };
+    let held = tx
+        .last_attempt(build)?
+        .is_some_and(|a| a.state == AttemptState::Active);
+    if b.status != BuildStatus::Running || (held && lost.is_none()) {
+        return Ok(());
+    }
+    let halted = match tx.last_attempt(build)?.and_then(|a| a.cancel_requested_at) {
+        Some(_) => Halt::Cancel,
+        None => Halt::No,
+    };
+    let Some((nodes, health)) = settled_view(tx, hub, build, halted)? else {
+        return Ok(());
+    };
+    super::build::end_attempt(tx, build, AttemptState::Interrupted)?;
+    let end = match lost {
+        Some(why) => super::outcome::End::failed(FailureReason::LostAttempt, why),
+        None => super::verdict::Outcome {
+            root: std::path::PathBuf::new(),
+            ended: Ok(Ended::Exit(0)),
+            result: Some(Ok(nodes.clone())),
+            health: Some(health),
+            log: super::log_pipe::LogBuffer::new(0, 0, 0),
+            disk_failure: None,
+            halted,
+            work_state_problem: None,
+        }
+        .verdict(timeout),
+    };
+    // As the embedded worker's final commit: the deploy's nodes with any
+    // verdict but a loss.
+    let nodes = if lost.is_some() { vec![] } else { nodes };
+    let finished = Arc::new(super::build::Finished {
+        end,
+        nodes,
+        last_chunk: None,
+        late_frames: vec![],
+        last_seq_used: b.event_seq,
+        log_gaps: b.log_gaps.clone(),
+        work_state: super::work_state::NewWorkState::Unchanged,
+        keep_work_states: 1,
+    });
+    super::build::finish_tx(tx, hub, build, &finished)
 }

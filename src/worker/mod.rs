@@ -398,6 +398,11 @@ impl Worker {
         let work_dir = self.args.work_dir.join("work").join(&a.deployment);
         let root = self.args.work_dir.join("scratch").join(&id);
         let job_file = self.args.work_dir.join("jobs").join(format!("{id}.json"));
+        if a.rollout && claim["deployed"].as_bool() == Some(true) {
+            let end = self.clone().take_over(a, halt, &work_dir, &root).await;
+            remove_dir(&root);
+            return (id, end);
+        }
         let started = match self.restore(&a, &work_dir).await {
             Ok(()) => self.start_deployer(&a, &claim, &work_dir, &root, &job_file),
             Err(detail) => Err(

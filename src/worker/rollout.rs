@@ -12,8 +12,12 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
+use std::sync::Arc;
+
+use tokio::sync::{mpsc, watch};
+
 use super::files::Carried;
-use super::{new_operation_id, Attempt, AttemptEnd, Halt, Run, Worker, WorkerHealth};
+use super::{new_operation_id, Attempt, AttemptEnd, Courier, Halt, Run, Worker, WorkerHealth};
 use crate::engine::health::HealthIo;
 use crate::engine::runner::{self, Ended};
 
@@ -63,7 +67,7 @@ impl Worker {
     ) -> AttemptEnd {
         let deployed = json!({"kind": "exit", "code": 0});
         let (result, problem) = result_json(runner::read_result(root));
-        let mut answer = match self
+        let answer = match self
             .report_call(a, run, FIRST_CALL, &deployed, (&result, &problem), &carried)
             .await
         {
@@ -74,6 +78,70 @@ impl Worker {
         if let Some(digest) = carried.work_state.as_str() {
             a.work_state = Some(digest.to_string());
         }
+        self.follow_calls(a, run, work_dir, root, answer).await
+    }
+
+    /// A rollout build another worker deployed, handed over to this one
+    /// (its worker was lost between calls): the work state the claim
+    /// names, then its calls and its outcome.
+    pub(super) async fn take_over(
+        self: Arc<Self>,
+        mut a: Attempt,
+        halt: watch::Receiver<Halt>,
+        work_dir: &Path,
+        root: &Path,
+    ) -> AttemptEnd {
+        if let Err(detail) = self.restore(&a, work_dir).await {
+            let ended =
+                json!({"kind": "not_run", "reason": "work_state_unavailable", "detail": detail});
+            let untouched = Carried::untouched(&a);
+            return self
+                .send_outcome(&mut a, 0, ended, None, Value::Null, untouched)
+                .await;
+        }
+        if let Err(e) = std::fs::create_dir_all(root) {
+            tracing::warn!(error = %e, dir = %root.display(), "cannot make an attempt's scratch dir");
+        }
+        // No deployer of its own: its line channel is closed from the start.
+        let (_, lines) = mpsc::channel(1);
+        let (stop, _) = watch::channel(false);
+        let (renewed_tx, renewed) = watch::channel(a.deadline);
+        let (fence_tx, fenced) = watch::channel(None::<AttemptEnd>);
+        let renewer = tokio::spawn(self.clone().renew_loop(
+            a.id.clone(),
+            a.fence,
+            a.ttl,
+            renewed_tx,
+            fence_tx,
+        ));
+        let mut run = Run {
+            courier: Courier::default(),
+            lines,
+            stop,
+            renewed,
+            fenced,
+            halt,
+            halted: Halt::No,
+        };
+        let start = json!({"next_call": null, "done": false});
+        let end = self
+            .follow_calls(&mut a, &mut run, work_dir, root, start)
+            .await;
+        renewer.abort();
+        end
+    }
+
+    /// Runs the calls berth hands out until it says `done` (or a halt),
+    /// then sends the outcome.
+    async fn follow_calls(
+        &self,
+        a: &mut Attempt,
+        run: &mut Run,
+        work_dir: &Path,
+        root: &Path,
+        mut answer: Value,
+    ) -> AttemptEnd {
+        let deployed = json!({"kind": "exit", "code": 0});
         let mut last = FIRST_CALL;
         while answer["done"].as_bool() != Some(true) && run.halted == Halt::No {
             if answer["cancel"].as_bool() == Some(true) {

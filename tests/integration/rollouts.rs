@@ -628,15 +628,122 @@ async fn a_rollout_on_a_remote_worker_runs_each_call_there_and_a_lost_worker_fai
     let ids: Vec<u64> = events.iter().filter_map(|e| e.id).collect();
     assert!(ids.windows(2).all(|w| w[0] < w[1]), "{ids:?}");
 
-    // The worker dies while the rollout is paused: its lease passes and
-    // the build fails `lost_attempt`; the rollout ends with it.
+    // The worker dies while the rollout is paused: its lease passes, the
+    // build waits for the next claim; a cancel then ends it with no
+    // worker to send an outcome.
     std::fs::remove_file(&calls).unwrap();
     let lost = s.submit_ok("alice", json!({"n": 3})).await;
     wait_rollout(&s, &lost, "paused").await;
     worker.kill();
+    eventually("the rollout waits for the next worker", || {
+        let s = &s;
+        let lost = lost.clone();
+        async move {
+            s.log_text(&lost)
+                .await
+                .contains("waits for the next worker")
+        }
+    })
+    .await;
+    assert_eq!(s.build(&lost).await["status"], "running");
+    let (status, body) = read(
+        s.post(&format!("/v1/builds/{lost}/cancel"), &json!({}))
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(status, 202, "{body}");
     let end = s.wait_build(&lost, "final").await;
+    assert_eq!(end["status"], "cancelled", "{end}");
+    assert_eq!(end["rollout"]["result"], "cancelled", "{end}");
+}
+
+#[tokio::test]
+async fn a_rollout_whose_worker_is_lost_between_calls_goes_on_with_the_next_claim() {
+    let flags = [
+        "--local-worker",
+        "off",
+        "--lease-ttl",
+        "5s",
+        "--cancel-grace",
+        "1s",
+    ];
+    let (s, calls) = rollout_server_with("rollout-hand-over", &flags).await;
+    let deployer = s.dir.join("../rollout.sh");
+    let (_, token1) = crate::workers::worker_token(&s, "w1").await;
+    let (_, token2) = crate::workers::worker_token(&s, "w2").await;
+    let mut w1 = crate::workers::Worker::start(&s, &token1, &s.dir.join("../w1"), &deployer);
+    let first = s.submit_ok("alice", json!({"n": 1})).await;
+    assert_eq!(s.wait_build(&first, "final").await["status"], "succeeded");
+    set_policy(&s, json!({"waves": [1, "60%"], "pause_after": [1]})).await;
+    std::fs::remove_file(&calls).unwrap();
+    let build = s.submit_ok("alice", json!({"n": 2})).await;
+    wait_rollout(&s, &build, "paused").await;
+    // Paused past its lease (SIGSTOP), w1 loses the attempt between calls.
+    w1.signal("-STOP");
+    eventually("the rollout waits for the next worker", || {
+        let s = &s;
+        let build = build.clone();
+        async move {
+            s.log_text(&build)
+                .await
+                .contains("waits for the next worker")
+        }
+    })
+    .await;
+    let mut w2 = crate::workers::Worker::start(&s, &token2, &s.dir.join("../w2"), &deployer);
+    eventually("w2 takes the rollout over", || {
+        let s = &s;
+        let build = build.clone();
+        async move { s.build(&build).await["attempt"]["worker"] == "w2" }
+    })
+    .await;
+    w1.signal("-CONT");
+    let (status, _) = act(&s, "rollout_resume", None, json!({})).await;
+    assert_eq!(status, 202);
+    let done = s.wait_build(&build, "final").await;
+    assert_eq!(done["status"], "succeeded", "{done}\n{}", w2.log());
+    assert_eq!(done["attempt"]["fence"], 2, "{done}");
+    let activated: Vec<String> = calls_of(&calls)
+        .into_iter()
+        .filter(|c| c.starts_with("activate"))
+        .collect();
+    assert_eq!(
+        activated,
+        [
+            "activate new 1 n1",
+            "activate new 2 n2 n3",
+            "activate new 3 n4 n5"
+        ],
+        "the next attempt went on with the next call; no node twice"
+    );
+    assert!(s
+        .log_text(&build)
+        .await
+        .contains("the rollout goes on on worker w2"));
+    w1.kill();
+
+    // Lost during a call (kill -9 while `activate` hangs): the build fails
+    // `lost_attempt`; nothing is handed over.
+    std::fs::remove_file(&calls).unwrap();
+    std::fs::write(s.dir.join("../slow"), "").unwrap();
+    let hung = s.submit_ok("alice", json!({"n": 3})).await;
+    eventually("wave 1's activate runs on w2", || {
+        let calls = calls.clone();
+        async move { calls_of(&calls).iter().any(|c| c.starts_with("activate")) }
+    })
+    .await;
+    w2.kill();
+    let end = s.wait_build(&hung, "final").await;
     assert_eq!(end["failure"]["reason"], "lost_attempt", "{end}");
-    assert_eq!(end["rollout"]["result"], "failed", "{end}");
+    assert!(
+        end["failure"]["detail"]
+            .as_str()
+            .is_some_and(|d| d.contains("during the activate call")),
+        "{end}"
+    );
+    std::fs::remove_file(s.dir.join("../slow")).unwrap();
 }
 
 #[tokio::test]

@@ -114,7 +114,7 @@ impl Worker {
         std::fs::read_to_string(self.dir.join("worker.log")).unwrap_or_default()
     }
 
-    fn signal(&self, sig: &str) {
+    pub(crate) fn signal(&self, sig: &str) {
         let status = Command::new("kill")
             .args([sig, &self.child.id().to_string()])
             .status()
