@@ -943,3 +943,40 @@ async fn an_activate_in_flight_at_kill_9_is_stopped_and_called_again_after_the_r
         "the call whose answer was not stored is made again, once"
     );
 }
+
+#[tokio::test]
+async fn a_remote_rollout_goes_on_after_kill_9_of_berth() {
+    let flags = ["--local-worker", "off", "--lease-ttl", "5s", "--cancel-grace", "1s"];
+    let (mut s, calls) = rollout_server_with("rollout-remote-restart", &flags).await;
+    let deployer = s.dir.join("../rollout.sh");
+    let (_, token) = crate::workers::worker_token(&s, "w1").await;
+    let worker = crate::workers::Worker::start(&s, &token, &s.dir.join("../w1"), &deployer);
+    let first = s.submit_ok("alice", json!({"n": 1})).await;
+    assert_eq!(s.wait_build(&first, "final").await["status"], "succeeded");
+    set_policy(&s, json!({"waves": [1, "60%"], "pause_after": [1]})).await;
+    std::fs::remove_file(&calls).unwrap();
+    let build = s.submit_ok("alice", json!({"n": 2})).await;
+    wait_rollout(&s, &build, "paused").await;
+    s.kill();
+    // Same port: the worker's --url stays right.
+    let port = s.base.rsplit(':').next().unwrap().to_string();
+    s.args.push("--listen".into());
+    s.args.push(format!("127.0.0.1:{port}"));
+    s.launch().await;
+    let after = s.build(&build).await;
+    assert_eq!(after["status"], "running", "{after}");
+    assert_eq!(after["rollout"]["state"], "paused");
+    let (status, _) = act(&s, "rollout_resume", None, json!({})).await;
+    assert_eq!(status, 202);
+    let done = s.wait_build(&build, "final").await;
+    assert_eq!(done["status"], "succeeded", "{done}\n{}", worker.log());
+    assert_eq!(done["attempt"]["fence"], 1, "the same attempt went on: {done}");
+    let activated: Vec<String> = calls_of(&calls)
+        .into_iter()
+        .filter(|c| c.starts_with("activate"))
+        .collect();
+    assert_eq!(
+        activated,
+        ["activate new 1 n1", "activate new 2 n2 n3", "activate new 3 n4 n5"]
+    );
+}
