@@ -393,22 +393,12 @@ fn queue_now(
         // A rollout whose worker was lost between calls goes on with the
         // next claim (workers.md "Rollouts on workers").
         if let Some(b) = rx.build(build)? {
-            let required = match rx.build_snapshots(build)? {
-                Some(snaps) => ctx.engine.required_labels(&snaps.snapshot.source.digest),
-                None => None,
-            }
-            .unwrap_or_else(|| flag_labels.clone());
+            let required = required_of(ctx, &rx, build)?;
             if builds.len() < free
                 && required.iter().all(|l| labels.contains(l))
                 && crate::engine::remote_rollout::awaits_claim(&rx, &b)?
             {
-                builds.push(json!({
-                    "build": format_build_id(build),
-                    "deployment": deployment,
-                    "kind": b.kind,
-                    "labels": required,
-                    "queued_at": format_time(b.created_at),
-                }));
+                builds.push(listed(&b, required));
             }
         }
         busy.insert(deployment);
@@ -437,29 +427,42 @@ fn queue_now(
                 Some(d) => crate::engine::queue::held_after_loss(&rx, &d, now, grace)?,
                 None => true,
             };
-            // A source not described yet in this process is listed: the
-            // claim describes it and decides.
-            let required = match rx.build_snapshots(build)? {
-                Some(snaps) => ctx.engine.required_labels(&snaps.snapshot.source.digest),
-                None => None,
-            }
-            .unwrap_or_else(|| flag_labels.clone());
+            let required = required_of(ctx, &rx, build)?;
             if held
                 || crate::engine::queue::frozen_out(&rx, &b, now)?
                 || !required.iter().all(|l| labels.contains(l))
             {
                 continue;
             }
-            builds.push(json!({
-                "build": format_build_id(build),
-                "deployment": deployment,
-                "kind": b.kind,
-                "labels": required,
-                "queued_at": format_time(b.created_at),
-            }));
+            builds.push(listed(&b, required));
         }
     }
     Ok((builds, cancel))
+}
+
+/// The labels a build requires. A source not described yet in this
+/// process is listed with the flag's: the claim describes it and decides.
+fn required_of(
+    ctx: &Ctx,
+    rx: &impl crate::store::Lookup,
+    build: BuildId,
+) -> Result<Vec<String>, ApiError> {
+    Ok(match rx.build_snapshots(build)? {
+        Some(snaps) => ctx.engine.required_labels(&snaps.snapshot.source.digest),
+        None => None,
+    }
+    .unwrap_or_else(|| ctx.engine.settings.build_labels.0.clone()))
+}
+
+/// A build as a poll lists it.
+fn listed(b: &BuildRecord, required: Vec<String>) -> Value {
+    json!({
+        "build": format_build_id(b.id),
+        "deployment": b.deployment,
+        "kind": b.kind,
+        "labels": required,
+        "queued_at": format_time(b.created_at),
+    })
 }
 
 /// An internal call's answer, marked when it is a replay.

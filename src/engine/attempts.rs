@@ -591,21 +591,8 @@ fn claim_tx(
         }
     }
     let mut d = tx.deployment(&b.deployment)?;
-    let grace = i64::try_from(ctx.settings.cancel_grace.as_millis()).unwrap_or(i64::MAX);
-    let held = match &d {
-        Some(d) => super::queue::held_after_loss(tx, d, now_millis(), grace)?,
-        None => false,
-    };
     let handed_over = super::remote_rollout::awaits_claim(tx, &b)?;
-    let claimable = if handed_over {
-        !ctx.blocked.contains(&b.deployment)
-    } else {
-        d.as_ref().is_some_and(|d| d.running.is_none())
-            && !held
-            && !super::queue::frozen_out(tx, &b, now_millis())?
-            && !ctx.blocked.contains(&b.deployment)
-            && !tx.queued_before(&b.deployment, build_id)?
-    };
+    let claimable = claimable(tx, ctx, &b, d.as_ref(), handed_over)?;
     let held = held_by(tx, &worker.name)?;
     let scene = ClaimScene {
         status: b.status,
@@ -617,10 +604,7 @@ fn claim_tx(
     };
     let change = Change::new(tx, hub);
     if let Some(refusal) = authority::claim_refusal(&scene) {
-        let mut draft = worker_draft("attempt_claim", worker, &b, AuditOutcome::Refused);
-        draft.reason = Some(refusal.reason().into());
-        change.audit(&draft)?;
-        return Ok(Err(Refusal::Claim(refusal)));
+        return refuse_claim(&change, worker, &b, refusal);
     }
     let Some(d) = d.as_mut() else {
         return Ok(Err(Refusal::Claim(authority::ClaimRefusal::NotClaimable)));
@@ -629,31 +613,29 @@ fn claim_tx(
     let ttl =
         u64::try_from(ctx.settings.lease_ttl.as_millis()).unwrap_or(authority::LEASE_TTL_MAX_MS);
     let last_fence = last.as_ref().map_or(0, |a| a.fence);
+    let (who, incarnation) = (worker.name.as_str(), call.incarnation.as_str());
     let mut a = authority::new_attempt(
         build_id,
         &b.deployment,
-        &worker.name,
-        &call.incarnation,
+        who,
+        incarnation,
         last_fence,
         now,
         Some(ttl),
     );
-    let snaps = if handed_over {
-        tx.build_snapshots(build_id)?
-            .ok_or_else(|| crate::store::StoreError::corrupt("a build without its snapshots"))?
-    } else {
-        change.start(d, &mut b)?
+    let snaps = match handed_over {
+        true => tx
+            .build_snapshots(build_id)?
+            .ok_or_else(|| crate::store::StoreError::corrupt("a build without its snapshots"))?,
+        false => change.start(d, &mut b)?,
     };
     let work_state = handed_work_state(tx, ctx, &b.deployment, now)?;
-    let id = authority::attempt_id(build_id, a.fence);
     let claimed = attempt_event("claimed", &a);
-    let line = match handed_over {
-        true => format!(
-            "[berth] the rollout goes on on worker {} (attempt {id})",
-            worker.name
-        ),
-        false => format!("[berth] running on worker {} (attempt {id})", worker.name),
-    };
+    let line = claimed_line(
+        &worker.name,
+        authority::attempt_id(build_id, a.fence),
+        handed_over,
+    );
     let items = [Amid::Event(BuildEvent::Attempt, claimed), Amid::Line(line)];
     append_amid(tx, hub, &mut b, &mut a, u64::MAX, &items, now)?;
     tx.put_build(&b)?;
@@ -666,15 +648,57 @@ fn claim_tx(
         (ctx, handed_over),
         work_state,
     )?;
-    authority::keep_reply(
-        &mut a,
-        "claim",
-        &call.operation_id,
-        &call.digest,
-        answer.clone(),
-    );
+    let (operation, digest) = (call.operation_id.as_str(), call.digest.as_str());
+    authority::keep_reply(&mut a, "claim", operation, digest, answer.clone());
     tx.put_attempt(&a)?;
     Ok(Ok(Answered::new(answer)))
+}
+
+/// Whether `b` may be claimed now: a rollout handed over, or the oldest
+/// queued build of a deployment with nothing running, not held after a
+/// loss, not frozen out; never while its deployment's orphan is stopped.
+fn claimable(
+    tx: &Tx,
+    ctx: &ClaimContext,
+    b: &BuildRecord,
+    d: Option<&DeploymentRecord>,
+    handed_over: bool,
+) -> StoreResult<bool> {
+    if ctx.blocked.contains(&b.deployment) {
+        return Ok(false);
+    }
+    if handed_over {
+        return Ok(true);
+    }
+    let grace = i64::try_from(ctx.settings.cancel_grace.as_millis()).unwrap_or(i64::MAX);
+    let Some(d) = d else {
+        return Ok(false);
+    };
+    Ok(d.running.is_none()
+        && !super::queue::held_after_loss(tx, d, now_millis(), grace)?
+        && !super::queue::frozen_out(tx, b, now_millis())?
+        && !tx.queued_before(&b.deployment, b.id)?)
+}
+
+/// A lost claim: audited with its reason, nothing else written.
+fn refuse_claim(
+    change: &Change,
+    worker: &WorkerCaller,
+    b: &BuildRecord,
+    refusal: authority::ClaimRefusal,
+) -> StoreResult<Result<Answered, Refusal>> {
+    let mut draft = worker_draft("attempt_claim", worker, b, AuditOutcome::Refused);
+    draft.reason = Some(refusal.reason().into());
+    change.audit(&draft)?;
+    Ok(Err(Refusal::Claim(refusal)))
+}
+
+/// berth's line for a won claim.
+fn claimed_line(worker: &str, attempt: String, handed_over: bool) -> String {
+    match handed_over {
+        true => format!("[berth] the rollout goes on on worker {worker} (attempt {attempt})"),
+        false => format!("[berth] running on worker {worker} (attempt {attempt})"),
+    }
 }
 
 /// The work state a claim hands out; the deployment's first remote claim
@@ -884,6 +908,21 @@ fn refuse(
     let mut draft = worker_draft("attempt_refused", worker, &b, AuditOutcome::Refused);
     draft.reason = Some(stale.reason().into());
     Change::new(tx, hub).audit(&draft)
+}
+
+/// A worker's end as a local run's, with who stopped it.
+fn local_end(ended: &RemoteEnd) -> (Result<Ended, Failure>, Halt) {
+    match ended {
+        RemoteEnd::Exit(code) => (Ok(Ended::Exit(*code)), Halt::No),
+        RemoteEnd::Signal(sig) => (Ok(Ended::Signal(*sig)), Halt::No),
+        RemoteEnd::StatusUnknown => (Ok(Ended::StatusUnknown), Halt::No),
+        RemoteEnd::Timeout => (Ok(Ended::Timeout), Halt::No),
+        RemoteEnd::Cancelled => (Ok(Ended::Cancelled), Halt::Cancel),
+        RemoteEnd::Shutdown => (Ok(Ended::Cancelled), Halt::Shutdown),
+        RemoteEnd::NotRun { reason, detail } => {
+            (Err(Failure::new(*reason, detail.clone())), Halt::No)
+        }
+    }
 }
 
 /// The nodes and the health end a remote rollout build's verdict reads:
@@ -1231,17 +1270,7 @@ fn settle(
             "an attempt without its build",
         ));
     };
-    let (ended, halted) = match &outcome.ended {
-        RemoteEnd::Exit(code) => (Ok(Ended::Exit(*code)), Halt::No),
-        RemoteEnd::Signal(sig) => (Ok(Ended::Signal(*sig)), Halt::No),
-        RemoteEnd::StatusUnknown => (Ok(Ended::StatusUnknown), Halt::No),
-        RemoteEnd::Timeout => (Ok(Ended::Timeout), Halt::No),
-        RemoteEnd::Cancelled => (Ok(Ended::Cancelled), Halt::Cancel),
-        RemoteEnd::Shutdown => (Ok(Ended::Cancelled), Halt::Shutdown),
-        RemoteEnd::NotRun { reason, detail } => {
-            (Err(Failure::new(*reason, detail.clone())), Halt::No)
-        }
-    };
+    let (ended, halted) = local_end(&outcome.ended);
     // A path the outcome's `files` does not name is a missing file.
     let result = match (&ended, &outcome.result) {
         (Ok(Ended::Exit(0)), Ok(text)) => Some(parse_result(text.as_bytes(), b.kind, |path| {

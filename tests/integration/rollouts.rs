@@ -83,6 +83,17 @@ async fn rollout_server_with(tag: &str, flags: &[&str]) -> (Server, PathBuf) {
     (Server::start_in(dir.join("berth"), opts).await, calls)
 }
 
+/// berth that runs no build itself: remote workers take them (leases of
+/// 5 s).
+const REMOTE: [&str; 6] = [
+    "--local-worker",
+    "off",
+    "--lease-ttl",
+    "5s",
+    "--cancel-grace",
+    "1s",
+];
+
 async fn set_policy(s: &Server, policy: Value) -> Value {
     let r = s
         .http
@@ -568,15 +579,7 @@ async fn the_local_deployer_activates_in_waves_and_an_abort_puts_its_nodes_back(
 
 #[tokio::test]
 async fn a_rollout_on_a_remote_worker_runs_each_call_there_and_a_lost_worker_fails_it() {
-    let flags = [
-        "--local-worker",
-        "off",
-        "--lease-ttl",
-        "5s",
-        "--cancel-grace",
-        "1s",
-    ];
-    let (s, calls) = rollout_server_with("rollout-remote", &flags).await;
+    let (s, calls) = rollout_server_with("rollout-remote", &REMOTE).await;
     let (_, token_file) = crate::workers::worker_token(&s, "w1").await;
     let deployer = s.dir.join("../rollout.sh");
     let mut worker =
@@ -661,15 +664,7 @@ async fn a_rollout_on_a_remote_worker_runs_each_call_there_and_a_lost_worker_fai
 
 #[tokio::test]
 async fn a_rollout_whose_worker_is_lost_between_calls_goes_on_with_the_next_claim() {
-    let flags = [
-        "--local-worker",
-        "off",
-        "--lease-ttl",
-        "5s",
-        "--cancel-grace",
-        "1s",
-    ];
-    let (s, calls) = rollout_server_with("rollout-hand-over", &flags).await;
+    let (s, calls) = rollout_server_with("rollout-hand-over", &REMOTE).await;
     let deployer = s.dir.join("../rollout.sh");
     let (_, token1) = crate::workers::worker_token(&s, "w1").await;
     let (_, token2) = crate::workers::worker_token(&s, "w2").await;
@@ -946,8 +941,7 @@ async fn an_activate_in_flight_at_kill_9_is_stopped_and_called_again_after_the_r
 
 #[tokio::test]
 async fn a_remote_rollout_goes_on_after_kill_9_of_berth() {
-    let flags = ["--local-worker", "off", "--lease-ttl", "5s", "--cancel-grace", "1s"];
-    let (mut s, calls) = rollout_server_with("rollout-remote-restart", &flags).await;
+    let (mut s, calls) = rollout_server_with("rollout-remote-restart", &REMOTE).await;
     let deployer = s.dir.join("../rollout.sh");
     let (_, token) = crate::workers::worker_token(&s, "w1").await;
     let worker = crate::workers::Worker::start(&s, &token, &s.dir.join("../w1"), &deployer);
@@ -970,13 +964,20 @@ async fn a_remote_rollout_goes_on_after_kill_9_of_berth() {
     assert_eq!(status, 202);
     let done = s.wait_build(&build, "final").await;
     assert_eq!(done["status"], "succeeded", "{done}\n{}", worker.log());
-    assert_eq!(done["attempt"]["fence"], 1, "the same attempt went on: {done}");
+    assert_eq!(
+        done["attempt"]["fence"], 1,
+        "the same attempt went on: {done}"
+    );
     let activated: Vec<String> = calls_of(&calls)
         .into_iter()
         .filter(|c| c.starts_with("activate"))
         .collect();
     assert_eq!(
         activated,
-        ["activate new 1 n1", "activate new 2 n2 n3", "activate new 3 n4 n5"]
+        [
+            "activate new 1 n1",
+            "activate new 2 n2 n3",
+            "activate new 3 n4 n5"
+        ]
     );
 }
