@@ -178,7 +178,16 @@ async fn two_hundred_subscribers_see_identical_gap_free_sequences() {
             Sse::open(req).await.until_end().await
         }));
     }
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Every stream is open before the burst.
+    eventually("200 streams open", || async {
+        let metrics = s.metrics().await;
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix("berth_sse_clients "))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .is_some_and(|n| n >= 200)
+    })
+    .await;
     open_gate(&gates, "alice");
     let mut results = vec![];
     for t in tasks {
@@ -345,7 +354,14 @@ async fn deployment_channel_across_a_deploy_and_a_destroy() {
     // Without a cursor the stream starts with the current summary.
     drop(second);
     drop(sse);
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The closed streams' places come free as the server sees them go.
+    eventually("a stream's place comes free", || async {
+        stream(&s, "/v1/deployments/alice/events")
+            .send()
+            .await
+            .is_ok_and(|r| r.status() == 200)
+    })
+    .await;
     let mut fresh = Sse::open(stream(&s, "/v1/deployments/alice/events")).await;
     let first = fresh.next().await.unwrap();
     assert_eq!(first.event, "deployment");

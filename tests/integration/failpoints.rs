@@ -68,8 +68,11 @@ async fn a_build_whose_every_final_commit_fails_keeps_its_slot_until_a_restart()
     }
     let second = s.submit_ok("alice", json!({})).await;
     // Its deployer is gone, yet the build keeps its slot: nothing else of
-    // the deployment runs on top of a state berth could not record.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // the deployment runs on top of a state berth could not record. A
+    // build of another deployment, queued after it, starts: the queue
+    // (oldest first) has passed over the second one by then.
+    let other = s.submit_ok("bob", json!({})).await;
+    s.wait_build(&other, "running").await;
     assert_eq!(s.build(&first).await["status"], "running");
     assert_eq!(s.build(&second).await["status"], "queued");
     s.kill();
