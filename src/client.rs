@@ -314,11 +314,14 @@ async fn tokens_command(command: crate::settings::TokensCommand) -> Outcome {
             name,
             kind,
             labels,
+            deployment,
+            node,
             conn,
         } => {
             let c = Client::new(&conn)?;
             let labels = crate::authority::parse_labels(&labels).map_err(Stop::usage)?;
-            let body = json!({"name": name, "kind": kind, "labels": labels});
+            let body = json!({"name": name, "kind": kind, "labels": labels,
+                "deployment": deployment, "node": node});
             let made = c.mutate("POST", "/v1/tokens", Some(body)).await?;
             // Only the token, so `berth tokens create w1 > w1.token` works.
             println!("{}", text(&made["token"]));
@@ -333,15 +336,20 @@ async fn tokens_command(command: crate::settings::TokensCommand) -> Outcome {
             }
             let rows: Vec<Vec<String>> = items(&page)
                 .map(|t| {
+                    let node = match (t["deployment"].as_str(), t["node"].as_str()) {
+                        (Some(d), Some(n)) => format!("{d}/{n}"),
+                        _ => "-".to_string(),
+                    };
                     vec![
                         text(&t["name"]),
                         text(&t["kind"]),
                         list(&t["labels"]),
+                        node,
                         text(&t["created_at"]),
                     ]
                 })
                 .collect();
-            c.table(&["NAME", "KIND", "LABELS", "CREATED"], &rows);
+            c.table(&["NAME", "KIND", "LABELS", "NODE", "CREATED"], &rows);
             Ok(EXIT_OK)
         }
         TokensCommand::Revoke { name, conn } => {

@@ -326,12 +326,18 @@ pub enum TokensCommand {
     /// Make a token; only the token (`brt_...`) is printed, on stdout.
     Create {
         name: String,
-        /// worker (agent tokens come with agents).
+        /// `worker`, or `agent` (with --deployment and --node).
         #[arg(long, default_value = "worker")]
         kind: String,
         /// Labels a worker holding it may offer (comma-separated; none: any).
         #[arg(long, default_value = "")]
         labels: String,
+        /// An agent token's deployment.
+        #[arg(long)]
+        deployment: Option<String>,
+        /// An agent token's node.
+        #[arg(long)]
+        node: Option<String>,
         #[command(flatten)]
         conn: ClientArgs,
     },
@@ -629,9 +635,14 @@ pub struct Settings {
     #[arg(long, env = "BERTH_MAX_ATTEMPT_UPLOAD", default_value_t = 2 << 30, value_parser = clap::value_parser!(u64).range((1 << 20)..))]
     pub max_attempt_upload: u64,
 
-    /// Worker and agent tokens at most.
+    /// Worker tokens at most.
     #[arg(long, env = "BERTH_MAX_WORKERS", default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..=100_000))]
     pub max_workers: u32,
+
+    /// Agent tokens at most (agents.md "Binding"): one node's agent each,
+    /// two during a rotation.
+    #[arg(long, env = "BERTH_MAX_AGENTS", default_value_t = 20_000, value_parser = clap::value_parser!(u32).range(1..=200_000))]
+    pub max_agents: u32,
 
     /// How often the retention sweeps run (idempotency records, events, builds).
     #[arg(long, env = "BERTH_SWEEP_INTERVAL", default_value = "10m", value_parser = parse_duration)]

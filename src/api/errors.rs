@@ -318,7 +318,7 @@ impl From<Refusal> for ApiError {
             Refusal::EvalUnavailable { reason, message } => {
                 let message = match reason {
                     EvalUnavailable::SlotsBusy => "every eval slot is busy",
-                    _ => message,
+                    EvalUnavailable::Timeout | EvalUnavailable::Crashed => message,
                 };
                 ApiError::new(Code::EvalUnavailable, message)
                     .reason(reason.code())
@@ -365,7 +365,11 @@ fn conflict_message(c: Conflict) -> &'static str {
         Conflict::TokenExists => {
             "a token of this name exists; revoke it first or pick another name"
         }
-        Conflict::WorkerLimit => "--max-workers tokens exist; revoke one first",
+        Conflict::WorkerLimit => "--max-workers worker tokens exist; revoke one first",
+        Conflict::NodeBound => {
+            "this node has two live agent tokens (one and its rotation); revoke one first"
+        }
+        Conflict::AgentLimit => "--max-agents agent tokens exist; revoke one first",
         Conflict::BuildRunning => {
             "a build of this deployment is claimed or running; wait for it to end"
         }

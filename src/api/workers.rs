@@ -114,8 +114,8 @@ fn token_view(t: &Token) -> Value {
         "name": t.record.name,
         "kind": t.record.kind.as_str(),
         "labels": t.record.labels,
-        "deployment": null,
-        "node": null,
+        "deployment": t.record.node.as_ref().map(|n| &n.deployment),
+        "node": t.record.node.as_ref().map(|n| &n.node),
         "created_at": format_time(t.record.created_at),
     });
     if let Some(secret) = &t.secret {
@@ -140,13 +140,7 @@ pub async fn create_token(ctx: &Ctx, req: &Request, w: Write) -> Result<Reply, A
     };
     let kind = match map.get("kind").and_then(Value::as_str) {
         Some("worker") => TokenKind::Worker,
-        Some("agent") => {
-            return Err(bad(
-                "/kind",
-                "unsupported",
-                "agent tokens come with agents; this berth issues worker tokens",
-            ))
-        }
+        Some("agent") => TokenKind::Agent,
         _ => return Err(bad("/kind", "enum", "kind must be \"worker\" or \"agent\"")),
     };
     let labels = match map.get("labels") {
@@ -158,24 +152,72 @@ pub async fn create_token(ctx: &Ctx, req: &Request, w: Write) -> Result<Reply, A
         }
         Some(_) => return Err(bad("/labels", "type", "labels must be a list of labels")),
     };
-    for field in ["deployment", "node"] {
-        if !matches!(map.get(field), None | Some(Value::Null)) {
-            return Err(bad(
-                &format!("/{field}"),
-                "not_allowed",
-                "only an agent token names a deployment and a node",
-            ));
-        }
+    let node = token_node(&map, kind)?;
+    if kind == TokenKind::Agent && !labels.is_empty() {
+        return Err(bad(
+            "/labels",
+            "not_allowed",
+            "only a worker token lists labels",
+        ));
     }
     let record = w.record(|t: &Token| Reply::json(201, &token_view(t)));
-    let made = ctx
-        .engine
-        .create_token(NewToken { name, kind, labels }, record)
-        .await?;
+    let new = NewToken {
+        name,
+        kind,
+        labels,
+        node,
+    };
+    let made = ctx.engine.create_token(new, record).await?;
     Ok(Reply::json(201, &token_view(&made)))
 }
 
-/// `GET /v1/tokens`: every token (at most `--max-workers`, one page), never
+/// An agent token's node (both `deployment` and `node`, required); a
+/// worker token names neither.
+fn token_node(
+    map: &serde_json::Map<String, Value>,
+    kind: TokenKind,
+) -> Result<Option<NodeBinding>, ApiError> {
+    let given = |field: &str| !matches!(map.get(field), None | Some(Value::Null));
+    match kind {
+        TokenKind::Worker => {
+            for field in ["deployment", "node"] {
+                if given(field) {
+                    return Err(bad(
+                        &format!("/{field}"),
+                        "not_allowed",
+                        "only an agent token names a deployment and a node",
+                    ));
+                }
+            }
+            Ok(None)
+        }
+        TokenKind::Agent => {
+            let deployment = match map.get("deployment").and_then(Value::as_str) {
+                Some(d) if crate::model::is_valid_deployment_id(d) => d.to_string(),
+                _ => {
+                    return Err(bad(
+                        "/deployment",
+                        "format",
+                        "an agent token names its deployment: a deployment id",
+                    ))
+                }
+            };
+            let node = match map.get("node").and_then(Value::as_str) {
+                Some(n) if crate::engine::verdict::valid_node_name(n) => n.to_string(),
+                _ => {
+                    return Err(bad(
+                        "/node",
+                        "format",
+                        "an agent token names its node: a DNS label",
+                    ))
+                }
+            };
+            Ok(Some(NodeBinding { deployment, node }))
+        }
+    }
+}
+
+/// `GET /v1/tokens`: every token (at most `--max-workers` + `--max-agents`, one page), never
 /// a secret.
 pub fn list_tokens(ctx: &Ctx) -> Result<Reply, ApiError> {
     let mut tokens = ctx.engine.read()?.tokens()?;

@@ -58,8 +58,12 @@ pub enum Conflict {
     TooManyWebhooks,
     /// A token of that name exists.
     TokenExists,
-    /// `--max-workers` tokens exist.
+    /// `--max-workers` worker tokens exist.
     WorkerLimit,
+    /// The node has `MAX_TOKENS_PER_NODE` live agent tokens already.
+    NodeBound,
+    /// `--max-agents` agent tokens exist.
+    AgentLimit,
     /// A build of the deployment is claimed or running (a work state PUT).
     BuildRunning,
     /// A rollout policy other than `{}` for a source without `activate`.
@@ -77,6 +81,8 @@ impl Conflict {
             Conflict::TooManyWebhooks => "max_webhooks",
             Conflict::TokenExists => "token_exists",
             Conflict::WorkerLimit => "worker_limit",
+            Conflict::NodeBound => "node_bound",
+            Conflict::AgentLimit => "agent_limit",
             Conflict::BuildRunning => "build_running",
             Conflict::RolloutUnsupported => "rollout_unsupported",
         }

@@ -1,6 +1,8 @@
-//! Worker (and later agent) tokens (api.md "Tokens"): made with a random
-//! secret shown once, stored as its SHA-256, revoked at once. A revoked
-//! worker token loses its attempts in the revocation's transaction.
+//! Worker and agent tokens (api.md "Tokens"): made with a random secret
+//! shown once, stored as its SHA-256, revoked at once. A revoked worker
+//! token loses its attempts in the revocation's transaction. An agent
+//! token is bound to one deployment's node (agents.md "Binding"): at most
+//! `MAX_TOKENS_PER_NODE` live per node, `--max-agents` in all.
 
 use std::sync::Arc;
 
@@ -12,6 +14,10 @@ use super::transition::Change;
 use super::Engine;
 use crate::model::*;
 use crate::store::{Lookup, StoreResult};
+
+/// Live agent tokens one node may have: its agent's, and the next one
+/// during a rotation.
+pub const MAX_TOKENS_PER_NODE: usize = 2;
 
 /// Bytes of randomness in a token's secret.
 const SECRET_BYTES: usize = 32;
@@ -37,6 +43,38 @@ pub struct NewToken {
     pub name: String,
     pub kind: TokenKind,
     pub labels: Vec<String>,
+    /// An agent token's node (the API requires it exactly for agents).
+    pub node: Option<NodeBinding>,
+}
+
+/// Why a new token may not be made beside `tokens`: its name is taken, or
+/// a limit of its kind is reached.
+fn token_refusal(
+    tokens: &[(String, TokenRecord)],
+    new: &NewToken,
+    (max_workers, max_agents): (usize, usize),
+) -> Option<Conflict> {
+    if tokens.iter().any(|(_, t)| t.name == new.name) {
+        return Some(Conflict::TokenExists);
+    }
+    let of_kind = tokens.iter().filter(|(_, t)| t.kind == new.kind).count();
+    match new.kind {
+        TokenKind::Worker if of_kind >= max_workers => Some(Conflict::WorkerLimit),
+        TokenKind::Worker => None,
+        TokenKind::Agent => {
+            let on_node = tokens
+                .iter()
+                .filter(|(_, t)| t.node.is_some() && t.node == new.node)
+                .count();
+            if on_node >= MAX_TOKENS_PER_NODE {
+                Some(Conflict::NodeBound)
+            } else if of_kind >= max_agents {
+                Some(Conflict::AgentLimit)
+            } else {
+                None
+            }
+        }
+    }
 }
 
 /// The SHA-256 of a token's secret, hex: its key in the store.
@@ -62,15 +100,16 @@ impl Engine {
     ) -> Result<Token, Refusal> {
         let secret = new_secret()?;
         let hash = token_hash(&secret);
-        let (hub, max) = (self.hub.clone(), self.settings.max_workers as usize);
+        let hub = self.hub.clone();
+        let limits = (
+            self.settings.max_workers as usize,
+            self.settings.max_agents as usize,
+        );
         self.store
             .write(move |tx| {
                 let tokens = tx.tokens()?;
-                if tokens.iter().any(|(_, t)| t.name == new.name) {
-                    return Ok(Err(Refusal::Conflict(Conflict::TokenExists)));
-                }
-                if tokens.len() >= max {
-                    return Ok(Err(Refusal::Conflict(Conflict::WorkerLimit)));
+                if let Some(conflict) = token_refusal(&tokens, &new, limits) {
+                    return Ok(Err(Refusal::Conflict(conflict)));
                 }
                 let change = Change::new(tx, &hub);
                 let made = TokenRecord {
@@ -79,6 +118,7 @@ impl Engine {
                     labels: new.labels.clone(),
                     created_at: change.now(),
                     seen: None,
+                    node: new.node.clone(),
                 };
                 tx.put_token(&hash, &made)?;
                 let token = Token {

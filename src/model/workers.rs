@@ -37,6 +37,17 @@ pub struct TokenRecord {
     /// What the worker said about itself at its last call (stored at most
     /// every `authority::SEEN_EVERY`).
     pub seen: Option<WorkerSeen>,
+    /// The node an agent token is bound to (agents.md "Binding"); `None`
+    /// for a worker token. (`default`: an export before agent tokens.)
+    #[serde(default)]
+    pub node: Option<NodeBinding>,
+}
+
+/// A deployment's node, as an agent token names it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeBinding {
+    pub deployment: String,
+    pub node: String,
 }
 
 /// A worker as its last call described it.

@@ -33,6 +33,7 @@
 //! | 13 | `work_states`, `work_state_blobs`, `work_state_pieces`: deployments' work states (new tables, empty) |
 //! | 14 | `rollouts`, `rollout_policies`, `freezes`: rollouts in waves, each deployment's policy, freezes (new tables, empty) |
 //! | 15 | a build's `log_holes` (every build record rewritten) and `rollout_results` (new, empty): a rollout goes on after a restart |
+//! | 16 | a token's `node`: an agent token's binding (every token record rewritten) |
 //!
 //! Releases before version 2 existed wrote version 1 but may already hold
 //! any of the later indexes (they were added by presence checks), so each
@@ -63,7 +64,7 @@ use super::{
 use crate::model::BuildId;
 
 /// The layout this binary writes and reads.
-pub const LAYOUT_VERSION: u32 = 15;
+pub const LAYOUT_VERSION: u32 = 16;
 
 /// The `meta` key holding the layout version (u32 LE). Its name predates
 /// the word "layout" and stays, so every release finds it.
@@ -78,7 +79,7 @@ struct Migration {
 }
 
 /// Every migration, in order; `MIGRATIONS[i].to == i + 2`.
-const MIGRATIONS: [Migration; 14] = [
+const MIGRATIONS: [Migration; 15] = [
     Migration {
         to: 2,
         what: "index every build's log chunks",
@@ -148,6 +149,11 @@ const MIGRATIONS: [Migration; 14] = [
         to: 15,
         what: "let a rollout go on after a restart (log holes, deploy results)",
         run: rollouts_after_a_restart,
+    },
+    Migration {
+        to: 16,
+        what: "bind agent tokens to a node",
+        run: tokens_bound_to_nodes,
     },
 ];
 
@@ -448,6 +454,53 @@ fn rollouts_after_a_restart(txn: &WriteTransaction) -> StoreResult<()> {
         builds.insert(*id, bytes.as_slice())?;
     }
     Ok(())
+}
+
+/// v16: every token record gains `node` (read in its layout-15 shape,
+/// `v15`, and written in the current one).
+fn tokens_bound_to_nodes(txn: &WriteTransaction) -> StoreResult<()> {
+    use crate::store::codec;
+    let mut tokens = txn.open_table(TOKENS)?;
+    let mut rewritten: Vec<(String, Vec<u8>)> = Vec::new();
+    for entry in tokens.iter()? {
+        let (k, v) = entry?;
+        let old: v15::TokenRecord = decode(v.value())?;
+        rewritten.push((k.value().to_string(), codec::encode(&old.into_current())));
+    }
+    for (hash, bytes) in &rewritten {
+        tokens.insert(hash.as_str(), bytes.as_slice())?;
+    }
+    Ok(())
+}
+
+/// The token record as layouts 12 to 15 stored it (read by the migration
+/// to 16).
+mod v15 {
+    use serde::{Deserialize, Serialize};
+
+    use crate::model::{Millis, TokenKind, WorkerSeen};
+
+    #[derive(Deserialize, Serialize)]
+    pub struct TokenRecord {
+        pub name: String,
+        pub kind: TokenKind,
+        pub labels: Vec<String>,
+        pub created_at: Millis,
+        pub seen: Option<WorkerSeen>,
+    }
+
+    impl TokenRecord {
+        pub fn into_current(self) -> crate::model::TokenRecord {
+            crate::model::TokenRecord {
+                name: self.name,
+                kind: self.kind,
+                labels: self.labels,
+                created_at: self.created_at,
+                seen: self.seen,
+                node: None,
+            }
+        }
+    }
 }
 
 /// The version a file records; `None` for a file berth never opened.
@@ -891,6 +944,42 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         (Database::create(dir.join("berth.redb")).unwrap(), dir)
+    }
+
+    /// The step to 16 reads each token in its layout-15 shape and writes
+    /// it with `node: None`, keeping everything else.
+    #[test]
+    fn the_step_to_16_keeps_every_token_and_binds_none() {
+        let (db, dir) = temp_db("v16");
+        let old = v15::TokenRecord {
+            name: "w1".into(),
+            kind: crate::model::TokenKind::Worker,
+            labels: vec!["gpu".into()],
+            created_at: 7,
+            seen: None,
+        };
+        let txn = db.begin_write().unwrap();
+        txn.open_table(TOKENS)
+            .unwrap()
+            .insert("hash", crate::store::codec::encode(&old).as_slice())
+            .unwrap();
+        tokens_bound_to_nodes(&txn).unwrap();
+        let read: crate::model::TokenRecord = decode(
+            txn.open_table(TOKENS)
+                .unwrap()
+                .get("hash")
+                .unwrap()
+                .unwrap()
+                .value(),
+        )
+        .unwrap();
+        txn.abort().unwrap();
+        assert_eq!(
+            (read.name.as_str(), read.labels.len(), read.created_at),
+            ("w1", 1, 7)
+        );
+        assert_eq!(read.node, None);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     fn version(db: &Database) -> u32 {

@@ -3,6 +3,7 @@
 
 mod harness;
 
+mod agents;
 mod audit;
 mod bad_input;
 mod cli;

@@ -6,7 +6,6 @@
 //! a preview's `changes`.
 
 use std::path::Path;
-use std::time::Duration;
 
 use serde_json::{json, Value};
 
