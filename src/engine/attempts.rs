@@ -20,9 +20,10 @@ use serde_json::{json, Value};
 use super::build::CheckedResult;
 use super::build::{deployer_request, finish_tx, Finished};
 use super::health::HealthEnd;
-use super::log_pipe::{Chunk, LogBuffer};
+use super::log_pipe::LogBuffer;
 use super::outcome::{End, Halt};
 use super::refusal::{Missing, Refusal};
+use super::remote_log::{append_amid, Amid};
 use super::runner::Ended;
 use super::staging::PreparedFiles;
 use super::transition::Change;
@@ -31,7 +32,7 @@ use super::work_state::NewWorkState;
 use super::Engine;
 use crate::audit::{Actor, Draft, Outcome as AuditOutcome};
 use crate::authority::{self, Call, ClaimScene, Replay, Stale};
-use crate::events::{BuildEvent, Channel, Frame, Hub};
+use crate::events::{BuildEvent, Hub};
 use crate::model::*;
 use crate::settings::Settings;
 use crate::store::{Lookup, StoreResult, Tx};
@@ -351,7 +352,7 @@ impl Engine {
                 self.start_remote_rollout(build);
             }
         } else if let Some(reply) = self.remote_rollouts.take_reply(build, seq) {
-            let end = super::remote_rollout::call_end(&report.ended, &report.result);
+            let end = call_end(&report.ended, &report.result);
             if reply.send(end).is_err() {
                 tracing::warn!(build = %format_build_id(build), seq, "a rollout's call was reported after its runner stopped waiting");
             }
@@ -925,6 +926,24 @@ fn local_end(ended: &RemoteEnd) -> (Result<Ended, Failure>, Halt) {
     }
 }
 
+/// How a reported call ended, as the runner reads a local call's end.
+fn call_end(ended: &RemoteEnd, result: &Result<String, String>) -> super::health::CallEnd {
+    let ended = match ended {
+        RemoteEnd::Exit(code) => Ended::Exit(*code),
+        RemoteEnd::Signal(sig) => Ended::Signal(*sig),
+        RemoteEnd::StatusUnknown => Ended::StatusUnknown,
+        RemoteEnd::Timeout => Ended::Timeout,
+        RemoteEnd::Cancelled | RemoteEnd::Shutdown => Ended::Cancelled,
+        RemoteEnd::NotRun { detail, .. } => return Err(detail.clone()),
+    };
+    let result = match result {
+        Ok(text) => Ok(Some(text.clone().into_bytes())),
+        Err(problem) if problem == "missing" => Ok(None),
+        Err(problem) => Err(problem.clone()),
+    };
+    Ok((ended, result, Vec::new()))
+}
+
 /// The nodes and the health end a remote rollout build's verdict reads:
 /// the rollout's when its plan is stored; a deploy that changed more nodes
 /// than a rollout takes fails `deployer_protocol`, as on the embedded
@@ -1008,12 +1027,6 @@ fn deploy_reported_tx(
     super::rollouts::plan_tx(tx, hub, &b, &changed, &nodes)
 }
 
-/// What goes into a build's log amid its lines.
-pub(super) enum Amid {
-    Line(String),
-    Event(BuildEvent, String),
-}
-
 /// Appends a progress batch's items to a running build's log.
 fn append<'i>(
     tx: &Tx,
@@ -1047,79 +1060,6 @@ fn append<'i>(
         }
     }
     append_amid(tx, hub, b, a, max_log, &amid, now)
-}
-
-/// Stores lines and events amid them, each with the next id of the build
-/// channel, and publishes them together after the commit. Lines past
-/// `--max-log-bytes` are counted in the attempt, not stored; an event
-/// past `MAX_LOG_GAPS` is kept only as its line.
-pub(super) fn append_amid(
-    tx: &Tx,
-    hub: &Arc<Hub>,
-    b: &mut BuildRecord,
-    a: &mut AttemptRecord,
-    max_log: u64,
-    items: &[Amid],
-    now: Millis,
-) -> StoreResult<()> {
-    let mut log = LogBuffer::resume(b, max_log, a.dropped_lines);
-    // (seq, kind, data) of what is stored, for the frames made after the
-    // commit (only when someone listens).
-    let mut sent: Vec<(u64, &'static str, String)> = Vec::with_capacity(items.len());
-    for item in items {
-        match item {
-            Amid::Line(line) => match log.push(line) {
-                Some(seq) => sent.push((seq, "log", line.clone())),
-                None => {
-                    a.dropped_lines += 1;
-                    a.dropped_bytes += line.len() as u64 + 1;
-                }
-            },
-            Amid::Event(kind, data) => {
-                if log.gaps.len() >= MAX_LOG_GAPS {
-                    continue;
-                }
-                store_chunk(tx, b, &mut log)?;
-                let (seq, _) = log.take_gap();
-                tx.put_build_event(
-                    b.id,
-                    seq,
-                    &crate::store::StoredEvent {
-                        event: kind.name().into(),
-                        data: data.clone(),
-                        at: now,
-                    },
-                )?;
-                sent.push((seq, kind.name(), data.clone()));
-            }
-        }
-    }
-    store_chunk(tx, b, &mut log)?;
-    let last = log.next_seq - 1;
-    b.event_seq = b.event_seq.max(last);
-    b.seq_reserved = b.seq_reserved.max(last);
-    b.log_gaps = log.gaps.clone();
-    let (hub, build) = (hub.clone(), b.id);
-    tx.after_commit(move || {
-        let channel = Channel::Build(build);
-        if hub.listened(&channel) {
-            let frames = sent
-                .into_iter()
-                .map(|(seq, kind, data)| Frame::new(seq, kind, data, false))
-                .collect();
-            hub.publish_all(&channel, frames);
-        }
-        hub.committed(build, last);
-    });
-    Ok(())
-}
-
-fn store_chunk(tx: &Tx, b: &mut BuildRecord, log: &mut LogBuffer) -> StoreResult<()> {
-    if let Some(chunk) = log.take_chunk() {
-        let chunk: Chunk = chunk.compress()?;
-        chunk.store(tx, b)?;
-    }
-    Ok(())
 }
 
 /// The loss of an attempt (workers.md "Loss"), in one transaction: the

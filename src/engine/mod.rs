@@ -21,6 +21,7 @@ pub mod outcome;
 pub mod queue;
 pub mod recovery;
 pub mod refusal;
+pub mod remote_log;
 pub mod remote_rollout;
 pub mod requests;
 pub mod resume;

@@ -25,9 +25,9 @@ use std::time::Duration;
 use serde_json::{json, Value};
 use tokio::sync::{oneshot, watch};
 
-use super::attempts::Amid;
 use super::health::{Answer, CallEnd, HealthIo};
 use super::outcome::{Halt, NodeOutcome};
+use super::remote_log::Amid;
 use super::rollouts::{RolloutIo, Run};
 use super::runner::Ended;
 use super::Engine;
@@ -183,25 +183,6 @@ pub fn rollout_done(tx: &impl Lookup, build: BuildId) -> StoreResult<bool> {
         .is_none_or(|r| r.rollout.state == crate::model::State::Finished))
 }
 
-/// How a reported call ended, as the runner reads a local call's end.
-pub fn call_end(ended: &super::attempts::RemoteEnd, result: &Result<String, String>) -> CallEnd {
-    use super::attempts::RemoteEnd;
-    let ended = match ended {
-        RemoteEnd::Exit(code) => Ended::Exit(*code),
-        RemoteEnd::Signal(sig) => Ended::Signal(*sig),
-        RemoteEnd::StatusUnknown => Ended::StatusUnknown,
-        RemoteEnd::Timeout => Ended::Timeout,
-        RemoteEnd::Cancelled | RemoteEnd::Shutdown => Ended::Cancelled,
-        RemoteEnd::NotRun { detail, .. } => return Err(detail.clone()),
-    };
-    let result = match result {
-        Ok(text) => Ok(Some(text.clone().into_bytes())),
-        Err(problem) if problem == "missing" => Ok(None),
-        Err(problem) => Err(problem.clone()),
-    };
-    Ok((ended, result, Vec::new()))
-}
-
 impl Engine {
     /// Runs the rollout of `build`, claimed by a remote worker, from where
     /// its record is: after its deploy was reported, or after a restart.
@@ -327,7 +308,7 @@ fn append_tx(
     if b.status != BuildStatus::Running {
         return Ok(());
     }
-    super::attempts::append_amid(tx, hub, &mut b, &mut a, max_log, items, now_millis())?;
+    super::remote_log::append_amid(tx, hub, &mut b, &mut a, max_log, items, now_millis())?;
     tx.put_build(&b)?;
     tx.put_attempt(&a)
 }
