@@ -197,6 +197,16 @@ impl Engine {
                 // sends its outcome; when none does, berth ends it here.
                 engine.remote_rollouts.withdraw_all(build);
                 engine.end_remote_rollout(build, None).await;
+                // Ended here (no worker will send an outcome that forgets
+                // it): its slot goes now.
+                let ended = engine
+                    .store
+                    .read()
+                    .and_then(|rx| rx.build(build))
+                    .is_ok_and(|b| b.is_none_or(|b| b.status.is_finished()));
+                if ended {
+                    engine.remote_rollouts.forget(build);
+                }
             }
         });
     }

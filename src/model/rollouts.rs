@@ -138,7 +138,9 @@ pub const GLOBAL_FREEZE: &str = "*";
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FreezeWindow {
     pub frequency: Frequency,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// Never skipped when `None`: the store's bincode has no field names,
+    /// so a skipped field misreads every field after it.
+    #[serde(default)]
     pub day: Option<u8>,
     pub start: String,
     pub duration_minutes: u32,

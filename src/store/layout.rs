@@ -33,7 +33,7 @@
 //! | 13 | `work_states`, `work_state_blobs`, `work_state_pieces`: deployments' work states (new tables, empty) |
 //! | 14 | `rollouts`, `rollout_policies`, `freezes`: rollouts in waves, each deployment's policy, freezes (new tables, empty) |
 //! | 15 | a build's `log_holes` (every build record rewritten) and `rollout_results` (new, empty): a rollout goes on after a restart |
-//! | 16 | a token's `node`: an agent token's binding (every token record rewritten) |
+//! | 16 | a token's `node`: an agent token's binding (every token record rewritten); a freeze whose daily window was stored without its `day` (layouts 14 and 15 skipped it) written again with it |
 //!
 //! Releases before version 2 existed wrote version 1 but may already hold
 //! any of the later indexes (they were added by presence checks), so each
@@ -152,8 +152,8 @@ const MIGRATIONS: [Migration; 15] = [
     },
     Migration {
         to: 16,
-        what: "bind agent tokens to a node",
-        run: tokens_bound_to_nodes,
+        what: "bind agent tokens to a node; repair freezes with a daily window",
+        run: tokens_bound_and_freezes_repaired,
     },
 ];
 
@@ -458,7 +458,7 @@ fn rollouts_after_a_restart(txn: &WriteTransaction) -> StoreResult<()> {
 
 /// v16: every token record gains `node` (read in its layout-15 shape,
 /// `v15`, and written in the current one).
-fn tokens_bound_to_nodes(txn: &WriteTransaction) -> StoreResult<()> {
+fn tokens_bound_and_freezes_repaired(txn: &WriteTransaction) -> StoreResult<()> {
     use crate::store::codec;
     let mut tokens = txn.open_table(TOKENS)?;
     let mut rewritten: Vec<(String, Vec<u8>)> = Vec::new();
@@ -469,6 +469,19 @@ fn tokens_bound_to_nodes(txn: &WriteTransaction) -> StoreResult<()> {
     }
     for (hash, bytes) in &rewritten {
         tokens.insert(hash.as_str(), bytes.as_slice())?;
+    }
+    let mut freezes = txn.open_table(FREEZES)?;
+    let mut repaired: Vec<(String, Vec<u8>)> = Vec::new();
+    for entry in freezes.iter()? {
+        let (k, v) = entry?;
+        if decode::<crate::model::FreezeRecord>(v.value()).is_ok() {
+            continue;
+        }
+        let old: v15::FreezeRecord = decode(v.value())?;
+        repaired.push((k.value().to_string(), codec::encode(&old.into_current())));
+    }
+    for (key, bytes) in &repaired {
+        freezes.insert(key.as_str(), bytes.as_slice())?;
     }
     Ok(())
 }
@@ -487,6 +500,43 @@ mod v15 {
         pub labels: Vec<String>,
         pub created_at: Millis,
         pub seen: Option<WorkerSeen>,
+    }
+
+    /// A freeze with a daily window as layouts 14 and 15 stored it: the
+    /// window's `day` skipped (a weekly or monthly one reads as current).
+    #[derive(Deserialize, Serialize)]
+    pub struct FreezeRecord {
+        pub reason: String,
+        pub until: Option<Millis>,
+        pub window: Option<DailyWindow>,
+        pub set_at: Millis,
+        pub set_by: Option<String>,
+    }
+
+    #[derive(Deserialize, Serialize)]
+    pub struct DailyWindow {
+        pub frequency: crate::model::Frequency,
+        pub start: String,
+        pub duration_minutes: u32,
+        pub time_zone: String,
+    }
+
+    impl FreezeRecord {
+        pub fn into_current(self) -> crate::model::FreezeRecord {
+            crate::model::FreezeRecord {
+                reason: self.reason,
+                until: self.until,
+                window: self.window.map(|w| crate::model::FreezeWindow {
+                    frequency: w.frequency,
+                    day: None,
+                    start: w.start,
+                    duration_minutes: w.duration_minutes,
+                    time_zone: w.time_zone,
+                }),
+                set_at: self.set_at,
+                set_by: self.set_by,
+            }
+        }
     }
 
     impl TokenRecord {
@@ -946,6 +996,54 @@ mod tests {
         (Database::create(dir.join("berth.redb")).unwrap(), dir)
     }
 
+    /// The step to 16 repairs a freeze whose daily window layout 15 wrote
+    /// without its `day`, and leaves a readable one as it is.
+    #[test]
+    fn the_step_to_16_repairs_a_daily_freeze_window() {
+        let (db, dir) = temp_db("v16-freeze");
+        let broken = v15::FreezeRecord {
+            reason: "release week".into(),
+            until: None,
+            window: Some(v15::DailyWindow {
+                frequency: crate::model::Frequency::Daily,
+                start: "00:00".into(),
+                duration_minutes: 15,
+                time_zone: "UTC".into(),
+            }),
+            set_at: 3,
+            set_by: None,
+        };
+        let txn = db.begin_write().unwrap();
+        txn.open_table(FREEZES)
+            .unwrap()
+            .insert("*", crate::store::codec::encode(&broken).as_slice())
+            .unwrap();
+        assert!(decode::<crate::model::FreezeRecord>(
+            txn.open_table(FREEZES)
+                .unwrap()
+                .get("*")
+                .unwrap()
+                .unwrap()
+                .value()
+        )
+        .is_err());
+        tokens_bound_and_freezes_repaired(&txn).unwrap();
+        let read: crate::model::FreezeRecord = decode(
+            txn.open_table(FREEZES)
+                .unwrap()
+                .get("*")
+                .unwrap()
+                .unwrap()
+                .value(),
+        )
+        .unwrap();
+        txn.abort().unwrap();
+        let window = read.window.unwrap();
+        assert_eq!((window.day, window.duration_minutes), (None, 15));
+        assert_eq!(read.reason, "release week");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     /// The step to 16 reads each token in its layout-15 shape and writes
     /// it with `node: None`, keeping everything else.
     #[test]
@@ -963,7 +1061,7 @@ mod tests {
             .unwrap()
             .insert("hash", crate::store::codec::encode(&old).as_slice())
             .unwrap();
-        tokens_bound_to_nodes(&txn).unwrap();
+        tokens_bound_and_freezes_repaired(&txn).unwrap();
         let read: crate::model::TokenRecord = decode(
             txn.open_table(TOKENS)
                 .unwrap()

@@ -981,3 +981,31 @@ async fn a_remote_rollout_goes_on_after_kill_9_of_berth() {
         ]
     );
 }
+
+/// A freeze with a daily window (no `day`) is stored and read back, and
+/// every read that asks the freezes keeps working (the fuzzer found one
+/// that made them answer 500).
+#[tokio::test]
+async fn a_freeze_with_a_daily_window_reads_back_and_breaks_no_read() {
+    let (s, _) = rollout_server("freeze-daily").await;
+    // Twelve hours away: closed now, so the submit below goes through.
+    let hour = (time::OffsetDateTime::now_utc().hour() + 12) % 24;
+    let window = json!({"frequency": "daily", "start": format!("{hour:02}:00"),
+        "duration_minutes": 15, "time_zone": "UTC"});
+    let (status, set) = put_freeze(
+        &s,
+        "/v1/freeze",
+        json!({"reason": "nightly backups \u{10d766}", "window": window}),
+    )
+    .await;
+    assert_eq!(status, 200, "{set}");
+    let (status, read_back) = s.json("/v1/freeze").await;
+    assert_eq!(status, 200, "{read_back}");
+    assert_eq!(read_back["freeze"]["window"]["frequency"], "daily");
+    assert_eq!(read_back["freeze"]["reason"], "nightly backups \u{10d766}");
+    assert!(s.metrics().await.contains("berth_freezes_active"));
+    let build = s.submit_ok("alice", json!({"n": 1})).await;
+    let (status, d) = s.json("/v1/deployments/alice").await;
+    assert_eq!(status, 200, "{d}");
+    assert_eq!(s.wait_build(&build, "final").await["status"], "succeeded");
+}
