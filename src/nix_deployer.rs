@@ -811,19 +811,12 @@ fn activate(
     }
 }
 
-fn deploy(request: &Value) -> Outcome {
-    let work = dir_from_env("BERTH_WORK_DIR")?;
-    let scratch = dir_from_env("BERTH_SCRATCH_DIR")?;
-    let dir = source_dir(request)?;
-    let keep = knob(
-        "BERTH_NIX_KEEP",
-        u64::from(DEFAULT_KEEP),
-        u64::from(MAX_KEEP),
-    )?;
+/// Every node's derivations from one evaluation, each target checked to
+/// be an SSH destination before anything runs.
+fn evaluated_nodes(dir: &Path, request: &Value) -> Result<Vec<(String, Value)>, Failure> {
     println!("evaluating the source");
-    // One evaluation gives every node's derivations.
     let nodes = nix_eval(
-        &dir,
+        dir,
         request,
         "builtins.mapAttrs (name: node: {\n\
            toplevel = node.toplevel.drvPath;\n\
@@ -847,7 +840,12 @@ fn deploy(request: &Value) -> Outcome {
             }
         }
     }
-    // Toplevels first, then the checks, in one build.
+    Ok(nodes)
+}
+
+/// The nodes' toplevels and their checks (a store path or none, per
+/// node), built in one `nix-store --realise`: toplevels first.
+fn built_nodes(nodes: &[(String, Value)]) -> Result<(Vec<String>, Vec<Option<String>>), Failure> {
     let mut drvs: Vec<String> = nodes
         .iter()
         .map(|(_, n)| n["toplevel"].as_str().unwrap_or("").to_string())
@@ -861,17 +859,34 @@ fn deploy(request: &Value) -> Outcome {
     println!("building {} node(s)", nodes.len());
     let built = realise(&drvs).map_err(Failure::Broken)?;
     let (toplevels, check_paths) = built.split_at(nodes.len());
-    let check_of = |i: usize| {
-        checks
-            .iter()
-            .position(|(at, _)| *at == i)
-            .and_then(|k| check_paths.get(k).cloned())
-    };
+    let per_node = (0..nodes.len())
+        .map(|i| {
+            checks
+                .iter()
+                .position(|(at, _)| *at == i)
+                .and_then(|k| check_paths.get(k).cloned())
+        })
+        .collect();
+    Ok((toplevels.to_vec(), per_node))
+}
+
+fn deploy(request: &Value) -> Outcome {
+    let work = dir_from_env("BERTH_WORK_DIR")?;
+    let scratch = dir_from_env("BERTH_SCRATCH_DIR")?;
+    let dir = source_dir(request)?;
+    let keep = knob(
+        "BERTH_NIX_KEEP",
+        u64::from(DEFAULT_KEEP),
+        u64::from(MAX_KEEP),
+    )?;
+    let nodes = evaluated_nodes(&dir, request)?;
+    let (toplevels, checks) = built_nodes(&nodes)?;
+    let check_of = |i: usize| checks.get(i).cloned().flatten();
     let state = read_state(&work)?;
     let mut next = State::new();
     let mut results = Vec::new();
     let mut changed_nodes = Vec::new();
-    for (i, ((name, node), toplevel)) in nodes.iter().zip(toplevels).enumerate() {
+    for (i, ((name, node), toplevel)) in nodes.iter().zip(&toplevels).enumerate() {
         let fingerprint = node["toplevel"].clone();
         let before = state.get(name);
         let changed = before.is_none_or(|b| b.toplevel != *toplevel || !b.confirmed);
