@@ -158,6 +158,10 @@ impl Answered {
     }
 }
 
+/// How long a renew of an idle rollout's worker waits for its next call
+/// at most (and a quarter of `--lease-ttl`).
+const IDLE_HOLD: Duration = Duration::from_secs(5);
+
 impl Engine {
     pub(super) fn lease_ttl_ms(&self) -> u64 {
         u64::try_from(self.settings.lease_ttl.as_millis()).unwrap_or(authority::LEASE_TTL_MAX_MS)
@@ -268,12 +272,50 @@ impl Engine {
                 })
             })
             .await?;
-        if let (Ok(answer), Some(seq)) = (&answered, handed) {
-            if !answer.replayed {
+        let answer = match answered {
+            Ok(answer) if !answer.replayed => answer,
+            other => return other,
+        };
+        match handed {
+            Some(seq) => {
                 self.remote_rollouts.delivered(attempt.0, seq, attempt.1);
+                Ok(answer)
+            }
+            None => Ok(self.hold_for_a_call(attempt, answer).await),
+        }
+    }
+
+    /// A renew of a rollout's worker that has no call to run waits (at
+    /// most `IDLE_HOLD`, a quarter of the lease) for the runner's next
+    /// call and carries it: a call reaches an idle worker at once, and an
+    /// idle rollout costs a renew every few seconds, not a poll. The
+    /// answer kept for a replay is the one without it.
+    async fn hold_for_a_call(&self, attempt: (BuildId, u64), answer: Answered) -> Answered {
+        let rollouts = &self.remote_rollouts;
+        if !rollouts.runs(attempt.0) {
+            return answer;
+        }
+        let hold = IDLE_HOLD.min(self.settings.lease_ttl / 4);
+        let handed = rollouts.handed();
+        tokio::pin!(handed);
+        handed.as_mut().enable();
+        let next_call = rollouts.next_call(attempt.0);
+        if next_call.is_null() {
+            tokio::select! {
+                _ = handed => {}
+                _ = tokio::time::sleep(hold) => {}
             }
         }
-        answered
+        let next_call = rollouts.next_call(attempt.0);
+        let Some(seq) = next_call["seq"].as_u64() else {
+            return answer;
+        };
+        let Ok(mut body) = serde_json::from_str::<Value>(&answer.body) else {
+            return answer;
+        };
+        body["next_call"] = next_call;
+        rollouts.delivered(attempt.0, seq, attempt.1);
+        Answered::new(body.to_string())
     }
 
     /// `POST /internal/v1/attempts/{attempt}/calls/{seq}`: the end of one

@@ -49,6 +49,9 @@ const LOST_POLL: Duration = Duration::from_secs(1);
 #[derive(Default)]
 pub struct RemoteRollouts {
     slots: Mutex<HashMap<BuildId, Slot>>,
+    /// Rung when a call is handed out or a runner is halted: renews that
+    /// hold for a call look again.
+    handed: tokio::sync::Notify,
 }
 
 struct Slot {
@@ -119,6 +122,8 @@ impl RemoteRollouts {
             reply,
             delivered: None,
         });
+        drop(slots);
+        self.handed.notify_waiters();
         Some(seq)
     }
 
@@ -167,6 +172,18 @@ impl RemoteRollouts {
         if let Some(slot) = self.slots.held().get(&build) {
             slot.halt.send_replace(halt);
         }
+        self.handed.notify_waiters();
+    }
+
+    /// Whether a runner of `build` is here (its renews may hold).
+    pub fn runs(&self, build: BuildId) -> bool {
+        self.slots.held().contains_key(&build)
+    }
+
+    /// A future that completes at the next hand-out or halt (enable it
+    /// before looking, so none falls between).
+    pub fn handed(&self) -> tokio::sync::futures::Notified<'_> {
+        self.handed.notified()
     }
 
     /// Forgets `build` (its outcome is stored, or its runner ended).

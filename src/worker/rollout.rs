@@ -23,8 +23,9 @@ use crate::engine::runner::{self, Ended};
 
 /// The deploy's call.
 const FIRST_CALL: u64 = 1;
-/// How often an idle rollout asks berth for its next call (a renew).
-const IDLE_POLL: Duration = Duration::from_millis(500);
+/// The pause before an idle rollout asks berth for its next call again
+/// (a renew, which berth holds until a call comes or a few seconds pass).
+const IDLE_POLL: Duration = Duration::from_millis(100);
 /// A call's time limit when the claim gives no build timeout.
 const UNBOUNDED_CALL: Duration = Duration::from_secs(24 * 3600);
 
