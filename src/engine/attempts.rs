@@ -1181,17 +1181,14 @@ fn end_lost_tx(
     // the record finished and stops).
     let halted = if cancelled { Halt::Cancel } else { Halt::No };
     super::remote_rollout::settled_view(tx, hub, b.id, halted)?;
-    let finished = Arc::new(Finished {
+    // A lost attempt stores no work state.
+    let finished = Arc::new(Finished::committed(
+        b,
         end,
-        nodes: vec![],
-        last_chunk: None,
-        late_frames: vec![],
-        last_seq_used: b.event_seq,
-        log_gaps: b.log_gaps.clone(),
-        // A lost attempt stores no work state.
-        work_state: NewWorkState::Unchanged,
-        keep_work_states: 1,
-    });
+        vec![],
+        NewWorkState::Unchanged,
+        1,
+    ));
     finish_tx(tx, hub, b.id, &finished)?;
     if !cancelled {
         let summary = tx.build(b.id)?.map(|b| b.summary());
@@ -1290,16 +1287,13 @@ fn settle(
         Some(Err(_)) | None => vec![],
     };
     a.state = AttemptState::Ended;
-    let finished = Arc::new(Finished {
+    let finished = Arc::new(Finished::committed(
+        &b,
         end,
         nodes,
-        last_chunk: None,
-        late_frames: vec![],
-        last_seq_used: b.event_seq,
-        log_gaps: b.log_gaps.clone(),
-        work_state: files.work_state.clone(),
-        keep_work_states: settings.keep_work_states,
-    });
+        files.work_state.clone(),
+        settings.keep_work_states,
+    ));
     finish_tx(tx, hub, b.id, &finished)?;
     let Some(done) = tx.build(b.id)? else {
         return Err(crate::store::StoreError::corrupt(

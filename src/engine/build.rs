@@ -668,6 +668,29 @@ pub struct Finished {
     pub keep_work_states: u32,
 }
 
+impl Finished {
+    /// The final commit of a build whose every line is committed already
+    /// (a remote one): no last chunk, no closing lines of berth's.
+    pub fn committed(
+        b: &BuildRecord,
+        end: End,
+        nodes: Vec<NodeOutcome>,
+        work_state: NewWorkState,
+        keep_work_states: u32,
+    ) -> Finished {
+        Finished {
+            end,
+            nodes,
+            last_chunk: None,
+            late_frames: vec![],
+            last_seq_used: b.event_seq,
+            log_gaps: b.log_gaps.clone(),
+            work_state,
+            keep_work_states,
+        }
+    }
+}
+
 /// The final write job: the last log chunk, then the final status through
 /// `transition`.
 pub fn finish_tx(tx: &Tx, hub: &Arc<Hub>, build_id: BuildId, f: &Arc<Finished>) -> StoreResult<()> {

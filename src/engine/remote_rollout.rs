@@ -520,15 +520,9 @@ fn end_unheld_tx(
     // As the embedded worker's final commit: the deploy's nodes with any
     // verdict but a loss.
     let nodes = if lost.is_some() { vec![] } else { nodes };
-    let finished = Arc::new(super::build::Finished {
-        end,
-        nodes,
-        last_chunk: None,
-        late_frames: vec![],
-        last_seq_used: b.event_seq,
-        log_gaps: b.log_gaps.clone(),
-        work_state: super::work_state::NewWorkState::Unchanged,
-        keep_work_states: 1,
-    });
+    let unchanged = super::work_state::NewWorkState::Unchanged;
+    let finished = Arc::new(super::build::Finished::committed(
+        &b, end, nodes, unchanged, 1,
+    ));
     super::build::finish_tx(tx, hub, build, &finished)
 }

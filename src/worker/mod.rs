@@ -675,26 +675,14 @@ impl Worker {
             items: &pending[..take],
         };
         let path = format!("/internal/v1/attempts/{}/progress", a.id);
-        match self
+        let sent = self
             .api
             .resend(reqwest::Method::POST, &path, &body, a.deadline)
-            .await
-        {
-            Ok((200, answer)) => {
-                pending.drain(..take);
-                *sent_through = answer["applied_through"].as_u64().unwrap_or(last);
-                Ok(answer["cancel"].as_bool().unwrap_or(false))
-            }
-            Ok((401 | 403, _)) => Err(AttemptEnd::TokenRefused),
-            Ok((status, answer)) => {
-                tracing::warn!(status, reason = %answer["reason"], attempt = %a.id, "progress refused: the attempt is over");
-                Err(AttemptEnd::Done)
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, attempt = %a.id, "progress unanswered past the lease: the attempt is over");
-                Err(AttemptEnd::Done)
-            }
-        }
+            .await;
+        let answer = accepted(sent, "progress", &a.id)?;
+        pending.drain(..take);
+        *sent_through = answer["applied_through"].as_u64().unwrap_or(last);
+        Ok(answer["cancel"].as_bool().unwrap_or(false))
     }
 
     /// The outcome, resent until answered or the deadline passes.
@@ -707,14 +695,7 @@ impl Worker {
         health: Value,
         carried: Carried,
     ) -> AttemptEnd {
-        let (result, problem) = match root.map(runner::read_result) {
-            Some(Ok(Some(bytes))) => match serde_json::from_slice::<Value>(&bytes) {
-                Ok(v) => (v, Value::Null),
-                Err(_) => (Value::Null, json!("not_json")),
-            },
-            Some(Ok(None)) | None => (Value::Null, json!("missing")),
-            Some(Err(_)) => (Value::Null, json!("unsafe")),
-        };
+        let (result, problem) = rollout::result_json(root.map_or(Ok(None), runner::read_result));
         let body = json!({
             "operation_id": new_operation_id(), "fence": a.fence, "worker_incarnation": self.incarnation,
             "progress_through": through, "ended": ended, "result": result, "result_problem": problem,
@@ -722,21 +703,35 @@ impl Worker {
             "work_state_problem": carried.work_state_problem,
         });
         let path = format!("/internal/v1/attempts/{}/outcome", a.id);
-        match self
+        let sent = self
             .api
             .resend(reqwest::Method::POST, &path, &body, a.deadline)
-            .await
-        {
-            Ok((200, _)) => AttemptEnd::Done,
-            Ok((401 | 403, _)) => AttemptEnd::TokenRefused,
-            Ok((status, answer)) => {
-                tracing::warn!(status, reason = %answer["reason"], attempt = %a.id, "outcome refused");
-                AttemptEnd::Done
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, attempt = %a.id, "outcome unanswered past the lease");
-                AttemptEnd::Done
-            }
+            .await;
+        match accepted(sent, "the outcome", &a.id) {
+            Ok(_) => AttemptEnd::Done,
+            Err(end) => end,
+        }
+    }
+}
+
+/// What a resent call of an attempt came to: berth's answer when it took
+/// the call; else the end of the attempt's authority (its token refused,
+/// or the call refused or unanswered past the lease), logged as `what`.
+fn accepted(
+    sent: Result<(u16, Value), String>,
+    what: &str,
+    attempt: &str,
+) -> Result<Value, AttemptEnd> {
+    match sent {
+        Ok((200, answer)) => Ok(answer),
+        Ok((401 | 403, _)) => Err(AttemptEnd::TokenRefused),
+        Ok((status, answer)) => {
+            tracing::warn!(status, reason = %answer["reason"], attempt, "{what} refused: the attempt is over");
+            Err(AttemptEnd::Done)
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, attempt, "{what} unanswered past the lease: the attempt is over");
+            Err(AttemptEnd::Done)
         }
     }
 }

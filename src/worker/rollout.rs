@@ -17,7 +17,9 @@ use std::sync::Arc;
 use tokio::sync::{mpsc, watch};
 
 use super::files::Carried;
-use super::{new_operation_id, Attempt, AttemptEnd, Courier, Halt, Run, Worker, WorkerHealth};
+use super::{
+    accepted, new_operation_id, Attempt, AttemptEnd, Courier, Halt, Run, Worker, WorkerHealth,
+};
 use crate::engine::health::HealthIo;
 use crate::engine::runner::{self, Ended};
 
@@ -44,7 +46,7 @@ pub(super) fn ended_json(ended: &Ended, halted: Halt) -> Value {
 }
 
 /// A result file's JSON, or null and why not.
-fn result_json(read: Result<Option<Vec<u8>>, String>) -> (Value, Value) {
+pub(super) fn result_json(read: Result<Option<Vec<u8>>, String>) -> (Value, Value) {
     match read {
         Ok(Some(bytes)) => match serde_json::from_slice::<Value>(&bytes) {
             Ok(v) => (v, Value::Null),
@@ -243,28 +245,15 @@ impl Worker {
         let path = format!("/internal/v1/attempts/{}/renew", a.id);
         let body = json!({"operation_id": new_operation_id(), "fence": a.fence, "worker_incarnation": self.incarnation});
         let sent = tokio::time::Instant::now();
-        match self
+        let renewed = self
             .api
             .resend(reqwest::Method::POST, &path, &body, a.deadline)
-            .await
-        {
-            Ok((200, answer)) => {
-                let ttl = answer["lease_ttl_ms"].as_u64().map(Duration::from_millis);
-                if let Some(ttl) = ttl {
-                    a.deadline = sent + ttl;
-                }
-                Ok(answer)
-            }
-            Ok((401 | 403, _)) => Err(AttemptEnd::TokenRefused),
-            Ok((status, answer)) => {
-                tracing::warn!(status, reason = %answer["reason"], attempt = %a.id, "renew refused: the attempt is over");
-                Err(AttemptEnd::Done)
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, attempt = %a.id, "renew unanswered past the lease: the attempt is over");
-                Err(AttemptEnd::Done)
-            }
+            .await;
+        let answer = accepted(renewed, "a renew", &a.id)?;
+        if let Some(ttl) = answer["lease_ttl_ms"].as_u64().map(Duration::from_millis) {
+            a.deadline = sent + ttl;
         }
+        Ok(answer)
     }
 
     /// `POST .../calls/{seq}`, resent until answered or the deadline.
@@ -284,21 +273,10 @@ impl Worker {
             "work_state_problem": carried.work_state_problem,
         });
         let path = format!("/internal/v1/attempts/{}/calls/{seq}", a.id);
-        match self
+        let sent = self
             .api
             .resend(reqwest::Method::POST, &path, &body, a.deadline)
-            .await
-        {
-            Ok((200, answer)) => Ok(answer),
-            Ok((401 | 403, _)) => Err(AttemptEnd::TokenRefused),
-            Ok((status, answer)) => {
-                tracing::warn!(status, reason = %answer["reason"], attempt = %a.id, seq, "a call's report was refused: the attempt is over");
-                Err(AttemptEnd::Done)
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, attempt = %a.id, "a call's report unanswered past the lease");
-                Err(AttemptEnd::Done)
-            }
-        }
+            .await;
+        accepted(sent, "a call's report", &a.id)
     }
 }
