@@ -120,6 +120,11 @@ async fn wait_rollout(s: &Server, build: &str, state: &str) -> Value {
     panic!("the rollout never reached {state}: {last}");
 }
 
+/// Waits until `build`'s log holds `text`.
+async fn wait_log(s: &Server, build: &str, text: &str) {
+    eventually(text, || async { s.log_text(build).await.contains(text) }).await;
+}
+
 async fn act(s: &Server, name: &str, revision: Option<u64>, body: Value) -> (u16, Value) {
     let mut req = s
         .http
@@ -638,16 +643,7 @@ async fn a_rollout_on_a_remote_worker_runs_each_call_there_and_a_lost_worker_fai
     let lost = s.submit_ok("alice", json!({"n": 3})).await;
     wait_rollout(&s, &lost, "paused").await;
     worker.kill();
-    eventually("the rollout waits for the next worker", || {
-        let s = &s;
-        let lost = lost.clone();
-        async move {
-            s.log_text(&lost)
-                .await
-                .contains("waits for the next worker")
-        }
-    })
-    .await;
+    wait_log(&s, &lost, "the rollout waits for the next worker").await;
     assert_eq!(s.build(&lost).await["status"], "running");
     let (status, body) = read(
         s.post(&format!("/v1/builds/{lost}/cancel"), &json!({}))
@@ -677,16 +673,7 @@ async fn a_rollout_whose_worker_is_lost_between_calls_goes_on_with_the_next_clai
     wait_rollout(&s, &build, "paused").await;
     // Paused past its lease (SIGSTOP), w1 loses the attempt between calls.
     w1.signal("-STOP");
-    eventually("the rollout waits for the next worker", || {
-        let s = &s;
-        let build = build.clone();
-        async move {
-            s.log_text(&build)
-                .await
-                .contains("waits for the next worker")
-        }
-    })
-    .await;
+    wait_log(&s, &build, "the rollout waits for the next worker").await;
     let mut w2 = crate::workers::Worker::start(&s, &token2, &s.dir.join("../w2"), &deployer);
     eventually("w2 takes the rollout over", || {
         let s = &s;
