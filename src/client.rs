@@ -167,8 +167,15 @@ async fn dispatch(command: Command) -> Outcome {
         Command::Rollout { rollout } => rollout_command(rollout).await,
         Command::Freeze { freeze } => freeze_command(freeze).await,
         Command::Workers { conn } => workers(&conn).await,
+        Command::Nodes {
+            deployment,
+            drifted,
+            unreachable,
+            conn,
+        } => nodes(deployment.as_deref(), (drifted, unreachable), &conn).await,
         Command::Serve(_)
         | Command::Worker(_)
+        | Command::Agent(_)
         | Command::Completions { .. }
         | Command::Man
         | Command::Audit { .. }
@@ -566,6 +573,80 @@ async fn workers(conn: &ClientArgs) -> Outcome {
         &rows,
     );
     Ok(EXIT_OK)
+}
+
+/// `berth nodes`: one deployment's nodes, or every bound node, a page of
+/// 200 (cli.md).
+async fn nodes(
+    deployment: Option<&str>,
+    (drifted, unreachable): (bool, bool),
+    conn: &ClientArgs,
+) -> Outcome {
+    let c = Client::new(conn)?;
+    let mut query = vec!["limit=200".to_string()];
+    if drifted {
+        query.push("drifted=true".into());
+    }
+    if unreachable {
+        query.push("unreachable=true".into());
+    }
+    let url = match deployment {
+        Some(id) => format!("/v1/deployments/{}/nodes?{}", path(id), query.join("&")),
+        None => format!("/v1/nodes?{}", query.join("&")),
+    };
+    let page = c.call("GET", &url, None, None).await?;
+    if c.json {
+        c.print_json(&page);
+        return Ok(EXIT_OK);
+    }
+    let rows: Vec<Vec<String>> = items(&page)
+        .map(|n| {
+            vec![
+                n["deployment"]
+                    .as_str()
+                    .unwrap_or(deployment.unwrap_or("-"))
+                    .to_string(),
+                text(&n["name"]),
+                text(&n["agent"]["status"]),
+                short_artifact(&n["desired"]["artifact"]),
+                short_artifact(&n["actual"]["running"]),
+                short_artifact(&n["actual"]["booted"]),
+                list(&n["drift"]["what"]),
+                text(&n["agent"]["last_seen_at"]),
+            ]
+        })
+        .collect();
+    c.table(
+        &[
+            "DEPLOYMENT",
+            "NODE",
+            "AGENT",
+            "DESIRED",
+            "RUNNING",
+            "BOOTED",
+            "DRIFT",
+            "LAST SEEN",
+        ],
+        &rows,
+    );
+    Ok(EXIT_OK)
+}
+
+/// An artifact in a table: a digest cut to 12 hex, a store path to its
+/// name, `-` for none.
+fn short_artifact(a: &Value) -> String {
+    if let Some(digest) = a["digest"].as_str() {
+        let hex = digest.trim_start_matches("sha256:");
+        return hex.chars().take(12).collect();
+    }
+    match a["path"].as_str() {
+        Some(path) => path
+            .trim_start_matches("/nix/store/")
+            .split_once('-')
+            .map_or(path, |(_, name)| name)
+            .to_string(),
+        None => "-".into(),
+    }
 }
 
 fn items(page: &Value) -> impl Iterator<Item = &Value> {

@@ -2,6 +2,7 @@
 //!
 //! See ARCHITECTURE.md for the map; `main.rs` is only the CLI.
 
+pub mod agent;
 pub mod api;
 pub mod archive;
 pub mod audit;
@@ -20,6 +21,7 @@ pub mod local_deployer;
 pub mod locks;
 pub mod model;
 pub mod nix_deployer;
+pub mod nodes;
 pub mod rollout;
 pub mod sbom;
 pub mod serve;

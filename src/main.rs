@@ -38,6 +38,7 @@ fn main() {
             replace,
         } => berth::export::run_import(&data_dir, &from, replace),
         Command::Worker(args) => berth::worker::run(*args),
+        Command::Agent(args) => berth::agent::run(*args),
         Command::Deployer {
             deployer: DeployerCommand::Local { verb },
         } => berth::local_deployer::run(&verb),
@@ -74,7 +75,8 @@ fn main() {
         | Command::Tokens { .. }
         | Command::Rollout { .. }
         | Command::Freeze { .. }
-        | Command::Workers { .. }) => berth::client::run(client),
+        | Command::Workers { .. }
+        | Command::Nodes { .. }) => berth::client::run(client),
     };
     std::process::exit(code);
 }

@@ -21,6 +21,7 @@ fn run_in_the_background(engine: &Arc<crate::engine::Engine>) {
     tokio::spawn(engine.clone().run_webhooks());
     tokio::spawn(engine.clone().run_sweeps());
     tokio::spawn(engine.clone().run_leases());
+    tokio::spawn(engine.clone().run_node_sweep());
     tokio::spawn(engine.clone().sweep_staging());
     tokio::spawn(engine.clone().run_denial_flush());
     tokio::spawn(engine.clone().run_updates());
@@ -208,6 +209,14 @@ fn check_flags(settings: &Settings) -> Result<(), String> {
     }
     if settings.reset_dev_state && !settings.dev {
         return Err("--reset-dev-state deletes every stored deployment; it needs --dev too".into());
+    }
+    let revert = settings.agent_revert_after;
+    if revert < settings.lease_ttl * 3 || revert > std::time::Duration::from_secs(24 * 3600) {
+        return Err(format!(
+            "--agent-revert-after ({}s) must be from 3 x --lease-ttl ({}s) to 24h: an agent must outlast a renew missed twice before it reverts",
+            revert.as_secs(),
+            settings.lease_ttl.as_secs() * 3
+        ));
     }
     Ok(())
 }

@@ -60,6 +60,9 @@ pub enum Command {
     /// Run builds for a berth on this machine (workers.md): poll its queue,
     /// claim builds, run the deployer here, report back.
     Worker(Box<WorkerArgs>),
+    /// Run the pull agent of one node (agents.md): watch its desired
+    /// state, report what it runs.
+    Agent(Box<AgentArgs>),
     /// Worker tokens: create (prints only the token), list, revoke.
     Tokens {
         #[command(subcommand)]
@@ -78,6 +81,20 @@ pub enum Command {
     },
     /// The workers: name, kind, labels, incarnation, running attempts, last seen.
     Workers {
+        #[command(flatten)]
+        conn: ClientArgs,
+    },
+    /// Nodes bound to agents: desired against actual, drift, last seen
+    /// (agents.md).
+    Nodes {
+        /// One deployment's nodes (else every deployment's bound nodes).
+        deployment: Option<String>,
+        /// Only nodes that drifted.
+        #[arg(long)]
+        drifted: bool,
+        /// Only nodes whose agent is unreachable.
+        #[arg(long)]
+        unreachable: bool,
         #[command(flatten)]
         conn: ClientArgs,
     },
@@ -220,10 +237,12 @@ impl Command {
             | Command::Import { .. } => true,
             Command::Deployer { .. }
             | Command::Worker(_)
+            | Command::Agent(_)
             | Command::Tokens { .. }
             | Command::Rollout { .. }
             | Command::Freeze { .. }
             | Command::Workers { .. }
+            | Command::Nodes { .. }
             | Command::Deploy { .. }
             | Command::Preview { .. }
             | Command::Status { .. }
@@ -385,6 +404,56 @@ pub struct WorkerArgs {
     /// Allow http:// to a berth that is not on loopback.
     #[arg(long)]
     pub allow_http: bool,
+}
+
+/// `berth agent` (agents.md "Running an agent").
+#[derive(Debug, Clone, Args)]
+pub struct AgentArgs {
+    /// berth's address (https unless on loopback or --allow-http).
+    #[arg(long, env = "BERTH_URL")]
+    pub url: String,
+    /// A file holding the agent token (never on a command line); refused
+    /// when group or others may read it.
+    #[arg(long, env = "BERTH_TOKEN_FILE")]
+    pub token_file: PathBuf,
+    /// The node: `DEPLOYMENT/NODE`, the token's binding.
+    #[arg(long, env = "BERTH_AGENT_NODE")]
+    pub node: String,
+    /// Its memory (0700): state.json, artifacts/, current, booted.
+    #[arg(
+        long,
+        env = "BERTH_AGENT_STATE_DIR",
+        default_value = "/var/lib/berth-agent"
+    )]
+    pub state_dir: PathBuf,
+    /// How often it reports what the node runs (1s to 1h).
+    #[arg(long, env = "BERTH_AGENT_REPORT_INTERVAL", default_value = "60s", value_parser = parse_report_interval)]
+    pub report_interval: Duration,
+    /// Health: `/bin/sh -c CMD`, exit 0 healthy, else unhealthy with its
+    /// last line.
+    #[arg(long, env = "BERTH_AGENT_CHECK_COMMAND")]
+    pub check_command: Option<String>,
+    /// How the desired state is watched: `sse`, `poll` (a long poll), or
+    /// `auto` (SSE; the long poll when a stream stays silent 45 s).
+    #[arg(long, env = "BERTH_AGENT_TRANSPORT", default_value = "auto", value_parser = ["auto", "sse", "poll"])]
+    pub transport: String,
+    /// Allow http:// to a berth that is not on loopback.
+    #[arg(long)]
+    pub allow_http: bool,
+}
+
+fn parse_report_interval(text: &str) -> Result<Duration, String> {
+    let d = parse_duration(text)?;
+    let ms = d.as_millis();
+    let (min, max) = (
+        u128::from(crate::nodes::REPORT_INTERVAL_MIN_MS),
+        u128::from(crate::nodes::REPORT_INTERVAL_MAX_MS),
+    );
+    if (min..=max).contains(&ms) {
+        Ok(d)
+    } else {
+        Err("must be from 1s to 1h".into())
+    }
 }
 
 #[derive(Debug, Subcommand)]
@@ -643,6 +712,17 @@ pub struct Settings {
     /// two during a rotation.
     #[arg(long, env = "BERTH_MAX_AGENTS", default_value_t = 20_000, value_parser = clap::value_parser!(u32).range(1..=200_000))]
     pub max_agents: u32,
+
+    /// The largest file artifact a deploy result may name (deployer.md;
+    /// 1 KiB to 4 GiB): berth reads it to take its digest.
+    #[arg(long, env = "BERTH_MAX_ARTIFACT_BYTES", default_value_t = 64 << 20, value_parser = clap::value_parser!(u64).range(1024..=(4 << 30)))]
+    pub max_artifact_bytes: u64,
+
+    /// How long an agent keeps an unconfirmed activation without an
+    /// accepted renew before it reverts by itself (agents.md "The armed
+    /// revert"; 3 x `--lease-ttl` to 24 h, checked at start).
+    #[arg(long, env = "BERTH_AGENT_REVERT_AFTER", default_value = "300s", value_parser = parse_duration)]
+    pub agent_revert_after: Duration,
 
     /// How often the retention sweeps run (idempotency records, events, builds).
     #[arg(long, env = "BERTH_SWEEP_INTERVAL", default_value = "10m", value_parser = parse_duration)]

@@ -424,9 +424,9 @@ fn work_state_view(w: Option<&WorkStates>) -> Value {
     }
 }
 
-pub async fn read(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
+pub async fn read(ctx: &Ctx, req: &Request, caller: &Caller) -> Result<Reply, ApiError> {
     let id = deployment_id(req)?;
-    let (d, last_build, last_try, audit, extras) = {
+    let (d, last_build, last_try, audit, mut extras) = {
         let rx = ctx.engine.read()?;
         let d = rx
             .deployment(&id)?
@@ -436,6 +436,11 @@ pub async fn read(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
         let extras = read_extras(&rx, &d)?;
         (d, last_build, rx.update_try(&id)?, audit, extras)
     };
+    let (nodes, nodes_next) = super::agents::of_deployment(ctx, caller, &id)?;
+    if let Some(fields) = extras.read_only.as_mut() {
+        fields.insert("nodes".into(), nodes);
+        fields.insert("nodes_next_cursor".into(), nodes_next);
+    }
     let facts = SourceFacts::of(ctx, &d).await;
     Ok(render_view(
         &facts,

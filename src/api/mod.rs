@@ -22,6 +22,7 @@
 //! the engine a `Write` (its audit draft and the hook that stores its
 //! answer), and writes its audit event alone when it ends in an error.
 
+pub mod agents;
 pub mod audit;
 pub mod auth;
 pub mod builds;
@@ -301,6 +302,7 @@ enum Bound {
     Token(routes::TokenCall, routes::Authorized),
     Mutation(routes::MutationCall, routes::Audit, routes::Authorized),
     Worker(routes::WorkerCall, workers::WorkerAuth),
+    Agent(routes::AgentCall, agents::AgentAuth),
 }
 
 type Dispatched = Result<(&'static str, Answer), (&'static str, ApiError)>;
@@ -340,11 +342,11 @@ where
             request_id,
         )
     };
-    let bound = match bind(matched.handler, authorize, || {
-        workers::authenticate(ctx, &headers)
-    })
-    .await
-    {
+    let internal = (
+        || workers::authenticate(ctx, &headers),
+        || agents::authenticate(ctx, &headers, &params),
+    );
+    let bound = match bind(matched.handler, authorize, internal).await {
         Ok(bound) => bound,
         Err(mut e) => {
             e.close = true;
@@ -392,7 +394,10 @@ where
 async fn bind<Fut>(
     handler: routes::Handler,
     authorize: impl Fn(routes::Ask, Option<routes::Audit>) -> Fut,
-    worker: impl FnOnce() -> Result<workers::WorkerAuth, ApiError>,
+    (worker, agent): (
+        impl FnOnce() -> Result<workers::WorkerAuth, ApiError>,
+        impl FnOnce() -> Result<agents::AgentAuth, ApiError>,
+    ),
 ) -> Result<Bound, ApiError>
 where
     Fut: std::future::Future<Output = Result<routes::Authorized, ApiError>>,
@@ -408,6 +413,7 @@ where
             .await
             .map(|who| Bound::Mutation(call, audit, who)),
         routes::Handler::Worker(call) => worker().map(|auth| Bound::Worker(call, auth)),
+        routes::Handler::Agent(call) => agent().map(|auth| Bound::Agent(call, auth)),
     }
 }
 
@@ -420,6 +426,7 @@ async fn run_handler(ctx: &Arc<Ctx>, bound: &Bound, req: &Request) -> Result<Ans
         Bound::Token(call, who) => routes::token(ctx, *call, req, &who.caller).await,
         Bound::Mutation(call, audit, who) => routes::mutation(ctx, *call, *audit, req, who).await,
         Bound::Worker(call, auth) => routes::worker(ctx, *call, req, auth).await,
+        Bound::Agent(call, auth) => routes::agent(ctx, *call, req, auth).await,
     }
 }
 

@@ -24,8 +24,8 @@ use std::sync::Arc;
 use super::auth::{self, Caller, Procedure, Question, Refused};
 use super::errors::{ApiError, Code};
 use super::{
-    audit, builds, deployments, derive, events, freeze, idempotency, ops, page, sboms, webhooks,
-    workers, Answer, Ctx, Request,
+    agents, audit, builds, deployments, derive, events, freeze, idempotency, ops, page, sboms,
+    webhooks, workers, Answer, Ctx, Request,
 };
 use crate::model::parse_build_id;
 use crate::store::{Lookup, StoreErrorKind};
@@ -67,6 +67,9 @@ pub enum TokenCall {
     ListWorkers,
     ReadWorkState,
     ReadFreeze,
+    ListNodes,
+    ReadNode,
+    ListAllNodes,
 }
 
 /// A route that changes state: token-authenticated, audited, and run under
@@ -106,6 +109,14 @@ pub enum WorkerCall {
     WorkState,
 }
 
+/// A route of `berth agent`: an agent token of the node in the path only
+/// (agents.md), authenticated before the body.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AgentCall {
+    Desired,
+    Report,
+}
+
 impl Handler {
     /// The most bytes of a route whose body is a file (received into one,
     /// not into memory, and not JSON); `None` for every other route.
@@ -122,7 +133,8 @@ impl Handler {
             | Handler::Stream(_)
             | Handler::Token(..)
             | Handler::Mutation(..)
-            | Handler::Worker(_) => None,
+            | Handler::Worker(_)
+            | Handler::Agent(_) => None,
         }
     }
 }
@@ -198,6 +210,7 @@ pub enum Handler {
     Token(TokenCall, Ask),
     Mutation(MutationCall, Ask, Audit),
     Worker(WorkerCall),
+    Agent(AgentCall),
 }
 
 /// Who may call a route, as the route-table test and the docs name it.
@@ -208,6 +221,7 @@ pub enum Access {
     StreamCredential,
     Token,
     WorkerToken,
+    AgentToken,
 }
 
 impl Handler {
@@ -218,6 +232,7 @@ impl Handler {
             Handler::Stream(_) => Access::StreamCredential,
             Handler::Token(..) | Handler::Mutation(..) => Access::Token,
             Handler::Worker(_) => Access::WorkerToken,
+            Handler::Agent(_) => Access::AgentToken,
         }
     }
 }
@@ -249,6 +264,14 @@ const fn worker_row(method: &'static str, template: &'static str, call: WorkerCa
         method,
         template,
         handler: Handler::Worker(call),
+    }
+}
+
+const fn agent_row(method: &'static str, template: &'static str, call: AgentCall) -> Route {
+    Route {
+        method,
+        template,
+        handler: Handler::Agent(call),
     }
 }
 
@@ -369,6 +392,11 @@ pub const ROUTES: &[Route] = &[
     worker_row("GET", "/internal/v1/attempts/{attempt}/work-state", WorkerCall::WorkState),
     worker_row("POST", "/internal/v1/attempts/{attempt}/outcome", WorkerCall::Outcome),
     worker_row("POST", "/internal/v1/attempts/{attempt}/calls/{seq}", WorkerCall::CallReport),
+    token_row("GET", "/v1/deployments/{id}/nodes", TokenCall::ListNodes, P::Read, PathDeployment, NotFound),
+    token_row("GET", "/v1/deployments/{id}/nodes/{node}", TokenCall::ReadNode, P::Read, PathDeployment, NotFound),
+    token_row("GET", "/v1/nodes", TokenCall::ListAllNodes, P::Read, EachItem, Forbidden),
+    agent_row("GET", "/internal/v1/nodes/{deployment}/{node}/desired", AgentCall::Desired),
+    agent_row("POST", "/internal/v1/nodes/{deployment}/{node}/report", AgentCall::Report),
 ];
 
 /// A matched route's path parameters.
@@ -641,7 +669,7 @@ pub async fn token(
     ready(ctx)?;
     let reply = match call {
         TokenCall::ListDeployments => deployments::list(ctx, req, caller).await,
-        TokenCall::ReadDeployment => deployments::read(ctx, req).await,
+        TokenCall::ReadDeployment => deployments::read(ctx, req, caller).await,
         TokenCall::Preview => deployments::preview(ctx, req).await,
         TokenCall::ListBuilds => builds::list(ctx, req, caller),
         TokenCall::ListSboms => sboms::list(ctx, req),
@@ -659,6 +687,9 @@ pub async fn token(
         TokenCall::ListWorkers => workers::list_workers(ctx),
         TokenCall::ReadWorkState => workers::read_work_state(ctx, req),
         TokenCall::ReadFreeze => freeze::read(ctx, req),
+        TokenCall::ListNodes => agents::list(ctx, req, caller).await,
+        TokenCall::ReadNode => agents::read(ctx, req),
+        TokenCall::ListAllNodes => agents::list_all(ctx, req, caller).await,
     };
     reply.map(Answer::Reply)
 }
@@ -770,6 +801,20 @@ pub async fn worker(
         WorkerCall::WorkState => workers::attempt_work_state(ctx, req, auth),
     };
     reply.map(Answer::Reply)
+}
+
+/// Runs an agent's call on its node's routes.
+pub async fn agent(
+    ctx: &Arc<Ctx>,
+    call: AgentCall,
+    req: &Request,
+    auth: &agents::AgentAuth,
+) -> Result<Answer, ApiError> {
+    ready(ctx)?;
+    match call {
+        AgentCall::Desired => agents::desired(ctx, req, auth).await,
+        AgentCall::Report => agents::report(ctx, req, auth).await.map(Answer::Reply),
+    }
 }
 
 /// Records a mutation refused after its caller was authenticated but
@@ -909,6 +954,7 @@ mod tests {
                 t if t.starts_with("/v1/audit") => Access::Token,
                 "/metrics" => Access::Metrics,
                 t if t.starts_with("/v1/derive/") => Access::Public,
+                t if t.starts_with("/internal/v1/nodes/") => Access::AgentToken,
                 t if t.starts_with("/internal/") => Access::WorkerToken,
                 // The page is public; what it shows needs the token.
                 "/healthz" | "/readyz" | "/v1/openapi.json" | "/" | "/ui/{file}" => Access::Public,
@@ -950,8 +996,11 @@ mod tests {
                     );
                 }
                 Handler::Mutation(_, ask, _) => assert_eq!(ask.denial, Denial::Forbidden),
-                Handler::Public(_) | Handler::Metrics | Handler::Stream(_) | Handler::Worker(_) => {
-                }
+                Handler::Public(_)
+                | Handler::Metrics
+                | Handler::Stream(_)
+                | Handler::Worker(_)
+                | Handler::Agent(_) => {}
             }
         }
     }

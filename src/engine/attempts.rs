@@ -28,6 +28,13 @@ use super::runner::Ended;
 use super::staging::PreparedFiles;
 use super::transition::Change;
 use super::verdict::{parse_result, Outcome};
+
+/// A remote worker's file artifacts are not carried to berth yet
+/// (docs/agents.md "Not yet"): a node's file artifact from a worker is
+/// left out of its result.
+fn not_carried(_: &str) -> Result<Option<(String, u64)>, String> {
+    Ok(None)
+}
 use super::work_state::NewWorkState;
 use super::Engine;
 use crate::audit::{Actor, Draft, Outcome as AuditOutcome};
@@ -1041,12 +1048,15 @@ fn deploy_reported_tx(
     let Ok(text) = &report.result else {
         return Ok(());
     };
-    let nodes = parse_result(text.as_bytes(), b.kind, |path| {
-        match files.sboms.get(path) {
+    let nodes = parse_result(
+        text.as_bytes(),
+        b.kind,
+        |path| match files.sboms.get(path) {
             Some(prepared) => prepared.clone(),
             None => Err("the SBOM file was not uploaded by the worker".to_string()),
-        }
-    });
+        },
+        &not_carried,
+    );
     let Ok(nodes) = nodes else {
         return Ok(());
     };
@@ -1187,7 +1197,7 @@ fn end_lost_tx(
         end,
         vec![],
         NewWorkState::Unchanged,
-        1,
+        (1, None),
     ));
     finish_tx(tx, hub, b.id, &finished)?;
     if !cancelled {
@@ -1252,12 +1262,15 @@ fn settle(
     let (ended, halted) = local_end(&outcome.ended);
     // A path the outcome's `files` does not name is a missing file.
     let result = match (&ended, &outcome.result) {
-        (Ok(Ended::Exit(0)), Ok(text)) => Some(parse_result(text.as_bytes(), b.kind, |path| {
-            match files.sboms.get(path) {
+        (Ok(Ended::Exit(0)), Ok(text)) => Some(parse_result(
+            text.as_bytes(),
+            b.kind,
+            |path| match files.sboms.get(path) {
                 Some(prepared) => prepared.clone(),
                 None => Err("the SBOM file was not uploaded by the worker".to_string()),
-            }
-        })),
+            },
+            &not_carried,
+        )),
         (Ok(Ended::Exit(0)), Err(problem)) => Some(Err(format!("the result file: {problem}"))),
         _ => None,
     };
@@ -1292,7 +1305,10 @@ fn settle(
         end,
         nodes,
         files.work_state.clone(),
-        settings.keep_work_states,
+        (
+            settings.keep_work_states,
+            Some(super::nodes::document_times(settings)),
+        ),
     ));
     finish_tx(tx, hub, b.id, &finished)?;
     let Some(done) = tx.build(b.id)? else {

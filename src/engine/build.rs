@@ -413,7 +413,10 @@ impl Engine {
         // SBOMs may be large: read, check, split and compress them on the
         // blocking pool.
         let (root, kind, store) = (root.to_path_buf(), build.kind, self.store.clone());
-        match tokio::task::spawn_blocking(move || read_deploy_result(&root, kind, &store)).await {
+        let limit = self.settings.max_artifact_bytes;
+        match tokio::task::spawn_blocking(move || read_deploy_result(&root, kind, &store, limit))
+            .await
+        {
             Ok(result) => (ended, Some(result)),
             Err(e) => (Err(internal("reading a deploy result failed", e)), None),
         }
@@ -476,6 +479,7 @@ impl Engine {
             log_gaps: outcome.log.gaps.clone(),
             work_state,
             keep_work_states: self.settings.keep_work_states,
+            document_times: Some(super::nodes::document_times(&self.settings)),
         });
         // A destroy whose deployer succeeded has nothing left behind its
         // work dir: it goes before the commit that says so, so a reader who
@@ -524,6 +528,7 @@ impl Engine {
                     log_gaps: finished.log_gaps.clone(),
                     work_state: NewWorkState::Unchanged,
                     keep_work_states: self.settings.keep_work_states,
+                    document_times: Some(super::nodes::document_times(&self.settings)),
                 });
                 let hub = self.hub.clone();
                 match self
@@ -666,6 +671,9 @@ pub struct Finished {
     pub work_state: NewWorkState,
     /// `--keep-work-states`.
     pub keep_work_states: u32,
+    /// What a bound node's new document carries, for a final commit that
+    /// may succeed; `None` for one that cannot (a lost attempt's).
+    pub document_times: Option<crate::nodes::DocumentTimes>,
 }
 
 impl Finished {
@@ -676,7 +684,7 @@ impl Finished {
         end: End,
         nodes: Vec<NodeOutcome>,
         work_state: NewWorkState,
-        keep_work_states: u32,
+        (keep_work_states, document_times): (u32, Option<crate::nodes::DocumentTimes>),
     ) -> Finished {
         Finished {
             end,
@@ -687,6 +695,7 @@ impl Finished {
             log_gaps: b.log_gaps.clone(),
             work_state,
             keep_work_states,
+            document_times,
         }
     }
 }
@@ -732,7 +741,16 @@ pub fn finish_tx(tx: &Tx, hub: &Arc<Hub>, build_id: BuildId, f: &Arc<Finished>) 
             now_millis(),
         )?;
     }
-    Change::new(tx, hub).finish(d.as_mut(), &mut b, f.end.clone(), &f.nodes)
+    Change::new(tx, hub).finish(d.as_mut(), &mut b, f.end.clone(), &f.nodes)?;
+    match (d.as_mut(), b.status, f.document_times) {
+        (Some(d), BuildStatus::Succeeded, Some(times)) => {
+            super::nodes::deployed_tx(tx, hub, d, &b, &f.nodes, times)
+        }
+        (_, BuildStatus::Succeeded, None) => Err(crate::store::StoreError::other(
+            "a final commit that cannot succeed succeeded",
+        )),
+        _ => Ok(()),
+    }
 }
 
 /// A build's active attempt ends with it (`Ended`), or with the berth that

@@ -16,6 +16,7 @@ pub mod deployer;
 pub mod freeze;
 pub mod health;
 pub mod log_pipe;
+pub mod nodes;
 pub mod outbox;
 pub mod outcome;
 pub mod queue;
@@ -126,6 +127,8 @@ pub struct Engine {
     rollout_wake: Notify,
     /// The calls of rollouts on remote workers waiting for them.
     remote_rollouts: remote_rollout::RemoteRollouts,
+    /// What berth saw of each node's agent since it started.
+    agents: nodes::Agents,
     callbacks_wake: Notify,
     /// Wakes the automatic update loop (a policy changed).
     updates_wake: Notify,
@@ -263,6 +266,7 @@ impl Engine {
             queue_changed: Notify::new(),
             rollout_wake: Notify::new(),
             remote_rollouts: remote_rollout::RemoteRollouts::default(),
+            agents: nodes::Agents::default(),
             callbacks_wake: Notify::new(),
             updates_wake: Notify::new(),
             cancels: Mutex::new(HashMap::new()),

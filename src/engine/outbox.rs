@@ -13,7 +13,7 @@ use crate::model::*;
 use crate::store::{DeliveryRecord, DeliveryStatus, Lookup, StoreResult, Tx};
 
 /// Every event type a subscription may name (`"*"`: all of them).
-pub const EVENT_TYPES: [&str; 15] = [
+pub const EVENT_TYPES: [&str; 17] = [
     "build.queued",
     "build.started",
     "build.succeeded",
@@ -28,6 +28,8 @@ pub const EVENT_TYPES: [&str; 15] = [
     "rollout.finished",
     "freeze.set",
     "freeze.lifted",
+    "node.drifted",
+    "node.unreachable",
     "ping",
 ];
 /// Queues `event_type` for every subscription that wants it, in `tx` (the

@@ -57,6 +57,11 @@ pub struct NodeOutcome {
     pub changed: bool,
     pub sbom: SbomOutcome,
     pub fingerprint: Option<String>,
+    /// What an agent fetches to run the node (deployer.md), its file read
+    /// and digested. Not kept with a rollout's stored result: only the
+    /// final transaction of a deploy without `activate` uses it so far.
+    #[serde(skip)]
+    pub artifact: Option<crate::model::Artifact>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

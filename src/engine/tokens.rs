@@ -121,6 +121,9 @@ impl Engine {
                     node: new.node.clone(),
                 };
                 tx.put_token(&hash, &made)?;
+                if let Some(binding) = &made.node {
+                    super::nodes::bind_tx(tx, binding, &made.name, true)?;
+                }
                 let token = Token {
                     record: made,
                     secret: Some(secret.clone()),
@@ -138,6 +141,18 @@ impl Engine {
         name: String,
         record: Record<Token>,
     ) -> Result<Token, Refusal> {
+        let revoked = self.revoke_token_tx(name, record).await?;
+        if let Some(binding) = &revoked.record.node {
+            self.unbound(binding);
+        }
+        Ok(revoked)
+    }
+
+    async fn revoke_token_tx(
+        self: &Arc<Self>,
+        name: String,
+        record: Record<Token>,
+    ) -> Result<Token, Refusal> {
         let hub = self.hub.clone();
         self.store
             .write(move |tx| {
@@ -147,6 +162,9 @@ impl Engine {
                 };
                 tx.remove_token(&hash)?;
                 Engine::lose_attempts_of(tx, &hub, &gone.name)?;
+                if let Some(binding) = &gone.node {
+                    super::nodes::bind_tx(tx, binding, &gone.name, false)?;
+                }
                 let token = Token {
                     record: gone,
                     secret: None,

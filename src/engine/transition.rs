@@ -23,6 +23,8 @@
 
 use std::sync::Arc;
 
+use serde_json::{json, Value};
+
 use super::outcome::{End, NodeOutcome};
 use super::sboms;
 use crate::events::{self, Hub, SEQ_BLOCK};
@@ -448,6 +450,114 @@ impl<'t, 'a> Change<'t, 'a> {
         }
         events::deployment_event(self.tx, self.hub, d, "rollout", summary, self.now)?;
         self.update(d)
+    }
+
+    /// A bound node's entry changed by a report (agents.md "Desired vs
+    /// actual"): the deployment channel's `node` event, and when a drift
+    /// began, `node.drifted` (event and webhook). No revision: a node is
+    /// not the deployment's configuration. Nothing for a node of a
+    /// deployment that does not exist (yet).
+    pub fn node_changed(&self, n: &NodeRecord, entry: Value, drift_began: bool) -> StoreResult<()> {
+        let Some(mut d) = self.tx.deployment(&n.deployment)? else {
+            return Ok(());
+        };
+        events::deployment_event(
+            self.tx,
+            self.hub,
+            &mut d,
+            "node",
+            entry.to_string(),
+            self.now,
+        )?;
+        if let (true, Some(drift)) = (drift_began, &n.drift) {
+            let data = json!({
+                "deployment": n.deployment,
+                "node": n.node,
+                "desired": entry["desired"]["artifact"],
+                "running": entry["actual"]["running"],
+                "booted": entry["actual"]["booted"],
+                "since": format_time(drift.since),
+            });
+            let text = data.to_string();
+            super::outbox::outbox(
+                self.tx,
+                self.hub,
+                "node.drifted",
+                Some(&n.deployment),
+                None,
+                || Ok(data),
+                self.now,
+            )?;
+            events::deployment_event(self.tx, self.hub, &mut d, "node.drifted", text, self.now)?;
+        }
+        self.tx.put_deployment(&d)
+    }
+
+    /// A node's document changed in a transaction that holds its
+    /// deployment `d` (a deploy's end; the caller stores `d`): its `node`
+    /// event, and the desired-state reads wake after the commit.
+    pub fn node_changed_in(&self, d: &mut DeploymentRecord, entry: Value) -> StoreResult<()> {
+        events::deployment_event(self.tx, self.hub, d, "node", entry.to_string(), self.now)?;
+        let hub = self.hub.clone();
+        self.tx
+            .after_commit(move || hub.documents.send_modify(|n| *n += 1));
+        Ok(())
+    }
+
+    /// A report raised a node's fence: its document changed, so the
+    /// desired-state reads wake after the commit.
+    /// Audited as `node_fence_raised` by the agent's token.
+    pub fn node_fence_raised(&self, n: &NodeRecord, token: &str) -> StoreResult<()> {
+        tracing::warn!(deployment = %n.deployment, node = %n.node, fence = n.fence, "an agent reported a fence above its node's; the node's fence was raised to it");
+        let hub = self.hub.clone();
+        self.tx
+            .after_commit(move || hub.documents.send_modify(|n| *n += 1));
+        let mut draft = super::audit_events::system_draft(
+            "node_fence_raised",
+            Some(n.deployment.clone()),
+            crate::audit::Outcome::Ok,
+        );
+        draft.actor = Some(crate::audit::Actor {
+            issuer: Some("berth:agent".into()),
+            subject: token.to_string(),
+        });
+        self.audit(&draft)
+    }
+
+    /// A node's agent went silent for three of its intervals: a `node`
+    /// event and the `node.unreachable` webhook.
+    pub fn node_unreachable(
+        &self,
+        n: &NodeRecord,
+        entry: Value,
+        last_seen: Option<Millis>,
+    ) -> StoreResult<()> {
+        let Some(mut d) = self.tx.deployment(&n.deployment)? else {
+            return Ok(());
+        };
+        events::deployment_event(
+            self.tx,
+            self.hub,
+            &mut d,
+            "node",
+            entry.to_string(),
+            self.now,
+        )?;
+        let data = json!({
+            "deployment": n.deployment,
+            "node": n.node,
+            "last_seen_at": last_seen.map(format_time),
+        });
+        super::outbox::outbox(
+            self.tx,
+            self.hub,
+            "node.unreachable",
+            Some(&n.deployment),
+            None,
+            || Ok(data),
+            self.now,
+        )?;
+        self.tx.put_deployment(&d)
     }
 
     /// Sets the update policy; returns whether it changed. A new policy

@@ -187,6 +187,52 @@ struct DeployResultNode {
     /// deployer.md: changes exactly when what the node runs changes.
     #[serde(default)]
     fingerprint: Option<String>,
+    /// deployer.md: what an agent fetches (checked by `result_artifact`).
+    #[serde(default)]
+    artifact: Option<serde_json::Value>,
+}
+
+/// Reads a file artifact a result names (its path beneath the scratch
+/// dir): its digest and size; `Ok(None)` where the file is not at hand
+/// (a remote worker's result: not carried yet).
+pub(super) type ArtifactFile<'a> = &'a dyn Fn(&str) -> Result<Option<(String, u64)>, String>;
+
+/// A node's `artifact` in a deploy result, checked: a file (read and
+/// digested through `file`) or a store path.
+fn result_artifact(v: &serde_json::Value, file: ArtifactFile) -> Result<Option<Artifact>, String> {
+    let kind = v.get("kind").and_then(serde_json::Value::as_str);
+    match kind {
+        Some("file") => {
+            let path = v
+                .get("path")
+                .and_then(serde_json::Value::as_str)
+                .ok_or("a file artifact names its `path` beneath the scratch dir")?;
+            Ok(file(path)?.map(|(digest, size)| Artifact {
+                kind: ArtifactKind::File,
+                id: digest,
+                size: Some(size),
+                url: None,
+            }))
+        }
+        Some("nix-store-path") => crate::nodes::parse_artifact(v, "/artifact")
+            .map_err(|b| format!("a store path artifact: {}", b.message)),
+        _ => Err("an artifact's kind is `file` or `nix-store-path`".into()),
+    }
+}
+
+/// A file artifact beneath `root`'s scratch dir: its digest and size.
+pub(super) fn read_artifact(
+    root: &std::path::Path,
+    rel: &str,
+    limit: u64,
+) -> Result<Option<(String, u64)>, String> {
+    use sha2::{Digest, Sha256};
+    let bytes = runner::open_in_scratch(root, rel, limit).map_err(|e| match e {
+        OpenError::Missing => format!("the artifact file {rel} is missing"),
+        OpenError::Refused(why) => format!("the artifact file {rel}: {why}"),
+    })?;
+    let digest = format!("sha256:{}", crate::hex::encode(&Sha256::digest(&bytes)));
+    Ok(Some((digest, bytes.len() as u64)))
 }
 
 /// A fingerprint longer than this is a protocol error (a digest or a store
@@ -214,13 +260,16 @@ pub(super) fn read_deploy_result(
     root: &std::path::Path,
     kind: BuildKind,
     store: &crate::store::Store,
+    artifact_limit: u64,
 ) -> Result<Vec<NodeOutcome>, String> {
     let bytes = match runner::read_result(root) {
         Ok(Some(b)) => b,
         Ok(None) => return Err("the deployer wrote no result".into()),
         Err(e) => return Err(format!("result file: {e}")),
     };
-    parse_result(&bytes, kind, |path| read_sbom(root, path, store))
+    parse_result(&bytes, kind, |path| read_sbom(root, path, store), &|path| {
+        read_artifact(root, path, artifact_limit)
+    })
 }
 
 /// Checks a result's JSON against the protocol; `sbom` reads and checks
@@ -230,6 +279,7 @@ pub(super) fn parse_result(
     bytes: &[u8],
     kind: BuildKind,
     sbom: impl Fn(&str) -> Result<PreparedSbom, String>,
+    artifact: ArtifactFile,
 ) -> Result<Vec<NodeOutcome>, String> {
     let value: serde_json::Value =
         serde_json::from_slice(bytes).map_err(|_| "the result is not JSON".to_string())?;
@@ -273,11 +323,18 @@ pub(super) fn parse_result(
             (None, false) => SbomOutcome::Kept,
             (None, true) => SbomOutcome::Unavailable("the deployer gave no SBOM".into()),
         };
+        let artifact = match &node.artifact {
+            Some(v) => {
+                result_artifact(v, artifact).map_err(|why| format!("node {}: {why}", node.name))?
+            }
+            None => None,
+        };
         out.push(NodeOutcome {
             name: node.name,
             changed: node.changed,
             sbom,
             fingerprint: node.fingerprint,
+            artifact,
         });
     }
     Ok(out)

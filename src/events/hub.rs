@@ -87,6 +87,12 @@ pub struct Hub {
     /// Woken after a commit that queued webhook deliveries (the outbox):
     /// the sender then reads them at once instead of at its next look.
     pub outbox: tokio::sync::Notify,
+    /// Counts committed changes of nodes' desired-state documents
+    /// (agents.md): a waiting desired-state read looks at its node again
+    /// when it moves. One counter, not a channel per node: a wave's
+    /// documents commit in one transaction, and 10,000 idle agents then
+    /// cost no per-node state here.
+    pub documents: tokio::sync::watch::Sender<u64>,
 }
 
 /// The subscriber fell further behind than the tail keeps: it catches up

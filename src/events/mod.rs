@@ -226,6 +226,25 @@ fn summary_with_build_text(d: &DeploymentRecord, build_text: &str) -> StoreResul
     Ok(text)
 }
 
+/// The event types of the deployment channel (events.md), as stored.
+pub const DEPLOYMENT_EVENTS: [&str; 6] = [
+    "deployment",
+    "build",
+    "sbom",
+    "rollout",
+    "node",
+    "node.drifted",
+];
+
+/// A stored event's type as a replay sends it; a name this berth does not
+/// know (none is stored) is sent as `deployment`.
+pub fn deployment_event_name(stored: &str) -> &'static str {
+    DEPLOYMENT_EVENTS
+        .into_iter()
+        .find(|known| *known == stored)
+        .unwrap_or("deployment")
+}
+
 /// Stores one more event of the deployment channel and publishes it after
 /// the commit (hooks run in commit order). Only `engine::transition` (and
 /// what it calls) does this; the caller stores the deployment record with
@@ -238,6 +257,7 @@ pub fn deployment_event(
     data: String,
     now: Millis,
 ) -> StoreResult<()> {
+    debug_assert!(DEPLOYMENT_EVENTS.contains(&event), "{event}");
     d.event_seq += 1;
     let seq = d.event_seq;
     tx.put_deployment_event(

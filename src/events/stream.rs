@@ -422,13 +422,7 @@ async fn deployment_stream(
             }
             for (seq, e) in page {
                 last = seq;
-                let event = if e.event == "build" {
-                    "build"
-                } else if e.event == "sbom" {
-                    "sbom"
-                } else {
-                    "deployment"
-                };
+                let event = super::deployment_event_name(&e.event);
                 w.push(&Frame::new(seq, event, e.data, false));
                 w.flush_if_full().await?;
             }

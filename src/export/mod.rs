@@ -327,6 +327,9 @@ fn load_into(partial: &Path, origin: &mut dyn Origin, identity: &str) -> Result<
         {
             continue;
         }
+        if store_table == Table::Nodes && origin.version() < schema::FIRST_EXPORT_WITH_NODES {
+            continue;
+        }
         let mut bar = progress.table(table.name, 0);
         origin.rows(table, &mut |values| {
             bar.row(values.iter().map(Value::size).sum());

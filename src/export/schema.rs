@@ -20,7 +20,7 @@ use crate::store::{
 
 /// The version of this relational layout, in `berth_meta`. A target holding
 /// a newer one is refused; bump it when a table or column changes meaning.
-pub const EXPORT_SCHEMA_VERSION: u32 = 7;
+pub const EXPORT_SCHEMA_VERSION: u32 = 8;
 
 /// The first export layout with the webhook tables (an older export has
 /// none, and imports without subscriptions).
@@ -39,6 +39,9 @@ pub const FIRST_EXPORT_WITH_ROLLOUTS: u32 = 6;
 
 /// The first export layout with rollout builds' deploy results.
 pub const FIRST_EXPORT_WITH_ROLLOUT_RESULTS: u32 = 7;
+
+/// The first export layout with nodes bound to agents.
+pub const FIRST_EXPORT_WITH_NODES: u32 = 8;
 
 /// The export layouts this berth reads: version 1 split an idempotency
 /// key's identity wrongly (its `subject` held U+0000 for callback and
@@ -473,6 +476,19 @@ pub const TABLES: &[RelTable] = &[
         primary_key: &["build_id"],
         references: &[("build_id", "builds")],
     },
+    RelTable {
+        name: "nodes",
+        store_table: Table::Nodes,
+        columns: &[
+            col("deployment_id", Text),
+            col("node", Text),
+            col("generation", Int),
+            col("fence", Int),
+            col("record", Json),
+        ],
+        primary_key: &["deployment_id", "node"],
+        references: &[],
+    },
 ];
 
 /// The relational table holding a carried store table.
@@ -664,6 +680,13 @@ pub fn to_values(row: &Row) -> Result<Vec<Value>, String> {
             V::Text(key.clone()),
             V::Text(record.reason.clone()),
             json(record)?,
+        ],
+        Row::Node(n) => vec![
+            V::Text(n.deployment.clone()),
+            V::Text(n.node.clone()),
+            int(n.generation, "a node's generation")?,
+            int(n.fence, "a node's fence")?,
+            json(n)?,
         ],
         Row::Rollout(r) => vec![
             V::Uuid(r.build),
@@ -983,6 +1006,7 @@ fn row_of(table: &RelTable, values: Vec<Value>) -> Result<Row, String> {
             record: c.record()?,
         },
         Table::Rollouts => Row::Rollout(c.record()?),
+        Table::Nodes => Row::Node(Box::new(c.record()?)),
         Table::RolloutResults => Row::RolloutResult {
             build: c.uuid("build_id")?,
             bytes: c.bytes("result")?,

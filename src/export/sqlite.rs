@@ -388,6 +388,6 @@ mod tests {
         conn.execute_batch(&ddl()).unwrap();
         let names = table_names(&conn, Path::new(":memory:")).unwrap();
         assert_eq!(names.len(), TABLES.len() + 1);
-        assert_eq!(EXPORT_SCHEMA_VERSION, 7);
+        assert_eq!(EXPORT_SCHEMA_VERSION, 8);
     }
 }

@@ -371,9 +371,10 @@ fn deploy(request: &Value) -> VerbResult {
             node.name, node.name
         ))
         .map_err(term)?;
+        let artifact = write_artifact(&scratch, &node.name, &text)?;
         if !changed {
             step(&format!("node {} is up to date", node.name)).map_err(term)?;
-            results.push(json!({"name": node.name, "changed": false, "fingerprint": print}));
+            results.push(json!({"name": node.name, "changed": false, "fingerprint": print, "artifact": artifact}));
             activated.push(node.name.clone());
             continue;
         }
@@ -405,8 +406,7 @@ fn deploy(request: &Value) -> VerbResult {
                 json!({"status": "unavailable", "reason": format!("sbom evaluation failed: {e}")})
             }
         };
-        results
-            .push(json!({"name": node.name, "changed": true, "sbom": sbom, "fingerprint": print}));
+        results.push(json!({"name": node.name, "changed": true, "sbom": sbom, "fingerprint": print, "artifact": artifact}));
     }
     // Nodes of an earlier deploy that this one no longer has.
     if let Ok(entries) = std::fs::read_dir(&nodes_dir) {
@@ -454,6 +454,18 @@ fn place(
         node.name
     ))
     .map_err(term)
+}
+
+/// A node's artifact (deployer.md): a copy of its render at
+/// `artifacts/<node>.json` in the scratch dir, so its digest is the node's
+/// fingerprint. berth digests it and hands it to the node's agent.
+fn write_artifact(scratch: &Path, node: &str, text: &str) -> Result<Value, (Option<Value>, i32)> {
+    let rel = format!("artifacts/{node}.json");
+    // The scratch dir is thrown away after the build: nothing to sync.
+    std::fs::create_dir_all(scratch.join("artifacts"))
+        .and_then(|_| std::fs::write(scratch.join(&rel), text.as_bytes()))
+        .map_err(|e| fail(format!("cannot write the artifact {rel}: {e}")))?;
+    Ok(json!({"kind": "file", "path": rel}))
 }
 
 fn destroy(request: &Value) -> VerbResult {

@@ -6,8 +6,10 @@
 
 use serde::{Deserialize, Serialize};
 
+mod nodes;
 mod rollouts;
 mod workers;
+pub use nodes::*;
 pub use rollouts::*;
 use serde_json::value::RawValue;
 pub use workers::*;

@@ -21,8 +21,8 @@ use super::{
 };
 use crate::audit::{self as chain, Outcome};
 use crate::model::{
-    AttemptRecord, BuildId, BuildRecord, BuildSnapshots, DeploymentRecord, FreezeRecord, NodeSbom,
-    RolloutRecord, Source, TokenRecord, UpdateTry, WorkStateBlob, WorkStates,
+    AttemptRecord, BuildId, BuildRecord, BuildSnapshots, DeploymentRecord, FreezeRecord,
+    NodeRecord, NodeSbom, RolloutRecord, Source, TokenRecord, UpdateTry, WorkStateBlob, WorkStates,
 };
 
 /// One row of a carried table, decoded (compressed text decompressed).
@@ -140,6 +140,7 @@ pub enum Row {
         build: BuildId,
         bytes: Vec<u8>,
     },
+    Node(Box<NodeRecord>),
 }
 
 impl Row {
@@ -173,6 +174,7 @@ impl Row {
             Row::RolloutPolicy { .. } => Table::RolloutPolicies,
             Row::Freeze { .. } => Table::Freezes,
             Row::RolloutResult { .. } => Table::RolloutResults,
+            Row::Node(_) => Table::Nodes,
         }
     }
 }
@@ -249,6 +251,7 @@ impl Rx {
             Table::RolloutPolicies => txn.open_table(ROLLOUT_POLICIES)?.len()?,
             Table::Freezes => txn.open_table(FREEZES)?.len()?,
             Table::RolloutResults => txn.open_table(ROLLOUT_RESULTS)?.len()?,
+            Table::Nodes => txn.open_table(NODES)?.len()?,
             Table::Queued
             | Table::Running
             | Table::LogIndex
@@ -541,6 +544,11 @@ impl Rx {
                     })?;
                 }
             }
+            Table::Nodes => {
+                for entry in txn.open_table(NODES)?.iter()? {
+                    each(Row::Node(Box::new(decode(entry?.1.value())?)))?;
+                }
+            }
             Table::Queued
             | Table::Running
             | Table::LogIndex
@@ -679,6 +687,7 @@ impl Loader {
             }
             Row::Freeze { key, record } => tx.put_freeze(&key, Some(&record))?,
             Row::RolloutResult { build, bytes } => tx.put_rollout_result_bytes(build, &bytes)?,
+            Row::Node(record) => tx.put_node(&record)?,
             Row::WorkStatePiece { digest, n, bytes } => {
                 self.txn
                     .open_table(WORK_STATE_PIECES)?

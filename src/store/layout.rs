@@ -34,6 +34,7 @@
 //! | 14 | `rollouts`, `rollout_policies`, `freezes`: rollouts in waves, each deployment's policy, freezes (new tables, empty) |
 //! | 15 | a build's `log_holes` (every build record rewritten) and `rollout_results` (new, empty): a rollout goes on after a restart |
 //! | 16 | a token's `node`: an agent token's binding (every token record rewritten); a freeze whose daily window was stored without its `day` (layouts 14 and 15 skipped it) written again with it |
+//! | 17 | `nodes`: nodes bound to agents, their documents and reports (new table, empty) |
 //!
 //! Releases before version 2 existed wrote version 1 but may already hold
 //! any of the later indexes (they were added by presence checks), so each
@@ -64,7 +65,7 @@ use super::{
 use crate::model::BuildId;
 
 /// The layout this binary writes and reads.
-pub const LAYOUT_VERSION: u32 = 16;
+pub const LAYOUT_VERSION: u32 = 17;
 
 /// The `meta` key holding the layout version (u32 LE). Its name predates
 /// the word "layout" and stays, so every release finds it.
@@ -79,7 +80,7 @@ struct Migration {
 }
 
 /// Every migration, in order; `MIGRATIONS[i].to == i + 2`.
-const MIGRATIONS: [Migration; 15] = [
+const MIGRATIONS: [Migration; 16] = [
     Migration {
         to: 2,
         what: "index every build's log chunks",
@@ -154,6 +155,11 @@ const MIGRATIONS: [Migration; 15] = [
         to: 16,
         what: "bind agent tokens to a node; repair freezes with a daily window",
         run: tokens_bound_and_freezes_repaired,
+    },
+    Migration {
+        to: 17,
+        what: "add the table of nodes bound to agents",
+        run: node_table,
     },
 ];
 
@@ -435,6 +441,11 @@ fn work_state_tables(_txn: &WriteTransaction) -> StoreResult<()> {
 
 /// v14: the rollout tables, empty (as v12).
 fn rollout_tables(_txn: &WriteTransaction) -> StoreResult<()> {
+    Ok(())
+}
+
+/// v17: `nodes` is new (created empty by the open, as every table).
+fn node_table(_txn: &WriteTransaction) -> StoreResult<()> {
     Ok(())
 }
 

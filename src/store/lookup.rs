@@ -16,8 +16,8 @@ use super::view::Rows;
 use super::{decode, DeliveryRecord, IdempotencyRecord, StoreResult, WebhookRecord};
 use crate::model::{
     AttemptRecord, BuildId, BuildKind, BuildRecord, BuildSnapshots, BuildStatus, DeploymentRecord,
-    FreezeRecord, NodeSbom, RolloutRecord, Source, TokenRecord, UpdateTry, WorkStateBlob,
-    WorkStates,
+    FreezeRecord, NodeRecord, NodeSbom, RolloutRecord, Source, TokenRecord, UpdateTry,
+    WorkStateBlob, WorkStates,
 };
 
 /// A table of encoded records.
@@ -64,6 +64,36 @@ pub trait Lookup {
                 break;
             }
             out.push((node.to_string(), decode(v.value())?));
+        }
+        Ok(out)
+    }
+
+    /// A node bound to an agent (agents.md).
+    fn node(&self, deployment: &str, node: &str) -> StoreResult<Option<NodeRecord>> {
+        self.open(NODES)?.record((deployment, node))
+    }
+
+    /// Up to `limit` nodes after `after` (deployment, node) in key order,
+    /// only `deployment`'s when it is given.
+    fn nodes(
+        &self,
+        deployment: Option<&str>,
+        after: Option<(&str, &str)>,
+        limit: usize,
+    ) -> StoreResult<Vec<NodeRecord>> {
+        let t = self.open(NODES)?;
+        let start = after.unwrap_or((deployment.unwrap_or(""), ""));
+        let mut out = Vec::new();
+        for entry in t.range(start..)? {
+            let (k, v) = entry?;
+            let key = k.value();
+            if after == Some(key) {
+                continue;
+            }
+            if deployment.is_some_and(|d| d != key.0) || out.len() >= limit {
+                break;
+            }
+            out.push(decode(v.value())?);
         }
         Ok(out)
     }

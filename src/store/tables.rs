@@ -242,6 +242,11 @@ pub const ROLLOUT_POLICIES: TableDefinition<&str, &[u8]> =
 pub const ROLLOUT_RESULTS: TableDefinition<u128, &[u8]> =
     TableDefinition::new(Table::RolloutResults.name());
 
+/// (deployment id, node name) -> `NodeRecord`: a node bound to an agent,
+/// its desired-state document, its last report and its drift
+/// (agents.md); kept for ever, so a fence is never handed out twice.
+pub const NODES: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new(Table::Nodes.name());
+
 /// `*` (the global freeze) or a deployment id -> `FreezeRecord`
 /// (rollouts.md "Freeze").
 pub const FREEZES: TableDefinition<&str, &[u8]> = TableDefinition::new(Table::Freezes.name());
@@ -286,6 +291,7 @@ pub enum Table {
     RolloutPolicies,
     Freezes,
     RolloutResults,
+    Nodes,
 }
 
 /// What an export does with a table.
@@ -304,7 +310,7 @@ impl Table {
     /// Every table. The carried ones come first, in the order an import
     /// writes them (a row's parent before the row: builds before their
     /// logs), then the rebuilt indexes.
-    pub const ALL: [Table; 33] = [
+    pub const ALL: [Table; 34] = [
         Table::Meta,
         Table::Sources,
         Table::DescribeCache,
@@ -332,6 +338,7 @@ impl Table {
         Table::RolloutPolicies,
         Table::Freezes,
         Table::RolloutResults,
+        Table::Nodes,
         Table::Queued,
         Table::Running,
         Table::LogIndex,
@@ -382,6 +389,7 @@ impl Table {
             Table::RolloutPolicies => "rollout_policies",
             Table::Freezes => "freezes",
             Table::RolloutResults => "rollout_results",
+            Table::Nodes => "nodes",
         }
     }
 
@@ -415,7 +423,8 @@ impl Table {
             | Table::Rollouts
             | Table::RolloutPolicies
             | Table::Freezes
-            | Table::RolloutResults => Carried,
+            | Table::RolloutResults
+            | Table::Nodes => Carried,
             Table::Queued | Table::Running => Rebuilt {
                 from: Table::Builds,
             },
@@ -496,6 +505,7 @@ impl Table {
             Table::RolloutPolicies => each.with(ROLLOUT_POLICIES),
             Table::Freezes => each.with(FREEZES),
             Table::RolloutResults => each.with(ROLLOUT_RESULTS),
+            Table::Nodes => each.with(NODES),
         }
     }
 }

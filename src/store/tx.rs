@@ -15,8 +15,8 @@ use super::{
 };
 use crate::model::{
     AttemptRecord, BuildId, BuildRecord, BuildSnapshots, BuildStatus, DeploymentRecord,
-    FreezeRecord, Millis, NodeSbom, RolloutRecord, Source, TokenRecord, UpdateTry, WorkStateBlob,
-    WorkStates,
+    FreezeRecord, Millis, NodeRecord, NodeSbom, RolloutRecord, Source, TokenRecord, UpdateTry,
+    WorkStateBlob, WorkStates,
 };
 
 /// A table's entry in `enum Table`, which the redo log names it by.
@@ -502,6 +502,15 @@ impl<'o, 'a> Tx<'o, 'a> {
     pub fn remove_token(&self, hash: &str) -> StoreResult<()> {
         self.table(TOKENS)?.remove(hash)?;
         Ok(())
+    }
+
+    /// Stores a node bound to an agent under (deployment, node).
+    pub fn put_node(&self, n: &NodeRecord) -> StoreResult<()> {
+        put_record(
+            self.table(NODES)?,
+            (n.deployment.as_str(), n.node.as_str()),
+            n,
+        )
     }
 
     /// Stores an attempt under its build and fence.

@@ -935,14 +935,15 @@ impl Item {
 }
 
 /// berth's HTTP API as the worker calls it.
-struct Api {
-    http: reqwest::Client,
-    base: String,
-    token: String,
+#[derive(Clone)]
+pub(crate) struct Api {
+    pub(crate) http: reqwest::Client,
+    pub(crate) base: String,
+    pub(crate) token: String,
 }
 
 impl Api {
-    fn new(url: &str, token: String) -> Result<Api, String> {
+    pub(crate) fn new(url: &str, token: String) -> Result<Api, String> {
         let http = reqwest::Client::builder()
             .redirect(reqwest::redirect::Policy::none())
             .connect_timeout(Duration::from_secs(10))
@@ -956,7 +957,7 @@ impl Api {
     }
 
     /// One call: its status and JSON body (null when it has none).
-    async fn call<B: serde::Serialize + ?Sized>(
+    pub(crate) async fn call<B: serde::Serialize + ?Sized>(
         &self,
         method: reqwest::Method,
         path: &str,
@@ -1038,7 +1039,7 @@ async fn pause(backoff: Duration) -> Duration {
 }
 
 /// SIGTERM or SIGINT.
-fn stop_signal() -> watch::Receiver<()> {
+pub(crate) fn stop_signal() -> watch::Receiver<()> {
     let (tx, rx) = watch::channel(());
     tokio::spawn(async move {
         use tokio::signal::unix::{signal, SignalKind};
@@ -1056,13 +1057,13 @@ fn stop_signal() -> watch::Receiver<()> {
 }
 
 /// At least 128 random bits, drawn at each start.
-fn new_incarnation() -> Result<String, String> {
+pub(crate) fn new_incarnation() -> Result<String, String> {
     let mut bytes = [0u8; 16];
     getrandom::fill(&mut bytes).map_err(|e| format!("no randomness for the incarnation: {e}"))?;
     Ok(format!("inc-{}", crate::hex::encode(&bytes)))
 }
 
-fn new_operation_id() -> String {
+pub(crate) fn new_operation_id() -> String {
     uuid::Uuid::now_v7().simple().to_string()
 }
 

@@ -137,3 +137,356 @@ async fn an_agent_token_is_bound_to_one_node_two_at_most_and_reaches_no_other_ro
         "a rotation's place came free"
     );
 }
+
+/// A running `berth agent` with its own state dir and log.
+pub(crate) struct Agent {
+    child: std::process::Child,
+    pub(crate) dir: std::path::PathBuf,
+}
+
+impl Agent {
+    pub(crate) fn start(
+        s: &Server,
+        token: &str,
+        node: &str,
+        dir: &std::path::Path,
+        flags: &[&str],
+    ) -> Agent {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::create_dir_all(dir).unwrap();
+        let token_file = dir.join("token");
+        std::fs::write(&token_file, token).unwrap();
+        std::fs::set_permissions(&token_file, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let log = std::fs::File::create(dir.join("agent.log")).unwrap();
+        let child = std::process::Command::new(env!("CARGO_BIN_EXE_berth"))
+            .args([
+                "agent",
+                "--url",
+                &s.base,
+                "--node",
+                node,
+                "--report-interval",
+                "1s",
+            ])
+            .arg("--token-file")
+            .arg(&token_file)
+            .arg("--state-dir")
+            .arg(dir.join("state"))
+            .args(flags)
+            .env("BERTH_LOG", "info")
+            .stdin(std::process::Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .expect("start berth agent");
+        Agent {
+            child,
+            dir: dir.to_path_buf(),
+        }
+    }
+
+    pub(crate) fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("agent.log")).unwrap_or_default()
+    }
+
+    pub(crate) fn signal(&self, sig: nix::sys::signal::Signal) {
+        let pid = nix::unistd::Pid::from_raw(i32::try_from(self.child.id()).unwrap());
+        nix::sys::signal::kill(pid, sig).unwrap();
+    }
+
+    pub(crate) async fn exit_code(&mut self) -> Option<i32> {
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(30);
+        while tokio::time::Instant::now() < deadline {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status.code();
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(25)).await;
+        }
+        None
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A node's entry.
+pub(crate) async fn node(s: &Server, deployment: &str, node: &str) -> Value {
+    let (status, entry) = s
+        .json(&format!("/v1/deployments/{deployment}/nodes/{node}"))
+        .await;
+    assert_eq!(status, 200, "{entry}");
+    entry
+}
+
+/// The deployment channel's events of `kind` so far.
+async fn deployment_events(s: &Server, deployment: &str, kind: &str) -> Vec<Value> {
+    let mut stream =
+        Sse::open(s.get(&format!("/v1/deployments/{deployment}/events?cursor=0"))).await;
+    let mut found = Vec::new();
+    while let Some(e) = tokio::time::timeout(std::time::Duration::from_millis(300), stream.next())
+        .await
+        .ok()
+        .flatten()
+    {
+        if e.event == kind {
+            found.push(serde_json::from_str(&e.data).unwrap());
+        }
+    }
+    found
+}
+
+async fn agent_token(s: &Server, name: &str, deployment: &str, node: &str) -> String {
+    let (status, made) = make(s, agent(name, deployment, node)).await;
+    assert_eq!(status, 201, "{made}");
+    made["token"].as_str().unwrap().to_string()
+}
+
+/// The event types of a subscription's deliveries.
+async fn delivered_types(s: &Server, webhook: &str) -> Vec<String> {
+    let (_, page) = s.json(&format!("/v1/webhooks/{webhook}/deliveries")).await;
+    page["items"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|d| d["event_type"].as_str().map(str::to_string))
+        .collect()
+}
+
+#[tokio::test]
+async fn an_agent_reports_what_its_node_runs_berth_shows_drift_and_silence_once_and_a_revoked_token_stops_it(
+) {
+    // Webhooks to a receiver that is never there: each delivery is stored
+    // with the change it reports, which is what this test reads.
+    let s = Server::start(
+        Options::default()
+            .arg("--webhook-origin")
+            .arg("http://127.0.0.1:9"),
+    )
+    .await;
+    let (status, hook) = read(
+        s.post("/v1/webhooks", &json!({"url": "http://127.0.0.1:9/hook", "events": ["node.drifted", "node.unreachable"]}))
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(status, 201, "{hook}");
+    let webhook = hook["id"].as_str().unwrap().to_string();
+    let token = agent_token(&s, "m-1", "alice", "mastodon").await;
+    let build = s.submit_ok("alice", mastodon("alice.example.org")).await;
+    s.wait_build(&build, "succeeded").await;
+    // The deploy published a steady document naming the node's render.
+    let entry = node(&s, "alice", "mastodon").await;
+    let desired = entry["desired"]["artifact"]["digest"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_eq!(entry["desired"]["phase"], "steady", "{entry}");
+    assert_eq!(entry["agent"]["status"], "never_reported", "{entry}");
+    // The node runs that render: the agent's `current`.
+    let render = std::fs::read(s.dir.join("data/work/alice/nodes/mastodon.json")).unwrap();
+    let dir = s.dir.join("agent-mastodon");
+    std::fs::create_dir_all(dir.join("state")).unwrap();
+    std::fs::write(dir.join("state/current"), &render).unwrap();
+    let mut a = Agent::start(&s, &token, "alice/mastodon", &dir, &[]);
+    eventually("the agent's report shows what the node runs", || async {
+        let e = node(&s, "alice", "mastodon").await;
+        e["actual"]["running"]["digest"] == json!(desired) && e["agent"]["status"] == "reporting"
+    })
+    .await;
+    let (_, d) = s.json("/v1/deployments/alice").await;
+    assert_eq!(d["nodes"][0]["name"], "mastodon", "{d}");
+    assert!(d["nodes"][0]["drift"].is_null(), "{d}");
+    // Changed behind berth's back: drift, once.
+    std::fs::write(dir.join("state/current"), b"edited by hand").unwrap();
+    eventually("the hand edit shows as drift", || async {
+        node(&s, "alice", "mastodon").await["drift"]["what"] == json!(["running"])
+    })
+    .await;
+    let seen = node(&s, "alice", "mastodon").await["agent"]["last_seen_at"].clone();
+    eventually("two more reports", || async {
+        node(&s, "alice", "mastodon").await["agent"]["last_seen_at"] != seen
+    })
+    .await;
+    assert_eq!(
+        deployment_events(&s, "alice", "node.drifted").await.len(),
+        1
+    );
+    let (code, out) = berth(&[
+        "nodes",
+        "alice",
+        "--drifted",
+        "--url",
+        &s.base,
+        "--token-file",
+        s.dir.join("data/service-token").to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.contains("mastodon") && out.contains("running") && out.contains(&desired[7..19]),
+        "{out}"
+    );
+    // Paused past three intervals: unreachable, once; back: reporting.
+    a.signal(nix::sys::signal::Signal::SIGSTOP);
+    eventually("the silent agent is unreachable", || async {
+        node(&s, "alice", "mastodon").await["agent"]["status"] == "unreachable"
+    })
+    .await;
+    let (_, listed) = s.json("/v1/nodes?unreachable=true").await;
+    assert_eq!(listed["items"][0]["deployment"], "alice", "{listed}");
+    eventually("the node.unreachable webhook is queued", || async {
+        delivered_types(&s, &webhook)
+            .await
+            .contains(&"node.unreachable".to_string())
+    })
+    .await;
+    a.signal(nix::sys::signal::Signal::SIGCONT);
+    eventually("the agent reports again", || async {
+        node(&s, "alice", "mastodon").await["agent"]["status"] == "reporting"
+    })
+    .await;
+    let types = delivered_types(&s, &webhook).await;
+    let count = |t: &str| types.iter().filter(|x| *x == t).count();
+    assert_eq!(
+        (count("node.drifted"), count("node.unreachable")),
+        (1, 1),
+        "{types:?}"
+    );
+    // Revoked: its next call is refused and the agent exits 3.
+    let r = s.delete("/v1/tokens/m-1").send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(a.exit_code().await, Some(3), "{}", a.log());
+}
+
+/// A raw report of `body`'s fields over the defaults, by `token`.
+async fn report(s: &Server, token: &str, path_node: &str, fields: Value) -> (u16, Value) {
+    let mut body = json!({
+        "operation_id": format!("op-{}", uuid::Uuid::now_v7().simple()),
+        "fence": 0, "worker_incarnation": "incarnation-0001", "generation": 0,
+        "running": null, "booted": null, "health": null, "last_error": null,
+        "agent_version": "test", "uptime_s": 1, "report_interval_ms": 60000,
+    });
+    for (k, v) in fields.as_object().unwrap() {
+        body[k] = v.clone();
+    }
+    let r = s
+        .http
+        .post(s.url(&format!("/internal/v1/nodes/{path_node}/report")))
+        .bearer_auth(token)
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    read(r).await
+}
+
+#[tokio::test]
+async fn reports_are_fenced_rate_limited_bounded_and_scoped_to_their_node() {
+    let s = Server::start(Options::default()).await;
+    let web = agent_token(&s, "web-1", "alice", "web").await;
+    let db = agent_token(&s, "db-1", "alice", "db").await;
+    // Another node's routes, whatever exists there: 403 token_scope.
+    let (status, err) = report(&s, &web, "alice/db", json!({})).await;
+    assert_eq!(
+        (status, err["reason"].as_str()),
+        (403, Some("token_scope")),
+        "{err}"
+    );
+    // A fence above the node's raises it (berth restored from a backup),
+    // in a new generation of the document.
+    let (status, answer) = report(&s, &web, "alice/web", json!({"fence": 5})).await;
+    assert_eq!(status, 200, "{answer}");
+    let entry = node(&s, "alice", "web").await;
+    assert_eq!(
+        (
+            entry["actual"]["fence"].as_u64(),
+            answer["generation"].as_u64()
+        ),
+        (Some(5), Some(1)),
+        "{entry}"
+    );
+    let r = s
+        .http
+        .get(s.url("/internal/v1/nodes/alice/web/desired"))
+        .bearer_auth(&web)
+        .send()
+        .await
+        .unwrap();
+    let (_, doc) = read(r).await;
+    assert_eq!(
+        (doc["fence"].as_u64(), doc["generation"].as_u64()),
+        (Some(5), Some(1)),
+        "{doc}"
+    );
+    let (_, audit) = s
+        .json("/v1/audit?actor_subject=web-1&actor_issuer=berth:agent")
+        .await;
+    assert!(audit.to_string().contains("node_fence_raised"), "{audit}");
+    // Within a second of the last: 503 report_rate.
+    let (status, err) = report(&s, &web, "alice/web", json!({"fence": 5})).await;
+    assert_eq!(
+        (status, err["reason"].as_str()),
+        (503, Some("report_rate")),
+        "{err}"
+    );
+    // A lower fence: stale, and nothing changes.
+    tokio::time::sleep(std::time::Duration::from_millis(1100)).await; // the report rate's second
+    let (status, err) = report(&s, &web, "alice/web", json!({"fence": 3, "uptime_s": 99})).await;
+    assert_eq!(
+        (status, err["reason"].as_str()),
+        (409, Some("stale_authority")),
+        "{err}"
+    );
+    assert_eq!(node(&s, "alice", "web").await["actual"]["uptime_s"], 1);
+    // Over 16 KiB: 413; a bad field: 400 naming it.
+    let (status, _) = report(
+        &s,
+        &db,
+        "alice/db",
+        json!({"last_error": {"code": "x", "message": "y".repeat(17 * 1024)}}),
+    )
+    .await;
+    assert_eq!(status, 413);
+    let (status, err) = report(
+        &s,
+        &db,
+        "alice/db",
+        json!({"running": {"kind": "file", "digest": "md5:1"}}),
+    )
+    .await;
+    assert_eq!(
+        (status, err["fields"][0]["pointer"].as_str()),
+        (400, Some("/running/digest")),
+        "{err}"
+    );
+    assert!(
+        node(&s, "alice", "db").await["actual"].is_null(),
+        "a refused report changes nothing"
+    );
+    // A long poll waits for a new generation, and answers 204 without one.
+    let r = s
+        .http
+        .get(s.url("/internal/v1/nodes/alice/web/desired?after=1&wait=1"))
+        .bearer_auth(&web)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 204);
+    // The service token is not an agent's.
+    let (status, err) = read(
+        s.get("/internal/v1/nodes/alice/web/desired")
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(
+        (status, err["reason"].as_str()),
+        (403, Some("token_kind")),
+        "{err}"
+    );
+}

@@ -1,0 +1,426 @@
+//! `berth agent`: the pull agent of one node (agents.md).
+//!
+//! Why it exists: berth reaches a node over SSH only when it can; a node
+//! behind NAT, on a home connection or asleep half the day cannot be
+//! reached, only reach out. The agent watches its node's desired-state
+//! document (an event stream, or a long poll through proxies that buffer
+//! streams), keeps the highest fence it has seen in its own state file
+//! (synced before it acts on a document carrying it, so a replayed older
+//! document is refused across its restarts), and reports what the node
+//! runs: at start, on every change, and every `--report-interval`.
+//! berth never connects to it.
+//!
+//! The agent's node is its state dir: a file artifact runs as
+//! `<state-dir>/current` and boots as `<state-dir>/booted`, and a report
+//! names their digests as they are when it is made, so a hand edit shows
+//! at the next report.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use tokio::sync::{mpsc, watch};
+use tokio::time::Instant;
+
+use crate::settings::AgentArgs;
+use crate::worker::Api;
+
+mod watch_desired;
+
+/// Exit codes (agents.md "Running an agent").
+pub const EXIT_STOPPED: i32 = 0;
+pub const EXIT_STATE: i32 = 1;
+pub const EXIT_USAGE: i32 = 2;
+pub const EXIT_REFUSED: i32 = 3;
+/// One call's time limit.
+const CALL_TIMEOUT: Duration = Duration::from_secs(30);
+/// The longest wait between tries to reach berth.
+const MAX_BACKOFF: Duration = Duration::from_secs(30);
+/// A health check's time limit.
+const CHECK_TIMEOUT: Duration = Duration::from_secs(30);
+/// The state file's layout.
+const STATE_VERSION: u32 = 1;
+/// The longest file artifact the agent digests for a report.
+const MAX_DIGESTED_BYTES: u64 = 4 << 30;
+
+/// Runs the agent until SIGTERM/SIGINT; returns its exit code.
+pub fn run(args: AgentArgs) -> i32 {
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("berth agent: cannot start: {e}");
+            return EXIT_STATE;
+        }
+    };
+    if let Err(e) = rustls::crypto::ring::default_provider().install_default() {
+        // Another provider is installed already: it serves as well.
+        tracing::debug!(?e, "a TLS provider was installed before the agent's");
+    }
+    if let Err(why) = crate::serve::init_tracing() {
+        eprintln!("berth agent: {why}");
+        return EXIT_USAGE;
+    }
+    runtime.block_on(async move {
+        match Agent::start(args) {
+            Ok(agent) => agent.serve().await,
+            Err((code, why)) => {
+                eprintln!("berth agent: {why}");
+                code
+            }
+        }
+    })
+}
+
+/// What the agent keeps across its restarts (`state.json`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct State {
+    version: u32,
+    node: String,
+    /// The highest fence it has seen: a document below it is refused.
+    highest_fence: u64,
+    /// The generation of the last document it acted on.
+    generation: u64,
+}
+
+struct Agent {
+    api: Api,
+    args: AgentArgs,
+    deployment: String,
+    node: String,
+    incarnation: String,
+    state: State,
+    started: Instant,
+    /// The last error it reports (`fence_regressed`, ...).
+    last_error: Option<(String, String)>,
+}
+
+/// Why the agent stops.
+enum Stop {
+    Signal,
+    Refused,
+}
+
+impl Agent {
+    fn start(args: AgentArgs) -> Result<Agent, (i32, String)> {
+        let usage = |why: String| (EXIT_USAGE, why);
+        let (deployment, node) = args
+            .node
+            .split_once('/')
+            .filter(|(d, n)| !d.is_empty() && crate::engine::verdict::valid_node_name(n))
+            .map(|(d, n)| (d.to_string(), n.to_string()))
+            .ok_or_else(|| usage("--node must be DEPLOYMENT/NODE, the node a DNS label".into()))?;
+        check_url(&args.url, args.allow_http).map_err(usage)?;
+        let token = read_token(&args.token_file).map_err(|why| (EXIT_STATE, why))?;
+        prepare_state_dir(&args.state_dir).map_err(|why| (EXIT_STATE, why))?;
+        let state = load_state(&args.state_dir, &args.node).map_err(|why| (EXIT_STATE, why))?;
+        let api = Api::new(&args.url, token).map_err(|why| (EXIT_STATE, why))?;
+        Ok(Agent {
+            api,
+            incarnation: crate::worker::new_incarnation().map_err(|why| (EXIT_STATE, why))?,
+            deployment,
+            node,
+            state,
+            started: Instant::now(),
+            last_error: None,
+            args,
+        })
+    }
+
+    fn node_path(&self) -> String {
+        format!("/internal/v1/nodes/{}/{}", self.deployment, self.node)
+    }
+
+    /// Watches, reports; until a signal (0) or a refused token (3).
+    async fn serve(mut self) -> i32 {
+        let mut stop = crate::worker::stop_signal();
+        let (docs_tx, mut docs) = mpsc::channel::<Value>(4);
+        let (refused_tx, mut refused) = watch::channel(false);
+        let watcher = watch_desired::Watcher {
+            api: self.api.clone(),
+            path: format!("{}/desired", self.node_path()),
+            transport: self.args.transport.clone(),
+            docs: docs_tx,
+            refused: refused_tx,
+        };
+        let watching = tokio::spawn(watcher.run(self.state.generation));
+        tracing::info!(incarnation = %self.incarnation, node = %self.args.node, "berth agent started");
+        let mut failures: u32 = 0;
+        let mut next_report = Instant::now();
+        let stopped = loop {
+            tokio::select! {
+                _ = tokio::time::sleep_until(next_report) => {}
+                Some(doc) = docs.recv() => {
+                    if let Err(why) = self.take(&doc) {
+                        tracing::error!(%why, "cannot keep the state file; the agent stops");
+                        watching.abort();
+                        return EXIT_STATE;
+                    }
+                }
+                _ = refused.changed() => break Stop::Refused,
+                _ = stop.changed() => break Stop::Signal,
+            }
+            match self.report().await {
+                Ok(()) => {
+                    failures = 0;
+                    next_report = Instant::now() + jittered(self.args.report_interval);
+                }
+                Err(Failure::Refused) => break Stop::Refused,
+                Err(Failure::Again(wait)) => {
+                    failures = failures.saturating_add(1);
+                    next_report = Instant::now() + wait.unwrap_or_else(|| backoff(failures));
+                }
+            }
+        };
+        watching.abort();
+        match stopped {
+            Stop::Signal => {
+                tracing::info!("berth agent stopped");
+                EXIT_STOPPED
+            }
+            Stop::Refused => {
+                eprintln!("berth agent: berth refused the token (revoked, or not this node's)");
+                EXIT_REFUSED
+            }
+        }
+    }
+
+    /// A document arrived: its fence is kept (synced) before anything is
+    /// done with it; a lower one is refused.
+    fn take(&mut self, doc: &Value) -> Result<(), String> {
+        let fence = doc["fence"].as_u64().unwrap_or(0);
+        let generation = doc["generation"].as_u64().unwrap_or(0);
+        if fence < self.state.highest_fence {
+            self.last_error = Some((
+                "fence_regressed".into(),
+                format!(
+                    "a document with fence {fence}, below the {} this agent has seen",
+                    self.state.highest_fence
+                ),
+            ));
+            return Ok(());
+        }
+        self.state.highest_fence = fence;
+        self.state.generation = generation;
+        save_state(&self.args.state_dir, &self.state)
+    }
+
+    /// One report of what the node runs now.
+    async fn report(&mut self) -> Result<(), Failure> {
+        let dir = self.args.state_dir.clone();
+        let (running, booted) = tokio::task::spawn_blocking(move || {
+            (
+                file_artifact(&dir.join("current")),
+                file_artifact(&dir.join("booted")),
+            )
+        })
+        .await
+        .map_err(|e| {
+            tracing::error!(error = %e, "reading the node's files failed");
+            Failure::Again(None)
+        })?;
+        let health = self.health().await;
+        let body = json!({
+            "operation_id": crate::worker::new_operation_id(),
+            "fence": self.state.highest_fence,
+            "worker_incarnation": self.incarnation,
+            "generation": self.state.generation,
+            "running": running,
+            "booted": booted,
+            "health": health,
+            "last_error": self.last_error.as_ref().map(|(code, message)| json!({"code": code, "message": message})),
+            "agent_version": env!("CARGO_PKG_VERSION"),
+            "uptime_s": self.started.elapsed().as_secs(),
+            "report_interval_ms": u64::try_from(self.args.report_interval.as_millis()).unwrap_or(u64::MAX),
+        });
+        let path = format!("{}/report", self.node_path());
+        match self
+            .api
+            .call(reqwest::Method::POST, &path, Some(&body), CALL_TIMEOUT)
+            .await
+        {
+            Ok((200, _)) => Ok(()),
+            Ok((401 | 403, _)) => Err(Failure::Refused),
+            Ok((503, answer)) if answer["reason"] == json!("report_rate") => {
+                Err(Failure::Again(Some(Duration::from_secs(1))))
+            }
+            Ok((status, answer)) => {
+                tracing::warn!(status, %answer, "berth refused a report");
+                Err(Failure::Again(None))
+            }
+            Err(why) => {
+                tracing::warn!(%why, "cannot reach berth to report");
+                Err(Failure::Again(None))
+            }
+        }
+    }
+
+    /// `--check-command`'s verdict (healthy without one).
+    async fn health(&self) -> Value {
+        let Some(cmd) = &self.args.check_command else {
+            return json!({"healthy": true, "reason": null});
+        };
+        let run = tokio::process::Command::new("/bin/sh")
+            .arg("-c")
+            .arg(cmd)
+            .stdin(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .output();
+        match tokio::time::timeout(CHECK_TIMEOUT, run).await {
+            Ok(Ok(out)) if out.status.success() => json!({"healthy": true, "reason": null}),
+            Ok(Ok(out)) => {
+                let text = String::from_utf8_lossy(if out.stdout.is_empty() {
+                    &out.stderr
+                } else {
+                    &out.stdout
+                })
+                .to_string();
+                let last = text.lines().last().unwrap_or("the check command failed");
+                json!({"healthy": false, "reason": last.chars().take(crate::nodes::MAX_REASON_CHARS).collect::<String>()})
+            }
+            Ok(Err(e)) => {
+                json!({"healthy": false, "reason": format!("the check command could not run: {e}")})
+            }
+            Err(_) => json!({"healthy": false, "reason": "the check command ran past 30 s"}),
+        }
+    }
+}
+
+/// Why a report did not land.
+enum Failure {
+    /// berth refused the token: the agent stops.
+    Refused,
+    /// Try again after this (or the backoff).
+    Again(Option<Duration>),
+}
+
+/// The n-th failure in a row waits a random time in [0, min(30 s, 2^n s)],
+/// so many agents spread over a restart of berth.
+fn backoff(n: u32) -> Duration {
+    let ceiling = Duration::from_secs(1u64 << n.min(5)).min(MAX_BACKOFF);
+    ceiling.mul_f64(random_fraction())
+}
+
+/// A report interval drawn from 90-110% of it.
+fn jittered(interval: Duration) -> Duration {
+    interval.mul_f64(0.9 + 0.2 * random_fraction())
+}
+
+fn random_fraction() -> f64 {
+    let mut b = [0u8; 4];
+    match getrandom::fill(&mut b) {
+        Ok(()) => f64::from(u32::from_le_bytes(b)) / f64::from(u32::MAX),
+        // No randomness: no spread, still correct.
+        Err(_) => 0.5,
+    }
+}
+
+/// A file artifact as a report names it: its digest and size; null when
+/// there is no such file.
+fn file_artifact(path: &Path) -> Value {
+    use sha2::{Digest, Sha256};
+    use std::io::Read;
+    let Ok(file) = std::fs::File::open(path) else {
+        return Value::Null;
+    };
+    let mut hasher = Sha256::new();
+    let mut size = 0u64;
+    let mut reader = std::io::BufReader::new(file.take(MAX_DIGESTED_BYTES));
+    let mut buf = [0u8; 64 * 1024];
+    loop {
+        match reader.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => {
+                hasher.update(&buf[..n]);
+                size += n as u64;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, path = %path.display(), "cannot read a node's file");
+                return Value::Null;
+            }
+        }
+    }
+    json!({"kind": "file", "digest": format!("sha256:{}", crate::hex::encode(&hasher.finalize())), "size": size})
+}
+
+fn check_url(url: &str, allow_http: bool) -> Result<(), String> {
+    let parsed = reqwest::Url::parse(url).map_err(|e| format!("--url: {e}"))?;
+    let loopback = parsed.host_str().is_some_and(|h| {
+        let h = h.trim_matches(['[', ']']);
+        h == "localhost"
+            || h.parse::<std::net::IpAddr>()
+                .is_ok_and(|ip| ip.is_loopback())
+    });
+    if parsed.scheme() != "https" && !loopback && !allow_http {
+        return Err(
+            "--url must be https unless berth is on loopback or --allow-http is given".into(),
+        );
+    }
+    Ok(())
+}
+
+/// The token, refused when group or others may read its file.
+fn read_token(path: &Path) -> Result<String, String> {
+    use std::os::unix::fs::PermissionsExt;
+    let meta = std::fs::metadata(path)
+        .map_err(|e| format!("cannot read --token-file {}: {e}", path.display()))?;
+    if meta.permissions().mode() & 0o077 != 0 {
+        return Err(format!(
+            "--token-file {} may be read by group or others; chmod 600 it",
+            path.display()
+        ));
+    }
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read --token-file {}: {e}", path.display()))?;
+    Ok(text.trim().to_string())
+}
+
+fn prepare_state_dir(dir: &Path) -> Result<(), String> {
+    use std::os::unix::fs::PermissionsExt;
+    crate::durable::create_dir_all(dir, 0o700)
+        .and_then(|_| std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)))
+        .map_err(|e| format!("cannot make the state dir {}: {e}", dir.display()))
+}
+
+fn state_path(dir: &Path) -> PathBuf {
+    dir.join("state.json")
+}
+
+/// The state file, or a fresh state for a new node; a file for another
+/// node or of another layout is refused.
+fn load_state(dir: &Path, node: &str) -> Result<State, String> {
+    let path = state_path(dir);
+    let text = match std::fs::read_to_string(&path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Ok(State {
+                version: STATE_VERSION,
+                node: node.to_string(),
+                highest_fence: 0,
+                generation: 0,
+            })
+        }
+        Err(e) => return Err(format!("cannot read {}: {e}", path.display())),
+    };
+    let state: State = serde_json::from_str(&text)
+        .map_err(|e| format!("{} is not an agent's state file: {e}", path.display()))?;
+    if state.version != STATE_VERSION || state.node != node {
+        return Err(format!(
+            "{} belongs to node {} (layout {}); give this node a state dir of its own",
+            path.display(),
+            state.node,
+            state.version
+        ));
+    }
+    Ok(state)
+}
+
+/// Writes the state file whole (temporary file, sync, rename, sync).
+fn save_state(dir: &Path, state: &State) -> Result<(), String> {
+    let bytes = serde_json::to_vec_pretty(state).map_err(|e| e.to_string())?;
+    crate::durable::replace(&state_path(dir), &bytes, 0o600)
+        .map_err(|e| format!("cannot write {}: {e}", state_path(dir).display()))
+}

@@ -1,0 +1,438 @@
+//! The routes of `berth agent` (agents.md): its node's desired state, as a
+//! document, a long poll or an event stream, and its reports; and the node
+//! reads of the public API. Thin: the engine stores reports and
+//! documents, `crate::nodes` says what they mean.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use serde_json::{json, Value};
+use warp::http::HeaderValue;
+use warp::Reply as _;
+
+use super::auth::Caller;
+use super::errors::{ApiError, Code};
+use super::{Answer, Ctx, Reply, Request};
+use crate::engine::nodes::ReportRefusal;
+use crate::model::*;
+use crate::nodes::{self as rules, AgentStatus, MAX_REPORT_BYTES};
+
+/// A long poll's `wait` at most, and its default (seconds).
+const MAX_WAIT_S: u64 = 60;
+const DEFAULT_WAIT_S: u64 = 30;
+
+/// An agent token's call, authenticated before its body is read, on its
+/// own node's routes.
+pub struct AgentAuth {
+    pub token: String,
+    pub binding: NodeBinding,
+}
+
+/// The agent token of a node route: no token or an unknown one is `401`;
+/// the service token or another kind `403 token_kind`; another node's
+/// token `403 token_scope`, whatever exists there.
+pub fn authenticate(
+    ctx: &Ctx,
+    headers: &warp::http::HeaderMap,
+    params: &super::routes::Params,
+) -> Result<AgentAuth, ApiError> {
+    let Some(token) = super::auth::bearer(headers) else {
+        return Err(ApiError::new(
+            Code::Unauthenticated,
+            "an agent token is required",
+        ));
+    };
+    let kind = || {
+        ApiError::new(Code::Forbidden, "the node routes take an agent token").reason("token_kind")
+    };
+    if super::auth::has_service_token(&ctx.service_token, headers)
+        || !token.starts_with(crate::engine::tokens::TOKEN_PREFIX)
+    {
+        return Err(kind());
+    }
+    let record = match ctx.engine.token_of(token)? {
+        None => {
+            return Err(ApiError::new(
+                Code::Unauthenticated,
+                "this token is unknown or revoked",
+            ))
+        }
+        Some((_, record)) => record,
+    };
+    let Some(binding) = record
+        .node
+        .clone()
+        .filter(|_| record.kind == TokenKind::Agent)
+    else {
+        return Err(kind());
+    };
+    let path = (params.get("deployment"), params.get("node"));
+    if path != (Some(&binding.deployment), Some(&binding.node)) {
+        return Err(ApiError::new(
+            Code::Forbidden,
+            "an agent token reaches only the routes of the node it is bound to",
+        )
+        .reason("token_scope"));
+    }
+    Ok(AgentAuth {
+        token: record.name,
+        binding,
+    })
+}
+
+/// `POST /internal/v1/nodes/{deployment}/{node}/report`.
+pub async fn report(ctx: &Ctx, req: &Request, auth: &AgentAuth) -> Result<Reply, ApiError> {
+    if req.body.len() > MAX_REPORT_BYTES {
+        return Err(ApiError::new(
+            Code::PayloadTooLarge,
+            "a report is at most 16 KiB",
+        ));
+    }
+    let map = super::json_object(&req.body, &rules::REPORT_FIELDS)?;
+    let parsed = rules::parse_report(&map, &auth.token, now_millis()).map_err(|b| {
+        ApiError::bad_request(format!("the report's {} must be {}", b.pointer, b.message))
+            .field(&b.pointer, "invalid")
+    })?;
+    match ctx.engine.node_report(&auth.binding, parsed).await {
+        Ok(generation) => Ok(Reply::json(200, &json!({"generation": generation}))),
+        Err(ReportRefusal::TooSoon) => Err(ApiError::new(
+            Code::Unavailable,
+            "a node reports at most once a second",
+        )
+        .reason("report_rate")
+        .retry_after(1)),
+        Err(ReportRefusal::Refused(r)) => Err(r.into()),
+    }
+}
+
+/// The node's document now.
+fn current(ctx: &Ctx, binding: &NodeBinding) -> Result<Value, ApiError> {
+    let n = ctx
+        .engine
+        .node(&binding.deployment, &binding.node)?
+        .unwrap_or_else(|| NodeRecord::new(&binding.deployment, &binding.node));
+    Ok(rules::document(&n, ctx.engine.document_times()))
+}
+
+/// `GET /internal/v1/nodes/{deployment}/{node}/desired`: the document; a
+/// long poll with `?after=G&wait=S`; an event stream when asked for one.
+pub async fn desired(ctx: &Arc<Ctx>, req: &Request, auth: &AgentAuth) -> Result<Answer, ApiError> {
+    let wants_stream = req
+        .headers
+        .get("accept")
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|a| a.contains("text/event-stream"));
+    if wants_stream {
+        return Ok(Answer::Stream(stream(ctx, req, auth)));
+    }
+    let after = match req.query_one("after") {
+        None => None,
+        Some(g) => Some(g.parse::<u64>().map_err(|_| {
+            ApiError::bad_request("after must be a generation (a whole number)")
+                .field("/query/after", "invalid")
+        })?),
+    };
+    let wait = match req.query_one("wait") {
+        None => DEFAULT_WAIT_S,
+        Some(w) => w
+            .parse::<u64>()
+            .ok()
+            .filter(|w| (1..=MAX_WAIT_S).contains(w))
+            .ok_or_else(|| {
+                ApiError::bad_request("wait must be a whole number of seconds from 1 to 60")
+                    .field("/query/wait", "range")
+            })?,
+    };
+    let mut changes = ctx.engine.document_changes();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(wait);
+    loop {
+        let doc = current(ctx, &auth.binding)?;
+        if after.is_none() || doc["generation"].as_u64() != after {
+            return Ok(Answer::Reply(Reply::json(200, &doc)));
+        }
+        tokio::select! {
+            _ = changes.changed() => {}
+            _ = tokio::time::sleep_until(deadline) => {
+                return Ok(Answer::Reply(Reply::text(204, "application/json", vec![])));
+            }
+        }
+        // A revoked token's poll ends with its next look.
+        authenticate_again(ctx, req)?;
+    }
+}
+
+fn authenticate_again(ctx: &Ctx, req: &Request) -> Result<AgentAuth, ApiError> {
+    authenticate(ctx, &req.headers, &req.params)
+}
+
+/// The desired-state channel as an event stream (events.md "Desired-state
+/// channel"): the document at once unless `Last-Event-ID` is its
+/// generation, then one `desired` event per new generation, keep-alives
+/// between; a revoked token's stream ends at its next wake (a revocation
+/// wakes every stream).
+fn stream(ctx: &Arc<Ctx>, req: &Request, auth: &AgentAuth) -> warp::reply::Response {
+    let last_sent: Option<u64> = req
+        .headers
+        .get("last-event-id")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse().ok());
+    let state = DesiredStream {
+        ctx: ctx.clone(),
+        req_headers: req.headers.clone(),
+        params: req.params.clone(),
+        binding: auth.binding.clone(),
+        last_sent,
+        changes: ctx.engine.document_changes(),
+        stop: ctx.engine.stop_signal(),
+        first: true,
+    };
+    let body = futures_util::stream::unfold(state, |mut s| async move {
+        let bytes = s.next().await?;
+        Some((Ok::<Bytes, Infallible>(bytes), s))
+    });
+    let mut response = warp::reply::stream(body).into_response();
+    let h = response.headers_mut();
+    h.insert(
+        "content-type",
+        HeaderValue::from_static("text/event-stream"),
+    );
+    h.insert("cache-control", HeaderValue::from_static("no-cache"));
+    h.insert("x-accel-buffering", HeaderValue::from_static("no"));
+    response
+}
+
+struct DesiredStream {
+    ctx: Arc<Ctx>,
+    req_headers: warp::http::HeaderMap,
+    params: super::routes::Params,
+    binding: NodeBinding,
+    last_sent: Option<u64>,
+    changes: tokio::sync::watch::Receiver<u64>,
+    stop: tokio::sync::watch::Receiver<bool>,
+    first: bool,
+}
+
+impl DesiredStream {
+    /// The next bytes to send; `None` ends the stream.
+    async fn next(&mut self) -> Option<Bytes> {
+        if std::mem::take(&mut self.first) {
+            let retry = "retry: 3000\n\n".to_string();
+            return Some(Bytes::from(retry + &self.event_if_new()?));
+        }
+        loop {
+            let keep_alive = self.ctx.engine.settings.sse_keep_alive;
+            tokio::select! {
+                changed = self.changes.changed() => {
+                    changed.ok()?;
+                }
+                _ = self.stop.changed() => return None,
+                _ = tokio::time::sleep(keep_alive) => return Some(Bytes::from_static(b": keep-alive\n\n")),
+            }
+            authenticate(&self.ctx, &self.req_headers, &self.params).ok()?;
+            let event = self.event_if_new()?;
+            if !event.is_empty() {
+                return Some(Bytes::from(event));
+            }
+        }
+    }
+
+    /// The current document as an event when its generation was not sent
+    /// (empty when it was); `None` when the store cannot be read.
+    fn event_if_new(&mut self) -> Option<String> {
+        let doc = match current(&self.ctx, &self.binding) {
+            Ok(doc) => doc,
+            Err(e) => {
+                tracing::warn!(error = %e.message, "a desired-state stream cannot read its node; it ends");
+                return None;
+            }
+        };
+        let generation = doc["generation"].as_u64().unwrap_or(0);
+        if self.last_sent == Some(generation) {
+            return Some(String::new());
+        }
+        self.last_sent = Some(generation);
+        Some(format!("id: {generation}\nevent: desired\ndata: {doc}\n\n"))
+    }
+}
+
+/// The query filters of a node list.
+struct NodeFilter {
+    drifted: Option<bool>,
+    unreachable: Option<bool>,
+}
+
+fn flag(req: &Request, name: &str) -> Result<Option<bool>, ApiError> {
+    match req.query_one(name) {
+        None => Ok(None),
+        Some("true") => Ok(Some(true)),
+        Some("false") => Ok(Some(false)),
+        Some(_) => Err(
+            ApiError::bad_request(format!("{name} must be true or false"))
+                .field(format!("/query/{name}"), "invalid"),
+        ),
+    }
+}
+
+impl NodeFilter {
+    fn of(req: &Request) -> Result<NodeFilter, ApiError> {
+        Ok(NodeFilter {
+            drifted: flag(req, "drifted")?,
+            unreachable: flag(req, "unreachable")?,
+        })
+    }
+
+    fn text(&self) -> String {
+        format!(
+            "drifted={:?}&unreachable={:?}",
+            self.drifted, self.unreachable
+        )
+    }
+
+    fn keeps(&self, entry: &Value) -> bool {
+        let drifted = !entry["drift"].is_null();
+        let unreachable = entry["agent"]["status"] == json!(AgentStatus::Unreachable.as_str());
+        self.drifted.is_none_or(|want| want == drifted)
+            && self.unreachable.is_none_or(|want| want == unreachable)
+    }
+}
+
+/// Nodes a list reads at most for one page (a filter that keeps few of
+/// them ends the page early, with a cursor after the last one shown).
+const MAX_NODE_SCAN: usize = 10_000;
+
+/// A page of node entries: of one deployment, or the bound nodes of every
+/// deployment the caller may `read`. Entries are filtered before the page
+/// and its cursor are cut, so a cursor names only what its caller saw.
+async fn page(
+    ctx: &Ctx,
+    req: &Request,
+    caller: &Caller,
+    deployment: Option<&str>,
+) -> Result<Reply, ApiError> {
+    let limit = super::cursor::page_limit(req)?;
+    let filter = NodeFilter::of(req)?;
+    let filter_text = format!("{}|{}", deployment.unwrap_or("*"), filter.text());
+    let (key, identity) = (&ctx.cursor_key, caller.identity());
+    let mut position = match req.query_one("cursor") {
+        None => None,
+        Some(c) => {
+            let at = super::cursor::decode(key, &identity, &filter_text, c)?;
+            let (d, n) = at.split_once('/').ok_or_else(|| {
+                ApiError::bad_request("the cursor is not valid for this list")
+                    .field("/query/cursor", "cursor_invalid")
+            })?;
+            Some((d.to_string(), n.to_string()))
+        }
+    };
+    let mut shown: Vec<(String, String, Value)> = Vec::with_capacity(limit + 1);
+    let mut scanned = 0usize;
+    'scan: while shown.len() <= limit && scanned < MAX_NODE_SCAN {
+        let at = position.as_ref().map(|(d, n)| (d.as_str(), n.as_str()));
+        let batch = ctx.engine.nodes(deployment, at, super::cursor::MAX_PAGE)?;
+        if batch.is_empty() {
+            break;
+        }
+        for n in batch {
+            position = Some((n.deployment.clone(), n.node.clone()));
+            scanned += 1;
+            let path = format!("/v1/deployments/{}", n.deployment);
+            let visible = deployment.is_some()
+                || (!n.tokens.is_empty()
+                    && super::auth::may_read(&ctx.authz, caller, &n.deployment, &path).await);
+            let entry = with_deployment(ctx.engine.node_entry(&n), deployment.is_none(), &n);
+            if visible && filter.keeps(&entry) {
+                shown.push((n.deployment, n.node, entry));
+                if shown.len() > limit {
+                    break 'scan;
+                }
+            }
+            if scanned >= MAX_NODE_SCAN {
+                break 'scan;
+            }
+        }
+    }
+    let cut = shown.len() > limit || scanned >= MAX_NODE_SCAN;
+    shown.truncate(limit);
+    let next = match (cut, shown.last()) {
+        (true, Some((d, n, _))) => Some(super::cursor::encode(
+            key,
+            &identity,
+            &filter_text,
+            &format!("{d}/{n}"),
+        )),
+        (true, None) | (false, _) => None,
+    };
+    let items: Vec<Value> = shown.into_iter().map(|(_, _, e)| e).collect();
+    Ok(Reply::json(
+        200,
+        &json!({"items": items, "next_cursor": next}),
+    ))
+}
+
+/// An entry of the list of every deployment's nodes names its deployment.
+fn with_deployment(mut entry: Value, all: bool, n: &NodeRecord) -> Value {
+    if all {
+        entry["deployment"] = json!(n.deployment);
+    }
+    entry
+}
+
+/// `GET /v1/deployments/{id}/nodes`.
+pub async fn list(ctx: &Ctx, req: &Request, caller: &Caller) -> Result<Reply, ApiError> {
+    page(ctx, req, caller, Some(req.param("id"))).await
+}
+
+/// `GET /v1/nodes`.
+pub async fn list_all(ctx: &Ctx, req: &Request, caller: &Caller) -> Result<Reply, ApiError> {
+    page(ctx, req, caller, None).await
+}
+
+/// `GET /v1/deployments/{id}/nodes/{node}`: an unbound node berth knows
+/// nothing of has an entry of nulls.
+pub fn read(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
+    let node = req.param("node");
+    if !crate::engine::verdict::valid_node_name(node) {
+        return Err(
+            ApiError::bad_request("a node name is a DNS label").field("/path/node", "invalid")
+        );
+    }
+    let entry = match ctx.engine.node(req.param("id"), node)? {
+        Some(n) => ctx.engine.node_entry(&n),
+        None => rules::empty_entry(node),
+    };
+    Ok(Reply::json(200, &entry))
+}
+
+/// The deployment read's `nodes` (its first `NODES_IN_DEPLOYMENT_READ` by
+/// name) and `nodes_next_cursor` (for `GET /v1/deployments/{id}/nodes`
+/// with no filter).
+pub fn of_deployment(ctx: &Ctx, caller: &Caller, id: &str) -> Result<(Value, Value), ApiError> {
+    let limit = rules::NODES_IN_DEPLOYMENT_READ;
+    let read = ctx.engine.nodes(Some(id), None, limit + 1)?;
+    let more = read.len() > limit;
+    let entries: Vec<Value> = read
+        .iter()
+        .take(limit)
+        .map(|n| ctx.engine.node_entry(n))
+        .collect();
+    let filter_text = format!(
+        "{id}|{}",
+        NodeFilter {
+            drifted: None,
+            unreachable: None
+        }
+        .text()
+    );
+    let next = match (more, entries.len().checked_sub(1).map(|i| &read[i])) {
+        (true, Some(last)) => json!(super::cursor::encode(
+            &ctx.cursor_key,
+            &caller.identity(),
+            &filter_text,
+            &format!("{}/{}", last.deployment, last.node)
+        )),
+        (true, None) | (false, _) => Value::Null,
+    };
+    Ok((json!(entries), next))
+}
