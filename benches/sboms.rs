@@ -100,6 +100,7 @@ fn storage(rt: &tokio::runtime::Runtime) {
                 sbom: SbomOutcome::Ready(prepared),
                 fingerprint: None,
                 artifact: None,
+                artifact_bytes: None,
             });
         }
         let (hub, source) = (hub.clone(), source.clone());
@@ -116,11 +117,6 @@ fn storage(rt: &tokio::runtime::Runtime) {
             log_gaps: vec![],
             work_state: berth::engine::work_state::NewWorkState::Unchanged,
             keep_work_states: 3,
-            document_times: Some(berth::nodes::DocumentTimes {
-                lease_ttl_ms: 30_000,
-                revert_after_ms: 300_000,
-                health_interval_ms: 5_000,
-            }),
         });
         rt.block_on(store.write(move |tx| {
             let record = SubmitRecord {

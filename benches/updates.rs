@@ -139,11 +139,6 @@ fn main() {
                             log_gaps: vec![],
                             work_state: berth::engine::work_state::NewWorkState::Unchanged,
                             keep_work_states: 3,
-                            document_times: Some(berth::nodes::DocumentTimes {
-                                lease_ttl_ms: 30_000,
-                                revert_after_ms: 300_000,
-                                health_interval_ms: 5_000,
-                            }),
                         });
                         finish_tx(tx, &hub, submitted.build.id, &done)?;
                     }

@@ -11,8 +11,8 @@
 use serde_json::{json, Map, Value};
 
 use crate::model::{
-    format_time, Artifact, ArtifactKind, DesiredState, Millis, NodeDrift, NodePhase, NodeRecord,
-    NodeReport, ReportedError, ReportedHealth,
+    format_time, Artifact, ArtifactKind, DesiredState, Millis, NodeActivation, NodeDrift,
+    NodePhase, NodeRecord, NodeReport, ReportedError, ReportedHealth,
 };
 
 /// A report's body at most (agents.md "Actual state": `413` past it).
@@ -156,7 +156,7 @@ pub fn same_artifact(a: &Artifact, b: &Artifact) -> bool {
 }
 
 /// What berth's settings put in every document.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, Default)]
 pub struct DocumentTimes {
     pub lease_ttl_ms: u64,
     pub revert_after_ms: u64,
@@ -456,7 +456,7 @@ pub fn entry(n: &NodeRecord, agent: &AgentView, times: DocumentTimes) -> Value {
         "agent": agent_json,
         "desired": n.desired.as_ref().map(|_| document(n, times)),
         "actual": n.actual.as_ref().map(|r| actual_json(r, agent.seen)),
-        "activation": Value::Null,
+        "activation": n.activation.as_ref().map(|a| activation_view(a, times.revert_after_ms)),
         "drift": n.drift.as_ref().map(|d| json!({"since": format_time(d.since), "what": d.what})),
     })
 }
@@ -472,6 +472,25 @@ fn actual_json(r: &NodeReport, seen: Option<&Seen>) -> Value {
         "agent_version": r.agent_version,
         "uptime_s": r.uptime_s,
         "reported_at": format_time(seen.map_or(r.reported_at, |s| s.at.max(r.reported_at))),
+    })
+}
+
+/// An activation's part of a node entry.
+pub fn activation_view(a: &NodeActivation, revert_after_ms: u64) -> Value {
+    let deadline = a.activated_at.map(|at| {
+        let last = a.attempt.as_ref().map_or(at, |t| t.last_renewed_at.max(at));
+        format_time(last.saturating_add(i64::try_from(revert_after_ms).unwrap_or(i64::MAX)))
+    });
+    json!({
+        "build_id": crate::model::format_build_id(a.build),
+        "fence": a.fence,
+        "attempt_id": a.attempt.as_ref().map(|_| format!("activation-{}", a.fence)),
+        "status": a.status.as_str(),
+        "reason": a.reason,
+        "health": a.health.as_ref().map(|h| json!({"healthy": h.healthy, "reason": h.reason})),
+        "deadline": deadline,
+        "claimed_at": a.attempt.as_ref().map(|t| format_time(t.claimed_at)),
+        "finished_at": a.finished_at.map(format_time),
     })
 }
 

@@ -165,6 +165,9 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
         tickets: Default::default(),
         streams: Default::default(),
         polls: Default::default(),
+        downloads: Arc::new(tokio::sync::Semaphore::new(
+            crate::engine::activations::MAX_DOWNLOADS,
+        )),
         derivations: Default::default(),
         body_budget: api::BodyBudget::new(engine.settings.max_body_bytes_in_flight),
         authz: api::auth::Authz::new(engine.settings.authz_url.clone()),

@@ -433,6 +433,10 @@ pub struct AgentArgs {
     /// last line.
     #[arg(long, env = "BERTH_AGENT_CHECK_COMMAND")]
     pub check_command: Option<String>,
+    /// File artifacts: run after each switch, with `BERTH_ARTIFACT` (the
+    /// node's file) and `BERTH_PHASE` (`test`, `boot`, `revert`).
+    #[arg(long, env = "BERTH_AGENT_ACTIVATE_COMMAND")]
+    pub activate_command: Option<String>,
     /// How the desired state is watched: `sse`, `poll` (a long poll), or
     /// `auto` (SSE; the long poll when a stream stays silent 45 s).
     #[arg(long, env = "BERTH_AGENT_TRANSPORT", default_value = "auto", value_parser = ["auto", "sse", "poll"])]

@@ -26,6 +26,7 @@ use tokio::time::Instant;
 use crate::settings::AgentArgs;
 use crate::worker::Api;
 
+mod activate;
 mod watch_desired;
 
 /// Exit codes (agents.md "Running an agent").
@@ -84,6 +85,10 @@ struct State {
     highest_fence: u64,
     /// The generation of the last document it acted on.
     generation: u64,
+    /// The highest fence it claimed: an activation must be above it.
+    highest_claimed: u64,
+    /// The activation it holds, unconfirmed (reverted at a start).
+    attempt: Option<activate::Held>,
 }
 
 struct Agent {
@@ -96,12 +101,8 @@ struct Agent {
     started: Instant,
     /// The last error it reports (`fence_regressed`, ...).
     last_error: Option<(String, String)>,
-}
-
-/// Why the agent stops.
-enum Stop {
-    Signal,
-    Refused,
+    /// The activation it holds, with its timers.
+    held: Option<(activate::Held, activate::Live)>,
 }
 
 impl Agent {
@@ -126,6 +127,7 @@ impl Agent {
             state,
             started: Instant::now(),
             last_error: None,
+            held: None,
             args,
         })
     }
@@ -134,8 +136,15 @@ impl Agent {
         format!("/internal/v1/nodes/{}/{}", self.deployment, self.node)
     }
 
-    /// Watches, reports; until a signal (0) or a refused token (3).
+    /// Watches, reports, activates; until a signal (0) or a refused token
+    /// (3). An unconfirmed activation is reverted before it exits.
     async fn serve(mut self) -> i32 {
+        if self.state.attempt.is_some() {
+            tracing::info!(
+                "an unconfirmed activation from the last run: its authority died with it"
+            );
+            self.revert().await;
+        }
         let mut stop = crate::worker::stop_signal();
         let (docs_tx, mut docs) = mpsc::channel::<Value>(4);
         let (refused_tx, mut refused) = watch::channel(false);
@@ -148,44 +157,119 @@ impl Agent {
         };
         let watching = tokio::spawn(watcher.run(self.state.generation));
         tracing::info!(incarnation = %self.incarnation, node = %self.args.node, "berth agent started");
+        let stopped = self.run(&mut docs, &mut refused, &mut stop).await;
+        watching.abort();
+        if self.held.is_some() {
+            self.revert().await;
+        }
+        match stopped {
+            Ok(code) => code,
+            Err(why) => {
+                eprintln!("berth agent: {why}");
+                EXIT_STATE
+            }
+        }
+    }
+
+    /// The main loop: the exit code, or why the state file failed.
+    async fn run(
+        &mut self,
+        docs: &mut mpsc::Receiver<Value>,
+        refused: &mut watch::Receiver<bool>,
+        stop: &mut watch::Receiver<()>,
+    ) -> Result<i32, String> {
         let mut failures: u32 = 0;
         let mut next_report = Instant::now();
-        let stopped = loop {
+        let far = || Instant::now() + Duration::from_secs(3600);
+        loop {
+            let (renew_at, health_at, revert_at) = match &self.held {
+                Some((_, live)) => (live.next_renew, live.next_health, live.revert_at()),
+                None => (far(), far(), far()),
+            };
             tokio::select! {
                 _ = tokio::time::sleep_until(next_report) => {}
                 Some(doc) = docs.recv() => {
-                    if let Err(why) = self.take(&doc) {
-                        tracing::error!(%why, "cannot keep the state file; the agent stops");
-                        watching.abort();
-                        return EXIT_STATE;
+                    self.take(&doc)?;
+                    if let Err(Failure::Refused) = self.act(&doc).await {
+                        return Ok(self.refused_code());
                     }
                 }
-                _ = refused.changed() => break Stop::Refused,
-                _ = stop.changed() => break Stop::Signal,
+                _ = tokio::time::sleep_until(renew_at) => {
+                    if !self.renew().await {
+                        self.revert().await;
+                    }
+                    continue;
+                }
+                _ = tokio::time::sleep_until(health_at) => {
+                    if !self.health_step().await {
+                        self.revert().await;
+                    }
+                    continue;
+                }
+                _ = tokio::time::sleep_until(revert_at) => {
+                    tracing::warn!("no renew accepted within the revert window; going back");
+                    let held = self.held.as_ref().map(|(h, _)| h.clone());
+                    self.revert().await;
+                    if let Some(held) = held {
+                        self.outcome(&held, Some(("reverted", "no renew was accepted within the revert window"))).await;
+                    }
+                }
+                _ = refused.changed() => return Ok(self.refused_code()),
+                _ = stop.changed() => {
+                    tracing::info!("berth agent stopped");
+                    return Ok(EXIT_STOPPED);
+                }
             }
             match self.report().await {
                 Ok(()) => {
                     failures = 0;
                     next_report = Instant::now() + jittered(self.args.report_interval);
                 }
-                Err(Failure::Refused) => break Stop::Refused,
+                Err(Failure::Refused) => return Ok(self.refused_code()),
                 Err(Failure::Again(wait)) => {
                     failures = failures.saturating_add(1);
                     next_report = Instant::now() + wait.unwrap_or_else(|| backoff(failures));
                 }
             }
-        };
-        watching.abort();
-        match stopped {
-            Stop::Signal => {
-                tracing::info!("berth agent stopped");
-                EXIT_STOPPED
-            }
-            Stop::Refused => {
-                eprintln!("berth agent: berth refused the token (revoked, or not this node's)");
-                EXIT_REFUSED
+        }
+    }
+
+    fn refused_code(&self) -> i32 {
+        eprintln!("berth agent: berth refused the token (revoked, or not this node's)");
+        EXIT_REFUSED
+    }
+
+    /// What a document asks of the node: a new activation, a confirm, or
+    /// (a higher fence, or steady for the one held) going back.
+    async fn act(&mut self, doc: &Value) -> Result<(), Failure> {
+        let fence = doc["fence"].as_u64().unwrap_or(0);
+        if fence < self.state.highest_fence {
+            return Ok(());
+        }
+        let phase = doc["phase"].as_str().unwrap_or("steady");
+        let held_fence = self.held.as_ref().map(|(h, _)| h.fence);
+        if let Some(held) = held_fence {
+            if fence > held || phase == "steady" {
+                tracing::info!(fence, "berth ended the activation; going back");
+                let h = self.held.as_ref().map(|(h, _)| h.clone());
+                self.revert().await;
+                if let Some(h) = h {
+                    self.outcome(&h, Some(("reverted", "berth ended the activation")))
+                        .await;
+                }
+            } else if phase == "confirm" && fence == held {
+                self.confirm().await;
+                return Ok(());
             }
         }
+        if phase == "activate" && self.held.is_none() {
+            return self.activate(doc).await;
+        }
+        Ok(())
+    }
+
+    fn save(&self) -> Result<(), String> {
+        save_state(&self.args.state_dir, &self.state)
     }
 
     /// A document arrived: its fence is kept (synced) before anything is
@@ -205,7 +289,7 @@ impl Agent {
         }
         self.state.highest_fence = fence;
         self.state.generation = generation;
-        save_state(&self.args.state_dir, &self.state)
+        self.save()
     }
 
     /// One report of what the node runs now.
@@ -318,6 +402,12 @@ fn random_fraction() -> f64 {
     }
 }
 
+/// `sha256:<hex>` of `bytes`.
+fn digest_of(bytes: &[u8]) -> String {
+    use sha2::{Digest, Sha256};
+    format!("sha256:{}", crate::hex::encode(&Sha256::digest(bytes)))
+}
+
 /// A file artifact as a report names it: its digest and size; null when
 /// there is no such file.
 fn file_artifact(path: &Path) -> Value {
@@ -401,6 +491,8 @@ fn load_state(dir: &Path, node: &str) -> Result<State, String> {
                 node: node.to_string(),
                 highest_fence: 0,
                 generation: 0,
+                highest_claimed: 0,
+                attempt: None,
             })
         }
         Err(e) => return Err(format!("cannot read {}: {e}", path.display())),

@@ -15,6 +15,9 @@ use warp::Reply as _;
 use super::auth::Caller;
 use super::errors::{ApiError, Code};
 use super::{Answer, Ctx, Reply, Request};
+use crate::engine::activations::{
+    ActivationCall, AgentCall, AgentItem, AgentRefusal, OutOfOrder, FAILED_REASONS,
+};
 use crate::engine::nodes::ReportRefusal;
 use crate::model::*;
 use crate::nodes::{self as rules, AgentStatus, MAX_REPORT_BYTES};
@@ -435,4 +438,195 @@ pub fn of_deployment(ctx: &Ctx, caller: &Caller, id: &str) -> Result<(Value, Val
         (true, None) | (false, _) => Value::Null,
     };
     Ok((json!(entries), next))
+}
+
+/// The authority part of an agent's call (checked for shape here; its
+/// meaning is the engine's).
+fn agent_call(
+    req: &Request,
+    auth: &AgentAuth,
+    map: &serde_json::Map<String, Value>,
+) -> Result<AgentCall, ApiError> {
+    let text = |k: &str| map.get(k).and_then(Value::as_str);
+    let operation_id = text("operation_id")
+        .filter(|o| crate::authority::is_operation_id(o))
+        .ok_or_else(|| {
+            ApiError::bad_request("operation_id must be 16-128 of [A-Za-z0-9._~-]")
+                .field("/operation_id", "invalid")
+        })?;
+    let incarnation = text("worker_incarnation")
+        .filter(|i| crate::authority::is_authority_id(i))
+        .ok_or_else(|| {
+            ApiError::bad_request("worker_incarnation must be 8-128 of [A-Za-z0-9_-]")
+                .field("/worker_incarnation", "invalid")
+        })?;
+    let fence = map
+        .get("fence")
+        .and_then(Value::as_u64)
+        .filter(|f| *f >= 1)
+        .ok_or_else(|| {
+            ApiError::bad_request("fence must be a whole number of at least 1")
+                .field("/fence", "invalid")
+        })?;
+    Ok(AgentCall {
+        token: auth.token.clone(),
+        deployment: auth.binding.deployment.clone(),
+        node: auth.binding.node.clone(),
+        operation_id: operation_id.to_string(),
+        fence,
+        incarnation: incarnation.to_string(),
+        digest: crate::authority::body_digest(&req.body),
+    })
+}
+
+fn answered(result: Result<String, AgentRefusal>) -> Result<Reply, ApiError> {
+    match result {
+        Ok(text) => Ok(Reply::text(200, "application/json", text.into_bytes())),
+        Err(AgentRefusal::Refused(r)) => Err(r.into()),
+        Err(AgentRefusal::OutOfOrder(OutOfOrder::Progress)) => Err(ApiError::bad_request(
+            "a step or health answer before its turn (fetched, then activated, then health)",
+        )
+        .reason("progress_order")),
+        Err(AgentRefusal::OutOfOrder(OutOfOrder::Outcome)) => Err(ApiError::bad_request(
+            "confirmed is an outcome only after berth published confirm",
+        )
+        .reason("outcome_order")),
+    }
+}
+
+/// `POST /internal/v1/nodes/{deployment}/{node}/claim`.
+pub async fn claim(ctx: &Ctx, req: &Request, auth: &AgentAuth) -> Result<Reply, ApiError> {
+    let map = super::json_object(&req.body, &["operation_id", "fence", "worker_incarnation"])?;
+    let call = agent_call(req, auth, &map)?;
+    answered(ctx.engine.claim_activation(call).await)
+}
+
+/// `POST /internal/v1/nodes/{deployment}/{node}/attempts/{attempt}/renew`.
+pub async fn renew(ctx: &Ctx, req: &Request, auth: &AgentAuth) -> Result<Reply, ApiError> {
+    let map = super::json_object(&req.body, &["operation_id", "fence", "worker_incarnation"])?;
+    let call = agent_call(req, auth, &map)?;
+    let attempt = req.param("attempt").to_string();
+    answered(
+        ctx.engine
+            .activation_call(call, attempt, ActivationCall::Renew)
+            .await,
+    )
+}
+
+/// `POST .../attempts/{attempt}/progress`: `items` of `seq` and one of
+/// `step` (`fetched`, `activated`), `health` or `log`.
+pub async fn progress(ctx: &Ctx, req: &Request, auth: &AgentAuth) -> Result<Reply, ApiError> {
+    let map = super::json_object(
+        &req.body,
+        &["operation_id", "fence", "worker_incarnation", "items"],
+    )?;
+    let call = agent_call(req, auth, &map)?;
+    let items = map
+        .get("items")
+        .and_then(Value::as_array)
+        .filter(|a| a.len() <= crate::authority::MAX_BATCH_ITEMS)
+        .ok_or_else(|| {
+            ApiError::bad_request("items must be a list of at most 1,000")
+                .field("/items", "invalid")
+        })?;
+    let mut parsed = Vec::with_capacity(items.len());
+    for (i, item) in items.iter().enumerate() {
+        parsed.push(
+            progress_item(item).map_err(|why| {
+                ApiError::bad_request(why).field(format!("/items/{i}"), "invalid")
+            })?,
+        );
+    }
+    let attempt = req.param("attempt").to_string();
+    answered(
+        ctx.engine
+            .activation_call(call, attempt, ActivationCall::Progress(parsed))
+            .await,
+    )
+}
+
+fn progress_item(v: &Value) -> Result<(u64, AgentItem), String> {
+    let seq = v
+        .get("seq")
+        .and_then(Value::as_u64)
+        .filter(|s| *s >= 1)
+        .ok_or("each item has a seq of at least 1")?;
+    let step = v.get("step").and_then(Value::as_str);
+    let log = v.get("log").and_then(Value::as_str);
+    let health = v.get("health");
+    let item = match (step, log, health) {
+        (Some("fetched"), None, None) => AgentItem::Fetched,
+        (Some("activated"), None, None) => AgentItem::Activated,
+        (None, Some(line), None) if line.len() <= crate::authority::MAX_LINE_BYTES => AgentItem::Log(line.to_string()),
+        (None, None, Some(h)) => {
+            let healthy = h.get("healthy").and_then(Value::as_bool).ok_or("a health answer says healthy, true or false")?;
+            let reason = h.get("reason").and_then(Value::as_str).map(|r| r.chars().take(rules::MAX_REASON_CHARS).collect());
+            AgentItem::Health(ReportedHealth { healthy, reason })
+        }
+        _ => return Err("each item has exactly one of step (fetched, activated), a log line of at most 64 KiB, or health".into()),
+    };
+    Ok((seq, item))
+}
+
+/// `POST .../attempts/{attempt}/outcome`: `result` `confirmed`, or
+/// `failed` with a `reason`.
+pub async fn outcome(ctx: &Ctx, req: &Request, auth: &AgentAuth) -> Result<Reply, ApiError> {
+    let map = super::json_object(
+        &req.body,
+        &[
+            "operation_id",
+            "fence",
+            "worker_incarnation",
+            "result",
+            "reason",
+            "detail",
+        ],
+    )?;
+    let call = agent_call(req, auth, &map)?;
+    let text = |k: &str| map.get(k).and_then(Value::as_str);
+    let what = match (text("result"), text("reason")) {
+        (Some("confirmed"), None) => ActivationCall::Outcome {
+            confirmed: true,
+            reason: None,
+            detail: None,
+        },
+        (Some("failed"), Some(reason)) if FAILED_REASONS.contains(&reason) => {
+            ActivationCall::Outcome {
+                confirmed: false,
+                reason: Some(reason.to_string()),
+                detail: text("detail").map(|d| d.chars().take(rules::MAX_REASON_CHARS).collect()),
+            }
+        }
+        _ => {
+            return Err(ApiError::bad_request(format!(
+                "result is confirmed, or failed with a reason of {}",
+                FAILED_REASONS.join(", ")
+            ))
+            .field("/result", "invalid"))
+        }
+    };
+    let attempt = req.param("attempt").to_string();
+    answered(ctx.engine.activation_call(call, attempt, what).await)
+}
+
+/// `GET .../artifacts/{digest}`: a file artifact the node's documents
+/// named, at most `MAX_DOWNLOADS` at once.
+pub async fn artifact(ctx: &Ctx, req: &Request, auth: &AgentAuth) -> Result<Reply, ApiError> {
+    let digest = req.param("digest");
+    let Ok(_turn) = ctx.downloads.clone().try_acquire_owned() else {
+        return Err(
+            ApiError::new(Code::Unavailable, "256 artifact downloads are running")
+                .reason("busy")
+                .retry_after(1),
+        );
+    };
+    let (engine, b, digest) = (ctx.engine.clone(), auth.binding.clone(), digest.to_string());
+    let bytes =
+        tokio::task::spawn_blocking(move || engine.node_artifact(&b.deployment, &b.node, &digest))
+            .await
+            .map_err(|_| ApiError::internal())??;
+    match bytes {
+        Some(bytes) => Ok(Reply::text(200, "application/octet-stream", bytes)),
+        None => Err(ApiError::not_found("artifact")),
+    }
 }

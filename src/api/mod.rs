@@ -138,6 +138,8 @@ pub struct Ctx {
     pub streams: crate::locks::Quotas,
     /// Open worker polls: per worker, and all of them under `ALL_POLLS`.
     pub polls: crate::locks::Quotas,
+    /// Artifact downloads at once (`activations::MAX_DOWNLOADS`).
+    pub downloads: Arc<tokio::sync::Semaphore>,
     /// Derivations running at once (see `derive::MAX_DERIVATIONS`).
     pub derivations: derive::Derivations,
     /// Bytes of request bodies in memory at once.

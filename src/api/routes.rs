@@ -115,6 +115,11 @@ pub enum WorkerCall {
 pub enum AgentCall {
     Desired,
     Report,
+    Claim,
+    Renew,
+    Progress,
+    Outcome,
+    Artifact,
 }
 
 impl Handler {
@@ -397,6 +402,11 @@ pub const ROUTES: &[Route] = &[
     token_row("GET", "/v1/nodes", TokenCall::ListAllNodes, P::Read, EachItem, Forbidden),
     agent_row("GET", "/internal/v1/nodes/{deployment}/{node}/desired", AgentCall::Desired),
     agent_row("POST", "/internal/v1/nodes/{deployment}/{node}/report", AgentCall::Report),
+    agent_row("POST", "/internal/v1/nodes/{deployment}/{node}/claim", AgentCall::Claim),
+    agent_row("POST", "/internal/v1/nodes/{deployment}/{node}/attempts/{attempt}/renew", AgentCall::Renew),
+    agent_row("POST", "/internal/v1/nodes/{deployment}/{node}/attempts/{attempt}/progress", AgentCall::Progress),
+    agent_row("POST", "/internal/v1/nodes/{deployment}/{node}/attempts/{attempt}/outcome", AgentCall::Outcome),
+    agent_row("GET", "/internal/v1/nodes/{deployment}/{node}/artifacts/{digest}", AgentCall::Artifact),
 ];
 
 /// A matched route's path parameters.
@@ -814,6 +824,11 @@ pub async fn agent(
     match call {
         AgentCall::Desired => agents::desired(ctx, req, auth).await,
         AgentCall::Report => agents::report(ctx, req, auth).await.map(Answer::Reply),
+        AgentCall::Claim => agents::claim(ctx, req, auth).await.map(Answer::Reply),
+        AgentCall::Renew => agents::renew(ctx, req, auth).await.map(Answer::Reply),
+        AgentCall::Progress => agents::progress(ctx, req, auth).await.map(Answer::Reply),
+        AgentCall::Outcome => agents::outcome(ctx, req, auth).await.map(Answer::Reply),
+        AgentCall::Artifact => agents::artifact(ctx, req, auth).await.map(Answer::Reply),
     }
 }
 

@@ -32,7 +32,7 @@ use super::verdict::{parse_result, Outcome};
 /// A remote worker's file artifacts are not carried to berth yet
 /// (docs/agents.md "Not yet"): a node's file artifact from a worker is
 /// left out of its result.
-fn not_carried(_: &str) -> Result<Option<(String, u64)>, String> {
+fn not_carried(_: &str) -> Result<Option<super::verdict::ArtifactRead>, String> {
     Ok(None)
 }
 use super::work_state::NewWorkState;
@@ -1076,7 +1076,16 @@ fn deploy_reported_tx(
         settings.keep_work_states,
         now,
     )?;
-    super::rollouts::plan_tx(tx, hub, &b, &changed, &nodes)
+    match super::rollouts::plan_tx(tx, hub, &b, &changed, &nodes)? {
+        Ok(()) => Ok(()),
+        // A result the plan refuses (a bound node without an artifact) is
+        // stored as any other result that is not a plan: the verdict says
+        // why.
+        Err(why) => {
+            tracing::warn!(build = %format_build_id(build), %why, "a remote rollout's plan was refused");
+            Ok(())
+        }
+    }
 }
 
 /// Appends a progress batch's items to a running build's log.
@@ -1197,7 +1206,7 @@ fn end_lost_tx(
         end,
         vec![],
         NewWorkState::Unchanged,
-        (1, None),
+        1,
     ));
     finish_tx(tx, hub, b.id, &finished)?;
     if !cancelled {
@@ -1305,10 +1314,7 @@ fn settle(
         end,
         nodes,
         files.work_state.clone(),
-        (
-            settings.keep_work_states,
-            Some(super::nodes::document_times(settings)),
-        ),
+        settings.keep_work_states,
     ));
     finish_tx(tx, hub, b.id, &finished)?;
     let Some(done) = tx.build(b.id)? else {

@@ -479,7 +479,6 @@ impl Engine {
             log_gaps: outcome.log.gaps.clone(),
             work_state,
             keep_work_states: self.settings.keep_work_states,
-            document_times: Some(super::nodes::document_times(&self.settings)),
         });
         // A destroy whose deployer succeeded has nothing left behind its
         // work dir: it goes before the commit that says so, so a reader who
@@ -528,7 +527,6 @@ impl Engine {
                     log_gaps: finished.log_gaps.clone(),
                     work_state: NewWorkState::Unchanged,
                     keep_work_states: self.settings.keep_work_states,
-                    document_times: Some(super::nodes::document_times(&self.settings)),
                 });
                 let hub = self.hub.clone();
                 match self
@@ -671,9 +669,6 @@ pub struct Finished {
     pub work_state: NewWorkState,
     /// `--keep-work-states`.
     pub keep_work_states: u32,
-    /// What a bound node's new document carries, for a final commit that
-    /// may succeed; `None` for one that cannot (a lost attempt's).
-    pub document_times: Option<crate::nodes::DocumentTimes>,
 }
 
 impl Finished {
@@ -684,7 +679,7 @@ impl Finished {
         end: End,
         nodes: Vec<NodeOutcome>,
         work_state: NewWorkState,
-        (keep_work_states, document_times): (u32, Option<crate::nodes::DocumentTimes>),
+        keep_work_states: u32,
     ) -> Finished {
         Finished {
             end,
@@ -695,7 +690,6 @@ impl Finished {
             log_gaps: b.log_gaps.clone(),
             work_state,
             keep_work_states,
-            document_times,
         }
     }
 }
@@ -742,14 +736,16 @@ pub fn finish_tx(tx: &Tx, hub: &Arc<Hub>, build_id: BuildId, f: &Arc<Finished>) 
         )?;
     }
     Change::new(tx, hub).finish(d.as_mut(), &mut b, f.end.clone(), &f.nodes)?;
-    match (d.as_mut(), b.status, f.document_times) {
-        (Some(d), BuildStatus::Succeeded, Some(times)) => {
-            super::nodes::deployed_tx(tx, hub, d, &b, &f.nodes, times)
-        }
-        (_, BuildStatus::Succeeded, None) => Err(crate::store::StoreError::other(
-            "a final commit that cannot succeed succeeded",
-        )),
-        _ => Ok(()),
+    let Some(d) = d.as_mut() else {
+        return Ok(());
+    };
+    super::activations::build_ended_tx(tx, hub, d, &b)?;
+    match b.status {
+        BuildStatus::Succeeded => super::nodes::deployed_tx(tx, hub, d, &b, &f.nodes),
+        BuildStatus::Queued
+        | BuildStatus::Running
+        | BuildStatus::Failed
+        | BuildStatus::Cancelled => Ok(()),
     }
 }
 

@@ -7,6 +7,7 @@
 //! the events of the change, together.
 
 pub mod actions;
+pub mod activations;
 pub mod attempts;
 pub mod audit;
 pub mod audit_events;
@@ -250,6 +251,7 @@ impl Engine {
         getrandom::fill(&mut random)
             .map_err(|e| format!("no randomness for the incarnation: {e}"))?;
         let incarnation = format!("local-{}", crate::hex::encode(&random));
+        let document_times = nodes::document_times(&settings);
         Ok(Arc::new(Engine {
             incarnation,
             callback_rule,
@@ -274,7 +276,7 @@ impl Engine {
             stopping: AtomicBool::new(false),
             metrics: Metrics::default(),
             callback_secret,
-            hub: Arc::new(crate::events::Hub::default()),
+            hub: Arc::new(crate::events::Hub::with_document_times(document_times)),
             denials: audit::Denials::default(),
             stop: watch::channel(false).0,
         }))

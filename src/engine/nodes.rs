@@ -103,7 +103,7 @@ pub fn document_times(settings: &crate::settings::Settings) -> DocumentTimes {
 impl Engine {
     /// What every document carries from berth's settings.
     pub fn document_times(&self) -> DocumentTimes {
-        document_times(&self.settings)
+        self.hub.document_times
     }
 
     /// The entry of a node as berth knows it now.
@@ -192,8 +192,9 @@ impl Engine {
         let written = self
             .store
             .write(move |tx| {
-                let mut n = tx
-                    .node(&key.0, &key.1)?
+                let before = tx.node(&key.0, &key.1)?;
+                let mut n = before
+                    .clone()
                     .unwrap_or_else(|| NodeRecord::new(&key.0, &key.1));
                 if report.fence < n.fence {
                     return Ok(Err(Refusal::Stale(crate::authority::Stale::Authority)));
@@ -211,7 +212,12 @@ impl Engine {
                 let drift = rules::drift(&n, now);
                 let drift_began = n.drift.is_none() && drift.is_some();
                 n.drift = drift;
-                tx.put_node(&n)?;
+                super::activations::put_node(
+                    tx,
+                    before.as_ref(),
+                    &n,
+                    &super::activations::no_blobs,
+                )?;
                 let agent = agent_view(&n, Some(&seen), started, now);
                 let entry = rules::entry(&n, &agent, times);
                 let change = Change::new(tx, &hub);
@@ -231,6 +237,7 @@ impl Engine {
         loop {
             tokio::time::sleep(NODE_SWEEP).await;
             self.sweep_unreachable().await;
+            self.sweep_activation_leases().await;
         }
     }
 
@@ -304,15 +311,19 @@ fn entry_of(
 /// Binds (`add`) or unbinds a token of a node, in the token's write job.
 /// The row is made at the first binding and kept after the last.
 pub(super) fn bind_tx(tx: &Tx, binding: &NodeBinding, token: &str, add: bool) -> StoreResult<()> {
-    let mut n = tx
-        .node(&binding.deployment, &binding.node)?
+    let before = tx.node(&binding.deployment, &binding.node)?;
+    let mut n = before
+        .clone()
         .unwrap_or_else(|| NodeRecord::new(&binding.deployment, &binding.node));
     n.tokens.retain(|t| t != token);
     if add {
         n.tokens.push(token.to_string());
+    } else {
+        // A revoked token's activation is lost with it.
+        super::activations::token_revoked(&mut n, token, now_millis());
     }
     assert!(n.tokens.len() <= super::tokens::MAX_TOKENS_PER_NODE);
-    tx.put_node(&n)
+    super::activations::put_node(tx, before.as_ref(), &n, &super::activations::no_blobs)
 }
 
 impl Engine {
@@ -334,9 +345,10 @@ pub(super) fn deployed_tx(
     d: &mut DeploymentRecord,
     b: &BuildRecord,
     nodes: &[NodeOutcome],
-    times: DocumentTimes,
 ) -> StoreResult<()> {
-    let now = now_millis();
+    let (now, times) = (now_millis(), hub.document_times);
+    let rollout = tx.rollout(b.id)?.is_some();
+    let blobs = super::activations::blobs_of(nodes);
     let mut changed = false;
     let mut after: Option<(String, String)> = None;
     loop {
@@ -349,24 +361,21 @@ pub(super) fn deployed_tx(
             break;
         };
         after = Some((last.deployment.clone(), last.node.clone()));
-        for mut n in page {
-            let artifact = match b.kind {
-                BuildKind::Deploy => nodes
-                    .iter()
-                    .find(|o| o.name == n.node)
-                    .and_then(|o| o.artifact.as_ref()),
-                BuildKind::Destroy => None,
-            };
-            if n.tokens.is_empty() {
+        for before in page {
+            if before.tokens.is_empty() {
                 continue;
             }
-            let Some(desired) = rules::steady(&n, artifact, b.id, now) else {
+            let Some(artifact) = deployed_artifact(&before, b, rollout, nodes) else {
                 continue;
             };
+            let Some(desired) = rules::steady(&before, artifact.as_ref(), b.id, now) else {
+                continue;
+            };
+            let mut n = before.clone();
             n.generation += 1;
             n.desired = Some(desired);
             n.drift = rules::drift(&n, now);
-            tx.put_node(&n)?;
+            super::activations::put_node(tx, Some(&before), &n, &blobs)?;
             changed = true;
             // The agent part from the stored report alone: what berth saw
             // since is the engine's, not this transaction's.
@@ -379,6 +388,35 @@ pub(super) fn deployed_tx(
         tx.put_deployment(d)?;
     }
     Ok(())
+}
+
+/// What a bound node runs after build `b` succeeded: the artifact its
+/// rollout activated or staged there; for a build without a rollout, the
+/// result's (none for a destroy, or a node the result lacks). `None`: the
+/// node's document stays (a rollout that did not change it; its result's
+/// artifacts are not kept past a restart, its staged ones are).
+fn deployed_artifact(
+    n: &NodeRecord,
+    b: &BuildRecord,
+    rollout: bool,
+    nodes: &[NodeOutcome],
+) -> Option<Option<Artifact>> {
+    if let Some(a) = n.activation.as_ref().filter(|a| a.build == b.id) {
+        return Some(Some(a.artifact.clone()));
+    }
+    if let Some(s) = n.staged.as_ref().filter(|s| s.build == b.id) {
+        return Some(Some(s.artifact.clone()));
+    }
+    match (b.kind, rollout) {
+        (BuildKind::Destroy, _) => Some(None),
+        (BuildKind::Deploy, true) => None,
+        (BuildKind::Deploy, false) => Some(
+            nodes
+                .iter()
+                .find(|o| o.name == n.node)
+                .and_then(|o| o.artifact.clone()),
+        ),
+    }
 }
 
 /// Node rows a deploy reads at a time.

@@ -62,6 +62,10 @@ pub struct NodeOutcome {
     /// final transaction of a deploy without `activate` uses it so far.
     #[serde(skip)]
     pub artifact: Option<crate::model::Artifact>,
+    /// A file artifact's digest, size and zstd bytes, for the store (a
+    /// bound node's document names it; only then is it stored).
+    #[serde(skip)]
+    pub artifact_bytes: Option<(String, u64, std::sync::Arc<Vec<u8>>)>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

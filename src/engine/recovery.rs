@@ -37,6 +37,10 @@ impl Engine {
         }
         let running = self.store.read()?.running()?;
         let ttl = self.lease_ttl_ms();
+        // An agent's open activation goes on too: its lease starts again.
+        self.store
+            .write(move |tx| super::activations::restart_leases_tx(tx, ttl))
+            .await?;
         for (build_id, deployment) in running {
             // A build on a remote worker goes on: its lease starts again
             // now (berth's down time never counts against a worker).

@@ -285,10 +285,9 @@ impl Engine {
     /// the build ended meanwhile or a worker holds it.
     async fn end_remote_rollout(&self, build: BuildId, lost: Option<String>) {
         let (hub, timeout) = (self.hub.clone(), self.settings.build_timeout);
-        let times = self.document_times();
         let ended = self
             .store
-            .write(move |tx| end_unheld_tx(tx, &hub, build, lost.as_deref(), (timeout, times)))
+            .write(move |tx| end_unheld_tx(tx, &hub, build, lost.as_deref(), timeout))
             .await;
         if let Err(e) = ended {
             tracing::error!(error = %e, build = %format_build_id(build), "cannot end a remote rollout's build; the lease sweep or a restart ends it");
@@ -485,7 +484,7 @@ fn end_unheld_tx(
     hub: &Arc<crate::events::Hub>,
     build: BuildId,
     lost: Option<&str>,
-    (timeout, times): (Duration, crate::nodes::DocumentTimes),
+    timeout: Duration,
 ) -> StoreResult<()> {
     let Some(b) = tx.build(build)? else {
         return Ok(());
@@ -523,11 +522,7 @@ fn end_unheld_tx(
     let nodes = if lost.is_some() { vec![] } else { nodes };
     let unchanged = super::work_state::NewWorkState::Unchanged;
     let finished = Arc::new(super::build::Finished::committed(
-        &b,
-        end,
-        nodes,
-        unchanged,
-        (1, Some(times)),
+        &b, end, nodes, unchanged, 1,
     ));
     super::build::finish_tx(tx, hub, build, &finished)
 }

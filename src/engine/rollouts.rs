@@ -474,9 +474,13 @@ impl Engine {
                 ),
             );
         }
-        if let Err(e) = self.start_rollout(build, changed, nodes.to_vec()).await {
-            tracing::error!(error = %e, build = %format_build_id(build.id), "cannot store a rollout's plan");
-            return HealthEnd::Failed("the rollout's plan could not be stored".into());
+        match self.start_rollout(build, changed, nodes.to_vec()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(why)) => return HealthEnd::Aborted(FailureReason::DeployerProtocol, why),
+            Err(e) => {
+                tracing::error!(error = %e, build = %format_build_id(build.id), "cannot store a rollout's plan");
+                return HealthEnd::Failed("the rollout's plan could not be stored".into());
+            }
         }
         self.run_rollout(build, request, verbs, pipe, cancel).await
     }
@@ -507,7 +511,7 @@ impl Engine {
         build: &BuildRecord,
         changed: Vec<String>,
         nodes: Vec<NodeOutcome>,
-    ) -> StoreResult<()> {
+    ) -> StoreResult<Result<(), String>> {
         let (hub, build, nodes) = (self.hub.clone(), build.clone(), Arc::new(nodes));
         self.store
             .write(move |tx| plan_tx(tx, &hub, &build, &changed, &nodes))
@@ -535,7 +539,13 @@ pub(super) fn plan_tx(
     build: &BuildRecord,
     changed: &[String],
     nodes: &[NodeOutcome],
-) -> StoreResult<()> {
+) -> StoreResult<Result<(), String>> {
+    // Bound nodes are in the plan by their artifacts (agents.md).
+    let changed = match super::activations::stage_tx(tx, build, changed, nodes)? {
+        Ok(changed) => changed,
+        Err(why) => return Ok(Err(why)),
+    };
+    let changed = changed.as_slice();
     let (policy, text) = stored_policy(tx, &build.deployment)?;
     // The way back (a rollback) and a toggle of what ran before (suspend,
     // resume) are one wave.
@@ -562,7 +572,7 @@ pub(super) fn plan_tx(
         let change = Change::new(tx, hub);
         change.rollout_changed(&mut d, summary(&record).to_string(), None)?;
     }
-    Ok(())
+    Ok(Ok(()))
 }
 
 /// The nodes of `waves` whose `activate` answered `false`.
@@ -674,6 +684,45 @@ pub(super) fn end_of(
     }
 }
 
+/// A bound node's health in a gate: healthy once its agent activated it
+/// and said so.
+fn agent_health(seen: Option<&super::activations::Seen>) -> (bool, Option<String>) {
+    let Some(s) = seen else {
+        return (false, Some("its activation is not published".into()));
+    };
+    let said = |what: &str| {
+        Some(format!(
+            "{what} ({})",
+            s.reason.as_deref().unwrap_or("no reason")
+        ))
+    };
+    match s.status {
+        ActivationStatus::Pending => (
+            false,
+            Some("its agent has not claimed the activation".into()),
+        ),
+        ActivationStatus::Claimed | ActivationStatus::Fetched => {
+            (false, Some("its agent is activating it".into()))
+        }
+        ActivationStatus::Activated
+        | ActivationStatus::Confirming
+        | ActivationStatus::Confirmed => match &s.health {
+            Some(h) if h.healthy => (true, None),
+            Some(h) => (
+                false,
+                Some(h.reason.clone().unwrap_or_else(|| "unhealthy".into())),
+            ),
+            None => (
+                false,
+                Some("its agent has not answered its health yet".into()),
+            ),
+        },
+        ActivationStatus::Failed => (false, said("its agent failed the activation")),
+        ActivationStatus::Lost => (false, said("its activation was lost")),
+        ActivationStatus::Ended => (false, said("berth ended its activation")),
+    }
+}
+
 /// One rollout's runner.
 pub(super) struct Run {
     engine: Arc<Engine>,
@@ -727,6 +776,11 @@ impl Run {
                 // next start.
                 Halt::Shutdown => return HealthEnd::Halted(Halt::Shutdown),
             }
+            if let Some(why) = self.lost(&record) {
+                io.lines(&[format!("[berth] {why}")]).await;
+                self.apply(Noted::bare(Event::Failed)).await;
+                return HealthEnd::Aborted(FailureReason::LostAttempt, why);
+            }
             let frozen = self.frozen(&record.deployment);
             let step = record.rollout.next(frozen);
             match step {
@@ -734,21 +788,14 @@ impl Run {
                 Next::Activate { wave, nodes } => self.activate(io, &record, wave, nodes).await,
                 Next::Gate { nodes } => self.gate(io, &record, nodes).await,
                 Next::Hold(state) => self.hold(io, &record, state).await,
-                Next::Confirm { .. } if !self.verbs.confirm => {
-                    self.apply(Noted::bare(Event::Confirmed)).await;
-                }
                 Next::Confirm { nodes } => {
-                    let noted = match health::confirm(io, &self.request, &nodes).await {
-                        HealthEnd::Confirmed => Noted::bare(Event::Confirmed),
-                        HealthEnd::Failed(why) | HealthEnd::Aborted(_, why) => {
-                            Noted::by(Event::ConfirmFailed, "confirm", why)
-                        }
-                        HealthEnd::Halted(_) => continue,
+                    let Some(noted) = self.confirm(io, &record, nodes).await else {
+                        continue;
                     };
                     self.apply(noted).await;
                 }
                 Next::Revert { wave, nodes } => {
-                    self.revert(io, wave, nodes).await;
+                    self.revert(io, &record.deployment, wave, nodes).await;
                 }
             }
         }
@@ -816,7 +863,31 @@ impl Run {
             nodes.join(", ")
         )])
         .await;
-        let noted = match self.call_activate(io, wave, &nodes, "new").await {
+        let Some(bound) = self.bound(&record.deployment, &nodes).await else {
+            return;
+        };
+        let unbound: Vec<String> = nodes
+            .iter()
+            .filter(|n| !bound.contains(*n))
+            .cloned()
+            .collect();
+        let called = match unbound.is_empty() {
+            true => Ok(BTreeMap::new()),
+            false => self.call_activate(io, wave, &unbound, "new").await,
+        };
+        let called = match (called, bound.is_empty()) {
+            (Ok(mut answers), false) => {
+                match self.publish(io, &record.deployment, wave, bound).await {
+                    Ok(published) => {
+                        answers.extend(published);
+                        Ok(answers)
+                    }
+                    Err(failure) => Err(failure),
+                }
+            }
+            (called, _) => called,
+        };
+        let noted = match called {
             Ok(answers) => {
                 for (node, (ok, reason)) in &answers {
                     if !ok {
@@ -915,7 +986,17 @@ impl Run {
             Some(s) => Duration::from_secs(u64::from(s)),
             None => settings.health_timeout,
         };
-        let checks = self.verbs.check && !deadline_after.is_zero();
+        let Some(bound) = self.bound(&record.deployment, &nodes).await else {
+            return;
+        };
+        // A bound node passes a gate only once its agent activated it and
+        // says it is healthy: the gate checks even without `check`, and
+        // waits at most the revert window when it has no deadline.
+        let deadline_after = match (deadline_after.is_zero(), bound.is_empty()) {
+            (true, false) => settings.agent_revert_after,
+            (true, true) | (false, _) => deadline_after,
+        };
+        let checks = (self.verbs.check || !bound.is_empty()) && !deadline_after.is_zero();
         let deadline = tokio::time::Instant::now() + deadline_after;
         let waves: Vec<&Wave> = record
             .rollout
@@ -927,8 +1008,11 @@ impl Run {
         loop {
             let mut unhealthy = not_activated(&waves);
             if checks {
-                for (node, reason) in self.check_gate(io, record, &nodes, attempt).await {
+                for (node, reason) in self.check_gate(io, record, (&nodes, &bound), attempt).await {
                     unhealthy.entry(node).or_insert(reason);
+                }
+                if self.lost(record).is_some() {
+                    return;
                 }
             }
             let over = waves.iter().find(|w| {
@@ -979,14 +1063,24 @@ impl Run {
         &self,
         io: &mut impl RolloutIo,
         record: &RolloutRecord,
-        nodes: &[String],
+        (nodes, bound): (&[String], &BTreeSet<String>),
         attempt: u32,
     ) -> Vec<(String, String)> {
-        let mut call = self.request.clone();
-        call["nodes"] = json!(nodes);
-        call["attempt"] = json!(attempt);
-        call["wave"] = json!(record.rollout.wave);
-        let answers = health::check(io, &call, nodes, self.engine.settings.health_interval).await;
+        let unbound: Vec<String> = nodes
+            .iter()
+            .filter(|n| !bound.contains(*n))
+            .cloned()
+            .collect();
+        let mut answers = if self.verbs.check && !unbound.is_empty() {
+            let mut call = self.request.clone();
+            call["nodes"] = json!(unbound);
+            call["attempt"] = json!(attempt);
+            call["wave"] = json!(record.rollout.wave);
+            health::check(io, &call, &unbound, self.engine.settings.health_interval).await
+        } else {
+            vec![]
+        };
+        answers.extend(self.agent_answers(&record.deployment, bound));
         for a in &answers {
             io.answer(attempt, a).await;
         }
@@ -1082,16 +1176,29 @@ impl Run {
                     .map(|(n, _)| n.clone())
             })
             .collect();
-        if !self.verbs.check || !due || nodes.is_empty() {
+        if !due || nodes.is_empty() {
             return;
         }
         self.watched = Some(tokio::time::Instant::now());
-        let mut call = self.request.clone();
-        call["nodes"] = json!(nodes);
-        call["attempt"] = json!(0);
-        call["wave"] = json!(record.rollout.wave);
-        let interval = self.engine.settings.health_interval;
-        let answers = health::check(io, &call, &nodes, interval).await;
+        let Some(bound) = self.bound(&record.deployment, &nodes).await else {
+            return;
+        };
+        let unbound: Vec<String> = nodes
+            .iter()
+            .filter(|n| !bound.contains(*n))
+            .cloned()
+            .collect();
+        let mut answers = if self.verbs.check && !unbound.is_empty() {
+            let mut call = self.request.clone();
+            call["nodes"] = json!(unbound);
+            call["attempt"] = json!(0);
+            call["wave"] = json!(record.rollout.wave);
+            let interval = self.engine.settings.health_interval;
+            health::check(io, &call, &unbound, interval).await
+        } else {
+            vec![]
+        };
+        answers.extend(self.agent_answers(&record.deployment, &bound));
         let was_unhealthy = |node: &str| record.unhealthy.iter().any(|(n, _, _)| n == node);
         for a in &answers {
             if a.healthy == was_unhealthy(&a.node) {
@@ -1105,15 +1212,216 @@ impl Run {
         self.engine.note_health(self.build, noted).await;
     }
 
+    /// Which of `nodes` go through their agents; `None` (after a pause)
+    /// when the store cannot be read: the step is tried again.
+    async fn bound(&self, deployment: &str, nodes: &[String]) -> Option<BTreeSet<String>> {
+        let read = self
+            .engine
+            .store
+            .read()
+            .and_then(|rx| super::activations::bound_of(&rx, deployment, self.build, nodes));
+        match read {
+            Ok(bound) => Some(bound),
+            Err(e) => {
+                tracing::error!(error = %e, "cannot read a rollout's bound nodes; it tries again");
+                tokio::time::sleep(HOLD_STEP).await;
+                None
+            }
+        }
+    }
+
+    /// Publishes `activate` for a wave's bound nodes: each answers `true`
+    /// (agents.md: the gate then waits for its agent's `activated` step
+    /// and health).
+    async fn publish(
+        &self,
+        io: &mut impl RolloutIo,
+        deployment: &str,
+        wave: usize,
+        bound: BTreeSet<String>,
+    ) -> Activation {
+        let names: Vec<String> = bound.iter().cloned().collect();
+        self.engine
+            .publish_activations(self.build, deployment, bound)
+            .await
+            .map_err(|e| {
+                (
+                    FailureReason::Internal,
+                    format!("the activations could not be published: {e}"),
+                )
+            })?;
+        io.lines(&[format!(
+            "[berth] wave {wave}: published to the agents of {}",
+            names.join(", ")
+        )])
+        .await;
+        Ok(names.into_iter().map(|n| (n, (true, None))).collect())
+    }
+
+    /// The health of bound nodes as their agents reported it, as answers
+    /// of a check.
+    fn agent_answers(&self, deployment: &str, bound: &BTreeSet<String>) -> Vec<health::Answer> {
+        if bound.is_empty() {
+            return vec![];
+        }
+        let seen = match self.engine.activations(deployment, self.build, bound) {
+            Ok(seen) => seen,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot read the agents' activations");
+                BTreeMap::new()
+            }
+        };
+        bound
+            .iter()
+            .map(|node| {
+                let (healthy, reason) = agent_health(seen.get(node));
+                health::Answer {
+                    node: node.clone(),
+                    healthy,
+                    reason,
+                }
+            })
+            .collect()
+    }
+
+    /// Why the build fails `lost_attempt`: a bound node's activation lost.
+    fn lost(&self, record: &RolloutRecord) -> Option<String> {
+        match self.engine.lost_activation(&record.deployment, self.build) {
+            Ok(lost) => lost,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot read the agents' activations");
+                None
+            }
+        }
+    }
+
+    /// The confirm after the last wave: `confirm` for the deployer's nodes,
+    /// a `confirm` document for the bound ones (each agent's `confirmed`
+    /// awaited, within `CONFIRM_TIME_LIMIT`). `None`: halted meanwhile.
+    async fn confirm(
+        &mut self,
+        io: &mut impl RolloutIo,
+        record: &RolloutRecord,
+        nodes: Vec<String>,
+    ) -> Option<Noted> {
+        let bound = self.bound(&record.deployment, &nodes).await?;
+        let unbound: Vec<String> = nodes
+            .iter()
+            .filter(|n| !bound.contains(*n))
+            .cloned()
+            .collect();
+        if self.verbs.confirm && !unbound.is_empty() {
+            match health::confirm(io, &self.request, &unbound).await {
+                HealthEnd::Confirmed => {}
+                HealthEnd::Failed(why) | HealthEnd::Aborted(_, why) => {
+                    return Some(Noted::by(Event::ConfirmFailed, "confirm", why))
+                }
+                HealthEnd::Halted(_) => return None,
+            }
+        }
+        if bound.is_empty() {
+            return Some(Noted::bare(Event::Confirmed));
+        }
+        match self.confirm_agents(io, record, bound).await {
+            Ok(()) => Some(Noted::bare(Event::Confirmed)),
+            Err(why) => Some(Noted::by(Event::ConfirmFailed, "confirm", why)),
+        }
+    }
+
+    /// Publishes `confirm` to the agents of `bound` and waits for each
+    /// one's `confirmed`.
+    async fn confirm_agents(
+        &self,
+        io: &mut impl RolloutIo,
+        record: &RolloutRecord,
+        bound: BTreeSet<String>,
+    ) -> Result<(), String> {
+        let deployment = &record.deployment;
+        self.engine
+            .publish_confirms(self.build, deployment, bound.clone())
+            .await
+            .map_err(|e| format!("the confirms could not be published: {e}"))?;
+        io.lines(&[format!(
+            "[berth] confirming through the agents of {}",
+            bound.iter().cloned().collect::<Vec<_>>().join(", ")
+        )])
+        .await;
+        let deadline = tokio::time::Instant::now() + health::CONFIRM_TIME_LIMIT;
+        loop {
+            let seen = self
+                .engine
+                .activations(deployment, self.build, &bound)
+                .map_err(|e| e.to_string())?;
+            let open: Vec<&String> = bound
+                .iter()
+                .filter(|n| {
+                    seen.get(*n)
+                        .is_none_or(|s| s.status != ActivationStatus::Confirmed)
+                })
+                .collect();
+            if open.is_empty() {
+                return Ok(());
+            }
+            if let Some((node, s)) = seen
+                .iter()
+                .find(|(_, s)| s.status.is_final() && s.status != ActivationStatus::Confirmed)
+            {
+                return Err(format!(
+                    "the agent of node {node} did not confirm: {} ({})",
+                    s.status.as_str(),
+                    s.reason.as_deref().unwrap_or("no reason")
+                ));
+            }
+            if tokio::time::Instant::now() >= deadline || self.halted(io) != Halt::No {
+                return Err(format!(
+                    "the agents of {} did not confirm within 300 s",
+                    open.iter()
+                        .map(|n| n.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ));
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(HOLD_STEP) => {}
+                _ = io.halt_changed() => {}
+                _ = self.engine.rollout_wake.notified() => {}
+            }
+        }
+    }
+
     /// Wave `wave` put back: `activate` `previous` for the nodes an
     /// `activate` named; a failure is logged and the next wave goes back
     /// anyway.
-    async fn revert(&self, io: &mut impl RolloutIo, wave: usize, nodes: Vec<String>) {
+    async fn revert(
+        &self,
+        io: &mut impl RolloutIo,
+        deployment: &str,
+        wave: usize,
+        nodes: Vec<String>,
+    ) {
         io.lines(&[format!(
             "[berth] wave {wave}: putting back {}",
             nodes.join(", ")
         )])
         .await;
+        let Some(bound) = self.bound(deployment, &nodes).await else {
+            return;
+        };
+        if !bound.is_empty() {
+            let why = "the rollout was aborted";
+            if let Err(e) = self
+                .engine
+                .send_back(self.build, deployment, bound.clone(), why)
+                .await
+            {
+                tracing::error!(error = %e, "cannot send bound nodes back; the build's end does");
+            }
+        }
+        let nodes: Vec<String> = nodes.into_iter().filter(|n| !bound.contains(n)).collect();
+        if nodes.is_empty() {
+            self.apply(Noted::bare(Event::Reverted { wave })).await;
+            return;
+        }
         match self.call_activate(io, wave, &nodes, "previous").await {
             Ok(answers) => {
                 for (node, (ok, reason)) in answers {

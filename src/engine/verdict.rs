@@ -195,11 +195,17 @@ struct DeployResultNode {
 /// Reads a file artifact a result names (its path beneath the scratch
 /// dir): its digest and size; `Ok(None)` where the file is not at hand
 /// (a remote worker's result: not carried yet).
-pub(super) type ArtifactFile<'a> = &'a dyn Fn(&str) -> Result<Option<(String, u64)>, String>;
+pub(super) type ArtifactFile<'a> = &'a dyn Fn(&str) -> Result<Option<ArtifactRead>, String>;
+
+/// A file artifact as read: its digest, size and zstd bytes.
+pub(super) type ArtifactRead = (String, u64, std::sync::Arc<Vec<u8>>);
 
 /// A node's `artifact` in a deploy result, checked: a file (read and
 /// digested through `file`) or a store path.
-fn result_artifact(v: &serde_json::Value, file: ArtifactFile) -> Result<Option<Artifact>, String> {
+fn result_artifact(
+    v: &serde_json::Value,
+    file: ArtifactFile,
+) -> Result<(Option<Artifact>, Option<ArtifactRead>), String> {
     let kind = v.get("kind").and_then(serde_json::Value::as_str);
     match kind {
         Some("file") => {
@@ -207,14 +213,17 @@ fn result_artifact(v: &serde_json::Value, file: ArtifactFile) -> Result<Option<A
                 .get("path")
                 .and_then(serde_json::Value::as_str)
                 .ok_or("a file artifact names its `path` beneath the scratch dir")?;
-            Ok(file(path)?.map(|(digest, size)| Artifact {
+            let read = file(path)?;
+            let artifact = read.as_ref().map(|(digest, size, _)| Artifact {
                 kind: ArtifactKind::File,
-                id: digest,
-                size: Some(size),
+                id: digest.clone(),
+                size: Some(*size),
                 url: None,
-            }))
+            });
+            Ok((artifact, read))
         }
         Some("nix-store-path") => crate::nodes::parse_artifact(v, "/artifact")
+            .map(|a| (a, None))
             .map_err(|b| format!("a store path artifact: {}", b.message)),
         _ => Err("an artifact's kind is `file` or `nix-store-path`".into()),
     }
@@ -225,14 +234,19 @@ pub(super) fn read_artifact(
     root: &std::path::Path,
     rel: &str,
     limit: u64,
-) -> Result<Option<(String, u64)>, String> {
+) -> Result<Option<ArtifactRead>, String> {
     use sha2::{Digest, Sha256};
     let bytes = runner::open_in_scratch(root, rel, limit).map_err(|e| match e {
         OpenError::Missing => format!("the artifact file {rel} is missing"),
         OpenError::Refused(why) => format!("the artifact file {rel}: {why}"),
     })?;
     let digest = format!("sha256:{}", crate::hex::encode(&Sha256::digest(&bytes)));
-    Ok(Some((digest, bytes.len() as u64)))
+    let compressed = compress::compress(&bytes).map_err(|e| e.to_string())?;
+    Ok(Some((
+        digest,
+        bytes.len() as u64,
+        std::sync::Arc::new(compressed),
+    )))
 }
 
 /// A fingerprint longer than this is a protocol error (a digest or a store
@@ -323,11 +337,11 @@ pub(super) fn parse_result(
             (None, false) => SbomOutcome::Kept,
             (None, true) => SbomOutcome::Unavailable("the deployer gave no SBOM".into()),
         };
-        let artifact = match &node.artifact {
+        let (artifact, artifact_bytes) = match &node.artifact {
             Some(v) => {
                 result_artifact(v, artifact).map_err(|why| format!("node {}: {why}", node.name))?
             }
-            None => None,
+            None => (None, None),
         };
         out.push(NodeOutcome {
             name: node.name,
@@ -335,6 +349,7 @@ pub(super) fn parse_result(
             sbom,
             fingerprint: node.fingerprint,
             artifact,
+            artifact_bytes,
         });
     }
     Ok(out)

@@ -93,6 +93,10 @@ pub struct Hub {
     /// documents commit in one transaction, and 10,000 idle agents then
     /// cost no per-node state here.
     pub documents: tokio::sync::watch::Sender<u64>,
+    /// What every document carries from berth's settings (set once, when
+    /// the engine makes the hub), so a transaction that shows a node's
+    /// entry has them at hand.
+    pub document_times: crate::nodes::DocumentTimes,
 }
 
 /// The subscriber fell further behind than the tail keeps: it catches up
@@ -226,6 +230,14 @@ impl Drop for Subscription {
 }
 
 impl Hub {
+    /// A hub whose node entries show these document times.
+    pub fn with_document_times(times: crate::nodes::DocumentTimes) -> Hub {
+        Hub {
+            document_times: times,
+            ..Hub::default()
+        }
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Channel, Arc<Live>>> {
         self.channels.held()
     }

@@ -5,7 +5,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{BuildId, Millis};
+use super::{AttemptRecord, BuildId, Millis};
 
 /// What an agent fetches to run a node (deployer.md "deploy": a node's
 /// `artifact`).
@@ -116,6 +116,97 @@ pub struct NodeDrift {
     pub what: Vec<String>,
 }
 
+/// Where a node's activation through its agent is (agents.md "Desired vs
+/// actual": `activation.status`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ActivationStatus {
+    /// Published; no agent claimed it yet.
+    Pending,
+    Claimed,
+    /// The agent has the artifact on the node, verified.
+    Fetched,
+    /// Test-activated, its revert armed: health answers count from here.
+    Activated,
+    /// berth published `confirm`.
+    Confirming,
+    Confirmed,
+    /// The agent said so (its reason).
+    Failed,
+    /// Its lease passed or its token was revoked.
+    Lost,
+    /// berth ended it (an abort, a build that ended unconfirmed).
+    Ended,
+}
+
+impl ActivationStatus {
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            ActivationStatus::Pending => "pending",
+            ActivationStatus::Claimed => "claimed",
+            ActivationStatus::Fetched => "fetched",
+            ActivationStatus::Activated => "activated",
+            ActivationStatus::Confirming => "confirming",
+            ActivationStatus::Confirmed => "confirmed",
+            ActivationStatus::Failed => "failed",
+            ActivationStatus::Lost => "lost",
+            ActivationStatus::Ended => "ended",
+        }
+    }
+
+    /// Whether it has ended (nothing an agent sends changes it).
+    pub const fn is_final(self) -> bool {
+        match self {
+            ActivationStatus::Confirmed
+            | ActivationStatus::Failed
+            | ActivationStatus::Lost
+            | ActivationStatus::Ended => true,
+            ActivationStatus::Pending
+            | ActivationStatus::Claimed
+            | ActivationStatus::Fetched
+            | ActivationStatus::Activated
+            | ActivationStatus::Confirming => false,
+        }
+    }
+}
+
+/// One activation of a node through its agent: a rollout's wave asked for
+/// it under a new fence.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeActivation {
+    pub build: BuildId,
+    /// The node's fence it was published under.
+    pub fence: u64,
+    pub artifact: Artifact,
+    /// The steady document's artifact before it, and its build: where
+    /// berth sends the node back when the build ends unconfirmed.
+    pub before: Option<Artifact>,
+    pub before_build: Option<BuildId>,
+    pub status: ActivationStatus,
+    /// Why it failed, was lost or ended.
+    pub reason: Option<String>,
+    /// The agent's latest health answer (from `activated` on).
+    pub health: Option<ReportedHealth>,
+    /// The agent's authority over it, from its claim on (the worker
+    /// field names the agent's token).
+    pub attempt: Option<AttemptRecord>,
+    pub published_at: Millis,
+    pub activated_at: Option<Millis>,
+    pub finished_at: Option<Millis>,
+    /// Log items taken (`MAX_ACTIVATION_LOG_LINES` at most; the rest
+    /// counted in `dropped_lines`).
+    pub log_lines: u32,
+    pub dropped_lines: u32,
+}
+
+/// A rollout build's artifact for a bound node, staged with its plan
+/// until the node's wave publishes it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StagedArtifact {
+    pub build: BuildId,
+    pub artifact: Artifact,
+}
+
 /// One bound node, under (deployment, node). The row exists from the
 /// first document or report on and is kept for ever: its fence is never
 /// handed out twice.
@@ -133,6 +224,10 @@ pub struct NodeRecord {
     pub desired: Option<DesiredState>,
     pub actual: Option<NodeReport>,
     pub drift: Option<NodeDrift>,
+    /// A rollout's artifact waiting for the node's wave.
+    pub staged: Option<StagedArtifact>,
+    /// The latest activation through the agent (kept after it ends).
+    pub activation: Option<NodeActivation>,
 }
 
 impl NodeRecord {
@@ -146,6 +241,8 @@ impl NodeRecord {
             desired: None,
             actual: None,
             drift: None,
+            staged: None,
+            activation: None,
         }
     }
 }

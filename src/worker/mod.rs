@@ -994,9 +994,32 @@ impl Api {
         }
     }
 
+    /// A GET of raw bytes at `path` (an artifact), at most `max`.
+    pub(crate) async fn get_bytes(&self, path: &str, max: usize) -> Result<Vec<u8>, String> {
+        let mut resp = self
+            .http
+            .get(format!("{}{path}", self.base))
+            .bearer_auth(&self.token)
+            .timeout(Duration::from_secs(600))
+            .send()
+            .await
+            .map_err(|e| e.to_string())?;
+        if !resp.status().is_success() {
+            return Err(format!("berth answered {}", resp.status()));
+        }
+        let mut bytes = Vec::new();
+        while let Some(chunk) = resp.chunk().await.map_err(|e| e.to_string())? {
+            if bytes.len() + chunk.len() > max {
+                return Err(format!("an artifact longer than {max} bytes"));
+            }
+            bytes.extend_from_slice(&chunk);
+        }
+        Ok(bytes)
+    }
+
     /// A call resent (same body, so the same `operation_id`) while it gets
     /// no answer or a 5xx, until `deadline`.
-    async fn resend<B: serde::Serialize + ?Sized>(
+    pub(crate) async fn resend<B: serde::Serialize + ?Sized>(
         &self,
         method: reqwest::Method,
         path: &str,

@@ -158,11 +158,6 @@ fn end(status: BuildStatus) -> Arc<Finished> {
         late_frames: vec![],
         last_seq_used: 0,
         log_gaps: vec![],
-        document_times: Some(crate::nodes::DocumentTimes {
-            lease_ttl_ms: 30_000,
-            revert_after_ms: 300_000,
-            health_interval_ms: 5_000,
-        }),
         work_state: crate::engine::work_state::NewWorkState::Unchanged,
         keep_work_states: 3,
     })

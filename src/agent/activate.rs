@@ -1,0 +1,435 @@
+//! The agent's side of an activation (agents.md "Activation" and "The
+//! armed revert"): claim, fetch and verify, test-activate under an armed
+//! revert, renew, answer health, confirm when berth says so, and go back
+//! by itself when berth ends the activation, stays silent past the revert
+//! window, or the agent stops.
+//!
+//! The file kind only: the node's `current` is replaced atomically with
+//! the artifact (the bytes it replaced kept first, so a revert puts them
+//! back), `booted` is written at the confirm. The state file records the
+//! activation (synced) before the node is touched, so an agent that
+//! starts and finds one unconfirmed reverts it: its authority died with
+//! its incarnation.
+
+use std::path::Path;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use tokio::time::Instant;
+
+use super::{Agent, Failure, CALL_TIMEOUT};
+
+/// Tries of a fetch before the activation fails.
+const FETCH_TRIES: u32 = 3;
+/// The longest artifact the agent fetches.
+const MAX_ARTIFACT_BYTES: usize = 4 << 30;
+
+/// The activation the agent holds, as `state.json` keeps it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Held {
+    pub attempt_id: String,
+    pub fence: u64,
+    pub worker_incarnation: String,
+    /// The artifact's digest.
+    pub artifact: String,
+    /// The digest of what `current` held before (its bytes kept in
+    /// `artifacts/`); `None`: there was no `current`.
+    pub before: Option<String>,
+    /// `test` (activated, on probation) or `confirming`.
+    pub phase: String,
+}
+
+/// What the main loop keeps of a held activation besides the state file.
+pub struct Live {
+    pub lease_ttl: Duration,
+    pub revert_after: Duration,
+    pub health_every: Duration,
+    /// When the last renew that berth accepted was sent (or the test
+    /// activation, before any): the revert window runs from here.
+    pub last_accepted: Instant,
+    pub next_renew: Instant,
+    pub next_health: Instant,
+    pub last_health: Option<bool>,
+    pub seq: u64,
+}
+
+impl Live {
+    pub fn revert_at(&self) -> Instant {
+        self.last_accepted + self.revert_after
+    }
+}
+
+fn ms(v: &Value, key: &str, default_ms: u64) -> Duration {
+    Duration::from_millis(v[key].as_u64().unwrap_or(default_ms))
+}
+
+fn artifact_path(dir: &Path, digest: &str) -> std::path::PathBuf {
+    dir.join("artifacts")
+        .join(digest.trim_start_matches("sha256:"))
+}
+
+impl Agent {
+    fn attempt_path(&self, held: &Held, call: &str) -> String {
+        format!("{}/attempts/{}/{call}", self.node_path(), held.attempt_id)
+    }
+
+    fn authority(&self, fence: u64) -> Value {
+        json!({
+            "operation_id": crate::worker::new_operation_id(),
+            "fence": fence,
+            "worker_incarnation": self.incarnation,
+        })
+    }
+
+    /// An `activate` document: claim it, fetch, test-activate. `Err` only
+    /// when the token was refused.
+    pub(super) async fn activate(&mut self, doc: &Value) -> Result<(), Failure> {
+        let fence = doc["fence"].as_u64().unwrap_or(0);
+        if fence <= self.state.highest_claimed {
+            self.last_error = Some((
+                "fence_regressed".into(),
+                format!(
+                    "an activation with fence {fence}, not above the {} this agent claimed",
+                    self.state.highest_claimed
+                ),
+            ));
+            return Ok(());
+        }
+        let Some(digest) = doc["artifact"]["digest"].as_str().map(str::to_string) else {
+            tracing::warn!("an activation of an artifact this agent does not run (not a file)");
+            return Ok(());
+        };
+        let claim = self.authority(fence);
+        let path = format!("{}/claim", self.node_path());
+        let attempt_id = match self
+            .api
+            .call(reqwest::Method::POST, &path, Some(&claim), CALL_TIMEOUT)
+            .await
+        {
+            Ok((200, answer)) => answer["authority"].as_str().unwrap_or_default().to_string(),
+            Ok((401 | 403, _)) => return Err(Failure::Refused),
+            Ok((status, answer)) => {
+                tracing::warn!(status, %answer, "berth refused a claim");
+                return Ok(());
+            }
+            Err(why) => {
+                tracing::warn!(%why, "cannot reach berth to claim an activation");
+                return Ok(());
+            }
+        };
+        self.state.highest_claimed = fence;
+        self.save().map_err(|_| Failure::Again(None))?;
+        let held = Held {
+            attempt_id,
+            fence,
+            worker_incarnation: self.incarnation.clone(),
+            artifact: digest.clone(),
+            before: None,
+            phase: "claimed".into(),
+        };
+        let url = doc["artifact"]["url"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        let bytes = match self.fetch(&url, &digest).await {
+            Ok(bytes) => bytes,
+            Err(reason) => {
+                self.outcome(
+                    &held,
+                    Some((reason, "the artifact could not be fetched and verified")),
+                )
+                .await;
+                return Ok(());
+            }
+        };
+        let mut live = Live {
+            lease_ttl: ms(doc, "lease_ttl_ms", 30_000),
+            revert_after: ms(doc, "revert_after_ms", 300_000),
+            health_every: ms(doc, "health_interval_ms", 5_000),
+            last_accepted: Instant::now(),
+            next_renew: Instant::now(),
+            next_health: Instant::now(),
+            last_health: None,
+            seq: 0,
+        };
+        self.step(&held, &mut live, json!({"step": "fetched"}))
+            .await;
+        match self.test_activate(held, &bytes).await {
+            Ok(held) => {
+                live.last_accepted = Instant::now();
+                live.next_renew = Instant::now() + live.lease_ttl / 3;
+                self.step(&held, &mut live, json!({"step": "activated"}))
+                    .await;
+                self.held = Some((held, live));
+            }
+            Err((held, why)) => {
+                tracing::warn!(%why, "the test activation failed; the node is back");
+                self.outcome(
+                    &held,
+                    Some(("activation_failed", "the test activation failed")),
+                )
+                .await;
+            }
+        }
+        Ok(())
+    }
+
+    /// Fetches the artifact (3 tries), checks its digest, keeps it.
+    async fn fetch(&self, url: &str, digest: &str) -> Result<Vec<u8>, &'static str> {
+        use sha2::{Digest, Sha256};
+        let mut reason = "fetch_failed";
+        for _ in 0..FETCH_TRIES {
+            let got = self.api.get_bytes(url, MAX_ARTIFACT_BYTES).await;
+            match got {
+                Ok(bytes) => {
+                    let seen = format!("sha256:{}", crate::hex::encode(&Sha256::digest(&bytes)));
+                    if seen == digest {
+                        let path = artifact_path(&self.args.state_dir, digest);
+                        crate::durable::replace(&path, &bytes, 0o600)
+                            .map_err(|_| "fetch_failed")?;
+                        return Ok(bytes);
+                    }
+                    reason = "digest_mismatch";
+                }
+                Err(why) => {
+                    tracing::warn!(%why, "cannot fetch an artifact");
+                    reason = "fetch_failed";
+                }
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+        Err(reason)
+    }
+
+    /// Records the activation (synced), keeps what `current` holds, and
+    /// switches: `current` replaced atomically, then the activate command.
+    async fn test_activate(
+        &mut self,
+        mut held: Held,
+        bytes: &[u8],
+    ) -> Result<Held, (Held, String)> {
+        let dir = self.args.state_dir.clone();
+        let current = dir.join("current");
+        held.before = match std::fs::read(&current) {
+            Ok(old) => {
+                let digest = super::digest_of(&old);
+                if let Err(e) = crate::durable::replace(&artifact_path(&dir, &digest), &old, 0o600)
+                {
+                    return Err((held, format!("cannot keep what the node ran: {e}")));
+                }
+                Some(digest)
+            }
+            Err(_) => None,
+        };
+        held.phase = "test".into();
+        self.state.attempt = Some(held.clone());
+        if let Err(why) = self.save() {
+            self.state.attempt = None;
+            return Err((held, why));
+        }
+        if let Err(e) = crate::durable::replace(&current, bytes, 0o644) {
+            self.revert().await;
+            return Err((held, format!("cannot switch: {e}")));
+        }
+        if let Err(why) = self.run_activate_command("test").await {
+            self.revert().await;
+            return Err((held, why));
+        }
+        Ok(held)
+    }
+
+    /// `--activate-command` with the phase; `Err` with its last line.
+    async fn run_activate_command(&self, phase: &str) -> Result<(), String> {
+        let Some(cmd) = &self.args.activate_command else {
+            return Ok(());
+        };
+        let out = tokio::process::Command::new("/bin/sh")
+            .arg("-c")
+            .arg(cmd)
+            .env("BERTH_ARTIFACT", self.args.state_dir.join("current"))
+            .env("BERTH_PHASE", phase)
+            .stdin(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .output()
+            .await
+            .map_err(|e| format!("the activate command could not run: {e}"))?;
+        if out.status.success() {
+            return Ok(());
+        }
+        let text = String::from_utf8_lossy(&out.stderr).to_string();
+        Err(text
+            .lines()
+            .last()
+            .unwrap_or("the activate command failed")
+            .to_string())
+    }
+
+    /// Puts back what the node ran before the held activation (`current`,
+    /// or none) and forgets the activation.
+    pub(super) async fn revert(&mut self) {
+        let Some(held) = self.state.attempt.clone() else {
+            return;
+        };
+        let dir = self.args.state_dir.clone();
+        let current = dir.join("current");
+        let restored = match &held.before {
+            Some(digest) => std::fs::read(artifact_path(&dir, digest))
+                .and_then(|old| crate::durable::replace(&current, &old, 0o644)),
+            None => match std::fs::remove_file(&current) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+                Ok(()) | Err(_) => Ok(()),
+            },
+        };
+        if let Err(e) = restored {
+            tracing::error!(error = %e, "cannot put back what the node ran; it keeps the new artifact");
+            self.last_error = Some(("revert_failed".into(), e.to_string()));
+        }
+        if let Err(why) = self.run_activate_command("revert").await {
+            tracing::warn!(%why, "the activate command failed on a revert");
+        }
+        tracing::info!(fence = held.fence, "reverted the unconfirmed activation");
+        self.state.attempt = None;
+        self.held = None;
+        if let Err(why) = self.save() {
+            tracing::error!(%why, "cannot record the revert");
+        }
+    }
+
+    /// A `confirm` document for the held activation: `booted` written,
+    /// the activate command's `boot`, then `confirmed`.
+    pub(super) async fn confirm(&mut self) {
+        let Some((held, _)) = self.held.as_ref() else {
+            return;
+        };
+        let held = held.clone();
+        let dir = self.args.state_dir.clone();
+        let made = std::fs::read(dir.join("current"))
+            .and_then(|bytes| crate::durable::replace(&dir.join("booted"), &bytes, 0o644))
+            .map_err(|e| e.to_string());
+        let made = match made {
+            Ok(()) => self.run_activate_command("boot").await,
+            Err(why) => Err(why),
+        };
+        if let Err(why) = made {
+            tracing::warn!(%why, "the confirm failed");
+            self.outcome(
+                &held,
+                Some(("confirm_failed", "the boot entry could not be written")),
+            )
+            .await;
+            self.revert().await;
+            return;
+        }
+        self.outcome(&held, None).await;
+        self.state.attempt = None;
+        self.held = None;
+        if let Err(why) = self.save() {
+            tracing::error!(%why, "cannot record the confirm");
+        }
+    }
+
+    /// Posts the outcome (`None`: confirmed), resent while berth does not
+    /// answer, for at most a lease.
+    pub(super) async fn outcome(&self, held: &Held, failed: Option<(&str, &str)>) {
+        let mut body = self.authority(held.fence);
+        match failed {
+            None => body["result"] = json!("confirmed"),
+            Some((reason, detail)) => {
+                body["result"] = json!("failed");
+                body["reason"] = json!(reason);
+                body["detail"] = json!(detail);
+            }
+        }
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let path = self.attempt_path(held, "outcome");
+        match self
+            .api
+            .resend(reqwest::Method::POST, &path, &body, deadline)
+            .await
+        {
+            Ok((200, _)) => {}
+            Ok((status, answer)) => tracing::warn!(status, %answer, "berth refused an outcome"),
+            Err(why) => tracing::warn!(%why, "cannot reach berth with an outcome"),
+        }
+    }
+
+    /// One progress item; a `409` means berth ended the activation.
+    pub(super) async fn step(&mut self, held: &Held, live: &mut Live, item: Value) -> bool {
+        live.seq += 1;
+        let mut body = self.authority(held.fence);
+        let mut item = item;
+        item["seq"] = json!(live.seq);
+        body["items"] = json!([item]);
+        let path = self.attempt_path(held, "progress");
+        match self
+            .api
+            .call(reqwest::Method::POST, &path, Some(&body), CALL_TIMEOUT)
+            .await
+        {
+            Ok((200, _)) => true,
+            Ok((409, _)) => false,
+            Ok((status, answer)) => {
+                tracing::warn!(status, %answer, "berth refused a progress item");
+                true
+            }
+            Err(why) => {
+                tracing::warn!(%why, "cannot reach berth with a progress item");
+                true
+            }
+        }
+    }
+
+    /// The renew of the held activation: `false` when berth ended it.
+    pub(super) async fn renew(&mut self) -> bool {
+        let Some((held, _)) = self.held.as_ref() else {
+            return true;
+        };
+        let held = held.clone();
+        let sent = Instant::now();
+        let body = self.authority(held.fence);
+        let path = self.attempt_path(&held, "renew");
+        let answer = self
+            .api
+            .call(reqwest::Method::POST, &path, Some(&body), CALL_TIMEOUT)
+            .await;
+        let Some((_, live)) = self.held.as_mut() else {
+            return true;
+        };
+        live.next_renew = Instant::now() + live.lease_ttl / 3;
+        match answer {
+            Ok((200, _)) => {
+                live.last_accepted = sent;
+                true
+            }
+            Ok((409, _)) => false,
+            Ok((status, answer)) => {
+                tracing::warn!(status, %answer, "berth refused a renew");
+                true
+            }
+            Err(why) => {
+                tracing::warn!(%why, "cannot reach berth to renew");
+                true
+            }
+        }
+    }
+
+    /// A health answer of the held activation when due: at once, then
+    /// every interval while unhealthy, then on each change.
+    pub(super) async fn health_step(&mut self) -> bool {
+        let health = self.health().await;
+        let Some((held, mut live)) = self.held.take() else {
+            return true;
+        };
+        let healthy = health["healthy"].as_bool().unwrap_or(false);
+        live.next_health = Instant::now() + live.health_every;
+        let changed = live.last_health != Some(healthy);
+        let mut going = true;
+        if changed || !healthy {
+            going = self.step(&held, &mut live, json!({"health": health})).await;
+            live.last_health = Some(healthy);
+        }
+        self.held = Some((held, live));
+        going
+    }
+}
