@@ -100,23 +100,8 @@ impl Agent {
             tracing::warn!("an activation of an artifact this agent does not run (not a file)");
             return Ok(());
         };
-        let claim = self.authority(fence);
-        let path = format!("{}/claim", self.node_path());
-        let attempt_id = match self
-            .api
-            .call(reqwest::Method::POST, &path, Some(&claim), CALL_TIMEOUT)
-            .await
-        {
-            Ok((200, answer)) => answer["authority"].as_str().unwrap_or_default().to_string(),
-            Ok((401 | 403, _)) => return Err(Failure::Refused),
-            Ok((status, answer)) => {
-                tracing::warn!(status, %answer, "berth refused a claim");
-                return Ok(());
-            }
-            Err(why) => {
-                tracing::warn!(%why, "cannot reach berth to claim an activation");
-                return Ok(());
-            }
+        let Some(attempt_id) = self.claim(fence).await? else {
+            return Ok(());
         };
         self.state.highest_claimed = fence;
         self.save().map_err(|_| Failure::Again(None))?;
@@ -173,6 +158,29 @@ impl Agent {
             }
         }
         Ok(())
+    }
+
+    /// Claims the activation under `fence`: its id, or `None` when berth
+    /// refused it (another incarnation claimed it) or cannot be reached.
+    async fn claim(&self, fence: u64) -> Result<Option<String>, Failure> {
+        let claim = self.authority(fence);
+        let path = format!("{}/claim", self.node_path());
+        match self
+            .api
+            .call(reqwest::Method::POST, &path, Some(&claim), CALL_TIMEOUT)
+            .await
+        {
+            Ok((200, answer)) => Ok(answer["authority"].as_str().map(str::to_string)),
+            Ok((401 | 403, _)) => Err(Failure::Refused),
+            Ok((status, answer)) => {
+                tracing::warn!(status, %answer, "berth refused a claim");
+                Ok(None)
+            }
+            Err(why) => {
+                tracing::warn!(%why, "cannot reach berth to claim an activation");
+                Ok(None)
+            }
+        }
     }
 
     /// Fetches the artifact (3 tries), checks its digest, keeps it.

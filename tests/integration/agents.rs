@@ -490,3 +490,294 @@ async fn reports_are_fenced_rate_limited_bounded_and_scoped_to_their_node() {
         "{err}"
     );
 }
+
+/// berth whose `local` deployer lists `activate`, so a deploy is a rollout
+/// (deployer.md), with quick health checks.
+async fn activating_server(flags: &[&str]) -> Server {
+    let mut opts = Options::default()
+        .env("BERTH_LOCAL_ACTIVATE", "1")
+        .arg("--health-interval")
+        .arg("1s");
+    for f in flags {
+        opts = opts.arg(f);
+    }
+    Server::start(opts).await
+}
+
+/// An agent of alice/mastodon whose health is bad while `flag` exists.
+fn checked_agent(s: &Server, token: &str, tag: &str) -> (Agent, std::path::PathBuf) {
+    let dir = s.dir.join(tag);
+    let flag = dir.join("unhealthy");
+    let check = format!("test ! -e {}", flag.display());
+    let agent = Agent::start(
+        s,
+        token,
+        "alice/mastodon",
+        &dir,
+        &["--check-command", &check],
+    );
+    (agent, flag)
+}
+
+/// The digest of a node's file (`current`, `booted`), if it has one.
+fn file_digest(path: &std::path::Path) -> Option<String> {
+    use sha2::Digest;
+    let bytes = std::fs::read(path).ok()?;
+    Some(format!(
+        "sha256:{}",
+        berth::hex::encode(&sha2::Sha256::digest(&bytes))
+    ))
+}
+
+async fn wait_activation(s: &Server, fence: u64, status: &str) -> Value {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let e = node(s, "alice", "mastodon").await;
+        if e["activation"]["fence"] == json!(fence) && e["activation"]["status"] == json!(status) {
+            return e;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "activation {fence} never {status}: {e}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_deploy_reaches_a_bound_node_through_its_agent_and_a_deploy_of_the_same_configuration_corrects_a_drift(
+) {
+    let s = activating_server(&[]).await;
+    let token = agent_token(&s, "m-1", "alice", "mastodon").await;
+    let (a, _) = checked_agent(&s, &token, "agent");
+    let build = s.submit_ok("alice", mastodon("alice.example.org")).await;
+    s.wait_build(&build, "succeeded").await;
+    let entry = wait_activation(&s, 1, "confirmed").await;
+    let desired = entry["desired"]["artifact"]["digest"].clone();
+    assert_eq!(entry["desired"]["phase"], "steady", "{entry}");
+    // The agent switched and confirmed: current and booted are the artifact.
+    let node_dir = a.dir.join("state");
+    assert_eq!(
+        file_digest(&node_dir.join("current")).map(Value::from),
+        Some(desired.clone())
+    );
+    assert_eq!(
+        file_digest(&node_dir.join("booted")).map(Value::from),
+        Some(desired.clone())
+    );
+    eventually("the report shows it", || async {
+        let e = node(&s, "alice", "mastodon").await;
+        e["actual"]["running"]["digest"] == desired && e["drift"].is_null()
+    })
+    .await;
+    // The deployer's activate never named the bound node; it activated
+    // the other one.
+    let work = s.dir.join("data/work/alice/nodes");
+    assert!(work.join("base.json").exists());
+    assert!(
+        !work.join("mastodon.json").exists(),
+        "the deployer activated a bound node"
+    );
+    let log = s.log_text(&build).await;
+    assert!(log.contains("published to the agents of mastodon"), "{log}");
+    // Changed by hand: drift; a deploy of the same configuration puts the
+    // node back through its agent.
+    std::fs::write(node_dir.join("current"), b"edited by hand").unwrap();
+    eventually("the drift shows", || async {
+        !node(&s, "alice", "mastodon").await["drift"].is_null()
+    })
+    .await;
+    let again = s.submit_ok("alice", mastodon("alice.example.org")).await;
+    s.wait_build(&again, "succeeded").await;
+    wait_activation(&s, 2, "confirmed").await;
+    eventually("the drift is gone", || async {
+        let e = node(&s, "alice", "mastodon").await;
+        e["actual"]["running"]["digest"] == desired && e["drift"].is_null()
+    })
+    .await;
+    assert_eq!(
+        file_digest(&node_dir.join("current")).map(Value::from),
+        Some(desired)
+    );
+}
+
+/// A first deploy through the agent, then a second one (another domain)
+/// whose activation the agent reports unhealthy while `flag` exists: the
+/// node entry once that activation is `activated`.
+async fn second_activation_held(s: &Server, flag: &std::path::Path) -> (String, Value) {
+    let first = s.submit_ok("alice", mastodon("alice.example.org")).await;
+    s.wait_build(&first, "succeeded").await;
+    let before = wait_activation(s, 1, "confirmed").await["desired"]["artifact"]["digest"].clone();
+    std::fs::write(flag, b"").unwrap();
+    // With the automatic rollback on: a lost activation must not start it.
+    let second = s.submit_ok("alice", mastodon("bob.example.org")).await;
+    wait_activation(s, 2, "activated").await;
+    (second, before)
+}
+
+#[tokio::test]
+async fn an_agent_paused_past_its_lease_fails_the_build_lost_without_a_rollback_and_goes_back_when_it_wakes(
+) {
+    let s = activating_server(&["--lease-ttl", "5s", "--agent-revert-after", "15s"]).await;
+    let token = agent_token(&s, "m-1", "alice", "mastodon").await;
+    let (a, flag) = checked_agent(&s, &token, "agent");
+    let (second, before) = second_activation_held(&s, &flag).await;
+    a.signal(nix::sys::signal::Signal::SIGSTOP);
+    let failed = s.wait_build(&second, "failed").await;
+    assert_eq!(failed["failure"]["reason"], "lost_attempt", "{failed}");
+    let entry = node(&s, "alice", "mastodon").await;
+    assert_eq!(entry["activation"]["status"], "lost", "{entry}");
+    // Sent back: steady on the artifact before, under a new fence.
+    assert_eq!(
+        (
+            entry["desired"]["phase"].as_str(),
+            entry["desired"]["fence"].as_u64()
+        ),
+        (Some("steady"), Some(3)),
+        "{entry}"
+    );
+    assert_eq!(entry["desired"]["artifact"]["digest"], before, "{entry}");
+    eventually("the paused agent is unreachable", || async {
+        node(&s, "alice", "mastodon").await["agent"]["status"] == "unreachable"
+    })
+    .await;
+    // Woken: its late calls are refused, it goes back by itself, and the
+    // activation stays lost.
+    std::fs::remove_file(&flag).unwrap();
+    a.signal(nix::sys::signal::Signal::SIGCONT);
+    eventually("the node runs the artifact before again", || async {
+        let e = node(&s, "alice", "mastodon").await;
+        e["actual"]["running"]["digest"] == before && e["agent"]["status"] == "reporting"
+    })
+    .await;
+    assert_eq!(
+        file_digest(&a.dir.join("state/current")).map(Value::from),
+        Some(before)
+    );
+    assert_eq!(
+        node(&s, "alice", "mastodon").await["activation"]["status"],
+        "lost"
+    );
+    // No automatic rollback after a lost activation.
+    let (_, builds) = s.json("/v1/deployments/alice/builds").await;
+    assert_eq!(builds["items"].as_array().unwrap().len(), 2, "{builds}");
+}
+
+#[tokio::test]
+async fn with_berth_gone_after_a_test_activation_the_agent_goes_back_by_itself_within_the_revert_window(
+) {
+    let mut s = activating_server(&["--lease-ttl", "5s", "--agent-revert-after", "15s"]).await;
+    let token = agent_token(&s, "m-1", "alice", "mastodon").await;
+    let (a, flag) = checked_agent(&s, &token, "agent");
+    let (_, before) = second_activation_held(&s, &flag).await;
+    let current = a.dir.join("state/current");
+    assert_ne!(file_digest(&current).map(Value::from), Some(before.clone()));
+    let gone = std::time::Instant::now();
+    s.kill();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(40);
+    while file_digest(&current).map(Value::from) != Some(before.clone()) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the agent never went back: {}",
+            a.log()
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    // Not before the revert window less one renew interval (5 s / 3).
+    let took = gone.elapsed();
+    assert!(
+        took >= std::time::Duration::from_millis(13_000),
+        "went back after {took:?}"
+    );
+    assert!(
+        a.log()
+            .contains("no renew accepted within the revert window"),
+        "{}",
+        a.log()
+    );
+}
+
+#[tokio::test]
+async fn two_agents_on_one_token_make_one_claim_and_are_shown_as_a_duplicate() {
+    let s = activating_server(&[]).await;
+    let token = agent_token(&s, "m-1", "alice", "mastodon").await;
+    let (one, _) = checked_agent(&s, &token, "one");
+    let (two, _) = checked_agent(&s, &token, "two");
+    let build = s.submit_ok("alice", mastodon("alice.example.org")).await;
+    s.wait_build(&build, "succeeded").await;
+    let switched: Vec<bool> = [&one, &two]
+        .iter()
+        .map(|a| a.dir.join("state/current").exists())
+        .collect();
+    assert_eq!(
+        switched.iter().filter(|s| **s).count(),
+        1,
+        "exactly one agent activated: {switched:?}"
+    );
+    eventually("the two incarnations show as a duplicate", || async {
+        node(&s, "alice", "mastodon").await["agent"]["duplicate"] == true
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn an_agent_restarted_with_a_fence_above_berths_raises_it_and_one_restarted_holding_a_lost_activation_goes_back(
+) {
+    let s = activating_server(&["--lease-ttl", "5s", "--agent-revert-after", "15s"]).await;
+    let token = agent_token(&s, "m-1", "alice", "mastodon").await;
+    // Its state file says fence 100 (berth restored from an older backup).
+    let dir = s.dir.join("agent");
+    std::fs::create_dir_all(dir.join("state")).unwrap();
+    std::fs::write(
+        dir.join("state/state.json"),
+        json!({"version": 1, "node": "alice/mastodon", "highest_fence": 100, "generation": 0, "highest_claimed": 100, "attempt": null}).to_string(),
+    )
+    .unwrap();
+    let flag = dir.join("unhealthy");
+    let check = format!("test ! -e {}", flag.display());
+    let mut a = Agent::start(
+        &s,
+        &token,
+        "alice/mastodon",
+        &dir,
+        &["--check-command", &check],
+    );
+    eventually("berth raises the node's fence", || async {
+        node(&s, "alice", "mastodon").await["actual"]["fence"] == 100
+    })
+    .await;
+    let build = s.submit_ok("alice", mastodon("alice.example.org")).await;
+    s.wait_build(&build, "succeeded").await;
+    let before =
+        wait_activation(&s, 101, "confirmed").await["desired"]["artifact"]["digest"].clone();
+    // Killed while holding an activation; its lease passes; restarted, it
+    // goes back by itself and converges.
+    std::fs::write(&flag, b"").unwrap();
+    let second = s
+        .submit_ok_without_rollback("alice", mastodon("bob.example.org"))
+        .await;
+    wait_activation(&s, 102, "activated").await;
+    drop(a);
+    assert_eq!(
+        s.wait_build(&second, "failed").await["failure"]["reason"],
+        "lost_attempt"
+    );
+    std::fs::remove_file(&flag).unwrap();
+    a = Agent::start(
+        &s,
+        &token,
+        "alice/mastodon",
+        &dir,
+        &["--check-command", &check],
+    );
+    eventually("the restarted agent went back", || async {
+        let e = node(&s, "alice", "mastodon").await;
+        e["actual"]["running"]["digest"] == before && e["drift"].is_null()
+    })
+    .await;
+    assert!(
+        a.log().contains("its authority died with it"),
+        "{}",
+        a.log()
+    );
+}
