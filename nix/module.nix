@@ -1,6 +1,7 @@
 # NixOS module for berth: a hardened service, the daily audit verify and the
 # periodic audit head push; and, on any machine, a build worker
-# (`services.berth.worker`, workers.md).
+# (`services.berth.worker`, workers.md); and, on a node, its pull agent
+# (`services.berth.agent`, agents.md).
 #
 #   imports = [ berth.nixosModules.default ];   # or ./nix/module.nix
 #   services.berth.enable = true;
@@ -57,6 +58,15 @@ let
     ++ flag "deployer-user" wcfg.deployerUser
     ++ optional wcfg.allowHttp "--allow-http"
     ++ wcfg.extraArgs;
+  acfg = cfg.agent;
+  requiredAgent = name: value: if value == null then throw "services.berth.agent.${name} is required" else value;
+  agentArgs =
+    [ "${acfg.package}/bin/berth" "agent" "--url" (requiredAgent "url" acfg.url) "--token-file" "%d/agent-token"
+      "--node" (requiredAgent "node" acfg.node) "--state-dir" "/var/lib/berth-agent"
+      "--report-interval" acfg.reportInterval ]
+    ++ flag "check-command" acfg.checkCommand
+    ++ optional acfg.allowHttp "--allow-http"
+    ++ acfg.extraArgs;
   # The audit units read the store and nothing secret.
   secrets = [
     "-/run/credentials/berth.service"
@@ -192,6 +202,17 @@ in
       allowHttp = mkOption { type = types.bool; default = false; description = "Allow http:// to a berth that is not on loopback."; };
       extraArgs = mkOption { type = types.listOf types.str; default = [ ]; description = "More `berth worker` flags."; };
     };
+    agent = {
+      enable = mkEnableOption "the berth pull agent of this node (agents.md)";
+      package = mkOption { type = types.package; default = cfg.package; defaultText = "config.services.berth.package"; description = "The berth package (by default services.berth.package, which the flake sets)."; };
+      url = mkOption { type = types.nullOr types.str; default = null; example = "https://berth.example.org"; description = "berth's address (https unless on loopback or allowHttp); required."; };
+      tokenFile = mkOption { type = types.nullOr types.path; default = null; description = "The agent token (`berth tokens create NAME --kind agent --deployment D --node N`), passed as a systemd credential, never in the store; required."; };
+      node = mkOption { type = types.nullOr types.str; default = null; example = "alice/web"; description = "`DEPLOYMENT/NODE`, the token's binding; required."; };
+      reportInterval = mkOption { type = types.str; default = "60s"; description = "How often the agent reports what the node runs (1s to 1h)."; };
+      checkCommand = mkOption { type = types.nullOr types.str; default = null; description = "Health: a shell command, exit 0 healthy."; };
+      allowHttp = mkOption { type = types.bool; default = false; description = "Allow http:// to a berth that is not on loopback."; };
+      extraArgs = mkOption { type = types.listOf types.str; default = [ ]; description = "More `berth agent` flags."; };
+    };
   };
 
   # Each part by its own switch: a worker machine runs no berth.
@@ -276,6 +297,28 @@ in
     systemd.timers.berth-audit-push-head = mkIf (cfg.enable && cfg.audit.sink != null) {
       wantedBy = [ "timers.target" ];
       timerConfig = { OnCalendar = cfg.audit.pushInterval; Persistent = true; };
+    };
+
+    systemd.services.berth-agent = mkIf acfg.enable {
+      description = "berth pull agent";
+      wantedBy = [ "multi-user.target" ];
+      after = [ "network-online.target" ];
+      wants = [ "network-online.target" ];
+      # An activation never stops the agent that runs it.
+      restartIfChanged = false;
+      path = [ config.nix.package ];
+      serviceConfig = {
+        ExecStart = lib.escapeShellArgs agentArgs;
+        # The token is a credential, readable by this unit only.
+        LoadCredential = [ "agent-token:${toString (requiredAgent "tokenFile" acfg.tokenFile)}" ];
+        StateDirectory = "berth-agent";
+        StateDirectoryMode = "0700";
+        # On SIGTERM it reverts an unconfirmed activation before it exits.
+        TimeoutStopSec = "120s";
+        Restart = "always";
+        # Exit 3: berth refused the token (revoked); restarting cannot help.
+        RestartPreventExitStatus = 3;
+      };
     };
 
     systemd.services.berth-worker = mkIf wcfg.enable {

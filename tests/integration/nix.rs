@@ -433,8 +433,8 @@ async fn the_module_is_hardened_and_its_audit_units_verify_a_real_store() {
             "no sink, no push unit"
         );
         assert!(
-            absent(&services["berth-worker"]),
-            "no worker unless enabled"
+            absent(&services["berth-worker"]) && absent(&services["berth-agent"]),
+            "no worker and no agent unless enabled"
         );
         let verify = &services["berth-audit-verify"]["serviceConfig"];
         assert_eq!(verify["SyslogIdentifier"], "berth-audit");
@@ -606,6 +606,17 @@ fn every_option_reaches_its_unit(lib: &ModuleLib) {
             "allowHttp": true,
             "extraArgs": ["--shutdown-grace", "2m"],
         },
+        "agent": {
+            "enable": true,
+            "package": {"type": "derivation", "name": "berth", "outPath": "/nix/store/berth-agent"},
+            "url": "https://berth.example.org",
+            "tokenFile": "/run/keys/agent-token",
+            "node": "alice/web",
+            "reportInterval": "30s",
+            "checkCommand": "systemctl is-active web",
+            "allowHttp": true,
+            "extraArgs": ["--transport", "poll"],
+        },
     });
     let config = module_config(lib, &all);
     // The test names every option the module declares.
@@ -694,6 +705,44 @@ fn every_option_reaches_its_unit(lib: &ModuleLib) {
     assert_eq!(unit["RestartPreventExitStatus"], 3);
     assert_eq!(unit["KillMode"], "mixed");
     assert_eq!(unit["ReadWritePaths"], json!(["/srv/berth-worker"]));
+    // The agent: its token a credential, never restarted by a switch.
+    let agent = &services["berth-agent"];
+    let agent_words = exec_words(agent);
+    assert_eq!(
+        agent_words[..2],
+        ["/nix/store/berth-agent/bin/berth", "agent"]
+    );
+    for (flag, value) in [
+        ("--url", "https://berth.example.org"),
+        ("--token-file", "%d/agent-token"),
+        ("--node", "alice/web"),
+        ("--state-dir", "/var/lib/berth-agent"),
+        ("--report-interval", "30s"),
+        ("--check-command", "systemctl is-active web"),
+        ("--transport", "poll"),
+    ] {
+        assert!(
+            has_flag(&agent_words, flag, value),
+            "{flag} {value}: {agent_words:?}"
+        );
+    }
+    assert!(
+        agent_words.iter().any(|w| w == "--allow-http"),
+        "{agent_words:?}"
+    );
+    assert_eq!(agent["restartIfChanged"], false);
+    let unit = &agent["serviceConfig"];
+    assert_eq!(
+        unit["LoadCredential"],
+        json!(["agent-token:/run/keys/agent-token"])
+    );
+    assert_eq!(
+        (
+            unit["Restart"].as_str(),
+            unit["RestartPreventExitStatus"].as_i64()
+        ),
+        (Some("always"), Some(3))
+    );
     assert!(words.iter().any(|w| w == "--metrics-public"), "{words:?}");
     let berth = &services["berth"];
     assert_eq!(
