@@ -824,11 +824,7 @@ fn activation_tx(
     let a = n.activation.as_mut().expect("found above");
     let t = a.attempt.as_mut().expect("found above");
     if let Err(stale) = authority::judge(t, &call.authority(), now) {
-        // A lease found passed is lost now (its first refusal is the loss).
-        if stale == authority::Stale::LeaseExpired && t.state == AttemptState::Active {
-            lose(&mut n, LossCause::LeaseExpired, now);
-            put_node(tx, Some(&before), &n, &no_blobs)?;
-        }
+        refused_tx(tx, hub, (&before, n), call, stale, now)?;
         return Ok(Err(Refusal::Stale(stale).into()));
     }
     let answer = match apply(a, what, now, ttl) {
@@ -861,6 +857,47 @@ fn activation_tx(
         }
     }
     Ok(Ok(answer))
+}
+
+/// A call without authority changes nothing but this: a lease found
+/// passed is lost now, and the attempt's first refusal is audited
+/// (`attempt_refused`, by the agent's token).
+fn refused_tx(
+    tx: &Tx,
+    hub: &Arc<Hub>,
+    (before, mut n): (&NodeRecord, NodeRecord),
+    call: &AgentCall,
+    stale: authority::Stale,
+    now: Millis,
+) -> StoreResult<()> {
+    let Some(t) = n.activation.as_mut().and_then(|a| a.attempt.as_mut()) else {
+        return Ok(());
+    };
+    let first = !t.refusal_audited;
+    t.refusal_audited = true;
+    let expired = stale == authority::Stale::LeaseExpired && t.state == AttemptState::Active;
+    if expired {
+        lose(&mut n, LossCause::LeaseExpired, now);
+    }
+    if !first && !expired {
+        return Ok(());
+    }
+    put_node(tx, Some(before), &n, &no_blobs)?;
+    if first {
+        let mut draft = super::audit_events::system_draft(
+            "attempt_refused",
+            Some(n.deployment.clone()),
+            crate::audit::Outcome::Refused,
+        );
+        draft.actor = Some(crate::audit::Actor {
+            issuer: Some("berth:agent".into()),
+            subject: call.token.clone(),
+        });
+        draft.reason = Some(stale.reason().to_string());
+        draft.build = n.activation.as_ref().map(|a| format_build_id(a.build));
+        Change::new(tx, hub).audit(&draft)?;
+    }
+    Ok(())
 }
 
 /// Applies an accepted call to its activation: the answer, or why it came

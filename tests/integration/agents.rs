@@ -658,6 +658,17 @@ async fn an_agent_paused_past_its_lease_fails_the_build_lost_without_a_rollback_
         node(&s, "alice", "mastodon").await["activation"]["status"],
         "lost"
     );
+    // One audit event for the lost activation's refused calls.
+    let (_, audit) = s
+        .json("/v1/audit?actor_subject=m-1&actor_issuer=berth:agent&limit=200")
+        .await;
+    let refused = audit["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["action"] == "attempt_refused")
+        .count();
+    assert_eq!(refused, 1, "{audit}");
     // No automatic rollback after a lost activation.
     let (_, builds) = s.json("/v1/deployments/alice/builds").await;
     assert_eq!(builds["items"].as_array().unwrap().len(), 2, "{builds}");
