@@ -196,8 +196,47 @@ async fn report_load(
     sent.load(Ordering::SeqCst)
 }
 
+/// The floor of the memory figure: a second berth holding as many idle
+/// keep-alive connections, each after one request (what any client that
+/// keeps a connection open costs): its RSS before and with them.
+async fn floor(dir: &Path, deployer: &Path, connections: usize) -> (u64, u64) {
+    let limit = (connections + 200).to_string();
+    let mut other = common::start_berth(
+        &dir.join("floor"),
+        deployer,
+        &["--max-connections", &limit],
+        &[],
+    )
+    .await;
+    let pid = other.child.id();
+    let idle = rss_kib(pid);
+    let addr = other.base.trim_start_matches("http://").to_string();
+    let mut held = Vec::with_capacity(connections);
+    for _ in 0..connections {
+        let mut sock = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        let request = format!("GET /healthz HTTP/1.1\r\nHost: {addr}\r\n\r\n");
+        sock.write_all(request.as_bytes()).await.unwrap();
+        let mut buf = [0u8; 512];
+        let _ = sock.read(&mut buf).await.unwrap();
+        held.push(sock);
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let with = rss_kib(pid);
+    drop(held);
+    let _ = other.child.kill();
+    let _ = other.child.wait();
+    (idle, with)
+}
+
 fn main() {
     let _ = rustls::crypto::ring::default_provider().install_default();
+    // This process holds a socket per simulated agent: its soft limit of
+    // open files goes to the hard one (berth raises its own for
+    // --max-connections).
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    if let Ok((_, hard)) = getrlimit(Resource::RLIMIT_NOFILE) {
+        setrlimit(Resource::RLIMIT_NOFILE, hard, hard).expect("raise the limit of open files");
+    }
     let agents: usize = std::env::var("BERTH_BENCH_AGENTS")
         .ok()
         .and_then(|n| n.parse().ok())
@@ -236,11 +275,12 @@ fn main() {
         println!("{agents} agent tokens made in {:.1} s", made.elapsed().as_secs_f64());
         let pid = berth.child.id();
         let idle = rss_kib(pid);
+        let (floor_idle, floor) = floor(&dir, &deployer, agents).await;
+        let addr = base.trim_start_matches("http://").to_string();
         let seen = Arc::new(Seen {
             generation: (0..agents).map(|_| AtomicU64::new(u64::MAX)).collect(),
             at_ns: (0..agents).map(|_| AtomicI64::new(0)).collect(),
         });
-        let addr = base.trim_start_matches("http://").to_string();
         for (i, t) in tokens.iter().enumerate() {
             tokio::spawn(stream(addr.clone(), t.clone(), i, seen.clone()));
         }
@@ -255,8 +295,13 @@ fn main() {
         common::record(
             &format!("berth's memory with {agents} desired-state streams open"),
             &format!("+{:.1} MiB ({:.1} KiB a stream)", (connected - idle) as f64 / 1024.0, (connected - idle) as f64 / agents as f64),
-            &format!("idle: {:.1} MiB", idle as f64 / 1024.0),
-            connected as f64 / idle as f64,
+            &format!(
+                "{agents} idle keep-alive connections: +{:.1} MiB ({:.1} KiB each); idle {:.1} MiB",
+                (floor - floor_idle) as f64 / 1024.0,
+                (floor - floor_idle) as f64 / agents as f64,
+                idle as f64 / 1024.0
+            ),
+            (connected - idle) as f64 / (floor - floor_idle).max(1) as f64,
             None,
             false,
         );

@@ -124,6 +124,7 @@ pub fn run(settings: Settings) -> i32 {
 async fn serve(mut settings: Settings) -> Result<(), String> {
     let _ = rustls::crypto::ring::default_provider().install_default();
     check_flags(&settings)?;
+    raise_file_limit(settings.max_connections);
     prepare_data_dir(&mut settings)?;
     let Secrets {
         service_token,
@@ -165,6 +166,7 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
         tickets: Default::default(),
         streams: Default::default(),
         polls: Default::default(),
+        agent_streams: Default::default(),
         downloads: Arc::new(tokio::sync::Semaphore::new(
             crate::engine::activations::MAX_DOWNLOADS,
         )),
@@ -198,6 +200,36 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
     wait_for_signal().await;
     shut_down(&engine, server, stop_tx, &settings).await;
     Ok(())
+}
+
+/// Files berth holds besides its connections (the store, the redo log,
+/// deployers' pipes and results, snapshots).
+const FILES_BESIDES_CONNECTIONS: u64 = 512;
+
+/// Raises the soft limit of open files to what `--max-connections` needs
+/// (agents.md: each agent's stream holds a connection, so a fleet needs
+/// more than the usual 1,024), up to the hard limit; a hard limit below
+/// it is logged with the flag and the setting to change.
+fn raise_file_limit(max_connections: u32) {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    let needed = u64::from(max_connections) + FILES_BESIDES_CONNECTIONS;
+    let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE) else {
+        tracing::warn!("cannot read the limit of open files; it stays as it is");
+        return;
+    };
+    if soft < needed {
+        let raised = needed.min(hard);
+        if let Err(e) = setrlimit(Resource::RLIMIT_NOFILE, raised, hard) {
+            tracing::warn!(error = %e, "cannot raise the limit of open files");
+        }
+    }
+    if hard < needed {
+        tracing::warn!(
+            max_connections,
+            hard,
+            "--max-connections needs {needed} open files and this process may open at most {hard}: connections past it are refused at accept; raise the hard limit (systemd LimitNOFILE, ulimit -Hn) or lower --max-connections"
+        );
+    }
 }
 
 /// Flags that are wrong together, refused before anything is touched.

@@ -374,6 +374,7 @@ async function deploymentView(id) {
         el('dd', {}, String(d.revision)),
       ),
       d.rollout ? rolloutSection(d.rollout, rolloutBuild && rolloutBuild.ok ? rolloutBuild.data.rollout : null) : '',
+      d.nodes && d.nodes.length ? nodesSection(d.nodes) : '',
       el('h2', {}, 'Builds'),
       el(
         'div',
@@ -432,7 +433,44 @@ async function deploymentView(id) {
       render().catch((e) => (e instanceof Unauthorized ? refused() : null));
     }, 100);
   };
-  follow(`${path}/events`, { deployment: again, build: again, sbom: again, rollout: again, resync_required: again });
+  follow(`${path}/events`, { deployment: again, build: again, sbom: again, rollout: again, node: again, 'node.drifted': again, resync_required: again });
+}
+
+// Nodes bound to agents: desired against actual, each agent's status, and
+// a drifted node marked (agents.md "Desired vs actual").
+function nodesSection(nodes) {
+  const short = (a) => (!a ? '—' : a.digest ? a.digest.slice(7, 19) : a.path ? a.path.replace('/nix/store/', '').replace(/^[^-]*-/, '') : '—');
+  return el(
+    'section',
+    { class: 'nodes' },
+    el('h2', {}, 'Nodes'),
+    el(
+      'div',
+      { class: 'scroll' },
+      el(
+        'table',
+        {},
+        el('thead', {}, el('tr', {}, el('th', {}, 'Node'), el('th', {}, 'Agent'), el('th', {}, 'Desired'), el('th', {}, 'Running'), el('th', { class: 'hide-narrow' }, 'Booted'), el('th', {}, 'Drift'), el('th', { class: 'hide-narrow' }, 'Last seen'))),
+        el(
+          'tbody',
+          {},
+          nodes.map((n) =>
+            el(
+              'tr',
+              { 'data-node': n.name, 'data-agent': n.agent ? n.agent.status : 'unbound', ...(n.drift ? { 'data-drift': n.drift.what.join(' ') } : {}) },
+              el('td', {}, n.name),
+              el('td', {}, n.agent ? badge(n.agent.status) : '—', n.agent && n.agent.duplicate ? ' (two agents)' : ''),
+              el('td', {}, short(n.desired && n.desired.artifact), n.activation && !['confirmed', 'ended', 'failed', 'lost'].includes(n.activation.status) ? ` (${n.activation.status})` : ''),
+              el('td', {}, short(n.actual && n.actual.running)),
+              el('td', { class: 'hide-narrow' }, short(n.actual && n.actual.booted)),
+              el('td', {}, n.drift ? el('span', { class: 'drift', title: `since ${when(n.drift.since)}` }, `drifted: ${n.drift.what.join(', ')}`) : 'no'),
+              el('td', { class: 'hide-narrow muted' }, n.agent && n.agent.last_seen_at ? when(n.agent.last_seen_at) : '—'),
+            ),
+          ),
+        ),
+      ),
+    ),
+  );
 }
 
 // A rollout: where it is, and each wave with its nodes and their state

@@ -22,6 +22,68 @@ use crate::engine::nodes::ReportRefusal;
 use crate::model::*;
 use crate::nodes::{self as rules, AgentStatus, MAX_REPORT_BYTES};
 
+/// Desired-state streams one token holds at once: a third ends the
+/// oldest (agents.md "Limits and scale": an agent that reconnects before
+/// its old connection timed out is not refused).
+pub const STREAMS_PER_TOKEN: usize = 2;
+
+/// The open desired-state streams of each token, oldest first, each with
+/// the switch that ends it.
+#[derive(Default)]
+pub struct Streams {
+    open: std::sync::Mutex<std::collections::HashMap<String, TokenStreams>>,
+    next_id: std::sync::atomic::AtomicU64,
+}
+
+/// One token's streams: each one's id and the switch that ends it.
+type TokenStreams = std::collections::VecDeque<(u64, tokio::sync::watch::Sender<bool>)>;
+
+/// A stream's place among its token's; leaving it frees the place.
+struct StreamPlace {
+    ctx: Arc<Ctx>,
+    token: String,
+    id: u64,
+}
+
+impl Streams {
+    /// Takes a place for a new stream of `token`, ending the oldest past
+    /// `STREAMS_PER_TOKEN`; the receiver turns true when this one must end.
+    fn take(ctx: &Arc<Ctx>, token: &str) -> (StreamPlace, tokio::sync::watch::Receiver<bool>) {
+        use crate::locks::Held;
+        let s = &ctx.agent_streams;
+        let id = s.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let (end, ended) = tokio::sync::watch::channel(false);
+        let mut open = s.open.held();
+        let mine = open.entry(token.to_string()).or_default();
+        mine.push_back((id, end));
+        while mine.len() > STREAMS_PER_TOKEN {
+            if let Some((_, oldest)) = mine.pop_front() {
+                // Its stream may have ended already: nothing to end then.
+                oldest.send_replace(true);
+            }
+        }
+        let place = StreamPlace {
+            ctx: ctx.clone(),
+            token: token.to_string(),
+            id,
+        };
+        (place, ended)
+    }
+}
+
+impl Drop for StreamPlace {
+    fn drop(&mut self) {
+        use crate::locks::Held;
+        let mut open = self.ctx.agent_streams.open.held();
+        if let Some(mine) = open.get_mut(&self.token) {
+            mine.retain(|(id, _)| *id != self.id);
+            if mine.is_empty() {
+                open.remove(&self.token);
+            }
+        }
+    }
+}
+
 /// A long poll's `wait` at most, and its default (seconds).
 const MAX_WAIT_S: u64 = 60;
 const DEFAULT_WAIT_S: u64 = 30;
@@ -181,15 +243,21 @@ fn stream(ctx: &Arc<Ctx>, req: &Request, auth: &AgentAuth) -> warp::reply::Respo
         .get("last-event-id")
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.trim().parse().ok());
+    let (place, ended) = Streams::take(ctx, &auth.token);
+    let secret = super::auth::bearer(&req.headers)
+        .unwrap_or_default()
+        .to_string();
     let state = DesiredStream {
         ctx: ctx.clone(),
-        req_headers: req.headers.clone(),
-        params: req.params.clone(),
+        secret,
         binding: auth.binding.clone(),
         last_sent,
         changes: ctx.engine.document_changes(),
         stop: ctx.engine.stop_signal(),
         first: true,
+        _open: ctx.engine.count_stream(),
+        _place: place,
+        ended,
     };
     let body = futures_util::stream::unfold(state, |mut s| async move {
         let bytes = s.next().await?;
@@ -208,13 +276,19 @@ fn stream(ctx: &Arc<Ctx>, req: &Request, auth: &AgentAuth) -> warp::reply::Respo
 
 struct DesiredStream {
     ctx: Arc<Ctx>,
-    req_headers: warp::http::HeaderMap,
-    params: super::routes::Params,
+    /// The token's secret: the stream ends once it no longer binds the
+    /// node (revoked).
+    secret: String,
     binding: NodeBinding,
     last_sent: Option<u64>,
     changes: tokio::sync::watch::Receiver<u64>,
     stop: tokio::sync::watch::Receiver<bool>,
     first: bool,
+    /// Counted while it lives (`berth_agent_streams`).
+    _open: crate::engine::nodes::StreamCount,
+    /// Its place among its token's streams, and the switch that ends it.
+    _place: StreamPlace,
+    ended: tokio::sync::watch::Receiver<bool>,
 }
 
 impl DesiredStream {
@@ -231,9 +305,13 @@ impl DesiredStream {
                     changed.ok()?;
                 }
                 _ = self.stop.changed() => return None,
+                _ = self.ended.changed() => return None,
                 _ = tokio::time::sleep(keep_alive) => return Some(Bytes::from_static(b": keep-alive\n\n")),
             }
-            authenticate(&self.ctx, &self.req_headers, &self.params).ok()?;
+            let bound = self.ctx.engine.token_of(&self.secret).ok()??.1.node;
+            if bound.as_ref() != Some(&self.binding) {
+                return None;
+            }
             let event = self.event_if_new()?;
             if !event.is_empty() {
                 return Some(Bytes::from(event));

@@ -140,6 +140,8 @@ pub struct Ctx {
     pub polls: crate::locks::Quotas,
     /// Artifact downloads at once (`activations::MAX_DOWNLOADS`).
     pub downloads: Arc<tokio::sync::Semaphore>,
+    /// Agents' open desired-state streams, per token.
+    pub agent_streams: agents::Streams,
     /// Derivations running at once (see `derive::MAX_DERIVATIONS`).
     pub derivations: derive::Derivations,
     /// Bytes of request bodies in memory at once.

@@ -220,6 +220,7 @@ pub fn metrics(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
     }
     workers_exposition(ctx, &mut out)?;
     rollout_exposition(&ctx.engine.read()?, &mut out)?;
+    agent_exposition(ctx, &mut out)?;
     Ok(Reply::text(
         200,
         "text/plain; version=0.0.4",
@@ -228,6 +229,28 @@ pub fn metrics(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
 }
 
 /// The workers' part of `/metrics` (workers.md "What berth shows").
+/// `berth_agent_streams`, `berth_agent_reports_total`, `berth_nodes{status}`
+/// (agents.md).
+fn agent_exposition(ctx: &Ctx, out: &mut String) -> Result<(), ApiError> {
+    let (streams, reports) = ctx.engine.agent_counts();
+    let _ = writeln!(
+        out,
+        "# HELP berth_agent_streams Open desired-state streams of agents.\n# TYPE berth_agent_streams gauge\nberth_agent_streams {streams}"
+    );
+    let _ = writeln!(
+        out,
+        "# HELP berth_agent_reports_total Agents' reports taken.\n# TYPE berth_agent_reports_total counter\nberth_agent_reports_total {reports}"
+    );
+    let _ = writeln!(
+        out,
+        "# HELP berth_nodes Nodes bound to agents by their agent's status.\n# TYPE berth_nodes gauge"
+    );
+    for (status, n) in ctx.engine.nodes_by_status()? {
+        let _ = writeln!(out, "berth_nodes{{status=\"{status}\"}} {n}");
+    }
+    Ok(())
+}
+
 /// `berth_rollouts{state}` and `berth_freezes_active{scope}`.
 fn rollout_exposition(rx: &crate::store::Rx, out: &mut String) -> Result<(), ApiError> {
     use crate::store::Lookup;

@@ -43,6 +43,22 @@ pub struct Agents {
     unreachable: Mutex<HashSet<NodeKey>>,
     /// When berth started: every agent counts as seen then.
     pub started: Millis,
+    /// Open desired-state streams (`berth_agent_streams`).
+    streams: std::sync::atomic::AtomicUsize,
+    /// Reports taken since the start (`berth_agent_reports_total`).
+    reports: std::sync::atomic::AtomicU64,
+}
+
+/// An open desired-state stream, counted while it lives.
+pub struct StreamCount(Arc<Engine>);
+
+impl Drop for StreamCount {
+    fn drop(&mut self) {
+        self.0
+            .agents
+            .streams
+            .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 impl Default for Agents {
@@ -52,6 +68,8 @@ impl Default for Agents {
             last_report: Mutex::default(),
             unreachable: Mutex::default(),
             started: now_millis(),
+            streams: Default::default(),
+            reports: Default::default(),
         }
     }
 }
@@ -126,6 +144,47 @@ impl Engine {
         self.store.read()?.nodes(deployment, after, limit)
     }
 
+    /// Counts an open desired-state stream while the guard lives.
+    pub fn count_stream(self: &Arc<Self>) -> StreamCount {
+        self.agents
+            .streams
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        StreamCount(self.clone())
+    }
+
+    /// `berth_agent_streams` and `berth_agent_reports_total`.
+    pub fn agent_counts(&self) -> (usize, u64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        (
+            self.agents.streams.load(Relaxed),
+            self.agents.reports.load(Relaxed),
+        )
+    }
+
+    /// The bound nodes by their agent's status (`berth_nodes{status}`).
+    pub fn nodes_by_status(&self) -> StoreResult<[(&'static str, u64); 3]> {
+        let now = now_millis();
+        let mut counts = [0u64; 3];
+        for n in self.store.read()?.nodes(None, None, usize::MAX)? {
+            if n.tokens.is_empty() {
+                continue;
+            }
+            let seen = self.agents.seen_of(&(n.deployment.clone(), n.node.clone()));
+            let i =
+                match AgentStatus::of(seen.as_ref(), n.actual.as_ref(), self.agents.started, now) {
+                    AgentStatus::Reporting => 0,
+                    AgentStatus::Unreachable => 1,
+                    AgentStatus::NeverReported => 2,
+                };
+            counts[i] += 1;
+        }
+        Ok([
+            (AgentStatus::Reporting.as_str(), counts[0]),
+            (AgentStatus::Unreachable.as_str(), counts[1]),
+            (AgentStatus::NeverReported.as_str(), counts[2]),
+        ])
+    }
+
     /// A receiver that changes when any node's document does.
     pub fn document_changes(&self) -> watch::Receiver<u64> {
         self.hub.documents.subscribe()
@@ -142,6 +201,9 @@ impl Engine {
     ) -> Result<u64, ReportRefusal> {
         let key = (binding.deployment.clone(), binding.node.clone());
         self.take_report_turn(&key)?;
+        self.agents
+            .reports
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let now = now_millis();
         let report = parsed.report;
         let stored = self.node(&key.0, &key.1).map_err(Refusal::from)?;

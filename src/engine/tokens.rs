@@ -144,6 +144,9 @@ impl Engine {
         let revoked = self.revoke_token_tx(name, record).await?;
         if let Some(binding) = &revoked.record.node {
             self.unbound(binding);
+            // Every desired-state read wakes and checks its token again:
+            // the revoked one's streams end at once.
+            self.hub.documents.send_modify(|g| *g += 1);
         }
         Ok(revoked)
     }

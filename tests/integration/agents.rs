@@ -298,6 +298,13 @@ async fn an_agent_reports_what_its_node_runs_berth_shows_drift_and_silence_once_
         e["actual"]["running"]["digest"] == json!(desired) && e["agent"]["status"] == "reporting"
     })
     .await;
+    let metrics = s.metrics().await;
+    for line in [
+        "berth_agent_streams 1",
+        "berth_nodes{status=\"reporting\"} 1",
+    ] {
+        assert!(metrics.contains(line), "{line}: {metrics}");
+    }
     let (_, d) = s.json("/v1/deployments/alice").await;
     assert_eq!(d["nodes"][0]["name"], "mastodon", "{d}");
     assert!(d["nodes"][0]["drift"].is_null(), "{d}");
@@ -356,9 +363,22 @@ async fn an_agent_reports_what_its_node_runs_berth_shows_drift_and_silence_once_
         (1, 1),
         "{types:?}"
     );
-    // Revoked: its next call is refused and the agent exits 3.
+    // Revoked: its open stream ends at once, its next call is refused and
+    // the agent exits 3.
+    let mut stream = Sse::open(
+        s.http
+            .get(s.url("/internal/v1/nodes/alice/mastodon/desired"))
+            .bearer_auth(&token)
+            .header("accept", "text/event-stream"),
+    )
+    .await;
+    assert_eq!(stream.next().await.unwrap().event, "desired");
     let r = s.delete("/v1/tokens/m-1").send().await.unwrap();
     assert_eq!(r.status(), 200);
+    assert!(
+        stream.next().await.is_none(),
+        "the revoked token's stream ended"
+    );
     assert_eq!(a.exit_code().await, Some(3), "{}", a.log());
 }
 
@@ -476,6 +496,21 @@ async fn reports_are_fenced_rate_limited_bounded_and_scoped_to_their_node() {
         .await
         .unwrap();
     assert_eq!(r.status(), 204);
+    // Two streams per token: a third ends the oldest.
+    let open = || {
+        Sse::open(
+            s.http
+                .get(s.url("/internal/v1/nodes/alice/web/desired"))
+                .bearer_auth(&web)
+                .header("accept", "text/event-stream"),
+        )
+    };
+    let mut first = open().await;
+    assert_eq!(first.next().await.unwrap().event, "desired");
+    let mut second = open().await;
+    assert_eq!(second.next().await.unwrap().event, "desired");
+    let _third = open().await;
+    assert!(first.next().await.is_none(), "the oldest stream ended");
     // The service token is not an agent's.
     let (status, err) = read(
         s.get("/internal/v1/nodes/alice/web/desired")

@@ -233,3 +233,88 @@ async fn the_page_shows_a_rollouts_waves_and_resumes_it_in_chromium() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// A report of `node` running `digest`, by `token`.
+async fn report_running(s: &Server, token: &str, digest: &str) {
+    let body = serde_json::json!({
+        "operation_id": format!("op-{}", uuid::Uuid::now_v7().simple()), "fence": 0,
+        "worker_incarnation": "incarnation-0001", "generation": 1,
+        "running": {"kind": "file", "digest": digest}, "booted": null, "health": null,
+        "last_error": null, "agent_version": "test", "uptime_s": 1, "report_interval_ms": 60000,
+    });
+    let r = s
+        .http
+        .post(s.url("/internal/v1/nodes/alice/mastodon/report"))
+        .bearer_auth(token)
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_page_marks_a_drifted_node_and_clears_it_live_in_chromium() {
+    let test = "page::the_page_marks_a_drifted_node_and_clears_it_live_in_chromium";
+    let Some((chromium, root)) = browser_ready(test) else {
+        return;
+    };
+    let s = Server::start(Options::default()).await;
+    let (_, made) = read(
+        s.post(
+            "/v1/tokens",
+            &serde_json::json!({"name": "m-1", "kind": "agent", "deployment": "alice", "node": "mastodon"}),
+        )
+        .send()
+        .await
+        .unwrap(),
+    )
+    .await;
+    let token = made["token"].as_str().unwrap().to_string();
+    let build = s.submit_ok("alice", mastodon("alice.example.org")).await;
+    assert_eq!(s.wait_build(&build, "final").await["status"], "succeeded");
+    let (_, entry) = s.json("/v1/deployments/alice/nodes/mastodon").await;
+    let desired = entry["desired"]["artifact"]["digest"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let other = format!("sha256:{}", "0".repeat(64));
+    report_running(&s, &token, &other).await;
+    let reported = std::time::Instant::now();
+    let artifacts = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/browser-artifacts");
+    std::fs::create_dir_all(&artifacts).unwrap();
+    let _ = std::fs::remove_file(artifacts.join("seen-drift"));
+    let (base, service, seen) = (
+        s.base.clone(),
+        s.token.clone(),
+        artifacts.join("seen-drift"),
+    );
+    let browser = tokio::task::spawn_blocking(move || {
+        Command::new("node")
+            .arg(root.join("nodes.mjs"))
+            .env("BERTH_URL", &base)
+            .env("BERTH_TOKEN", &service)
+            .env("CHROMIUM", &chromium)
+            .env("ARTIFACTS", &artifacts)
+            .output()
+            .unwrap()
+    });
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while !seen.exists() && !browser.is_finished() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the page never showed the drift"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    // A node reports at most once a second.
+    let turn = std::time::Duration::from_millis(1100).saturating_sub(reported.elapsed());
+    tokio::time::sleep(turn).await;
+    report_running(&s, &token, &desired).await;
+    let out = browser.await.unwrap();
+    assert!(
+        out.status.success(),
+        "the browser test failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
