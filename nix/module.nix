@@ -65,6 +65,7 @@ let
       "--node" (requiredAgent "node" acfg.node) "--state-dir" "/var/lib/berth-agent"
       "--report-interval" acfg.reportInterval ]
     ++ flag "check-command" acfg.checkCommand
+    ++ list "substituter" acfg.substituters
     ++ optional acfg.allowHttp "--allow-http"
     ++ acfg.extraArgs;
   # The audit units read the store and nothing secret.
@@ -209,6 +210,7 @@ in
       tokenFile = mkOption { type = types.nullOr types.path; default = null; description = "The agent token (`berth tokens create NAME --kind agent --deployment D --node N`), passed as a systemd credential, never in the store; required."; };
       node = mkOption { type = types.nullOr types.str; default = null; example = "alice/web"; description = "`DEPLOYMENT/NODE`, the token's binding; required."; };
       reportInterval = mkOption { type = types.str; default = "60s"; description = "How often the agent reports what the node runs (1s to 1h)."; };
+      substituters = mkOption { type = types.listOf types.str; default = [ ]; description = "Binary caches a toplevel is fetched from, tried in order; their keys go in nix.settings.trusted-public-keys."; };
       checkCommand = mkOption { type = types.nullOr types.str; default = null; description = "Health: a shell command, exit 0 healthy."; };
       allowHttp = mkOption { type = types.bool; default = false; description = "Allow http:// to a berth that is not on loopback."; };
       extraArgs = mkOption { type = types.listOf types.str; default = [ ]; description = "More `berth agent` flags."; };

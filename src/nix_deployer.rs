@@ -881,6 +881,10 @@ fn deploy(request: &Value) -> Outcome {
     )?;
     let nodes = evaluated_nodes(&dir, request)?;
     let (toplevels, checks) = built_nodes(&nodes)?;
+    let cache = Cache::from_env();
+    if let Some(cache) = &cache {
+        cache.copy(&toplevels)?;
+    }
     let check_of = |i: usize| checks.get(i).cloned().flatten();
     let state = read_state(&work)?;
     let mut next = State::new();
@@ -902,7 +906,8 @@ fn deploy(request: &Value) -> Outcome {
             changed_nodes.push((name.as_str(), node, fingerprint));
         } else {
             println!("{name}: unchanged");
-            results.push(json!({"name": name, "changed": false, "fingerprint": fingerprint}));
+            let artifact = artifact_of(toplevel, cache.as_ref());
+            results.push(json!({"name": name, "changed": false, "fingerprint": fingerprint, "artifact": artifact}));
         }
         next.insert(
             name.clone(),
@@ -919,12 +924,70 @@ fn deploy(request: &Value) -> Outcome {
     for ((name, report), (_, _, fingerprint)) in
         sboms(&sbom_nodes, &scratch).into_iter().zip(&changed_nodes)
     {
+        let toplevel = next.get(name).map(|n| n.toplevel.as_str()).unwrap_or("");
+        let artifact = artifact_of(toplevel, cache.as_ref());
         results.push(
-            json!({"name": name, "changed": true, "sbom": report, "fingerprint": fingerprint}),
+            json!({"name": name, "changed": true, "sbom": report, "fingerprint": fingerprint, "artifact": artifact}),
         );
     }
     write_state(&work, &next)?;
     Ok(json!({ "nodes": results }))
+}
+
+/// Where `deploy` copies each toplevel's closure for agents
+/// (`BERTH_NIX_CACHE`, a store URL `nix copy --to` takes, signing keys
+/// included), and the URL the artifact names (`BERTH_NIX_CACHE_URL`,
+/// default the same).
+struct Cache {
+    to: String,
+    url: String,
+}
+
+impl Cache {
+    fn from_env() -> Option<Cache> {
+        let to = std::env::var("BERTH_NIX_CACHE")
+            .ok()
+            .filter(|v| !v.is_empty())?;
+        let url = std::env::var("BERTH_NIX_CACHE_URL")
+            .ok()
+            .filter(|v| !v.is_empty())
+            .unwrap_or_else(|| to.clone());
+        Some(Cache { to, url })
+    }
+
+    /// Copies the toplevels' closures to the cache (paths it has already
+    /// are not copied again).
+    fn copy(&self, toplevels: &[String]) -> Result<(), Failure> {
+        println!(
+            "copying {} toplevel(s) to the binary cache for agents",
+            toplevels.len()
+        );
+        let status = Command::new("nix")
+            .args([
+                "--extra-experimental-features",
+                "nix-command",
+                "copy",
+                "--to",
+                &self.to,
+            ])
+            .args(toplevels)
+            .stdin(Stdio::null())
+            .status()
+            .map_err(|e| Failure::Broken(format!("cannot run nix copy: {e}")))?;
+        if status.success() {
+            Ok(())
+        } else {
+            Err(Failure::Broken(format!(
+                "copying the toplevels to BERTH_NIX_CACHE failed ({status})"
+            )))
+        }
+    }
+}
+
+/// A node's artifact (deployer.md): its toplevel, and the cache that has
+/// its closure when there is one.
+fn artifact_of(toplevel: &str, cache: Option<&Cache>) -> Value {
+    json!({"kind": "nix-store-path", "path": toplevel, "url": cache.map(|c| c.url.as_str())})
 }
 
 /// The toplevel a node goes back to: the newest confirmed one other than

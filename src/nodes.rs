@@ -15,6 +15,9 @@ use crate::model::{
     NodePhase, NodeRecord, NodeReport, ReportedError, ReportedHealth,
 };
 
+/// Live agent tokens one node may have: its agent's, and the next one
+/// during a rotation (agents.md "Binding").
+pub const MAX_TOKENS_PER_NODE: usize = 2;
 /// A report's body at most (agents.md "Actual state": `413` past it).
 pub const MAX_REPORT_BYTES: usize = 16 * 1024;
 /// `--report-interval`'s bounds and default (ms).

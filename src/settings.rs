@@ -433,10 +433,34 @@ pub struct AgentArgs {
     /// last line.
     #[arg(long, env = "BERTH_AGENT_CHECK_COMMAND")]
     pub check_command: Option<String>,
-    /// File artifacts: run after each switch, with `BERTH_ARTIFACT` (the
-    /// node's file) and `BERTH_PHASE` (`test`, `boot`, `revert`).
+    /// Run after each switch of a file artifact, with `BERTH_ARTIFACT` (the
+    /// node's file) and `BERTH_PHASE` (`test`, `boot`, `revert`); for a
+    /// store path, run instead of its `switch-to-configuration`, with
+    /// `BERTH_ARTIFACT` the toplevel.
     #[arg(long, env = "BERTH_AGENT_ACTIVATE_COMMAND")]
     pub activate_command: Option<String>,
+    /// Nix binary caches a store path is fetched from, tried in order
+    /// (Nix checks signatures against the node's trusted-public-keys).
+    #[arg(
+        long = "substituter",
+        env = "BERTH_AGENT_SUBSTITUTERS",
+        value_delimiter = ','
+    )]
+    pub substituters: Vec<String>,
+    /// What the node runs: the link to its running toplevel.
+    #[arg(
+        long,
+        env = "BERTH_AGENT_CURRENT_SYSTEM",
+        default_value = "/run/current-system"
+    )]
+    pub current_system: PathBuf,
+    /// What the node boots: its system profile.
+    #[arg(
+        long,
+        env = "BERTH_AGENT_SYSTEM_PROFILE",
+        default_value = "/nix/var/nix/profiles/system"
+    )]
+    pub system_profile: PathBuf,
     /// How the desired state is watched: `sse`, `poll` (a long poll), or
     /// `auto` (SSE; the long poll when a stream stays silent 45 s).
     #[arg(long, env = "BERTH_AGENT_TRANSPORT", default_value = "auto", value_parser = ["auto", "sse", "poll"])]

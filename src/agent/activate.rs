@@ -31,13 +31,20 @@ pub struct Held {
     pub attempt_id: String,
     pub fence: u64,
     pub worker_incarnation: String,
-    /// The artifact's digest.
+    /// The artifact's digest, or its store path.
     pub artifact: String,
+    /// `file` or `nix-store-path`.
+    #[serde(default = "file_kind")]
+    pub kind: String,
     /// The digest of what `current` held before (its bytes kept in
     /// `artifacts/`); `None`: there was no `current`.
     pub before: Option<String>,
     /// `test` (activated, on probation) or `confirming`.
     pub phase: String,
+}
+
+fn file_kind() -> String {
+    "file".into()
 }
 
 /// What the main loop keeps of a held activation besides the state file.
@@ -96,8 +103,14 @@ impl Agent {
             ));
             return Ok(());
         }
-        let Some(digest) = doc["artifact"]["digest"].as_str().map(str::to_string) else {
-            tracing::warn!("an activation of an artifact this agent does not run (not a file)");
+        let kind = doc["artifact"]["kind"].as_str().unwrap_or("").to_string();
+        let id = match kind.as_str() {
+            "file" => doc["artifact"]["digest"].as_str(),
+            "nix-store-path" => doc["artifact"]["path"].as_str(),
+            _ => None,
+        };
+        let Some(digest) = id.map(str::to_string) else {
+            tracing::warn!(%kind, "an activation of an artifact this agent does not know");
             return Ok(());
         };
         let Some(attempt_id) = self.claim(fence).await? else {
@@ -110,6 +123,7 @@ impl Agent {
             fence,
             worker_incarnation: self.incarnation.clone(),
             artifact: digest.clone(),
+            kind: kind.clone(),
             before: None,
             phase: "claimed".into(),
         };
@@ -117,7 +131,13 @@ impl Agent {
             .as_str()
             .unwrap_or_default()
             .to_string();
-        let bytes = match self.fetch(&url, &digest).await {
+        let fetched = match kind.as_str() {
+            "nix-store-path" => super::nix::fetch(&self.args.substituters, &url, &digest)
+                .await
+                .map(|()| vec![]),
+            _ => self.fetch(&url, &digest).await,
+        };
+        let bytes = match fetched {
             Ok(bytes) => bytes,
             Err(reason) => {
                 self.outcome(
@@ -128,6 +148,13 @@ impl Agent {
                 return Ok(());
             }
         };
+        self.probation(doc, held, &bytes).await;
+        Ok(())
+    }
+
+    /// The fetched artifact switched to under an armed revert: `fetched`,
+    /// the test activation, `activated` (or `failed` with the node back).
+    async fn probation(&mut self, doc: &Value, held: Held, bytes: &[u8]) {
         let mut live = Live {
             lease_ttl: ms(doc, "lease_ttl_ms", 30_000),
             revert_after: ms(doc, "revert_after_ms", 300_000),
@@ -140,7 +167,7 @@ impl Agent {
         };
         self.step(&held, &mut live, json!({"step": "fetched"}))
             .await;
-        match self.test_activate(held, &bytes).await {
+        match self.test_activate(held, bytes).await {
             Ok(held) => {
                 live.last_accepted = Instant::now();
                 live.next_renew = Instant::now() + live.lease_ttl / 3;
@@ -157,7 +184,6 @@ impl Agent {
                 .await;
             }
         }
-        Ok(())
     }
 
     /// Claims the activation under `fence`: its id, or `None` when berth
@@ -217,6 +243,9 @@ impl Agent {
         mut held: Held,
         bytes: &[u8],
     ) -> Result<Held, (Held, String)> {
+        if held.kind == "nix-store-path" {
+            return self.test_toplevel(held).await;
+        }
         let dir = self.args.state_dir.clone();
         let current = dir.join("current");
         held.before = match std::fs::read(&current) {
@@ -252,25 +281,13 @@ impl Agent {
         let Some(cmd) = &self.args.activate_command else {
             return Ok(());
         };
-        let out = tokio::process::Command::new("/bin/sh")
+        let mut command = tokio::process::Command::new("/bin/sh");
+        command
             .arg("-c")
             .arg(cmd)
             .env("BERTH_ARTIFACT", self.args.state_dir.join("current"))
-            .env("BERTH_PHASE", phase)
-            .stdin(std::process::Stdio::null())
-            .kill_on_drop(true)
-            .output()
-            .await
-            .map_err(|e| format!("the activate command could not run: {e}"))?;
-        if out.status.success() {
-            return Ok(());
-        }
-        let text = String::from_utf8_lossy(&out.stderr).to_string();
-        Err(text
-            .lines()
-            .last()
-            .unwrap_or("the activate command failed")
-            .to_string())
+            .env("BERTH_PHASE", phase);
+        super::run_command(command, "the activate command").await
     }
 
     /// Puts back what the node ran before the held activation (`current`,
@@ -279,6 +296,15 @@ impl Agent {
         let Some(held) = self.state.attempt.clone() else {
             return;
         };
+        if held.kind == "nix-store-path" {
+            if let Some(before) = &held.before {
+                if let Err(why) = self.switch(before, "revert").await {
+                    tracing::error!(%why, "cannot switch back; the node keeps the new toplevel");
+                    self.last_error = Some(("revert_failed".into(), why));
+                }
+            }
+            return self.forget_activation(&held);
+        }
         let dir = self.args.state_dir.clone();
         let current = dir.join("current");
         let restored = match &held.before {
@@ -296,12 +322,57 @@ impl Agent {
         if let Err(why) = self.run_activate_command("revert").await {
             tracing::warn!(%why, "the activate command failed on a revert");
         }
+        self.forget_activation(&held);
+    }
+
+    fn forget_activation(&mut self, held: &Held) {
         tracing::info!(fence = held.fence, "reverted the unconfirmed activation");
         self.state.attempt = None;
         self.held = None;
         if let Err(why) = self.save() {
             tracing::error!(%why, "cannot record the revert");
         }
+    }
+
+    /// A toplevel's test activation: the running one kept as `before`
+    /// (synced in the state file first), then the switch.
+    async fn test_toplevel(&mut self, mut held: Held) -> Result<Held, (Held, String)> {
+        held.before = std::fs::canonicalize(&self.args.current_system)
+            .ok()
+            .map(|p| p.to_string_lossy().into_owned());
+        held.phase = "test".into();
+        self.state.attempt = Some(held.clone());
+        if let Err(why) = self.save() {
+            self.state.attempt = None;
+            return Err((held, why));
+        }
+        let path = held.artifact.clone();
+        if let Err(why) = self.switch(&path, "test").await {
+            self.revert().await;
+            return Err((held, why));
+        }
+        Ok(held)
+    }
+
+    /// Switches the node to `toplevel` for `phase` (`test`, `boot`,
+    /// `revert`): `--activate-command` when given, else the toplevel's
+    /// `switch-to-configuration` (`test` for a revert).
+    async fn switch(&self, toplevel: &str, phase: &str) -> Result<(), String> {
+        let mut command = match &self.args.activate_command {
+            Some(cmd) => {
+                let mut c = tokio::process::Command::new("/bin/sh");
+                c.arg("-c").arg(cmd).env("BERTH_PHASE", phase);
+                c
+            }
+            None => {
+                let mut c =
+                    tokio::process::Command::new(format!("{toplevel}/bin/switch-to-configuration"));
+                c.arg(if phase == "boot" { "boot" } else { "test" });
+                c
+            }
+        };
+        command.env("BERTH_ARTIFACT", toplevel);
+        super::run_command(command, "the switch").await
     }
 
     /// A `confirm` document for the held activation: `booted` written,
@@ -311,13 +382,14 @@ impl Agent {
             return;
         };
         let held = held.clone();
-        let dir = self.args.state_dir.clone();
-        let made = std::fs::read(dir.join("current"))
-            .and_then(|bytes| crate::durable::replace(&dir.join("booted"), &bytes, 0o644))
-            .map_err(|e| e.to_string());
-        let made = match made {
-            Ok(()) => self.run_activate_command("boot").await,
-            Err(why) => Err(why),
+        let made = match held.kind.as_str() {
+            "nix-store-path" => {
+                match super::nix::set_profile(&self.args.system_profile, &held.artifact).await {
+                    Ok(()) => self.switch(&held.artifact, "boot").await,
+                    Err(why) => Err(why),
+                }
+            }
+            _ => self.confirm_file().await,
         };
         if let Err(why) = made {
             tracing::warn!(%why, "the confirm failed");
@@ -335,6 +407,16 @@ impl Agent {
         if let Err(why) = self.save() {
             tracing::error!(%why, "cannot record the confirm");
         }
+    }
+
+    /// A file's confirm: `booted` written, then the activate command's
+    /// `boot`.
+    async fn confirm_file(&self) -> Result<(), String> {
+        let dir = self.args.state_dir.clone();
+        std::fs::read(dir.join("current"))
+            .and_then(|bytes| crate::durable::replace(&dir.join("booted"), &bytes, 0o644))
+            .map_err(|e| e.to_string())?;
+        self.run_activate_command("boot").await
     }
 
     /// Posts the outcome (`None`: confirmed), resent while berth does not

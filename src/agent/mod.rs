@@ -27,6 +27,7 @@ use crate::settings::AgentArgs;
 use crate::worker::Api;
 
 mod activate;
+mod nix;
 mod watch_desired;
 
 /// Exit codes (agents.md "Running an agent").
@@ -295,11 +296,19 @@ impl Agent {
     /// One report of what the node runs now.
     async fn report(&mut self) -> Result<(), Failure> {
         let dir = self.args.state_dir.clone();
+        let (system, profile) = (
+            self.args.current_system.clone(),
+            self.args.system_profile.clone(),
+        );
         let (running, booted) = tokio::task::spawn_blocking(move || {
-            (
-                file_artifact(&dir.join("current")),
-                file_artifact(&dir.join("booted")),
-            )
+            // A node runs files (its `current`) or a NixOS toplevel.
+            match dir.join("current").exists() {
+                true => (
+                    file_artifact(&dir.join("current")),
+                    file_artifact(&dir.join("booted")),
+                ),
+                false => (store_path_artifact(&system), store_path_artifact(&profile)),
+            }
         })
         .await
         .map_err(|e| {
@@ -400,6 +409,36 @@ fn random_fraction() -> f64 {
         // No randomness: no spread, still correct.
         Err(_) => 0.5,
     }
+}
+
+/// A toplevel as a report names it: where `link` leads in the store
+/// (links followed); null when it leads nowhere there.
+fn store_path_artifact(link: &Path) -> Value {
+    match std::fs::canonicalize(link) {
+        Ok(path) if path.starts_with("/nix/store/") => {
+            json!({"kind": "nix-store-path", "path": path.to_string_lossy()})
+        }
+        Ok(_) | Err(_) => Value::Null,
+    }
+}
+
+/// Runs `command` (stdin closed, killed if the agent drops it); `Err`
+/// says `what` failed, with the last line it wrote to stderr.
+async fn run_command(mut command: tokio::process::Command, what: &str) -> Result<(), String> {
+    let out = command
+        .stdin(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .output()
+        .await
+        .map_err(|e| format!("{what} could not run: {e}"))?;
+    if out.status.success() {
+        return Ok(());
+    }
+    let text = String::from_utf8_lossy(&out.stderr).to_string();
+    Err(match text.lines().last() {
+        Some(line) => format!("{what} failed: {line}"),
+        None => format!("{what} failed ({})", out.status),
+    })
 }
 
 /// `sha256:<hex>` of `bytes`.

@@ -16,7 +16,7 @@ use super::auth::Caller;
 use super::errors::{ApiError, Code};
 use super::{Answer, Ctx, Reply, Request};
 use crate::engine::activations::{
-    ActivationCall, AgentCall, AgentItem, AgentRefusal, OutOfOrder, FAILED_REASONS,
+    ActivationAuthority, ActivationCall, AgentItem, AgentRefusal, OutOfOrder, FAILED_REASONS,
 };
 use crate::engine::nodes::ReportRefusal;
 use crate::model::*;
@@ -101,7 +101,7 @@ pub struct AgentAuth {
 pub fn authenticate(
     ctx: &Ctx,
     headers: &warp::http::HeaderMap,
-    params: &super::routes::Params,
+    (deployment, node): (Option<&String>, Option<&String>),
 ) -> Result<AgentAuth, ApiError> {
     let Some(token) = super::auth::bearer(headers) else {
         return Err(ApiError::new(
@@ -133,8 +133,7 @@ pub fn authenticate(
     else {
         return Err(kind());
     };
-    let path = (params.get("deployment"), params.get("node"));
-    if path != (Some(&binding.deployment), Some(&binding.node)) {
+    if (deployment, node) != (Some(&binding.deployment), Some(&binding.node)) {
         return Err(ApiError::new(
             Code::Forbidden,
             "an agent token reaches only the routes of the node it is bound to",
@@ -229,7 +228,8 @@ pub async fn desired(ctx: &Arc<Ctx>, req: &Request, auth: &AgentAuth) -> Result<
 }
 
 fn authenticate_again(ctx: &Ctx, req: &Request) -> Result<AgentAuth, ApiError> {
-    authenticate(ctx, &req.headers, &req.params)
+    let path = (req.params.get("deployment"), req.params.get("node"));
+    authenticate(ctx, &req.headers, path)
 }
 
 /// The desired-state channel as an event stream (events.md "Desired-state
@@ -524,7 +524,7 @@ fn agent_call(
     req: &Request,
     auth: &AgentAuth,
     map: &serde_json::Map<String, Value>,
-) -> Result<AgentCall, ApiError> {
+) -> Result<ActivationAuthority, ApiError> {
     let text = |k: &str| map.get(k).and_then(Value::as_str);
     let operation_id = text("operation_id")
         .filter(|o| crate::authority::is_operation_id(o))
@@ -546,7 +546,7 @@ fn agent_call(
             ApiError::bad_request("fence must be a whole number of at least 1")
                 .field("/fence", "invalid")
         })?;
-    Ok(AgentCall {
+    Ok(ActivationAuthority {
         token: auth.token.clone(),
         deployment: auth.binding.deployment.clone(),
         node: auth.binding.node.clone(),

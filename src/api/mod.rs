@@ -327,9 +327,7 @@ where
     let (matched, params) = find_route(&method, &path).map_err(|e| ("unknown", e))?;
     let route = matched.template;
     let fail = |e: ApiError| Err((route, e));
-    let query: Vec<(String, String)> = form_urlencoded::parse(query.as_bytes())
-        .into_owned()
-        .collect();
+    let query = parse_query(&query);
     // A token route authenticates (and asks the callback) before reading a
     // byte of the body, and a refusal closes: an unauthenticated client
     // cannot make berth hold its upload.
@@ -346,10 +344,11 @@ where
             request_id,
         )
     };
-    let internal = (
-        || workers::authenticate(ctx, &headers),
-        || agents::authenticate(ctx, &headers, &params),
-    );
+    let internal = Internal {
+        ctx,
+        headers: &headers,
+        params: &params,
+    };
     let bound = match bind(matched.handler, authorize, internal).await {
         Ok(bound) => bound,
         Err(mut e) => {
@@ -393,15 +392,26 @@ where
     }
 }
 
+/// A query string as its pairs, percent-decoded.
+fn parse_query(query: &str) -> Vec<(String, String)> {
+    form_urlencoded::parse(query.as_bytes())
+        .into_owned()
+        .collect()
+}
+
+/// What an internal route's token is checked against.
+struct Internal<'a> {
+    ctx: &'a Ctx,
+    headers: &'a HeaderMap,
+    params: &'a routes::Params,
+}
+
 /// A route's handler with the credential its class needs (`authorize`,
 /// for the classes that take a token).
 async fn bind<Fut>(
     handler: routes::Handler,
     authorize: impl Fn(routes::Ask, Option<routes::Audit>) -> Fut,
-    (worker, agent): (
-        impl FnOnce() -> Result<workers::WorkerAuth, ApiError>,
-        impl FnOnce() -> Result<agents::AgentAuth, ApiError>,
-    ),
+    internal: Internal<'_>,
 ) -> Result<Bound, ApiError>
 where
     Fut: std::future::Future<Output = Result<routes::Authorized, ApiError>>,
@@ -416,8 +426,16 @@ where
         routes::Handler::Mutation(call, ask, audit) => authorize(ask, Some(audit))
             .await
             .map(|who| Bound::Mutation(call, audit, who)),
-        routes::Handler::Worker(call) => worker().map(|auth| Bound::Worker(call, auth)),
-        routes::Handler::Agent(call) => agent().map(|auth| Bound::Agent(call, auth)),
+        routes::Handler::Worker(call) => workers::authenticate(internal.ctx, internal.headers)
+            .map(|auth| Bound::Worker(call, auth)),
+        routes::Handler::Agent(call) => {
+            let path = (
+                internal.params.get("deployment"),
+                internal.params.get("node"),
+            );
+            agents::authenticate(internal.ctx, internal.headers, path)
+                .map(|auth| Bound::Agent(call, auth))
+        }
     }
 }
 

@@ -483,7 +483,7 @@ pub fn build_ended_tx(
 }
 
 /// What an agent's call carries.
-pub struct AgentCall {
+pub struct ActivationAuthority {
     pub token: String,
     pub deployment: String,
     pub node: String,
@@ -494,7 +494,7 @@ pub struct AgentCall {
     pub digest: String,
 }
 
-impl AgentCall {
+impl ActivationAuthority {
     fn authority(&self) -> Call<'_> {
         Call {
             operation_id: &self.operation_id,
@@ -537,7 +537,7 @@ type Answered = Result<String, AgentRefusal>;
 
 impl Engine {
     /// `POST .../claim`: the activation's authority for this incarnation.
-    pub async fn claim_activation(self: &Arc<Self>, call: AgentCall) -> Answered {
+    pub async fn claim_activation(self: &Arc<Self>, call: ActivationAuthority) -> Answered {
         let (hub, ttl) = (self.hub.clone(), self.lease_ttl_ms());
         let call = Arc::new(call);
         let answered = self
@@ -552,7 +552,7 @@ impl Engine {
     /// applied, in one write job.
     pub async fn activation_call(
         self: &Arc<Self>,
-        call: AgentCall,
+        call: ActivationAuthority,
         attempt: String,
         what: ActivationCall,
     ) -> Answered {
@@ -713,7 +713,12 @@ fn lose(n: &mut NodeRecord, cause: LossCause, now: Millis) {
     }
 }
 
-fn claim_tx(tx: &Tx, hub: &Arc<Hub>, call: &AgentCall, ttl: u64) -> StoreResult<Answered> {
+fn claim_tx(
+    tx: &Tx,
+    hub: &Arc<Hub>,
+    call: &ActivationAuthority,
+    ttl: u64,
+) -> StoreResult<Answered> {
     let stale = || Ok(Err(Refusal::Stale(authority::Stale::Authority).into()));
     let Some(before) = tx.node(&call.deployment, &call.node)? else {
         return stale();
@@ -790,7 +795,7 @@ impl ActivationCall {
 fn activation_tx(
     tx: &Tx,
     hub: &Arc<Hub>,
-    call: &AgentCall,
+    call: &ActivationAuthority,
     attempt_id: &str,
     what: &ActivationCall,
     ttl: u64,
@@ -866,7 +871,7 @@ fn refused_tx(
     tx: &Tx,
     hub: &Arc<Hub>,
     (before, mut n): (&NodeRecord, NodeRecord),
-    call: &AgentCall,
+    call: &ActivationAuthority,
     stale: authority::Stale,
     now: Millis,
 ) -> StoreResult<()> {

@@ -15,9 +15,7 @@ use super::Engine;
 use crate::model::*;
 use crate::store::{Lookup, StoreResult};
 
-/// Live agent tokens one node may have: its agent's, and the next one
-/// during a rotation.
-pub const MAX_TOKENS_PER_NODE: usize = 2;
+pub use crate::nodes::MAX_TOKENS_PER_NODE;
 
 /// Bytes of randomness in a token's secret.
 const SECRET_BYTES: usize = 32;

@@ -219,7 +219,7 @@ pub struct NodeRecord {
     /// The node's activation fence (0 at first).
     pub fence: u64,
     /// The live agent tokens bound to it, oldest first (at most
-    /// `engine::tokens::MAX_TOKENS_PER_NODE`): bound while not empty.
+    /// `nodes::MAX_TOKENS_PER_NODE`): bound while not empty.
     pub tokens: Vec<String>,
     pub desired: Option<DesiredState>,
     pub actual: Option<NodeReport>,

@@ -803,6 +803,7 @@ async fn an_agent_restarted_with_a_fence_above_berths_raises_it_and_one_restarte
         .submit_ok_without_rollback("alice", mastodon("bob.example.org"))
         .await;
     wait_activation(&s, 102, "activated").await;
+    let killed = node(&s, "alice", "mastodon").await["agent"]["incarnation"].clone();
     drop(a);
     assert_eq!(
         s.wait_build(&second, "failed").await["failure"]["reason"],
@@ -818,12 +819,103 @@ async fn an_agent_restarted_with_a_fence_above_berths_raises_it_and_one_restarte
     );
     eventually("the restarted agent went back", || async {
         let e = node(&s, "alice", "mastodon").await;
-        e["actual"]["running"]["digest"] == before && e["drift"].is_null()
+        e["agent"]["incarnation"] != killed
+            && e["actual"]["running"]["digest"] == before
+            && e["drift"].is_null()
     })
     .await;
     assert!(
         a.log().contains("its authority died with it"),
         "{}",
         a.log()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nix_toplevel_reaches_a_bound_node_from_a_signed_file_cache() {
+    let test = "agents::a_nix_toplevel_reaches_a_bound_node_from_a_signed_file_cache";
+    if !crate::nix::nix_can_build(test) {
+        return;
+    }
+    let dir = temp_dir("nix-agent");
+    let (secret, public) = (dir.join("cache.sec"), dir.join("cache.pub"));
+    let made = std::process::Command::new("nix-store")
+        .args(["--generate-binary-cache-key", "berth-test"])
+        .args([&secret, &public])
+        .status()
+        .unwrap();
+    assert!(made.success());
+    let cache = format!("file://{}", dir.join("cache").display());
+    let activations = dir.join("activations.log");
+    let opts = crate::nix::nix_options(&crate::nix::example_source())
+        .env(
+            "BERTH_NIX_CACHE",
+            &format!("{cache}?secret-key={}", secret.display()),
+        )
+        .env("BERTH_NIX_CACHE_URL", &cache)
+        .env(
+            "BERTH_NIX_ACTIVATE",
+            &format!("echo \"$NODE $TOPLEVEL\" >> {}", activations.display()),
+        )
+        .arg("--health-interval")
+        .arg("1s");
+    let s = Server::start(opts).await;
+    let token = agent_token(&s, "m-1", "alice", "mastodon").await;
+    // The node's system: what the activate command links, and its profile.
+    let node_dir = dir.join("node");
+    std::fs::create_dir_all(node_dir.join("profiles")).unwrap();
+    let system = node_dir.join("current-system");
+    let switch = format!("ln -sfn \"$BERTH_ARTIFACT\" {}", system.display());
+    let a = Agent::start(
+        &s,
+        &token,
+        "alice/mastodon",
+        &dir.join("agent"),
+        &[
+            "--substituter",
+            &cache,
+            "--activate-command",
+            &switch,
+            "--current-system",
+            system.to_str().unwrap(),
+            "--system-profile",
+            node_dir.join("profiles/system").to_str().unwrap(),
+        ],
+    );
+    let config = json!({"domain": "alice.example.org", "applications": {"mastodon": {"enable": true}, "forgejo": {"enable": true}}});
+    let build = s.submit_ok("alice", config).await;
+    let done = s.wait_build(&build, "final").await;
+    assert_eq!(done["status"], "succeeded", "{done}\n{}", a.log());
+    let entry = wait_activation(&s, 1, "confirmed").await;
+    let artifact = &entry["desired"]["artifact"];
+    assert_eq!(
+        (artifact["kind"].as_str(), artifact["url"].as_str()),
+        (Some("nix-store-path"), Some(cache.as_str())),
+        "{entry}"
+    );
+    let toplevel = artifact["path"].as_str().unwrap().to_string();
+    // The cache has the toplevel, signed.
+    let hash = toplevel
+        .trim_start_matches("/nix/store/")
+        .split('-')
+        .next()
+        .unwrap();
+    let narinfo =
+        std::fs::read_to_string(dir.join("cache").join(format!("{hash}.narinfo"))).unwrap();
+    assert!(narinfo.contains("Sig: berth-test:"), "{narinfo}");
+    // The node runs and boots it; the deployer activated only the other node.
+    eventually(
+        "the report shows the toplevel running and booted",
+        || async {
+            let e = node(&s, "alice", "mastodon").await;
+            e["actual"]["running"]["path"] == json!(toplevel)
+                && e["actual"]["booted"]["path"] == json!(toplevel)
+        },
+    )
+    .await;
+    let log = std::fs::read_to_string(&activations).unwrap_or_default();
+    assert!(
+        log.contains("forgejo") && !log.contains("mastodon"),
+        "{log}"
     );
 }

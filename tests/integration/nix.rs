@@ -613,6 +613,7 @@ fn every_option_reaches_its_unit(lib: &ModuleLib) {
             "tokenFile": "/run/keys/agent-token",
             "node": "alice/web",
             "reportInterval": "30s",
+            "substituters": ["https://cache.example.org"],
             "checkCommand": "systemctl is-active web",
             "allowHttp": true,
             "extraArgs": ["--transport", "poll"],
@@ -719,6 +720,7 @@ fn every_option_reaches_its_unit(lib: &ModuleLib) {
         ("--state-dir", "/var/lib/berth-agent"),
         ("--report-interval", "30s"),
         ("--check-command", "systemctl is-active web"),
+        ("--substituter", "https://cache.example.org"),
         ("--transport", "poll"),
     ] {
         assert!(
