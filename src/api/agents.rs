@@ -462,7 +462,8 @@ fn with_deployment(mut entry: Value, all: bool, n: &NodeRecord) -> Value {
 
 /// `GET /v1/deployments/{id}/nodes`.
 pub async fn list(ctx: &Ctx, req: &Request, caller: &Caller) -> Result<Reply, ApiError> {
-    page(ctx, req, caller, Some(req.param("id"))).await
+    let id = req.deployment_id()?;
+    page(ctx, req, caller, Some(&id)).await
 }
 
 /// `GET /v1/nodes`.
@@ -473,13 +474,14 @@ pub async fn list_all(ctx: &Ctx, req: &Request, caller: &Caller) -> Result<Reply
 /// `GET /v1/deployments/{id}/nodes/{node}`: an unbound node berth knows
 /// nothing of has an entry of nulls.
 pub fn read(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
+    let id = req.deployment_id()?;
     let node = req.param("node");
     if !crate::engine::verdict::valid_node_name(node) {
         return Err(
             ApiError::bad_request("a node name is a DNS label").field("/path/node", "invalid")
         );
     }
-    let entry = match ctx.engine.node(req.param("id"), node)? {
+    let entry = match ctx.engine.node(&id, node)? {
         Some(n) => ctx.engine.node_entry(&n),
         None => rules::empty_entry(node),
     };

@@ -24,20 +24,10 @@ use crate::store::StoreError;
 pub const MAX_ID_FILTERS: usize = 200;
 /// The `{id}` of the path, checked (FR-002).
 pub fn deployment_id(req: &Request) -> Result<String, ApiError> {
-    let id = req.param("id");
-    if !is_valid_deployment_id(id) {
-        return Err(invalid_deployment_id());
-    }
-    Ok(id.to_string())
+    req.deployment_id()
 }
 
-/// The answer to an `{id}` berth could not have made.
-pub fn invalid_deployment_id() -> ApiError {
-    ApiError::bad_request(
-        "a deployment id is a DNS label of at most 40 characters: a-z, 0-9 and inner -",
-    )
-    .field("/path/id", "deployment_id")
-}
+pub use super::invalid_deployment_id;
 
 /// Deployments one list request looks at, at most, to fill a page for a
 /// caller the callback filters (each costs a `read` question, cached):

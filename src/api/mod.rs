@@ -171,7 +171,24 @@ pub struct Request {
 #[derive(Clone)]
 pub struct WireHandle(pub Arc<crate::wire::Wire>);
 
+/// The answer to an `{id}` berth could not have made.
+pub fn invalid_deployment_id() -> ApiError {
+    ApiError::bad_request(
+        "a deployment id is a DNS label of at most 40 characters: a-z, 0-9 and inner -",
+    )
+    .field("/path/id", "deployment_id")
+}
+
 impl Request {
+    /// The `{id}` of the path, checked (FR-002).
+    pub fn deployment_id(&self) -> Result<String, ApiError> {
+        let id = self.param("id");
+        if !crate::model::is_valid_deployment_id(id) {
+            return Err(invalid_deployment_id());
+        }
+        Ok(id.to_string())
+    }
+
     pub fn param(&self, name: &str) -> &str {
         self.params.get(name).map(String::as_str).unwrap_or("")
     }

@@ -165,6 +165,30 @@ async fn populate(s: &Server, plans: &Path) -> Vec<String> {
         .to_string(),
     )
     .unwrap();
+    // d5: a node bound to an agent, its artifact a file (agents.md): the
+    // node's document, its report and the artifact's bytes travel too.
+    let scratch = plans.join("d5/scratch");
+    std::fs::create_dir_all(&scratch).unwrap();
+    std::fs::write(scratch.join("web.json"), b"{\"web\": 1}").unwrap();
+    std::fs::copy(&files[0], scratch.join("sbom.json")).unwrap();
+    std::fs::write(
+        plans.join("d5/result.json"),
+        json!({"nodes": [{"name": "web", "changed": true, "sbom": {"status": "ready", "path": "sbom.json"}, "artifact": {"kind": "file", "path": "web.json"}}]}).to_string(),
+    )
+    .unwrap();
+    let (status, made) = read(
+        s.post(
+            "/v1/tokens",
+            &json!({"name": "web-1", "kind": "agent", "deployment": "d5", "node": "web"}),
+        )
+        .send()
+        .await
+        .unwrap(),
+    )
+    .await;
+    assert_eq!(status, 201, "{made}");
+    let agent = made["token"].as_str().unwrap().to_string();
+    AGENT_TOKEN.set(agent.clone()).unwrap();
     for (n, id) in ids.iter().enumerate() {
         let b = deploy(s, id, 1).await;
         assert_eq!(b["status"], "succeeded", "{b}\n{}", s.log());
@@ -172,6 +196,22 @@ async fn populate(s: &Server, plans: &Path) -> Vec<String> {
             deploy(s, id, 2).await;
         }
     }
+    let (_, entry) = s.json("/v1/deployments/d5/nodes/web").await;
+    let report = json!({
+        "operation_id": "op-0000000000000001", "fence": 0, "worker_incarnation": "incarnation-0001",
+        "generation": entry["desired"]["generation"], "running": entry["desired"]["artifact"], "booted": null,
+        "health": {"healthy": true, "reason": null}, "last_error": null,
+        "agent_version": "test", "uptime_s": 5, "report_interval_ms": 3_600_000,
+    });
+    let r = s
+        .http
+        .post(s.url("/internal/v1/nodes/d5/web/report"))
+        .bearer_auth(&agent)
+        .json(&report)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
     // d2: a failed build (not rolled back); d3: destroyed.
     std::fs::write(plans.join("d2/fail"), "").unwrap();
     let failed = s
@@ -216,12 +256,32 @@ async fn populate(s: &Server, plans: &Path) -> Vec<String> {
     ids
 }
 
+/// The agent token of d5's node (its hash travels with the export).
+static AGENT_TOKEN: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
 /// Every read a user can make of this store, by path.
 async fn reads(s: &Server, ids: &[String], audit_size: u64) -> BTreeMap<String, Value> {
     let mut out = BTreeMap::new();
     let mut get = |path: String, value: Value| {
         out.insert(path, value);
     };
+    // What d5's agent reads: its document and its artifact's bytes.
+    let agent = AGENT_TOKEN.get().expect("populated");
+    let (_, entry) = s.json("/v1/deployments/d5/nodes/web").await;
+    let url = entry["desired"]["artifact"]["url"]
+        .as_str()
+        .expect("an artifact")
+        .to_string();
+    let bytes = s
+        .http
+        .get(s.url(&url))
+        .bearer_auth(agent)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(bytes.status(), 200);
+    get(url, Value::String(bytes.text().await.unwrap()));
+    get("/v1/nodes".into(), s.json("/v1/nodes").await.1);
     let (_, list) = s.json("/v1/deployments?limit=100").await;
     get("/v1/deployments".into(), list);
     let mut builds = Vec::new();

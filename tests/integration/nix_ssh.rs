@@ -528,3 +528,90 @@ async fn a_nix_rollout_keeps_its_revert_alive_across_a_long_wait_and_an_abort_pu
     drop(sshd);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rollout_activates_one_node_over_ssh_and_one_through_its_agent() {
+    let test = "nix_ssh::a_rollout_activates_one_node_over_ssh_and_one_through_its_agent";
+    if !nix_can_build(test) {
+        return;
+    }
+    let dir = temp_dir("nix-ssh-agent");
+    let state = dir.join("machine");
+    let stand_ins = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/nix-target");
+    let Some(sshd) = start_sshd(test, &dir, &stand_ins, &state) else {
+        return;
+    };
+    std::fs::create_dir_all(dir.join("profiles")).unwrap();
+    let s = Server::start(
+        nix_options(&example_source())
+            .env("NIX_SSHOPTS", &format!("-F {}", sshd.ssh_config.display()))
+            .env(
+                "BERTH_NIX_PROFILE",
+                dir.join("profiles/system").to_str().unwrap(),
+            )
+            .env(
+                "BERTH_NIX_TARGET_DIR",
+                dir.join("target-dir").to_str().unwrap(),
+            )
+            .arg("--health-interval")
+            .arg("1s")
+            .arg("--health-timeout")
+            .arg("20s"),
+    )
+    .await;
+    // forgejo is bound to an agent; mastodon's target is the SSH machine.
+    let (status, made) = read(
+        s.post(
+            "/v1/tokens",
+            &json!({"name": "f-1", "kind": "agent", "deployment": "alice", "node": "forgejo"}),
+        )
+        .send()
+        .await
+        .unwrap(),
+    )
+    .await;
+    assert_eq!(status, 201, "{made}");
+    let node = dir.join("node");
+    std::fs::create_dir_all(node.join("profiles")).unwrap();
+    let system = node.join("current-system");
+    let switch = format!("ln -sfn \"$BERTH_ARTIFACT\" {}", system.display());
+    let agent = crate::agents::Agent::start(
+        &s,
+        made["token"].as_str().unwrap(),
+        "alice/forgejo",
+        &dir.join("agent"),
+        &[
+            "--activate-command",
+            &switch,
+            "--current-system",
+            system.to_str().unwrap(),
+            "--system-profile",
+            node.join("profiles/system").to_str().unwrap(),
+        ],
+    );
+    let b1 = s.submit_ok("alice", two_nodes("light")).await;
+    let end = s.wait_build(&b1, "final").await;
+    let log = s.log_text(&b1).await;
+    assert_eq!(end["status"], "succeeded", "{end}\n{log}\n{}", agent.log());
+    assert!(log.contains("published to the agents of forgejo"), "{log}");
+    // Over SSH: mastodon, activated and confirmed there.
+    let (active, boot) = machine(&state);
+    assert!(!active.is_empty() && boot == active, "{active} {boot}");
+    // Through the agent: forgejo, running and booted on its node, never
+    // sent to the SSH machine.
+    let (_, entry) = s.json("/v1/deployments/alice/nodes/forgejo").await;
+    let toplevel = entry["desired"]["artifact"]["path"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_eq!(entry["activation"]["status"], "confirmed", "{entry}");
+    assert_eq!(
+        std::fs::canonicalize(&system).unwrap().to_str(),
+        Some(toplevel.as_str())
+    );
+    let history = std::fs::read_to_string(state.join("history")).unwrap_or_default();
+    assert!(
+        !history.contains(&toplevel),
+        "forgejo went over SSH:\n{history}"
+    );
+}
