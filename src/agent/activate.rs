@@ -59,6 +59,8 @@ pub struct Live {
     pub next_health: Instant,
     pub last_health: Option<bool>,
     pub seq: u64,
+    /// Progress items berth has not taken yet, oldest first.
+    pub unsent: Vec<Value>,
 }
 
 impl Live {
@@ -164,6 +166,7 @@ impl Agent {
             next_health: Instant::now(),
             last_health: None,
             seq: 0,
+            unsent: Vec::new(),
         };
         self.step(&held, &mut live, json!({"step": "fetched"}))
             .await;
@@ -444,27 +447,67 @@ impl Agent {
         }
     }
 
-    /// One progress item; a `409` means berth ended the activation.
+    /// One progress item, sent with every earlier one berth has not
+    /// taken (a call that got no answer is sent again, in order: seqs stay
+    /// consecutive). A health answer while another waits replaces it.
+    /// `false` when berth ended the activation.
     pub(super) async fn step(&mut self, held: &Held, live: &mut Live, item: Value) -> bool {
-        live.seq += 1;
+        let waiting_health = live
+            .unsent
+            .last()
+            .is_some_and(|i| i.get("health").is_some());
+        match (item.get("health"), waiting_health) {
+            (Some(health), true) => {
+                if let Some(last) = live.unsent.last_mut() {
+                    last["health"] = health.clone();
+                }
+            }
+            (Some(_), false) | (None, _) => {
+                live.seq += 1;
+                let mut item = item;
+                item["seq"] = json!(live.seq);
+                live.unsent.push(item);
+            }
+        }
+        self.flush(held, live).await
+    }
+
+    /// Sends the items berth has not taken; `false` when berth ended the
+    /// activation.
+    pub(super) async fn flush(&self, held: &Held, live: &mut Live) -> bool {
+        if live.unsent.is_empty() {
+            return true;
+        }
         let mut body = self.authority(held.fence);
-        let mut item = item;
-        item["seq"] = json!(live.seq);
-        body["items"] = json!([item]);
+        body["items"] = json!(live.unsent);
         let path = self.attempt_path(held, "progress");
-        match self
+        let answer = self
             .api
             .call(reqwest::Method::POST, &path, Some(&body), CALL_TIMEOUT)
-            .await
-        {
-            Ok((200, _)) => true,
+            .await;
+        match answer {
+            Ok((200, _)) => {
+                live.unsent.clear();
+                true
+            }
+            Ok((409, answer)) if answer["reason"] == json!("progress_gap") => {
+                let applied = answer["applied_through"].as_u64().unwrap_or(0);
+                live.unsent
+                    .retain(|i| i["seq"].as_u64().is_some_and(|seq| seq > applied));
+                true
+            }
             Ok((409, _)) => false,
             Ok((status, answer)) => {
-                tracing::warn!(status, %answer, "berth refused a progress item");
+                tracing::warn!(status, %answer, "berth refused progress items");
+                // Refused for good (their order, their shape): sending them
+                // again would be refused again.
+                if status < 500 {
+                    live.unsent.clear();
+                }
                 true
             }
             Err(why) => {
-                tracing::warn!(%why, "cannot reach berth with a progress item");
+                tracing::warn!(%why, "cannot reach berth with progress items; they go again");
                 true
             }
         }
@@ -487,21 +530,28 @@ impl Agent {
             return true;
         };
         live.next_renew = Instant::now() + live.lease_ttl / 3;
-        match answer {
+        let accepted = match answer {
             Ok((200, _)) => {
                 live.last_accepted = sent;
                 true
             }
-            Ok((409, _)) => false,
+            Ok((409, _)) => return false,
             Ok((status, answer)) => {
                 tracing::warn!(status, %answer, "berth refused a renew");
-                true
+                return true;
             }
             Err(why) => {
                 tracing::warn!(%why, "cannot reach berth to renew");
-                true
+                return true;
             }
-        }
+        };
+        // Berth answers again: what it did not take goes now.
+        let Some((held, mut live)) = self.held.take() else {
+            return accepted;
+        };
+        let going = self.flush(&held, &mut live).await;
+        self.held = Some((held, live));
+        going
     }
 
     /// A health answer of the held activation when due: at once, then

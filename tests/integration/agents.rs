@@ -919,3 +919,34 @@ async fn a_nix_toplevel_reaches_a_bound_node_from_a_signed_file_cache() {
         "{log}"
     );
 }
+
+#[tokio::test]
+async fn an_outage_of_berth_shorter_than_the_revert_window_reverts_nothing_and_the_rollout_goes_on()
+{
+    let mut s = activating_server(&["--lease-ttl", "5s", "--agent-revert-after", "15s"]).await;
+    let token = agent_token(&s, "m-1", "alice", "mastodon").await;
+    let (a, flag) = checked_agent(&s, &token, "agent");
+    let (second, _) = second_activation_held(&s, &flag).await;
+    let current = a.dir.join("state/current");
+    let switched = file_digest(&current);
+    // kill -9 and a start on the same port (the agent's --url).
+    s.kill();
+    let port = s.base.rsplit(':').next().unwrap().to_string();
+    s.args.push("--listen".into());
+    s.args.push(format!("127.0.0.1:{port}"));
+    s.launch().await;
+    // The node stays switched while berth is back; healthy, it passes.
+    std::fs::remove_file(&flag).unwrap();
+    let end = s.wait_build(&second, "final").await;
+    assert_eq!(end["status"], "succeeded", "{end}\n{}", a.log());
+    assert_eq!(
+        wait_activation(&s, 2, "confirmed").await["activation"]["fence"],
+        2
+    );
+    assert_eq!(file_digest(&current), switched, "the node never went back");
+    assert!(
+        !a.log().contains("reverted the unconfirmed activation"),
+        "{}",
+        a.log()
+    );
+}
