@@ -409,7 +409,9 @@ pub(super) fn deployed_tx(
     nodes: &[NodeOutcome],
 ) -> StoreResult<()> {
     let (now, times) = (now_millis(), hub.document_times);
-    let rollout = tx.rollout(b.id)?.is_some();
+    // Read only when a bound node needs it: most deployments have none,
+    // and this runs in every build's final transaction.
+    let mut rollout: Option<bool> = None;
     let blobs = super::activations::blobs_of(nodes);
     let mut changed = false;
     let mut after: Option<(String, String)> = None;
@@ -427,7 +429,11 @@ pub(super) fn deployed_tx(
             if before.tokens.is_empty() {
                 continue;
             }
-            let Some(artifact) = deployed_artifact(&before, b, rollout, nodes) else {
+            let is_rollout = match rollout {
+                Some(known) => known,
+                None => *rollout.insert(tx.rollout(b.id)?.is_some()),
+            };
+            let Some(artifact) = deployed_artifact(&before, b, is_rollout, nodes) else {
                 continue;
             };
             let Some(desired) = rules::steady(&before, artifact.as_ref(), b.id, now) else {
