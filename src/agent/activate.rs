@@ -563,7 +563,8 @@ impl Agent {
         };
         let healthy = health["healthy"].as_bool().unwrap_or(false);
         live.next_health = Instant::now() + live.health_every;
-        let changed = live.last_health != Some(healthy);
+        // Items berth has not taken yet go with this answer too.
+        let changed = live.last_health != Some(healthy) || !live.unsent.is_empty();
         let mut going = true;
         if changed || !healthy {
             going = self.step(&held, &mut live, json!({"health": health})).await;

@@ -208,60 +208,7 @@ impl Engine {
         deployment: &str,
         nodes: BTreeSet<String>,
     ) -> StoreResult<()> {
-        let (hub, deployment) = (self.hub.clone(), deployment.to_string());
-        self.store
-            .write(move |tx| {
-                let now = now_millis();
-                let mut d = tx.deployment(&deployment)?;
-                for name in &nodes {
-                    let Some(before) = tx.node(&deployment, name)? else {
-                        continue;
-                    };
-                    if before.activation.as_ref().is_some_and(|a| a.build == build) {
-                        continue;
-                    }
-                    let Some(staged) = before.staged.clone().filter(|s| s.build == build) else {
-                        continue;
-                    };
-                    let mut n = before.clone();
-                    let steady = before
-                        .desired
-                        .as_ref()
-                        .filter(|d| d.phase == NodePhase::Steady);
-                    n.fence += 1;
-                    n.generation += 1;
-                    n.staged = None;
-                    n.activation = Some(NodeActivation {
-                        build,
-                        fence: n.fence,
-                        artifact: staged.artifact.clone(),
-                        before: steady.and_then(|d| d.artifact.clone()),
-                        before_build: steady.and_then(|d| d.build),
-                        status: ActivationStatus::Pending,
-                        reason: None,
-                        health: None,
-                        attempt: None,
-                        published_at: now,
-                        activated_at: None,
-                        finished_at: None,
-                        log_lines: 0,
-                        dropped_lines: 0,
-                    });
-                    n.desired = Some(DesiredState {
-                        phase: NodePhase::Activate,
-                        artifact: Some(staged.artifact),
-                        build: Some(build),
-                        published_at: now,
-                    });
-                    n.drift = None;
-                    put_node(tx, Some(&before), &n, &no_blobs)?;
-                    node_event(tx, &hub, d.as_mut(), &n)?;
-                }
-                if let Some(d) = &d {
-                    tx.put_deployment(d)?;
-                }
-                Ok(())
-            })
+        self.change_activations(deployment, nodes, move |n, now| publish_node(n, build, now))
             .await
     }
 
@@ -388,6 +335,47 @@ impl Engine {
         }
         Ok(None)
     }
+}
+
+/// The `activate` document of one node staged for `build` (see
+/// `publish_activations`); `None` when it is published already or was
+/// never staged.
+fn publish_node(n: &mut NodeRecord, build: BuildId, now: Millis) -> Option<()> {
+    if n.activation.as_ref().is_some_and(|a| a.build == build) {
+        return None;
+    }
+    let staged = n.staged.take().filter(|s| s.build == build)?;
+    let steady = n.desired.as_ref().filter(|d| d.phase == NodePhase::Steady);
+    let (before, before_build) = (
+        steady.and_then(|d| d.artifact.clone()),
+        steady.and_then(|d| d.build),
+    );
+    n.fence += 1;
+    n.generation += 1;
+    n.activation = Some(NodeActivation {
+        build,
+        fence: n.fence,
+        artifact: staged.artifact.clone(),
+        before,
+        before_build,
+        status: ActivationStatus::Pending,
+        reason: None,
+        health: None,
+        attempt: None,
+        published_at: now,
+        activated_at: None,
+        finished_at: None,
+        log_lines: 0,
+        dropped_lines: 0,
+    });
+    n.desired = Some(DesiredState {
+        phase: NodePhase::Activate,
+        artifact: Some(staged.artifact),
+        build: Some(build),
+        published_at: now,
+    });
+    n.drift = None;
+    Some(())
 }
 
 /// A node's `node` event in a transaction that holds its deployment.

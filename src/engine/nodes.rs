@@ -283,7 +283,7 @@ impl Engine {
                 let agent = agent_view(&n, Some(&seen), started, now);
                 let entry = rules::entry(&n, &agent, times);
                 let change = Change::new(tx, &hub);
-                change.node_changed(&n, entry, drift_began)?;
+                change.node_changed(&n, &entry, drift_began)?;
                 if raised {
                     change.node_fence_raised(&n, &report.token)?;
                 }

@@ -684,6 +684,16 @@ pub(super) fn end_of(
     }
 }
 
+/// The nodes of `nodes` the deployer's verbs name: those not bound to an
+/// agent.
+fn unbound_of(nodes: &[String], bound: &BTreeSet<String>) -> Vec<String> {
+    nodes
+        .iter()
+        .filter(|n| !bound.contains(*n))
+        .cloned()
+        .collect()
+}
+
 /// A bound node's health in a gate: healthy once its agent activated it
 /// and said so.
 fn agent_health(seen: Option<&super::activations::Seen>) -> (bool, Option<String>) {
@@ -866,11 +876,7 @@ impl Run {
         let Some(bound) = self.bound(&record.deployment, &nodes).await else {
             return;
         };
-        let unbound: Vec<String> = nodes
-            .iter()
-            .filter(|n| !bound.contains(*n))
-            .cloned()
-            .collect();
+        let unbound = unbound_of(&nodes, &bound);
         let called = match unbound.is_empty() {
             true => Ok(BTreeMap::new()),
             false => self.call_activate(io, wave, &unbound, "new").await,
@@ -1066,21 +1072,7 @@ impl Run {
         (nodes, bound): (&[String], &BTreeSet<String>),
         attempt: u32,
     ) -> Vec<(String, String)> {
-        let unbound: Vec<String> = nodes
-            .iter()
-            .filter(|n| !bound.contains(*n))
-            .cloned()
-            .collect();
-        let mut answers = if self.verbs.check && !unbound.is_empty() {
-            let mut call = self.request.clone();
-            call["nodes"] = json!(unbound);
-            call["attempt"] = json!(attempt);
-            call["wave"] = json!(record.rollout.wave);
-            health::check(io, &call, &unbound, self.engine.settings.health_interval).await
-        } else {
-            vec![]
-        };
-        answers.extend(self.agent_answers(&record.deployment, bound));
+        let answers = self.health_of(io, record, (nodes, bound), attempt).await;
         for a in &answers {
             io.answer(attempt, a).await;
         }
@@ -1183,22 +1175,7 @@ impl Run {
         let Some(bound) = self.bound(&record.deployment, &nodes).await else {
             return;
         };
-        let unbound: Vec<String> = nodes
-            .iter()
-            .filter(|n| !bound.contains(*n))
-            .cloned()
-            .collect();
-        let mut answers = if self.verbs.check && !unbound.is_empty() {
-            let mut call = self.request.clone();
-            call["nodes"] = json!(unbound);
-            call["attempt"] = json!(0);
-            call["wave"] = json!(record.rollout.wave);
-            let interval = self.engine.settings.health_interval;
-            health::check(io, &call, &unbound, interval).await
-        } else {
-            vec![]
-        };
-        answers.extend(self.agent_answers(&record.deployment, &bound));
+        let answers = self.health_of(io, record, (&nodes, &bound), 0).await;
         let was_unhealthy = |node: &str| record.unhealthy.iter().any(|(n, _, _)| n == node);
         for a in &answers {
             if a.healthy == was_unhealthy(&a.node) {
@@ -1258,6 +1235,30 @@ impl Run {
         Ok(names.into_iter().map(|n| (n, (true, None))).collect())
     }
 
+    /// One round of health answers for `nodes`: the deployer's `check`
+    /// of the unbound ones (when it has the verb), the agents' latest
+    /// answers for the bound ones.
+    async fn health_of(
+        &self,
+        io: &mut impl RolloutIo,
+        record: &RolloutRecord,
+        (nodes, bound): (&[String], &BTreeSet<String>),
+        attempt: u32,
+    ) -> Vec<health::Answer> {
+        let unbound = unbound_of(nodes, bound);
+        let mut answers = if self.verbs.check && !unbound.is_empty() {
+            let mut call = self.request.clone();
+            call["nodes"] = json!(unbound);
+            call["attempt"] = json!(attempt);
+            call["wave"] = json!(record.rollout.wave);
+            health::check(io, &call, &unbound, self.engine.settings.health_interval).await
+        } else {
+            vec![]
+        };
+        answers.extend(self.agent_answers(&record.deployment, bound));
+        answers
+    }
+
     /// The health of bound nodes as their agents reported it, as answers
     /// of a check.
     fn agent_answers(&self, deployment: &str, bound: &BTreeSet<String>) -> Vec<health::Answer> {
@@ -1305,11 +1306,7 @@ impl Run {
         nodes: Vec<String>,
     ) -> Option<Noted> {
         let bound = self.bound(&record.deployment, &nodes).await?;
-        let unbound: Vec<String> = nodes
-            .iter()
-            .filter(|n| !bound.contains(*n))
-            .cloned()
-            .collect();
+        let unbound = unbound_of(&nodes, &bound);
         if self.verbs.confirm && !unbound.is_empty() {
             match health::confirm(io, &self.request, &unbound).await {
                 HealthEnd::Confirmed => {}
@@ -1417,7 +1414,7 @@ impl Run {
                 tracing::error!(error = %e, "cannot send bound nodes back; the build's end does");
             }
         }
-        let nodes: Vec<String> = nodes.into_iter().filter(|n| !bound.contains(n)).collect();
+        let nodes = unbound_of(&nodes, &bound);
         if nodes.is_empty() {
             self.apply(Noted::bare(Event::Reverted { wave })).await;
             return;

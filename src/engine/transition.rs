@@ -452,23 +452,31 @@ impl<'t, 'a> Change<'t, 'a> {
         self.update(d)
     }
 
+    /// The `node` event of `n`'s deployment (the caller stores the record
+    /// it returns); `None` for a node of a deployment that does not exist.
+    fn node_event(&self, n: &NodeRecord, entry: &Value) -> StoreResult<Option<DeploymentRecord>> {
+        let Some(mut d) = self.tx.deployment(&n.deployment)? else {
+            return Ok(None);
+        };
+        let data = entry.to_string();
+        events::deployment_event(self.tx, self.hub, &mut d, "node", data, self.now)?;
+        Ok(Some(d))
+    }
+
     /// A bound node's entry changed by a report (agents.md "Desired vs
     /// actual"): the deployment channel's `node` event, and when a drift
     /// began, `node.drifted` (event and webhook). No revision: a node is
     /// not the deployment's configuration. Nothing for a node of a
     /// deployment that does not exist (yet).
-    pub fn node_changed(&self, n: &NodeRecord, entry: Value, drift_began: bool) -> StoreResult<()> {
-        let Some(mut d) = self.tx.deployment(&n.deployment)? else {
+    pub fn node_changed(
+        &self,
+        n: &NodeRecord,
+        entry: &Value,
+        drift_began: bool,
+    ) -> StoreResult<()> {
+        let Some(mut d) = self.node_event(n, entry)? else {
             return Ok(());
         };
-        events::deployment_event(
-            self.tx,
-            self.hub,
-            &mut d,
-            "node",
-            entry.to_string(),
-            self.now,
-        )?;
         if let (true, Some(drift)) = (drift_began, &n.drift) {
             let data = json!({
                 "deployment": n.deployment,
@@ -532,17 +540,9 @@ impl<'t, 'a> Change<'t, 'a> {
         entry: Value,
         last_seen: Option<Millis>,
     ) -> StoreResult<()> {
-        let Some(mut d) = self.tx.deployment(&n.deployment)? else {
+        let Some(d) = self.node_event(n, &entry)? else {
             return Ok(());
         };
-        events::deployment_event(
-            self.tx,
-            self.hub,
-            &mut d,
-            "node",
-            entry.to_string(),
-            self.now,
-        )?;
         let data = json!({
             "deployment": n.deployment,
             "node": n.node,
