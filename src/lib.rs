@@ -9,6 +9,7 @@ pub mod audit;
 pub mod audit_cli;
 pub mod authority;
 pub mod client;
+pub mod cluster;
 pub mod deployer_side;
 pub mod derive;
 pub mod durable;

@@ -9,6 +9,7 @@ use std::time::Duration;
 use crate::api::{self, Ctx};
 use crate::engine::Engine;
 use crate::settings::Settings;
+use crate::store::location::Location;
 use crate::store::Store;
 
 /// Random bytes in a generated secret (256 bits).
@@ -132,16 +133,21 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
         callback_secret,
     } = load_secrets(&settings)?;
     prepare_deployers_root(&settings)?;
-    if let Some(source) = &settings.import_from {
-        let from =
-            crate::export::Endpoint::parse(source).map_err(|e| format!("--import-from: {e}"))?;
-        let data_dir = settings.data_dir.clone();
-        // The import drives its own PostgreSQL client: off the async workers.
-        tokio::task::spawn_blocking(move || crate::export::import_at_start(&data_dir, &from))
-            .await
-            .map_err(|e| format!("--import-from: {e}"))??;
-    }
-    let store = open_store(&settings)?;
+    let (store, mut lost) = match settings.store_location()? {
+        Location::Redb(_) => (open_redb(&settings).await?, None),
+        Location::Postgres(target) => {
+            crate::cluster::refuse_redb_flags(&settings)?;
+            let flags = settings.clone();
+            // One blocking database connection, and a wait for the lease.
+            let started =
+                tokio::task::spawn_blocking(move || crate::cluster::start(&flags, &target))
+                    .await
+                    .map_err(|e| format!("cannot start on the store's database: {e}"))??;
+            // The data dir's lock lives as long as the process.
+            std::mem::forget(started.data_dir_lock);
+            (started.store, Some(started.lost))
+        }
+    };
     if settings.reset_dev_state {
         reset_dev_state(&settings, &store).await?;
     }
@@ -197,9 +203,44 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
         });
     }
 
-    wait_for_signal().await;
-    shut_down(&engine, server, stop_tx, &settings).await;
-    Ok(())
+    let lost_lead = match lost.as_mut() {
+        Some(lost) => tokio::select! {
+            () = wait_for_signal() => None,
+            why = lost.wait_for(Option::is_some) => Some(why.map(|w| w.clone().unwrap_or_default()).unwrap_or_default()),
+        },
+        None => {
+            wait_for_signal().await;
+            None
+        }
+    };
+    match lost_lead {
+        None => {
+            shut_down(&engine, server, stop_tx, &settings, settings.shutdown_grace).await;
+            Ok(())
+        }
+        // Its writes cannot land any more: what runs is stopped at once.
+        Some(why) => {
+            shut_down(&engine, server, stop_tx, &settings, Duration::ZERO).await;
+            Err(format!(
+                "this replica stopped leading the cluster: {why} (lease_lost)"
+            ))
+        }
+    }
+}
+
+/// The embedded store: an import first when `--import-from` asks, then
+/// the file.
+async fn open_redb(settings: &Settings) -> Result<Store, String> {
+    if let Some(source) = &settings.import_from {
+        let from =
+            crate::export::Endpoint::parse(source).map_err(|e| format!("--import-from: {e}"))?;
+        let data_dir = settings.data_dir.clone();
+        // The import drives its own PostgreSQL client: off the async workers.
+        tokio::task::spawn_blocking(move || crate::export::import_at_start(&data_dir, &from))
+            .await
+            .map_err(|e| format!("--import-from: {e}"))??;
+    }
+    open_store(settings)
 }
 
 /// Files berth holds besides its connections (the store, the redo log,
@@ -351,7 +392,12 @@ fn open_store(settings: &Settings) -> Result<Store, String> {
                  of an older store needs about as much as the store file) and start berth again",
                 path.display()
             ),
-            Kind::Io | Kind::Reopening | Kind::Corrupt | Kind::Closed | Kind::Other => {
+            Kind::Io
+            | Kind::Reopening
+            | Kind::Corrupt
+            | Kind::Closed
+            | Kind::Unreachable
+            | Kind::Other => {
                 format!("cannot open {}: {e}", path.display())
             }
         }
@@ -373,11 +419,12 @@ async fn shut_down(
     server: tokio::task::JoinHandle<()>,
     stop_tx: tokio::sync::watch::Sender<bool>,
     settings: &Settings,
+    grace: Duration,
 ) {
     tracing::info!("shutting down: no new requests or builds; waiting for running builds");
     engine.begin_shutdown();
     let _ = stop_tx.send(true);
-    let deadline = tokio::time::Instant::now() + settings.shutdown_grace;
+    let deadline = tokio::time::Instant::now() + grace;
     while engine.running_builds() > 0 && tokio::time::Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }

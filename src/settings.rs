@@ -709,6 +709,33 @@ pub struct Settings {
     #[arg(long, env = "BERTH_BUILD_LABELS", default_value = "", value_parser = parse_label_set)]
     pub build_labels: LabelSet,
 
+    /// Where the store lives: redb:<path> (the default: berth.redb in the
+    /// data dir) or postgres://user@host[:port]/database[?params] (cluster
+    /// mode, docs/cluster.md). A URL with a password is refused: use
+    /// --store-file or PGPASSFILE.
+    #[arg(long, env = "BERTH_STORE", conflicts_with = "store_file")]
+    pub store: Option<String>,
+
+    /// A file whose first line is the --store URL: the one place for a
+    /// password. Refused when group or others may read it.
+    #[arg(long, env = "BERTH_STORE_FILE")]
+    pub store_file: Option<PathBuf>,
+
+    /// With PostgreSQL: how long connecting may take (1s to 60s), then
+    /// 503 store_unreachable.
+    #[arg(long, env = "BERTH_STORE_CONNECT_TIMEOUT", default_value = "5s", value_parser = parse_store_connect_timeout)]
+    pub store_connect_timeout: Duration,
+
+    /// With PostgreSQL: how long one statement may take (1s to 10m), then
+    /// 503 store_unreachable and nothing stored.
+    #[arg(long, env = "BERTH_STORE_TIMEOUT", default_value = "10s", value_parser = parse_store_timeout)]
+    pub store_timeout: Duration,
+
+    /// With PostgreSQL: how long a start waits for another replica's
+    /// migration lock (1s to 1h), then exits.
+    #[arg(long, env = "BERTH_STORE_MIGRATE_TIMEOUT", default_value = "10m", value_parser = parse_store_migrate_timeout)]
+    pub store_migrate_timeout: Duration,
+
     /// How long a worker's claim or renew holds its build (5s to 10m).
     #[arg(long, env = "BERTH_LEASE_TTL", default_value = "30s", value_parser = parse_lease_ttl)]
     pub lease_ttl: Duration,
@@ -881,8 +908,37 @@ pub struct Settings {
 }
 
 impl Settings {
+    /// The store file: `--store redb:<path>`, else berth.redb in the data
+    /// dir (with PostgreSQL, the replica's cache of the database).
     pub fn db_path(&self) -> PathBuf {
-        self.data_dir.join("berth.redb")
+        match self
+            .store
+            .as_deref()
+            .and_then(|s| s.trim().strip_prefix("redb:"))
+        {
+            Some(path) if !path.is_empty() => PathBuf::from(path),
+            Some(_) | None => self.data_dir.join("berth.redb"),
+        }
+    }
+
+    /// Whether the store is in PostgreSQL (cluster mode): `--store-file`,
+    /// or a `--store` that is not `redb:`.
+    pub fn is_cluster(&self) -> bool {
+        match (&self.store, &self.store_file) {
+            (Some(url), _) => !url.trim().starts_with("redb:"),
+            (None, file) => file.is_some(),
+        }
+    }
+
+    /// Where the store lives, from `--store` or `--store-file`.
+    pub fn store_location(&self) -> Result<crate::store::location::Location, String> {
+        use crate::store::location::{parse, Location};
+        let (text, from_file) = match (&self.store, &self.store_file) {
+            (Some(url), _) => (url.clone(), false),
+            (None, Some(file)) => (read_store_file(file)?, true),
+            (None, None) => return Ok(Location::Redb(self.db_path())),
+        };
+        parse(&text, from_file).map_err(|r| format!("--store: {r}"))
     }
     /// Where deployers' `work/` and `scratch/` live (`--deployer-dir`).
     pub fn deployers_root(&self) -> PathBuf {
@@ -1024,6 +1080,30 @@ fn parse_lease_ttl(text: &str) -> Result<Duration, String> {
     Ok(d)
 }
 
+fn parse_store_connect_timeout(text: &str) -> Result<Duration, String> {
+    duration_within(
+        text,
+        (Duration::from_secs(1), Duration::from_secs(60)),
+        "store connect timeout",
+    )
+}
+
+fn parse_store_timeout(text: &str) -> Result<Duration, String> {
+    duration_within(
+        text,
+        (Duration::from_secs(1), Duration::from_secs(600)),
+        "store timeout",
+    )
+}
+
+fn parse_store_migrate_timeout(text: &str) -> Result<Duration, String> {
+    duration_within(
+        text,
+        (Duration::from_secs(1), Duration::from_secs(3600)),
+        "store migrate timeout",
+    )
+}
+
 fn parse_health_interval(text: &str) -> Result<Duration, String> {
     duration_within(text, HEALTH_INTERVAL_RANGE, "health interval")
 }
@@ -1113,6 +1193,25 @@ fn parse_checkpoint_interval(text: &str) -> Result<Duration, String> {
         return Err(format!("must be above 0 and at most {}s", max.as_secs()));
     }
     Ok(d)
+}
+
+/// The first line of `--store-file`, which must be private to its owner.
+fn read_store_file(path: &std::path::Path) -> Result<String, String> {
+    use std::os::unix::fs::PermissionsExt;
+    let meta =
+        std::fs::metadata(path).map_err(|e| format!("--store-file {}: {e}", path.display()))?;
+    if meta.permissions().mode() & 0o077 != 0 {
+        return Err(format!(
+            "--store-file {} may be read by group or others: chmod 600 it (store_file_mode)",
+            path.display()
+        ));
+    }
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("--store-file {}: {e}", path.display()))?;
+    match text.lines().next().map(str::trim) {
+        Some(line) if !line.is_empty() => Ok(line.to_string()),
+        Some(_) | None => Err(format!("--store-file {} is empty", path.display())),
+    }
 }
 
 #[cfg(test)]

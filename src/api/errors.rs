@@ -227,6 +227,15 @@ impl From<StoreError> for ApiError {
                 e.retry_read = true;
                 e
             }
+            StoreErrorKind::Unreachable => {
+                tracing::warn!(error = %e, "store unreachable");
+                ApiError::new(
+                    Code::Unavailable,
+                    "the store's database cannot be reached; nothing was stored",
+                )
+                .reason("store_unreachable")
+                .retry_after(1)
+            }
             StoreErrorKind::Io => {
                 tracing::error!(error = %e, "store I/O error");
                 ApiError::new(

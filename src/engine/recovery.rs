@@ -87,7 +87,14 @@ impl Engine {
                     job
                 }
             };
-            if let Some(job) = orphan.filter(runner::group_may_be_ours) {
+            // With replicas, a record may name a process of another
+            // machine: only the very process (pid and start time) is
+            // stopped, never a group that merely has its number.
+            let ours = match self.settings.is_cluster() {
+                true => runner::same_process,
+                false => runner::group_may_be_ours,
+            };
+            if let Some(job) = orphan.filter(ours) {
                 tracing::warn!(pid = job.pid, %deployment, "stopping the deployer that outlived the last run");
                 self.block_deployment(&deployment);
                 let (engine, blocked) = (self.clone(), deployment.clone());

@@ -258,6 +258,12 @@ pub fn group_may_be_ours(job: &Job) -> bool {
     }
 }
 
+/// True when `job`'s leader is still the very process (pid and start
+/// time) on this machine.
+pub fn same_process(job: &Job) -> bool {
+    job.pid > 0 && process_start_ticks(job.pid) == Some(job.start_ticks)
+}
+
 pub fn signal_group(pgid: i32, signal: Signal) {
     if pgid > 0 {
         let _ = killpg(Pid::from_raw(pgid), signal);

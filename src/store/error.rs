@@ -17,6 +17,10 @@ pub enum StoreErrorKind {
     /// refuses to start on it (README "Repairing a damaged store").
     Damaged,
     Closed,
+    /// The database of a store in PostgreSQL did not answer, or answered
+    /// that this replica no longer leads (`upstream.rs`): nothing was
+    /// stored, and a retry may succeed.
+    Unreachable,
     Other,
 }
 
@@ -97,6 +101,12 @@ impl StoreError {
                  (the server's log says why; most likely the disk is full)",
                 limit >> 20
             ),
+        }
+    }
+    pub(super) fn unreachable(detail: impl Into<String>) -> Self {
+        Self {
+            kind: StoreErrorKind::Unreachable,
+            detail: detail.into(),
         }
     }
     pub(super) fn closed() -> Self {

@@ -41,6 +41,7 @@ pub mod compress;
 pub mod dump;
 mod error;
 mod layout;
+pub mod location;
 mod logged;
 pub mod logs;
 mod lookup;
@@ -50,6 +51,7 @@ mod rx;
 mod snapshot;
 pub mod tables;
 mod tx;
+pub mod upstream;
 mod view;
 mod writer;
 
@@ -83,6 +85,10 @@ use tables::*;
 const CLOSE_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 pub use layout::LAYOUT_VERSION;
+/// The exit code of a replica whose file may no longer match the store's
+/// database (a commit's answer lost, a local write failed after the
+/// database's commit): its next start loads the store again.
+pub const EXIT_STORE_IN_DOUBT: i32 = 75;
 /// Write jobs waiting for the writer thread before `write` waits for room.
 const WRITE_QUEUE_DEPTH: usize = 4096;
 /// Jobs folded into one transaction at most, to bound commit latency.
@@ -213,6 +219,17 @@ impl Store {
     /// As `open_shared`, with redb holding at most `cache` of the file's
     /// pages in memory.
     pub fn open_with_cache(path: &Path, sharing: Sharing, cache: CacheSize) -> StoreResult<Store> {
+        Store::open_behind(path, sharing, cache, None)
+    }
+
+    /// As `open_with_cache`, each batch committed to the store's database
+    /// first when `upstream` is given (cluster mode, `upstream.rs`).
+    pub fn open_behind(
+        path: &Path,
+        sharing: Sharing,
+        cache: CacheSize,
+        upstream: Option<upstream::Upstream>,
+    ) -> StoreResult<Store> {
         // Whatever mode wrote a redo log last, its acknowledged rows go
         // into the file before anything reads it: durably where the disk
         // allows; on a full one a store held alone keeps them in the log
@@ -251,6 +268,7 @@ impl Store {
             sharing,
             cache,
             redo,
+            upstream: upstream.map(std::sync::Mutex::new),
             turn: std::sync::Mutex::new(writer::Turn::new()),
             lone_batches_in_a_row: std::sync::atomic::AtomicU32::new(writer::QUIET_BATCHES),
         });
@@ -352,7 +370,10 @@ impl Store {
     /// would be there. A job that finds a checkpoint due goes to the
     /// writer thread, which makes it right after that job's batch.
     fn run_here_if_idle(&self, job: WriteJob) -> Option<WriteJob> {
+        // A batch for the store's database blocks on its own runtime,
+        // which a caller's async worker must not do: the writer runs it.
         let quiet = self.shared.redo.is_some()
+            && self.shared.upstream.is_none()
             && self
                 .shared
                 .lone_batches_in_a_row
@@ -391,6 +412,17 @@ impl Store {
     /// A handle that can only read.
     pub fn reader(&self) -> Reader {
         Reader(self.clone())
+    }
+
+    /// Writes every row to the store's database, replacing what it held:
+    /// a new cluster's first start, an import, a layout migrated at open
+    /// (`upstream.rs`). Nothing to do for a store without one.
+    pub fn upload_all(&self) -> StoreResult<()> {
+        let Some(upstream) = &self.shared.upstream else {
+            return Ok(());
+        };
+        let rx = self.read()?;
+        upstream.held().replace_all(&rx)
     }
 
     pub fn read(&self) -> StoreResult<Rx> {
@@ -702,8 +734,8 @@ mod tests {
         let replayed = replayed_copy(&dir, "copy");
         let (live, again) = (store.read().unwrap(), replayed.read().unwrap());
         for table in tables::Table::ALL {
-            let mut a = redo::raw_rows(&live, table);
-            let mut b = redo::raw_rows(&again, table);
+            let mut a = redo::raw_rows(&live, table).unwrap();
+            let mut b = redo::raw_rows(&again, table).unwrap();
             if table == tables::Table::Meta {
                 a.retain(|(k, _)| k != redo::GENERATION_KEY.as_bytes());
                 b.retain(|(k, _)| k != redo::GENERATION_KEY.as_bytes());

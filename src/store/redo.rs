@@ -1077,37 +1077,77 @@ fn row<K: Key + 'static, V: Value + 'static>(
     Ok(())
 }
 
+/// One row operation of a batch, as a store in PostgreSQL takes it
+/// (`upstream.rs`): redb's own key and value bytes, by table name.
+pub(super) enum RowOp<'a> {
+    Insert(&'a str, &'a [u8], &'a [u8]),
+    Remove(&'a str, &'a [u8]),
+    Clear(&'a str),
+}
+
+/// The operations of a batch's rows (`RecordBuf::rows`), in order.
+pub(super) fn row_ops(rows: &[u8]) -> StoreResult<Vec<RowOp<'_>>> {
+    let mut c = Cursor { bytes: rows };
+    let mut out = Vec::new();
+    while !c.bytes.is_empty() {
+        let name_len = c.take(1)?[0] as usize;
+        let name = std::str::from_utf8(c.take(name_len)?)
+            .map_err(|_| StoreError::corrupt("a row names a table that is not UTF-8"))?;
+        let op = c.take(1)?[0];
+        out.push(match op {
+            OP_INSERT => RowOp::Insert(name, c.sized()?, c.sized()?),
+            OP_REMOVE => RowOp::Remove(name, c.sized()?),
+            OP_CLEAR => RowOp::Clear(name),
+            _ => {
+                return Err(StoreError::corrupt(
+                    "a batch holds an unknown row operation",
+                ))
+            }
+        });
+    }
+    Ok(out)
+}
+
+/// Writes one row (redb's bytes) into `table` of `txn`: a store in
+/// PostgreSQL loading its rows into the replica's file.
+pub(super) fn put_raw(
+    txn: &WriteTransaction,
+    table: Table,
+    key: &[u8],
+    value: &[u8],
+) -> StoreResult<()> {
+    apply(txn, LoggedTable::Current(table), Some(key), Some(value))
+}
+
+/// Every row of `table` as redb's bytes.
+pub(super) fn raw_rows(rx: &super::Rx, table: Table) -> StoreResult<Vec<(Vec<u8>, Vec<u8>)>> {
+    struct Rows<'t>(&'t super::Rx);
+    impl EachTable for Rows<'_> {
+        type Output = StoreResult<Vec<(Vec<u8>, Vec<u8>)>>;
+        fn with<K: Key + 'static, V: Value + 'static>(
+            &mut self,
+            def: TableDefinition<'static, K, V>,
+        ) -> Self::Output {
+            let t = self.0.rows(def)?;
+            let mut out = Vec::new();
+            for entry in t.iter()? {
+                let (k, v) = entry?;
+                let key = K::as_bytes(&k.value()).as_ref().to_vec();
+                let row = V::as_bytes(&v.value()).as_ref().to_vec();
+                out.push((key, row));
+            }
+            Ok(out)
+        }
+    }
+    table.visit(&mut Rows(rx))
+}
+
 /// Reads the file for tests.
 #[cfg(test)]
 pub(super) fn records_in(path: &Path) -> usize {
     read_records(path, Trust::Unverified)
         .map(|r| r.valid.len())
         .unwrap_or(0)
-}
-
-/// Every row of `table` as redb's bytes, for tests that compare stores.
-#[cfg(test)]
-pub(super) fn raw_rows(rx: &super::Rx, table: Table) -> Vec<(Vec<u8>, Vec<u8>)> {
-    struct Rows<'t>(&'t super::Rx);
-    impl EachTable for Rows<'_> {
-        type Output = Vec<(Vec<u8>, Vec<u8>)>;
-        fn with<K: Key + 'static, V: Value + 'static>(
-            &mut self,
-            def: TableDefinition<'static, K, V>,
-        ) -> Self::Output {
-            let t = self.0.rows(def).unwrap();
-            t.iter()
-                .unwrap()
-                .map(|e| {
-                    let (k, v) = e.unwrap();
-                    let key = K::as_bytes(&k.value()).as_ref().to_vec();
-                    let row = V::as_bytes(&v.value()).as_ref().to_vec();
-                    (key, row)
-                })
-                .collect()
-        }
-    }
-    table.visit(&mut Rows(rx))
 }
 
 #[cfg(test)]

@@ -32,6 +32,7 @@ use tokio::sync::mpsc;
 
 use super::logged::Pending;
 use super::redo::{self, RedoLog};
+use super::upstream::Upstream;
 use super::{StoreError, StoreResult, Tx, MAX_JOBS_PER_COMMIT};
 use crate::locks::{Held, HeldRw};
 
@@ -73,6 +74,9 @@ pub(super) struct Shared {
     /// before any write transaction begins, by every user, so the two
     /// locks are always taken in one order.
     pub(super) redo: Option<std::sync::Mutex<RedoLog>>,
+    /// The store's database, when it is in PostgreSQL (`upstream.rs`):
+    /// each batch commits there first. Locked after `redo`.
+    pub(super) upstream: Option<std::sync::Mutex<Upstream>>,
     /// The writer's state between batches, held by whoever runs one.
     pub(super) turn: std::sync::Mutex<Turn>,
     /// How many batches in a row were one job with none queued behind it
@@ -481,6 +485,7 @@ fn run_batch_unguarded(
         false => commit(
             txn,
             log.as_deref_mut(),
+            shared.upstream.as_ref(),
             &mut turn.record,
             urgency_of(&batch),
         )
@@ -576,7 +581,13 @@ fn retry_alone<'s>(
                 (job.finish)(Some(e.clone()));
                 false
             }
-            (None, Some(db), _) => run_alone(db, job, log.as_deref_mut(), &mut turn.record),
+            (None, Some(db), _) => run_alone(
+                db,
+                job,
+                log.as_deref_mut(),
+                shared.upstream.as_ref(),
+                &mut turn.record,
+            ),
             (None, None, _) => {
                 (job.finish)(Some(closed_or_reopening(shared)));
                 false
@@ -661,6 +672,7 @@ struct Refused {
 fn commit(
     txn: Pending,
     log: Option<&mut RedoLog>,
+    upstream: Option<&std::sync::Mutex<Upstream>>,
     record: &mut redo::RecordBuf,
     urgency: redo::Urgency,
 ) -> Result<(), Refused> {
@@ -674,6 +686,17 @@ fn commit(
     };
     if record.rows().is_empty() {
         return txn.into_txn().commit().map_err(by_redb);
+    }
+    if let Some(upstream) = upstream {
+        // The database first: a batch it refused changed nothing.
+        if let Err(error) = upstream.held().commit(record.rows()) {
+            abort(txn);
+            return Err(Refused {
+                error,
+                handle_lost: false,
+            });
+        }
+        return commit_behind_upstream(txn, log, record, urgency);
     }
     let appended = match crate::failpoints::hit_in("redo.append", record.rows()) {
         true => Err(StoreError::injected("redo.append")),
@@ -705,6 +728,26 @@ fn commit(
         }
     }
     committed
+}
+
+/// The replica's own commit of a batch the store's database holds: one
+/// that fails leaves the replica's file behind the database, which no
+/// retry may fix (its jobs would run twice there), so the replica stops
+/// and its next start loads the store again (`upstream.rs`).
+fn commit_behind_upstream(
+    txn: Pending,
+    log: &mut RedoLog,
+    record: &mut redo::RecordBuf,
+    urgency: redo::Urgency,
+) -> Result<(), Refused> {
+    let local = log
+        .append(record, urgency)
+        .and_then(|_| txn.into_txn().commit().map_err(StoreError::from));
+    if let Err(e) = local {
+        tracing::error!(error = %e, "a batch the store's database holds could not be written to this replica's file; stopping so that a start loads the store again");
+        std::process::exit(super::EXIT_STORE_IN_DOUBT);
+    }
+    Ok(())
 }
 
 /// Runs a committed batch's hooks in order. A hook that panics is logged
@@ -744,6 +787,7 @@ fn run_alone(
     db: &Database,
     mut job: WriteJob,
     log: Option<&mut RedoLog>,
+    upstream: Option<&std::sync::Mutex<Upstream>>,
     record: &mut redo::RecordBuf,
 ) -> bool {
     let txn = match begin(db, log.is_some()) {
@@ -761,7 +805,7 @@ fn run_alone(
         (job.finish)(Some(e));
         return false;
     }
-    match commit(txn, log, record, job.urgency) {
+    match commit(txn, log, upstream, record, job.urgency) {
         Ok(()) => {
             run_hooks(hooks);
             (job.finish)(None);

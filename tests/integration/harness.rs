@@ -812,3 +812,70 @@ pub fn berth(args: &[&str]) -> (i32, String) {
         String::from_utf8_lossy(&out.stdout).into_owned(),
     )
 }
+
+pub const PG_ADMIN: &str = "host=127.0.0.1 port=5432 user=postgres dbname=test";
+
+/// A database of its own on the real PostgreSQL, dropped at the end.
+pub struct PgDb {
+    pub name: String,
+}
+
+impl PgDb {
+    /// None (and a visible skip) when no PostgreSQL answers here.
+    pub async fn create(test: &str) -> Option<PgDb> {
+        let admin = match pg(PG_ADMIN).await {
+            Ok(c) => c,
+            Err(e) => {
+                skip(test, &format!("no PostgreSQL on 127.0.0.1:5432 ({e})"));
+                return None;
+            }
+        };
+        static NEXT_DB: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let name = format!(
+            "berth_it_{}_{}",
+            std::process::id(),
+            NEXT_DB.fetch_add(1, std::sync::atomic::Ordering::SeqCst)
+        );
+        // One statement per call: CREATE DATABASE refuses a transaction block.
+        for sql in [
+            format!("DROP DATABASE IF EXISTS {name}"),
+            format!("CREATE DATABASE {name}"),
+        ] {
+            admin.batch_execute(&sql).await.unwrap();
+        }
+        Some(PgDb { name })
+    }
+
+    pub fn url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:5432/{}", self.name)
+    }
+
+    pub async fn client(&self) -> tokio_postgres::Client {
+        pg(&format!(
+            "host=127.0.0.1 port=5432 user=postgres dbname={}",
+            self.name
+        ))
+        .await
+        .unwrap()
+    }
+}
+
+impl Drop for PgDb {
+    fn drop(&mut self) {
+        let _ = Command::new("psql")
+            .args(["-h", "127.0.0.1", "-U", "postgres", "-d", "test", "-qc"])
+            .arg(format!(
+                "DROP DATABASE IF EXISTS {} WITH (FORCE)",
+                self.name
+            ))
+            .output();
+    }
+}
+
+pub async fn pg(conn: &str) -> Result<tokio_postgres::Client, tokio_postgres::Error> {
+    let (client, connection) = tokio_postgres::connect(conn, tokio_postgres::NoTls).await?;
+    tokio::spawn(async move {
+        let _ = connection.await;
+    });
+    Ok(client)
+}

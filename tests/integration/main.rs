@@ -7,6 +7,7 @@ mod agents;
 mod audit;
 mod bad_input;
 mod cli;
+mod cluster;
 mod cors;
 mod deploy;
 mod deployers;

@@ -1,0 +1,247 @@
+//! Cluster mode (cluster.md): replicas of the real binary on the machine's
+//! PostgreSQL, a fresh database per test. One replica leads and serves;
+//! another waits, and takes over when the leader is killed or paused past
+//! its lease, with every acknowledged write; a paused leader that wakes
+//! stops its deployer and writes nothing; bad store URLs and flags are
+//! refused with their codes.
+
+use std::path::Path;
+use std::time::Duration;
+
+use serde_json::json;
+
+use crate::harness::*;
+
+const LEASE: &str = "5s";
+
+fn replica(db: &PgDb, extra: &[&str]) -> Options {
+    let mut opts = Options::default()
+        .arg("--store")
+        .arg(&db.url())
+        .arg("--lease-ttl")
+        .arg(LEASE);
+    for a in extra {
+        opts = opts.arg(a);
+    }
+    opts
+}
+
+/// A replica's data dir holding the leader's secrets (cluster.md: replicas
+/// share them as files).
+fn with_secrets_of(leader: &Server, tag: &str) -> std::path::PathBuf {
+    let dir = temp_dir(tag);
+    let data = dir.join("data");
+    std::fs::create_dir_all(&data).unwrap();
+    for name in [
+        "service-token",
+        "cursor-key",
+        "callback-secret",
+        "audit-signing.key",
+    ] {
+        let from = leader.dir.join("data").join(name);
+        std::fs::copy(&from, data.join(name)).unwrap();
+    }
+    dir
+}
+
+/// Whether the process with `pid` is still there.
+fn alive(pid: u32) -> bool {
+    Path::new(&format!("/proc/{pid}")).exists()
+}
+
+#[tokio::test]
+async fn a_standby_takes_over_after_kill_9_with_every_acknowledged_submit() {
+    let test = "a_standby_takes_over_after_kill_9_with_every_acknowledged_submit";
+    let Some(db) = PgDb::create(test).await else {
+        return;
+    };
+    let mut leader = Server::start(replica(&db, &[])).await;
+    let finished = leader
+        .submit_ok("alice", mastodon("alice.example.org"))
+        .await;
+    leader.wait_build(&finished, "succeeded").await;
+    let events_before = build_events(&leader, &finished).await;
+    let mut standby = Server::unstarted(with_secrets_of(&leader, "standby"), replica(&db, &[]));
+    standby.spawn();
+    // Submits in flight while the leader dies: each one answered 202 must
+    // be on the standby once it leads.
+    let base = leader.base.clone();
+    let token = leader.token.clone();
+    let load = tokio::spawn(async move {
+        let http = client();
+        let mut acknowledged = Vec::new();
+        for i in 0..400 {
+            let answer = http
+                .post(format!("{base}/v1/deployments/d{i}/submit"))
+                .bearer_auth(&token)
+                .header("Idempotency-Key", format!("cluster-submit-{i:08}"))
+                .json(&json!({"configuration": {"n": i}}))
+                .send()
+                .await;
+            match answer {
+                Ok(r) if r.status() == 202 => acknowledged.push(i),
+                Ok(_) | Err(_) => break,
+            }
+        }
+        acknowledged
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    leader.kill();
+    let acknowledged = load.await.unwrap();
+    assert!(
+        !acknowledged.is_empty(),
+        "no submit was answered before the kill"
+    );
+    standby.wait_ready().await;
+    for i in &acknowledged {
+        let (status, d) = standby.json(&format!("/v1/deployments/d{i}")).await;
+        assert_eq!(
+            status, 200,
+            "acknowledged d{i} missing after the takeover: {d}"
+        );
+    }
+    // The same key on the new leader replays the same build.
+    let last = acknowledged[acknowledged.len() - 1];
+    let (_, first_answer) = standby.json(&format!("/v1/deployments/d{last}")).await;
+    let replay = standby
+        .post(
+            &format!("/v1/deployments/d{last}/submit"),
+            &json!({"configuration": {"n": last}}),
+        )
+        .header("Idempotency-Key", format!("cluster-submit-{last:08}"))
+        .send()
+        .await
+        .unwrap();
+    let (status, replayed) = read(replay).await;
+    assert_eq!(status, 202, "{replayed}");
+    assert_eq!(
+        replayed["build_id"], first_answer["last_build"]["id"],
+        "the key ran twice: {replayed}"
+    );
+    // A finished build's events read the same, ids and all.
+    assert_eq!(build_events(&standby, &finished).await, events_before);
+}
+
+/// Every event of a finished build's channel, ids included.
+async fn build_events(s: &Server, build: &str) -> Vec<SseEvent> {
+    Sse::open(s.get(&format!("/v1/builds/{build}/events")))
+        .await
+        .until_end()
+        .await
+}
+
+#[tokio::test]
+async fn a_paused_leader_is_replaced_and_when_it_wakes_stops_its_deployer_and_writes_nothing() {
+    let test =
+        "a_paused_leader_is_replaced_and_when_it_wakes_stops_its_deployer_and_writes_nothing";
+    let Some(db) = PgDb::create(test).await else {
+        return;
+    };
+    let dir = temp_dir("paused-leader");
+    let _ = test;
+    let (deployer, _gates) = gated_deployer(&dir);
+    let opts = replica(&db, &["--cancel-grace", "1s"]).deployer(&deployer);
+    let mut leader = Server::start_in(dir, opts).await;
+    let running = leader.submit_ok("alice", json!({"n": 1})).await;
+    leader.wait_build(&running, "running").await;
+    let deployer_pids = processes_running(&deployer);
+    assert!(!deployer_pids.is_empty(), "no deployer runs");
+    let standby_opts = replica(&db, &["--cancel-grace", "1s"]).deployer(&deployer);
+    let mut standby = Server::unstarted(with_secrets_of(&leader, "standby"), standby_opts);
+    standby.spawn();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(leader.pid() as i32),
+        nix::sys::signal::Signal::SIGSTOP,
+    )
+    .unwrap();
+    standby.wait_ready().await;
+    let ended = standby.wait_build(&running, "failed").await;
+    let events = build_events(&standby, &running).await;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(leader.pid() as i32),
+        nix::sys::signal::Signal::SIGCONT,
+    )
+    .unwrap();
+    // Awake, it finds its fence taken: it stops what it ran and exits.
+    eventually("the woken leader to exit", || {
+        let exited = leader.exited().is_some();
+        async move { exited }
+    })
+    .await;
+    assert!(leader.log().contains("lease_lost"), "{}", leader.log());
+    eventually("the woken leader's deployer to stop", || {
+        let gone = !deployer_pids.iter().any(|p| alive(*p));
+        async move { gone }
+    })
+    .await;
+    // Nothing it wrote after the takeover landed.
+    let after = build_events(&standby, &running).await;
+    assert_eq!(
+        after, events,
+        "the old leader wrote after its fence was taken"
+    );
+    assert_eq!(standby.build(&running).await["status"], ended["status"]);
+}
+
+/// The pids of processes running `script`.
+fn processes_running(script: &Path) -> Vec<u32> {
+    let wanted = script.to_string_lossy().into_owned();
+    let mut pids = Vec::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+        if String::from_utf8_lossy(&cmdline).contains(&wanted) {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
+#[tokio::test]
+async fn store_urls_and_flags_that_cannot_work_are_refused_with_their_codes() {
+    let test = "store_urls_and_flags_that_cannot_work_are_refused_with_their_codes";
+    let Some(db) = PgDb::create(test).await else {
+        return;
+    };
+    let dir = temp_dir("refusals");
+    let data = dir.join("data");
+    let data = data.to_str().unwrap();
+    let with_password = "postgres://postgres:hunter2@127.0.0.1/x";
+    let refused = |args: &[&str], code: &str| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_berth"))
+            .args(["serve", "--data-dir", data, "--listen", "127.0.0.1:0"])
+            .args(args)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
+        assert!(stderr.contains(code), "{args:?}: {stderr}");
+        assert!(
+            !stderr.contains("hunter2"),
+            "a password in the output: {stderr}"
+        );
+    };
+    refused(&["--store", with_password], "store_url_has_password");
+    refused(
+        &["--store", "postgres://127.0.0.1/x?sslmode=prefer"],
+        "store_insecure_tls",
+    );
+    refused(
+        &["--store", "postgres://127.0.0.1/x?foo=1"],
+        "invalid_store_url",
+    );
+    refused(&["--store", &db.url(), "--shared-store"], "redb_only_flag");
+    let file = dir.join("store-url");
+    std::fs::write(&file, format!("{with_password}\n")).unwrap();
+    std::fs::set_permissions(&file, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
+    refused(&["--store-file", file.to_str().unwrap()], "store_file_mode");
+    // A database holding other tables is not berth's.
+    db.client()
+        .await
+        .batch_execute("CREATE TABLE customers (id int)")
+        .await
+        .unwrap();
+    refused(&["--store", &db.url()], "not_a_berth_database");
+}
