@@ -13,11 +13,13 @@ use std::time::Duration;
 
 use crate::settings::Settings;
 use crate::store::location::PgTarget;
-use crate::store::upstream::{LeaseKeeper, Limits, Upstream};
+use crate::store::upstream::{LeaseKeeper, Limits, Replica, Status, Upstream};
 use crate::store::{Sharing, Store};
 
 /// How often a waiting replica looks whether the lease has passed.
 const STANDBY_POLL: Duration = Duration::from_secs(1);
+/// How long a standby waits to reach the leading replica for a request.
+const FORWARD_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Bytes of a replica id (random, hex in `<data-dir>/replica-id`).
 const REPLICA_ID_BYTES: usize = 8;
 
@@ -27,7 +29,6 @@ pub struct Started {
     pub store: Store,
     /// Held while the process lives: one replica per data dir.
     pub data_dir_lock: nix::fcntl::Flock<std::fs::File>,
-    pub replica: String,
     pub lost: tokio::sync::watch::Receiver<Option<String>>,
 }
 
@@ -58,14 +59,44 @@ pub fn refuse_redb_flags(settings: &Settings) -> Result<(), String> {
     }
 }
 
-/// Starts this replica on `target`; blocks until it leads.
-pub fn start(settings: &Settings, target: &PgTarget) -> Result<Started, String> {
+/// This replica as it registers: its id, `--replica-name` and
+/// `--replica-url` (or what `bound` gives).
+pub fn me(settings: &Settings, bound: std::net::SocketAddr) -> Result<Replica, String> {
+    let id = replica_id(&settings.data_dir)?;
+    let url = match &settings.replica_url {
+        Some(url) => url.trim_end_matches('/').to_string(),
+        None if bound.ip().is_unspecified() => {
+            return Err(format!(
+                "--listen {bound} names no address the other replicas can reach: give --replica-url (replica_url_needed)"
+            ))
+        }
+        None => format!("http://{bound}"),
+    };
+    let name = match &settings.replica_name {
+        Some(name) => name.clone(),
+        None => {
+            let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+            format!("{}:{}", host.trim(), bound.port())
+        }
+    };
+    Ok(Replica { id, name, url })
+}
+
+/// Starts this replica on `target`; blocks until it leads, meanwhile
+/// telling `leader` where the leading replica is (the standby forwards
+/// requests there, `forward_while_standby`).
+pub fn start(
+    settings: &Settings,
+    target: &PgTarget,
+    me: &Replica,
+    leader: &tokio::sync::watch::Sender<Option<String>>,
+    status: std::sync::Arc<Status>,
+) -> Result<Started, String> {
     let data_dir_lock = lock_data_dir(&settings.data_dir)?;
     let mut up = Upstream::connect(target, limits(settings))?;
     let found = up.prepare()?;
-    let replica = replica_id(&settings.data_dir)?;
-    let fence = wait_for_lease(&mut up, &replica, settings.lease_ttl)?;
-    tracing::info!(%replica, fence, database = %target.redacted(), "this replica leads the cluster");
+    let fence = wait_for_lease(&mut up, me, settings.lease_ttl, leader, &status)?;
+    tracing::info!(replica = %me.id, fence, database = %target.redacted(), "this replica leads the cluster");
     let path = settings.db_path();
     remove_cache(&path)?;
     let import = match (&settings.import_from, found.empty) {
@@ -105,34 +136,158 @@ pub fn start(settings: &Settings, target: &PgTarget) -> Result<Started, String> 
             .map_err(|e| format!("cannot write the store to its database: {e}"))?;
     }
     let (lost_tx, lost) = tokio::sync::watch::channel(None);
-    LeaseKeeper::start(keeper, fence, settings.lease_ttl, move |why| {
-        tracing::error!(why, "this replica no longer leads the cluster; stopping");
-        let _ = lost_tx.send(Some(why.to_string()));
-    })?;
+    let heartbeat = Heartbeat {
+        me: me.clone(),
+        status,
+        seen_within: settings.lease_ttl,
+    };
+    LeaseKeeper::start(
+        keeper,
+        fence,
+        settings.lease_ttl,
+        move |up| heartbeat.beat(up),
+        move |why| {
+            tracing::error!(why, "this replica no longer leads the cluster; stopping");
+            lost_tx.send_replace(Some(why.to_string()));
+        },
+    )?;
     Ok(Started {
         store,
         data_dir_lock,
-        replica,
         lost,
     })
 }
 
+/// What a replica does at each heartbeat: registers itself and reads the
+/// replica list for `GET /v1/cluster`.
+struct Heartbeat {
+    me: Replica,
+    status: std::sync::Arc<Status>,
+    seen_within: Duration,
+}
+
+impl Heartbeat {
+    /// The leading replica's URL, when one leads.
+    fn beat(&self, up: &mut Upstream) -> Option<String> {
+        if let Err(e) = up.register(&self.me) {
+            tracing::warn!(error = %e, "cannot record this replica's heartbeat");
+            return None;
+        }
+        match up.replicas(self.seen_within) {
+            Ok(rows) => {
+                let leader = rows.iter().find(|r| r.leads).map(|r| r.url.clone());
+                self.status.set(rows);
+                leader
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read the replica list");
+                None
+            }
+        }
+    }
+}
+
 /// Waits (as a standby) until the lease is free, then takes it.
-fn wait_for_lease(up: &mut Upstream, replica: &str, ttl: Duration) -> Result<i64, String> {
+fn wait_for_lease(
+    up: &mut Upstream,
+    me: &Replica,
+    ttl: Duration,
+    leader: &tokio::sync::watch::Sender<Option<String>>,
+    status: &std::sync::Arc<Status>,
+) -> Result<i64, String> {
+    let heartbeat = Heartbeat {
+        me: me.clone(),
+        status: status.clone(),
+        seen_within: ttl,
+    };
     let mut told = false;
     loop {
-        match up.try_lead(replica, ttl) {
-            Ok(Some(fence)) => return Ok(fence),
+        let url = heartbeat.beat(up);
+        match up.try_lead(&me.id, ttl) {
+            Ok(Some(fence)) => {
+                leader.send_replace(None);
+                // `GET /v1/cluster` names this replica from its first answer.
+                heartbeat.beat(up);
+                return Ok(fence);
+            }
             Ok(None) => {
                 if !told {
-                    let holder = up.leader().map(|(r, _)| r).unwrap_or_default();
-                    tracing::info!(leader = %holder, "standby: another replica leads; waiting for its lease to pass");
+                    tracing::info!(leader = ?url, "standby: another replica leads; forwarding requests to it and waiting for its lease to pass");
                     told = true;
                 }
             }
             Err(e) => tracing::warn!(error = %e, "cannot reach the store's database; trying again"),
         }
+        leader.send_replace(url);
         std::thread::sleep(STANDBY_POLL);
+    }
+}
+
+/// While this replica waits, each connection it accepts is joined to the
+/// leading replica's (bytes both ways, so streams, uploads and every
+/// route work as there); with no leader known it is closed, which a
+/// proxy takes as "not here". Returns the listener once `done` fires,
+/// and closes the connections it joined: the replica they reach may be
+/// the one that lost the lease (paused, it would hold them for ever), and
+/// a client that sees its connection close sends again, to this one now.
+pub async fn forward_while_standby(
+    listener: tokio::net::TcpListener,
+    leader: tokio::sync::watch::Receiver<Option<String>>,
+    mut done: tokio::sync::oneshot::Receiver<()>,
+    max_connections: usize,
+) -> tokio::net::TcpListener {
+    let slots = std::sync::Arc::new(tokio::sync::Semaphore::new(max_connections));
+    let mut joined = tokio::task::JoinSet::new();
+    loop {
+        while joined.try_join_next().is_some() {}
+        let client = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((client, _)) => client,
+                Err(e) => {
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+            _ = &mut done => {
+                joined.abort_all();
+                return listener;
+            }
+        };
+        let (Some(address), Ok(slot)) = (
+            leader.borrow().as_deref().and_then(host_port_of),
+            slots.clone().try_acquire_owned(),
+        ) else {
+            continue;
+        };
+        joined.spawn(async move {
+            let _slot = slot;
+            join_to(client, &address).await;
+        });
+    }
+}
+
+/// `host:port` of an `http://host:port[/...]` URL.
+fn host_port_of(url: &str) -> Option<String> {
+    let rest = url.strip_prefix("http://")?;
+    let authority = rest.split('/').next()?;
+    match authority.contains(':') {
+        true => Some(authority.to_string()),
+        false => Some(format!("{authority}:80")),
+    }
+}
+
+async fn join_to(mut client: tokio::net::TcpStream, address: &str) {
+    let connect = tokio::net::TcpStream::connect(address);
+    let mut upstream = match tokio::time::timeout(FORWARD_CONNECT_TIMEOUT, connect).await {
+        Ok(Ok(s)) => s,
+        Ok(Err(e)) => {
+            return tracing::debug!(error = %e, %address, "cannot reach the leading replica")
+        }
+        Err(_) => return tracing::debug!(%address, "the leading replica did not answer in time"),
+    };
+    if let Err(e) = tokio::io::copy_bidirectional(&mut client, &mut upstream).await {
+        tracing::debug!(error = %e, "a forwarded connection ended with an error");
     }
 }
 

@@ -133,34 +133,17 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
         callback_secret,
     } = load_secrets(&settings)?;
     prepare_deployers_root(&settings)?;
-    let (store, mut lost) = match settings.store_location()? {
-        Location::Redb(_) => (open_redb(&settings).await?, None),
-        Location::Postgres(target) => {
-            crate::cluster::refuse_redb_flags(&settings)?;
-            let flags = settings.clone();
-            // One blocking database connection, and a wait for the lease.
-            let started =
-                tokio::task::spawn_blocking(move || crate::cluster::start(&flags, &target))
-                    .await
-                    .map_err(|e| format!("cannot start on the store's database: {e}"))??;
-            // The data dir's lock lives as long as the process.
-            std::mem::forget(started.data_dir_lock);
-            (started.store, Some(started.lost))
+    let (store, mut lost, listener, cluster) = match settings.store_location()? {
+        Location::Redb(_) => {
+            let store = open_redb(&settings).await?;
+            if settings.reset_dev_state {
+                reset_dev_state(&settings, &store).await?;
+            }
+            (store, None, bind(&settings)?, None)
         }
+        Location::Postgres(target) => start_replica(&settings, target).await?,
     };
-    if settings.reset_dev_state {
-        reset_dev_state(&settings, &store).await?;
-    }
-    let listener = listen(settings.listen).map_err(|e| {
-        format!(
-            "cannot listen on {}: {e} (choose another with --listen)",
-            settings.listen
-        )
-    })?;
     let local = listener.local_addr().map_err(|e| e.to_string())?;
-    if let Some(file) = &settings.address_file {
-        write_address_file(file, local)?;
-    }
     let settings = Arc::new(settings);
     let engine = Engine::new(settings.clone(), store, callback_secret)
         .map_err(|e| format!("deployer: {e}"))?;
@@ -179,6 +162,7 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
         derivations: Default::default(),
         body_budget: api::BodyBudget::new(engine.settings.max_body_bytes_in_flight),
         authz: api::auth::Authz::new(engine.settings.authz_url.clone()),
+        cluster,
     });
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
@@ -226,6 +210,73 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
             ))
         }
     }
+}
+
+/// Listens on `--listen` and writes `--address-file`.
+fn bind(settings: &Settings) -> Result<tokio::net::TcpListener, String> {
+    let listener = listen(settings.listen).map_err(|e| {
+        format!(
+            "cannot listen on {}: {e} (choose another with --listen)",
+            settings.listen
+        )
+    })?;
+    let local = listener.local_addr().map_err(|e| e.to_string())?;
+    if let Some(file) = &settings.address_file {
+        write_address_file(file, local)?;
+    }
+    Ok(listener)
+}
+
+/// What a start on PostgreSQL gives the rest of `serve`.
+type Replica = (
+    Store,
+    Option<tokio::sync::watch::Receiver<Option<String>>>,
+    tokio::net::TcpListener,
+    Option<Arc<crate::store::upstream::Status>>,
+);
+
+/// A replica's start (docs/cluster.md): it listens at once, and while it
+/// waits for the lease it forwards each connection to the replica that
+/// leads; once it leads, the listener serves here.
+async fn start_replica(
+    settings: &Settings,
+    target: crate::store::location::PgTarget,
+) -> Result<Replica, String> {
+    use crate::cluster;
+    cluster::refuse_redb_flags(settings)?;
+    let listener = bind(settings)?;
+    let bound = listener.local_addr().map_err(|e| e.to_string())?;
+    let me = cluster::me(settings, bound)?;
+    let status = Arc::new(crate::store::upstream::Status::new(
+        &me.id,
+        target.redacted(),
+    ));
+    let (leader_tx, leader_rx) = tokio::sync::watch::channel(None);
+    let (done_tx, done_rx) = tokio::sync::oneshot::channel();
+    let max_connections = settings.max_connections as usize;
+    let forwarder = tokio::spawn(cluster::forward_while_standby(
+        listener,
+        leader_rx,
+        done_rx,
+        max_connections,
+    ));
+    let (flags, shown) = (settings.clone(), status.clone());
+    // One blocking database connection, and a wait for the lease.
+    let started = tokio::task::spawn_blocking(move || {
+        cluster::start(&flags, &target, &me, &leader_tx, shown)
+    })
+    .await
+    .map_err(|e| format!("cannot start on the store's database: {e}"));
+    if done_tx.send(()).is_err() {
+        tracing::debug!("the standby's forwarder ended before its hand-over");
+    }
+    let listener = forwarder
+        .await
+        .map_err(|e| format!("the standby's listener failed: {e}"))?;
+    let started = started??;
+    // The data dir's lock lives as long as the process.
+    std::mem::forget(started.data_dir_lock);
+    Ok((started.store, Some(started.lost), listener, Some(status)))
 }
 
 /// The embedded store: an import first when `--import-from` asks, then

@@ -721,6 +721,17 @@ pub struct Settings {
     #[arg(long, env = "BERTH_STORE_FILE")]
     pub store_file: Option<PathBuf>,
 
+    /// With PostgreSQL: this replica's name in GET /v1/cluster (default
+    /// <hostname>:<port>).
+    #[arg(long, env = "BERTH_REPLICA_NAME")]
+    pub replica_name: Option<String>,
+
+    /// With PostgreSQL: the URL the other replicas forward requests to
+    /// while this one leads (default http://<--listen>; required when
+    /// --listen is 0.0.0.0 or [::]).
+    #[arg(long, env = "BERTH_REPLICA_URL")]
+    pub replica_url: Option<String>,
+
     /// With PostgreSQL: how long connecting may take (1s to 60s), then
     /// 503 store_unreachable.
     #[arg(long, env = "BERTH_STORE_CONNECT_TIMEOUT", default_value = "5s", value_parser = parse_store_connect_timeout)]

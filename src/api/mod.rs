@@ -148,6 +148,8 @@ pub struct Ctx {
     pub body_budget: BodyBudget,
     /// The authorization callback and its answer cache.
     pub authz: auth::Authz,
+    /// The replicas, with a store in PostgreSQL (`GET /v1/cluster`).
+    pub cluster: Option<Arc<crate::store::upstream::Status>>,
 }
 
 /// One parsed request.

@@ -29,6 +29,16 @@ pub fn readyz(ctx: &Ctx) -> Reply {
     }
 }
 
+/// `GET /v1/cluster`: the store, this replica and the replicas the last
+/// heartbeat saw (docs/cluster.md).
+pub fn cluster(ctx: &Ctx) -> Reply {
+    let view = match &ctx.cluster {
+        Some(status) => status.view(),
+        None => crate::store::upstream::Status::single(),
+    };
+    Reply::json(200, &view)
+}
+
 /// The contract as this server applies it: the document, with the
 /// callback origins `--callback-origin` allows stated in the delete body's
 /// schema (so a client, or a fuzzer, knows which callbacks are accepted).

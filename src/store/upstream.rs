@@ -33,6 +33,7 @@ use super::location::PgTarget;
 use super::redo::{self, RowOp};
 use super::tables::Table;
 use super::{StoreError, StoreResult};
+use crate::locks::Held;
 
 /// The version of the tables below; a database of a newer one is refused.
 pub const SCHEMA_VERSION: i64 = 1;
@@ -64,6 +65,75 @@ pub struct Upstream {
     limits: Limits,
     /// The fence this replica leads with, once it leads.
     fence: Option<i64>,
+}
+
+/// A replica as it registers itself.
+#[derive(Clone, Debug)]
+pub struct Replica {
+    pub id: String,
+    pub name: String,
+    /// Where the others forward requests to while it leads.
+    pub url: String,
+}
+
+/// A replica as the database lists it (`GET /v1/cluster`).
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct ReplicaRow {
+    pub id: String,
+    pub name: String,
+    pub url: String,
+    pub started_at: String,
+    pub last_seen_at: String,
+    /// It holds the lease.
+    pub leads: bool,
+}
+
+/// What `GET /v1/cluster` shows: this replica, the database, and the
+/// replicas as the last heartbeat read them.
+pub struct Status {
+    pub replica: String,
+    pub database: String,
+    pub replicas: std::sync::Mutex<Vec<ReplicaRow>>,
+}
+
+impl Status {
+    /// With redb: one replica, no database.
+    pub fn single() -> serde_json::Value {
+        serde_json::json!({
+            "store": "redb",
+            "database": null,
+            "schema_version": null,
+            "replica": null,
+            "leader": null,
+            "replicas": [],
+        })
+    }
+
+    pub fn new(replica: &str, database: String) -> Status {
+        Status {
+            replica: replica.to_string(),
+            database,
+            replicas: std::sync::Mutex::new(Vec::new()),
+        }
+    }
+
+    pub fn set(&self, rows: Vec<ReplicaRow>) {
+        *self.replicas.held() = rows;
+    }
+
+    /// The body of `GET /v1/cluster`.
+    pub fn view(&self) -> serde_json::Value {
+        let replicas = self.replicas.held().clone();
+        let leader = replicas.iter().find(|r| r.leads).map(|r| r.id.clone());
+        serde_json::json!({
+            "store": "postgres",
+            "database": self.database,
+            "schema_version": SCHEMA_VERSION,
+            "replica": self.replica,
+            "leader": leader,
+            "replicas": replicas,
+        })
+    }
 }
 
 /// What a start found in the database.
@@ -289,6 +359,8 @@ impl Upstream {
              CREATE TABLE berth_rows (tbl text NOT NULL, k bytea NOT NULL, v bytea NOT NULL, PRIMARY KEY (tbl, k));
              CREATE TABLE berth_leader (id int PRIMARY KEY CHECK (id = 1), fence bigint NOT NULL,
                  replica text NOT NULL, expires_at timestamptz NOT NULL, batch bigint NOT NULL);
+             CREATE TABLE berth_replicas (id text PRIMARY KEY, name text NOT NULL, url text NOT NULL,
+                 started_at timestamptz NOT NULL, last_seen_at timestamptz NOT NULL);
              INSERT INTO berth_leader VALUES (1, 0, '', '-infinity', 0);
              INSERT INTO berth_store VALUES ('schema_version', '{SCHEMA_VERSION}'), ('layout', '{}');
              COMMIT",
@@ -349,6 +421,56 @@ impl Upstream {
         })?;
         self.fence = fence;
         Ok(fence)
+    }
+
+    /// Records this replica (at start, and as each heartbeat): its name
+    /// and the URL other replicas forward requests to while it leads.
+    pub fn register(&mut self, me: &Replica) -> StoreResult<()> {
+        let me = me.clone();
+        self.call(move |c| {
+            Box::pin(async move {
+                c.execute(
+                    "INSERT INTO berth_replicas VALUES ($1, $2, $3, clock_timestamp(), clock_timestamp())
+                     ON CONFLICT (id) DO UPDATE SET name = $2, url = $3, last_seen_at = clock_timestamp()",
+                    &[&me.id, &me.name, &me.url],
+                )
+                .await
+            })
+        })
+        .map(|_| ())
+    }
+
+    /// The replicas seen within `within`, and which one leads (if its
+    /// lease holds).
+    pub fn replicas(&mut self, within: Duration) -> StoreResult<Vec<ReplicaRow>> {
+        let within_ms = within.as_millis() as i64;
+        self.call(move |c| {
+            Box::pin(async move {
+                let rows = c
+                    .query(
+                        "SELECT r.id, r.name, r.url,
+                                to_char(r.started_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"'),
+                                to_char(r.last_seen_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"'),
+                                (l.replica = r.id AND l.expires_at > clock_timestamp()) AS leads
+                         FROM berth_replicas r CROSS JOIN berth_leader l
+                         WHERE r.last_seen_at > clock_timestamp() - $1::bigint * interval '1 millisecond'
+                         ORDER BY r.id",
+                        &[&within_ms],
+                    )
+                    .await?;
+                Ok(rows
+                    .iter()
+                    .map(|r| ReplicaRow {
+                        id: r.get(0),
+                        name: r.get(1),
+                        url: r.get(2),
+                        started_at: r.get(3),
+                        last_seen_at: r.get(4),
+                        leads: r.get(5),
+                    })
+                    .collect())
+            })
+        })
     }
 
     /// Leads with `fence` (taken by another connection of this replica).
@@ -689,10 +811,13 @@ fn split_pgpass(line: &str) -> Vec<String> {
 pub struct LeaseKeeper;
 
 impl LeaseKeeper {
-    pub fn start(
+    /// Renews every third of `ttl`, then runs `beat` (the replica's
+    /// heartbeat) on the same connection.
+    pub fn start<T>(
         mut up: Upstream,
         fence: i64,
         ttl: Duration,
+        beat: impl Fn(&mut Upstream) -> T + Send + 'static,
         on_lost: impl FnOnce(&str) + Send + 'static,
     ) -> Result<(), String> {
         up.lead_with(fence);
@@ -705,6 +830,7 @@ impl LeaseKeeper {
                     Ok(false) => return on_lost("another replica took the lease"),
                     Err(e) => tracing::warn!(error = %e, "cannot renew the lease yet"),
                 }
+                beat(&mut up);
             })
             .map(|_| ())
             .map_err(|e| format!("cannot start the lease thread: {e}"))

@@ -63,6 +63,28 @@ async fn a_standby_takes_over_after_kill_9_with_every_acknowledged_submit() {
     let events_before = build_events(&leader, &finished).await;
     let mut standby = Server::unstarted(with_secrets_of(&leader, "standby"), replica(&db, &[]));
     standby.spawn();
+    standby.wait_listening().await;
+    // The standby serves every route by forwarding to the leader.
+    let through_standby = standby.submit_ok("bob", mastodon("bob.example.org")).await;
+    leader.wait_build(&through_standby, "succeeded").await;
+    eventually("both replicas in GET /v1/cluster", || {
+        let s = &standby;
+        async move {
+            let (_, c) = s.json("/v1/cluster").await;
+            c["replicas"].as_array().map(Vec::len) == Some(2)
+        }
+    })
+    .await;
+    let (_, cluster) = standby.json("/v1/cluster").await;
+    assert_eq!(cluster["store"], "postgres", "{cluster}");
+    assert_eq!(
+        cluster["replica"], cluster["leader"],
+        "answered by the leader: {cluster}"
+    );
+    assert!(
+        !cluster["database"].as_str().unwrap().contains('@')
+            || !cluster.to_string().contains("password")
+    );
     // Submits in flight while the leader dies: each one answered 202 must
     // be on the standby once it leads.
     let base = leader.base.clone();
@@ -93,6 +115,8 @@ async fn a_standby_takes_over_after_kill_9_with_every_acknowledged_submit() {
         "no submit was answered before the kill"
     );
     standby.wait_ready().await;
+    let (_, cluster) = standby.json("/v1/cluster").await;
+    assert_eq!(cluster["replica"], cluster["leader"], "{cluster}");
     for i in &acknowledged {
         let (status, d) = standby.json(&format!("/v1/deployments/d{i}")).await;
         assert_eq!(
