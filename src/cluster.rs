@@ -95,7 +95,7 @@ pub fn start(
     let data_dir_lock = lock_data_dir(&settings.data_dir)?;
     let mut up = Upstream::connect(target, limits(settings))?;
     let found = up.prepare()?;
-    let fence = wait_for_lease(&mut up, me, settings.lease_ttl, leader, &status)?;
+    let (fence, taken_at) = wait_for_lease(&mut up, me, settings.lease_ttl, leader, &status)?;
     tracing::info!(replica = %me.id, fence, database = %target.redacted(), "this replica leads the cluster");
     let path = settings.db_path();
     remove_cache(&path)?;
@@ -128,6 +128,12 @@ pub fn start(
     };
     let store = Store::open_behind(&path, sharing, settings.cache_size, Some(up))
         .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
+    let fresh = store
+        .lease()
+        .ok_or("the store lost its database on the way")?;
+    // The takeover's renew: the lease holds from when it was asked for at
+    // the latest (the load since took some of it).
+    fresh.extend(taken_at, settings.lease_ttl);
     // A new cluster's first rows, an import, or rows a migration of the
     // layout changed at open: the database takes the whole store.
     if found.empty || found.layout != crate::store::LAYOUT_VERSION {
@@ -143,7 +149,7 @@ pub fn start(
     };
     LeaseKeeper::start(
         keeper,
-        fence,
+        (fence, fresh),
         settings.lease_ttl,
         move |up| heartbeat.beat(up),
         move |why| {
@@ -194,7 +200,7 @@ fn wait_for_lease(
     ttl: Duration,
     leader: &tokio::sync::watch::Sender<Option<String>>,
     status: &std::sync::Arc<Status>,
-) -> Result<i64, String> {
+) -> Result<(i64, std::time::Instant), String> {
     let heartbeat = Heartbeat {
         me: me.clone(),
         status: status.clone(),
@@ -203,12 +209,13 @@ fn wait_for_lease(
     let mut told = false;
     loop {
         let url = heartbeat.beat(up);
+        let asked = std::time::Instant::now();
         match up.try_lead(&me.id, ttl) {
             Ok(Some(fence)) => {
                 leader.send_replace(None);
                 // `GET /v1/cluster` names this replica from its first answer.
                 heartbeat.beat(up);
-                return Ok(fence);
+                return Ok((fence, asked));
             }
             Ok(None) => {
                 if !told {

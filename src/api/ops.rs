@@ -18,6 +18,14 @@ pub fn healthz() -> Reply {
 }
 
 pub fn readyz(ctx: &Ctx) -> Reply {
+    // A replica on PostgreSQL that cannot confirm its lease serves
+    // nothing: a proxy must send elsewhere.
+    if let Err(e) = ctx.engine.read() {
+        if e.kind == crate::store::StoreErrorKind::Unreachable {
+            let body = format!("not ready: {} (store_unreachable)\n", e.detail);
+            return Reply::text(503, "text/plain; charset=utf-8", body.into_bytes());
+        }
+    }
     if ctx.engine.ready.load(Ordering::SeqCst) {
         Reply::text(200, "text/plain; charset=utf-8", b"ready\n".to_vec())
     } else {

@@ -268,6 +268,9 @@ impl Store {
             sharing,
             cache,
             redo,
+            lease: upstream
+                .as_ref()
+                .map(|_| Arc::new(upstream::Freshness::new())),
             upstream: upstream.map(std::sync::Mutex::new),
             turn: std::sync::Mutex::new(writer::Turn::new()),
             lone_batches_in_a_row: std::sync::atomic::AtomicU32::new(writer::QUIET_BATCHES),
@@ -425,7 +428,18 @@ impl Store {
         upstream.held().replace_all(&rx)
     }
 
+    /// With a store in PostgreSQL: how long this replica surely leads,
+    /// which its lease keeper extends (`upstream::Freshness`).
+    pub fn lease(&self) -> Option<Arc<upstream::Freshness>> {
+        self.shared.lease.clone()
+    }
+
     pub fn read(&self) -> StoreResult<Rx> {
+        if self.shared.lease.as_ref().is_some_and(|l| !l.holds()) {
+            return Err(StoreError::unreachable(
+                "this replica cannot confirm it still leads (the store's database is unreachable); nothing was read",
+            ));
+        }
         // A reopen after an I/O error takes some milliseconds: a read waits
         // for it rather than failing.
         for _ in 0..READ_WAIT_ATTEMPTS {

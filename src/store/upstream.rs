@@ -65,6 +65,46 @@ pub struct Upstream {
     limits: Limits,
     /// The fence this replica leads with, once it leads.
     fence: Option<i64>,
+    /// The server process of the current connection (`settle` ends it).
+    backend: Option<i32>,
+}
+
+/// Until when this replica's reads may answer: its lease as last renewed,
+/// timed from when the renew was sent (the database's own expiry is
+/// later). Past it another replica may lead and write, so this one's file
+/// may be behind: reads answer `store_unreachable` instead of a guess.
+pub struct Freshness {
+    start: std::time::Instant,
+    until_ms: std::sync::atomic::AtomicU64,
+}
+
+impl Freshness {
+    pub fn new() -> Freshness {
+        Freshness {
+            start: std::time::Instant::now(),
+            until_ms: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+
+    /// A renew (or the takeover) sent at `sent` landed.
+    pub fn extend(&self, sent: std::time::Instant, ttl: Duration) {
+        let until = (sent + ttl)
+            .saturating_duration_since(self.start)
+            .as_millis() as u64;
+        self.until_ms
+            .fetch_max(until, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    pub fn holds(&self) -> bool {
+        let now = self.start.elapsed().as_millis() as u64;
+        now < self.until_ms.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+impl Default for Freshness {
+    fn default() -> Self {
+        Freshness::new()
+    }
 }
 
 /// A replica as it registers itself.
@@ -188,6 +228,7 @@ impl Upstream {
             client: None,
             limits,
             fence: None,
+            backend: None,
         };
         up.session().map_err(|e| {
             format!(
@@ -228,8 +269,15 @@ impl Upstream {
                 ORPHAN_BOUND.as_millis()
             );
             client.batch_execute(&setup).await.map_err(of_pg)?;
-            Ok::<_, StoreError>(client)
+            let pid: i32 = client
+                .query_one("SELECT pg_backend_pid()", &[])
+                .await
+                .map_err(of_pg)?
+                .get(0);
+            Ok::<_, StoreError>((client, pid))
         })?;
+        let (client, pid) = client;
+        self.backend = Some(pid);
         Ok(self.client.insert(client))
     }
 
@@ -513,22 +561,81 @@ impl Upstream {
     }
 
     /// Commits a batch's rows, fenced by the lease. `Err` with nothing
-    /// stored when the database refused or could not be reached before
-    /// the commit; a commit whose answer was lost ends the process (the
-    /// replica's file can no longer be known to match the database).
+    /// stored when the database refused, could not be reached, or took
+    /// the lease from this replica; a commit whose answer was lost is
+    /// settled (`settle`).
     pub fn commit(&mut self, rows: &[u8]) -> StoreResult<()> {
         let fence = self
             .fence
             .ok_or_else(|| StoreError::other("a write before the lease was taken"))?;
         let ops = redo::row_ops(rows)?;
         let change = Change::of(&ops);
-        let committed = self.call(move |c| Box::pin(change.commit(c, fence)));
-        match committed {
-            Ok(true) => Ok(()),
-            Ok(false) => Err(StoreError::unreachable(
+        let sent = std::sync::Arc::new(std::sync::atomic::AtomicI64::new(0));
+        let marker = sent.clone();
+        let committed = self.call(move |c| Box::pin(change.commit(c, fence, marker)));
+        match (committed, sent.load(std::sync::atomic::Ordering::SeqCst)) {
+            (Ok(true), _) => Ok(()),
+            (Ok(false), _) => Err(StoreError::unreachable(
                 "this replica's lease passed: another replica leads now, and nothing was stored",
             )),
-            Err(e) => Err(e),
+            (Err(e), 0) => Err(e),
+            (Err(e), batch) => {
+                tracing::warn!(error = %e, batch, "the answer to a commit was lost; settling it");
+                self.settle(fence, batch)
+            }
+        }
+    }
+
+    /// Learns whether batch `batch`, whose COMMIT was sent and whose
+    /// answer was lost, landed: the old session is ended on the server,
+    /// then the lease row is read under a share lock, which waits for a
+    /// commit still in progress. Landed: `Ok`. Not landed: `Err`, nothing
+    /// stored. Unknowable within `ORPHAN_BOUND` (the database away): the
+    /// replica's file can no longer be known to match the database, and
+    /// the process stops; a start loads the store again.
+    fn settle(&mut self, fence: i64, batch: i64) -> StoreResult<()> {
+        let old = self.backend.take();
+        self.client = None;
+        let deadline = std::time::Instant::now() + ORPHAN_BOUND;
+        let mut pause = Duration::from_millis(100);
+        loop {
+            let read = self.call(move |c| {
+                Box::pin(async move {
+                    if let Some(pid) = old {
+                        c.execute("SELECT pg_terminate_backend($1, 5000)", &[&pid])
+                            .await?;
+                    }
+                    let row = c
+                        .query_one(
+                            "SELECT fence, batch FROM berth_leader WHERE id = 1 FOR SHARE",
+                            &[],
+                        )
+                        .await?;
+                    Ok((row.get::<_, i64>(0), row.get::<_, i64>(1)))
+                })
+            });
+            match read {
+                Ok((now, at)) if now == fence && at >= batch => return Ok(()),
+                Ok((now, _)) if now == fence => {
+                    return Err(unreachable(
+                        "the connection broke before the commit landed; nothing was stored",
+                    ))
+                }
+                Ok(_) => {
+                    return Err(StoreError::unreachable(
+                        "this replica's lease was taken while a commit's answer was lost",
+                    ))
+                }
+                Err(e) if std::time::Instant::now() < deadline => {
+                    tracing::warn!(error = %e, "cannot settle a commit yet");
+                    std::thread::sleep(pause);
+                    pause = (pause * 2).min(Duration::from_secs(5));
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot learn whether a commit to the store's database landed; stopping so that a start loads the store again");
+                    std::process::exit(super::EXIT_STORE_IN_DOUBT);
+                }
+            }
         }
     }
 
@@ -663,18 +770,23 @@ impl Change {
 
     /// One transaction: the fence checked (and the batch counted), then
     /// the rows. `Ok(false)`: the fence is not the lease's any more.
-    async fn commit(self, c: &Client, fence: i64) -> Result<bool, tokio_postgres::Error> {
+    async fn commit(
+        self,
+        c: &Client,
+        fence: i64,
+        sent: std::sync::Arc<std::sync::atomic::AtomicI64>,
+    ) -> Result<bool, tokio_postgres::Error> {
         c.batch_execute("BEGIN").await?;
         let fenced = c
-            .execute(
-                "UPDATE berth_leader SET batch = batch + 1 WHERE id = 1 AND fence = $1",
+            .query_opt(
+                "UPDATE berth_leader SET batch = batch + 1 WHERE id = 1 AND fence = $1 RETURNING batch",
                 &[&fence],
             )
             .await?;
-        if fenced != 1 {
+        let Some(batch) = fenced.map(|row| row.get::<_, i64>(0)) else {
             c.batch_execute("ROLLBACK").await?;
             return Ok(false);
-        }
+        };
         if !self.cleared.is_empty() {
             c.execute(
                 "DELETE FROM berth_rows WHERE tbl = ANY($1)",
@@ -697,17 +809,11 @@ impl Change {
             )
             .await?;
         }
-        match c.batch_execute("COMMIT").await {
-            Ok(()) => Ok(true),
-            Err(e) if e.as_db_error().is_some() => Err(e),
-            Err(e) => {
-                // The commit was sent and its answer lost: it may have
-                // landed. The replica's file can no longer be known to
-                // match the database; a start loads it again.
-                tracing::error!(error = %e, "the answer to a commit to the store's database was lost; stopping so that a start loads the store again");
-                std::process::exit(super::EXIT_STORE_IN_DOUBT);
-            }
-        }
+        // From here on a lost answer leaves the batch in doubt: the
+        // caller settles it by its number.
+        sent.store(batch, std::sync::atomic::Ordering::SeqCst);
+        c.batch_execute("COMMIT").await?;
+        Ok(true)
     }
 }
 
@@ -815,7 +921,7 @@ impl LeaseKeeper {
     /// heartbeat) on the same connection.
     pub fn start<T>(
         mut up: Upstream,
-        fence: i64,
+        (fence, fresh): (i64, std::sync::Arc<Freshness>),
         ttl: Duration,
         beat: impl Fn(&mut Upstream) -> T + Send + 'static,
         on_lost: impl FnOnce(&str) + Send + 'static,
@@ -825,8 +931,9 @@ impl LeaseKeeper {
             .name("berth-lease".into())
             .spawn(move || loop {
                 std::thread::sleep(ttl / 3);
+                let sent = std::time::Instant::now();
                 match up.renew(ttl) {
-                    Ok(true) => {}
+                    Ok(true) => fresh.extend(sent, ttl),
                     Ok(false) => return on_lost("another replica took the lease"),
                     Err(e) => tracing::warn!(error = %e, "cannot renew the lease yet"),
                 }

@@ -77,6 +77,9 @@ pub(super) struct Shared {
     /// The store's database, when it is in PostgreSQL (`upstream.rs`):
     /// each batch commits there first. Locked after `redo`.
     pub(super) upstream: Option<std::sync::Mutex<Upstream>>,
+    /// With `upstream`: whether this replica surely still leads, so that
+    /// its file holds every write (`upstream::Freshness`).
+    pub(super) lease: Option<Arc<super::upstream::Freshness>>,
     /// The writer's state between batches, held by whoever runs one.
     pub(super) turn: std::sync::Mutex<Turn>,
     /// How many batches in a row were one job with none queued behind it

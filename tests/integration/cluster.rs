@@ -269,3 +269,122 @@ async fn store_urls_and_flags_that_cannot_work_are_refused_with_their_codes() {
         .unwrap();
     refused(&["--store", &db.url()], "not_a_berth_database");
 }
+
+/// A TCP proxy to the machine's PostgreSQL that the test can cut: every
+/// connection through it closes at once, and new ones are closed as they
+/// come, until it is restored. To berth that is the database going away
+/// (a restart, a partition) without touching the server other tests use.
+struct CutProxy {
+    port: u16,
+    up: tokio::sync::watch::Sender<bool>,
+}
+
+impl CutProxy {
+    async fn start() -> CutProxy {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let (up, up_rx) = tokio::sync::watch::channel(true);
+        tokio::spawn(async move {
+            loop {
+                let Ok((mut client, _)) = listener.accept().await else {
+                    continue;
+                };
+                let mut up = up_rx.clone();
+                if !*up.borrow() {
+                    continue;
+                }
+                tokio::spawn(async move {
+                    let Ok(mut server) = tokio::net::TcpStream::connect("127.0.0.1:5432").await
+                    else {
+                        return;
+                    };
+                    tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
+                        _ = up.wait_for(|u| !*u) => {}
+                    }
+                });
+            }
+        });
+        CutProxy { port, up }
+    }
+
+    fn url(&self, db: &PgDb) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/{}", self.port, db.name)
+    }
+
+    fn set(&self, up: bool) {
+        self.up.send_replace(up);
+    }
+}
+
+#[tokio::test]
+async fn a_database_outage_answers_503_store_unreachable_and_loses_and_repeats_nothing() {
+    let test = "a_database_outage_answers_503_store_unreachable_and_loses_and_repeats_nothing";
+    let Some(db) = PgDb::create(test).await else {
+        return;
+    };
+    let proxy = CutProxy::start().await;
+    let opts = Options::default()
+        .arg("--store")
+        .arg(&proxy.url(&db))
+        .arg("--lease-ttl")
+        .arg(LEASE)
+        .arg("--store-connect-timeout")
+        .arg("1s");
+    let leader = Server::start(opts).await;
+    let submit = |i: usize| {
+        leader
+            .post(
+                &format!("/v1/deployments/d{i}/submit"),
+                &json!({"configuration": {"n": i}}),
+            )
+            .header("Idempotency-Key", format!("outage-submit-{i:08}"))
+            .send()
+    };
+    let mut acknowledged = Vec::new();
+    for i in 0..20 {
+        let (status, body) = read(submit(i).await.unwrap()).await;
+        assert_eq!(status, 202, "{body}");
+        acknowledged.push((i, body["build_id"].clone()));
+    }
+    proxy.set(false);
+    // Writes and reads both say the database is away; nothing is guessed.
+    let mut i = 20;
+    eventually("a submit refused store_unreachable", || {
+        i += 1;
+        let answer = submit(i);
+        async move {
+            let (status, body) = read(answer.await.unwrap()).await;
+            status == 503 && body["reason"] == "store_unreachable"
+        }
+    })
+    .await;
+    eventually("a read refused store_unreachable", || {
+        let answer = leader.get("/v1/deployments/d0").send();
+        async move {
+            let (status, body) = read(answer.await.unwrap()).await;
+            status == 503 && body["reason"] == "store_unreachable"
+        }
+    })
+    .await;
+    let ready = leader.http.get(leader.url("/readyz")).send().await.unwrap();
+    assert_eq!(ready.status(), 503);
+    proxy.set(true);
+    let mut after = 1000;
+    eventually("a submit accepted after the outage", || {
+        after += 1;
+        let answer = submit(after);
+        async move { read(answer.await.unwrap()).await.0 == 202 }
+    })
+    .await;
+    // Every acknowledged submit is there, and its key replays it.
+    for (i, build) in &acknowledged {
+        let (status, body) = read(submit(*i).await.unwrap()).await;
+        assert_eq!((status, &body["build_id"]), (202, build), "d{i}: {body}");
+    }
+    assert!(
+        !leader.log().contains("stopping so that a start loads"),
+        "{}",
+        leader.log()
+    );
+}
