@@ -11,6 +11,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use crate::engine::recovery::Start;
 use crate::settings::Settings;
 use crate::store::location::PgTarget;
 use crate::store::upstream::{LeaseKeeper, Limits, Replica, Status, Upstream};
@@ -30,6 +31,8 @@ pub struct Started {
     /// Held while the process lives: one replica per data dir.
     pub data_dir_lock: nix::fcntl::Flock<std::fs::File>,
     pub lost: tokio::sync::watch::Receiver<Option<String>>,
+    /// Whether another replica led before (its running builds are lost).
+    pub start: Start,
 }
 
 fn limits(settings: &Settings) -> Limits {
@@ -95,7 +98,8 @@ pub fn start(
     let data_dir_lock = lock_data_dir(&settings.data_dir)?;
     let mut up = Upstream::connect(target, limits(settings))?;
     let found = up.prepare()?;
-    let (fence, taken_at) = wait_for_lease(&mut up, me, settings.lease_ttl, leader, &status)?;
+    let (fence, taken_at, start) =
+        wait_for_lease(&mut up, me, settings.lease_ttl, leader, &status)?;
     tracing::info!(replica = %me.id, fence, database = %target.redacted(), "this replica leads the cluster");
     let path = settings.db_path();
     remove_cache(&path)?;
@@ -161,6 +165,7 @@ pub fn start(
         store,
         data_dir_lock,
         lost,
+        start,
     })
 }
 
@@ -200,7 +205,7 @@ fn wait_for_lease(
     ttl: Duration,
     leader: &tokio::sync::watch::Sender<Option<String>>,
     status: &std::sync::Arc<Status>,
-) -> Result<(i64, std::time::Instant), String> {
+) -> Result<(i64, std::time::Instant, Start), String> {
     let heartbeat = Heartbeat {
         me: me.clone(),
         status: status.clone(),
@@ -211,11 +216,15 @@ fn wait_for_lease(
         let url = heartbeat.beat(up);
         let asked = std::time::Instant::now();
         match up.try_lead(&me.id, ttl) {
-            Ok(Some(fence)) => {
+            Ok(Some((fence, before))) => {
                 leader.send_replace(None);
                 // `GET /v1/cluster` names this replica from its first answer.
                 heartbeat.beat(up);
-                return Ok((fence, asked));
+                let start = match before.is_empty() || before == me.id {
+                    true => Start::Restart,
+                    false => Start::Takeover,
+                };
+                return Ok((fence, asked, start));
             }
             Ok(None) => {
                 if !told {

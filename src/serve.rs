@@ -133,13 +133,14 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
         callback_secret,
     } = load_secrets(&settings)?;
     prepare_deployers_root(&settings)?;
-    let (store, mut lost, listener, cluster) = match settings.store_location()? {
+    let (store, start, mut lost, listener, cluster) = match settings.store_location()? {
         Location::Redb(_) => {
             let store = open_redb(&settings).await?;
             if settings.reset_dev_state {
                 reset_dev_state(&settings, &store).await?;
             }
-            (store, None, bind(&settings)?, None)
+            let start = crate::engine::recovery::Start::Restart;
+            (store, start, None, bind(&settings)?, None)
         }
         Location::Postgres(target) => start_replica(&settings, target).await?,
     };
@@ -170,7 +171,7 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
     tracing::info!(address = %local, "berth listening on http://{local}");
 
     engine
-        .recover()
+        .recover(start)
         .await
         .map_err(|e| format!("recovery failed: {e}"))?;
     engine.ready.store(true, Ordering::SeqCst);
@@ -230,6 +231,7 @@ fn bind(settings: &Settings) -> Result<tokio::net::TcpListener, String> {
 /// What a start on PostgreSQL gives the rest of `serve`.
 type Replica = (
     Store,
+    crate::engine::recovery::Start,
     Option<tokio::sync::watch::Receiver<Option<String>>>,
     tokio::net::TcpListener,
     Option<Arc<crate::store::upstream::Status>>,
@@ -276,7 +278,13 @@ async fn start_replica(
     let started = started??;
     // The data dir's lock lives as long as the process.
     std::mem::forget(started.data_dir_lock);
-    Ok((started.store, Some(started.lost), listener, Some(status)))
+    Ok((
+        started.store,
+        started.start,
+        Some(started.lost),
+        listener,
+        Some(status),
+    ))
 }
 
 /// The embedded store: an import first when `--import-from` asks, then

@@ -27,8 +27,18 @@ const ORPHAN_POLL: Duration = Duration::from_millis(100);
 /// for a reason that may pass (a full disk).
 const RETRY_MAX_PAUSE: Duration = Duration::from_secs(5);
 
+/// Why this start finds builds `running`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Start {
+    /// This berth (or this replica, on its data dir) ran them.
+    Restart,
+    /// Another replica led the cluster and ran them (docs/cluster.md):
+    /// their attempts are lost, as a remote worker's whose lease passed.
+    Takeover,
+}
+
 impl Engine {
-    pub async fn recover(self: &Arc<Self>) -> Result<(), crate::store::StoreError> {
+    pub async fn recover(self: &Arc<Self>, start: Start) -> Result<(), crate::store::StoreError> {
         // What calls of the last run left; the root keeps the mode serve
         // gave it (0711 with --deployer-user).
         let scratch = self.settings.scratch_root();
@@ -80,7 +90,7 @@ impl Engine {
                             build_id,
                             "marking an interrupted build failed (not ready until it lands)",
                             RETRY_MAX_PAUSE,
-                            move |tx| recover_tx(tx, &hub, build_id),
+                            move |tx| recover_tx(tx, &hub, build_id, start),
                         )
                         .await?;
                     tracing::warn!(build = %format_build_id(build_id), %deployment, "build interrupted by restart: marked failed");
@@ -126,9 +136,15 @@ pub fn renew_remote_tx(tx: &Tx, build_id: BuildId, ttl_ms: u64) -> StoreResult<b
     Ok(true)
 }
 
-/// A build found `running` at start failed with `interrupted_by_restart`;
+/// A build found `running` at start failed with `interrupted_by_restart`
+/// (`lost_attempt` after a takeover);
 /// returns its job, to stop the deployer if it outlived berth.
-pub fn recover_tx(tx: &Tx, hub: &Arc<Hub>, build_id: BuildId) -> StoreResult<Option<Job>> {
+pub fn recover_tx(
+    tx: &Tx,
+    hub: &Arc<Hub>,
+    build_id: BuildId,
+    start: Start,
+) -> StoreResult<Option<Job>> {
     if crate::failpoints::hit("recover.job", &format_build_id(build_id)) {
         return Err(crate::store::StoreError::injected_disk_full("recover.job"));
     }
@@ -140,17 +156,21 @@ pub fn recover_tx(tx: &Tx, hub: &Arc<Hub>, build_id: BuildId) -> StoreResult<Opt
     let mut d = tx.deployment(&b.deployment)?;
     // The old incarnation's attempt ends with it, and a rollout's stored
     // result with the build.
-    super::build::end_attempt(tx, build_id, AttemptState::Interrupted)?;
-    tx.put_rollout_result::<()>(build_id, None)?;
-    Change::new(tx, hub).finish(
-        d.as_mut(),
-        &mut b,
-        End::failed(
+    let (attempt, reason, why) = match start {
+        Start::Restart => (
+            AttemptState::Interrupted,
             FailureReason::InterruptedByRestart,
             "berth stopped while this build ran",
         ),
-        &[],
-    )?;
+        Start::Takeover => (
+            AttemptState::Lost,
+            FailureReason::LostAttempt,
+            "the replica that ran this build stopped leading the cluster",
+        ),
+    };
+    super::build::end_attempt(tx, build_id, attempt)?;
+    tx.put_rollout_result::<()>(build_id, None)?;
+    Change::new(tx, hub).finish(d.as_mut(), &mut b, End::failed(reason, why), &[])?;
     Ok(b.job)
 }
 

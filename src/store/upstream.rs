@@ -273,7 +273,8 @@ impl Upstream {
                 .query_one("SELECT pg_backend_pid()", &[])
                 .await
                 .map_err(of_pg)?
-                .get(0);
+                .try_get(0)
+                .map_err(of_pg)?;
             Ok::<_, StoreError>((client, pid))
         })?;
         let (client, pid) = client;
@@ -324,9 +325,9 @@ impl Upstream {
                         )
                         .await?;
                     Ok((
-                        row.get::<_, i32>(0),
-                        row.get::<_, String>(1),
-                        row.get::<_, bool>(2),
+                        row.try_get::<_, i32>(0)?,
+                        row.try_get::<_, String>(1)?,
+                        row.try_get::<_, bool>(2)?,
                     ))
                 })
             })
@@ -378,7 +379,7 @@ impl Upstream {
                             &[],
                         )
                         .await?;
-                    Ok(rows.iter().map(|r| r.get::<_, String>(0)).collect())
+                    rows.iter().map(|r| r.try_get::<_, String>(0)).collect()
                 })
             })
             .map_err(|e| format!("cannot list the database's tables: {}", e.detail))?;
@@ -432,7 +433,7 @@ impl Upstream {
                     Ok((
                         row.get::<_, Option<String>>(0),
                         row.get::<_, Option<String>>(1),
-                        row.get::<_, bool>(2),
+                        row.try_get::<_, bool>(2)?,
                     ))
                 })
             })
@@ -449,26 +450,29 @@ impl Upstream {
     }
 
     /// Takes the lease when it has passed (or was this replica's own):
-    /// the new fence, or `None` while another replica holds it.
-    pub fn try_lead(&mut self, replica: &str, ttl: Duration) -> StoreResult<Option<i64>> {
+    /// the new fence and the replica that held it before (empty for a
+    /// new cluster), or `None` while another replica holds it.
+    pub fn try_lead(&mut self, replica: &str, ttl: Duration) -> StoreResult<Option<(i64, String)>> {
         let replica = replica.to_string();
         let ttl_ms = ttl.as_millis() as i64;
-        let fence = self.call(move |c| {
+        let taken = self.call(move |c| {
             Box::pin(async move {
                 let row = c
                     .query_opt(
-                        "UPDATE berth_leader SET fence = fence + 1, replica = $1,
+                        "UPDATE berth_leader l SET fence = l.fence + 1, replica = $1,
                              expires_at = clock_timestamp() + $2::bigint * interval '1 millisecond'
-                         WHERE id = 1 AND (expires_at < clock_timestamp() OR replica = $1)
-                         RETURNING fence",
+                         FROM (SELECT replica AS before FROM berth_leader WHERE id = 1) old
+                         WHERE l.id = 1 AND (l.expires_at < clock_timestamp() OR l.replica = $1)
+                         RETURNING l.fence, old.before",
                         &[&replica, &ttl_ms],
                     )
                     .await?;
-                Ok(row.map(|r| r.get::<_, i64>(0)))
+                row.map(|r| Ok((r.try_get::<_, i64>(0)?, r.try_get::<_, String>(1)?)))
+                    .transpose()
             })
         })?;
-        self.fence = fence;
-        Ok(fence)
+        self.fence = taken.as_ref().map(|t| t.0);
+        Ok(taken)
     }
 
     /// Records this replica (at start, and as each heartbeat): its name
@@ -506,17 +510,18 @@ impl Upstream {
                         &[&within_ms],
                     )
                     .await?;
-                Ok(rows
-                    .iter()
-                    .map(|r| ReplicaRow {
-                        id: r.get(0),
-                        name: r.get(1),
-                        url: r.get(2),
-                        started_at: r.get(3),
-                        last_seen_at: r.get(4),
-                        leads: r.get(5),
+                rows.iter()
+                    .map(|r| {
+                        Ok(ReplicaRow {
+                            id: r.try_get(0)?,
+                            name: r.try_get(1)?,
+                            url: r.try_get(2)?,
+                            started_at: r.try_get(3)?,
+                            last_seen_at: r.try_get(4)?,
+                            leads: r.try_get(5)?,
+                        })
                     })
-                    .collect())
+                    .collect()
             })
         })
     }
@@ -536,7 +541,7 @@ impl Upstream {
                         &[],
                     )
                     .await?;
-                Ok((row.get::<_, String>(0), row.get::<_, bool>(1)))
+                Ok((row.try_get::<_, String>(0)?, row.try_get::<_, bool>(1)?))
             })
         })
     }
@@ -611,7 +616,7 @@ impl Upstream {
                             &[],
                         )
                         .await?;
-                    Ok((row.get::<_, i64>(0), row.get::<_, i64>(1)))
+                    Ok((row.try_get::<_, i64>(0)?, row.try_get::<_, i64>(1)?))
                 })
             });
             match read {
@@ -640,28 +645,45 @@ impl Upstream {
     }
 
     /// Loads every row of the database into `db` (a new, empty store
-    /// file), in one write transaction made durable at its end.
+    /// file) in one write transaction made durable at its end, reading
+    /// `ROWS_PER_STATEMENT` rows at a time (this replica leads: nothing
+    /// else writes meanwhile).
     pub fn load_into(&mut self, db: &Database) -> StoreResult<u64> {
-        let rows: Vec<(String, Vec<u8>, Vec<u8>)> = self.call(|c| {
-            Box::pin(async move {
-                let rows = c.query("SELECT tbl, k, v FROM berth_rows", &[]).await?;
-                Ok(rows
-                    .into_iter()
-                    .map(|r| (r.get(0), r.get(1), r.get(2)))
-                    .collect())
-            })
-        })?;
         let txn = db.begin_write()?;
-        for (name, k, v) in &rows {
-            let table = Table::named(name).ok_or_else(|| {
-                StoreError::corrupt(format!(
-                    "the database holds rows of a table {name:?} this berth lacks"
-                ))
+        let mut after: (String, Vec<u8>) = (String::new(), Vec::new());
+        let mut loaded = 0u64;
+        loop {
+            let from = after.clone();
+            let page: Vec<(String, Vec<u8>, Vec<u8>)> = self.call(move |c| {
+                Box::pin(async move {
+                    let rows = c
+                        .query(
+                            "SELECT tbl, k, v FROM berth_rows WHERE (tbl, k) > ($1, $2)
+                             ORDER BY tbl, k LIMIT $3",
+                            &[&from.0, &from.1, &(ROWS_PER_STATEMENT as i64)],
+                        )
+                        .await?;
+                    rows.into_iter()
+                        .map(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?)))
+                        .collect()
+                })
             })?;
-            redo::put_raw(&txn, table, k, v)?;
+            for (name, k, v) in &page {
+                let table = Table::named(name).ok_or_else(|| {
+                    StoreError::corrupt(format!(
+                        "the database holds rows of a table {name:?} this berth lacks"
+                    ))
+                })?;
+                redo::put_raw(&txn, table, k, v)?;
+            }
+            loaded += page.len() as u64;
+            match page.into_iter().last() {
+                Some((name, k, _)) => after = (name, k),
+                None => break,
+            }
         }
         txn.commit()?;
-        Ok(rows.len() as u64)
+        Ok(loaded)
     }
 
     /// Replaces every row of the database with `rx`'s (a new cluster's
@@ -783,7 +805,7 @@ impl Change {
                 &[&fence],
             )
             .await?;
-        let Some(batch) = fenced.map(|row| row.get::<_, i64>(0)) else {
+        let Some(batch) = fenced.map(|row| row.try_get::<_, i64>(0)).transpose()? else {
             c.batch_execute("ROLLBACK").await?;
             return Ok(false);
         };

@@ -180,6 +180,7 @@ async fn a_paused_leader_is_replaced_and_when_it_wakes_stops_its_deployer_and_wr
     .unwrap();
     standby.wait_ready().await;
     let ended = standby.wait_build(&running, "failed").await;
+    assert_eq!(ended["failure"]["reason"], "lost_attempt", "{ended}");
     let events = build_events(&standby, &running).await;
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(leader.pid() as i32),

@@ -428,7 +428,12 @@ async fn run_ops(store: &Store, hub: &Arc<Hub>, ops: &[Op]) -> Vec<BuildId> {
             Op::Restart => {
                 for (id, _) in store.read().unwrap().running().unwrap() {
                     let h = hub.clone();
-                    store.write(move |tx| recover_tx(tx, &h, id)).await.unwrap();
+                    store
+                        .write(move |tx| {
+                            recover_tx(tx, &h, id, crate::engine::recovery::Start::Restart)
+                        })
+                        .await
+                        .unwrap();
                 }
             }
         }
