@@ -241,8 +241,9 @@ fn wait_for_lease(
 
 /// While this replica waits, each connection it accepts is joined to the
 /// leading replica's (bytes both ways, so streams, uploads and every
-/// route work as there); with no leader known it is closed, which a
-/// proxy takes as "not here". Returns the listener once `done` fires,
+/// route work as there); with no leader known within
+/// `FORWARD_CONNECT_TIMEOUT` it is closed, which a proxy takes as "not
+/// here". Returns the listener once `done` fires,
 /// and closes the connections it joined: the replica they reach may be
 /// the one that lost the lease (paused, it would hold them for ever), and
 /// a client that sees its connection close sends again, to this one now.
@@ -270,15 +271,22 @@ pub async fn forward_while_standby(
                 return listener;
             }
         };
-        let (Some(address), Ok(slot)) = (
-            leader.borrow().as_deref().and_then(host_port_of),
-            slots.clone().try_acquire_owned(),
-        ) else {
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
             continue;
         };
+        let mut leader = leader.clone();
         joined.spawn(async move {
             let _slot = slot;
-            join_to(client, &address).await;
+            // A replica that just started learns the leader at its first
+            // heartbeat: a connection waits that long, not more.
+            let known = leader.wait_for(|url| url.as_deref().and_then(host_port_of).is_some());
+            let address = match tokio::time::timeout(FORWARD_CONNECT_TIMEOUT, known).await {
+                Ok(Ok(url)) => url.as_deref().and_then(host_port_of),
+                Ok(Err(_)) | Err(_) => None,
+            };
+            if let Some(address) = address {
+                join_to(client, &address).await;
+            }
         });
     }
 }
