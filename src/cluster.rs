@@ -14,7 +14,7 @@ use std::time::Duration;
 use crate::engine::recovery::Start;
 use crate::settings::Settings;
 use crate::store::location::PgTarget;
-use crate::store::upstream::{LeaseKeeper, Limits, Replica, Status, Upstream};
+use crate::store::upstream::{fingerprint, LeaseKeeper, Limits, Replica, Shared, Status, Upstream};
 use crate::store::{Sharing, Store};
 
 /// How often a waiting replica looks whether the lease has passed.
@@ -42,6 +42,76 @@ fn limits(settings: &Settings) -> Limits {
         migrate_timeout: settings.store_migrate_timeout,
         dev: settings.dev,
     }
+}
+
+/// This replica's secrets (fingerprints of the files) and cluster-wide
+/// flags, which every replica must share (docs/cluster.md).
+fn shared_of(settings: &Settings) -> Result<Shared, String> {
+    let data = &settings.data_dir;
+    let files = [
+        (
+            "service-token",
+            settings
+                .service_token_file
+                .clone()
+                .unwrap_or_else(|| data.join("service-token")),
+        ),
+        ("cursor-key", data.join("cursor-key")),
+        (
+            "callback-secret",
+            settings
+                .callback_secret_file
+                .clone()
+                .unwrap_or_else(|| data.join("callback-secret")),
+        ),
+        ("audit-signing.key", data.join("audit-signing.key")),
+    ];
+    let mut secrets = Vec::new();
+    for (name, path) in files {
+        let fingerprint = match std::fs::read(&path) {
+            Ok(bytes) => Some(fingerprint(name, &bytes)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+            Err(e) => return Err(format!("cannot read {}: {e}", path.display())),
+        };
+        secrets.push((name, fingerprint));
+    }
+    let s = settings;
+    let settings = vec![
+        ("--default-source", format!("{:?}", s.default_source)),
+        ("--callback-origin", format!("{:?}", s.callback_origin)),
+        ("--webhook-origin", format!("{:?}", s.webhook_origin)),
+        ("--lease-ttl", format!("{:?}", s.lease_ttl)),
+        ("--cancel-grace", format!("{:?}", s.cancel_grace)),
+        ("--build-timeout", format!("{:?}", s.build_timeout)),
+        ("--update-interval", format!("{:?}", s.update_interval)),
+        ("--sweep-interval", format!("{:?}", s.sweep_interval)),
+        ("--keep-builds", s.keep_builds.to_string()),
+        ("--keep-build-days", s.keep_build_days.to_string()),
+        (
+            "--keep-rollback-targets",
+            s.keep_rollback_targets.to_string(),
+        ),
+        ("--audit-retention-days", s.audit_retention_days.to_string()),
+        ("--max-log-bytes", s.max_log_bytes.to_string()),
+        ("--max-queued-builds", s.max_queued_builds.to_string()),
+        ("--max-webhooks", s.max_webhooks.to_string()),
+        ("--ticket-ttl", format!("{:?}", s.ticket_ttl)),
+        (
+            "--max-tickets-per-caller",
+            s.max_tickets_per_caller.to_string(),
+        ),
+        ("--audit-origin", format!("{:?}", s.audit_origin)),
+        ("--build-labels", format!("{:?}", s.build_labels)),
+        ("--max-work-state", s.max_work_state.to_string()),
+        ("--keep-work-states", s.keep_work_states.to_string()),
+        (
+            "--agent-revert-after",
+            format!("{:?}", s.agent_revert_after),
+        ),
+        ("--max-agents", s.max_agents.to_string()),
+        ("--max-artifact-bytes", s.max_artifact_bytes.to_string()),
+    ];
+    Ok(Shared { secrets, settings })
 }
 
 /// The flags that have no meaning with PostgreSQL, refused by name.
@@ -97,7 +167,7 @@ pub fn start(
 ) -> Result<Started, String> {
     let data_dir_lock = lock_data_dir(&settings.data_dir)?;
     let mut up = Upstream::connect(target, limits(settings))?;
-    let found = up.prepare()?;
+    let found = up.prepare(&shared_of(settings)?)?;
     let (fence, taken_at, start) =
         wait_for_lease(&mut up, me, settings.lease_ttl, leader, &status)?;
     tracing::info!(replica = %me.id, fence, database = %target.redacted(), "this replica leads the cluster");
@@ -114,11 +184,14 @@ pub fn start(
         (None, _) => None,
     };
     if !found.empty {
-        let db = redb::Database::create(&path)
-            .map_err(|e| format!("cannot create {}: {e}", path.display()))?;
         let rows = up
-            .load_into(&db)
-            .map_err(|e| format!("cannot load the store from its database: {e}"))?;
+            .load_into_new_file(&path, settings.cache_size)
+            .map_err(|e| {
+                format!(
+                    "cannot load the store from its database into {}: {e}",
+                    path.display()
+                )
+            })?;
         tracing::info!(rows, "loaded the store from its database");
     }
     if let Some(source) = &import {

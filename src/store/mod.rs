@@ -475,6 +475,23 @@ impl Store {
         if let Err(e) = self.shared.checkpoint() {
             tracing::error!(error = %e, "the last checkpoint failed; the next start applies the redo log");
         }
+        // The lease goes to a standby at once (the writer takes no batch
+        // any more, so the fence is not needed).
+        if let (Some(lease), Some(upstream)) = (&self.shared.lease, &self.shared.upstream) {
+            lease.end();
+            // Its connection blocks on a runtime of its own, which an
+            // async worker (the caller, at shutdown) must not do.
+            let released = std::thread::scope(|s| s.spawn(|| upstream.held().release()).join());
+            match released {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %e, "cannot give the lease up; a standby takes over once it passes")
+                }
+                Err(_) => tracing::error!(
+                    "giving the lease up panicked; a standby takes over once it passes"
+                ),
+            }
+        }
         // Readers open the file itself from here on.
         drop(self.snapshots.held().take());
         let mut db = self.shared.db.write_held().take();

@@ -76,6 +76,8 @@ pub struct Upstream {
 pub struct Freshness {
     start: std::time::Instant,
     until_ms: std::sync::atomic::AtomicU64,
+    /// The lease was given up (a clean stop): the keeper renews no more.
+    ended: std::sync::atomic::AtomicBool,
 }
 
 impl Freshness {
@@ -83,6 +85,7 @@ impl Freshness {
         Freshness {
             start: std::time::Instant::now(),
             until_ms: std::sync::atomic::AtomicU64::new(0),
+            ended: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -93,6 +96,16 @@ impl Freshness {
             .as_millis() as u64;
         self.until_ms
             .fetch_max(until, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// The lease is given up: no read answers and no renew follows.
+    pub fn end(&self) {
+        self.ended.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.until_ms.store(0, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    pub fn ended(&self) -> bool {
+        self.ended.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     pub fn holds(&self) -> bool {
@@ -174,6 +187,26 @@ impl Status {
             "replicas": replicas,
         })
     }
+}
+
+/// What every replica of a cluster must share: the secret files (by
+/// name, as fingerprints; `None` when this replica has no such file) and
+/// the cluster-wide flags (by name, as their values' text).
+pub struct Shared {
+    pub secrets: Vec<(&'static str, Option<String>)>,
+    pub settings: Vec<(&'static str, String)>,
+}
+
+/// A secret's fingerprint as the database keeps it (never the secret):
+/// SHA-256("berth-secret-v1\n" || name || "\n" || content), hex.
+pub fn fingerprint(name: &str, content: &[u8]) -> String {
+    use sha2::Digest;
+    let mut h = sha2::Sha256::new();
+    h.update(b"berth-secret-v1\n");
+    h.update(name.as_bytes());
+    h.update(b"\n");
+    h.update(content);
+    crate::hex::encode(&h.finalize())
 }
 
 /// What a start found in the database.
@@ -349,8 +382,9 @@ impl Upstream {
 
     /// Creates the tables in an empty database, or checks them, under the
     /// migration lock (whichever replica starts first does it; the others
-    /// wait for it and find nothing to do).
-    pub fn prepare(&mut self) -> Result<Found, String> {
+    /// wait for it and find nothing to do); then, under the same lock,
+    /// checks `shared` (`Shared::check`).
+    pub fn prepare(&mut self, shared: &Shared) -> Result<Found, String> {
         let wait_ms = self.limits.migrate_timeout.as_millis();
         let lock = format!(
             "SET lock_timeout = {wait_ms}; SELECT pg_advisory_lock({MIGRATION_LOCK}, hashtext(current_schema())); SET lock_timeout = 0"
@@ -362,7 +396,9 @@ impl Upstream {
                 true => "another replica held the migration lock past --store-migrate-timeout (store_migrate_timeout)".to_string(),
                 false => format!("cannot take the migration lock: {} (store_unreachable)", e.detail),
             })?;
-        let found = self.create_or_check();
+        let found = self
+            .create_or_check()
+            .and_then(|found| self.check_shared(shared).map(|()| found));
         let unlocked = self.call(|c| Box::pin(async move { c.batch_execute(&unlock).await }));
         let found = found?;
         unlocked.map_err(|e| format!("cannot release the migration lock: {}", e.detail))?;
@@ -447,6 +483,62 @@ impl Upstream {
             ));
         }
         Ok(Found { empty, layout })
+    }
+
+    /// Compares `shared` with what the database recorded: a secret that
+    /// differs or is missing, or a cluster-wide flag that differs, refuses
+    /// the start (naming the file or the flag, never a value). What the
+    /// database lacks is recorded; a flag changed while no replica leads
+    /// (every replica stopped, as docs/cluster.md says) is recorded anew.
+    fn check_shared(&mut self, shared: &Shared) -> Result<(), String> {
+        let recorded: Vec<(String, String)> = self
+            .call(|c| {
+                Box::pin(async move {
+                    let rows = c
+                        .query("SELECT key, value FROM berth_store WHERE key LIKE 'secret:%' OR key LIKE 'setting:%'", &[])
+                        .await?;
+                    rows.iter().map(|r| Ok((r.try_get(0)?, r.try_get(1)?))).collect()
+                })
+            })
+            .map_err(|e| format!("cannot read the recorded secrets and settings: {}", e.detail))?;
+        let recorded: BTreeMap<String, String> = recorded.into_iter().collect();
+        let (_, lease_passed) = self
+            .leader()
+            .map_err(|e| format!("cannot read the lease: {}", e.detail))?;
+        let mut record: Vec<(String, String)> = Vec::new();
+        for (name, value) in &shared.secrets {
+            let key = format!("secret:{name}");
+            match (recorded.get(&key), value) {
+                (Some(had), Some(mine)) if had != mine => return Err(format!("the secret file {name} differs from the one the cluster's other replicas use: copy it from the first replica's secrets (secrets_mismatch)")),
+                (Some(_), None) => return Err(format!("the cluster has a secret {name} this replica lacks: copy the file from the first replica's secrets (secrets_missing)")),
+                (None, Some(mine)) => record.push((key, mine.clone())),
+                (Some(_), Some(_)) | (None, None) => {}
+            }
+        }
+        for (flag, value) in &shared.settings {
+            let key = format!("setting:{flag}");
+            match recorded.get(&key) {
+                Some(had) if had != value && !lease_passed => return Err(format!("{flag} differs from the value the running replicas use: give every replica the same, or stop them all to change it (settings_mismatch)")),
+                Some(had) if had == value => {}
+                Some(_) | None => record.push((key, value.clone())),
+            }
+        }
+        if record.is_empty() {
+            return Ok(());
+        }
+        let (keys, values): (Vec<String>, Vec<String>) = record.into_iter().unzip();
+        self.call(move |c| {
+            Box::pin(async move {
+                c.execute(
+                    "INSERT INTO berth_store SELECT * FROM unnest($1::text[], $2::text[])
+                     ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+                    &[&keys, &values],
+                )
+                .await
+            })
+        })
+        .map(|_| ())
+        .map_err(|e| format!("cannot record the secrets and settings: {}", e.detail))
     }
 
     /// Takes the lease when it has passed (or was this replica's own):
@@ -544,6 +636,26 @@ impl Upstream {
                 Ok((row.try_get::<_, String>(0)?, row.try_get::<_, bool>(1)?))
             })
         })
+    }
+
+    /// Gives the lease up at a clean stop, so that a standby takes over at
+    /// once rather than after `--lease-ttl` (a new fence: nothing this
+    /// replica sends after it lands).
+    pub fn release(&mut self) -> StoreResult<()> {
+        let Some(fence) = self.fence.take() else {
+            return Ok(());
+        };
+        self.call(move |c| {
+            Box::pin(async move {
+                c.execute(
+                    "UPDATE berth_leader SET fence = fence + 1, replica = '', expires_at = '-infinity'
+                     WHERE id = 1 AND fence = $1",
+                    &[&fence],
+                )
+                .await
+            })
+        })
+        .map(|_| ())
     }
 
     /// Extends the lease: false when this replica no longer holds it.
@@ -648,7 +760,16 @@ impl Upstream {
     /// file) in one write transaction made durable at its end, reading
     /// `ROWS_PER_STATEMENT` rows at a time (this replica leads: nothing
     /// else writes meanwhile).
-    pub fn load_into(&mut self, db: &Database) -> StoreResult<u64> {
+    pub fn load_into_new_file(
+        &mut self,
+        path: &std::path::Path,
+        cache: super::CacheSize,
+    ) -> StoreResult<u64> {
+        let db = super::redb_builder(redb::ConcurrencyMode::ExclusiveWriter, cache).create(path)?;
+        self.load_into(&db)
+    }
+
+    fn load_into(&mut self, db: &Database) -> StoreResult<u64> {
         let txn = db.begin_write()?;
         let mut after: (String, Vec<u8>) = (String::new(), Vec::new());
         let mut loaded = 0u64;
@@ -953,6 +1074,9 @@ impl LeaseKeeper {
             .name("berth-lease".into())
             .spawn(move || loop {
                 std::thread::sleep(ttl / 3);
+                if fresh.ended() {
+                    return;
+                }
                 let sent = std::time::Instant::now();
                 match up.renew(ttl) {
                     Ok(true) => fresh.extend(sent, ttl),

@@ -389,3 +389,144 @@ async fn a_database_outage_answers_503_store_unreachable_and_loses_and_repeats_n
         leader.log()
     );
 }
+
+/// `berth export` / `import` as the CLI runs them; exit code and stderr.
+fn cli(args: &[&str]) -> (i32, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_berth"))
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[tokio::test]
+async fn a_store_moves_into_a_cluster_and_back_out_with_every_read_equal() {
+    let test = "a_store_moves_into_a_cluster_and_back_out_with_every_read_equal";
+    let Some(db) = PgDb::create(test).await else {
+        return;
+    };
+    let mut single = Server::start(Options::default()).await;
+    let mut builds = Vec::new();
+    for name in ["alice", "bob"] {
+        let b = single
+            .submit_ok(name, mastodon(&format!("{name}.example.org")))
+            .await;
+        single.wait_build(&b, "succeeded").await;
+        builds.push(b);
+    }
+    let (_, before) = single.json("/v1/deployments").await;
+    let events = build_events(&single, &builds[0]).await;
+    single.terminate();
+    // In: an export of the single node, imported once into an empty
+    // database by the first replica.
+    let moved_in = single.dir.join("in.sqlite");
+    let to = format!("sqlite:{}", moved_in.display());
+    let data = single.dir.join("data");
+    let (code, err) = cli(&["export", "--data-dir", data.to_str().unwrap(), "--to", &to]);
+    assert_eq!(code, 0, "{err}");
+    let opts = replica(&db, &["--import-from", &to]);
+    let mut leader = Server::start_in(with_secrets_of(&single, "moved-in"), opts).await;
+    assert_eq!(leader.json("/v1/deployments").await.1, before);
+    assert_eq!(build_events(&leader, &builds[0]).await, events);
+    let third = leader
+        .submit_ok("carol", mastodon("carol.example.org"))
+        .await;
+    leader.wait_build(&third, "succeeded").await;
+    let (_, in_cluster) = leader.json("/v1/deployments").await;
+    assert!(leader.terminate().success());
+    // Out: the last leader's file holds the whole store.
+    let moved_out = leader.dir.join("out.sqlite");
+    let to = format!("sqlite:{}", moved_out.display());
+    let data = leader.dir.join("data");
+    let (code, err) = cli(&["export", "--data-dir", data.to_str().unwrap(), "--to", &to]);
+    assert_eq!(code, 0, "{err}");
+    let back = with_secrets_of(&leader, "moved-out");
+    let new_data = back.join("data");
+    let (code, err) = cli(&[
+        "import",
+        "--data-dir",
+        new_data.to_str().unwrap(),
+        "--from",
+        &to,
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let single_again = Server::start_in(back, Options::default()).await;
+    assert_eq!(single_again.json("/v1/deployments").await.1, in_cluster);
+    assert_eq!(build_events(&single_again, &builds[0]).await, events);
+}
+
+#[tokio::test]
+async fn a_stopped_leader_hands_over_at_once_and_a_replica_with_other_secrets_is_refused() {
+    let test = "a_stopped_leader_hands_over_at_once_and_a_replica_with_other_secrets_is_refused";
+    let Some(db) = PgDb::create(test).await else {
+        return;
+    };
+    // A long lease: only the hand-over at the stop can make this quick.
+    let long = |extra: &[&str]| {
+        let mut o = Options::default()
+            .arg("--store")
+            .arg(&db.url())
+            .arg("--lease-ttl")
+            .arg("10m");
+        for a in extra {
+            o = o.arg(a);
+        }
+        o.arg("--agent-revert-after").arg("30m")
+    };
+    let mut leader = Server::start(long(&[])).await;
+    let build = leader
+        .submit_ok("alice", mastodon("alice.example.org"))
+        .await;
+    leader.wait_build(&build, "succeeded").await;
+    // Its own secrets (generated at its start): refused, naming the file.
+    let stranger = temp_dir("stranger");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_berth"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--store", &db.url()])
+        .args([
+            "--lease-ttl",
+            "10m",
+            "--agent-revert-after",
+            "30m",
+            "--data-dir",
+        ])
+        .arg(stranger.join("data"))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("secrets_mismatch") && stderr.contains("service-token"),
+        "{stderr}"
+    );
+    // A flag every replica must share, given otherwise: refused too.
+    let mut other = Server::unstarted(
+        with_secrets_of(&leader, "other-flags"),
+        long(&["--keep-builds", "7"]),
+    );
+    other.spawn();
+    eventually("the replica with another --keep-builds to exit", || {
+        let exited = other.exited().is_some();
+        async move { exited }
+    })
+    .await;
+    assert!(
+        other.log().contains("settings_mismatch") && other.log().contains("--keep-builds"),
+        "{}",
+        other.log()
+    );
+    let mut standby = Server::unstarted(with_secrets_of(&leader, "standby"), long(&[]));
+    standby.spawn();
+    standby.wait_listening().await;
+    assert!(leader.terminate().success());
+    let stopped = std::time::Instant::now();
+    standby.wait_ready().await;
+    assert!(
+        stopped.elapsed() < Duration::from_secs(60),
+        "the standby took over only after {:?}",
+        stopped.elapsed()
+    );
+    assert_eq!(standby.build(&build).await["status"], "succeeded");
+}
