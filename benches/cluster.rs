@@ -172,6 +172,13 @@ fn main() {
         println!("cluster: needs wrk (apt install wrk)");
         return;
     }
+    // reqwest without its default TLS: the provider is ring's (stack.md).
+    if rustls::crypto::ring::default_provider()
+        .install_default()
+        .is_err()
+    {
+        println!("cluster: a TLS provider was installed already");
+    }
     let rt = common::runtime();
     rt.block_on(run());
 }

@@ -14,11 +14,15 @@ use std::time::Duration;
 use crate::engine::recovery::Start;
 use crate::settings::Settings;
 use crate::store::location::PgTarget;
-use crate::store::upstream::{fingerprint, LeaseKeeper, Limits, Replica, Shared, Status, Upstream};
+use crate::store::upstream::{
+    fingerprint, Freshness, LeaseKeeper, Limits, Replica, Shared, Status, Upstream,
+};
 use crate::store::{Sharing, Store};
 
 /// How often a waiting replica looks whether the lease has passed.
 const STANDBY_POLL: Duration = Duration::from_secs(1);
+/// How often the leader looks whether its lease still surely holds.
+const SELF_FENCE_CHECK: Duration = Duration::from_millis(250);
 /// How long a standby waits to reach the leading replica for a request.
 const FORWARD_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Bytes of a replica id (random, hex in `<data-dir>/replica-id`).
@@ -168,12 +172,59 @@ pub fn start(
     let data_dir_lock = lock_data_dir(&settings.data_dir)?;
     let mut up = Upstream::connect(target, limits(settings))?;
     let found = up.prepare(&shared_of(settings)?)?;
+    let keeper = Upstream::connect(target, limits(settings))?;
     let (fence, taken_at, start) =
         wait_for_lease(&mut up, me, settings.lease_ttl, leader, &status)?;
     tracing::info!(replica = %me.id, fence, database = %target.redacted(), "this replica leads the cluster");
+    // The lease holds from when it was asked for, and is kept from now
+    // on: a load longer than the lease must not let another replica in.
+    let fresh = std::sync::Arc::new(Freshness::new());
+    fresh.extend(taken_at, settings.lease_ttl);
+    let (lost_tx, lost) = tokio::sync::watch::channel(None);
+    let heartbeat = Heartbeat {
+        me: me.clone(),
+        status,
+        seen_within: settings.lease_ttl,
+    };
+    LeaseKeeper::start(
+        keeper,
+        (fence, fresh.clone()),
+        settings.lease_ttl,
+        move |up| heartbeat.beat(up),
+        move |why| {
+            tracing::error!(why, "this replica no longer leads the cluster; stopping");
+            lost_tx.send_replace(Some(why.to_string()));
+        },
+    )?;
+    let path = settings.db_path();
+    fill_cache(&mut up, settings, found.empty)?;
+    let sharing = Sharing::Exclusive {
+        checkpoint_every: settings.checkpoint_interval,
+    };
+    let store = Store::open_behind(&path, sharing, settings.cache_size, Some((up, fresh)))
+        .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
+    // A new cluster's first rows, an import, or rows a migration of the
+    // layout changed at open: the database takes the whole store.
+    if found.empty || found.layout != crate::store::LAYOUT_VERSION {
+        store
+            .upload_all()
+            .map_err(|e| format!("cannot write the store to its database: {e}"))?;
+    }
+    Ok(Started {
+        store,
+        data_dir_lock,
+        lost,
+        start,
+    })
+}
+
+/// Makes this replica's store file anew: every row of the database, or
+/// for a new cluster the import `--import-from` names (once: only into an
+/// empty database).
+fn fill_cache(up: &mut Upstream, settings: &Settings, empty: bool) -> Result<(), String> {
     let path = settings.db_path();
     remove_cache(&path)?;
-    let import = match (&settings.import_from, found.empty) {
+    let import = match (&settings.import_from, empty) {
         (Some(source), true) => Some(source.clone()),
         (Some(_), false) => {
             tracing::info!(
@@ -183,7 +234,7 @@ pub fn start(
         }
         (None, _) => None,
     };
-    if !found.empty {
+    if !empty {
         let rows = up
             .load_into_new_file(&path, settings.cache_size)
             .map_err(|e| {
@@ -199,47 +250,34 @@ pub fn start(
             crate::export::Endpoint::parse(source).map_err(|e| format!("--import-from: {e}"))?;
         crate::export::import_at_start(&settings.data_dir, &from)?;
     }
-    let keeper = Upstream::connect(target, limits(settings))?;
-    let sharing = Sharing::Exclusive {
-        checkpoint_every: settings.checkpoint_interval,
-    };
-    let store = Store::open_behind(&path, sharing, settings.cache_size, Some(up))
-        .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
-    let fresh = store
-        .lease()
-        .ok_or("the store lost its database on the way")?;
-    // The takeover's renew: the lease holds from when it was asked for at
-    // the latest (the load since took some of it).
-    fresh.extend(taken_at, settings.lease_ttl);
-    // A new cluster's first rows, an import, or rows a migration of the
-    // layout changed at open: the database takes the whole store.
-    if found.empty || found.layout != crate::store::LAYOUT_VERSION {
-        store
-            .upload_all()
-            .map_err(|e| format!("cannot write the store to its database: {e}"))?;
+    Ok(())
+}
+
+/// The self-fence (workers.md's rule, for the leader's own builds): once
+/// this replica cannot confirm its lease (no renew landed within
+/// `--lease-ttl`: another replica may lead and start the next build of a
+/// deployment), it stops the deployers it runs rather than let them
+/// overlap. Their end is recorded when the database answers again, if
+/// this replica still holds its fence; if not, the new leader already
+/// ended them `lost_attempt`.
+pub async fn self_fence(
+    engine: std::sync::Arc<crate::engine::Engine>,
+    lease: std::sync::Arc<crate::store::upstream::Freshness>,
+) {
+    let mut every = tokio::time::interval(SELF_FENCE_CHECK);
+    loop {
+        every.tick().await;
+        if lease.ended() {
+            return;
+        }
+        if !lease.holds() && engine.running_builds() > 0 {
+            tracing::warn!(
+                running = engine.running_builds(),
+                "this replica cannot confirm its lease: stopping the deployers it runs"
+            );
+            engine.stop_running_builds();
+        }
     }
-    let (lost_tx, lost) = tokio::sync::watch::channel(None);
-    let heartbeat = Heartbeat {
-        me: me.clone(),
-        status,
-        seen_within: settings.lease_ttl,
-    };
-    LeaseKeeper::start(
-        keeper,
-        (fence, fresh),
-        settings.lease_ttl,
-        move |up| heartbeat.beat(up),
-        move |why| {
-            tracing::error!(why, "this replica no longer leads the cluster; stopping");
-            lost_tx.send_replace(Some(why.to_string()));
-        },
-    )?;
-    Ok(Started {
-        store,
-        data_dir_lock,
-        lost,
-        start,
-    })
 }
 
 /// What a replica does at each heartbeat: registers itself and reads the

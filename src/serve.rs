@@ -26,6 +26,9 @@ fn run_in_the_background(engine: &Arc<crate::engine::Engine>) {
     tokio::spawn(engine.clone().sweep_staging());
     tokio::spawn(engine.clone().run_denial_flush());
     tokio::spawn(engine.clone().run_updates());
+    if let Some(lease) = engine.lease() {
+        tokio::spawn(crate::cluster::self_fence(engine.clone(), lease));
+    }
 }
 
 /// The server log on stderr: `BERTH_LOG` filters it; `BERTH_LOG_FORMAT`
@@ -188,17 +191,7 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
         });
     }
 
-    let lost_lead = match lost.as_mut() {
-        Some(lost) => tokio::select! {
-            () = wait_for_signal() => None,
-            why = lost.wait_for(Option::is_some) => Some(why.map(|w| w.clone().unwrap_or_default()).unwrap_or_default()),
-        },
-        None => {
-            wait_for_signal().await;
-            None
-        }
-    };
-    match lost_lead {
+    match stop_or_lost_lead(lost.as_mut()).await {
         None => {
             shut_down(&engine, server, stop_tx, &settings, settings.shutdown_grace).await;
             Ok(())
@@ -210,6 +203,24 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
                 "this replica stopped leading the cluster: {why} (lease_lost)"
             ))
         }
+    }
+}
+
+/// Waits for SIGTERM/SIGINT (`None`) or, on PostgreSQL, for the lease to
+/// be taken by another replica (`Some(why)`).
+async fn stop_or_lost_lead(
+    lost: Option<&mut tokio::sync::watch::Receiver<Option<String>>>,
+) -> Option<String> {
+    let Some(lost) = lost else {
+        wait_for_signal().await;
+        return None;
+    };
+    tokio::select! {
+        () = wait_for_signal() => None,
+        why = lost.wait_for(Option::is_some) => Some(match why {
+            Ok(why) => why.clone().unwrap_or_default(),
+            Err(_) => "the lease keeper stopped".to_string(),
+        }),
     }
 }
 

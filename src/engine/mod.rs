@@ -369,6 +369,11 @@ impl Engine {
     /// After `--shutdown-grace`: every running build's deployer is stopped
     /// (SIGTERM, `--cancel-grace`, SIGKILL) and recorded `failed` with
     /// `interrupted_by_shutdown`.
+    /// With a store in PostgreSQL: until when this replica surely leads.
+    pub fn lease(&self) -> Option<Arc<crate::store::upstream::Freshness>> {
+        self.store.lease()
+    }
+
     pub fn stop_running_builds(&self) {
         for halt in self.cancels.held().values() {
             let _ = halt.send(outcome::Halt::Shutdown);

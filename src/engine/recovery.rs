@@ -93,18 +93,11 @@ impl Engine {
                             move |tx| recover_tx(tx, &hub, build_id, start),
                         )
                         .await?;
-                    tracing::warn!(build = %format_build_id(build_id), %deployment, "build interrupted by restart: marked failed");
+                    say_ended(start, build_id, &deployment);
                     job
                 }
             };
-            // With replicas, a record may name a process of another
-            // machine: only the very process (pid and start time) is
-            // stopped, never a group that merely has its number.
-            let ours = match self.settings.is_cluster() {
-                true => runner::same_process,
-                false => runner::group_may_be_ours,
-            };
-            if let Some(job) = orphan.filter(ours) {
+            if let Some(job) = orphan.filter(|job| self.may_be_ours(job)) {
                 tracing::warn!(pid = job.pid, %deployment, "stopping the deployer that outlived the last run");
                 self.block_deployment(&deployment);
                 let (engine, blocked) = (self.clone(), deployment.clone());
@@ -118,6 +111,32 @@ impl Engine {
             }
         }
         Ok(())
+    }
+}
+
+impl Engine {
+    /// Whether a process record left by the last run names a process of
+    /// this machine's that may still run. With replicas a record may name
+    /// another machine's: only the very process (pid and start time) is
+    /// stopped then, never a group that merely has its number.
+    fn may_be_ours(&self, job: &Job) -> bool {
+        match self.settings.is_cluster() {
+            true => runner::same_process(job),
+            false => runner::group_may_be_ours(job),
+        }
+    }
+}
+
+/// The server log's line for a build recovery ended.
+fn say_ended(start: Start, build_id: BuildId, deployment: &str) {
+    let build = format_build_id(build_id);
+    match start {
+        Start::Restart => {
+            tracing::warn!(%build, deployment, "build interrupted by restart: marked failed")
+        }
+        Start::Takeover => {
+            tracing::warn!(%build, deployment, "a build of the replica that led before: marked failed, lost_attempt")
+        }
     }
 }
 

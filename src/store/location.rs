@@ -149,45 +149,7 @@ fn parse_postgres(rest: &str) -> Result<PgTarget, Refusal> {
     let mut tls = None;
     for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
         let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
-        let value = decode(value)?;
-        match name {
-            "sslmode" => tls = Some(tls_mode(&value)?),
-            "host" if value.starts_with('/') => {
-                let port = target.hosts.first().map_or(DEFAULT_PORT, |h| h.1);
-                target.socket_dir = Some((PathBuf::from(value), port));
-            }
-            "host" => target.hosts.push(host_port(&value)?),
-            "port" => {
-                let port = port_of(&value)?;
-                target.hosts.iter_mut().for_each(|h| h.1 = port);
-                if let Some(dir) = target.socket_dir.as_mut() {
-                    dir.1 = port;
-                }
-            }
-            "user" => target.user = Some(value),
-            "dbname" => target.dbname = value,
-            "password" => target.password = Some(value),
-            "options" => target.schema = Some(schema_of(&value)?),
-            "application_name" => target.application_name = Some(value),
-            "target_session_attrs" if value == "read-write" => {}
-            "target_session_attrs" => {
-                return Err(invalid(
-                    "target_session_attrs must be read-write: berth writes to the primary only",
-                ))
-            }
-            "sslrootcert" | "sslcert" | "sslkey" => {
-                return Err(refuse(
-                    "store_tls_unsupported",
-                    format!("{name}: this berth does not speak TLS to PostgreSQL yet; reach it over loopback or a Unix socket"),
-                ))
-            }
-            other => {
-                return Err(invalid(format!(
-                    "the store URL parameter {:?} is not one berth takes",
-                    truncated(other)
-                )))
-            }
-        }
+        apply_param(&mut target, &mut tls, name, decode(value)?)?;
     }
     if target.hosts.is_empty() && target.socket_dir.is_none() {
         return Err(invalid("the store URL names no host"));
@@ -210,6 +172,54 @@ fn parse_postgres(rest: &str) -> Result<PgTarget, Refusal> {
         ));
     }
     Ok(target)
+}
+
+/// One `?name=value` of the URL, into `target` (and `tls`).
+fn apply_param(
+    target: &mut PgTarget,
+    tls: &mut Option<TlsMode>,
+    name: &str,
+    value: String,
+) -> Result<(), Refusal> {
+    match name {
+        "sslmode" => *tls = Some(tls_mode(&value)?),
+        "host" if value.starts_with('/') => {
+            let port = target.hosts.first().map_or(DEFAULT_PORT, |h| h.1);
+            target.socket_dir = Some((PathBuf::from(value), port));
+        }
+        "host" => target.hosts.push(host_port(&value)?),
+        "port" => {
+            let port = port_of(&value)?;
+            target.hosts.iter_mut().for_each(|h| h.1 = port);
+            if let Some(dir) = target.socket_dir.as_mut() {
+                dir.1 = port;
+            }
+        }
+        "user" => target.user = Some(value),
+        "dbname" => target.dbname = value,
+        "password" => target.password = Some(value),
+        "options" => target.schema = Some(schema_of(&value)?),
+        "application_name" => target.application_name = Some(value),
+        "target_session_attrs" if value == "read-write" => {}
+        "target_session_attrs" => {
+            return Err(invalid(
+                "target_session_attrs must be read-write: berth writes to the primary only",
+            ))
+        }
+        "sslrootcert" | "sslcert" | "sslkey" => {
+            return Err(refuse(
+                "store_tls_unsupported",
+                format!("{name}: this berth does not speak TLS to PostgreSQL yet; reach it over loopback or a Unix socket"),
+            ))
+        }
+        other => {
+            return Err(invalid(format!(
+                "the store URL parameter {:?} is not one berth takes",
+                truncated(other)
+            )))
+        }
+    }
+    Ok(())
 }
 
 fn truncated(s: &str) -> String {

@@ -223,29 +223,15 @@ impl Store {
     }
 
     /// As `open_with_cache`, each batch committed to the store's database
-    /// first when `upstream` is given (cluster mode, `upstream.rs`).
+    /// first when `upstream` is given, with the lease that says how long
+    /// this replica surely leads (cluster mode, `upstream.rs`).
     pub fn open_behind(
         path: &Path,
         sharing: Sharing,
         cache: CacheSize,
-        upstream: Option<upstream::Upstream>,
+        upstream: Option<(upstream::Upstream, Arc<upstream::Freshness>)>,
     ) -> StoreResult<Store> {
-        // Whatever mode wrote a redo log last, its acknowledged rows go
-        // into the file before anything reads it: durably where the disk
-        // allows; on a full one a store held alone keeps them in the log
-        // until a checkpoint can write them (redb refuses every call after
-        // a failed commit: the file is opened again).
-        let (db, resume) = match open_and_replay(path, sharing, cache, redo::Replay::Checkpoint) {
-            Ok(opened) => opened,
-            Err(e)
-                if e.kind == StoreErrorKind::DiskFull
-                    && matches!(sharing, Sharing::Exclusive { .. }) =>
-            {
-                tracing::warn!(error = %e, "cannot checkpoint the redo log at open (disk full); it stays the store's truth until a checkpoint can");
-                open_and_replay(path, sharing, cache, redo::Replay::KeepLog)?
-            }
-            Err(e) => return Err(e),
-        };
+        let (db, resume) = open_replayed(path, sharing, cache)?;
         init_schema(&db)?;
         let redo = match sharing {
             // redb commits non-durably only when no other process may
@@ -268,10 +254,8 @@ impl Store {
             sharing,
             cache,
             redo,
-            lease: upstream
-                .as_ref()
-                .map(|_| Arc::new(upstream::Freshness::new())),
-            upstream: upstream.map(std::sync::Mutex::new),
+            lease: upstream.as_ref().map(|(_, lease)| lease.clone()),
+            upstream: upstream.map(|(up, _)| std::sync::Mutex::new(up)),
             turn: std::sync::Mutex::new(writer::Turn::new()),
             lone_batches_in_a_row: std::sync::atomic::AtomicU32::new(writer::QUIET_BATCHES),
         });
@@ -512,6 +496,29 @@ impl Store {
     /// Bytes the store file takes on disk.
     pub fn file_size(path: &Path) -> u64 {
         std::fs::metadata(path).map(|m| m.len()).unwrap_or(0)
+    }
+}
+
+/// Opens the file with its redo log applied. Whatever mode wrote a redo
+/// log last, its acknowledged rows go into the file before anything reads
+/// it: durably where the disk allows; on a full one a store held alone
+/// keeps them in the log until a checkpoint can write them (redb refuses
+/// every call after a failed commit: the file is opened again).
+fn open_replayed(
+    path: &Path,
+    sharing: Sharing,
+    cache: CacheSize,
+) -> StoreResult<(Database, redo::Resume)> {
+    match open_and_replay(path, sharing, cache, redo::Replay::Checkpoint) {
+        Ok(opened) => Ok(opened),
+        Err(e)
+            if e.kind == StoreErrorKind::DiskFull
+                && matches!(sharing, Sharing::Exclusive { .. }) =>
+        {
+            tracing::warn!(error = %e, "cannot checkpoint the redo log at open (disk full); it stays the store's truth until a checkpoint can");
+            open_and_replay(path, sharing, cache, redo::Replay::KeepLog)
+        }
+        Err(e) => Err(e),
     }
 }
 

@@ -433,6 +433,13 @@ pub(super) fn run_batch(shared: &Shared, turn: &mut Turn, batch: Vec<WriteJob>, 
     }
 }
 
+/// Answers every job of `batch` with `e`.
+fn fail_all(batch: Vec<WriteJob>, e: &StoreError) {
+    batch
+        .into_iter()
+        .for_each(|job| (job.finish)(Some(e.clone())));
+}
+
 fn run_batch_unguarded(
     shared: &Shared,
     turn: &mut Turn,
@@ -440,11 +447,7 @@ fn run_batch_unguarded(
     place: &Place<'_>,
 ) {
     let Some(db) = handle(shared) else {
-        let e = closed_or_reopening(shared);
-        batch
-            .into_iter()
-            .for_each(|job| (job.finish)(Some(e.clone())));
-        return;
+        return fail_all(batch, &closed_or_reopening(shared));
     };
     // Before the transaction: the one lock order (`Shared::redo`).
     let mut log = shared.redo_log();
@@ -454,18 +457,13 @@ fn run_batch_unguarded(
     // raising the flag, so no batch slips in between.
     if shared.closed.load(std::sync::atomic::Ordering::SeqCst) {
         drop(log);
-        batch
-            .into_iter()
-            .for_each(|job| (job.finish)(Some(StoreError::closed())));
-        return;
+        return fail_all(batch, &StoreError::closed());
     }
     let txn = match begin(&db, log.is_some()) {
         Ok(txn) => Pending::of(txn),
         Err(err) => {
             tracing::error!(error = %err, "store write transaction could not start");
-            batch
-                .into_iter()
-                .for_each(|job| (job.finish)(Some(err.clone())));
+            fail_all(batch, &err);
             if err.is_transient() {
                 drop(log);
                 drop(db);

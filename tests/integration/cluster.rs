@@ -208,16 +208,19 @@ async fn a_paused_leader_is_replaced_and_when_it_wakes_stops_its_deployer_and_wr
     assert_eq!(standby.build(&running).await["status"], ended["status"]);
 }
 
-/// The pids of processes running `script`.
+/// The pids of processes running `script` (berth itself, which names it
+/// in `--deployer`, left out).
 fn processes_running(script: &Path) -> Vec<u32> {
     let wanted = script.to_string_lossy().into_owned();
+    let berth = env!("CARGO_BIN_EXE_berth");
     let mut pids = Vec::new();
     for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
         let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
             continue;
         };
         let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
-        if String::from_utf8_lossy(&cmdline).contains(&wanted) {
+        let cmdline = String::from_utf8_lossy(&cmdline);
+        if cmdline.contains(&wanted) && !cmdline.starts_with(berth) {
             pids.push(pid);
         }
     }
@@ -529,4 +532,60 @@ async fn a_stopped_leader_hands_over_at_once_and_a_replica_with_other_secrets_is
         stopped.elapsed()
     );
     assert_eq!(standby.build(&build).await["status"], "succeeded");
+}
+
+#[tokio::test]
+async fn a_leader_cut_off_from_its_database_past_its_lease_stops_its_deployers() {
+    let test = "a_leader_cut_off_from_its_database_past_its_lease_stops_its_deployers";
+    let Some(db) = PgDb::create(test).await else {
+        return;
+    };
+    let proxy = CutProxy::start().await;
+    let dir = temp_dir("cut-leader");
+    let (deployer, _gates) = gated_deployer(&dir);
+    let opts = Options::default()
+        .deployer(&deployer)
+        .arg("--store")
+        .arg(&proxy.url(&db))
+        .arg("--lease-ttl")
+        .arg(LEASE)
+        .arg("--cancel-grace")
+        .arg("1s")
+        .arg("--store-connect-timeout")
+        .arg("1s");
+    let mut leader = Server::start_in(dir, opts).await;
+    let running = leader.submit_ok("alice", json!({"n": 1})).await;
+    leader.wait_build(&running, "running").await;
+    let pids = processes_running(&deployer);
+    assert!(!pids.is_empty(), "no deployer runs");
+    // Its output stored, the build writes nothing more: only the
+    // self-fence can stop it.
+    eventually("the deployer's first line stored", || {
+        let read = leader.build(&running);
+        async move { read.await["log_lines"].as_u64() >= Some(1) }
+    })
+    .await;
+    proxy.set(false);
+    // Past the lease another replica could lead: the deployer stops while
+    // the database is still away.
+    eventually("the cut-off leader to stop its deployer", || {
+        let gone = !pids.iter().any(|p| alive(*p));
+        async move { gone }
+    })
+    .await;
+    proxy.set(true);
+    // Nobody took the lease: the same leader goes on serving.
+    let mut n = 0;
+    eventually("a submit accepted once the database is back", || {
+        n += 1;
+        let answer = leader
+            .post(
+                &format!("/v1/deployments/bob{n}/submit"),
+                &json!({"configuration": {"n": n}}),
+            )
+            .send();
+        async move { read(answer.await.unwrap()).await.0 == 202 }
+    })
+    .await;
+    assert!(leader.exited().is_none(), "{}", leader.log());
 }
