@@ -28,7 +28,7 @@ const MAX_SINK_ANSWER: usize = 4096;
 /// Exit codes: 0 the chain is intact (and the sink took it), 1 a problem
 /// or a refusal, 2 the command could not run.
 const EXIT_PROBLEM: i32 = 1;
-const EXIT_CANNOT_RUN: i32 = 2;
+pub const EXIT_CANNOT_RUN: i32 = 2;
 
 /// `berth/<hostname>/audit`, or `--audit-origin`.
 pub fn origin(configured: Option<&str>) -> String {

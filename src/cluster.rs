@@ -491,3 +491,56 @@ pub fn replica_id(data_dir: &Path) -> Result<String, String> {
         .map_err(|e| format!("cannot create {}: {e}", path.display()))?;
     Ok(id)
 }
+
+/// Where a read-only command (`audit verify`, `export`) reads a store:
+/// the data dir's, or a snapshot of the store in PostgreSQL loaded into a
+/// private temporary data dir, removed when this is dropped.
+pub enum SnapshotAt {
+    DataDir(PathBuf),
+    Loaded(PathBuf),
+}
+
+impl SnapshotAt {
+    pub fn data_dir(&self) -> &Path {
+        match self {
+            SnapshotAt::DataDir(dir) | SnapshotAt::Loaded(dir) => dir,
+        }
+    }
+}
+
+impl Drop for SnapshotAt {
+    fn drop(&mut self) {
+        if let SnapshotAt::Loaded(dir) = self {
+            if let Err(e) = std::fs::remove_dir_all(&*dir) {
+                eprintln!("berth: cannot remove the snapshot {}: {e}", dir.display());
+            }
+        }
+    }
+}
+
+/// The store `flags` name, as `SnapshotAt`: with `--store postgres://`,
+/// one snapshot loaded (replicas may run meanwhile).
+pub fn snapshot(
+    flags: &crate::settings::StoreFlags,
+    data_dir: &Path,
+) -> Result<SnapshotAt, String> {
+    let Some(target) = flags.postgres()? else {
+        return Ok(SnapshotAt::DataDir(data_dir.to_path_buf()));
+    };
+    let limits = Limits {
+        connect_timeout: Duration::from_secs(10),
+        statement_timeout: Duration::from_secs(600),
+        migrate_timeout: Duration::from_secs(1),
+        dev: true,
+    };
+    let mut up = Upstream::connect(&target, limits)?;
+    let mut name = [0u8; 8];
+    getrandom::fill(&mut name).map_err(|e| format!("no randomness: {e}"))?;
+    let dir = std::env::temp_dir().join(format!("berth-snapshot-{}", crate::hex::encode(&name)));
+    std::fs::create_dir(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    let at = SnapshotAt::Loaded(dir.clone());
+    std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o700))
+        .map_err(|e| format!("cannot make {} private: {e}", dir.display()))?;
+    up.snapshot_into_new_file(&dir.join("berth.redb"))?;
+    Ok(at)
+}

@@ -14,9 +14,17 @@ fn main() {
     let code = match cli.command {
         Command::Serve(settings) => berth::serve::run(*settings),
         Command::Audit { audit } => match audit {
-            AuditCommand::Verify { data_dir, json } => {
-                berth::audit_cli::run_verify(&data_dir, json)
-            }
+            AuditCommand::Verify {
+                data_dir,
+                store,
+                json,
+            } => match berth::cluster::snapshot(&store, &data_dir) {
+                Ok(at) => berth::audit_cli::run_verify(at.data_dir(), json),
+                Err(e) => {
+                    eprintln!("berth audit verify: {e}");
+                    berth::audit_cli::EXIT_CANNOT_RUN
+                }
+            },
             AuditCommand::PushHead {
                 data_dir,
                 sink,
@@ -29,9 +37,16 @@ fn main() {
         },
         Command::Export {
             data_dir,
+            store,
             to,
             replace,
-        } => berth::export::run_export(&data_dir, &to, replace),
+        } => match berth::cluster::snapshot(&store, &data_dir) {
+            Ok(at) => berth::export::run_export(at.data_dir(), &to, replace),
+            Err(e) => {
+                eprintln!("berth export: {e}");
+                1
+            }
+        },
         Command::Import {
             data_dir,
             from,

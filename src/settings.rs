@@ -38,6 +38,8 @@ pub enum Command {
     Export {
         #[arg(long, env = "BERTH_DATA_DIR", default_value = "./berth-data")]
         data_dir: PathBuf,
+        #[command(flatten)]
+        store: StoreFlags,
         /// sqlite:PATH or postgres://user@host:port/database
         #[arg(long)]
         to: String,
@@ -491,6 +493,8 @@ pub enum AuditCommand {
     Verify {
         #[arg(long, env = "BERTH_DATA_DIR", default_value = "./berth-data")]
         data_dir: PathBuf,
+        #[command(flatten)]
+        store: StoreFlags,
         /// Print one JSON object (also when the chain is broken).
         #[arg(long)]
         json: bool,
@@ -528,6 +532,35 @@ pub enum DeployerCommand {
         /// describe, eval, deploy or destroy
         verb: String,
     },
+}
+
+/// `--store` / `--store-file` of the commands that read a store in
+/// PostgreSQL from one snapshot (`audit verify`, `export`).
+#[derive(Debug, Clone, Args)]
+pub struct StoreFlags {
+    /// Read the store in PostgreSQL at this URL (no password: use
+    /// --store-file or PGPASSFILE) instead of the data dir's.
+    #[arg(long = "store", env = "BERTH_STORE", conflicts_with = "store_file")]
+    pub store: Option<String>,
+    /// A file whose first line is the --store URL (0600).
+    #[arg(long = "store-file", env = "BERTH_STORE_FILE")]
+    pub store_file: Option<PathBuf>,
+}
+
+impl StoreFlags {
+    /// The database named, or `None` for the data dir's redb store.
+    pub fn postgres(&self) -> Result<Option<crate::store::location::PgTarget>, String> {
+        use crate::store::location::{parse, Location};
+        let (text, from_file) = match (&self.store, &self.store_file) {
+            (Some(url), _) => (url.clone(), false),
+            (None, Some(file)) => (read_store_file(file)?, true),
+            (None, None) => return Ok(None),
+        };
+        match parse(&text, from_file).map_err(|r| format!("--store: {r}"))? {
+            Location::Postgres(target) => Ok(Some(target)),
+            Location::Redb(_) => Err("--store: give a postgres:// URL, or --data-dir for a store file (invalid_store_url)".into()),
+        }
+    }
 }
 
 /// Flags of `berth serve`.
@@ -1207,7 +1240,7 @@ fn parse_checkpoint_interval(text: &str) -> Result<Duration, String> {
 }
 
 /// The first line of `--store-file`, which must be private to its owner.
-fn read_store_file(path: &std::path::Path) -> Result<String, String> {
+pub(crate) fn read_store_file(path: &std::path::Path) -> Result<String, String> {
     use std::os::unix::fs::PermissionsExt;
     let meta =
         std::fs::metadata(path).map_err(|e| format!("--store-file {}: {e}", path.display()))?;

@@ -769,6 +769,43 @@ impl Upstream {
         self.load_into(&db)
     }
 
+    /// As `load_into_new_file`, from one snapshot of a database replicas
+    /// may be writing to (`REPEATABLE READ READ ONLY`): what `berth audit
+    /// verify --store` and `berth export --store` read. Refuses a database
+    /// that is not a served berth store.
+    pub fn snapshot_into_new_file(&mut self, path: &std::path::Path) -> Result<u64, String> {
+        let tables: i64 = self
+            .call(|c| {
+                Box::pin(async move {
+                    c.query_one(
+                        "SELECT count(*) FROM information_schema.tables
+                         WHERE table_schema = current_schema() AND table_name IN ('berth_store', 'berth_rows')",
+                        &[],
+                    )
+                    .await?
+                    .try_get(0)
+                })
+            })
+            .map_err(|e| format!("cannot read the database's tables: {}", e.detail))?;
+        if tables != 2 {
+            return Err("the database holds no served berth store (not_a_berth_database)".into());
+        }
+        self.call(|c| {
+            Box::pin(async move {
+                c.batch_execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+                    .await
+            })
+        })
+        .map_err(|e| e.detail)?;
+        let loaded = self.load_into_new_file(path, super::CacheSize::DEFAULT);
+        // The snapshot's transaction ends either way (a broken connection
+        // ends it on the server).
+        let ended = self.call(|c| Box::pin(async move { c.batch_execute("COMMIT").await }));
+        let loaded = loaded.map_err(|e| e.detail)?;
+        ended.map_err(|e| e.detail)?;
+        Ok(loaded)
+    }
+
     fn load_into(&mut self, db: &Database) -> StoreResult<u64> {
         let txn = db.begin_write()?;
         let mut after: (String, Vec<u8>) = (String::new(), Vec::new());

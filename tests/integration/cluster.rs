@@ -144,6 +144,24 @@ async fn a_standby_takes_over_after_kill_9_with_every_acknowledged_submit() {
     );
     // A finished build's events read the same, ids and all.
     assert_eq!(build_events(&standby, &finished).await, events_before);
+    // The chain, verified from one snapshot of the database while the
+    // replica runs.
+    let (code, report) = cli_stdout(&["audit", "verify", "--json", "--store", &db.url()]);
+    assert_eq!(code, 0, "{report}");
+    let report: serde_json::Value = serde_json::from_str(&report).unwrap();
+    assert_eq!(report["ok"], true, "{report}");
+}
+
+/// `berth <args>`: exit code and stdout.
+fn cli_stdout(args: &[&str]) -> (i32, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_berth"))
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+    )
 }
 
 /// Every event of a finished build's channel, ids included.
@@ -439,6 +457,11 @@ async fn a_store_moves_into_a_cluster_and_back_out_with_every_read_equal() {
         .await;
     leader.wait_build(&third, "succeeded").await;
     let (_, in_cluster) = leader.json("/v1/deployments").await;
+    // An export read from one snapshot of the database, the leader running.
+    let live = leader.dir.join("live.sqlite");
+    let to_live = format!("sqlite:{}", live.display());
+    let (code, err) = cli(&["export", "--store", &db.url(), "--to", &to_live]);
+    assert_eq!(code, 0, "{err}");
     assert!(leader.terminate().success());
     // Out: the last leader's file holds the whole store.
     let moved_out = leader.dir.join("out.sqlite");
@@ -459,6 +482,19 @@ async fn a_store_moves_into_a_cluster_and_back_out_with_every_read_equal() {
     let single_again = Server::start_in(back, Options::default()).await;
     assert_eq!(single_again.json("/v1/deployments").await.1, in_cluster);
     assert_eq!(build_events(&single_again, &builds[0]).await, events);
+    // The live export reads the same.
+    let from_live = with_secrets_of(&leader, "from-live");
+    let data = from_live.join("data");
+    let (code, err) = cli(&[
+        "import",
+        "--data-dir",
+        data.to_str().unwrap(),
+        "--from",
+        &to_live,
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let imported = Server::start_in(from_live, Options::default()).await;
+    assert_eq!(imported.json("/v1/deployments").await.1, in_cluster);
 }
 
 #[tokio::test]
