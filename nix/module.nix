@@ -20,6 +20,12 @@ let
   # Who owns the store: the audit units read it as that user.
   serviceUser = if cfg.deployerUser == null then "berth" else "root";
   flag = name: value: optionals (value != null) [ "--${name}" (toString value) ];
+  # A password in the store URL would show in the unit and the process
+  # list: refused at evaluation, as berth refuses it at start.
+  checkedStore = url:
+    if builtins.match "postgres(ql)?://[^/@]*:[^/@]*@.*" url != null
+    then throw "services.berth.store holds a password: put the URL in services.berth.storeFile (store_url_has_password)"
+    else url;
   list = name: values: optionals (values != [ ]) [ "--${name}" (lib.concatStringsSep "," values) ];
   args =
     [ "${cfg.package}/bin/berth" "serve" "--listen" cfg.listen "--data-dir" dataDir ]
@@ -45,6 +51,11 @@ let
     ++ list "build-labels" cfg.buildLabels
     ++ flag "lease-ttl" cfg.leaseTtl
     ++ flag "max-work-state" cfg.maxWorkState
+    # The store in PostgreSQL (docs/cluster.md); a password only in storeFile.
+    ++ optionals (cfg.store != "redb") [ "--store" (checkedStore cfg.store) ]
+    ++ optionals (cfg.storeFile != null) [ "--store-file" "%d/store-url" ]
+    ++ flag "replica-url" cfg.replicaUrl
+    ++ flag "replica-name" cfg.replicaName
     # Secrets come as systemd credentials, readable by this unit only.
     ++ optionals (cfg.serviceTokenFile != null) [ "--service-token-file" "%d/service-token" ]
     ++ optionals (cfg.callbackSecretFile != null) [ "--callback-secret-file" "%d/callback-secret" ]
@@ -141,6 +152,19 @@ in
     shutdownGrace = mkOption { type = types.str; default = "30s"; description = "How long a stop waits for running builds before ending them."; };
     authzUrl = mkOption { type = types.nullOr types.str; default = null; description = "The authorization callback for tokens other than the service token."; };
     metricsPublic = mkOption { type = types.bool; default = false; description = "Serve /metrics without the token."; };
+    store = mkOption {
+      type = types.str;
+      default = "redb";
+      example = "postgres://berth@db.internal/berth";
+      description = "Where the store lives: redb (the state directory) or a postgres:// URL without a password (docs/cluster.md).";
+    };
+    storeFile = mkOption {
+      type = types.nullOr types.path;
+      default = null;
+      description = "A file whose first line is the store URL, with its password, passed as a credential (--store-file).";
+    };
+    replicaUrl = mkOption { type = types.nullOr types.str; default = null; example = "http://10.0.0.1:8080"; description = "With PostgreSQL: where the other replicas forward requests while this one leads."; };
+    replicaName = mkOption { type = types.nullOr types.str; default = null; description = "With PostgreSQL: this replica's name in GET /v1/cluster."; };
     serviceTokenFile = mkOption {
       type = types.nullOr types.path;
       default = null;
@@ -238,7 +262,8 @@ in
       serviceConfig = {
         ExecStart = lib.escapeShellArgs args;
         LoadCredential =
-          optional (cfg.serviceTokenFile != null) "service-token:${cfg.serviceTokenFile}"
+          optional (cfg.storeFile != null) "store-url:${cfg.storeFile}"
+          ++ optional (cfg.serviceTokenFile != null) "service-token:${cfg.serviceTokenFile}"
           ++ optional (cfg.callbackSecretFile != null) "callback-secret:${cfg.callbackSecretFile}";
         # berth makes the deployers' dir 0711 itself; systemd makes both
         # writable under ProtectSystem.

@@ -555,7 +555,7 @@ async fn the_module_is_hardened_and_its_audit_units_verify_a_real_store() {
 fn every_option_reaches_its_unit(lib: &ModuleLib) {
     let digest = format!("sha256:{}", "a".repeat(64));
     let source = format!("url=/etc/berth/source,rev=v1,digest={digest}");
-    let all = json!({
+    let mut all = json!({
         "listen": "0.0.0.0:9090",
         "deployer": "builtin:local",
         "deployerUser": "deploy",
@@ -619,6 +619,16 @@ fn every_option_reaches_its_unit(lib: &ModuleLib) {
             "extraArgs": ["--transport", "poll"],
         },
     });
+    // Cluster mode's options (one literal above would pass the json!
+    // macro's recursion limit).
+    for (option, value) in [
+        ("store", "postgres://berth@db.internal/berth"),
+        ("storeFile", "/run/keys/berth-store"),
+        ("replicaUrl", "http://10.0.0.1:9090"),
+        ("replicaName", "a"),
+    ] {
+        all[option] = json!(value);
+    }
     let config = module_config(lib, &all);
     // The test names every option the module declares.
     fn leaves(v: &serde_json::Value, at: String, out: &mut Vec<String>) {
@@ -669,9 +679,17 @@ fn every_option_reaches_its_unit(lib: &ModuleLib) {
         ("--build-labels", "gpu,x86"),
         ("--lease-ttl", "1m"),
         ("--max-work-state", "268435456"),
+        ("--store", "postgres://berth@db.internal/berth"),
+        ("--store-file", "%d/store-url"),
+        ("--replica-url", "http://10.0.0.1:9090"),
+        ("--replica-name", "a"),
     ] {
         assert!(has_flag(&words, flag, value), "{flag} {value}: {words:?}");
     }
+    // A password in `store` never reaches the unit.
+    let with_password = json!({"store": "postgres://berth:hunter2@db/berth"});
+    let refused = try_module_config(lib, &with_password).expect_err("a password in store");
+    assert!(refused.contains("store_url_has_password"), "{refused}");
     // The worker: its token a credential, never on the command line.
     let worker = &services["berth-worker"];
     let worker_words = exec_words(worker);
@@ -758,6 +776,7 @@ fn every_option_reaches_its_unit(lib: &ModuleLib) {
     assert_eq!(
         berth["serviceConfig"]["LoadCredential"],
         json!([
+            "store-url:/run/keys/berth-store",
             "service-token:/run/keys/berth-token",
             "callback-secret:/run/keys/berth-callback"
         ])
