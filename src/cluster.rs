@@ -544,3 +544,81 @@ pub fn snapshot(
     up.snapshot_into_new_file(&dir.join("berth.redb"))?;
     Ok(at)
 }
+
+/// `berth import --store postgres://X --from EXPORT [--replace]`: the
+/// export loaded into a private temporary store, then written to X in one
+/// transaction, under a lease taken for the import, so no replica may run
+/// meanwhile (`replica_live`). A database holding a store is refused
+/// without `--replace`.
+pub fn run_import(target: &PgTarget, from: &str, replace: bool) -> i32 {
+    match import_into(target, from, replace) {
+        Ok(()) => {
+            eprintln!("import done into {}", target.redacted());
+            0
+        }
+        Err(e) => {
+            eprintln!("berth import: {e}");
+            eprintln!("nothing was changed");
+            1
+        }
+    }
+}
+
+/// How long the import's lease lasts: the whole import, at most.
+const IMPORT_LEASE: Duration = Duration::from_secs(3600);
+
+fn import_into(target: &PgTarget, from: &str, replace: bool) -> Result<(), String> {
+    let endpoint = crate::export::Endpoint::parse(from)?;
+    let limits = Limits {
+        connect_timeout: Duration::from_secs(10),
+        statement_timeout: Duration::from_secs(600),
+        migrate_timeout: Duration::from_secs(60),
+        dev: true,
+    };
+    let mut up = Upstream::connect(target, limits)?;
+    let found = up.prepare(&Shared {
+        secrets: Vec::new(),
+        settings: Vec::new(),
+    })?;
+    if !found.empty && !replace {
+        return Err("the database holds a store: pass --replace to overwrite it".into());
+    }
+    let Some(_) = up
+        .try_lead("berth-import", IMPORT_LEASE)
+        .map_err(|e| e.detail)?
+    else {
+        return Err(
+            "a replica leads this database: stop every replica first (replica_live)".into(),
+        );
+    };
+    let loaded = load_export(&endpoint).and_then(|(store, dir)| {
+        let written = store
+            .upload_all_to(&mut up)
+            .map_err(|e| format!("cannot write the store: {e}"));
+        if let Err(e) = store.close() {
+            eprintln!("berth import: the temporary store did not close cleanly: {e}");
+        }
+        if let Err(e) = std::fs::remove_dir_all(&dir) {
+            eprintln!("berth import: cannot remove {}: {e}", dir.display());
+        }
+        written
+    });
+    if let Err(e) = up.release() {
+        eprintln!("berth import: cannot give the import's lease up ({}); the next replica waits for it to pass", e.detail);
+    }
+    loaded
+}
+
+/// The export, imported into a new store in a private temporary data dir.
+fn load_export(from: &crate::export::Endpoint) -> Result<(Store, PathBuf), String> {
+    let mut name = [0u8; 8];
+    getrandom::fill(&mut name).map_err(|e| format!("no randomness: {e}"))?;
+    let dir = std::env::temp_dir().join(format!("berth-import-{}", crate::hex::encode(&name)));
+    std::fs::create_dir(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o700))
+        .map_err(|e| format!("cannot make {} private: {e}", dir.display()))?;
+    crate::export::import_at_start(&dir, from)?;
+    let store = Store::open(&dir.join("berth.redb"))
+        .map_err(|e| format!("cannot open the imported store: {e}"))?;
+    Ok((store, dir))
+}

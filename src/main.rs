@@ -49,9 +49,17 @@ fn main() {
         },
         Command::Import {
             data_dir,
+            store,
             from,
             replace,
-        } => berth::export::run_import(&data_dir, &from, replace),
+        } => match store.postgres() {
+            Ok(None) => berth::export::run_import(&data_dir, &from, replace),
+            Ok(Some(target)) => berth::cluster::run_import(&target, &from, replace),
+            Err(e) => {
+                eprintln!("berth import: {e}");
+                1
+            }
+        },
         Command::Worker(args) => berth::worker::run(*args),
         Command::Agent(args) => berth::agent::run(*args),
         Command::Deployer {

@@ -52,6 +52,8 @@ pub enum Command {
     Import {
         #[arg(long, env = "BERTH_DATA_DIR", default_value = "./berth-data")]
         data_dir: PathBuf,
+        #[command(flatten)]
+        store: StoreFlags,
         /// sqlite:PATH or postgres://user@host:port/database
         #[arg(long)]
         from: String,
@@ -535,7 +537,8 @@ pub enum DeployerCommand {
 }
 
 /// `--store` / `--store-file` of the commands that read a store in
-/// PostgreSQL from one snapshot (`audit verify`, `export`).
+/// PostgreSQL from one snapshot (`audit verify`, `export`) or fill one
+/// (`import`).
 #[derive(Debug, Clone, Args)]
 pub struct StoreFlags {
     /// Read the store in PostgreSQL at this URL (no password: use

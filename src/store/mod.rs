@@ -418,6 +418,13 @@ impl Store {
         self.shared.lease.clone()
     }
 
+    /// Writes every row to `upstream` (which holds a lease), replacing
+    /// what it held: `berth import --store`.
+    pub fn upload_all_to(&self, upstream: &mut upstream::Upstream) -> StoreResult<()> {
+        let rx = self.read()?;
+        upstream.replace_all(&rx)
+    }
+
     pub fn read(&self) -> StoreResult<Rx> {
         if self.shared.lease.as_ref().is_some_and(|l| !l.holds()) {
             return Err(StoreError::unreachable(

@@ -495,6 +495,18 @@ async fn a_store_moves_into_a_cluster_and_back_out_with_every_read_equal() {
     assert_eq!(code, 0, "{err}");
     let imported = Server::start_in(from_live, Options::default()).await;
     assert_eq!(imported.json("/v1/deployments").await.1, in_cluster);
+    // Into another database with `import --store`: served as it was. Into
+    // one that holds a store, only with --replace.
+    let (code, err) = cli(&["import", "--store", &db.url(), "--from", &to_live]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("--replace"), "{err}");
+    let db2 = PgDb::create(test).await.unwrap();
+    let (code, err) = cli(&["import", "--store", &db2.url(), "--from", &to_live]);
+    assert_eq!(code, 0, "{err}");
+    let opts = replica(&db2, &[]);
+    let second = Server::start_in(with_secrets_of(&leader, "second-db"), opts).await;
+    assert_eq!(second.json("/v1/deployments").await.1, in_cluster);
+    assert_eq!(build_events(&second, &builds[0]).await, events);
 }
 
 #[tokio::test]
