@@ -239,6 +239,7 @@ pub fn metrics(ctx: &Ctx, req: &Request) -> Result<Reply, ApiError> {
     workers_exposition(ctx, &mut out)?;
     rollout_exposition(&ctx.engine.read()?, &mut out)?;
     agent_exposition(ctx, &mut out)?;
+    cluster_exposition(ctx, &mut out);
     Ok(Reply::text(
         200,
         "text/plain; version=0.0.4",
@@ -267,6 +268,25 @@ fn agent_exposition(ctx: &Ctx, out: &mut String) -> Result<(), ApiError> {
         let _ = writeln!(out, "berth_nodes{{status=\"{status}\"}} {n}");
     }
     Ok(())
+}
+
+/// With a store in PostgreSQL: `berth_store_up` (this replica surely
+/// leads: its lease holds) and `berth_cluster_replicas` (those the last
+/// heartbeat saw).
+fn cluster_exposition(ctx: &Ctx, out: &mut String) {
+    let (Some(status), Some(lease)) = (&ctx.cluster, ctx.engine.lease()) else {
+        return;
+    };
+    let up = u8::from(lease.holds());
+    let replicas = status.replica_count();
+    let _ = writeln!(
+        out,
+        "# HELP berth_store_up Whether this replica reaches its store and surely leads (1) or not (0).\n# TYPE berth_store_up gauge\nberth_store_up {up}"
+    );
+    let _ = writeln!(
+        out,
+        "# HELP berth_cluster_replicas Replicas seen within the lease.\n# TYPE berth_cluster_replicas gauge\nberth_cluster_replicas {replicas}"
+    );
 }
 
 /// `berth_rollouts{state}` and `berth_freezes_active{scope}`.

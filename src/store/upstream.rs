@@ -174,6 +174,11 @@ impl Status {
         *self.replicas.held() = rows;
     }
 
+    /// The replicas the last heartbeat saw.
+    pub fn replica_count(&self) -> usize {
+        self.replicas.held().len()
+    }
+
     /// The body of `GET /v1/cluster`.
     pub fn view(&self) -> serde_json::Value {
         let replicas = self.replicas.held().clone();

@@ -77,6 +77,12 @@ async fn a_standby_takes_over_after_kill_9_with_every_acknowledged_submit() {
     .await;
     let (_, cluster) = standby.json("/v1/cluster").await;
     assert_eq!(cluster["store"], "postgres", "{cluster}");
+    let metrics = leader.metrics().await;
+    assert!(metrics.contains("\nberth_store_up 1\n"), "{metrics}");
+    assert!(
+        metrics.contains("\nberth_cluster_replicas 2\n"),
+        "{metrics}"
+    );
     assert_eq!(
         cluster["replica"], cluster["leader"],
         "answered by the leader: {cluster}"
