@@ -643,3 +643,41 @@ async fn a_leader_cut_off_from_its_database_past_its_lease_stops_its_deployers()
     .await;
     assert!(leader.exited().is_none(), "{}", leader.log());
 }
+
+#[tokio::test]
+async fn one_key_sent_to_two_replicas_at_once_runs_once() {
+    let test = "one_key_sent_to_two_replicas_at_once_runs_once";
+    let Some(db) = PgDb::create(test).await else {
+        return;
+    };
+    let leader = Server::start(replica(&db, &[])).await;
+    let mut standby = Server::unstarted(with_secrets_of(&leader, "standby"), replica(&db, &[]));
+    standby.spawn();
+    standby.wait_listening().await;
+    for round in 0..40 {
+        let key = format!("race-submit-{round:08}");
+        let send = |s: &Server| {
+            s.post(
+                &format!("/v1/deployments/race{round}/submit"),
+                &json!({"configuration": {"round": round}}),
+            )
+            .header("Idempotency-Key", key.clone())
+            .send()
+        };
+        let (a, b) = tokio::join!(send(&leader), send(&standby));
+        let (a, b) = (read(a.unwrap()).await, read(b.unwrap()).await);
+        assert_eq!((a.0, b.0), (202, 202), "round {round}: {a:?} {b:?}");
+        assert_eq!(
+            a.1["build_id"], b.1["build_id"],
+            "round {round}: the key ran twice"
+        );
+        let (_, builds) = leader
+            .json(&format!("/v1/deployments/race{round}/builds"))
+            .await;
+        assert_eq!(
+            builds["items"].as_array().map(Vec::len),
+            Some(1),
+            "{builds}"
+        );
+    }
+}
