@@ -293,7 +293,8 @@ impl Engine {
 
     /// Commits `job` as a write that must land (`Urgency::Must`: it may
     /// take the redo log's reserve), again after each failure that may
-    /// pass (a full disk that recovers), pausing from
+    /// pass (a full disk that recovers, a store's database that comes
+    /// back), pausing from
     /// `WRITE_RETRY_FIRST_PAUSE` and doubling up to `max_pause`, until it
     /// lands, fails for good, or berth is stopping. `what` names it, for
     /// `build`, in the log.
@@ -316,8 +317,7 @@ impl Engine {
                 .await;
             match attempt {
                 Err(e)
-                    if e.is_transient()
-                        && !self.stopping.load(std::sync::atomic::Ordering::SeqCst) =>
+                    if e.may_pass() && !self.stopping.load(std::sync::atomic::Ordering::SeqCst) =>
                 {
                     tracing::warn!(error = %e, build = %format_build_id(build), retry_in = ?pause,
                         "{what} failed; retrying");

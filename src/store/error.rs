@@ -70,6 +70,12 @@ impl StoreError {
             detail: detail.into(),
         }
     }
+    /// A failure a retry may get past: a transient one, or a store's
+    /// database that cannot be reached now (cluster mode).
+    pub fn may_pass(&self) -> bool {
+        self.is_transient() || self.kind == StoreErrorKind::Unreachable
+    }
+
     /// A failure that may pass by itself (a full disk, an I/O error, a reopen).
     pub fn is_transient(&self) -> bool {
         matches!(

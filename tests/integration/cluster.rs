@@ -628,7 +628,21 @@ async fn a_leader_cut_off_from_its_database_past_its_lease_stops_its_deployers()
     })
     .await;
     proxy.set(true);
-    // Nobody took the lease: the same leader goes on serving.
+    // Nobody took the lease: the same leader records the stopped build's
+    // end once the database is back, and goes on serving.
+    eventually("the stopped build's end recorded", || {
+        let answer = leader.get(&format!("/v1/builds/{running}")).send();
+        async move {
+            let (status, build) = read(answer.await.unwrap()).await;
+            status == 200 && build["status"] == "failed"
+        }
+    })
+    .await;
+    let ended = leader.build(&running).await;
+    assert_eq!(
+        ended["failure"]["reason"], "interrupted_by_shutdown",
+        "{ended}"
+    );
     let mut n = 0;
     eventually("a submit accepted once the database is back", || {
         n += 1;
