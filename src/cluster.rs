@@ -545,12 +545,59 @@ pub fn snapshot(
     Ok(at)
 }
 
+/// `berth audit verify [--store ...]`: the data dir's store, or one
+/// snapshot of the database.
+pub fn run_verify(store: &crate::settings::StoreFlags, data_dir: &Path, json: bool) -> i32 {
+    match snapshot(store, data_dir) {
+        Ok(at) => crate::audit_cli::run_verify(at.data_dir(), json),
+        Err(e) => {
+            eprintln!("berth audit verify: {e}");
+            crate::audit_cli::EXIT_CANNOT_RUN
+        }
+    }
+}
+
+/// `berth export [--store ...] --to ...`: the data dir's store, or one
+/// snapshot of the database.
+pub fn run_export(
+    store: &crate::settings::StoreFlags,
+    data_dir: &Path,
+    to: &str,
+    replace: bool,
+) -> i32 {
+    match snapshot(store, data_dir) {
+        Ok(at) => crate::export::run_export(at.data_dir(), to, replace),
+        Err(e) => {
+            eprintln!("berth export: {e}");
+            1
+        }
+    }
+}
+
+/// `berth import [--store ...] --from ...`: into the data dir's store, or
+/// into the database (`import_into`).
+pub fn run_import(
+    store: &crate::settings::StoreFlags,
+    data_dir: &Path,
+    from: &str,
+    replace: bool,
+) -> i32 {
+    match store.postgres() {
+        Ok(None) => crate::export::run_import(data_dir, from, replace),
+        Ok(Some(target)) => run_import_into(&target, from, replace),
+        Err(e) => {
+            eprintln!("berth import: {e}");
+            1
+        }
+    }
+}
+
 /// `berth import --store postgres://X --from EXPORT [--replace]`: the
 /// export loaded into a private temporary store, then written to X in one
 /// transaction, under a lease taken for the import, so no replica may run
 /// meanwhile (`replica_live`). A database holding a store is refused
 /// without `--replace`.
-pub fn run_import(target: &PgTarget, from: &str, replace: bool) -> i32 {
+fn run_import_into(target: &PgTarget, from: &str, replace: bool) -> i32 {
     match import_into(target, from, replace) {
         Ok(()) => {
             eprintln!("import done into {}", target.redacted());

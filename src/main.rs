@@ -18,13 +18,7 @@ fn main() {
                 data_dir,
                 store,
                 json,
-            } => match berth::cluster::snapshot(&store, &data_dir) {
-                Ok(at) => berth::audit_cli::run_verify(at.data_dir(), json),
-                Err(e) => {
-                    eprintln!("berth audit verify: {e}");
-                    berth::audit_cli::EXIT_CANNOT_RUN
-                }
-            },
+            } => berth::cluster::run_verify(&store, &data_dir, json),
             AuditCommand::PushHead {
                 data_dir,
                 sink,
@@ -40,26 +34,13 @@ fn main() {
             store,
             to,
             replace,
-        } => match berth::cluster::snapshot(&store, &data_dir) {
-            Ok(at) => berth::export::run_export(at.data_dir(), &to, replace),
-            Err(e) => {
-                eprintln!("berth export: {e}");
-                1
-            }
-        },
+        } => berth::cluster::run_export(&store, &data_dir, &to, replace),
         Command::Import {
             data_dir,
             store,
             from,
             replace,
-        } => match store.postgres() {
-            Ok(None) => berth::export::run_import(&data_dir, &from, replace),
-            Ok(Some(target)) => berth::cluster::run_import(&target, &from, replace),
-            Err(e) => {
-                eprintln!("berth import: {e}");
-                1
-            }
-        },
+        } => berth::cluster::run_import(&store, &data_dir, &from, replace),
         Command::Worker(args) => berth::worker::run(*args),
         Command::Agent(args) => berth::agent::run(*args),
         Command::Deployer {
