@@ -527,22 +527,34 @@ pub fn snapshot(
     let Some(target) = flags.postgres()? else {
         return Ok(SnapshotAt::DataDir(data_dir.to_path_buf()));
     };
-    let limits = Limits {
-        connect_timeout: Duration::from_secs(10),
-        statement_timeout: Duration::from_secs(600),
-        migrate_timeout: Duration::from_secs(1),
-        dev: true,
-    };
-    let mut up = Upstream::connect(&target, limits)?;
+    let mut up = Upstream::connect(&target, COMMAND_LIMITS)?;
+    let at = SnapshotAt::Loaded(private_temp_dir("berth-snapshot")?);
+    up.snapshot_into_new_file(&at.data_dir().join("berth.redb"))?;
+    Ok(at)
+}
+
+/// How a command (`audit verify`, `export`, `import` with `--store`)
+/// talks to the database: a snapshot or an import may take long; the
+/// server's settings are the replicas' to check.
+const COMMAND_LIMITS: Limits = Limits {
+    connect_timeout: Duration::from_secs(10),
+    statement_timeout: Duration::from_secs(600),
+    migrate_timeout: Duration::from_secs(60),
+    dev: true,
+};
+
+/// A new directory under the system's temporary one, private (0700) from
+/// its creation.
+fn private_temp_dir(prefix: &str) -> Result<PathBuf, String> {
+    use std::os::unix::fs::DirBuilderExt;
     let mut name = [0u8; 8];
     getrandom::fill(&mut name).map_err(|e| format!("no randomness: {e}"))?;
-    let dir = std::env::temp_dir().join(format!("berth-snapshot-{}", crate::hex::encode(&name)));
-    std::fs::create_dir(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
-    let at = SnapshotAt::Loaded(dir.clone());
-    std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o700))
-        .map_err(|e| format!("cannot make {} private: {e}", dir.display()))?;
-    up.snapshot_into_new_file(&dir.join("berth.redb"))?;
-    Ok(at)
+    let dir = std::env::temp_dir().join(format!("{prefix}-{}", crate::hex::encode(&name)));
+    std::fs::DirBuilder::new()
+        .mode(0o700)
+        .create(&dir)
+        .map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    Ok(dir)
 }
 
 /// `berth audit verify [--store ...]`: the data dir's store, or one
@@ -616,13 +628,7 @@ const IMPORT_LEASE: Duration = Duration::from_secs(3600);
 
 fn import_into(target: &PgTarget, from: &str, replace: bool) -> Result<(), String> {
     let endpoint = crate::export::Endpoint::parse(from)?;
-    let limits = Limits {
-        connect_timeout: Duration::from_secs(10),
-        statement_timeout: Duration::from_secs(600),
-        migrate_timeout: Duration::from_secs(60),
-        dev: true,
-    };
-    let mut up = Upstream::connect(target, limits)?;
+    let mut up = Upstream::connect(target, COMMAND_LIMITS)?;
     let found = up.prepare(&Shared {
         secrets: Vec::new(),
         settings: Vec::new(),
@@ -638,15 +644,14 @@ fn import_into(target: &PgTarget, from: &str, replace: bool) -> Result<(), Strin
             "a replica leads this database: stop every replica first (replica_live)".into(),
         );
     };
-    let loaded = load_export(&endpoint).and_then(|(store, dir)| {
+    // Removed when dropped, whatever happens.
+    let dir = SnapshotAt::Loaded(private_temp_dir("berth-import")?);
+    let loaded = load_export(&endpoint, dir.data_dir()).and_then(|store| {
         let written = store
             .upload_all_to(&mut up)
             .map_err(|e| format!("cannot write the store: {e}"));
         if let Err(e) = store.close() {
             eprintln!("berth import: the temporary store did not close cleanly: {e}");
-        }
-        if let Err(e) = std::fs::remove_dir_all(&dir) {
-            eprintln!("berth import: cannot remove {}: {e}", dir.display());
         }
         written
     });
@@ -656,16 +661,8 @@ fn import_into(target: &PgTarget, from: &str, replace: bool) -> Result<(), Strin
     loaded
 }
 
-/// The export, imported into a new store in a private temporary data dir.
-fn load_export(from: &crate::export::Endpoint) -> Result<(Store, PathBuf), String> {
-    let mut name = [0u8; 8];
-    getrandom::fill(&mut name).map_err(|e| format!("no randomness: {e}"))?;
-    let dir = std::env::temp_dir().join(format!("berth-import-{}", crate::hex::encode(&name)));
-    std::fs::create_dir(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
-    std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o700))
-        .map_err(|e| format!("cannot make {} private: {e}", dir.display()))?;
-    crate::export::import_at_start(&dir, from)?;
-    let store = Store::open(&dir.join("berth.redb"))
-        .map_err(|e| format!("cannot open the imported store: {e}"))?;
-    Ok((store, dir))
+/// The export, imported into a new store in `dir`.
+fn load_export(from: &crate::export::Endpoint, dir: &Path) -> Result<Store, String> {
+    crate::export::import_at_start(dir, from)?;
+    Store::open(&dir.join("berth.redb")).map_err(|e| format!("cannot open the imported store: {e}"))
 }

@@ -152,22 +152,10 @@ async fn a_standby_takes_over_after_kill_9_with_every_acknowledged_submit() {
     assert_eq!(build_events(&standby, &finished).await, events_before);
     // The chain, verified from one snapshot of the database while the
     // replica runs.
-    let (code, report) = cli_stdout(&["audit", "verify", "--json", "--store", &db.url()]);
+    let (code, report, _) = cli(&["audit", "verify", "--json", "--store", &db.url()]);
     assert_eq!(code, 0, "{report}");
     let report: serde_json::Value = serde_json::from_str(&report).unwrap();
     assert_eq!(report["ok"], true, "{report}");
-}
-
-/// `berth <args>`: exit code and stdout.
-fn cli_stdout(args: &[&str]) -> (i32, String) {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_berth"))
-        .args(args)
-        .output()
-        .unwrap();
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-    )
 }
 
 /// Every event of a finished build's channel, ids included.
@@ -417,15 +405,17 @@ async fn a_database_outage_answers_503_store_unreachable_and_loses_and_repeats_n
     );
 }
 
-/// `berth export` / `import` as the CLI runs them; exit code and stderr.
-fn cli(args: &[&str]) -> (i32, String) {
+/// `berth <args>` as the CLI runs them: exit code, stdout and stderr.
+fn cli(args: &[&str]) -> (i32, String, String) {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_berth"))
         .args(args)
         .output()
         .unwrap();
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
     (
         out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
+        text(&out.stdout),
+        text(&out.stderr),
     )
 }
 
@@ -452,7 +442,7 @@ async fn a_store_moves_into_a_cluster_and_back_out_with_every_read_equal() {
     let moved_in = single.dir.join("in.sqlite");
     let to = format!("sqlite:{}", moved_in.display());
     let data = single.dir.join("data");
-    let (code, err) = cli(&["export", "--data-dir", data.to_str().unwrap(), "--to", &to]);
+    let (code, _, err) = cli(&["export", "--data-dir", data.to_str().unwrap(), "--to", &to]);
     assert_eq!(code, 0, "{err}");
     let opts = replica(&db, &["--import-from", &to]);
     let mut leader = Server::start_in(with_secrets_of(&single, "moved-in"), opts).await;
@@ -466,18 +456,18 @@ async fn a_store_moves_into_a_cluster_and_back_out_with_every_read_equal() {
     // An export read from one snapshot of the database, the leader running.
     let live = leader.dir.join("live.sqlite");
     let to_live = format!("sqlite:{}", live.display());
-    let (code, err) = cli(&["export", "--store", &db.url(), "--to", &to_live]);
+    let (code, _, err) = cli(&["export", "--store", &db.url(), "--to", &to_live]);
     assert_eq!(code, 0, "{err}");
     assert!(leader.terminate().success());
     // Out: the last leader's file holds the whole store.
     let moved_out = leader.dir.join("out.sqlite");
     let to = format!("sqlite:{}", moved_out.display());
     let data = leader.dir.join("data");
-    let (code, err) = cli(&["export", "--data-dir", data.to_str().unwrap(), "--to", &to]);
+    let (code, _, err) = cli(&["export", "--data-dir", data.to_str().unwrap(), "--to", &to]);
     assert_eq!(code, 0, "{err}");
     let back = with_secrets_of(&leader, "moved-out");
     let new_data = back.join("data");
-    let (code, err) = cli(&[
+    let (code, _, err) = cli(&[
         "import",
         "--data-dir",
         new_data.to_str().unwrap(),
@@ -491,7 +481,7 @@ async fn a_store_moves_into_a_cluster_and_back_out_with_every_read_equal() {
     // The live export reads the same.
     let from_live = with_secrets_of(&leader, "from-live");
     let data = from_live.join("data");
-    let (code, err) = cli(&[
+    let (code, _, err) = cli(&[
         "import",
         "--data-dir",
         data.to_str().unwrap(),
@@ -503,11 +493,11 @@ async fn a_store_moves_into_a_cluster_and_back_out_with_every_read_equal() {
     assert_eq!(imported.json("/v1/deployments").await.1, in_cluster);
     // Into another database with `import --store`: served as it was. Into
     // one that holds a store, only with --replace.
-    let (code, err) = cli(&["import", "--store", &db.url(), "--from", &to_live]);
+    let (code, _, err) = cli(&["import", "--store", &db.url(), "--from", &to_live]);
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("--replace"), "{err}");
     let db2 = PgDb::create(test).await.unwrap();
-    let (code, err) = cli(&["import", "--store", &db2.url(), "--from", &to_live]);
+    let (code, _, err) = cli(&["import", "--store", &db2.url(), "--from", &to_live]);
     assert_eq!(code, 0, "{err}");
     let opts = replica(&db2, &[]);
     let second = Server::start_in(with_secrets_of(&leader, "second-db"), opts).await;
