@@ -25,6 +25,8 @@ const STANDBY_POLL: Duration = Duration::from_secs(1);
 const SELF_FENCE_CHECK: Duration = Duration::from_millis(250);
 /// How long a standby waits to reach the leading replica for a request.
 const FORWARD_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a standby waits before trying an unreachable leader again.
+const FORWARD_RETRY: Duration = Duration::from_millis(200);
 /// Bytes of a replica id (random, hex in `<data-dir>/replica-id`).
 const REPLICA_ID_BYTES: usize = 8;
 
@@ -352,9 +354,9 @@ fn wait_for_lease(
 
 /// While this replica waits, each connection it accepts is joined to the
 /// leading replica's (bytes both ways, so streams, uploads and every
-/// route work as there); with no leader known within
-/// `FORWARD_CONNECT_TIMEOUT` it is closed, which a proxy takes as "not
-/// here". Returns the listener once `done` fires,
+/// route work as there); with no leader reached within
+/// `FORWARD_CONNECT_TIMEOUT` it gets a 503 (`forward`). Returns the
+/// listener once `done` fires,
 /// and closes the connections it joined: the replica they reach may be
 /// the one that lost the lease (paused, it would hold them for ever), and
 /// a client that sees its connection close sends again, to this one now.
@@ -385,20 +387,74 @@ pub async fn forward_while_standby(
         let Ok(slot) = slots.clone().try_acquire_owned() else {
             continue;
         };
-        let mut leader = leader.clone();
+        let leader = leader.clone();
         joined.spawn(async move {
             let _slot = slot;
-            // A replica that just started learns the leader at its first
-            // heartbeat: a connection waits that long, not more.
-            let known = leader.wait_for(|url| url.as_deref().and_then(host_port_of).is_some());
-            let address = match tokio::time::timeout(FORWARD_CONNECT_TIMEOUT, known).await {
-                Ok(Ok(url)) => url.as_deref().and_then(host_port_of),
-                Ok(Err(_)) | Err(_) => None,
-            };
-            if let Some(address) = address {
-                join_to(client, &address).await;
-            }
+            forward(client, leader).await;
         });
+    }
+}
+
+/// Joins `client` to the leading replica. The leader may be changing
+/// hands (its address changes at the next standby poll): each address
+/// the replica learns is tried until `FORWARD_CONNECT_TIMEOUT`; then the
+/// client gets `503 unavailable`, reason `leader_unreachable`, and
+/// `Retry-After`, as a request to a replica cut off from its database
+/// does, rather than a closed connection it cannot tell from a crash.
+async fn forward(
+    mut client: tokio::net::TcpStream,
+    mut leader: tokio::sync::watch::Receiver<Option<String>>,
+) {
+    let deadline = tokio::time::Instant::now() + FORWARD_CONNECT_TIMEOUT;
+    loop {
+        let address = leader.borrow_and_update().as_deref().and_then(host_port_of);
+        if let Some(address) = address {
+            let connect = tokio::net::TcpStream::connect(&address);
+            match tokio::time::timeout_at(deadline, connect).await {
+                Ok(Ok(mut upstream)) => {
+                    if let Err(e) = tokio::io::copy_bidirectional(&mut client, &mut upstream).await
+                    {
+                        tracing::debug!(error = %e, "a forwarded connection ended with an error");
+                    }
+                    return;
+                }
+                Ok(Err(e)) => {
+                    tracing::debug!(error = %e, %address, "cannot reach the leading replica")
+                }
+                Err(_) => break,
+            }
+        }
+        // A new address, or a moment before the same one again.
+        let changed = tokio::time::timeout(FORWARD_RETRY, leader.changed());
+        if tokio::time::Instant::now() >= deadline || matches!(changed.await, Ok(Err(_))) {
+            break;
+        }
+    }
+    answer_leader_unreachable(client).await;
+}
+
+/// The 503 a standby answers when no leader can be reached.
+async fn answer_leader_unreachable(mut client: tokio::net::TcpStream) {
+    use tokio::io::AsyncWriteExt;
+    let error = crate::api::errors::ApiError::new(
+        crate::api::errors::Code::Unavailable,
+        "no replica leads that this one can reach (a takeover may be under way); try again",
+    )
+    .reason("leader_unreachable")
+    .retry_after(1);
+    let body = error.body("");
+    let head = format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/problem+json\r\n\
+         retry-after: 1\r\nconnection: close\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    let written = async {
+        client.write_all(head.as_bytes()).await?;
+        client.write_all(&body).await?;
+        client.shutdown().await
+    };
+    if let Err(e) = written.await {
+        tracing::debug!(error = %e, "cannot answer a client that no leader is reachable");
     }
 }
 
@@ -409,20 +465,6 @@ fn host_port_of(url: &str) -> Option<String> {
     match authority.contains(':') {
         true => Some(authority.to_string()),
         false => Some(format!("{authority}:80")),
-    }
-}
-
-async fn join_to(mut client: tokio::net::TcpStream, address: &str) {
-    let connect = tokio::net::TcpStream::connect(address);
-    let mut upstream = match tokio::time::timeout(FORWARD_CONNECT_TIMEOUT, connect).await {
-        Ok(Ok(s)) => s,
-        Ok(Err(e)) => {
-            return tracing::debug!(error = %e, %address, "cannot reach the leading replica")
-        }
-        Err(_) => return tracing::debug!(%address, "the leading replica did not answer in time"),
-    };
-    if let Err(e) = tokio::io::copy_bidirectional(&mut client, &mut upstream).await {
-        tracing::debug!(error = %e, "a forwarded connection ended with an error");
     }
 }
 

@@ -3,7 +3,9 @@
 //! another waits, and takes over when the leader is killed or paused past
 //! its lease, with every acknowledged write; a paused leader that wakes
 //! stops its deployer and writes nothing; bad store URLs and flags are
-//! refused with their codes.
+//! refused with their codes; a crash of PostgreSQL itself (a private
+//! server) under load loses and repeats nothing. The black-box suites also
+//! run against three replicas (`BERTH_TEST_CLUSTER=3`, harness.rs).
 
 use std::path::Path;
 use std::time::Duration;
@@ -32,12 +34,7 @@ fn with_secrets_of(leader: &Server, tag: &str) -> std::path::PathBuf {
     let dir = temp_dir(tag);
     let data = dir.join("data");
     std::fs::create_dir_all(&data).unwrap();
-    for name in [
-        "service-token",
-        "cursor-key",
-        "callback-secret",
-        "audit-signing.key",
-    ] {
+    for name in SHARED_SECRETS {
         let from = leader.dir.join("data").join(name);
         std::fs::copy(&from, data.join(name)).unwrap();
     }
@@ -684,4 +681,209 @@ async fn one_key_sent_to_two_replicas_at_once_runs_once() {
             "{builds}"
         );
     }
+}
+
+/// A PostgreSQL server of the test's own (the machine's binaries, a data
+/// dir under the test's temp dir, a Unix socket only): the test may crash
+/// and restart it without touching the server other tests share.
+struct PrivatePg {
+    dir: std::path::PathBuf,
+    bin: std::path::PathBuf,
+}
+
+/// The socket's port number (a file name in the private socket dir, so
+/// it cannot collide with another server).
+const PRIVATE_PG_PORT: u16 = 5499;
+
+impl PrivatePg {
+    /// None (and a visible skip) without PostgreSQL's server binaries.
+    fn start(test: &str) -> Option<PrivatePg> {
+        let bin = std::fs::read_dir("/usr/lib/postgresql")
+            .ok()
+            .and_then(|versions| versions.flatten().map(|v| v.path().join("bin")).max())
+            .filter(|bin| bin.join("pg_ctl").exists());
+        let Some(bin) = bin else {
+            skip(
+                test,
+                "no PostgreSQL server binaries under /usr/lib/postgresql",
+            );
+            return None;
+        };
+        let dir = temp_dir("pg");
+        let pg = PrivatePg { dir, bin };
+        // initdb refuses root: as root the server runs as postgres.
+        let (code, _) = pg.run(&["chown", "-R", "postgres", &pg.dir.display().to_string()]);
+        assert!(code == 0 || !as_root());
+        let data = pg.dir.join("data").display().to_string();
+        let initdb = pg.bin.join("initdb").display().to_string();
+        let (code, out) = pg.as_server(&[
+            &initdb,
+            "-D",
+            &data,
+            "-A",
+            "trust",
+            "-U",
+            "postgres",
+            "--no-sync",
+        ]);
+        assert_eq!(code, 0, "initdb: {out}");
+        pg.ctl(&["start"]);
+        Some(pg)
+    }
+
+    fn url(&self) -> String {
+        format!(
+            "postgres://postgres@/postgres?host={}&port={PRIVATE_PG_PORT}",
+            self.dir.display()
+        )
+    }
+
+    /// `pg_ctl <action>` with the server's options, waiting for it.
+    fn ctl(&self, action: &[&str]) {
+        let pg_ctl = self.bin.join("pg_ctl").display().to_string();
+        let data = self.dir.join("data").display().to_string();
+        let log = self.dir.join("postgres.log").display().to_string();
+        let options = format!(
+            "-p {PRIVATE_PG_PORT} -k {} -c listen_addresses=''",
+            self.dir.display()
+        );
+        let mut args = vec![
+            pg_ctl.as_str(),
+            "-D",
+            &data,
+            "-l",
+            &log,
+            "-o",
+            &options,
+            "-w",
+        ];
+        args.extend_from_slice(action);
+        let (code, out) = self.as_server(&args);
+        assert_eq!(code, 0, "pg_ctl {action:?}: {out}");
+    }
+
+    fn as_server(&self, args: &[&str]) -> (i32, String) {
+        if as_root() {
+            let mut all = vec!["runuser", "-u", "postgres", "--"];
+            all.extend_from_slice(args);
+            return self.run(&all);
+        }
+        self.run(args)
+    }
+
+    fn run(&self, args: &[&str]) -> (i32, String) {
+        let out = std::process::Command::new(args[0])
+            .args(&args[1..])
+            .output()
+            .unwrap_or_else(|e| panic!("{}: {e}", args[0]));
+        let text = String::from_utf8_lossy(&out.stdout) + String::from_utf8_lossy(&out.stderr);
+        (out.status.code().unwrap_or(-1), text.into_owned())
+    }
+}
+
+impl Drop for PrivatePg {
+    fn drop(&mut self) {
+        self.ctl(&["-m", "immediate", "stop"]);
+    }
+}
+
+fn as_root() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .map(|s| {
+            s.lines()
+                .any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(1) == Some("0"))
+        })
+        .unwrap_or(false)
+}
+
+#[tokio::test]
+async fn a_postgresql_crash_and_restart_under_load_loses_and_repeats_nothing() {
+    let test = "a_postgresql_crash_and_restart_under_load_loses_and_repeats_nothing";
+    let Some(pg) = PrivatePg::start(test) else {
+        return;
+    };
+    let opts = Options::default()
+        .arg("--store")
+        .arg(&pg.url())
+        .arg("--lease-ttl")
+        .arg(LEASE)
+        .arg("--store-connect-timeout")
+        .arg("1s");
+    let leader = std::sync::Arc::new(Server::start(opts).await);
+    // Eight submitters, each on deployments of its own with keys of its
+    // own, until told to stop; each remembers what it was answered.
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
+    let stop = std::sync::Arc::new(AtomicBool::new(false));
+    let acks = std::sync::Arc::new(AtomicUsize::new(0));
+    let mut submitters = Vec::new();
+    for task in 0..8 {
+        let (leader, stop, acks) = (leader.clone(), stop.clone(), acks.clone());
+        submitters.push(tokio::spawn(async move {
+            let mut answers = Vec::new();
+            let mut i = 0;
+            while !stop.load(SeqCst) {
+                let answer = submit_once(&leader, task, i).await;
+                acks.fetch_add(usize::from(answer.is_some()), SeqCst);
+                answers.push((i, answer));
+                i += 1;
+            }
+            answers
+        }));
+    }
+    eventually("submits acknowledged before the crash", || {
+        let n = acks.load(SeqCst);
+        async move { n >= 100 }
+    })
+    .await;
+    let before_crash = acks.load(SeqCst);
+    // The crash: no shutdown checkpoint, every session cut; then the start
+    // replays PostgreSQL's WAL.
+    pg.ctl(&["-m", "immediate", "restart"]);
+    eventually("a submit acknowledged after the restart", || {
+        let answer = submit_once(&leader, 99, 0);
+        async move { answer.await.is_some() }
+    })
+    .await;
+    stop.store(true, SeqCst);
+    let mut acknowledged = 0;
+    for (task, submitter) in submitters.into_iter().enumerate() {
+        for (i, answer) in submitter.await.unwrap() {
+            // Every key replays its build (an unacknowledged one ran at most
+            // once, in doubt or not); every deployment holds one build.
+            let replayed = submit_once(&leader, task, i).await;
+            assert!(replayed.is_some(), "{}", leader.log());
+            if let Some(build) = answer {
+                acknowledged += 1;
+                assert_eq!(Some(&build), replayed.as_ref(), "c{task}-{i}");
+                // A build whose deployer could not be recorded still ends.
+                leader.wait_build(build.as_str().unwrap(), "final").await;
+            }
+            let (_, builds) = leader
+                .json(&format!("/v1/deployments/c{task}-{i}/builds"))
+                .await;
+            assert_eq!(
+                builds["items"].as_array().map(Vec::len),
+                Some(1),
+                "{builds}"
+            );
+        }
+    }
+    assert!(acknowledged >= before_crash);
+    assert!(alive(leader.pid()), "{}", leader.log());
+}
+
+/// One submit of deployment `c<task>-<i>` under its own key: the build id
+/// when acknowledged.
+async fn submit_once(leader: &Server, task: usize, i: usize) -> Option<serde_json::Value> {
+    let answer = leader
+        .post(
+            &format!("/v1/deployments/c{task}-{i}/submit"),
+            &json!({"configuration": {"n": i}}),
+        )
+        .header("Idempotency-Key", format!("restart-{task:02}-{i:06}"))
+        .send()
+        .await
+        .ok()?;
+    let (status, body) = read(answer).await;
+    (status == 202).then(|| body["build_id"].clone())
 }

@@ -37,6 +37,9 @@ pub struct Server {
     pub group: Option<PathBuf>,
     child: Option<Child>,
     pub http: reqwest::Client,
+    /// With `BERTH_TEST_CLUSTER=3`: the other replicas, the proxy and the
+    /// database behind `base` (this server is the first replica, the leader).
+    cluster: Option<ClusterFront>,
 }
 
 pub struct Options {
@@ -170,9 +173,17 @@ impl Drop for Group {
 }
 
 impl Server {
+    /// One berth on a free port; with `BERTH_TEST_CLUSTER=3` in the
+    /// environment, three replicas on a fresh PostgreSQL database behind a
+    /// round-robin proxy, so a black-box suite runs unchanged against a
+    /// cluster (`.ci/run` runs the suites that never restart berth so).
     pub async fn start(opts: Options) -> Server {
-        let dir = temp_dir("server");
-        Self::start_in(dir, opts).await
+        if let Some(replicas) = cluster_replicas() {
+            return Self::start_replicas(opts, replicas)
+                .await
+                .expect("BERTH_TEST_CLUSTER needs PostgreSQL on 127.0.0.1:5432");
+        }
+        Self::start_in(temp_dir("server"), opts).await
     }
 
     pub async fn start_in(dir: PathBuf, opts: Options) -> Server {
@@ -193,6 +204,7 @@ impl Server {
             group: opts.group,
             child: None,
             http: client(),
+            cluster: None,
         }
     }
 
@@ -296,7 +308,11 @@ impl Server {
     }
 
     pub fn log(&self) -> String {
-        std::fs::read_to_string(self.dir.join("server.log")).unwrap_or_default()
+        let mut log = std::fs::read_to_string(self.dir.join("server.log")).unwrap_or_default();
+        for (i, replica) in self.cluster.iter().flat_map(|c| &c.replicas).enumerate() {
+            log.push_str(&format!("\n--- replica {} ---\n{}", i + 1, replica.log()));
+        }
+        log
     }
 
     /// The running server's process id.
@@ -878,4 +894,185 @@ pub async fn pg(conn: &str) -> Result<tokio_postgres::Client, tokio_postgres::Er
         let _ = connection.await;
     });
     Ok(client)
+}
+
+/// How many replicas `Server::start` runs (`BERTH_TEST_CLUSTER`), if any.
+fn cluster_replicas() -> Option<usize> {
+    let n: usize = std::env::var("BERTH_TEST_CLUSTER").ok()?.parse().ok()?;
+    assert!(
+        (2..=5).contains(&n),
+        "BERTH_TEST_CLUSTER is 2 to 5 replicas"
+    );
+    Some(n)
+}
+
+/// What a cluster-mode `Server` stands for: replicas, the proxy in front
+/// of them (the `Server`'s `base`) and their database.
+struct ClusterFront {
+    replicas: Vec<Server>,
+    backends: Backends,
+    proxy: tokio::task::JoinHandle<()>,
+    db: PgDb,
+}
+
+impl Drop for ClusterFront {
+    fn drop(&mut self) {
+        self.proxy.abort();
+    }
+}
+
+/// The replicas' addresses a round-robin proxy hands connections to.
+pub type Backends = std::sync::Arc<std::sync::Mutex<Vec<String>>>;
+
+impl Server {
+    /// `replicas` replicas of the binary on a fresh PostgreSQL database
+    /// (`--lease-ttl 5s` unless `opts` says otherwise) behind a
+    /// round-robin proxy: the `Server` returned talks to the proxy, a new
+    /// connection per request, so consecutive requests reach different
+    /// replicas. Its `dir` is the first replica's (the token, the secrets).
+    /// None (and a visible skip) when no PostgreSQL answers here.
+    pub async fn start_replicas(opts: Options, replicas: usize) -> Option<Server> {
+        let test = std::thread::current()
+            .name()
+            .unwrap_or("cluster")
+            .to_string();
+        let db = PgDb::create(&test).await?;
+        let mut args = [opts.args.clone(), vec!["--store".into(), db.url()]].concat();
+        if !args.iter().any(|a| a == "--lease-ttl") {
+            args.extend(["--lease-ttl".into(), "5s".into()]);
+        }
+        let with_store = || Options {
+            args: args.clone(),
+            envs: opts.envs.clone(),
+            group: opts.group.clone(),
+        };
+        let first = Server::start_in(temp_dir("replica"), with_store()).await;
+        let mut started = vec![first];
+        for _ in 1..replicas {
+            let dir = temp_dir("replica");
+            let data = dir.join("data");
+            std::fs::create_dir_all(&data).unwrap();
+            for name in SHARED_SECRETS {
+                std::fs::copy(started[0].dir.join("data").join(name), data.join(name)).unwrap();
+            }
+            started.push(Server::start_in(dir, with_store()).await);
+        }
+        let backends: Backends = std::sync::Arc::new(std::sync::Mutex::new(
+            started.iter().map(|r| r.base.clone()).collect(),
+        ));
+        let (base, proxy) = round_robin_proxy(backends.clone()).await;
+        let mut front = Server::unstarted(started[0].dir.clone(), Options::default());
+        front.base = base;
+        front.token = started[0].token.clone();
+        front.http = reqwest::Client::builder()
+            .pool_max_idle_per_host(0)
+            .build()
+            .unwrap();
+        front.cluster = Some(ClusterFront {
+            replicas: started,
+            backends,
+            proxy,
+            db,
+        });
+        front.wait_for_replicas(replicas).await;
+        Some(front)
+    }
+
+    /// Waits until `GET /v1/cluster` lists `n` replicas on PostgreSQL.
+    async fn wait_for_replicas(&self, n: usize) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            // A replica with a low --max-connections may close one.
+            let cluster = match self.get("/v1/cluster").send().await {
+                Ok(answer) => read(answer).await.1,
+                Err(_) => Value::Null,
+            };
+            let listed = cluster["replicas"].as_array().map_or(0, |r| r.len());
+            if cluster["store"] == "postgres" && listed == n {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the cluster never listed {n} replicas: {cluster}\n{}",
+                self.log()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// The cluster's database URL (cluster mode only).
+    pub fn store_url(&self) -> String {
+        self.cluster.as_ref().expect("a cluster").db.url()
+    }
+
+    /// kill -9 of the replica that leads; once another has taken over,
+    /// the killed one starts again (a standby now).
+    pub async fn kill_leader(&mut self) {
+        let (_, view) = self.json("/v1/cluster").await;
+        let leader = view["replica"].as_str().expect("a leader's id").to_string();
+        let front = self.cluster.as_mut().expect("a cluster");
+        let index = front
+            .replicas
+            .iter()
+            .position(|r| {
+                std::fs::read_to_string(r.dir.join("data/replica-id"))
+                    .is_ok_and(|id| id.trim() == leader)
+            })
+            .unwrap_or_else(|| panic!("no replica has the leader's id {leader}"));
+        front.replicas[index].kill();
+        let survivor = &front.replicas[(index + 1) % front.replicas.len()];
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            // Its pooled connections were joined to the killed leader: an
+            // error on one is not an answer.
+            let view = match survivor.get("/v1/cluster").send().await {
+                Ok(answer) => read(answer).await.1,
+                Err(_) => Value::Null,
+            };
+            if view["replica"].as_str().is_some_and(|r| r != leader) {
+                break;
+            }
+            assert!(Instant::now() < deadline, "no replica took over: {view}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let replica = &mut front.replicas[index];
+        replica.launch().await;
+        front.backends.lock().unwrap()[index] = replica.base.clone();
+    }
+}
+
+/// The files every replica of one cluster holds alike (cluster.md).
+pub const SHARED_SECRETS: [&str; 4] = [
+    "service-token",
+    "cursor-key",
+    "callback-secret",
+    "audit-signing.key",
+];
+
+/// A TCP proxy on a free loopback port handing each new connection to the
+/// next of `backends` (`http://host:port`) in turn. Returns its base URL.
+pub async fn round_robin_proxy(backends: Backends) -> (String, tokio::task::JoinHandle<()>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let task = tokio::spawn(async move {
+        let mut next = 0;
+        loop {
+            let Ok((mut client, _)) = listener.accept().await else {
+                continue;
+            };
+            let addr = {
+                let backends = backends.lock().unwrap();
+                backends[next % backends.len()]
+                    .trim_start_matches("http://")
+                    .to_string()
+            };
+            next += 1;
+            tokio::spawn(async move {
+                if let Ok(mut server) = tokio::net::TcpStream::connect(&addr).await {
+                    let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                }
+            });
+        }
+    });
+    (base, task)
 }

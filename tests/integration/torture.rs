@@ -168,7 +168,29 @@ async fn kill_9_with_the_redo_log_loses_nothing_acknowledged() {
     kill_trials(&[], 5).await;
 }
 
+/// Two replicas on PostgreSQL behind a round-robin proxy (cluster.md):
+/// the leader is killed at a random instant and started again as a
+/// standby while the other takes over; the same checks through the proxy,
+/// and the audit chain verified in the database.
+#[tokio::test]
+async fn kill_9_of_the_leader_of_two_replicas_loses_nothing_acknowledged() {
+    kill_trials_of(Kill::Leader, &[], 3).await;
+}
+
+/// What a trial kills.
+#[derive(Clone, Copy)]
+enum Kill {
+    /// The one server, started again on its data dir.
+    Server,
+    /// The leading replica of two; the other takes over.
+    Leader,
+}
+
 async fn kill_trials(args: &[&str], default_trials: u64) {
+    kill_trials_of(Kill::Server, args, default_trials).await;
+}
+
+async fn kill_trials_of(kill: Kill, args: &[&str], default_trials: u64) {
     let trials: u64 = std::env::var("BERTH_TORTURE_TRIALS")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -201,7 +223,13 @@ async fn kill_trials(args: &[&str], default_trials: u64) {
     for a in args {
         options = options.arg(a);
     }
-    let mut s = Server::start(options).await;
+    let mut s = match kill {
+        Kill::Server => Server::start(options).await,
+        Kill::Leader => match Server::start_replicas(options, 2).await {
+            Some(s) => s,
+            None => return,
+        },
+    };
     let (status, made) = read(
         s.post(
             "/v1/webhooks",
@@ -231,14 +259,29 @@ async fn kill_trials(args: &[&str], default_trials: u64) {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         tokio::time::sleep(Duration::from_millis(rng.below(400))).await;
-        s.kill();
-        for c in clients {
-            let _ = c.await;
+        match kill {
+            Kill::Server => {
+                s.kill();
+                for c in clients {
+                    let _ = c.await;
+                }
+                s.launch().await;
+            }
+            Kill::Leader => {
+                // Clients see the other replica take over (503s, then
+                // answers), not a server gone: they are stopped here, and
+                // what was in flight counts as an answer lost.
+                s.kill_leader().await;
+                for c in clients {
+                    c.abort();
+                    let _ = c.await;
+                }
+            }
         }
-        s.launch().await;
         // The audit chain survived the crash intact (read beside the
-        // server: from the live file, or a snapshot of a store held alone).
-        verify_beside(&s, trial);
+        // server: from the live file, a snapshot of a store held alone, or
+        // the cluster's database).
+        verify_beside(&s, kill, trial);
         let sent = log.lock().unwrap().clone();
         seen_builds = builds.lock().unwrap().clone();
         let acked = check_after_restart(&s, trial, &sent, &seen_builds).await;
@@ -282,14 +325,22 @@ async fn kill_trials(args: &[&str], default_trials: u64) {
     );
 }
 
-fn verify_beside(s: &Server, trial: u64) {
-    let (code, report) = berth(&[
-        "audit",
-        "verify",
-        "--json",
-        "--data-dir",
-        s.dir.join("data").to_str().expect("a UTF-8 temp path"),
-    ]);
+fn verify_beside(s: &Server, kill: Kill, trial: u64) {
+    let data = s.dir.join("data");
+    let store = match kill {
+        Kill::Server => None,
+        Kill::Leader => Some(s.store_url()),
+    };
+    let (code, report) = match &store {
+        None => berth(&[
+            "audit",
+            "verify",
+            "--json",
+            "--data-dir",
+            data.to_str().expect("a UTF-8 temp path"),
+        ]),
+        Some(url) => berth(&["audit", "verify", "--json", "--store", url]),
+    };
     assert_eq!(
         code, 0,
         "trial {trial}: audit verify after a kill -9: {report}"
