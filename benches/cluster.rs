@@ -8,7 +8,10 @@
 //! - submits/s through a round-robin proxy to three replicas against the
 //!   same proxy to the one that leads;
 //! - failover: from kill -9 of the leader to the proxy's next accepted
-//!   submit, against the lease.
+//!   submit, against the lease;
+//! - a log line's latency (deployer's write to a subscriber's read) on a
+//!   stream opened at a standby, against one opened at the leader, both
+//!   on the same build at once.
 //!
 //! Run: `cargo bench --bench cluster` (needs wrk and PostgreSQL on
 //! 127.0.0.1:5432 with trust auth).
@@ -298,6 +301,105 @@ async fn run() {
         let _ = child.kill();
         let _ = child.wait();
     }
+    log_latency(&root).await;
+}
+
+/// Lines the latency deployer writes, and the pause between two.
+const LATENCY_LINES: usize = 400;
+const LATENCY_GAP: &str = "0.01";
+
+/// One build whose deployer writes a line holding the time now
+/// (nanoseconds) every 10 ms; one stream of it at the leader, one at a
+/// standby (forwarded), read at once: p50 and p99 of each line's latency.
+async fn log_latency(root: &Path) {
+    let url = database("berth_bench_cluster_log").await;
+    let dir = root.join("log");
+    std::fs::create_dir_all(&dir).unwrap();
+    let deployer = common::deployer_script(
+        &dir,
+        &format!(
+            "sleep 1; i=0; while [ $i -lt {LATENCY_LINES} ]; do echo \"t $(date +%s%N)\"; sleep {LATENCY_GAP}; i=$((i+1)); done; printf '{{}}' > \"$BERTH_RESULT\""
+        ),
+    );
+    let args = ["--store", url.as_str(), "--lease-ttl", LEASE];
+    let leader = common::start_berth(&dir.join("a"), &deployer, &args, &[]).await;
+    let standby_dir = dir.join("b");
+    secrets_from(&dir.join("a"), &standby_dir);
+    let standby = common::start_berth(&standby_dir, &deployer, &args, &[]).await;
+    let http = reqwest::Client::new();
+    let answer: serde_json::Value = http
+        .post(format!("{}/v1/deployments/latency/submit", leader.base))
+        .bearer_auth(leader.token.trim())
+        .json(&serde_json::json!({"configuration": {}}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let build = answer["build_id"].as_str().expect("a build").to_string();
+    let events = |base: &str| {
+        http.get(format!("{base}/v1/builds/{build}/events"))
+            .bearer_auth(leader.token.trim())
+            .send()
+    };
+    let (at_leader, at_standby) = tokio::join!(
+        line_latencies(events(&leader.base)),
+        line_latencies(events(&standby.base))
+    );
+    let (p50_leader, p99_leader) = percentiles(at_leader);
+    let (p50_standby, p99_standby) = percentiles(at_standby);
+    common::record_with_goal(
+        "cluster: a log line's latency to a subscriber at a standby (vs at the leader, same build)",
+        &format!("p50 {p50_standby:.2} ms, p99 {p99_standby:.2} ms"),
+        &format!("p50 {p50_leader:.2} ms, p99 {p99_leader:.2} ms"),
+        p50_standby / p50_leader,
+        "",
+        None,
+    );
+    for mut replica in [standby, leader] {
+        let _ = replica.child.kill();
+        let _ = replica.child.wait();
+    }
+}
+
+/// Each `t <nanoseconds>` log line's latency (ms) as this stream reads it,
+/// until the build's end.
+async fn line_latencies(
+    answer: impl std::future::Future<Output = reqwest::Result<reqwest::Response>>,
+) -> Vec<f64> {
+    let mut response = answer.await.expect("a stream");
+    let (mut text, mut latencies) = (String::new(), Vec::new());
+    while let Ok(Some(chunk)) = response.chunk().await {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos() as f64;
+        text.push_str(&String::from_utf8_lossy(&chunk));
+        while let Some(end) = text.find("\n\n") {
+            let event: String = text.drain(..end + 2).collect();
+            if event.contains("event: end") {
+                return latencies;
+            }
+            for line in event.lines() {
+                if let Some(sent) = line
+                    .strip_prefix("data: t ")
+                    .and_then(|t| t.parse::<f64>().ok())
+                {
+                    latencies.push((now - sent) / 1e6);
+                }
+            }
+        }
+    }
+    latencies
+}
+
+/// p50 and p99 of `v`.
+fn percentiles(mut v: Vec<f64>) -> (f64, f64) {
+    assert!(!v.is_empty(), "no log line reached the stream");
+    v.sort_by(f64::total_cmp);
+    let at = |q: f64| v[((v.len() as f64 - 1.0) * q).round() as usize];
+    (at(0.5), at(0.99))
 }
 
 fn tempfile_dir() -> std::path::PathBuf {
