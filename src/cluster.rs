@@ -27,6 +27,9 @@ const SELF_FENCE_CHECK: Duration = Duration::from_millis(250);
 const FORWARD_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long a standby waits before trying an unreachable leader again.
 const FORWARD_RETRY: Duration = Duration::from_millis(200);
+/// Replicas of one cluster live at once at most (cluster.md `MAX_REPLICAS`):
+/// each holds database sessions and heartbeats every third of the lease.
+pub const MAX_REPLICAS: usize = 16;
 /// Bytes of a replica id (random, hex in `<data-dir>/replica-id`).
 const REPLICA_ID_BYTES: usize = 8;
 
@@ -174,6 +177,7 @@ pub fn start(
     let data_dir_lock = lock_data_dir(&settings.data_dir)?;
     let mut up = Upstream::connect(target, limits(settings))?;
     let found = up.prepare(&shared_of(settings)?)?;
+    refuse_past_max_replicas(&mut up, me, settings.lease_ttl)?;
     let keeper = Upstream::connect(target, limits(settings))?;
     let (fence, taken_at, start) =
         wait_for_lease(&mut up, me, settings.lease_ttl, leader, &status)?;
@@ -312,6 +316,21 @@ impl Heartbeat {
 }
 
 /// Waits (as a standby) until the lease is free, then takes it.
+/// Refuses a start that would make more than `MAX_REPLICAS` live
+/// replicas (seen within the lease; this one's own row does not count).
+fn refuse_past_max_replicas(up: &mut Upstream, me: &Replica, ttl: Duration) -> Result<(), String> {
+    let live = up
+        .replicas(ttl)
+        .map_err(|e| format!("cannot read the cluster's replicas: {e}"))?;
+    let others = live.iter().filter(|r| r.id != me.id).count();
+    match others < MAX_REPLICAS {
+        true => Ok(()),
+        false => Err(format!(
+            "{others} replicas of this cluster are live, the most it takes is {MAX_REPLICAS}: stop one, or wait for a stopped one's lease to pass (too_many_replicas)"
+        )),
+    }
+}
+
 fn wait_for_lease(
     up: &mut Upstream,
     me: &Replica,

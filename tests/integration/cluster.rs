@@ -281,6 +281,32 @@ async fn store_urls_and_flags_that_cannot_work_are_refused_with_their_codes() {
         .await
         .unwrap();
     refused(&["--store", &db.url()], "not_a_berth_database");
+    // A cluster takes 16 live replicas at most: a leader and 15 others
+    // seen within the lease (rows as their heartbeats write them).
+    let Some(full) = PgDb::create(test).await else {
+        return;
+    };
+    let leader = Server::start(replica(&full, &[])).await;
+    full.client()
+        .await
+        .batch_execute(
+            "INSERT INTO berth_replicas
+             SELECT 'live-' || n, 'r' || n, 'http://127.0.0.1:1', now(), now()
+             FROM generate_series(1, 15) AS n",
+        )
+        .await
+        .unwrap();
+    let one_more = with_secrets_of(&leader, "one-more");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_berth"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--lease-ttl", LEASE])
+        .arg("--data-dir")
+        .arg(one_more.join("data"))
+        .args(["--store", &full.url()])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("too_many_replicas"), "{stderr}");
 }
 
 /// A TCP proxy to the machine's PostgreSQL that the test can cut: every
