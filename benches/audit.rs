@@ -16,7 +16,7 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use berth::audit::{Actor, Draft, Outcome};
+use berth::audit::{Actor, AuditResult, Draft};
 use berth::engine::audit::{system_draft, Record};
 use berth::engine::requests::{submit_tx, Mode, SubmitRecord};
 use berth::model::{Snapshot, Source};
@@ -39,7 +39,7 @@ fn draft(i: u64) -> Draft {
         deployment: Some(format!("d{}", i % 10_000)),
         build: Some("01a22bfb-27b9-7222-a157-9af6b48ca15a".into()),
         request_id: format!("01a22bfb27a272b7bf90ca577a1a{i:08}"),
-        result: Outcome::Ok,
+        result: AuditResult::Ok,
         reason: None,
         count: 1,
     }
@@ -81,7 +81,8 @@ fn submit_jobs(rt: &tokio::runtime::Runtime, dir: &Path, extra: u64) -> f64 {
             set.spawn(async move {
                 store
                     .write(move |tx| {
-                        let record = Record::audit_only(system_draft("submit", None, Outcome::Ok));
+                        let record =
+                            Record::audit_only(system_draft("submit", None, AuditResult::Ok));
                         let out = submit_tx(tx, &hub, &submit_record(n), &record)?;
                         for i in 0..extra {
                             tx.append_audit(&draft(i))?;

@@ -134,7 +134,7 @@ fn storage(rt: &tokio::runtime::Runtime) {
                 rollout_policy: None,
             };
             let audit =
-                berth::engine::audit::system_draft("submit", None, berth::audit::Outcome::Ok);
+                berth::engine::audit::system_draft("submit", None, berth::audit::AuditResult::Ok);
             let submitted = submit_tx(
                 tx,
                 &hub,

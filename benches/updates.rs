@@ -124,7 +124,7 @@ fn main() {
                             max_queued: 100,
                             rollout_policy: None,
                         };
-                        let submitted = submit_tx(tx, &hub, &record, &berth::engine::audit::Record::audit_only(berth::engine::audit::system_draft("submit", None, berth::audit::Outcome::Ok)))?.expect("stored");
+                        let submitted = submit_tx(tx, &hub, &record, &berth::engine::audit::Record::audit_only(berth::engine::audit::system_draft("submit", None, berth::audit::AuditResult::Ok)))?.expect("stored");
                         start_tx(tx, &hub, submitted.build.id, "local-bench")?.expect("started");
                         let done = Arc::new(Finished {
                             end: End {

@@ -242,56 +242,10 @@ fn push_head(data_dir: &Path, sink: &str, origin: &str) -> Result<i32, String> {
     let mut body = json!({"checkpoint": checkpoint, "verify": report});
     // The consistency proof from the last accepted head, so a witness that
     // kept that head checks this one extends it.
-    if let Some(last) = read_pushed(data_dir)? {
-        if last.size >= 1 && last.size <= report.size && last.size >= report.anchor.first_seq {
-            let db = data_dir.join("berth.redb");
-            let store = ReadOnlyStore::open(&db, crate::store::SnapshotScope::Audit)
-                .map_err(|e| e.to_string())?;
-            let rx = store.read().map_err(|e| e.to_string())?;
-            let nodes = StoredNodes(&rx);
-            let path = merkle::consistency_path(&nodes, last.size, report.size)
-                .map_err(|e| e.to_string())?;
-            body["consistency"] = json!({
-                "from": last.size, "to": report.size,
-                "from_root": last.root, "to_root": report.merkle_root,
-                "path": path.iter().map(|h| crate::hex::encode(h)).collect::<Vec<_>>(),
-            });
-        }
+    if let Some(consistency) = consistency_from_last(data_dir, &report)? {
+        body["consistency"] = consistency;
     }
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| e.to_string())?;
-    let (status, answer) = runtime.block_on(async {
-        let client = reqwest::Client::builder()
-            .timeout(SINK_TIMEOUT)
-            .redirect(reqwest::redirect::Policy::none())
-            .build()
-            .map_err(|e| e.to_string())?;
-        let response = client
-            .post(sink)
-            .json(&body)
-            .send()
-            .await
-            .map_err(|e| format!("the sink is unreachable: {}", without_url(&e)))?;
-        let status = response.status();
-        // Read at most MAX_SINK_ANSWER bytes of the answer, chunk by chunk:
-        // a sink that answers without end costs no more memory than that.
-        let mut response = response;
-        let mut kept: Vec<u8> = Vec::new();
-        while kept.len() < MAX_SINK_ANSWER {
-            let chunk = response
-                .chunk()
-                .await
-                .map_err(|e| format!("the sink's answer could not be read: {}", without_url(&e)))?;
-            let Some(chunk) = chunk else { break };
-            let room = MAX_SINK_ANSWER - kept.len();
-            kept.extend_from_slice(&chunk[..chunk.len().min(room)]);
-        }
-        let text = String::from_utf8_lossy(&kept).to_string();
-        Ok::<_, String>((status, text))
-    })?;
+    let (status, answer) = post_to_sink(sink, &body)?;
     if !status.is_success() {
         eprintln!(
             "berth audit push-head: the sink refused the head (HTTP {}): {}",
@@ -313,6 +267,75 @@ fn push_head(data_dir: &Path, sink: &str, origin: &str) -> Result<i32, String> {
         report.size, report.merkle_root
     );
     Ok(0)
+}
+
+/// The consistency proof from the last head the sink accepted to this
+/// report's, when there is one to prove.
+fn consistency_from_last(
+    data_dir: &Path,
+    report: &Report,
+) -> Result<Option<serde_json::Value>, String> {
+    let Some(last) = read_pushed(data_dir)? else {
+        return Ok(None);
+    };
+    if last.size < 1 || last.size > report.size || last.size < report.anchor.first_seq {
+        return Ok(None);
+    }
+    let db = data_dir.join("berth.redb");
+    let store =
+        ReadOnlyStore::open(&db, crate::store::SnapshotScope::Audit).map_err(|e| e.to_string())?;
+    let rx = store.read().map_err(|e| e.to_string())?;
+    let path = merkle::consistency_path(&StoredNodes(&rx), last.size, report.size)
+        .map_err(|e| e.to_string())?;
+    Ok(Some(json!({
+        "from": last.size, "to": report.size,
+        "from_root": last.root, "to_root": report.merkle_root,
+        "path": path.iter().map(|h| crate::hex::encode(h)).collect::<Vec<_>>(),
+    })))
+}
+
+/// POSTs `body` to the sink: its status and at most `MAX_SINK_ANSWER`
+/// bytes of its answer (read chunk by chunk, so a sink that answers
+/// without end costs no more memory than that).
+fn post_to_sink(
+    sink: &str,
+    body: &serde_json::Value,
+) -> Result<(reqwest::StatusCode, String), String> {
+    if rustls::crypto::ring::default_provider()
+        .install_default()
+        .is_err()
+    {
+        tracing::debug!("a TLS provider was installed already");
+    }
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| e.to_string())?;
+    runtime.block_on(async {
+        let client = reqwest::Client::builder()
+            .timeout(SINK_TIMEOUT)
+            .redirect(reqwest::redirect::Policy::none())
+            .build()
+            .map_err(|e| e.to_string())?;
+        let mut response = client
+            .post(sink)
+            .json(body)
+            .send()
+            .await
+            .map_err(|e| format!("the sink is unreachable: {}", without_url(&e)))?;
+        let status = response.status();
+        let mut kept: Vec<u8> = Vec::new();
+        while kept.len() < MAX_SINK_ANSWER {
+            let chunk = response
+                .chunk()
+                .await
+                .map_err(|e| format!("the sink's answer could not be read: {}", without_url(&e)))?;
+            let Some(chunk) = chunk else { break };
+            let room = MAX_SINK_ANSWER - kept.len();
+            kept.extend_from_slice(&chunk[..chunk.len().min(room)]);
+        }
+        Ok((status, String::from_utf8_lossy(&kept).to_string()))
+    })
 }
 
 /// An HTTP error without the URL (it may hold credentials).

@@ -82,7 +82,7 @@ impl Stop {
     }
 }
 
-type Outcome = Result<i32, Stop>;
+type CommandResult = Result<i32, Stop>;
 
 /// Runs one client command; the exit status.
 pub fn run(command: Command) -> i32 {
@@ -106,7 +106,7 @@ pub fn run(command: Command) -> i32 {
     }
 }
 
-async fn dispatch(command: Command) -> Outcome {
+async fn dispatch(command: Command) -> CommandResult {
     match command {
         Command::Deploy {
             id,
@@ -193,7 +193,7 @@ async fn deploy(
     keep_deployed_revision: bool,
     wait: bool,
     conn: &ClientArgs,
-) -> Outcome {
+) -> CommandResult {
     let c = Client::new(conn)?;
     let configuration = read_config(config)?;
     let mut body = json!({"configuration": configuration});
@@ -215,7 +215,7 @@ async fn deploy(
 
 /// `berth logs`: a build's log (`--follow`: until it ends), and its
 /// outcome as the exit status.
-async fn logs(build: &str, follow: bool, raw: bool, conn: &ClientArgs) -> Outcome {
+async fn logs(build: &str, follow: bool, raw: bool, conn: &ClientArgs) -> CommandResult {
     let mut c = Client::new(conn)?;
     c.raw_log_lines = raw || !std::io::stdout().is_terminal();
     if follow {
@@ -230,7 +230,7 @@ async fn logs(build: &str, follow: bool, raw: bool, conn: &ClientArgs) -> Outcom
 }
 
 /// `berth cancel`: the build's status after the cancel.
-async fn cancel(build: &str, conn: &ClientArgs) -> Outcome {
+async fn cancel(build: &str, conn: &ClientArgs) -> CommandResult {
     let c = Client::new(conn)?;
     let answer = c
         .mutate("POST", &format!("/v1/builds/{}/cancel", path(build)), None)
@@ -248,7 +248,7 @@ async fn cancel(build: &str, conn: &ClientArgs) -> Outcome {
 }
 
 /// `berth preview`: the changes a submit would make, as a table.
-async fn preview(id: &str, config: &str, conn: &ClientArgs) -> Outcome {
+async fn preview(id: &str, config: &str, conn: &ClientArgs) -> CommandResult {
     let c = Client::new(conn)?;
     let body = json!({"configuration": read_config(config)?});
     let answer = c
@@ -274,7 +274,7 @@ async fn preview(id: &str, config: &str, conn: &ClientArgs) -> Outcome {
 }
 
 /// `berth status`: one deployment in full, or a table of several.
-async fn status(ids: &[String], conn: &ClientArgs) -> Outcome {
+async fn status(ids: &[String], conn: &ClientArgs) -> CommandResult {
     let c = Client::new(conn)?;
     if let [id] = ids {
         return c.one_status(id).await;
@@ -314,7 +314,7 @@ async fn status(ids: &[String], conn: &ClientArgs) -> Outcome {
 }
 
 /// `berth tokens create|list|revoke` (api.md "Tokens").
-async fn tokens_command(command: crate::settings::TokensCommand) -> Outcome {
+async fn tokens_command(command: crate::settings::TokensCommand) -> CommandResult {
     use crate::settings::TokensCommand;
     match command {
         TokensCommand::Create {
@@ -370,7 +370,7 @@ async fn tokens_command(command: crate::settings::TokensCommand) -> Outcome {
 }
 
 /// `berth rollout status|pause|resume|abort` (rollouts.md).
-async fn rollout_command(command: crate::settings::RolloutCommand) -> Outcome {
+async fn rollout_command(command: crate::settings::RolloutCommand) -> CommandResult {
     use crate::settings::RolloutCommand as R;
     let (name, id, reason, revision, wait, conn) = match command {
         R::Status { id, conn } => return rollout_status(&id, &conn).await,
@@ -423,7 +423,7 @@ fn freeze_path(id: Option<&str>, global: bool) -> Result<String, Stop> {
 }
 
 /// `berth freeze set|lift|status` (rollouts.md "Freeze").
-async fn freeze_command(command: crate::settings::FreezeCommand) -> Outcome {
+async fn freeze_command(command: crate::settings::FreezeCommand) -> CommandResult {
     use crate::settings::FreezeCommand as F;
     match command {
         F::Set {
@@ -496,7 +496,7 @@ fn describe_freeze(f: &Value) -> String {
 }
 
 /// `berth rollout status ID`: the deployment's newest rollout.
-async fn rollout_status(id: &str, conn: &ClientArgs) -> Outcome {
+async fn rollout_status(id: &str, conn: &ClientArgs) -> CommandResult {
     let c = Client::new(conn)?;
     let d = c
         .call("GET", &format!("/v1/deployments/{}", path(id)), None, None)
@@ -542,7 +542,7 @@ async fn rollout_status(id: &str, conn: &ClientArgs) -> Outcome {
 }
 
 /// `berth workers`: the embedded worker and every worker token.
-async fn workers(conn: &ClientArgs) -> Outcome {
+async fn workers(conn: &ClientArgs) -> CommandResult {
     let c = Client::new(conn)?;
     let page = c.call("GET", "/v1/workers", None, None).await?;
     if c.json {
@@ -581,7 +581,7 @@ async fn nodes(
     deployment: Option<&str>,
     (drifted, unreachable): (bool, bool),
     conn: &ClientArgs,
-) -> Outcome {
+) -> CommandResult {
     let c = Client::new(conn)?;
     let mut query = vec!["limit=200".to_string()];
     if drifted {
@@ -664,7 +664,7 @@ fn list(v: &Value) -> String {
 }
 
 /// `berth suspend` and `berth resume`: the actions without a body.
-async fn action(name: &str, id: &str, wait: bool, conn: &ClientArgs) -> Outcome {
+async fn action(name: &str, id: &str, wait: bool, conn: &ClientArgs) -> CommandResult {
     let c = Client::new(conn)?;
     let answer = c
         .mutate(
@@ -997,7 +997,7 @@ impl Client {
     }
 
     /// After a 202 with a build id: print it, or follow it (`--wait`).
-    async fn queued(&self, answer: Value, wait: bool) -> Outcome {
+    async fn queued(&self, answer: Value, wait: bool) -> CommandResult {
         let build = answer["build_id"].as_str().unwrap_or("").to_string();
         if !wait {
             if self.json {
@@ -1039,7 +1039,7 @@ impl Client {
 
     /// `logs --follow`: the log in one read, then the channel from its
     /// cursor; each line once; the build's outcome as the exit status.
-    async fn follow(&self, build: &str) -> Outcome {
+    async fn follow(&self, build: &str) -> CommandResult {
         // The body goes out as it comes; with --json, as one object per
         // whole line.
         let mut partial: Vec<u8> = Vec::new();
@@ -1185,7 +1185,7 @@ impl Client {
         }
     }
 
-    async fn one_status(&self, id: &str) -> Outcome {
+    async fn one_status(&self, id: &str) -> CommandResult {
         let d = self
             .call("GET", &format!("/v1/deployments/{}", path(id)), None, None)
             .await?;

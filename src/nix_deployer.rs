@@ -61,12 +61,12 @@ const STATE_FILE: &str = "nix-state.json";
 
 /// What went wrong: a verdict on the configuration (exit 1, refused) or a
 /// failure of the machinery (exit 2).
-enum Failure {
+enum VerbError {
     Refused(String),
     Broken(String),
 }
 
-type Outcome = Result<Value, Failure>;
+type VerbResult = Result<Value, VerbError>;
 
 pub fn run(verb: &str) -> i32 {
     crate::deployer_side::run("nix", verb, |verb, request| {
@@ -82,8 +82,8 @@ pub fn run(verb: &str) -> i32 {
         };
         Some(match outcome {
             Ok(v) => (Some(v), 0),
-            Err(Failure::Refused(message)) => (Some(json!({"error": {"message": message}})), 1),
-            Err(Failure::Broken(message)) => {
+            Err(VerbError::Refused(message)) => (Some(json!({"error": {"message": message}})), 1),
+            Err(VerbError::Broken(message)) => {
                 eprintln!("berth deployer nix: {message}");
                 (None, 2)
             }
@@ -94,28 +94,28 @@ pub fn run(verb: &str) -> i32 {
 /// A directory berth names in the deployer's environment. Run by hand
 /// without it, the deployer says so instead of working in the current
 /// directory.
-fn dir_from_env(name: &str) -> Result<PathBuf, Failure> {
+fn dir_from_env(name: &str) -> Result<PathBuf, VerbError> {
     match std::env::var_os(name) {
         Some(dir) if !dir.is_empty() => Ok(PathBuf::from(dir)),
-        _ => Err(Failure::Broken(format!(
+        _ => Err(VerbError::Broken(format!(
             "{name} is not set: berth sets it when it runs the deployer"
         ))),
     }
 }
 
 /// The source's directory, checked against its digest.
-fn source_dir(request: &Value) -> Result<PathBuf, Failure> {
+fn source_dir(request: &Value) -> Result<PathBuf, VerbError> {
     let source = &request["source"];
     let url = source["url"].as_str().unwrap_or("");
     let path = url.strip_prefix("file://").unwrap_or(url);
     if !path.starts_with('/') {
-        return Err(Failure::Broken(
+        return Err(VerbError::Broken(
             "the nix deployer reads a source from a local directory (url=/path or file:///path); put other sources there first".into(),
         ));
     }
     let dir = PathBuf::from(path);
     if !dir.join("default.nix").is_file() {
-        return Err(Failure::Broken(format!(
+        return Err(VerbError::Broken(format!(
             "the source directory {} has no default.nix",
             dir.display()
         )));
@@ -124,11 +124,11 @@ fn source_dir(request: &Value) -> Result<PathBuf, Failure> {
         .args(["--type", "sha256"])
         .arg(&dir)
         .output()
-        .map_err(|e| Failure::Broken(format!("cannot run nix-hash (is Nix installed?): {e}")))?;
+        .map_err(|e| VerbError::Broken(format!("cannot run nix-hash (is Nix installed?): {e}")))?;
     let hash = String::from_utf8_lossy(&out.stdout).trim().to_string();
     let expected = source["digest"].as_str().unwrap_or("");
     if !out.status.success() || format!("sha256:{hash}") != expected {
-        return Err(Failure::Broken(format!(
+        return Err(VerbError::Broken(format!(
             "the source at {} does not match its digest (its NAR hash is sha256:{hash})",
             dir.display()
         )));
@@ -183,7 +183,7 @@ fn hide_store_paths(line: &str) -> String {
 /// Evaluates `body` (a Nix expression in which `source` is the source's
 /// result for this request) to JSON. `write` lets it instantiate
 /// derivations (their `drvPath`).
-fn nix_eval(dir: &Path, request: &Value, body: &str, write: bool) -> Outcome {
+fn nix_eval(dir: &Path, request: &Value, body: &str, write: bool) -> VerbResult {
     // The request (every tenant's configuration, secrets included) goes
     // to Nix in a 0600 file, never on a command line: any local user reads
     // /proc/<pid>/cmdline, and an argument is at most 128 KiB.
@@ -216,22 +216,22 @@ fn nix_eval(dir: &Path, request: &Value, body: &str, write: bool) -> Outcome {
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
     let child = cmd.spawn().map_err(|e| {
-        Failure::Broken(format!(
+        VerbError::Broken(format!(
             "cannot run nix-instantiate (is Nix installed?): {e}"
         ))
     })?;
     let (stdout, stderr, status) =
-        bounded_output(child).map_err(|e| Failure::Broken(format!("nix-instantiate: {e}")))?;
+        bounded_output(child).map_err(|e| VerbError::Broken(format!("nix-instantiate: {e}")))?;
     if !status.success() {
-        return Err(Failure::Refused(cut_message(&String::from_utf8_lossy(
+        return Err(VerbError::Refused(cut_message(&String::from_utf8_lossy(
             &stderr,
         ))));
     }
     if stdout.len() as u64 > MAX_NIX_OUTPUT_BYTES {
-        return Err(Failure::Broken("Nix's answer is too large".into()));
+        return Err(VerbError::Broken("Nix's answer is too large".into()));
     }
     serde_json::from_slice(&stdout)
-        .map_err(|e| Failure::Broken(format!("Nix's answer is not JSON: {e}")))
+        .map_err(|e| VerbError::Broken(format!("Nix's answer is not JSON: {e}")))
 }
 
 /// The request in a file readable by this user only, in the call's own
@@ -251,7 +251,7 @@ impl Drop for RequestFile {
     }
 }
 
-fn request_file(request: &Value) -> Result<RequestFile, Failure> {
+fn request_file(request: &Value) -> Result<RequestFile, VerbError> {
     use std::io::Write as _;
     use std::os::unix::fs::OpenOptionsExt;
     let dir = std::env::var_os("BERTH_SCRATCH_DIR")
@@ -266,10 +266,10 @@ fn request_file(request: &Value) -> Result<RequestFile, Failure> {
         .create_new(true)
         .mode(0o600)
         .open(&path)
-        .map_err(|e| Failure::Broken(format!("cannot write the request for Nix: {e}")))?;
+        .map_err(|e| VerbError::Broken(format!("cannot write the request for Nix: {e}")))?;
     let written = RequestFile(path);
     file.write_all(request.to_string().as_bytes())
-        .map_err(|e| Failure::Broken(format!("cannot write the request for Nix: {e}")))?;
+        .map_err(|e| VerbError::Broken(format!("cannot write the request for Nix: {e}")))?;
     Ok(written)
 }
 
@@ -297,12 +297,12 @@ fn bounded_output(
     Ok((stdout, stderr, child.wait()?))
 }
 
-fn describe(request: &Value) -> Outcome {
+fn describe(request: &Value) -> VerbResult {
     let dir = source_dir(request)?;
     // A source that cannot describe itself is broken, not a verdict.
     let mut described =
         nix_eval(&dir, &json!({}), "source.describe", false).map_err(|e| match e {
-            Failure::Refused(m) => Failure::Broken(format!("describe: {m}")),
+            VerbError::Refused(m) => VerbError::Broken(format!("describe: {m}")),
             other => other,
         })?;
     // This deployer activates, checks and confirms every node itself
@@ -313,7 +313,7 @@ fn describe(request: &Value) -> Outcome {
             map.insert("verbs".into(), json!(["check", "confirm", "activate"]));
         }
         None => {
-            return Err(Failure::Broken(
+            return Err(VerbError::Broken(
                 "describe: the source's describe is not an attribute set".into(),
             ))
         }
@@ -321,7 +321,7 @@ fn describe(request: &Value) -> Outcome {
     Ok(described)
 }
 
-fn eval(request: &Value) -> Outcome {
+fn eval(request: &Value) -> VerbResult {
     let dir = source_dir(request)?;
     let nodes = nix_eval(
         &dir,
@@ -339,12 +339,12 @@ fn eval(request: &Value) -> Outcome {
 }
 
 /// The nodes of an evaluation, in name order, bounded.
-fn node_list(nodes: &Value) -> Result<Vec<(String, Value)>, Failure> {
+fn node_list(nodes: &Value) -> Result<Vec<(String, Value)>, VerbError> {
     let map = nodes
         .as_object()
-        .ok_or_else(|| Failure::Broken("the source's `nodes` is not an attribute set".into()))?;
+        .ok_or_else(|| VerbError::Broken("the source's `nodes` is not an attribute set".into()))?;
     if map.len() > MAX_NODES {
-        return Err(Failure::Refused(format!(
+        return Err(VerbError::Refused(format!(
             "the configuration gives {} nodes; at most {MAX_NODES}",
             map.len()
         )));
@@ -352,7 +352,7 @@ fn node_list(nodes: &Value) -> Result<Vec<(String, Value)>, Failure> {
     // A node name reaches file paths (the GC root, the SBOM copy) and can
     // come from a configuration: only a DNS label is ever used.
     if map.keys().any(|name| !crate::model::is_dns_label(name, 63)) {
-        return Err(Failure::Refused(
+        return Err(VerbError::Refused(
             "the source names a node that is not a DNS label (a-z, 0-9, -, at most 63)".into(),
         ));
     }
@@ -414,27 +414,27 @@ struct NodeState {
     kept: Vec<String>,
 }
 
-type State = std::collections::BTreeMap<String, NodeState>;
+type NodeStates = std::collections::BTreeMap<String, NodeState>;
 
 /// The deploy state; none before the first deploy. A state file that does
 /// not parse is an error, never an empty state (that would re-activate
 /// every node and forget what is kept).
-fn read_state(work: &Path) -> Result<State, Failure> {
+fn read_state(work: &Path) -> Result<NodeStates, VerbError> {
     let bytes = match std::fs::read(work.join(STATE_FILE)) {
         Ok(b) => b,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(State::new()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(NodeStates::new()),
         Err(e) => {
-            return Err(Failure::Broken(format!(
+            return Err(VerbError::Broken(format!(
                 "cannot read the deploy state: {e}"
             )))
         }
     };
     let broken = || {
-        Failure::Broken(format!("the deploy state {STATE_FILE} in the work dir is damaged; remove it to redeploy every node"))
+        VerbError::Broken(format!("the deploy state {STATE_FILE} in the work dir is damaged; remove it to redeploy every node"))
     };
     let map: serde_json::Map<String, Value> =
         serde_json::from_slice(&bytes).map_err(|_| broken())?;
-    let mut state = State::new();
+    let mut state = NodeStates::new();
     for (node, value) in map {
         let node_state = match value {
             // The first layout: the toplevel alone, activated for good.
@@ -451,11 +451,11 @@ fn read_state(work: &Path) -> Result<State, Failure> {
     Ok(state)
 }
 
-fn write_state(work: &Path, state: &State) -> Result<(), Failure> {
+fn write_state(work: &Path, state: &NodeStates) -> Result<(), VerbError> {
     let text = serde_json::to_vec(state)
-        .map_err(|e| Failure::Broken(format!("cannot write the deploy state: {e}")))?;
+        .map_err(|e| VerbError::Broken(format!("cannot write the deploy state: {e}")))?;
     crate::deployer_side::write_atomically(&work.join(STATE_FILE), &text)
-        .map_err(|e| Failure::Broken(format!("cannot write the deploy state: {e}")))
+        .map_err(|e| VerbError::Broken(format!("cannot write the deploy state: {e}")))
 }
 
 /// Confirmed toplevels kept per node by default (`BERTH_NIX_KEEP`).
@@ -476,16 +476,16 @@ const DEFAULT_TARGET_DIR: &str = ".cache/berth-nix";
 
 /// A whole-number knob from the environment, or its default; a value that
 /// is not a number in `1..=max` is an error naming the variable.
-fn knob(name: &str, default: u64, max: u64) -> Result<u64, Failure> {
+fn knob(name: &str, default: u64, max: u64) -> Result<u64, VerbError> {
     match std::env::var(name) {
         Err(std::env::VarError::NotPresent) => Ok(default),
         Ok(text) => match text.trim().parse::<u64>() {
             Ok(n) if (1..=max).contains(&n) => Ok(n),
-            _ => Err(Failure::Broken(format!(
+            _ => Err(VerbError::Broken(format!(
                 "{name} must be a whole number from 1 to {max}"
             ))),
         },
-        Err(std::env::VarError::NotUnicode(_)) => Err(Failure::Broken(format!(
+        Err(std::env::VarError::NotUnicode(_)) => Err(VerbError::Broken(format!(
             "{name} must be a whole number from 1 to {max}"
         ))),
     }
@@ -768,7 +768,7 @@ fn activate(
         MAX_CONFIRM_TIMEOUT_SECS,
     )
     .map_err(|e| match e {
-        Failure::Refused(m) | Failure::Broken(m) => m,
+        VerbError::Refused(m) | VerbError::Broken(m) => m,
     })?;
     println!("copying {node} to {target}");
     let mut copy = Command::new("nix-copy-closure");
@@ -813,7 +813,7 @@ fn activate(
 
 /// Every node's derivations from one evaluation, each target checked to
 /// be an SSH destination before anything runs.
-fn evaluated_nodes(dir: &Path, request: &Value) -> Result<Vec<(String, Value)>, Failure> {
+fn evaluated_nodes(dir: &Path, request: &Value) -> Result<Vec<(String, Value)>, VerbError> {
     println!("evaluating the source");
     let nodes = nix_eval(
         dir,
@@ -827,14 +827,14 @@ fn evaluated_nodes(dir: &Path, request: &Value) -> Result<Vec<(String, Value)>, 
         true,
     )
     .map_err(|e| match e {
-        Failure::Refused(m) => Failure::Broken(format!("evaluation failed: {m}")),
+        VerbError::Refused(m) => VerbError::Broken(format!("evaluation failed: {m}")),
         other => other,
     })?;
     let nodes = node_list(&nodes)?;
     for (name, node) in &nodes {
         if let Some(target) = node["target"].as_str() {
             if !valid_target(target) {
-                return Err(Failure::Broken(format!(
+                return Err(VerbError::Broken(format!(
                     "node {name}'s target is not an SSH destination (letters, digits, . _ - @ : [ ], not starting with -)"
                 )));
             }
@@ -845,7 +845,7 @@ fn evaluated_nodes(dir: &Path, request: &Value) -> Result<Vec<(String, Value)>, 
 
 /// The nodes' toplevels and their checks (a store path or none, per
 /// node), built in one `nix-store --realise`: toplevels first.
-fn built_nodes(nodes: &[(String, Value)]) -> Result<(Vec<String>, Vec<Option<String>>), Failure> {
+fn built_nodes(nodes: &[(String, Value)]) -> Result<(Vec<String>, Vec<Option<String>>), VerbError> {
     let mut drvs: Vec<String> = nodes
         .iter()
         .map(|(_, n)| n["toplevel"].as_str().unwrap_or("").to_string())
@@ -857,7 +857,7 @@ fn built_nodes(nodes: &[(String, Value)]) -> Result<(Vec<String>, Vec<Option<Str
         .collect();
     drvs.extend(checks.iter().map(|(_, c)| c.clone()));
     println!("building {} node(s)", nodes.len());
-    let built = realise(&drvs).map_err(Failure::Broken)?;
+    let built = realise(&drvs).map_err(VerbError::Broken)?;
     let (toplevels, check_paths) = built.split_at(nodes.len());
     let per_node = (0..nodes.len())
         .map(|i| {
@@ -870,7 +870,7 @@ fn built_nodes(nodes: &[(String, Value)]) -> Result<(Vec<String>, Vec<Option<Str
     Ok((toplevels.to_vec(), per_node))
 }
 
-fn deploy(request: &Value) -> Outcome {
+fn deploy(request: &Value) -> VerbResult {
     let work = dir_from_env("BERTH_WORK_DIR")?;
     let scratch = dir_from_env("BERTH_SCRATCH_DIR")?;
     let dir = source_dir(request)?;
@@ -887,7 +887,7 @@ fn deploy(request: &Value) -> Outcome {
     }
     let check_of = |i: usize| checks.get(i).cloned().flatten();
     let state = read_state(&work)?;
-    let mut next = State::new();
+    let mut next = NodeStates::new();
     let mut results = Vec::new();
     let mut changed_nodes = Vec::new();
     for (i, ((name, node), toplevel)) in nodes.iter().zip(&toplevels).enumerate() {
@@ -957,7 +957,7 @@ impl Cache {
 
     /// Copies the toplevels' closures to the cache (paths it has already
     /// are not copied again).
-    fn copy(&self, toplevels: &[String]) -> Result<(), Failure> {
+    fn copy(&self, toplevels: &[String]) -> Result<(), VerbError> {
         println!(
             "copying {} toplevel(s) to the binary cache for agents",
             toplevels.len()
@@ -973,11 +973,11 @@ impl Cache {
             .args(toplevels)
             .stdin(Stdio::null())
             .status()
-            .map_err(|e| Failure::Broken(format!("cannot run nix copy: {e}")))?;
+            .map_err(|e| VerbError::Broken(format!("cannot run nix copy: {e}")))?;
         if status.success() {
             Ok(())
         } else {
-            Err(Failure::Broken(format!(
+            Err(VerbError::Broken(format!(
                 "copying the toplevels to BERTH_NIX_CACHE failed ({status})"
             )))
         }
@@ -1002,14 +1002,14 @@ fn previous_of(node: &NodeState) -> Option<&str> {
 /// `activate`: each requested node to its new toplevel (copy, arm the
 /// revert, `switch-to-configuration test`) or back to its previous one;
 /// one node's failure answers `false` and the others go on.
-fn activate_nodes(request: &Value) -> Outcome {
+fn activate_nodes(request: &Value) -> VerbResult {
     let work = dir_from_env("BERTH_WORK_DIR")?;
     let state = read_state(&work)?;
     let to_new = match request["target"].as_str() {
         Some("new") => true,
         Some("previous") => false,
         _ => {
-            return Err(Failure::Broken(
+            return Err(VerbError::Broken(
                 "the request's target is not \"new\" or \"previous\"".into(),
             ))
         }
@@ -1082,11 +1082,11 @@ fn go_back(request: &Value, name: &str, node: &NodeState) -> Result<(), String> 
 /// The nodes a `check` or `confirm` request names, with their state.
 fn requested_nodes<'a>(
     request: &Value,
-    state: &'a State,
-) -> Result<Vec<(String, &'a NodeState)>, Failure> {
+    state: &'a NodeStates,
+) -> Result<Vec<(String, &'a NodeState)>, VerbError> {
     let names = request["nodes"]
         .as_array()
-        .ok_or_else(|| Failure::Broken("the request has no list of nodes".into()))?;
+        .ok_or_else(|| VerbError::Broken("the request has no list of nodes".into()))?;
     names
         .iter()
         .map(|n| {
@@ -1095,14 +1095,16 @@ fn requested_nodes<'a>(
                 .get(name)
                 .map(|s| (name.to_string(), s))
                 .ok_or_else(|| {
-                    Failure::Broken("the request names a node the last deploy did not give".into())
+                    VerbError::Broken(
+                        "the request names a node the last deploy did not give".into(),
+                    )
                 })
         })
         .collect()
 }
 
 /// `check`: each changed node's health, asked on its target.
-fn check(request: &Value) -> Outcome {
+fn check(request: &Value) -> VerbResult {
     let work = dir_from_env("BERTH_WORK_DIR")?;
     let state = read_state(&work)?;
     let token = request["build"].as_str().unwrap_or("");
@@ -1163,7 +1165,7 @@ fn check(request: &Value) -> Outcome {
 
 /// `confirm`: disarm each changed node's revert and make its toplevel the
 /// boot entry; then it is kept (GC root) among the last `BERTH_NIX_KEEP`.
-fn confirm(request: &Value) -> Outcome {
+fn confirm(request: &Value) -> VerbResult {
     let work = dir_from_env("BERTH_WORK_DIR")?;
     let keep = knob(
         "BERTH_NIX_KEEP",
@@ -1195,9 +1197,9 @@ fn confirm(request: &Value) -> Outcome {
                 ],
             )
             .status()
-            .map_err(|e| Failure::Broken(format!("cannot run ssh: {e}")))?;
+            .map_err(|e| VerbError::Broken(format!("cannot run ssh: {e}")))?;
             if !status.success() {
-                return Err(Failure::Broken(format!(
+                return Err(VerbError::Broken(format!(
                     "confirming {name} on its target failed ({status})"
                 )));
             }
@@ -1269,7 +1271,7 @@ fn sboms<'a>(nodes: &[(&'a str, &Value)], scratch: &Path) -> Vec<(&'a str, Value
     out
 }
 
-fn destroy(request: &Value) -> Outcome {
+fn destroy(request: &Value) -> VerbResult {
     let work = dir_from_env("BERTH_WORK_DIR")?;
     let dir = source_dir(request)?;
     let hook = nix_eval(
@@ -1279,19 +1281,19 @@ fn destroy(request: &Value) -> Outcome {
         true,
     )
     .map_err(|e| match e {
-        Failure::Refused(m) => Failure::Broken(format!("evaluation failed: {m}")),
+        VerbError::Refused(m) => VerbError::Broken(format!("evaluation failed: {m}")),
         other => other,
     })?;
     if let Some(drv) = hook.as_str() {
-        let script = realise(&[drv.to_string()]).map_err(Failure::Broken)?;
+        let script = realise(&[drv.to_string()]).map_err(VerbError::Broken)?;
         println!("running the source's destroy hook");
         let status = Command::new("/bin/sh")
             .args(&script)
             .env("DEPLOYMENT", request["deployment"].as_str().unwrap_or(""))
             .status()
-            .map_err(|e| Failure::Broken(format!("the destroy hook: {e}")))?;
+            .map_err(|e| VerbError::Broken(format!("the destroy hook: {e}")))?;
         if !status.success() {
-            return Err(Failure::Broken(format!(
+            return Err(VerbError::Broken(format!(
                 "the destroy hook failed ({status})"
             )));
         }
@@ -1306,7 +1308,7 @@ fn destroy(request: &Value) -> Outcome {
 /// Releases the hosts the deployment's nodes hold (`ARM_AND_TEST`). A host
 /// that cannot be reached keeps its claim, and the log says how to
 /// release it by hand; the destroy itself goes on.
-fn release_hosts(request: &Value, state: &State) {
+fn release_hosts(request: &Value, state: &NodeStates) {
     if std::env::var_os("BERTH_NIX_ACTIVATE").is_some() {
         return;
     }

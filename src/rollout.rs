@@ -15,7 +15,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde_json::Value;
 
-use crate::model::{AbortBy, Millis, Outcome, Rollout, State, Wave, WaveState};
+use crate::model::{AbortBy, Millis, Rollout, RolloutOutcome, RolloutState, Wave, WaveState};
 
 /// Wave steps a policy lists at most.
 pub const MAX_WAVE_STEPS: usize = 64;
@@ -398,7 +398,7 @@ pub enum Next {
     },
     /// Nothing until the wait's end (`Waiting`), a resume (`Paused`) or a
     /// lift (`Frozen`): the watch runs meanwhile.
-    Hold(State),
+    Hold(RolloutState),
     /// `confirm` every activated node.
     Confirm {
         nodes: Vec<String>,
@@ -408,7 +408,7 @@ pub enum Next {
         wave: usize,
         nodes: Vec<String>,
     },
-    Done(Outcome),
+    Done(RolloutOutcome),
 }
 
 /// What happened, for `Rollout::apply`.
@@ -461,7 +461,7 @@ impl Rollout {
             Staging::OneWave => (BTreeSet::new(), 0),
         };
         Rollout {
-            state: State::Running,
+            state: RolloutState::Running,
             wave: 0,
             waves: waves
                 .into_iter()
@@ -496,8 +496,8 @@ impl Rollout {
     /// What to do now, with a freeze active (`frozen`) or not.
     pub fn next(&self, frozen: bool) -> Next {
         match self.state {
-            State::Finished => Next::Done(self.result.unwrap_or(Outcome::Failed)),
-            State::Aborting => match self
+            RolloutState::Finished => Next::Done(self.result.unwrap_or(RolloutOutcome::Failed)),
+            RolloutState::Aborting => match self
                 .waves
                 .iter()
                 .rposition(|w| w.state == WaveState::Reverting)
@@ -506,13 +506,15 @@ impl Rollout {
                     wave: i + 1,
                     nodes: self.waves[i].activated.keys().cloned().collect(),
                 },
-                None => Next::Done(Outcome::Aborted),
+                None => Next::Done(RolloutOutcome::Aborted),
             },
-            State::Confirming => Next::Confirm {
+            RolloutState::Confirming => Next::Confirm {
                 nodes: self.activated_nodes(),
             },
-            State::Paused | State::Waiting | State::Frozen => Next::Hold(self.state),
-            State::Running => self.running(frozen),
+            RolloutState::Paused | RolloutState::Waiting | RolloutState::Frozen => {
+                Next::Hold(self.state)
+            }
+            RolloutState::Running => self.running(frozen),
         }
     }
 
@@ -536,7 +538,7 @@ impl Rollout {
                 nodes: self.activated_nodes(),
             },
             Some(WaveState::Passed) | None => match self.waves.get(self.wave) {
-                Some(_) if frozen && self.wave > 0 => Next::Hold(State::Frozen),
+                Some(_) if frozen && self.wave > 0 => Next::Hold(RolloutState::Frozen),
                 Some(w) => Next::Activate {
                     wave: self.wave + 1,
                     nodes: w.nodes.clone(),
@@ -547,7 +549,7 @@ impl Rollout {
             },
             // Not in `Running`: an abort moved them.
             Some(WaveState::Checking | WaveState::Reverting | WaveState::Reverted) => {
-                Next::Done(Outcome::Failed)
+                Next::Done(RolloutOutcome::Failed)
             }
         }
     }
@@ -558,14 +560,18 @@ impl Rollout {
         let mut r = self.clone();
         let next = r.next(frozen);
         match (event, next) {
-            (Event::Cancelled, _) if r.state != State::Finished => r.finish(Outcome::Cancelled),
-            (Event::Failed, _) if r.state != State::Finished => r.finish(Outcome::Failed),
+            (Event::Cancelled, _) if r.state != RolloutState::Finished => {
+                r.finish(RolloutOutcome::Cancelled)
+            }
+            (Event::Failed, _) if r.state != RolloutState::Finished => {
+                r.finish(RolloutOutcome::Failed)
+            }
             (Event::AbortAsked, _) if r.can_abort() => r.begin_abort(AbortBy::Action),
             (Event::PauseAsked, _) if r.can_pause() => r.pause(),
             (Event::Resumed, _) if r.paused && !frozen && r.can_abort() => {
                 r.paused = false;
-                if r.state == State::Paused {
-                    r.state = State::Running;
+                if r.state == RolloutState::Paused {
+                    r.state = RolloutState::Running;
                     r.regate = true;
                 }
             }
@@ -582,7 +588,7 @@ impl Rollout {
                 let w = &mut r.waves[wave - 1];
                 w.activated = answers.clone();
                 w.answered = true;
-                if r.state == State::Running {
+                if r.state == RolloutState::Running {
                     w.state = WaveState::Checking;
                     r.regate = false;
                 }
@@ -590,24 +596,28 @@ impl Rollout {
             (Event::ActivateFailed, _) if r.unanswered().is_some() => {
                 let w = r.wave;
                 r.waves[w - 1].answered = true;
-                if r.state == State::Running {
+                if r.state == RolloutState::Running {
                     r.begin_abort(AbortBy::Activate);
                 }
             }
             (Event::GatePassed, Next::Gate { .. }) => r.gate_passed(now),
             (Event::GateFailed, Next::Gate { .. }) => r.begin_abort(AbortBy::Health),
-            (Event::WaitOver, Next::Hold(State::Waiting)) => r.resume_after_hold(),
-            (Event::FreezeHeld, Next::Hold(State::Frozen)) if r.state == State::Running => {
-                r.state = State::Frozen;
+            (Event::WaitOver, Next::Hold(RolloutState::Waiting)) => r.resume_after_hold(),
+            (Event::FreezeHeld, Next::Hold(RolloutState::Frozen))
+                if r.state == RolloutState::Running =>
+            {
+                r.state = RolloutState::Frozen;
             }
-            (Event::FreezeLifted, Next::Hold(State::Frozen)) if !frozen => r.resume_after_hold(),
+            (Event::FreezeLifted, Next::Hold(RolloutState::Frozen)) if !frozen => {
+                r.resume_after_hold()
+            }
             (Event::Reverted { wave }, Next::Revert { wave: w, .. }) if *wave == w => {
                 r.waves[w - 1].state = WaveState::Reverted;
-                if r.next(frozen) == Next::Done(Outcome::Aborted) {
-                    r.finish(Outcome::Aborted);
+                if r.next(frozen) == Next::Done(RolloutOutcome::Aborted) {
+                    r.finish(RolloutOutcome::Aborted);
                 }
             }
-            (Event::Confirmed, Next::Confirm { .. }) => r.finish(Outcome::Succeeded),
+            (Event::Confirmed, Next::Confirm { .. }) => r.finish(RolloutOutcome::Succeeded),
             (Event::ConfirmFailed, Next::Confirm { .. }) => r.begin_abort(AbortBy::Confirm),
             _ => return Err(Refused),
         }
@@ -624,7 +634,7 @@ impl Rollout {
     /// `answers` name exactly its nodes.
     fn in_flight(&self, wave: usize, answers: &BTreeMap<String, bool>) -> bool {
         self.unanswered() == Some(wave)
-            && matches!(self.state, State::Running | State::Aborting)
+            && matches!(self.state, RolloutState::Running | RolloutState::Aborting)
             && answers.keys().eq(self.waves[wave - 1].activated.keys())
     }
 
@@ -633,7 +643,7 @@ impl Rollout {
     pub fn can_abort(&self) -> bool {
         !matches!(
             self.state,
-            State::Confirming | State::Aborting | State::Finished
+            RolloutState::Confirming | RolloutState::Aborting | RolloutState::Finished
         )
     }
 
@@ -645,19 +655,19 @@ impl Rollout {
     /// the current wave's gate.
     fn pause(&mut self) {
         self.paused = true;
-        let between = self.state == State::Running
+        let between = self.state == RolloutState::Running
             && !self.regate
             && self.wave > 0
             && self.waves[self.wave - 1].state == WaveState::Passed;
-        if matches!(self.state, State::Waiting | State::Frozen) || between {
-            self.state = State::Paused;
+        if matches!(self.state, RolloutState::Waiting | RolloutState::Frozen) || between {
+            self.state = RolloutState::Paused;
             self.wait_until = None;
         }
     }
 
     /// After a wait or a freeze: the gate again.
     fn resume_after_hold(&mut self) {
-        self.state = State::Running;
+        self.state = RolloutState::Running;
         self.wait_until = None;
         self.regate = true;
     }
@@ -679,14 +689,14 @@ impl Rollout {
             self.paused = true;
         }
         self.state = if self.paused {
-            State::Paused
+            RolloutState::Paused
         } else if fresh && !last && self.wait_seconds > 0 {
             self.wait_until = Some(now.saturating_add(i64::from(self.wait_seconds) * 1000));
-            State::Waiting
+            RolloutState::Waiting
         } else if last {
-            State::Confirming
+            RolloutState::Confirming
         } else {
-            State::Running
+            RolloutState::Running
         };
     }
 
@@ -695,19 +705,19 @@ impl Rollout {
         self.paused = false;
         self.regate = false;
         self.wait_until = None;
-        self.state = State::Aborting;
+        self.state = RolloutState::Aborting;
         for w in &mut self.waves {
             if !w.activated.is_empty() && w.state != WaveState::Reverted {
                 w.state = WaveState::Reverting;
             }
         }
-        if self.next(false) == Next::Done(Outcome::Aborted) {
-            self.finish(Outcome::Aborted);
+        if self.next(false) == Next::Done(RolloutOutcome::Aborted) {
+            self.finish(RolloutOutcome::Aborted);
         }
     }
 
-    fn finish(&mut self, outcome: Outcome) {
-        self.state = State::Finished;
+    fn finish(&mut self, outcome: RolloutOutcome) {
+        self.state = RolloutState::Finished;
         self.result = Some(outcome);
         self.wait_until = None;
         self.regate = false;

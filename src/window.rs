@@ -68,7 +68,7 @@ pub struct Window {
 
 /// Where an instant stands against a window.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum State {
+pub enum WindowState {
     /// Open since `opened` (UTC), closes at `closes`.
     Open {
         opened: OffsetDateTime,
@@ -178,7 +178,7 @@ impl Window {
 
     /// Where `now` stands: open (with the opening and closing instants) or
     /// closed (with the next opening).
-    pub fn state(&self, now: OffsetDateTime) -> State {
+    pub fn state(&self, now: OffsetDateTime) -> WindowState {
         let now = now.to_offset(UtcOffset::UTC);
         let today = now
             .to_offset(self.zone.get_offset_utc(&now).to_utc())
@@ -197,7 +197,7 @@ impl Window {
             let opened = self.opening(date);
             let closes = opened + self.duration;
             if opened <= now && now < closes {
-                open = Some(State::Open { opened, closes });
+                open = Some(WindowState::Open { opened, closes });
             }
         }
         if let Some(open) = open {
@@ -209,18 +209,18 @@ impl Window {
             if self.opens_on(d) {
                 let opening = self.opening(d);
                 if opening > now {
-                    return State::Closed {
+                    return WindowState::Closed {
                         next: Some(opening),
                     };
                 }
             }
             date = d.next_day();
         }
-        State::Closed { next: None }
+        WindowState::Closed { next: None }
     }
 
     pub fn is_open(&self, now: OffsetDateTime) -> bool {
-        matches!(self.state(now), State::Open { .. })
+        matches!(self.state(now), WindowState::Open { .. })
     }
 }
 

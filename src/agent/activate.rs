@@ -18,7 +18,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use tokio::time::Instant;
 
-use super::{Agent, Failure, CALL_TIMEOUT};
+use super::{Agent, ReportFailure, CALL_TIMEOUT};
 
 /// Tries of a fetch before the activation fails.
 const FETCH_TRIES: u32 = 3;
@@ -93,7 +93,7 @@ impl Agent {
 
     /// An `activate` document: claim it, fetch, test-activate. `Err` only
     /// when the token was refused.
-    pub(super) async fn activate(&mut self, doc: &Value) -> Result<(), Failure> {
+    pub(super) async fn activate(&mut self, doc: &Value) -> Result<(), ReportFailure> {
         let fence = doc["fence"].as_u64().unwrap_or(0);
         if fence <= self.state.highest_claimed {
             self.last_error = Some((
@@ -119,7 +119,7 @@ impl Agent {
             return Ok(());
         };
         self.state.highest_claimed = fence;
-        self.save().map_err(|_| Failure::Again(None))?;
+        self.save().map_err(|_| ReportFailure::Again(None))?;
         let held = Held {
             attempt_id,
             fence,
@@ -191,7 +191,7 @@ impl Agent {
 
     /// Claims the activation under `fence`: its id, or `None` when berth
     /// refused it (another incarnation claimed it) or cannot be reached.
-    async fn claim(&self, fence: u64) -> Result<Option<String>, Failure> {
+    async fn claim(&self, fence: u64) -> Result<Option<String>, ReportFailure> {
         let claim = self.authority(fence);
         let path = format!("{}/claim", self.node_path());
         match self
@@ -200,7 +200,7 @@ impl Agent {
             .await
         {
             Ok((200, answer)) => Ok(answer["authority"].as_str().map(str::to_string)),
-            Ok((401 | 403, _)) => Err(Failure::Refused),
+            Ok((401 | 403, _)) => Err(ReportFailure::Refused),
             Ok((status, answer)) => {
                 tracing::warn!(status, %answer, "berth refused a claim");
                 Ok(None)

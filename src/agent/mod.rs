@@ -79,7 +79,7 @@ pub fn run(args: AgentArgs) -> i32 {
 
 /// What the agent keeps across its restarts (`state.json`).
 #[derive(Debug, Clone, Serialize, Deserialize)]
-struct State {
+struct AgentState {
     version: u32,
     node: String,
     /// The highest fence it has seen: a document below it is refused.
@@ -98,7 +98,7 @@ struct Agent {
     deployment: String,
     node: String,
     incarnation: String,
-    state: State,
+    state: AgentState,
     started: Instant,
     /// The last error it reports (`fence_regressed`, ...).
     last_error: Option<(String, String)>,
@@ -191,7 +191,7 @@ impl Agent {
                 _ = tokio::time::sleep_until(next_report) => {}
                 Some(doc) = docs.recv() => {
                     self.take(&doc)?;
-                    if let Err(Failure::Refused) = self.act(&doc).await {
+                    if let Err(ReportFailure::Refused) = self.act(&doc).await {
                         return Ok(self.refused_code());
                     }
                 }
@@ -226,8 +226,8 @@ impl Agent {
                     failures = 0;
                     next_report = Instant::now() + jittered(self.args.report_interval);
                 }
-                Err(Failure::Refused) => return Ok(self.refused_code()),
-                Err(Failure::Again(wait)) => {
+                Err(ReportFailure::Refused) => return Ok(self.refused_code()),
+                Err(ReportFailure::Again(wait)) => {
                     failures = failures.saturating_add(1);
                     next_report = Instant::now() + wait.unwrap_or_else(|| backoff(failures));
                 }
@@ -242,7 +242,7 @@ impl Agent {
 
     /// What a document asks of the node: a new activation, a confirm, or
     /// (a higher fence, or steady for the one held) going back.
-    async fn act(&mut self, doc: &Value) -> Result<(), Failure> {
+    async fn act(&mut self, doc: &Value) -> Result<(), ReportFailure> {
         let fence = doc["fence"].as_u64().unwrap_or(0);
         if fence < self.state.highest_fence {
             return Ok(());
@@ -294,7 +294,7 @@ impl Agent {
     }
 
     /// One report of what the node runs now.
-    async fn report(&mut self) -> Result<(), Failure> {
+    async fn report(&mut self) -> Result<(), ReportFailure> {
         let dir = self.args.state_dir.clone();
         let (system, profile) = (
             self.args.current_system.clone(),
@@ -313,7 +313,7 @@ impl Agent {
         .await
         .map_err(|e| {
             tracing::error!(error = %e, "reading the node's files failed");
-            Failure::Again(None)
+            ReportFailure::Again(None)
         })?;
         let health = self.health().await;
         let body = json!({
@@ -336,17 +336,17 @@ impl Agent {
             .await
         {
             Ok((200, _)) => Ok(()),
-            Ok((401 | 403, _)) => Err(Failure::Refused),
+            Ok((401 | 403, _)) => Err(ReportFailure::Refused),
             Ok((503, answer)) if answer["reason"] == json!("report_rate") => {
-                Err(Failure::Again(Some(Duration::from_secs(1))))
+                Err(ReportFailure::Again(Some(Duration::from_secs(1))))
             }
             Ok((status, answer)) => {
                 tracing::warn!(status, %answer, "berth refused a report");
-                Err(Failure::Again(None))
+                Err(ReportFailure::Again(None))
             }
             Err(why) => {
                 tracing::warn!(%why, "cannot reach berth to report");
-                Err(Failure::Again(None))
+                Err(ReportFailure::Again(None))
             }
         }
     }
@@ -383,7 +383,7 @@ impl Agent {
 }
 
 /// Why a report did not land.
-enum Failure {
+enum ReportFailure {
     /// berth refused the token: the agent stops.
     Refused,
     /// Try again after this (or the backoff).
@@ -520,12 +520,12 @@ fn state_path(dir: &Path) -> PathBuf {
 
 /// The state file, or a fresh state for a new node; a file for another
 /// node or of another layout is refused.
-fn load_state(dir: &Path, node: &str) -> Result<State, String> {
+fn load_state(dir: &Path, node: &str) -> Result<AgentState, String> {
     let path = state_path(dir);
     let text = match std::fs::read_to_string(&path) {
         Ok(text) => text,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return Ok(State {
+            return Ok(AgentState {
                 version: STATE_VERSION,
                 node: node.to_string(),
                 highest_fence: 0,
@@ -536,7 +536,7 @@ fn load_state(dir: &Path, node: &str) -> Result<State, String> {
         }
         Err(e) => return Err(format!("cannot read {}: {e}", path.display())),
     };
-    let state: State = serde_json::from_str(&text)
+    let state: AgentState = serde_json::from_str(&text)
         .map_err(|e| format!("{} is not an agent's state file: {e}", path.display()))?;
     if state.version != STATE_VERSION || state.node != node {
         return Err(format!(
@@ -550,7 +550,7 @@ fn load_state(dir: &Path, node: &str) -> Result<State, String> {
 }
 
 /// Writes the state file whole (temporary file, sync, rename, sync).
-fn save_state(dir: &Path, state: &State) -> Result<(), String> {
+fn save_state(dir: &Path, state: &AgentState) -> Result<(), String> {
     let bytes = serde_json::to_vec_pretty(state).map_err(|e| e.to_string())?;
     crate::durable::replace(&state_path(dir), &bytes, 0o600)
         .map_err(|e| format!("cannot write {}: {e}", state_path(dir).display()))

@@ -9,7 +9,7 @@ use super::auth::{Caller, Refused};
 use super::errors::{ApiError, Code};
 use super::{cursor, Ctx, Reply, Request};
 use crate::audit::merkle;
-use crate::audit::{Actor, Draft, Event, Outcome};
+use crate::audit::{Actor, AuditResult, Draft, Event};
 use crate::model::{format_build_id, is_valid_deployment_id, parse_build_id};
 use crate::store::{AuditLookup, StoredNodes};
 
@@ -28,7 +28,7 @@ pub fn draft(
         .filter(|id| is_valid_deployment_id(id))
         .map(str::to_string);
     // The same event as berth's own, then the request's id and build.
-    let mut draft = crate::engine::audit::system_draft(action, deployment, Outcome::Ok);
+    let mut draft = crate::engine::audit::system_draft(action, deployment, AuditResult::Ok);
     draft.build = build.map(format_build_id);
     draft.request_id = request_id.to_string();
     draft
@@ -43,11 +43,11 @@ pub fn by(mut draft: Draft, caller: &Caller) -> Draft {
 
 /// Result and reason of a call that failed: the error's code or finer
 /// reason, never a value of the request.
-fn classify(e: &ApiError) -> (Outcome, String) {
+fn classify(e: &ApiError) -> (AuditResult, String) {
     let outcome = match e.code {
-        Code::Unauthenticated | Code::Forbidden => Outcome::Denied,
+        Code::Unauthenticated | Code::Forbidden => AuditResult::Denied,
         Code::InvalidRequest | Code::PayloadTooLarge | Code::UnsupportedMediaType => {
-            Outcome::Invalid
+            AuditResult::Invalid
         }
         // A configuration the deployer or the schema refused is a refusal
         // of the change (audit.md), as every other answer here.
@@ -62,7 +62,7 @@ fn classify(e: &ApiError) -> (Outcome, String) {
         | Code::StaleAuthority
         | Code::EvalUnavailable
         | Code::Unavailable
-        | Code::Internal => Outcome::Refused,
+        | Code::Internal => AuditResult::Refused,
     };
     let reason = e
         .reason
@@ -82,7 +82,7 @@ pub async fn refused(ctx: &Ctx, mut draft: Draft, r: &Refused) {
     if draft.actor.is_none() && !draft.trusted_backend {
         ctx.engine.audit_anonymous_denial(draft).await;
     } else {
-        if let (Some(actor), Outcome::Denied) = (&draft.actor, draft.result) {
+        if let (Some(actor), AuditResult::Denied) = (&draft.actor, draft.result) {
             let issuer = actor.issuer.as_deref().unwrap_or("");
             ctx.engine
                 .metrics

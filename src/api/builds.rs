@@ -245,76 +245,10 @@ fn stream_log(
     places: Vec<ChunkPlace>,
     range: Option<(u64, u64)>,
 ) -> warp::reply::Response {
-    use futures_util::StreamExt as _;
     use warp::Reply as _;
     let (tx, rx) =
         tokio::sync::mpsc::channel::<Result<bytes::Bytes, std::io::Error>>(LOG_STREAM_AHEAD);
-    tokio::spawn(async move {
-        let fail = |e: String| {
-            tracing::error!(build = %format_build_id(id), error = %e, "a log stream stopped");
-            std::io::Error::other(e)
-        };
-        // One snapshot for the whole read, shared by the decoders.
-        let snapshot = match store.read() {
-            Ok(s) => std::sync::Arc::new(s),
-            Err(e) => {
-                let _ = tx.send(Err(fail(e.to_string()))).await;
-                return;
-            }
-        };
-        // Chunks decode on the blocking pool, `LOG_DECODE_AHEAD` at once,
-        // and go out in order: decompression, not the socket, bounds a
-        // full read, and it parallelizes by chunk.
-        let mut places = places.into_iter();
-        let mut decoding = futures_util::stream::FuturesOrdered::new();
-        loop {
-            // Room for one more piece first: a reader that does not read
-            // stops the decoding too, so it holds a few chunks at most.
-            let Ok(permit) = tx.reserve().await else {
-                return;
-            };
-            while decoding.len() < LOG_DECODE_AHEAD {
-                let Some(p) = places.next() else { break };
-                let snapshot = snapshot.clone();
-                decoding.push_back(tokio::task::spawn_blocking(move || {
-                    snapshot
-                        .log_chunk(id, p.number)
-                        .map_err(|e| e.to_string())
-                        .and_then(|c| {
-                            c.ok_or_else(|| "an indexed log chunk is missing".to_string())
-                        })
-                        .and_then(|c| {
-                            decompress_chunk_sized(&c, p.raw_len).map_err(|e| e.to_string())
-                        })
-                        .and_then(|raw| match range {
-                            None => Ok(raw),
-                            Some((start, end)) => {
-                                // The part of this chunk inside [start, end].
-                                let from = start.saturating_sub(p.first_byte) as usize;
-                                let to = ((end + 1).min(p.first_byte + p.raw_len) - p.first_byte)
-                                    as usize;
-                                raw.get(from..to).map(<[u8]>::to_vec).ok_or_else(|| {
-                                    "a log chunk is shorter than its index says".to_string()
-                                })
-                            }
-                        })
-                }));
-            }
-            let Some(decoded) = decoding.next().await else {
-                return;
-            };
-            let item = decoded
-                .map_err(|_| "a log decoding task stopped".to_string())
-                .and_then(|r| r)
-                .map(bytes::Bytes::from)
-                .map_err(fail);
-            let failed = item.is_err();
-            permit.send(item);
-            if failed {
-                return;
-            }
-        }
-    });
+    tokio::spawn(send_log(store, id, places, range, tx));
     let body = tokio_stream::wrappers::ReceiverStream::new(rx);
     let mut response = warp::reply::stream(body).into_response();
     let h = response.headers_mut();
@@ -324,6 +258,85 @@ fn stream_log(
         warp::http::HeaderValue::from_static("bytes"),
     );
     response
+}
+
+/// Sends the log's chunks (or the part of each inside `range`) in order.
+/// Chunks decode on the blocking pool, `LOG_DECODE_AHEAD` at once:
+/// decompression, not the socket, bounds a full read, and it parallelizes
+/// by chunk.
+async fn send_log(
+    store: Reader,
+    id: BuildId,
+    places: Vec<ChunkPlace>,
+    range: Option<(u64, u64)>,
+    tx: tokio::sync::mpsc::Sender<Result<bytes::Bytes, std::io::Error>>,
+) {
+    use futures_util::StreamExt as _;
+    let fail = |e: String| {
+        tracing::error!(build = %format_build_id(id), error = %e, "a log stream stopped");
+        std::io::Error::other(e)
+    };
+    // One snapshot for the whole read, shared by the decoders.
+    let snapshot = match store.read() {
+        Ok(s) => std::sync::Arc::new(s),
+        Err(e) => {
+            if tx.send(Err(fail(e.to_string()))).await.is_err() {
+                tracing::debug!("the log's reader left before its error");
+            }
+            return;
+        }
+    };
+    let mut places = places.into_iter();
+    let mut decoding = futures_util::stream::FuturesOrdered::new();
+    loop {
+        // Room for one more piece first: a reader that does not read
+        // stops the decoding too, so it holds a few chunks at most.
+        let Ok(permit) = tx.reserve().await else {
+            return;
+        };
+        while decoding.len() < LOG_DECODE_AHEAD {
+            let Some(p) = places.next() else { break };
+            let snapshot = snapshot.clone();
+            decoding.push_back(tokio::task::spawn_blocking(move || {
+                decode_piece(&snapshot, id, &p, range)
+            }));
+        }
+        let Some(decoded) = decoding.next().await else {
+            return;
+        };
+        let item = decoded
+            .map_err(|_| "a log decoding task stopped".to_string())
+            .and_then(|r| r)
+            .map(bytes::Bytes::from)
+            .map_err(fail);
+        let failed = item.is_err();
+        permit.send(item);
+        if failed {
+            return;
+        }
+    }
+}
+
+/// One stored chunk decoded, cut to the part of it inside `range`.
+fn decode_piece(
+    snapshot: &crate::store::Rx,
+    id: BuildId,
+    p: &ChunkPlace,
+    range: Option<(u64, u64)>,
+) -> Result<Vec<u8>, String> {
+    let chunk = snapshot
+        .log_chunk(id, p.number)
+        .map_err(|e| e.to_string())?
+        .ok_or_else(|| "an indexed log chunk is missing".to_string())?;
+    let raw = decompress_chunk_sized(&chunk, p.raw_len).map_err(|e| e.to_string())?;
+    let Some((start, end)) = range else {
+        return Ok(raw);
+    };
+    let from = start.saturating_sub(p.first_byte) as usize;
+    let to = ((end + 1).min(p.first_byte + p.raw_len) - p.first_byte) as usize;
+    raw.get(from..to)
+        .map(<[u8]>::to_vec)
+        .ok_or_else(|| "a log chunk is shorter than its index says".to_string())
 }
 
 fn range_not_satisfiable(len: u64) -> ApiError {

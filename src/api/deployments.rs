@@ -36,20 +36,7 @@ pub const MAX_LIST_SCAN: usize = 10_000;
 
 pub async fn list(ctx: &Ctx, req: &Request, caller: &Caller) -> Result<Reply, ApiError> {
     let limit = super::cursor::page_limit(req)?;
-    let mut ids: Vec<&str> = req.query_all("id").collect();
-    if ids.len() > MAX_ID_FILTERS {
-        return Err(
-            ApiError::bad_request("at most 200 id parameters").field("/query/id", "too_many")
-        );
-    }
-    if ids.iter().any(|id| !is_valid_deployment_id(id)) {
-        return Err(ApiError::bad_request(
-            "each id is a deployment id: a DNS label of at most 40 characters",
-        )
-        .field("/query/id", "deployment_id"));
-    }
-    ids.sort_unstable();
-    ids.dedup();
+    let ids = id_filter(req)?;
     // The cursor is bound to the filter: an unambiguous encoding of it (a
     // JSON list), so one filter's cursor never passes for another's.
     let filter = if ids.is_empty() {
@@ -66,31 +53,74 @@ pub async fn list(ctx: &Ctx, req: &Request, caller: &Caller) -> Result<Reply, Ap
         )?),
         None => None,
     };
-    // api.md "Pagination": a cursor names only the last item its caller
-    // was shown. Items are filtered through `read` *before* the page and
-    // its cursor are cut, so neither a hidden id nor the existence of a
-    // guessed one can leak through `next_cursor`.
     let rx = ctx.engine.read()?;
+    let (mut allowed, scanned) = readable_page(ctx, caller, &rx, &ids, after, limit).await?;
+    let next_cursor = if allowed.len() > limit {
+        allowed.truncate(limit);
+        allowed
+            .last()
+            .map(|d| cursor::encode(&ctx.cursor_key, &caller.identity(), &filter, &d.id))
+    } else if scanned >= MAX_LIST_SCAN {
+        // The scan's bound: go on after the last item shown (never after a
+        // hidden one); a page that showed none ends the list here.
+        allowed
+            .last()
+            .map(|d| cursor::encode(&ctx.cursor_key, &caller.identity(), &filter, &d.id))
+    } else {
+        None
+    };
+    let mut items = Vec::with_capacity(allowed.len());
+    for d in &allowed {
+        let last = d.last_build.map(|b| rx.build(b)).transpose()?.flatten();
+        items.push(d.summary(last.as_ref()));
+    }
+    Ok(Reply::json(
+        200,
+        &serde_json::json!({"items": items, "next_cursor": next_cursor}),
+    ))
+}
+
+/// The list's `id` filter: at most `MAX_ID_FILTERS` valid ids, sorted and
+/// without repeats.
+fn id_filter(req: &Request) -> Result<Vec<&str>, ApiError> {
+    let mut ids: Vec<&str> = req.query_all("id").collect();
+    if ids.len() > MAX_ID_FILTERS {
+        return Err(
+            ApiError::bad_request("at most 200 id parameters").field("/query/id", "too_many")
+        );
+    }
+    if ids.iter().any(|id| !is_valid_deployment_id(id)) {
+        return Err(ApiError::bad_request(
+            "each id is a deployment id: a DNS label of at most 40 characters",
+        )
+        .field("/query/id", "deployment_id"));
+    }
+    ids.sort_unstable();
+    ids.dedup();
+    Ok(ids)
+}
+
+/// Up to `limit + 1` deployments after `after` that `caller` may read,
+/// and how many were scanned (at most `MAX_LIST_SCAN`). api.md
+/// "Pagination": a cursor names only the last item its caller was shown,
+/// so items are filtered through `read` *before* the page and its cursor
+/// are cut: neither a hidden id nor the existence of a guessed one leaks
+/// through `next_cursor`.
+async fn readable_page(
+    ctx: &Ctx,
+    caller: &Caller,
+    rx: &crate::store::Rx,
+    ids: &[&str],
+    after: Option<String>,
+    limit: usize,
+) -> Result<(Vec<DeploymentRecord>, usize), ApiError> {
     let mut allowed: Vec<DeploymentRecord> = Vec::with_capacity(limit + 1);
-    let mut position = after.clone();
+    let mut position = after;
     let mut scanned = 0usize;
     'scan: while allowed.len() <= limit {
-        let batch = if ids.is_empty() {
-            rx.deployments_after(position.as_deref(), limit + 1)?
-        } else {
-            let mut found = Vec::new();
-            for id in ids
-                .iter()
-                .filter(|id| position.as_deref().is_none_or(|a| **id > a))
-            {
-                if let Some(d) = rx.deployment(id)? {
-                    found.push(d);
-                    if found.len() > limit {
-                        break;
-                    }
-                }
-            }
-            found
+        let batch = match ids.is_empty() {
+            true => rx.deployments_after(position.as_deref(), limit + 1)?,
+            false => named_after(rx, ids, position.as_deref(), limit)?,
         };
         if batch.is_empty() {
             break;
@@ -110,30 +140,27 @@ pub async fn list(ctx: &Ctx, req: &Request, caller: &Caller) -> Result<Reply, Ap
             }
         }
     }
-    let next_cursor = if allowed.len() > limit {
-        allowed.truncate(limit);
-        allowed
-            .last()
-            .map(|d| cursor::encode(&ctx.cursor_key, &caller.identity(), &filter, &d.id))
-    } else if scanned >= MAX_LIST_SCAN {
-        // The scan's bound: go on after the last item shown (never after a
-        // hidden one); a page that showed none ends the list here.
-        allowed
-            .last()
-            .map(|d| cursor::encode(&ctx.cursor_key, &caller.identity(), &filter, &d.id))
-    } else {
-        None
-    };
-    let records = allowed;
-    let mut items = Vec::with_capacity(records.len());
-    for d in &records {
-        let last = d.last_build.map(|b| rx.build(b)).transpose()?.flatten();
-        items.push(d.summary(last.as_ref()));
+    Ok((allowed, scanned))
+}
+
+/// Of the deployments `ids` names (sorted), up to `limit + 1` that exist
+/// after `after`.
+fn named_after(
+    rx: &crate::store::Rx,
+    ids: &[&str],
+    after: Option<&str>,
+    limit: usize,
+) -> Result<Vec<DeploymentRecord>, ApiError> {
+    let mut found = Vec::new();
+    for id in ids.iter().filter(|id| after.is_none_or(|a| **id > a)) {
+        if let Some(d) = rx.deployment(id)? {
+            found.push(d);
+            if found.len() > limit {
+                break;
+            }
+        }
     }
-    Ok(Reply::json(
-        200,
-        &serde_json::json!({"items": items, "next_cursor": next_cursor}),
-    ))
+    Ok(found)
 }
 
 #[derive(Serialize)]
@@ -278,28 +305,7 @@ pub fn render_view(
         None => Vec::new(),
     };
     let damaged = StoreError::damaged_snapshot;
-    let supported = |name: &str| {
-        d.deployed.as_ref().is_some_and(|dep| {
-            facts
-                .described
-                .get(&dep.snapshot.source.digest)
-                .is_some_and(|described| described.supports(name, &dep.method))
-        })
-    };
-    let facts_of_actions = engine::actions::Facts {
-        supported,
-        earlier_build,
-        rollout: rollout.as_ref().map(|r| &r.rollout),
-        frozen,
-    };
-    let actions = engine::actions::list(d, &facts_of_actions)
-        .into_iter()
-        .map(|a| ActionView {
-            name: a.name,
-            enabled: a.reason.is_none(),
-            reason: a.reason.map(|r| r.code()),
-        })
-        .collect();
+    let actions = action_views(facts, d, earlier_build, rollout.as_ref(), frozen);
     let default = facts.default_source.as_ref();
     let available = match (default, &d.deployed) {
         (Some(default), Some(dep)) => dep.snapshot.source != *default,
@@ -341,6 +347,38 @@ pub fn render_view(
         read_only,
     };
     Ok(Reply::json(200, &v).header("ETag", format!("\"{}\"", d.revision)))
+}
+
+/// The actions a client may offer now, each with why not when it may not.
+fn action_views(
+    facts: &SourceFacts,
+    d: &DeploymentRecord,
+    earlier_build: bool,
+    rollout: Option<&RolloutRecord>,
+    frozen: bool,
+) -> Vec<ActionView> {
+    let supported = |name: &str| {
+        d.deployed.as_ref().is_some_and(|dep| {
+            facts
+                .described
+                .get(&dep.snapshot.source.digest)
+                .is_some_and(|described| described.supports(name, &dep.method))
+        })
+    };
+    let facts_of_actions = engine::actions::Facts {
+        supported,
+        earlier_build,
+        rollout: rollout.map(|r| &r.rollout),
+        frozen,
+    };
+    engine::actions::list(d, &facts_of_actions)
+        .into_iter()
+        .map(|a| ActionView {
+            name: a.name,
+            enabled: a.reason.is_none(),
+            reason: a.reason.map(|r| r.code()),
+        })
+        .collect()
 }
 
 /// What only the deployment read shows, and the running build's rollout.

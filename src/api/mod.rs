@@ -34,6 +34,7 @@ pub mod errors;
 pub mod events;
 pub mod freeze;
 pub mod idempotency;
+pub mod metrics;
 pub mod ops;
 pub mod page;
 pub mod routes;
@@ -292,7 +293,7 @@ where
     let (route, reply) = match dispatch(&ctx, head, body, &request_id).await {
         Ok((route, Answer::Reply(r))) => (route, r),
         Ok((route, Answer::Stream(mut response))) => {
-            ops::count_request(&ctx, route, response.status().as_u16());
+            metrics::count_request(&ctx, route, response.status().as_u16());
             if let Ok(v) = HeaderValue::from_str(&request_id) {
                 response.headers_mut().insert("x-request-id", v);
             }
@@ -304,7 +305,7 @@ where
     if reply.status >= 500 {
         tracing::warn!(%request_id, route, status = reply.status, "request failed");
     }
-    ops::count_request(&ctx, route, reply.status);
+    metrics::count_request(&ctx, route, reply.status);
     let mut response = into_http(reply, &request_id);
     cors::decorate(origins, origin, &mut response);
     response

@@ -659,7 +659,7 @@ pub async fn public(ctx: &Arc<Ctx>, call: PublicCall, req: &Request) -> Result<A
 
 /// Runs `/metrics` (the handler checks `--metrics-public`).
 pub fn metrics(ctx: &Ctx, req: &Request) -> Result<Answer, ApiError> {
-    ops::metrics(ctx, req).map(Answer::Reply)
+    super::metrics::metrics(ctx, req).map(Answer::Reply)
 }
 
 /// Runs an event stream (the handler checks its credential).
@@ -711,6 +711,10 @@ pub async fn token(
 /// key. Its audit event is written with the change (inside the engine's
 /// transaction) or, when it changed nothing, here on its own. An
 /// idempotent replay is not a new call and writes none.
+///
+/// One arm per mutation: the match is exhaustive on purpose (a new
+/// mutation does not compile until it is routed here), so its length is
+/// the number of mutations, not logic to follow.
 pub async fn mutation(
     ctx: &Arc<Ctx>,
     call: MutationCall,

@@ -63,7 +63,7 @@ fn webhook_id(req: &Request) -> Result<u128, ApiError> {
 /// `POST /v1/webhooks`: 201 with the subscription and its secret.
 pub async fn create(ctx: &Ctx, req: &Request, w: Write) -> Result<Reply, ApiError> {
     let map = super::json_object(&req.body, &["url", "events", "deployments", "description"])?;
-    let url = checked_url(map.get("url"), &ctx.engine.settings.webhook_origin)?;
+    let url = checked_url(map.get("url"), &ctx.engine.webhook_rule)?;
     let events = checked_events(map.get("events"))?;
     let deployments = checked_deployments(map.get("deployments"))?;
     let description = match map.get("description") {
@@ -99,8 +99,12 @@ fn bad(pointer: &str, code: &str, message: &str) -> ApiError {
 }
 
 /// A subscription's `url`: http(s), at most `MAX_URL_BYTES`, no userinfo,
-/// its origin in `--webhook-origin` (`allowed`).
-fn checked_url(url: Option<&Value>, allowed: &[String]) -> Result<String, ApiError> {
+/// one of `--webhook-origin`'s origins spelled as configured, then a path
+/// (`rule`, the pattern the served document states).
+fn checked_url(
+    url: Option<&Value>,
+    rule: &crate::engine::CallbackRule,
+) -> Result<String, ApiError> {
     let url = match url {
         Some(Value::String(u)) if u.len() <= MAX_URL_BYTES => u.clone(),
         _ => {
@@ -125,7 +129,7 @@ fn checked_url(url: Option<&Value>, allowed: &[String]) -> Result<String, ApiErr
             "url must not carry a user name or password; authenticate the receiver by the signature",
         ));
     }
-    if !crate::engine::origin_allowed(&url, allowed) {
+    if !rule.takes(&url) {
         return Err(bad(
             "/url",
             "webhook_origin_not_allowed",

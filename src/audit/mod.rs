@@ -48,20 +48,20 @@ impl Actor {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
-pub enum Outcome {
+pub enum AuditResult {
     Ok,
     Refused,
     Denied,
     Invalid,
 }
 
-impl Outcome {
+impl AuditResult {
     pub fn as_str(self) -> &'static str {
         match self {
-            Outcome::Ok => "ok",
-            Outcome::Refused => "refused",
-            Outcome::Denied => "denied",
-            Outcome::Invalid => "invalid",
+            AuditResult::Ok => "ok",
+            AuditResult::Refused => "refused",
+            AuditResult::Denied => "denied",
+            AuditResult::Invalid => "invalid",
         }
     }
 }
@@ -78,7 +78,7 @@ pub struct Draft {
     pub deployment: Option<String>,
     pub build: Option<String>,
     pub request_id: String,
-    pub result: Outcome,
+    pub result: AuditResult,
     /// An error code or rule name, never a value of the request.
     pub reason: Option<String>,
     pub count: u64,
@@ -100,7 +100,7 @@ pub struct Event {
     pub prev_hash: String,
     pub reason: Option<String>,
     pub request_id: String,
-    pub result: Outcome,
+    pub result: AuditResult,
     pub seq: u64,
     pub trusted_backend: bool,
 }

@@ -12,7 +12,7 @@ fn draft(i: u64) -> Draft {
         deployment: Some("alice".into()),
         build: None,
         request_id: format!("req-{i}"),
-        result: Outcome::Ok,
+        result: AuditResult::Ok,
         reason: None,
         count: 1,
     }
@@ -122,7 +122,7 @@ fn each_kind_of_tampering_is_found_at_its_seq() {
     let forged: Vec<(u64, Vec<u8>)> = (1..=10)
         .map(|seq| {
             let mut d = draft(seq);
-            d.result = Outcome::Refused;
+            d.result = AuditResult::Refused;
             let s = seal(&d, seq, &prev);
             prev = s.hash;
             (seq, s.row)

@@ -880,7 +880,7 @@ fn refused_tx(
         let mut draft = super::audit_events::system_draft(
             "attempt_refused",
             Some(n.deployment.clone()),
-            crate::audit::Outcome::Refused,
+            crate::audit::AuditResult::Refused,
         );
         draft.actor = Some(crate::audit::Actor {
             issuer: Some("berth:agent".into()),

@@ -27,7 +27,7 @@ use super::remote_log::{append_amid, Amid};
 use super::runner::Ended;
 use super::staging::PreparedFiles;
 use super::transition::Change;
-use super::verdict::{parse_result, Outcome};
+use super::verdict::{parse_result, RunOutcome};
 
 /// A remote worker's file artifacts are not carried to berth yet
 /// (docs/agents.md "Not yet"): a node's file artifact from a worker is
@@ -37,7 +37,7 @@ fn not_carried(_: &str) -> Result<Option<super::verdict::ArtifactRead>, String> 
 }
 use super::work_state::NewWorkState;
 use super::Engine;
-use crate::audit::{Actor, Draft, Outcome as AuditOutcome};
+use crate::audit::{Actor, AuditResult, Draft};
 use crate::authority::{self, Call, ClaimScene, Replay, Stale};
 use crate::events::{BuildEvent, Hub};
 use crate::model::*;
@@ -689,7 +689,7 @@ fn claim_tx(
     let items = [Amid::Event(BuildEvent::Attempt, claimed), Amid::Line(line)];
     append_amid(tx, hub, &mut b, &mut a, u64::MAX, &items, now)?;
     tx.put_build(&b)?;
-    change.audit(&worker_draft("attempt_claim", worker, &b, AuditOutcome::Ok))?;
+    change.audit(&worker_draft("attempt_claim", worker, &b, AuditResult::Ok))?;
     let answer = claim_answer(
         &ctx.settings,
         &b,
@@ -737,7 +737,7 @@ fn refuse_claim(
     b: &BuildRecord,
     refusal: authority::ClaimRefusal,
 ) -> StoreResult<Result<Answered, Refusal>> {
-    let mut draft = worker_draft("attempt_claim", worker, b, AuditOutcome::Refused);
+    let mut draft = worker_draft("attempt_claim", worker, b, AuditResult::Refused);
     draft.reason = Some(refusal.reason().into());
     change.audit(&draft)?;
     Ok(Err(Refusal::Claim(refusal)))
@@ -858,7 +858,7 @@ fn worker_draft(
     action: &'static str,
     worker: &WorkerCaller,
     b: &BuildRecord,
-    result: AuditOutcome,
+    result: AuditResult,
 ) -> Draft {
     let mut draft = crate::engine::audit::system_draft(action, Some(b.deployment.clone()), result);
     draft.actor = Some(worker.actor());
@@ -955,7 +955,7 @@ fn refuse(
     let Some(b) = tx.build(a.build)? else {
         return Ok(());
     };
-    let mut draft = worker_draft("attempt_refused", worker, &b, AuditOutcome::Refused);
+    let mut draft = worker_draft("attempt_refused", worker, &b, AuditResult::Refused);
     draft.reason = Some(stale.reason().into());
     Change::new(tx, hub).audit(&draft)
 }
@@ -1111,7 +1111,7 @@ fn append<'i>(
                 let data =
                     json!({"node": node, "healthy": healthy, "reason": reason, "attempt": attempt});
                 amid.push(Amid::Event(BuildEvent::Health, data.to_string()));
-                let answer = super::health::Answer {
+                let answer = super::health::HealthAnswer {
                     node: node.clone(),
                     healthy: *healthy,
                     reason: reason.clone(),
@@ -1173,7 +1173,7 @@ fn lose_tx(
     let mut draft = crate::engine::audit::system_draft(
         "attempt_lost",
         Some(b.deployment.clone()),
-        AuditOutcome::Ok,
+        AuditResult::Ok,
     );
     draft.build = Some(format_build_id(b.id));
     draft.reason = Some(why.replace(' ', "_"));
@@ -1293,7 +1293,7 @@ fn settle(
     let closing = closing_lines(&result, a);
     append_amid(tx, hub, &mut b, a, u64::MAX, &closing, now)?;
     tx.put_build(&b)?;
-    let judged = Outcome {
+    let judged = RunOutcome {
         root: std::path::PathBuf::new(),
         ended,
         result,
@@ -1322,7 +1322,7 @@ fn settle(
             "a finished build without its record",
         ));
     };
-    let mut draft = worker_draft("attempt_outcome", worker, &done, AuditOutcome::Ok);
+    let mut draft = worker_draft("attempt_outcome", worker, &done, AuditResult::Ok);
     draft.count = a.accepted_calls;
     Change::new(tx, hub).audit(&draft)?;
     serde_json::to_string(&done.summary())

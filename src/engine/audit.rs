@@ -14,7 +14,7 @@ pub use super::audit_events::system_draft;
 pub use super::audit_events::{EVENTS_WRITTEN, WRITE_FAILURES};
 use super::transition::Change;
 use super::Engine;
-use crate::audit::{Draft, Event, Outcome};
+use crate::audit::{AuditResult, Draft, Event};
 use crate::model::{format_build_id, now_millis, BuildId};
 use crate::store::{AuditLookup, StoreResult, Tx};
 
@@ -168,7 +168,7 @@ impl Engine {
                     let Some(p) = tx.prune_audit(cutoff, PRUNE_BATCH)? else {
                         return Ok(None);
                     };
-                    let mut draft = system_draft("audit_prune", None, Outcome::Ok);
+                    let mut draft = system_draft("audit_prune", None, AuditResult::Ok);
                     draft.count = p.removed;
                     append(tx, &draft)?;
                     Ok(Some(p))
@@ -188,7 +188,7 @@ impl Engine {
 }
 
 fn folded_event(count: u64) -> Draft {
-    let mut d = system_draft("denied_anonymous", None, Outcome::Denied);
+    let mut d = system_draft("denied_anonymous", None, AuditResult::Denied);
     d.reason = Some("unauthenticated".into());
     d.count = count;
     d

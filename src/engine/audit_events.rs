@@ -5,7 +5,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::audit::{Draft, Event, Outcome};
+use crate::audit::{AuditResult, Draft, Event};
 use crate::model::now_millis;
 use crate::store::{StoreResult, Tx};
 
@@ -48,7 +48,11 @@ fn log_line(e: &Event) {
 }
 
 /// The event of berth acting by itself (an automatic update, retention).
-pub fn system_draft(action: &'static str, deployment: Option<String>, result: Outcome) -> Draft {
+pub fn system_draft(
+    action: &'static str,
+    deployment: Option<String>,
+    result: AuditResult,
+) -> Draft {
     Draft {
         at: now_millis(),
         actor: None,

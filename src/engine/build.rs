@@ -18,7 +18,7 @@ use super::queue::QUEUE_POLL;
 use super::rollouts::Verbs;
 use super::runner::{self, CallDirs, Ended, Invocation};
 use super::transition::Change;
-use super::verdict::{read_deploy_result, Outcome};
+use super::verdict::{read_deploy_result, RunOutcome};
 use super::work_state::NewWorkState;
 use super::Engine;
 use crate::events::{Channel, Frame, Hub};
@@ -63,7 +63,7 @@ impl Engine {
                 let root = self.settings.scratch_root().join(format_build_id(build.id));
                 let log = LogBuffer::new(0, build.log_first_seq, build.seq_reserved);
                 (
-                    Outcome::failed(&root, failure, log),
+                    RunOutcome::failed(&root, failure, log),
                     NewWorkState::Unchanged,
                 )
             }
@@ -78,7 +78,7 @@ impl Engine {
     pub(super) async fn conclude(
         self: &Arc<Self>,
         build: BuildRecord,
-        outcome: Outcome,
+        outcome: RunOutcome,
         work_state: NewWorkState,
     ) {
         let build_id = build.id;
@@ -134,7 +134,7 @@ impl Engine {
         build: &BuildRecord,
         snaps: &BuildSnapshots,
         cancel: watch::Receiver<Halt>,
-    ) -> Outcome {
+    ) -> RunOutcome {
         let (inv, root, request) = match self.prepare_call(build, snaps) {
             Ok(call) => call,
             Err(outcome) => return *outcome,
@@ -146,7 +146,7 @@ impl Engine {
         );
         let spawned = match self.spawn_and_record(build.id, &inv, &mut log).await {
             Ok(spawned) => spawned,
-            Err(failure) => return Outcome::failed(&root, failure, log),
+            Err(failure) => return RunOutcome::failed(&root, failure, log),
         };
         // The runner waits on the deployer and sends its lines; a cancel, a
         // shutdown or a log that cannot be stored stops it (`stop_tx`).
@@ -192,7 +192,7 @@ impl Engine {
             (Ok(Ended::Cancelled), _) => halted,
             (Ok(_) | Err(_), _) => Halt::No,
         };
-        Outcome {
+        RunOutcome {
             root,
             ended,
             result,
@@ -292,12 +292,12 @@ impl Engine {
         &self,
         build: &BuildRecord,
         snaps: &BuildSnapshots,
-    ) -> Result<(Invocation, std::path::PathBuf, serde_json::Value), Box<Outcome>> {
+    ) -> Result<(Invocation, std::path::PathBuf, serde_json::Value), Box<RunOutcome>> {
         let id_text = format_build_id(build.id);
         let work_dir = self.settings.work_dir(&build.deployment);
         let root = self.settings.scratch_root().join(&id_text);
         let not_run = |detail: String| {
-            Box::new(Outcome::failed(
+            Box::new(RunOutcome::failed(
                 &root,
                 Failure::new(FailureReason::SpawnFailed, detail),
                 LogBuffer::new(0, build.log_first_seq, build.seq_reserved),
@@ -428,7 +428,7 @@ impl Engine {
     async fn finish(
         self: &Arc<Self>,
         build: BuildRecord,
-        mut outcome: Outcome,
+        mut outcome: RunOutcome,
         work_state: NewWorkState,
     ) -> bool {
         let end = outcome.verdict(self.settings.build_timeout);
@@ -436,9 +436,42 @@ impl Engine {
             Some(Ok(nodes)) => nodes,
             _ => vec![],
         };
-        // berth's own closing lines go out with the final commit.
+        let (late_frames, last_chunk) = self.close_log(build.id, &nodes, &mut outcome);
+        let (build_id, kind, status) = (build.id, build.kind, end.status);
+        let finished = Arc::new(Finished {
+            end,
+            nodes,
+            last_chunk,
+            late_frames,
+            last_seq_used: outcome.log.next_seq.saturating_sub(1),
+            log_gaps: outcome.log.gaps.clone(),
+            work_state,
+            keep_work_states: self.settings.keep_work_states,
+        });
+        if kind == BuildKind::Destroy && status == BuildStatus::Succeeded {
+            self.remove_destroyed_work_dir(&build);
+        }
+        let (stored, as_judged) = self.store_final(build_id, finished).await;
+        if let Err(e) = std::fs::remove_dir_all(&outcome.root) {
+            tracing::warn!(error = %e, dir = %outcome.root.display(), "cannot remove a finished build's scratch dir");
+        }
+        if as_judged && kind == BuildKind::Destroy && status == BuildStatus::Succeeded {
+            self.callbacks_wake.notify_one();
+        }
+        stored
+    }
+
+    /// berth's own closing lines (SBOMs not made, lines over
+    /// `--max-log-bytes`) as late frames, and the last log chunk,
+    /// compressed; both go out with the final commit.
+    fn close_log(
+        &self,
+        build: BuildId,
+        nodes: &[NodeOutcome],
+        outcome: &mut RunOutcome,
+    ) -> (Vec<Arc<Frame>>, Option<Chunk>) {
         let mut late_frames = Vec::new();
-        for node in &nodes {
+        for node in nodes {
             if let SbomOutcome::Unavailable(reason) = &node.sbom {
                 let line = format!("[berth] node {}: SBOM unavailable: {reason}", node.name);
                 if let Some(seq) = outcome.log.push(&line) {
@@ -459,45 +492,36 @@ impl Engine {
             Err(e) => {
                 // In-memory zstd does not fail; if it ever did, the lines
                 // were sent live but are not kept, and the log says so.
-                tracing::error!(error = %e, build = %format_build_id(build.id), "cannot compress the last log chunk; its lines are not stored");
+                tracing::error!(error = %e, build = %format_build_id(build), "cannot compress the last log chunk; its lines are not stored");
                 None
             }
         };
-        let last_seq_used = outcome.log.next_seq.saturating_sub(1);
         self.metrics
             .log_bytes
             .fetch_add(outcome.log.stored_bytes, Ordering::Relaxed);
-        let build_id = build.id;
-        let kind = build.kind;
-        let status = end.status;
-        let finished = Arc::new(Finished {
-            end,
-            nodes,
-            last_chunk,
-            late_frames,
-            last_seq_used,
-            log_gaps: outcome.log.gaps.clone(),
-            work_state,
-            keep_work_states: self.settings.keep_work_states,
-        });
-        // A destroy whose deployer succeeded has nothing left behind its
-        // work dir: it goes before the commit that says so, so a reader who
-        // sees `succeeded` (or the deployment `idle`) never finds it still
-        // there. Were that commit to fail, the dir is gone all the same,
-        // which is true to what the deployer did; a destroy run again finds
-        // nothing to take down.
-        if kind == BuildKind::Destroy && status == BuildStatus::Succeeded {
-            let work_dir = self.settings.work_dir(&build.deployment);
-            match std::fs::remove_dir_all(&work_dir) {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => {
-                    tracing::warn!(error = %e, dir = %work_dir.display(), build = %format_build_id(build.id), "cannot remove the work dir of a destroyed deployment; remove it by hand")
-                }
+        (late_frames, last_chunk)
+    }
+
+    /// A destroy whose deployer succeeded has nothing left behind its work
+    /// dir: it goes before the commit that says so, so a reader who sees
+    /// `succeeded` (or the deployment `idle`) never finds it still there.
+    /// Were that commit to fail, the dir is gone all the same, which is
+    /// true to what the deployer did; a destroy run again finds nothing.
+    fn remove_destroyed_work_dir(&self, build: &BuildRecord) {
+        let work_dir = self.settings.work_dir(&build.deployment);
+        match std::fs::remove_dir_all(&work_dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => {
+                tracing::warn!(error = %e, dir = %work_dir.display(), build = %format_build_id(build.id), "cannot remove the work dir of a destroyed deployment; remove it by hand")
             }
         }
-        // The final commit is retried until it lands (a full disk that
-        // recovers): a build must not stay `running` without a job.
+    }
+
+    /// The final commit, retried until it lands (a full disk that
+    /// recovers): a build must not stay `running` without a job. Returns
+    /// (stored at all, stored with the verdict as judged).
+    async fn store_final(&self, build_id: BuildId, finished: Arc<Finished>) -> (bool, bool) {
         let result = {
             let (finished, hub) = (finished.clone(), self.hub.clone());
             self.write_until_landed(
@@ -508,47 +532,39 @@ impl Engine {
             )
             .await
         };
-        // (stored at all, stored with the verdict as judged)
-        let (stored, as_judged) = match result {
-            Ok(()) => (true, true),
-            Err(e) => {
-                // What failed may be this build's own records (its chunk,
-                // its SBOMs): store the bare final status instead, failed.
-                tracing::error!(error = %e, build = %format_build_id(build_id), "cannot store the final status of a build; storing it as failed without its last log lines and SBOMs");
-                let bare = Arc::new(Finished {
-                    end: End::failed(
-                        FailureReason::FinalCommitFailed,
-                        "the build's last log lines and results could not be stored",
-                    ),
-                    nodes: vec![],
-                    last_chunk: None,
-                    late_frames: vec![],
-                    last_seq_used: finished.last_seq_used,
-                    log_gaps: finished.log_gaps.clone(),
-                    work_state: NewWorkState::Unchanged,
-                    keep_work_states: self.settings.keep_work_states,
-                });
-                let hub = self.hub.clone();
-                match self
-                    .store
-                    .write_with(Urgency::Must, move |tx| {
-                        finish_tx(tx, &hub, build_id, &bare)
-                    })
-                    .await
-                {
-                    Ok(()) => (true, false),
-                    Err(e) => {
-                        tracing::error!(error = %e, build = %format_build_id(build_id), "cannot store any final status of a build; it stays running until recovery, and its slot stays taken");
-                        (false, false)
-                    }
-                }
-            }
+        let Err(e) = result else {
+            return (true, true);
         };
-        let _ = std::fs::remove_dir_all(&outcome.root);
-        if as_judged && kind == BuildKind::Destroy && status == BuildStatus::Succeeded {
-            self.callbacks_wake.notify_one();
+        // What failed may be this build's own records (its chunk, its
+        // SBOMs): store the bare final status instead, failed.
+        tracing::error!(error = %e, build = %format_build_id(build_id), "cannot store the final status of a build; storing it as failed without its last log lines and SBOMs");
+        let bare = Arc::new(Finished {
+            end: End::failed(
+                FailureReason::FinalCommitFailed,
+                "the build's last log lines and results could not be stored",
+            ),
+            nodes: vec![],
+            last_chunk: None,
+            late_frames: vec![],
+            last_seq_used: finished.last_seq_used,
+            log_gaps: finished.log_gaps.clone(),
+            work_state: NewWorkState::Unchanged,
+            keep_work_states: self.settings.keep_work_states,
+        });
+        let hub = self.hub.clone();
+        let bare_commit = self
+            .store
+            .write_with(Urgency::Must, move |tx| {
+                finish_tx(tx, &hub, build_id, &bare)
+            })
+            .await;
+        match bare_commit {
+            Ok(()) => (true, false),
+            Err(e) => {
+                tracing::error!(error = %e, build = %format_build_id(build_id), "cannot store any final status of a build; it stays running until recovery, and its slot stays taken");
+                (false, false)
+            }
         }
-        stored
     }
 }
 

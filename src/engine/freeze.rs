@@ -99,8 +99,8 @@ pub fn next_change(f: &FreezeRecord, now: Millis) -> Option<Millis> {
     let edge = match &f.window {
         None => None,
         Some(w) => match window_of(w).map(|w| w.state(at(now))) {
-            Some(crate::window::State::Open { closes, .. }) => Some(millis(closes)),
-            Some(crate::window::State::Closed { next }) => next.map(millis),
+            Some(crate::window::WindowState::Open { closes, .. }) => Some(millis(closes)),
+            Some(crate::window::WindowState::Closed { next }) => next.map(millis),
             None => None,
         },
     };
@@ -275,7 +275,7 @@ impl Engine {
                     let mut draft = super::audit::system_draft(
                         "freeze_expire",
                         scope.deployment().map(str::to_string),
-                        crate::audit::Outcome::Ok,
+                        crate::audit::AuditResult::Ok,
                     );
                     draft.reason = None;
                     Change::new(tx, &hub).audit(&draft)?;

@@ -75,7 +75,7 @@ struct NodeHealth {
 }
 
 /// One node's answer, as the event and the log line show it.
-pub struct Answer {
+pub struct HealthAnswer {
     pub node: String,
     pub healthy: bool,
     pub reason: Option<String>,
@@ -103,7 +103,11 @@ pub trait HealthIo {
     /// Lines into the build's log.
     fn lines(&mut self, lines: &[String]) -> impl std::future::Future<Output = ()> + Send;
     /// One node's answer: its `health` event, then its log line.
-    fn answer(&mut self, attempt: u32, a: &Answer) -> impl std::future::Future<Output = ()> + Send;
+    fn answer(
+        &mut self,
+        attempt: u32,
+        a: &HealthAnswer,
+    ) -> impl std::future::Future<Output = ()> + Send;
     /// Who stopped the build, if anyone did.
     fn halted(&self) -> Halt;
     /// Returns when `halted` may have changed.
@@ -185,11 +189,11 @@ pub(super) async fn check(
     request: &Value,
     changed: &[String],
     timeout: Duration,
-) -> Vec<Answer> {
+) -> Vec<HealthAnswer> {
     let all_unhealthy = |reason: &str| {
         changed
             .iter()
-            .map(|node| Answer {
+            .map(|node| HealthAnswer {
                 node: node.clone(),
                 healthy: false,
                 reason: Some(reason.to_string()),
@@ -214,7 +218,7 @@ pub(super) async fn check(
     changed
         .iter()
         .map(|node| match result.nodes.iter().find(|n| &n.name == node) {
-            Some(n) => Answer {
+            Some(n) => HealthAnswer {
                 node: node.clone(),
                 healthy: n.healthy,
                 reason: if n.healthy {
@@ -223,7 +227,7 @@ pub(super) async fn check(
                     Some(cut(n.reason.as_deref().unwrap_or("unhealthy")))
                 },
             },
-            None => Answer {
+            None => HealthAnswer {
                 node: node.clone(),
                 healthy: false,
                 reason: Some("the check gave no answer for this node".into()),
@@ -263,7 +267,7 @@ pub(super) async fn confirm(
 }
 
 /// A health answer's log line.
-pub fn answer_line(attempt: u32, a: &Answer) -> String {
+pub fn answer_line(attempt: u32, a: &HealthAnswer) -> String {
     match &a.reason {
         None => format!("[berth] health check {attempt}: node {} is healthy", a.node),
         Some(reason) => format!(
@@ -321,7 +325,7 @@ impl HealthIo for PipeHealth<'_> {
         self.engine.log_lines(self.pipe, lines).await;
     }
 
-    async fn answer(&mut self, attempt: u32, a: &Answer) {
+    async fn answer(&mut self, attempt: u32, a: &HealthAnswer) {
         self.engine
             .health_event(self.build, attempt, a, self.pipe)
             .await;
@@ -367,7 +371,13 @@ impl Engine {
 
     /// One node's answer: a `health` event (its own commit, after the log
     /// lines before it), then its log line.
-    async fn health_event(&self, build: BuildId, attempt: u32, a: &Answer, pipe: &mut LogPipe) {
+    async fn health_event(
+        &self,
+        build: BuildId,
+        attempt: u32,
+        a: &HealthAnswer,
+        pipe: &mut LogPipe,
+    ) {
         let data = json!({
             "node": a.node,
             "healthy": a.healthy,

@@ -106,6 +106,8 @@ pub struct Engine {
     pub settings: Arc<Settings>,
     /// How a destroy's callback is checked (`--callback-origin`).
     pub callback_rule: CallbackRule,
+    /// How a webhook subscription's URL is checked (`--webhook-origin`).
+    pub webhook_rule: CallbackRule,
     /// Reached from above only through the engine's operations (`read`,
     /// `reader`, `keep_answer`, `close_store`).
     store: Store,
@@ -210,9 +212,10 @@ pub fn callback_pattern(allowed: &[String]) -> String {
     format!("^({}){CALLBACK_REST_PATTERN}$", escaped.join("|"))
 }
 
-/// The rule a destroy's callback is checked by: [`callback_pattern`] of
-/// `--callback-origin`, compiled once, and [`CALLBACK_MAX_BYTES`], the
-/// two things the served document states. One implementation, so the
+/// The rule a destroy's callback (of `--callback-origin`) or a webhook's
+/// URL (of `--webhook-origin`) is checked by: [`callback_pattern`] of the
+/// allowed origins, compiled once, and [`CALLBACK_MAX_BYTES`], the two
+/// things the served document states. One implementation, so the
 /// document and the server cannot drift apart.
 pub struct CallbackRule {
     pattern: regex::Regex,
@@ -247,6 +250,7 @@ impl Engine {
             None => (builtin_source(), false),
         };
         let callback_rule = CallbackRule::new(&settings.callback_origin)?;
+        let webhook_rule = CallbackRule::new(&settings.webhook_origin)?;
         let mut random = [0u8; 16];
         getrandom::fill(&mut random)
             .map_err(|e| format!("no randomness for the incarnation: {e}"))?;
@@ -255,6 +259,7 @@ impl Engine {
         Ok(Arc::new(Engine {
             incarnation,
             callback_rule,
+            webhook_rule,
             eval_slots: Arc::new(Semaphore::new(settings.eval_slots)),
             settings,
             store,

@@ -25,7 +25,7 @@ use std::time::Duration;
 use serde_json::{json, Value};
 use tokio::sync::{oneshot, watch};
 
-use super::health::{Answer, CallEnd, HealthIo};
+use super::health::{CallEnd, HealthAnswer, HealthIo};
 use super::outcome::{Halt, NodeOutcome};
 use super::remote_log::Amid;
 use super::rollouts::{RolloutIo, Run};
@@ -197,7 +197,7 @@ impl RemoteRollouts {
 pub fn rollout_done(tx: &impl Lookup, build: BuildId) -> StoreResult<bool> {
     Ok(tx
         .rollout(build)?
-        .is_none_or(|r| r.rollout.state == crate::model::State::Finished))
+        .is_none_or(|r| r.rollout.state == crate::model::RolloutState::Finished))
 }
 
 impl Engine {
@@ -387,7 +387,7 @@ impl HealthIo for RemoteIo {
         self.engine.append_to_remote(self.build, items).await;
     }
 
-    async fn answer(&mut self, attempt: u32, a: &Answer) {
+    async fn answer(&mut self, attempt: u32, a: &HealthAnswer) {
         let data =
             json!({"node": a.node, "healthy": a.healthy, "reason": a.reason, "attempt": attempt});
         let items = vec![
@@ -475,7 +475,7 @@ pub fn awaits_claim(tx: &impl Lookup, b: &BuildRecord) -> StoreResult<bool> {
     }
     Ok(tx
         .rollout(b.id)?
-        .is_some_and(|r| r.rollout.state != crate::model::State::Finished))
+        .is_some_and(|r| r.rollout.state != crate::model::RolloutState::Finished))
 }
 
 /// The write job of `Engine::end_remote_rollout`.
@@ -505,7 +505,7 @@ fn end_unheld_tx(
     super::build::end_attempt(tx, build, AttemptState::Interrupted)?;
     let end = match lost {
         Some(why) => super::outcome::End::failed(FailureReason::LostAttempt, why),
-        None => super::verdict::Outcome {
+        None => super::verdict::RunOutcome {
             root: std::path::PathBuf::new(),
             ended: Ok(Ended::Exit(0)),
             result: Some(Ok(nodes.clone())),

@@ -20,7 +20,7 @@ use tokio::sync::watch;
 use super::log_pipe::{LogBuffer, LogPipe};
 use super::outcome::{Halt, NodeOutcome};
 use super::runner::Ended;
-use super::verdict::Outcome;
+use super::verdict::RunOutcome;
 use super::work_state::NewWorkState;
 use super::Engine;
 use crate::model::*;
@@ -35,7 +35,7 @@ impl Engine {
     /// goes on after a restart or a shutdown.
     pub(super) fn rollout_goes_on(&self, build: BuildId) -> bool {
         match self.store.read().and_then(|rx| rx.rollout(build)) {
-            Ok(Some(r)) => r.rollout.state != crate::model::State::Finished,
+            Ok(Some(r)) => r.rollout.state != crate::model::RolloutState::Finished,
             Ok(None) => false,
             Err(e) => {
                 tracing::error!(error = %e, build = %format_build_id(build), "cannot read a rollout's record; its build ends now");
@@ -109,7 +109,7 @@ impl Engine {
             super::health::HealthEnd::Halted(h) => *h,
             _ => Halt::No,
         };
-        let outcome = Outcome {
+        let outcome = RunOutcome {
             root,
             ended: Ok(Ended::Exit(0)),
             result: Some(Ok(nodes)),
@@ -143,7 +143,7 @@ pub fn resume_tx(
     let goes_on = b.kind == BuildKind::Deploy
         && tx
             .rollout(build_id)?
-            .is_some_and(|r| r.rollout.state != crate::model::State::Finished)
+            .is_some_and(|r| r.rollout.state != crate::model::RolloutState::Finished)
         && tx.rollout_result::<Vec<NodeOutcome>>(build_id)?.is_some()
         && b.log_holes.len() < MAX_LOG_HOLES;
     if !goes_on {

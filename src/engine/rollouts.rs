@@ -99,13 +99,13 @@ fn note_view(n: &RolloutNote) -> Value {
 /// The webhook a step of a rollout sends (notifications.md): a pause in
 /// effect, a resume, an abort begun, the end.
 fn webhook(before: &RolloutRecord, after: &RolloutRecord) -> Option<&'static str> {
-    use crate::model::State;
+    use crate::model::RolloutState;
     let (a, b) = (&before.rollout, &after.rollout);
     if a.result.is_none() && b.result.is_some() {
         Some("rollout.finished")
     } else if a.abort.is_none() && b.abort.is_some() {
         Some("rollout.aborted")
-    } else if a.state != State::Paused && b.state == State::Paused {
+    } else if a.state != RolloutState::Paused && b.state == RolloutState::Paused {
         Some("rollout.paused")
     } else if a.paused && !b.paused {
         Some("rollout.resumed")
@@ -204,11 +204,11 @@ impl RolloutAction {
     /// The first reason that disables it for a deployment whose unfinished
     /// rollout is `r` (none: `no_rollout`), `frozen` while a freeze holds.
     pub fn disabled(self, r: Option<&Rollout>, frozen: bool) -> Option<ActionReason> {
-        use crate::model::State;
-        let Some(r) = r.filter(|r| r.state != State::Finished) else {
+        use crate::model::RolloutState;
+        let Some(r) = r.filter(|r| r.state != RolloutState::Finished) else {
             return Some(ActionReason::NoRollout);
         };
-        let ending = matches!(r.state, State::Confirming | State::Aborting);
+        let ending = matches!(r.state, RolloutState::Confirming | RolloutState::Aborting);
         match self {
             RolloutAction::Pause if r.paused => Some(ActionReason::AlreadyPaused),
             RolloutAction::Pause | RolloutAction::Abort if ending => {
@@ -655,7 +655,7 @@ impl RolloutIo for PipeHealth<'_> {
 /// step; `activate_failure` is why an `activate` call failed, when the
 /// runner saw it (else the abort's words).
 pub(super) fn end_of(
-    outcome: crate::model::Outcome,
+    outcome: crate::model::RolloutOutcome,
     record: &RolloutRecord,
     activate_failure: Option<&(FailureReason, String)>,
 ) -> HealthEnd {
@@ -667,10 +667,10 @@ pub(super) fn end_of(
             .unwrap_or_else(|| "the rollout was aborted".into())
     };
     match outcome {
-        crate::model::Outcome::Succeeded => HealthEnd::Confirmed,
-        crate::model::Outcome::Cancelled => HealthEnd::Halted(Halt::Cancel),
-        crate::model::Outcome::Failed => HealthEnd::Failed(why()),
-        crate::model::Outcome::Aborted => match record.rollout.abort {
+        crate::model::RolloutOutcome::Succeeded => HealthEnd::Confirmed,
+        crate::model::RolloutOutcome::Cancelled => HealthEnd::Halted(Halt::Cancel),
+        crate::model::RolloutOutcome::Failed => HealthEnd::Failed(why()),
+        crate::model::RolloutOutcome::Aborted => match record.rollout.abort {
             Some(AbortBy::Action) => HealthEnd::Aborted(
                 FailureReason::RolloutAborted,
                 format!("aborted in wave {}: {}", record.rollout.wave, why()),
@@ -850,7 +850,7 @@ impl Run {
         self.shown = Some(text);
     }
 
-    fn ended(&self, outcome: crate::model::Outcome, record: &RolloutRecord) -> HealthEnd {
+    fn ended(&self, outcome: crate::model::RolloutOutcome, record: &RolloutRecord) -> HealthEnd {
         end_of(outcome, record, self.activate_failure.as_ref())
     }
 
@@ -1092,7 +1092,7 @@ impl Run {
     async fn aborted(&self) -> bool {
         matches!(
             self.engine.store.read().and_then(|rx| rx.rollout(self.build)),
-            Ok(Some(r)) if r.rollout.state == crate::model::State::Aborting
+            Ok(Some(r)) if r.rollout.state == crate::model::RolloutState::Aborting
         )
     }
 
@@ -1119,19 +1119,24 @@ impl Run {
         &mut self,
         io: &mut impl RolloutIo,
         record: &RolloutRecord,
-        state: crate::model::State,
+        state: crate::model::RolloutState,
     ) {
-        use crate::model::State;
+        use crate::model::RolloutState;
         let now = now_millis();
         let event = match state {
-            State::Waiting if record.rollout.wait_until.is_some_and(|at| now >= at) => {
+            RolloutState::Waiting if record.rollout.wait_until.is_some_and(|at| now >= at) => {
                 Some(Event::WaitOver)
             }
             // The next wave meets a freeze: the rollout shows it held.
-            State::Frozen if record.rollout.state == State::Running => Some(Event::FreezeHeld),
-            State::Frozen if !self.frozen(&record.deployment) => Some(Event::FreezeLifted),
-            State::Waiting | State::Paused | State::Frozen => None,
-            State::Running | State::Confirming | State::Aborting | State::Finished => None,
+            RolloutState::Frozen if record.rollout.state == RolloutState::Running => {
+                Some(Event::FreezeHeld)
+            }
+            RolloutState::Frozen if !self.frozen(&record.deployment) => Some(Event::FreezeLifted),
+            RolloutState::Waiting | RolloutState::Paused | RolloutState::Frozen => None,
+            RolloutState::Running
+            | RolloutState::Confirming
+            | RolloutState::Aborting
+            | RolloutState::Finished => None,
         };
         if let Some(event) = event {
             self.apply(Noted::bare(event)).await;
@@ -1244,7 +1249,7 @@ impl Run {
         record: &RolloutRecord,
         (nodes, bound): (&[String], &BTreeSet<String>),
         attempt: u32,
-    ) -> Vec<health::Answer> {
+    ) -> Vec<health::HealthAnswer> {
         let unbound = unbound_of(nodes, bound);
         let mut answers = if self.verbs.check && !unbound.is_empty() {
             let mut call = self.request.clone();
@@ -1261,7 +1266,11 @@ impl Run {
 
     /// The health of bound nodes as their agents reported it, as answers
     /// of a check.
-    fn agent_answers(&self, deployment: &str, bound: &BTreeSet<String>) -> Vec<health::Answer> {
+    fn agent_answers(
+        &self,
+        deployment: &str,
+        bound: &BTreeSet<String>,
+    ) -> Vec<health::HealthAnswer> {
         if bound.is_empty() {
             return vec![];
         }
@@ -1276,7 +1285,7 @@ impl Run {
             .iter()
             .map(|node| {
                 let (healthy, reason) = agent_health(seen.get(node));
-                health::Answer {
+                health::HealthAnswer {
                     node: node.clone(),
                     healthy,
                     reason,

@@ -387,7 +387,7 @@ impl<'t, 'a> Change<'t, 'a> {
         let mut draft = super::audit_events::system_draft(
             "automatic_rollback",
             Some(d.id.clone()),
-            crate::audit::Outcome::Ok,
+            crate::audit::AuditResult::Ok,
         );
         draft.at = self.now;
         draft.build = Some(format_build_id(failed.id));
@@ -523,7 +523,7 @@ impl<'t, 'a> Change<'t, 'a> {
         let mut draft = super::audit_events::system_draft(
             "node_fence_raised",
             Some(n.deployment.clone()),
-            crate::audit::Outcome::Ok,
+            crate::audit::AuditResult::Ok,
         );
         draft.actor = Some(crate::audit::Actor {
             issuer: Some("berth:agent".into()),

@@ -19,7 +19,7 @@ use super::refusal::{Missing, Refusal};
 use super::requests::{Mode, SubmitInput};
 use super::transition::{Change, NewBuild};
 use super::Engine;
-use crate::audit::Outcome;
+use crate::audit::AuditResult;
 use crate::events::Hub;
 use crate::model::*;
 use crate::store::{Lookup, StoreError, StoreResult, Tx};
@@ -257,7 +257,7 @@ impl Engine {
         self.store
             .write(move |tx| {
                 let mut audit =
-                    system_draft("automatic_update", Some(id.clone()), Outcome::Refused);
+                    system_draft("automatic_update", Some(id.clone()), AuditResult::Refused);
                 audit.reason = Some(reason.to_string());
                 super::audit_events::append(tx, &audit)?;
                 tx.put_update_try(
@@ -380,7 +380,7 @@ pub fn automatic_update_tx(
             rollback_of: None,
         },
     )?;
-    let mut audit = system_draft("automatic_update", Some(id.to_string()), Outcome::Ok);
+    let mut audit = system_draft("automatic_update", Some(id.to_string()), AuditResult::Ok);
     audit.build = Some(format_build_id(build.id));
     change.audit(&audit)?;
     tx.put_update_try(

@@ -15,7 +15,7 @@ use crate::sbom;
 use crate::store::compress;
 
 /// How a build's deployer run ended, before it is stored.
-pub(super) struct Outcome {
+pub(super) struct RunOutcome {
     pub(super) root: std::path::PathBuf,
     /// How the deployer's process ended; `Err` when it never ran (its
     /// directories or process could not be made, its record not stored)
@@ -35,10 +35,10 @@ pub(super) struct Outcome {
     pub(super) work_state_problem: Option<String>,
 }
 
-impl Outcome {
+impl RunOutcome {
     /// The deployer did not run to an end berth saw.
-    pub(super) fn failed(root: &std::path::Path, failure: Failure, log: LogBuffer) -> Outcome {
-        Outcome {
+    pub(super) fn failed(root: &std::path::Path, failure: Failure, log: LogBuffer) -> RunOutcome {
+        RunOutcome {
             root: root.to_path_buf(),
             ended: Err(failure),
             result: None,
@@ -125,46 +125,7 @@ impl Outcome {
                 ),
                 None,
             ),
-            Ended::Exit(0) => match &self.result {
-                Some(Ok(_)) => match &self.health {
-                    None | Some(HealthEnd::Confirmed) => (BuildStatus::Succeeded, None, Some(0)),
-                    Some(HealthEnd::Aborted(reason, detail)) => {
-                        (BuildStatus::Failed, fail(*reason, detail.clone()), Some(0))
-                    }
-                    Some(HealthEnd::Failed(detail)) => (
-                        BuildStatus::Failed,
-                        fail(R::HealthCheckFailed, detail.clone()),
-                        Some(0),
-                    ),
-                    Some(HealthEnd::Halted(Halt::Cancel)) => (
-                        BuildStatus::Cancelled,
-                        fail(
-                            R::Cancelled,
-                            "cancelled during the health step; nothing was confirmed".into(),
-                        ),
-                        Some(0),
-                    ),
-                    Some(HealthEnd::Halted(Halt::Shutdown | Halt::No)) => (
-                        BuildStatus::Failed,
-                        fail(
-                            R::InterruptedByShutdown,
-                            "berth was stopping during the health step; nothing was confirmed"
-                                .into(),
-                        ),
-                        Some(0),
-                    ),
-                },
-                Some(Err(e)) => (
-                    BuildStatus::Failed,
-                    fail(R::DeployerProtocol, e.clone()),
-                    Some(0),
-                ),
-                None => (
-                    BuildStatus::Failed,
-                    fail(R::DeployerProtocol, "no result was read".into()),
-                    Some(0),
-                ),
-            },
+            Ended::Exit(0) => self.judge_exit_zero(),
             Ended::Exit(code) => (
                 BuildStatus::Failed,
                 fail(
@@ -172,6 +133,51 @@ impl Outcome {
                     format!("the deployer exited with status {code}"),
                 ),
                 Some(code),
+            ),
+        }
+    }
+
+    /// A deployer that exited 0: its result, then the health step, decide.
+    fn judge_exit_zero(&self) -> (BuildStatus, Option<Failure>, Option<i32>) {
+        use FailureReason as R;
+        let fail = |reason: FailureReason, detail: String| Some(Failure::new(reason, detail));
+        match &self.result {
+            Some(Ok(_)) => match &self.health {
+                None | Some(HealthEnd::Confirmed) => (BuildStatus::Succeeded, None, Some(0)),
+                Some(HealthEnd::Aborted(reason, detail)) => {
+                    (BuildStatus::Failed, fail(*reason, detail.clone()), Some(0))
+                }
+                Some(HealthEnd::Failed(detail)) => (
+                    BuildStatus::Failed,
+                    fail(R::HealthCheckFailed, detail.clone()),
+                    Some(0),
+                ),
+                Some(HealthEnd::Halted(Halt::Cancel)) => (
+                    BuildStatus::Cancelled,
+                    fail(
+                        R::Cancelled,
+                        "cancelled during the health step; nothing was confirmed".into(),
+                    ),
+                    Some(0),
+                ),
+                Some(HealthEnd::Halted(Halt::Shutdown | Halt::No)) => (
+                    BuildStatus::Failed,
+                    fail(
+                        R::InterruptedByShutdown,
+                        "berth was stopping during the health step; nothing was confirmed".into(),
+                    ),
+                    Some(0),
+                ),
+            },
+            Some(Err(e)) => (
+                BuildStatus::Failed,
+                fail(R::DeployerProtocol, e.clone()),
+                Some(0),
+            ),
+            None => (
+                BuildStatus::Failed,
+                fail(R::DeployerProtocol, "no result was read".into()),
+                Some(0),
             ),
         }
     }

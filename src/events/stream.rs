@@ -283,36 +283,11 @@ async fn replay_build(
     last: &mut u64,
     w: &mut Writer,
 ) -> Result<Option<Arc<Frame>>, Stop> {
-    // The build, its status events and where each log chunk sits: small.
-    // Chunks are then read one at a time, and only those after the cursor,
-    // so a replay or a catch-up holds one chunk in memory, not the log.
-    let loaded = read_store(store, move |rx| {
-        let Some(b) = rx.build(id)? else {
-            return Ok(None);
-        };
-        let index = rx.log_index(id, b.log_chunks)?;
-        let mut events = Vec::new();
-        for (seq, e) in rx.build_events(id)? {
-            let kind = BuildEvent::named(&e.event)
-                .ok_or_else(|| StoreError::corrupt("a stored build event of no known kind"))?;
-            events.push((seq, kind, e.data));
-        }
-        Ok(Some((b, events, index)))
-    })
-    .await?;
+    let loaded = load_replay(store, id).await?;
     let Some((build, statuses, places)) = loaded else {
         return Ok(None);
     };
-    let plan: Vec<(u32, u64)> = places
-        .iter()
-        .enumerate()
-        .filter_map(|(i, p)| {
-            let next = places.get(i + 1).map_or(build.log_lines, |n| n.first_line);
-            let lines = next.saturating_sub(p.first_line);
-            let last_seq = build.line_seq(p.first_line + lines.saturating_sub(1));
-            (lines > 0 && last_seq > *last).then_some((p.number, p.first_line))
-        })
-        .collect();
+    let plan = chunks_after(&build, &places, *last);
     let mut statuses = statuses.into_iter().peekable();
     let mut final_frame = None;
     let mut emit_status_before = |seq_limit: u64, w: &mut Writer, last: &mut u64| {
@@ -332,7 +307,6 @@ async fn replay_build(
             }
         }
     };
-    // (chunk number, its first line) of each chunk after the cursor.
     for (number, first_line) in plan {
         let compressed = read_store(store, move |rx| {
             rx.log_chunk(id, number)?
@@ -360,6 +334,53 @@ async fn replay_build(
     emit_status_before(u64::MAX, w, last);
     w.flush().await?;
     Ok(final_frame)
+}
+
+/// What a build's replay reads first: the build, its status events and
+/// where each log chunk sits (small). Chunks are then read one at a time,
+/// and only those after the cursor, so a replay or a catch-up holds one
+/// chunk in memory, not the log.
+async fn load_replay(store: &Reader, id: BuildId) -> Result<Option<ReplayStart>, Stop> {
+    read_store(store, move |rx| {
+        let Some(b) = rx.build(id)? else {
+            return Ok(None);
+        };
+        let index = rx.log_index(id, b.log_chunks)?;
+        let mut events = Vec::new();
+        for (seq, e) in rx.build_events(id)? {
+            let kind = BuildEvent::named(&e.event)
+                .ok_or_else(|| StoreError::corrupt("a stored build event of no known kind"))?;
+            events.push((seq, kind, e.data));
+        }
+        Ok(Some((b, events, index)))
+    })
+    .await
+}
+
+/// A build, its status events (id, kind, data) and its log chunks' places.
+type ReplayStart = (
+    crate::model::BuildRecord,
+    Vec<(u64, BuildEvent, String)>,
+    Vec<crate::store::ChunkPlace>,
+);
+
+/// (chunk number, its first line) of each chunk holding a line after
+/// `last`.
+fn chunks_after(
+    build: &crate::model::BuildRecord,
+    places: &[crate::store::ChunkPlace],
+    last: u64,
+) -> Vec<(u32, u64)> {
+    places
+        .iter()
+        .enumerate()
+        .filter_map(|(i, p)| {
+            let next = places.get(i + 1).map_or(build.log_lines, |n| n.first_line);
+            let lines = next.saturating_sub(p.first_line);
+            let last_seq = build.line_seq(p.first_line + lines.saturating_sub(1));
+            (lines > 0 && last_seq > last).then_some((p.number, p.first_line))
+        })
+        .collect()
 }
 
 /// The deployment channel: state events only, never ends by itself.

@@ -378,12 +378,7 @@ fn deploy(request: &Value) -> VerbResult {
             activated.push(node.name.clone());
             continue;
         }
-        for (pkg, version, _) in catalog::packages(node.application.as_deref().unwrap_or("base")) {
-            println!(
-                "building '/nix/store/{}-{pkg}-{version}.drv'...",
-                &hex(&Sha256::digest(format!("{pkg}{version}").as_bytes()))[..32]
-            );
-        }
+        print_builds(node);
         step(&format!("copying closure of node {} to local", node.name)).map_err(term)?;
         if fail_node.as_deref() == Some(node.name.as_str()) {
             write_state(&work, deployment, &activated, suspended).map_err(fail)?;
@@ -399,32 +394,52 @@ fn deploy(request: &Value) -> VerbResult {
             &path,
             (deployment, &mut activated, suspended),
         )?;
-        let sbom_rel = format!("sbom/{}.cdx.json", node.name);
-        let sbom = match write_sbom(&scratch.join(&sbom_rel), node) {
-            Ok(()) => json!({"status": "ready", "path": sbom_rel}),
-            Err(e) => {
-                json!({"status": "unavailable", "reason": format!("sbom evaluation failed: {e}")})
-            }
-        };
+        let sbom = sbom_of(&scratch, node);
         results.push(json!({"name": node.name, "changed": true, "sbom": sbom, "fingerprint": print, "artifact": artifact}));
     }
-    // Nodes of an earlier deploy that this one no longer has.
-    if let Ok(entries) = std::fs::read_dir(&nodes_dir) {
-        for entry in entries.flatten() {
-            let name = entry
-                .file_name()
-                .to_string_lossy()
-                .trim_end_matches(".json")
-                .to_string();
-            if !nodes.iter().any(|n| n.name == name) {
-                println!("removing node {name}");
-                let _ = std::fs::remove_file(entry.path());
-            }
-        }
-    }
+    remove_dropped_nodes(&nodes_dir, &nodes).map_err(fail)?;
     write_state(&work, deployment, &activated, suspended).map_err(fail)?;
     println!("deployment {deployment} is active");
     Ok(Some(json!({"nodes": results})))
+}
+
+/// The build lines a node's packages would print under Nix.
+fn print_builds(node: &Node) {
+    for (pkg, version, _) in catalog::packages(node.application.as_deref().unwrap_or("base")) {
+        println!(
+            "building '/nix/store/{}-{pkg}-{version}.drv'...",
+            &hex(&Sha256::digest(format!("{pkg}{version}").as_bytes()))[..32]
+        );
+    }
+}
+
+/// A node's SBOM written under the scratch dir, as the result names it.
+fn sbom_of(scratch: &Path, node: &Node) -> Value {
+    let sbom_rel = format!("sbom/{}.cdx.json", node.name);
+    match write_sbom(&scratch.join(&sbom_rel), node) {
+        Ok(()) => json!({"status": "ready", "path": sbom_rel}),
+        Err(e) => {
+            json!({"status": "unavailable", "reason": format!("sbom evaluation failed: {e}")})
+        }
+    }
+}
+
+/// Removes the nodes of an earlier deploy that this one no longer has.
+fn remove_dropped_nodes(nodes_dir: &Path, nodes: &[Node]) -> Result<(), String> {
+    let entries = std::fs::read_dir(nodes_dir)
+        .map_err(|e| format!("cannot read {}: {e}", nodes_dir.display()))?;
+    for entry in entries {
+        let entry = entry.map_err(|e| format!("cannot read {}: {e}", nodes_dir.display()))?;
+        let file_name = entry.file_name();
+        let name = file_name.to_string_lossy();
+        let name = name.trim_end_matches(".json");
+        if !nodes.iter().any(|n| n.name == name) {
+            println!("removing node {name}");
+            std::fs::remove_file(entry.path())
+                .map_err(|e| format!("cannot remove {}: {e}", entry.path().display()))?;
+        }
+    }
+    Ok(())
 }
 
 /// A changed node's render: pending for berth to activate it (with

@@ -10,7 +10,7 @@ use super::{BuildId, Frequency, Millis};
 /// Where a rollout is (rollouts.md "States").
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
-pub enum State {
+pub enum RolloutState {
     Running,
     Waiting,
     Paused,
@@ -20,16 +20,16 @@ pub enum State {
     Finished,
 }
 
-impl State {
+impl RolloutState {
     pub const fn as_str(self) -> &'static str {
         match self {
-            State::Running => "running",
-            State::Waiting => "waiting",
-            State::Paused => "paused",
-            State::Frozen => "frozen",
-            State::Confirming => "confirming",
-            State::Aborting => "aborting",
-            State::Finished => "finished",
+            RolloutState::Running => "running",
+            RolloutState::Waiting => "waiting",
+            RolloutState::Paused => "paused",
+            RolloutState::Frozen => "frozen",
+            RolloutState::Confirming => "confirming",
+            RolloutState::Aborting => "aborting",
+            RolloutState::Finished => "finished",
         }
     }
 }
@@ -49,7 +49,7 @@ pub enum WaveState {
 /// How a finished rollout ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
-pub enum Outcome {
+pub enum RolloutOutcome {
     Succeeded,
     Aborted,
     Failed,
@@ -83,7 +83,7 @@ pub struct Wave {
 /// A rollout as stored with its build: the plan and where it is.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Rollout {
-    pub state: State,
+    pub state: RolloutState,
     /// The current wave, 1-based (0 before the first).
     pub wave: usize,
     pub waves: Vec<Wave>,
@@ -98,7 +98,7 @@ pub struct Rollout {
     /// The gate runs again over every activated node (after a hold).
     pub regate: bool,
     pub abort: Option<AbortBy>,
-    pub result: Option<Outcome>,
+    pub result: Option<RolloutOutcome>,
 }
 
 /// A rollout with what its reads show besides the machine: the policy it

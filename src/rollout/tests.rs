@@ -180,9 +180,11 @@ fn outcome_of(next: &Next, ok: bool, healthy: bool, now: Millis, r: &Rollout) ->
         Next::Activate { .. } => Event::ActivateFailed,
         Next::Gate { .. } if healthy => Event::GatePassed,
         Next::Gate { .. } => Event::GateFailed,
-        Next::Hold(State::Waiting) if r.wait_until.is_some_and(|at| now >= at) => Event::WaitOver,
-        Next::Hold(State::Frozen) if r.state == State::Running => Event::FreezeHeld,
-        Next::Hold(State::Frozen) => Event::FreezeLifted,
+        Next::Hold(RolloutState::Waiting) if r.wait_until.is_some_and(|at| now >= at) => {
+            Event::WaitOver
+        }
+        Next::Hold(RolloutState::Frozen) if r.state == RolloutState::Running => Event::FreezeHeld,
+        Next::Hold(RolloutState::Frozen) => Event::FreezeLifted,
         Next::Hold(_) => return None,
         Next::Confirm { .. } if ok => Event::Confirmed,
         Next::Confirm { .. } => Event::ConfirmFailed,
@@ -235,7 +237,7 @@ proptest! {
                         activated.push(node);
                     }
                     // Finished is final.
-                    if before.state == State::Finished {
+                    if before.state == RolloutState::Finished {
                         prop_assert_eq!(&after, &before);
                     }
                     r = after;
@@ -244,8 +246,8 @@ proptest! {
                 Err(Refused) => prop_assert_eq!(&r, &before),
             }
             // Pauses and aborts never both pending; a finished one has a result.
-            prop_assert_eq!(r.state == State::Finished, r.result.is_some());
-            prop_assert!(!(r.state == State::Aborting && r.abort.is_none()));
+            prop_assert_eq!(r.state == RolloutState::Finished, r.result.is_some());
+            prop_assert!(!(r.state == RolloutState::Aborting && r.abort.is_none()));
         }
     }
 }
@@ -296,7 +298,7 @@ fn a_walk_through_pause_wait_freeze_and_confirm() {
     r = go(&r, Event::GatePassed, 1, false);
     assert_eq!(
         (r.state, r.paused),
-        (State::Paused, true),
+        (RolloutState::Paused, true),
         "paused by the policy, no wait"
     );
     assert_eq!(
@@ -315,7 +317,7 @@ fn a_walk_through_pause_wait_freeze_and_confirm() {
     r = go(&r, Event::GatePassed, 3, false);
     assert_eq!(
         r.next(true),
-        Next::Hold(State::Frozen),
+        Next::Hold(RolloutState::Frozen),
         "the next wave waits for the freeze"
     );
     r = go(&r, Event::FreezeHeld, 3, true);
@@ -343,7 +345,7 @@ fn a_walk_through_pause_wait_freeze_and_confirm() {
     r = go(&r, Event::Confirmed, 8, false);
     assert_eq!(
         (r.state, r.result),
-        (State::Finished, Some(Outcome::Succeeded))
+        (RolloutState::Finished, Some(RolloutOutcome::Succeeded))
     );
 }
 
@@ -393,7 +395,7 @@ fn an_abort_reverts_the_activated_waves_last_first() {
         .expect("fits");
     assert_eq!(
         (r.result, r.abort),
-        (Some(Outcome::Aborted), Some(AbortBy::Action))
+        (Some(RolloutOutcome::Aborted), Some(AbortBy::Action))
     );
     assert_eq!(r.apply(&Event::PauseAsked, 0, false), Err(Refused));
 }

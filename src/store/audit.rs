@@ -10,7 +10,7 @@ use redb::{ReadableDatabase, ReadableTable};
 use super::tables::*;
 use super::{Lookup, Rx, StoreError, StoreResult, Tx};
 use crate::audit::merkle::{self, Hash, MissingNode, Nodes};
-use crate::audit::{self as chain, Anchor, Draft, Event, Outcome, Sealed, Walk};
+use crate::audit::{self as chain, Anchor, AuditResult, Draft, Event, Sealed, Walk};
 use crate::model::Millis;
 
 /// The chain hash a stored row starts with.
@@ -236,7 +236,7 @@ impl Tx<'_, '_> {
         let sealed = chain::seal(draft, seq, &prev);
         events.insert(seq, sealed.row.as_slice())?;
         drop(events);
-        if let (Some(d), false) = (&draft.deployment, draft.result == Outcome::Denied) {
+        if let (Some(d), false) = (&draft.deployment, draft.result == AuditResult::Denied) {
             self.table(DEPLOYMENT_ROWS)?
                 .insert(Part::Audit.key(d, seq.into()), EMPTY)?;
         }
@@ -277,19 +277,7 @@ impl Tx<'_, '_> {
     /// moving the anchor (with the compact range of the removed prefix) in
     /// the same transaction. `None` when nothing was old enough.
     pub fn prune_audit(&self, cutoff: Millis, max: usize) -> StoreResult<Option<Pruned>> {
-        let events = self.table(AUDIT_EVENTS)?;
-        let mut removed: Vec<(u64, Event)> = Vec::new();
-        for entry in events.iter()? {
-            let (k, v) = entry?;
-            let e = chain::decode_row(v.value())
-                .map_err(|_| StoreError::corrupt("an audit row is not an event"))?;
-            let at = crate::model::parse_time(&e.at)
-                .ok_or_else(|| StoreError::corrupt("an audit event's time is not RFC 3339"))?;
-            if at >= cutoff || removed.len() >= max {
-                break;
-            }
-            removed.push((k.value(), e));
-        }
+        let removed = self.oldest_audit_before(cutoff, max)?;
         let Some((last_seq, last)) = removed.last() else {
             return Ok(None);
         };
@@ -300,7 +288,6 @@ impl Tx<'_, '_> {
             })?,
             last.at.clone(),
         );
-        drop(events);
         // The anchor keeps the compact range of [0, last_seq); the other
         // subtrees inside it are no longer needed by any proof. Its
         // subtrees below `STORED_FROM_LEVEL` were computed from events
@@ -314,35 +301,8 @@ impl Tx<'_, '_> {
                 .map(|(level, index)| Ok(((level, index), merkle::get(&stored, level, index)?)))
                 .collect::<StoreResult<_>>()?
         };
-        let mut events = self.table(AUDIT_EVENTS)?;
-        let mut by_deployment = self.table(DEPLOYMENT_ROWS)?;
-        let mut by_actor = self.table(AUDIT_BY_ACTOR)?;
-        for (seq, e) in &removed {
-            events.remove(*seq)?;
-            if let Some(d) = &e.deployment {
-                by_deployment.remove(Part::Audit.key(d, (*seq).into()))?;
-            }
-            if let Some(a) = &e.actor {
-                by_actor.remove((a.key().as_str(), *seq))?;
-            }
-        }
-        drop((events, by_deployment, by_actor));
-        let mut nodes = self.table(MERKLE_NODES)?;
-        for level in 0..64u8 {
-            let inside = prefix >> level;
-            if inside == 0 {
-                break;
-            }
-            // The compact node of this level (if any) is the last inside.
-            let keep_last = prefix & (1u64 << level) != 0;
-            let end = if keep_last { inside - 1 } else { inside };
-            nodes.retain_in((level, 0u64)..(level, end), |_, _| false)?;
-        }
-        for (key, hash) in &compact {
-            if key.0 < STORED_FROM_LEVEL {
-                nodes.insert(*key, hash.as_slice())?;
-            }
-        }
+        self.remove_audit_rows(&removed)?;
+        self.keep_compact_nodes(prefix, &compact)?;
         let compact_range = compact
             .iter()
             .map(|(_, hash)| crate::hex::encode(hash))
@@ -360,6 +320,64 @@ impl Tx<'_, '_> {
             removed: removed.len() as u64,
             first_seq: last_seq + 1,
         }))
+    }
+
+    /// The oldest events before `cutoff`, at most `max`.
+    fn oldest_audit_before(&self, cutoff: Millis, max: usize) -> StoreResult<Vec<(u64, Event)>> {
+        let events = self.table(AUDIT_EVENTS)?;
+        let mut oldest: Vec<(u64, Event)> = Vec::new();
+        for entry in events.iter()? {
+            let (k, v) = entry?;
+            let e = chain::decode_row(v.value())
+                .map_err(|_| StoreError::corrupt("an audit row is not an event"))?;
+            let at = crate::model::parse_time(&e.at)
+                .ok_or_else(|| StoreError::corrupt("an audit event's time is not RFC 3339"))?;
+            if at >= cutoff || oldest.len() >= max {
+                break;
+            }
+            oldest.push((k.value(), e));
+        }
+        Ok(oldest)
+    }
+
+    /// Removes the events and their rows in the deployment and actor
+    /// indexes.
+    fn remove_audit_rows(&self, removed: &[(u64, Event)]) -> StoreResult<()> {
+        let mut events = self.table(AUDIT_EVENTS)?;
+        let mut by_deployment = self.table(DEPLOYMENT_ROWS)?;
+        let mut by_actor = self.table(AUDIT_BY_ACTOR)?;
+        for (seq, e) in removed {
+            events.remove(*seq)?;
+            if let Some(d) = &e.deployment {
+                by_deployment.remove(Part::Audit.key(d, (*seq).into()))?;
+            }
+            if let Some(a) = &e.actor {
+                by_actor.remove((a.key().as_str(), *seq))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Drops the subtrees inside the pruned prefix but its compact range,
+    /// which is stored whole (its small subtrees were computed until now).
+    fn keep_compact_nodes(&self, prefix: u64, compact: &[((u8, u64), Hash)]) -> StoreResult<()> {
+        let mut nodes = self.table(MERKLE_NODES)?;
+        for level in 0..64u8 {
+            let inside = prefix >> level;
+            if inside == 0 {
+                break;
+            }
+            // The compact node of this level (if any) is the last inside.
+            let keep_last = prefix & (1u64 << level) != 0;
+            let end = if keep_last { inside - 1 } else { inside };
+            nodes.retain_in((level, 0u64)..(level, end), |_, _| false)?;
+        }
+        for (key, hash) in compact {
+            if key.0 < STORED_FROM_LEVEL {
+                nodes.insert(*key, hash.as_slice())?;
+            }
+        }
+        Ok(())
     }
 }
 
@@ -547,7 +565,7 @@ mod tests {
             deployment: Some(format!("d{}", i % 5)),
             build: None,
             request_id: format!("r{i}"),
-            result: Outcome::Ok,
+            result: AuditResult::Ok,
             reason: None,
             count: 1,
         }

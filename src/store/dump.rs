@@ -19,7 +19,7 @@ use super::{
     component_row, decode, split_chunk_row, split_component_row, ChunkPlace, DeliveryRecord,
     IdempotencyRecord, PendingCallback, Rx, StoreError, StoreResult, StoredEvent, WebhookRecord,
 };
-use crate::audit::{self as chain, Outcome};
+use crate::audit::{self as chain, AuditResult};
 use crate::model::{
     AttemptRecord, BuildId, BuildRecord, BuildSnapshots, DeploymentRecord, FreezeRecord,
     NodeRecord, NodeSbom, RolloutRecord, Source, TokenRecord, UpdateTry, WorkStateBlob, WorkStates,
@@ -728,7 +728,7 @@ impl Loader {
                     .open_table(AUDIT_EVENTS)?
                     .insert(seq, row.as_slice())?;
                 // The same entries `Tx::append_audit` writes.
-                if let (Some(d), false) = (&event.deployment, event.result == Outcome::Denied) {
+                if let (Some(d), false) = (&event.deployment, event.result == AuditResult::Denied) {
                     self.txn
                         .open_table(DEPLOYMENT_ROWS)?
                         .insert(Part::Audit.key(d, seq.into()), EMPTY)?;

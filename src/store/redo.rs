@@ -873,31 +873,7 @@ pub fn replay(db: &Database, store: &Path, layout: u32, how: Replay) -> StoreRes
     let mut end = 0;
     let mut applied = 0usize;
     for record in records.valid.iter().filter(|r| r.generation > durable) {
-        // A log of the layout before this berth's is applied to the file
-        // it was written for, still at that layout, which then migrates
-        // (`layout.rs`); only durably, since a file migrated with the
-        // log's generation unrecorded would meet those rows again.
-        let older = record.layout != layout;
-        if older && !(Retired::replayable(record.layout) && file_layout == Some(record.layout)) {
-            return Err(StoreError::corrupt(format!(
-                "{} holds rows of layout version {}, and this berth writes {layout}: \
-                 run the berth that wrote it once, so it applies them",
-                path.display(),
-                record.layout
-            )));
-        }
-        if older && how == Replay::KeepLog {
-            return Err(StoreError {
-                kind: super::StoreErrorKind::DiskFull,
-                detail: format!(
-                    "{} holds rows of layout version {}, which must go into the store \
-                     before it moves to layout {layout}, and the disk has no room for \
-                     that: free some space and start berth again",
-                    path.display(),
-                    record.layout
-                ),
-            });
-        }
+        check_layout(&path, record.layout, layout, file_layout, how)?;
         // Generations only grow along the log (`read_records` stops where
         // one falls), so the records newer than the checkpoint come last,
         // behind any it holds already (a log not yet written from its
@@ -908,9 +884,62 @@ pub fn replay(db: &Database, store: &Path, layout: u32, how: Replay) -> StoreRes
         end = record.next;
         applied += 1;
     }
-    let resume = match how {
+    let resume = resume_after(&txn, how, key, (durable, last, end, applied))?;
+    txn.commit()?;
+    if applied > 0 {
+        tracing::info!(records = applied, path = %path.display(), durable = how == Replay::Checkpoint,
+            "applied the redo log's acknowledged writes to the store");
+    }
+    Ok(resume)
+}
+
+/// Whether a record of `record_layout` may be applied by this berth
+/// (`layout`) to a file of `file_layout`. A log of the layout before this
+/// berth's is applied to the file it was written for, still at that
+/// layout, which then migrates (`layout.rs`); only durably, since a file
+/// migrated with the log's generation unrecorded would meet those rows
+/// again.
+fn check_layout(
+    path: &Path,
+    record_layout: u32,
+    layout: u32,
+    file_layout: Option<u32>,
+    how: Replay,
+) -> StoreResult<()> {
+    let older = record_layout != layout;
+    if older && !(Retired::replayable(record_layout) && file_layout == Some(record_layout)) {
+        return Err(StoreError::corrupt(format!(
+            "{} holds rows of layout version {record_layout}, and this berth writes {layout}: \
+             run the berth that wrote it once, so it applies them",
+            path.display(),
+        )));
+    }
+    if older && how == Replay::KeepLog {
+        return Err(StoreError {
+            kind: super::StoreErrorKind::DiskFull,
+            detail: format!(
+                "{} holds rows of layout version {record_layout}, which must go into the store \
+                 before it moves to layout {layout}, and the disk has no room for \
+                 that: free some space and start berth again",
+                path.display(),
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// Where writing resumes after a replay: `(durable, last, end, applied)`
+/// are the checkpointed generation, the last applied one, the end of the
+/// last applied record and how many were applied.
+fn resume_after(
+    txn: &redb::WriteTransaction,
+    how: Replay,
+    key: Option<RedoKey>,
+    (durable, last, end, applied): (u64, u64, u64, usize),
+) -> StoreResult<Resume> {
+    Ok(match how {
         Replay::Checkpoint => {
-            record_generation(&txn, last)?;
+            record_generation(txn, last)?;
             // A store's first durable replay makes its record key, in
             // the commit that makes it durable: records are keyed only
             // once a restart is sure to find the key.
@@ -943,13 +972,7 @@ pub fn replay(db: &Database, store: &Path, layout: u32, how: Replay) -> StoreRes
             end,
             key,
         },
-    };
-    txn.commit()?;
-    if applied > 0 {
-        tracing::info!(records = applied, path = %path.display(), durable = how == Replay::Checkpoint,
-            "applied the redo log's acknowledged writes to the store");
-    }
-    Ok(resume)
+    })
 }
 
 /// A reader over one record's payload.

@@ -22,14 +22,14 @@ fn daily(start: Time, minutes: i64, zone_name: &str) -> Window {
 
 fn next(w: &Window, now: OffsetDateTime) -> OffsetDateTime {
     match w.state(now) {
-        State::Closed { next: Some(next) } => next,
+        WindowState::Closed { next: Some(next) } => next,
         other => panic!("expected closed with a next opening at {now}, got {other:?}"),
     }
 }
 
 fn opened(w: &Window, now: OffsetDateTime) -> OffsetDateTime {
     match w.state(now) {
-        State::Open { opened, .. } => opened,
+        WindowState::Open { opened, .. } => opened,
         other => panic!("expected open at {now}, got {other:?}"),
     }
 }
@@ -350,19 +350,19 @@ proptest! {
     ) {
         let now = OffsetDateTime::from_unix_timestamp(seconds).unwrap();
         match w.state(now) {
-            State::Open { opened, closes } => {
+            WindowState::Open { opened, closes } => {
                 prop_assert!(opened <= now && now < closes);
                 prop_assert_eq!(closes - opened, w.duration);
             }
-            State::Closed { next } => {
+            WindowState::Closed { next } => {
                 let next = next.expect("a window opens within the search");
                 prop_assert!(next > now);
                 prop_assert!(next - now <= Duration::days(63));
                 match w.state(next) {
-                    State::Open { opened, .. } => prop_assert_eq!(opened, next),
+                    WindowState::Open { opened, .. } => prop_assert_eq!(opened, next),
                     other => prop_assert!(false, "closed at its opening: {:?}", other),
                 }
-                if let State::Open { opened, .. } = w.state(next + w.duration) {
+                if let WindowState::Open { opened, .. } = w.state(next + w.duration) {
                     prop_assert!(opened != next, "still open at opening + duration");
                 }
             }

@@ -25,7 +25,9 @@ use tokio::time::Instant;
 
 use crate::authority;
 use crate::engine::deployer::OneCall;
-use crate::engine::health::{health_step, Answer, CallEnd, HealthEnd, HealthIo, HealthLimits};
+use crate::engine::health::{
+    health_step, CallEnd, HealthAnswer, HealthEnd, HealthIo, HealthLimits,
+};
 use crate::engine::outcome::Halt as HealthHalt;
 use crate::engine::runner::{self, CallDirs, DeployerCommand, Ended, Invocation};
 use crate::model::Job;
@@ -875,7 +877,7 @@ impl HealthIo for WorkerHealth<'_> {
         self.flush().await;
     }
 
-    async fn answer(&mut self, attempt: u32, a: &Answer) {
+    async fn answer(&mut self, attempt: u32, a: &HealthAnswer) {
         let seq = self.courier.next();
         let health =
             json!({"node": a.node, "healthy": a.healthy, "reason": a.reason, "attempt": attempt});

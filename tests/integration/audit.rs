@@ -880,7 +880,7 @@ async fn verify_finds_each_tampering_and_the_witness_catches_a_rewrite() {
                 deployment: e.deployment.take(),
                 build: None,
                 request_id: e.request_id.clone(),
-                result: berth::audit::Outcome::Refused,
+                result: berth::audit::AuditResult::Refused,
                 reason: Some("queue_full".into()),
                 count: 1,
             };

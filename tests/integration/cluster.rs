@@ -623,8 +623,13 @@ async fn a_leader_cut_off_from_its_database_past_its_lease_stops_its_deployers()
     let mut leader = Server::start_in(dir, opts).await;
     let running = leader.submit_ok("alice", json!({"n": 1})).await;
     leader.wait_build(&running, "running").await;
+    // `running` is stored before the deployer is started.
+    eventually("the deployer started", || {
+        let started = !processes_running(&deployer).is_empty();
+        async move { started }
+    })
+    .await;
     let pids = processes_running(&deployer);
-    assert!(!pids.is_empty(), "no deployer runs");
     // Its output stored, the build writes nothing more: only the
     // self-fence can stop it.
     eventually("the deployer's first line stored", || {

@@ -21,7 +21,7 @@ fn rec<O: crate::engine::audit::Audited>() -> crate::engine::audit::Record<O> {
     crate::engine::audit::Record::audit_only(crate::engine::audit::system_draft(
         "submit",
         None,
-        crate::audit::Outcome::Ok,
+        crate::audit::AuditResult::Ok,
     ))
 }
 
