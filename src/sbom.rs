@@ -38,30 +38,51 @@ pub struct Split {
     pub components: Vec<Component>,
 }
 
-/// Why a file is not a usable SBOM; the text is for the person reading the
+/// Why a file is not a usable SBOM; its text is for the person reading the
 /// node's status.
-pub fn check(bytes: &[u8]) -> Result<Value, String> {
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SbomError {
+    Nul,
+    NotJson,
+    NotCycloneDx,
+    ComponentsNotList,
+    NotCanonical,
+}
+
+impl std::fmt::Display for SbomError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            SbomError::Nul => "the SBOM contains the character U+0000",
+            SbomError::NotJson => "the SBOM is not JSON",
+            SbomError::NotCycloneDx => "the SBOM is not CycloneDX (bomFormat is not \"CycloneDX\")",
+            SbomError::ComponentsNotList => "the SBOM's components member is not a list",
+            SbomError::NotCanonical => "a component cannot be written as RFC 8785 JSON",
+        })
+    }
+}
+
+/// The document, if `bytes` is a usable CycloneDX SBOM.
+pub fn check(bytes: &[u8]) -> Result<Value, SbomError> {
     // JSON escapes U+0000 as \u0000; a raw NUL byte is not valid JSON anyway.
     if bytes.windows(6).any(|w| w == b"\\u0000") {
-        return Err("the SBOM contains the character U+0000".into());
+        return Err(SbomError::Nul);
     }
-    let doc: Value =
-        serde_json::from_slice(bytes).map_err(|_| "the SBOM is not JSON".to_string())?;
+    let doc: Value = serde_json::from_slice(bytes).map_err(|_| SbomError::NotJson)?;
     if doc.get("bomFormat").and_then(Value::as_str) != Some("CycloneDX") {
-        return Err("the SBOM is not CycloneDX (bomFormat is not \"CycloneDX\")".into());
+        return Err(SbomError::NotCycloneDx);
     }
     if doc.get("components").is_some_and(|c| !c.is_array()) {
-        return Err("the SBOM's components member is not a list".into());
+        return Err(SbomError::ComponentsNotList);
     }
     Ok(doc)
 }
 
 /// Splits a checked document.
-pub fn split(mut doc: Value) -> Result<Split, String> {
+pub fn split(mut doc: Value) -> Result<Split, SbomError> {
     let components = match doc.as_object_mut().and_then(|m| m.remove("components")) {
         None => None,
         Some(Value::Array(list)) => Some(list),
-        Some(_) => return Err("the SBOM's components member is not a list".into()),
+        Some(_) => return Err(SbomError::ComponentsNotList),
     };
     let had_components = components.is_some();
     let components = components
@@ -77,9 +98,8 @@ pub fn split(mut doc: Value) -> Result<Split, String> {
 }
 
 /// A component's canonical text and hash.
-pub fn canonical(value: &Value) -> Result<Component, String> {
-    let text = serde_jcs::to_string(value)
-        .map_err(|_| "a component cannot be written as RFC 8785 JSON".to_string())?;
+pub fn canonical(value: &Value) -> Result<Component, SbomError> {
+    let text = serde_jcs::to_string(value).map_err(|_| SbomError::NotCanonical)?;
     Ok(Component {
         hash: Sha256::digest(text.as_bytes()).into(),
         text,
@@ -271,13 +291,18 @@ mod tests {
 
     #[test]
     fn bad_documents_say_why() {
-        assert!(check(b"not json").unwrap_err().contains("not JSON"));
-        assert!(check(br#"{"bomFormat": "SPDX"}"#)
-            .unwrap_err()
-            .contains("not CycloneDX"));
-        assert!(check(br#"{"bomFormat": "CycloneDX", "x": "a\u0000b"}"#)
-            .unwrap_err()
-            .contains("U+0000"));
-        assert!(check(br#"{"bomFormat": "CycloneDX", "components": {}}"#).is_err());
+        assert_eq!(check(b"not json"), Err(SbomError::NotJson));
+        assert_eq!(
+            check(br#"{"bomFormat": "SPDX"}"#),
+            Err(SbomError::NotCycloneDx)
+        );
+        assert_eq!(
+            check(br#"{"bomFormat": "CycloneDX", "x": "a\u0000b"}"#),
+            Err(SbomError::Nul)
+        );
+        assert_eq!(
+            check(br#"{"bomFormat": "CycloneDX", "components": {}}"#),
+            Err(SbomError::ComponentsNotList)
+        );
     }
 }

@@ -383,8 +383,8 @@ pub(super) fn prepare_sbom(
     bytes: &[u8],
     store: &crate::store::Store,
 ) -> Result<PreparedSbom, String> {
-    let doc = sbom::check(bytes)?;
-    let split = sbom::split(doc)?;
+    let doc = sbom::check(bytes).map_err(|e| e.to_string())?;
+    let split = sbom::split(doc).map_err(|e| e.to_string())?;
     let compress = |text: &[u8]| {
         compress::compress(text).map_err(|_| "the SBOM could not be compressed".to_string())
     };

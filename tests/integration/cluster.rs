@@ -92,6 +92,8 @@ async fn a_standby_takes_over_after_kill_9_with_every_acknowledged_submit() {
     // be on the standby once it leads.
     let base = leader.base.clone();
     let token = leader.token.clone();
+    let answered = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = answered.clone();
     let load = tokio::spawn(async move {
         let http = client();
         let mut acknowledged = Vec::new();
@@ -104,13 +106,21 @@ async fn a_standby_takes_over_after_kill_9_with_every_acknowledged_submit() {
                 .send()
                 .await;
             match answer {
-                Ok(r) if r.status() == 202 => acknowledged.push(i),
+                Ok(r) if r.status() == 202 => {
+                    acknowledged.push(i);
+                    counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                }
                 Ok(_) | Err(_) => break,
             }
         }
         acknowledged
     });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The kill lands while submits flow.
+    eventually("twenty submits answered", || {
+        let n = answered.load(std::sync::atomic::Ordering::SeqCst);
+        async move { n >= 20 }
+    })
+    .await;
     leader.kill();
     let acknowledged = load.await.unwrap();
     assert!(

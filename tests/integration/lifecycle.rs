@@ -3,7 +3,6 @@
 //! the queue rules around them (lifecycle.md).
 
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 
 use serde_json::{json, Value};
 
@@ -540,11 +539,14 @@ async fn a_destroy_queues_past_the_queue_limit() {
     );
     let (status, del) = read(s.delete("/v1/deployments/fred").send().await.unwrap()).await;
     assert_eq!(status, 202, "a delete must always queue: {del}");
-    for _ in 0..3 {
+    // Each build waits at the gate in turn: open it until the queued one
+    // has run.
+    eventually("the queued build to succeed", || {
         open_gate(&gates, "fred");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    s.wait_build(&queued, "succeeded").await;
+        let build = s.build(&queued);
+        async move { build.await["status"] == "succeeded" }
+    })
+    .await;
     s.wait_build(del["build_id"].as_str().unwrap(), "final")
         .await;
 }

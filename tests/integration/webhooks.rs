@@ -536,7 +536,17 @@ async fn finished_deliveries_older_than_a_week_are_pruned() {
         .await;
     s.wait_build(&b, "final").await;
     until("three deliveries", || receiver.got().len() >= 3).await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Their results are stored just after the receiver answered.
+    let deliveries = format!("/v1/webhooks/{id}/deliveries");
+    eventually("three deliveries recorded delivered", || {
+        let page = s.json(&deliveries);
+        async move {
+            let (_, page) = page.await;
+            let items = page["items"].as_array().cloned().unwrap_or_default();
+            items.len() >= 3 && items.iter().all(|d| d["status"] == "delivered")
+        }
+    })
+    .await;
     s.terminate();
     // Age two of them by eight days, as if a week had passed.
     let webhook = uuid::Uuid::parse_str(&id).unwrap().as_u128();
