@@ -25,6 +25,8 @@ const STANDBY_POLL: Duration = Duration::from_secs(1);
 const SELF_FENCE_CHECK: Duration = Duration::from_millis(250);
 /// How long a standby waits to reach the leading replica for a request.
 const FORWARD_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// What a standby reads of a request it answers 503 itself, at most.
+const FORWARD_DRAIN_BYTES: usize = 64 * 1024;
 /// How long a standby waits before trying an unreachable leader again.
 const FORWARD_RETRY: Duration = Duration::from_millis(200);
 /// Replicas of one cluster live at once at most (cluster.md `MAX_REPLICAS`):
@@ -452,9 +454,25 @@ async fn forward(
     answer_leader_unreachable(client).await;
 }
 
-/// The 503 a standby answers when no leader can be reached.
+/// The 503 a standby answers when no leader can be reached. What the
+/// client sent is read first (up to `FORWARD_DRAIN_BYTES`): a socket
+/// closed with unread input is reset, and a reset can lose the answer.
 async fn answer_leader_unreachable(mut client: tokio::net::TcpStream) {
     use tokio::io::AsyncWriteExt;
+    let mut sink = [0u8; 4096];
+    let mut drained = 0;
+    while drained < FORWARD_DRAIN_BYTES {
+        match client.try_read(&mut sink) {
+            Ok(0) => break,
+            Ok(n) => drained += n,
+            // Nothing more has arrived: answer now.
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+            Err(e) => {
+                tracing::debug!(error = %e, "a client no leader can serve went away");
+                return;
+            }
+        }
+    }
     let error = crate::api::errors::ApiError::new(
         crate::api::errors::Code::Unavailable,
         "no replica leads that this one can reach (a takeover may be under way); try again",

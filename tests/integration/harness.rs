@@ -627,14 +627,25 @@ pub struct Sse {
 
 impl Sse {
     pub async fn open(req: reqwest::RequestBuilder) -> Sse {
+        match Sse::try_open(req).await {
+            Ok(sse) => sse,
+            Err((status, body)) => panic!("stream refused: {status} {body}"),
+        }
+    }
+
+    /// The stream, or the status and body it was refused with.
+    pub async fn try_open(req: reqwest::RequestBuilder) -> Result<Sse, (u16, String)> {
         let resp = req.send().await.unwrap();
-        assert_eq!(resp.status(), 200, "stream refused");
+        if resp.status() != 200 {
+            let status = resp.status().as_u16();
+            return Err((status, resp.text().await.unwrap_or_default()));
+        }
         assert_eq!(resp.headers()["content-type"], "text/event-stream");
-        Sse {
+        Ok(Sse {
             resp,
             buf: String::new(),
             comments: 0,
-        }
+        })
     }
 
     /// The next event, or None when the server closed the stream.
