@@ -52,8 +52,7 @@ let
     ++ flag "lease-ttl" cfg.leaseTtl
     ++ flag "max-work-state" cfg.maxWorkState
     # The store in PostgreSQL (docs/cluster.md); a password only in storeFile.
-    ++ optionals (cfg.store != "redb") [ "--store" (checkedStore cfg.store) ]
-    ++ optionals (cfg.storeFile != null) [ "--store-file" "%d/store-url" ]
+    ++ storeArgs
     ++ flag "replica-url" cfg.replicaUrl
     ++ flag "replica-name" cfg.replicaName
     # Secrets come as systemd credentials, readable by this unit only.
@@ -86,6 +85,11 @@ let
     "-${dataDir}/cursor-key"
     "-${dataDir}/callback-secret"
   ];
+  # Where the store is, for the server and the audit units alike.
+  storeArgs =
+    optionals (cfg.store != "redb") [ "--store" (checkedStore cfg.store) ]
+    ++ optionals (cfg.storeFile != null) [ "--store-file" "%d/store-url" ];
+
   auditUnit = { description, command, readWrite, hidden }: {
     inherit description;
     after = [ "berth.service" ];
@@ -96,6 +100,8 @@ let
       ExecStart = lib.escapeShellArgs command;
       # A problem in the chain fails the unit (exit 1): it shows in
       # `systemctl --failed` and in monitoring of failed units.
+      # With the store in PostgreSQL the chain is the database's.
+      LoadCredential = optional (cfg.storeFile != null) "store-url:${cfg.storeFile}";
       SyslogIdentifier = "berth-audit";
       LogExtraFields = "BERTH_AUDIT=1";
       ProtectSystem = "strict";
@@ -303,7 +309,7 @@ in
 
     systemd.services.berth-audit-verify = mkIf cfg.enable (auditUnit {
       description = "Verify berth's audit chain";
-      command = [ "${cfg.package}/bin/berth" "audit" "verify" "--data-dir" dataDir ];
+      command = [ "${cfg.package}/bin/berth" "audit" "verify" "--data-dir" dataDir ] ++ storeArgs;
       readWrite = false;
       # Verifying signs nothing.
       hidden = [ "-${dataDir}/audit-signing.key" ];
@@ -316,7 +322,8 @@ in
     systemd.services.berth-audit-push-head = mkIf (cfg.enable && cfg.audit.sink != null) (auditUnit {
       description = "Push berth's signed audit head to the witness sink";
       command = [ "${cfg.package}/bin/berth" "audit" "push-head" "--data-dir" dataDir "--sink" cfg.audit.sink ]
-        ++ optionals (cfg.audit.origin != null) [ "--audit-origin" cfg.audit.origin ];
+        ++ optionals (cfg.audit.origin != null) [ "--audit-origin" cfg.audit.origin ]
+        ++ storeArgs;
       # It records the accepted head (audit-pushed-head.json) beside the store.
       readWrite = true;
       hidden = [ ];

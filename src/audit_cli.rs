@@ -136,7 +136,14 @@ fn write_pushed(data_dir: &Path, head: &PushedHead) -> Result<(), String> {
 
 /// Walks the chain of the store in `data_dir`.
 pub fn verify(data_dir: &Path) -> Result<Report, String> {
-    let db = data_dir.join("berth.redb");
+    verify_at(data_dir, data_dir)
+}
+
+/// Walks the chain of the store in `store_dir`, against the last head
+/// pushed from `state_dir` (a replica's data dir; for a cluster the store
+/// is a snapshot of the database loaded elsewhere).
+pub fn verify_at(store_dir: &Path, state_dir: &Path) -> Result<Report, String> {
+    let db = store_dir.join("berth.redb");
     if !db.exists() {
         return Err(format!("no store at {}", db.display()));
     }
@@ -144,7 +151,7 @@ pub fn verify(data_dir: &Path) -> Result<Report, String> {
         .map_err(|e| format!("cannot open {}: {e}", db.display()))?;
     let rx = store.read().map_err(|e| e.to_string())?;
     let anchor = rx.audit_anchor().map_err(|e| e.to_string())?;
-    let mut walk = Walk::new(anchor, read_pushed(data_dir)?);
+    let mut walk = Walk::new(anchor, read_pushed(state_dir)?);
     rx.walk_audit(&mut walk).map_err(|e| e.to_string())?;
     Ok(walk.finish())
 }
@@ -184,7 +191,13 @@ fn print_report(report: &Report, json: bool) {
 }
 
 pub fn run_verify(data_dir: &Path, json: bool) -> i32 {
-    match verify(data_dir) {
+    run_verify_at(data_dir, data_dir, json)
+}
+
+/// `run_verify` of the store in `store_dir` against `state_dir`'s pushed
+/// head (`verify_at`).
+pub fn run_verify_at(store_dir: &Path, state_dir: &Path, json: bool) -> i32 {
+    match verify_at(store_dir, state_dir) {
         Ok(report) => {
             print_report(&report, json);
             if report.ok {
@@ -217,9 +230,17 @@ pub fn run_public_key(data_dir: &Path, configured_origin: Option<&str>) -> i32 {
     }
 }
 
-pub fn run_push_head(data_dir: &Path, sink: &str, configured_origin: Option<&str>) -> i32 {
+/// `berth audit push-head`: the chain of the store in `store_dir`, signed
+/// with `state_dir`'s key, the accepted head recorded there (both the data
+/// dir, or for a cluster a snapshot and the replica's data dir).
+pub fn run_push_head(
+    store_dir: &Path,
+    state_dir: &Path,
+    sink: &str,
+    configured_origin: Option<&str>,
+) -> i32 {
     let origin = origin(configured_origin);
-    match push_head(data_dir, sink, &origin) {
+    match push_head(store_dir, state_dir, sink, &origin) {
         Ok(code) => code,
         Err(e) => {
             eprintln!("berth audit push-head: {e}");
@@ -228,9 +249,9 @@ pub fn run_push_head(data_dir: &Path, sink: &str, configured_origin: Option<&str
     }
 }
 
-fn push_head(data_dir: &Path, sink: &str, origin: &str) -> Result<i32, String> {
-    let key = load_signing_key(data_dir)?;
-    let report = verify(data_dir)?;
+fn push_head(store_dir: &Path, state_dir: &Path, sink: &str, origin: &str) -> Result<i32, String> {
+    let key = load_signing_key(state_dir)?;
+    let report = verify_at(store_dir, state_dir)?;
     if !report.ok {
         print_report(&report, false);
         eprintln!("berth audit push-head: the chain has problems; nothing pushed");
@@ -242,7 +263,7 @@ fn push_head(data_dir: &Path, sink: &str, origin: &str) -> Result<i32, String> {
     let mut body = json!({"checkpoint": checkpoint, "verify": report});
     // The consistency proof from the last accepted head, so a witness that
     // kept that head checks this one extends it.
-    if let Some(consistency) = consistency_from_last(data_dir, &report)? {
+    if let Some(consistency) = consistency_from_last(store_dir, state_dir, &report)? {
         body["consistency"] = consistency;
     }
     let (status, answer) = post_to_sink(sink, &body)?;
@@ -255,7 +276,7 @@ fn push_head(data_dir: &Path, sink: &str, origin: &str) -> Result<i32, String> {
         return Ok(EXIT_PROBLEM);
     }
     write_pushed(
-        data_dir,
+        state_dir,
         &PushedHead {
             size: report.size,
             root: report.merkle_root.clone(),
@@ -272,16 +293,17 @@ fn push_head(data_dir: &Path, sink: &str, origin: &str) -> Result<i32, String> {
 /// The consistency proof from the last head the sink accepted to this
 /// report's, when there is one to prove.
 fn consistency_from_last(
-    data_dir: &Path,
+    store_dir: &Path,
+    state_dir: &Path,
     report: &Report,
 ) -> Result<Option<serde_json::Value>, String> {
-    let Some(last) = read_pushed(data_dir)? else {
+    let Some(last) = read_pushed(state_dir)? else {
         return Ok(None);
     };
     if last.size < 1 || last.size > report.size || last.size < report.anchor.first_seq {
         return Ok(None);
     }
-    let db = data_dir.join("berth.redb");
+    let db = store_dir.join("berth.redb");
     let store =
         ReadOnlyStore::open(&db, crate::store::SnapshotScope::Audit).map_err(|e| e.to_string())?;
     let rx = store.read().map_err(|e| e.to_string())?;

@@ -640,9 +640,27 @@ fn private_temp_dir(prefix: &str) -> Result<PathBuf, String> {
 /// snapshot of the database.
 pub fn run_verify(store: &crate::settings::StoreFlags, data_dir: &Path, json: bool) -> i32 {
     match snapshot(store, data_dir) {
-        Ok(at) => crate::audit_cli::run_verify(at.data_dir(), json),
+        Ok(at) => crate::audit_cli::run_verify_at(at.data_dir(), data_dir, json),
         Err(e) => {
             eprintln!("berth audit verify: {e}");
+            crate::audit_cli::EXIT_CANNOT_RUN
+        }
+    }
+}
+
+/// `berth audit push-head [--store ...]`: the chain of the data dir's
+/// store, or of one snapshot of the database, signed with the data dir's
+/// key (a replica's), the accepted head recorded in the data dir.
+pub fn run_push_head(
+    store: &crate::settings::StoreFlags,
+    data_dir: &Path,
+    sink: &str,
+    origin: Option<&str>,
+) -> i32 {
+    match snapshot(store, data_dir) {
+        Ok(at) => crate::audit_cli::run_push_head(at.data_dir(), data_dir, sink, origin),
+        Err(e) => {
+            eprintln!("berth audit push-head: {e}");
             crate::audit_cli::EXIT_CANNOT_RUN
         }
     }

@@ -21,9 +21,10 @@ fn main() {
             } => berth::cluster::run_verify(&store, &data_dir, json),
             AuditCommand::PushHead {
                 data_dir,
+                store,
                 sink,
                 audit_origin,
-            } => berth::audit_cli::run_push_head(&data_dir, &sink, audit_origin.as_deref()),
+            } => berth::cluster::run_push_head(&store, &data_dir, &sink, audit_origin.as_deref()),
             AuditCommand::PublicKey {
                 data_dir,
                 audit_origin,

@@ -502,10 +502,14 @@ pub enum AuditCommand {
         json: bool,
     },
     /// Verify, then POST a signed checkpoint and the verify report to a
-    /// witness sink; exits non-zero on a problem or a refusal.
+    /// witness sink; exits non-zero on a problem or a refusal. With
+    /// `--store postgres://...` the chain is the database's; the signing
+    /// key and the pushed head are the data dir's (a replica's).
     PushHead {
         #[arg(long, env = "BERTH_DATA_DIR", default_value = "./berth-data")]
         data_dir: PathBuf,
+        #[command(flatten)]
+        store: StoreFlags,
         /// The sink's URL.
         #[arg(long, env = "BERTH_AUDIT_SINK")]
         sink: String,

@@ -813,6 +813,11 @@ impl Upstream {
 
     fn load_into(&mut self, db: &Database) -> StoreResult<u64> {
         let txn = db.begin_write()?;
+        // Every table, even one without rows: a reader of the file (a
+        // snapshot's) opens tables, and never creates them.
+        for table in Table::ALL {
+            table.create(&txn)?;
+        }
         let mut after: (String, Vec<u8>) = (String::new(), Vec::new());
         let mut loaded = 0u64;
         loop {

@@ -928,3 +928,66 @@ async fn submit_once(leader: &Server, task: usize, i: usize) -> Option<serde_jso
     let (status, body) = read(answer).await;
     (status == 202).then(|| body["build_id"].clone())
 }
+
+// Multi-threaded: the sink answers while `berth audit push-head` blocks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_databases_chain_is_pushed_with_a_replicas_key_and_verified_against_it() {
+    let test = "the_databases_chain_is_pushed_with_a_replicas_key_and_verified_against_it";
+    let Some(db) = PgDb::create(test).await else {
+        return;
+    };
+    let leader = Server::start(replica(&db, &[])).await;
+    for i in 0..3 {
+        leader.submit_ok(&format!("p{i}"), json!({"n": i})).await;
+    }
+    let pushed: std::sync::Arc<std::sync::Mutex<Vec<serde_json::Value>>> = Default::default();
+    let got = pushed.clone();
+    let (sink, _sink_task) = json_server(std::sync::Arc::new(move |body| {
+        got.lock().unwrap().push(body);
+        (200, json!({"ok": true}))
+    }))
+    .await;
+    let data = leader.dir.join("data");
+    let data = data.to_str().unwrap();
+    let url = db.url();
+    let push = || {
+        cli(&[
+            "audit",
+            "push-head",
+            "--store",
+            &url,
+            "--data-dir",
+            data,
+            "--sink",
+            &sink,
+        ])
+    };
+    let (code, out, err) = push();
+    assert_eq!(code, 0, "{out}{err}");
+    // The head the database's chain has, signed with the replica's key,
+    // recorded in its data dir.
+    let (code, report, err) = cli(&[
+        "audit",
+        "verify",
+        "--json",
+        "--store",
+        &url,
+        "--data-dir",
+        data,
+    ]);
+    assert_eq!(code, 0, "{report}{err}");
+    let report: serde_json::Value = serde_json::from_str(&report).unwrap();
+    let first = pushed.lock().unwrap()[0].clone();
+    assert_eq!(first["verify"]["size"], report["size"], "{first}");
+    let recorded: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(leader.dir.join("data/audit-pushed-head.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(recorded["size"], report["size"]);
+    // The next push proves it extends the last one.
+    leader.submit_ok("p9", json!({"n": 9})).await;
+    let (code, out, err) = push();
+    assert_eq!(code, 0, "{out}{err}");
+    let second = pushed.lock().unwrap()[1].clone();
+    assert_eq!(second["consistency"]["from"], report["size"], "{second}");
+}

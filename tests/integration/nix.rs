@@ -686,6 +686,20 @@ fn every_option_reaches_its_unit(lib: &ModuleLib) {
     ] {
         assert!(has_flag(&words, flag, value), "{flag} {value}: {words:?}");
     }
+    // The audit units read the database's chain, the URL a credential.
+    for unit in ["berth-audit-verify", "berth-audit-push-head"] {
+        let words = exec_words(&services[unit]);
+        assert!(
+            has_flag(&words, "--store", "postgres://berth@db.internal/berth")
+                && has_flag(&words, "--store-file", "%d/store-url"),
+            "{unit}: {words:?}"
+        );
+        assert_eq!(
+            services[unit]["serviceConfig"]["LoadCredential"],
+            json!(["store-url:/run/keys/berth-store"]),
+            "{unit}"
+        );
+    }
     // A password in `store` never reaches the unit.
     let with_password = json!({"store": "postgres://berth:hunter2@db/berth"});
     let refused = try_module_config(lib, &with_password).expect_err("a password in store");
