@@ -13,23 +13,7 @@ fn main() {
     }
     let code = match cli.command {
         Command::Serve(settings) => berth::serve::run(*settings),
-        Command::Audit { audit } => match audit {
-            AuditCommand::Verify {
-                data_dir,
-                store,
-                json,
-            } => berth::cluster::run_verify(&store, &data_dir, json),
-            AuditCommand::PushHead {
-                data_dir,
-                store,
-                sink,
-                audit_origin,
-            } => berth::cluster::run_push_head(&store, &data_dir, &sink, audit_origin.as_deref()),
-            AuditCommand::PublicKey {
-                data_dir,
-                audit_origin,
-            } => berth::audit_cli::run_public_key(&data_dir, audit_origin.as_deref()),
-        },
+        Command::Audit { audit } => run_audit(audit),
         Command::Export {
             data_dir,
             store,
@@ -84,4 +68,25 @@ fn main() {
         | Command::Nodes { .. }) => berth::client::run(client),
     };
     std::process::exit(code);
+}
+
+/// `berth audit verify | push-head | public-key`.
+fn run_audit(audit: AuditCommand) -> i32 {
+    match audit {
+        AuditCommand::Verify {
+            data_dir,
+            store,
+            json,
+        } => berth::cluster::run_verify(&store, &data_dir, json),
+        AuditCommand::PushHead {
+            data_dir,
+            store,
+            sink,
+            audit_origin,
+        } => berth::cluster::run_push_head(&store, &data_dir, &sink, audit_origin.as_deref()),
+        AuditCommand::PublicKey {
+            data_dir,
+            audit_origin,
+        } => berth::audit_cli::run_public_key(&data_dir, audit_origin.as_deref()),
+    }
 }
