@@ -122,18 +122,8 @@ async fn wait_all(seen: &Seen, generation: u64, limit: Duration) -> bool {
 }
 
 async fn deploy(http: &reqwest::Client, base: &str, token: &str, v: u64) {
-    let body = json!({"configuration": {"agents": true, "v": v}, "mode": "enqueue"});
-    let r: Value = http
-        .post(format!("{base}/v1/deployments/fleet/submit"))
-        .bearer_auth(token)
-        .json(&body)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    let build = r["build_id"].as_str().expect("a build").to_string();
+    let configuration = json!({"agents": true, "v": v});
+    let build = common::submit(http, base, token, "fleet", configuration).await;
     loop {
         let b: Value = http
             .get(format!("{base}/v1/builds/{build}"))

@@ -327,17 +327,8 @@ async fn log_latency(root: &Path) {
     secrets_from(&dir.join("a"), &standby_dir);
     let standby = common::start_berth(&standby_dir, &deployer, &args, &[]).await;
     let http = reqwest::Client::new();
-    let answer: serde_json::Value = http
-        .post(format!("{}/v1/deployments/latency/submit", leader.base))
-        .bearer_auth(leader.token.trim())
-        .json(&serde_json::json!({"configuration": {}}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    let build = answer["build_id"].as_str().expect("a build").to_string();
+    let configuration = serde_json::json!({});
+    let build = common::submit(&http, &leader.base, &leader.token, "latency", configuration).await;
     let events = |base: &str| {
         http.get(format!("{base}/v1/builds/{build}/events"))
             .bearer_auth(leader.token.trim())

@@ -34,26 +34,6 @@ fn configuration(unhealthy: bool) -> Value {
         "mastodon": {"enable": true, "unhealthy": unhealthy}}})
 }
 
-async fn submit(
-    http: &reqwest::Client,
-    base: &str,
-    token: &str,
-    id: &str,
-    config: Value,
-) -> String {
-    let r: Value = http
-        .post(format!("{base}/v1/deployments/{id}/submit"))
-        .bearer_auth(token)
-        .json(&json!({"configuration": config, "mode": "enqueue"}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    r["build_id"].as_str().expect("a build id").to_string()
-}
-
 async fn build(http: &reqwest::Client, base: &str, token: &str, id: &str) -> Value {
     http.get(format!("{base}/v1/builds/{id}"))
         .bearer_auth(token)
@@ -94,11 +74,11 @@ fn main() {
         let mut to_start = Vec::new();
         for round in 0..ROUNDS {
             let id = format!("r{round}");
-            let good = submit(&http, &base, &token, &id, configuration(false)).await;
+            let good = common::submit(&http, &base, &token, &id, configuration(false)).await;
             let good = ended(&http, &base, &token, &good).await;
             assert_eq!(good["status"], "succeeded", "{good}");
             to_start.push(millis(&good["started_at"]) - millis(&good["created_at"]));
-            let bad = submit(&http, &base, &token, &id, configuration(true)).await;
+            let bad = common::submit(&http, &base, &token, &id, configuration(true)).await;
             let bad = ended(&http, &base, &token, &bad).await;
             assert_eq!(bad["failure"]["reason"], "health_check_failed", "{bad}");
             let list: Value = http

@@ -99,21 +99,8 @@ async fn submit(
     id: &str,
 ) -> (String, Instant, Instant) {
     let sent = Instant::now();
-    let r: Value = http
-        .post(format!("{base}/v1/deployments/{id}/submit"))
-        .bearer_auth(token)
-        .json(&json!({"configuration": {}, "mode": "enqueue"}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    (
-        r["build_id"].as_str().expect("a build").to_string(),
-        sent,
-        Instant::now(),
-    )
+    let build = common::submit(http, base, token, id, json!({})).await;
+    (build, sent, Instant::now())
 }
 
 /// Latencies (ms) from each submit's request to the arrival of its

@@ -43,18 +43,7 @@ struct Bench {
 
 impl Bench {
     async fn submit(&self, id: &str, config: Value) -> String {
-        let r: Value = self
-            .http
-            .post(format!("{}/v1/deployments/{id}/submit", self.base))
-            .bearer_auth(&self.token)
-            .json(&json!({"configuration": config, "mode": "enqueue"}))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        r["build_id"].as_str().expect("a build id").to_string()
+        common::submit(&self.http, &self.base, &self.token, id, config).await
     }
 
     async fn ended(&self, id: &str) -> Value {

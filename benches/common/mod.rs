@@ -119,6 +119,27 @@ pub async fn metrics(http: &reqwest::Client, base: &str, token: &str) -> String 
         .unwrap()
 }
 
+/// Enqueues a submit of `configuration` for deployment `id`: its build id.
+pub async fn submit(
+    http: &reqwest::Client,
+    base: &str,
+    token: &str,
+    id: &str,
+    configuration: serde_json::Value,
+) -> String {
+    let answer: serde_json::Value = http
+        .post(format!("{base}/v1/deployments/{id}/submit"))
+        .bearer_auth(token.trim())
+        .json(&serde_json::json!({"configuration": configuration, "mode": "enqueue"}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    answer["build_id"].as_str().expect("a build id").to_string()
+}
+
 /// The runtime of a benchmark's client side: two workers, as the machine.
 pub fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()

@@ -122,7 +122,8 @@ mod tests {
             .0
             .validate(&serde_json::Value::String(url.into()), schema.1)
             .is_ok();
-        let rule = engine::CallbackRule::new(&origins).expect("the pattern compiles");
+        let rule = engine::OriginUrlRule::new(&origins, "--callback-origin")
+            .expect("the pattern compiles");
         let taken = rule.takes(url);
         (stated, taken)
     }

@@ -103,7 +103,7 @@ fn bad(pointer: &str, code: &str, message: &str) -> ApiError {
 /// (`rule`, the pattern the served document states).
 fn checked_url(
     url: Option<&Value>,
-    rule: &crate::engine::CallbackRule,
+    rule: &crate::engine::OriginUrlRule,
 ) -> Result<String, ApiError> {
     let url = match url {
         Some(Value::String(u)) if u.len() <= MAX_URL_BYTES => u.clone(),

@@ -105,9 +105,9 @@ struct Sched {
 pub struct Engine {
     pub settings: Arc<Settings>,
     /// How a destroy's callback is checked (`--callback-origin`).
-    pub callback_rule: CallbackRule,
+    pub callback_rule: OriginUrlRule,
     /// How a webhook subscription's URL is checked (`--webhook-origin`).
-    pub webhook_rule: CallbackRule,
+    pub webhook_rule: OriginUrlRule,
     /// Reached from above only through the engine's operations (`read`,
     /// `reader`, `keep_answer`, `close_store`).
     store: Store,
@@ -189,7 +189,7 @@ pub const CALLBACK_MAX_BYTES: usize = 2048;
 /// `pchar`s (unreserved, sub-delims, `:`, `@`, and `%` with two hex digits),
 /// `/` and `?`. No fragment (it is never sent), no space, nothing a client
 /// would have to escape. Written once, in the regular expression the served
-/// OpenAPI document states and the server checks with (`CallbackRule`), so
+/// OpenAPI document states and the server checks with (`OriginUrlRule`), so
 /// the document and the server cannot disagree (`api::ops` tests that the
 /// document's engine and the server's read it alike).
 const CALLBACK_REST_PATTERN: &str = "(/([A-Za-z0-9._~!$&'()*+,;=:@/?-]|%[0-9A-Fa-f]{2})*)?";
@@ -217,15 +217,16 @@ pub fn callback_pattern(allowed: &[String]) -> String {
 /// allowed origins, compiled once, and [`CALLBACK_MAX_BYTES`], the two
 /// things the served document states. One implementation, so the
 /// document and the server cannot drift apart.
-pub struct CallbackRule {
+pub struct OriginUrlRule {
     pattern: regex::Regex,
 }
 
-impl CallbackRule {
-    pub fn new(allowed: &[String]) -> Result<CallbackRule, String> {
+impl OriginUrlRule {
+    /// The rule of the origins `flag` (its name, for the error) allows.
+    pub fn new(allowed: &[String], flag: &str) -> Result<OriginUrlRule, String> {
         regex::Regex::new(&callback_pattern(allowed))
-            .map(|pattern| CallbackRule { pattern })
-            .map_err(|e| format!("the callback origins make no valid pattern: {e}"))
+            .map(|pattern| OriginUrlRule { pattern })
+            .map_err(|e| format!("the origins of {flag} make no valid pattern: {e}"))
     }
 
     /// Whether `url` is at most `CALLBACK_MAX_BYTES` and matches the
@@ -249,8 +250,8 @@ impl Engine {
             Some(s) => (s.clone(), true),
             None => (builtin_source(), false),
         };
-        let callback_rule = CallbackRule::new(&settings.callback_origin)?;
-        let webhook_rule = CallbackRule::new(&settings.webhook_origin)?;
+        let callback_rule = OriginUrlRule::new(&settings.callback_origin, "--callback-origin")?;
+        let webhook_rule = OriginUrlRule::new(&settings.webhook_origin, "--webhook-origin")?;
         let mut random = [0u8; 16];
         getrandom::fill(&mut random)
             .map_err(|e| format!("no randomness for the incarnation: {e}"))?;
