@@ -2,7 +2,8 @@
 //! baseline of the same run: berth's memory with `AGENTS` desired-state
 //! streams open against idle; the time for one deploy's documents to
 //! reach every agent; submits at 32 connections while the agents report,
-//! against submits alone. The agents are a lean simulator in this process:
+//! against submits alone; after kill -9 and a start of berth, the time
+//! until every agent is connected again. The agents are a lean simulator in this process:
 //! one raw HTTP/1.1 connection per stream, reports over a small pool.
 //!
 //! Run: `cargo bench --bench agents` (`BERTH_BENCH_AGENTS` agents, 10,000
@@ -63,29 +64,53 @@ fn now_ns() -> i64 {
     i64::try_from(time::OffsetDateTime::now_utc().unix_timestamp_nanos()).unwrap()
 }
 
-/// What the simulated agents saw: each one's latest generation and when
-/// it arrived.
+/// What the simulated agents saw: each one's latest generation, when it
+/// arrived, and how many connections brought a document.
 struct Seen {
     generation: Vec<AtomicU64>,
     at_ns: Vec<AtomicI64>,
+    connections: Vec<AtomicU64>,
 }
 
-/// One agent's desired-state stream: the generation of each `id:` line.
+/// One agent's desired-state stream, connected again as `berth agent`
+/// does when it ends: the n-th failure in a row waits a random time in
+/// [0, min(30 s, 2^n s)].
 async fn stream(addr: String, token: String, node: usize, seen: Arc<Seen>) {
-    let Ok(mut sock) = tokio::net::TcpStream::connect(&addr).await else {
-        return;
+    let mut failures: u32 = 0;
+    let mut random = 0x9E37_79B9_7F4A_7C15u64 ^ node as u64;
+    loop {
+        if connection(&addr, &token, node, &seen).await {
+            failures = 0;
+        } else {
+            failures = failures.saturating_add(1);
+        }
+        // xorshift: a spread, not a secret.
+        random ^= random << 13;
+        random ^= random >> 7;
+        random ^= random << 17;
+        let ceiling = Duration::from_secs(1u64 << failures.min(5)).min(Duration::from_secs(30));
+        tokio::time::sleep(ceiling.mul_f64((random % 10_000) as f64 / 10_000.0)).await;
+    }
+}
+
+/// One connection of a stream until it ends: the generation of each
+/// `id:` line. Whether it brought a document.
+async fn connection(addr: &str, token: &str, node: usize, seen: &Seen) -> bool {
+    let Ok(mut sock) = tokio::net::TcpStream::connect(addr).await else {
+        return false;
     };
     let request = format!(
         "GET /internal/v1/nodes/fleet/n{node:05}/desired HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {token}\r\nAccept: text/event-stream\r\n\r\n"
     );
     if sock.write_all(request.as_bytes()).await.is_err() {
-        return;
+        return false;
     }
     let mut buf = vec![0u8; 4096];
     let mut carry = String::new();
+    let mut documents = 0u64;
     while let Ok(n) = sock.read(&mut buf).await {
         if n == 0 {
-            return;
+            break;
         }
         carry.push_str(&String::from_utf8_lossy(&buf[..n]));
         while let Some(end) = carry.find('\n') {
@@ -96,9 +121,14 @@ async fn stream(addr: String, token: String, node: usize, seen: Arc<Seen>) {
             {
                 seen.generation[node].store(g, Ordering::SeqCst);
                 seen.at_ns[node].store(now_ns(), Ordering::SeqCst);
+                if documents == 0 {
+                    seen.connections[node].fetch_add(1, Ordering::SeqCst);
+                }
+                documents += 1;
             }
         }
     }
+    documents > 0
 }
 
 fn percentile(mut v: Vec<i64>, p: f64) -> i64 {
@@ -218,6 +248,63 @@ async fn floor(dir: &Path, deployer: &Path, connections: usize) -> (u64, u64) {
     (idle, with)
 }
 
+/// kill -9 of berth and a start on the same port: the time from the start
+/// until every agent has its document again (agents.md: within 2 minutes),
+/// beside the start's own time to ready.
+async fn restart(
+    dir: &Path,
+    deployer: &Path,
+    berth: &mut common::Started,
+    connections: &str,
+    seen: &Seen,
+) {
+    let listen = berth.base.trim_start_matches("http://").to_string();
+    let before: Vec<u64> = seen
+        .connections
+        .iter()
+        .map(|c| c.load(Ordering::SeqCst))
+        .collect();
+    let _ = berth.child.kill();
+    let _ = berth.child.wait();
+    let started = Instant::now();
+    *berth = common::start_berth_at(
+        &dir.join("berth"),
+        deployer,
+        &listen,
+        &["--max-agents", "20000", "--max-connections", connections],
+        &[],
+    )
+    .await;
+    let ready = started.elapsed();
+    let deadline = started + Duration::from_secs(600);
+    while seen
+        .connections
+        .iter()
+        .zip(&before)
+        .any(|(c, b)| c.load(Ordering::SeqCst) <= *b)
+    {
+        assert!(
+            Instant::now() < deadline,
+            "agents not connected again within 10 minutes"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let all = started.elapsed();
+    let agents = seen.connections.len();
+    common::record_with_goal(
+        &format!("kill -9 and start of berth: all {agents} agents connected again"),
+        &format!(
+            "{:.1} s (berth ready after {:.1} s)",
+            all.as_secs_f64(),
+            ready.as_secs_f64()
+        ),
+        "goal: within 2 min",
+        all.as_secs_f64() / 120.0,
+        "<= 2 min",
+        Some(all <= Duration::from_secs(120)),
+    );
+}
+
 fn main() {
     let _ = rustls::crypto::ring::default_provider().install_default();
     // This process holds a socket per simulated agent: its soft limit of
@@ -270,6 +357,7 @@ fn main() {
         let seen = Arc::new(Seen {
             generation: (0..agents).map(|_| AtomicU64::new(u64::MAX)).collect(),
             at_ns: (0..agents).map(|_| AtomicI64::new(0)).collect(),
+            connections: (0..agents).map(|_| AtomicU64::new(0)).collect(),
         });
         for (i, t) in tokens.iter().enumerate() {
             tokio::spawn(stream(addr.clone(), t.clone(), i, seen.clone()));
@@ -342,6 +430,7 @@ fn main() {
             println!("wrk is not installed: the submit figure is left out");
         }
         let mut berth = berth;
+        restart(&dir, &deployer, &mut berth, &connections, &seen).await;
         let _ = berth.child.kill();
         let _ = berth.child.wait();
     });

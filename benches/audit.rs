@@ -38,6 +38,7 @@ fn draft(i: u64) -> Draft {
         action: "submit",
         deployment: Some(format!("d{}", i % 10_000)),
         build: Some("01a22bfb-27b9-7222-a157-9af6b48ca15a".into()),
+        node: None,
         request_id: format!("01a22bfb27a272b7bf90ca577a1a{i:08}"),
         result: AuditResult::Ok,
         reason: None,

@@ -73,8 +73,12 @@ let
   agentArgs =
     [ "${acfg.package}/bin/berth" "agent" "--url" (requiredAgent "url" acfg.url) "--token-file" "%d/agent-token"
       "--node" (requiredAgent "node" acfg.node) "--state-dir" "/var/lib/berth-agent"
-      "--report-interval" acfg.reportInterval ]
+      "--report-interval" acfg.reportInterval "--keep" (toString acfg.keep)
+      # After a confirm that changed this unit, the agent exits and
+      # systemd starts the new one (restartIfChanged is off below).
+      "--unit" "berth-agent.service" ]
     ++ flag "check-command" acfg.checkCommand
+    ++ flag "ca-file" (if acfg.caFile == null then null else "${acfg.caFile}")
     ++ list "substituter" acfg.substituters
     ++ optional acfg.allowHttp "--allow-http"
     ++ acfg.extraArgs;
@@ -243,6 +247,8 @@ in
       substituters = mkOption { type = types.listOf types.str; default = [ ]; description = "Binary caches a toplevel is fetched from, tried in order; their keys go in nix.settings.trusted-public-keys."; };
       checkCommand = mkOption { type = types.nullOr types.str; default = null; description = "Health: a shell command, exit 0 healthy."; };
       allowHttp = mkOption { type = types.bool; default = false; description = "Allow http:// to a berth that is not on loopback."; };
+      keep = mkOption { type = types.ints.between 0 100; default = 5; description = "Confirmed toplevels kept as GC roots besides the running and booted ones."; };
+      caFile = mkOption { type = types.nullOr types.path; default = null; description = "PEM certificates trusted besides the system's roots for berth's https (a private CA; public, so the store may hold it)."; };
       extraArgs = mkOption { type = types.listOf types.str; default = [ ]; description = "More `berth agent` flags."; };
     };
   };

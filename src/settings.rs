@@ -472,6 +472,20 @@ pub struct AgentArgs {
     /// Allow http:// to a berth that is not on loopback.
     #[arg(long)]
     pub allow_http: bool,
+    /// PEM certificates trusted besides the system's roots for berth's
+    /// https (a private CA).
+    #[arg(long, env = "BERTH_AGENT_CA_FILE")]
+    pub ca_file: Option<PathBuf>,
+    /// Confirmed artifacts kept besides the running and booted ones
+    /// (files in artifacts/, GC roots in gcroots/), 0 to 100.
+    #[arg(long, env = "BERTH_AGENT_KEEP", default_value_t = 5,
+          value_parser = clap::value_parser!(u32).range(0..=i64::from(crate::agent::MAX_KEEP)))]
+    pub keep: u32,
+    /// The agent's own systemd unit (the NixOS module names it): after a
+    /// confirm of a toplevel that changed it, the agent exits 0 once its
+    /// outcome is posted, so systemd starts the new one.
+    #[arg(long, env = "BERTH_AGENT_UNIT")]
+    pub unit: Option<String>,
 }
 
 fn parse_report_interval(text: &str) -> Result<Duration, String> {
@@ -935,7 +949,9 @@ pub struct Settings {
     pub authz_url: Option<String>,
 
     /// Anonymous denials (no actor, no service token) are recorded once per
-    /// interval, then folded into one `denied_anonymous` event with a count.
+    /// interval, then folded into one `denied_anonymous` event with a count;
+    /// an agent token's refused reports likewise, per token, into
+    /// `node_report_refused`.
     #[arg(long, env = "BERTH_AUDIT_DENIAL_INTERVAL", default_value = "60s", value_parser = parse_duration)]
     pub audit_denial_interval: Duration,
 

@@ -22,13 +22,25 @@ pub async fn start_berth(
     args: &[&str],
     envs: &[(&str, String)],
 ) -> Started {
+    start_berth_at(dir, deployer, "127.0.0.1:0", args, envs).await
+}
+
+/// `start_berth` listening on `listen` (a restart on the port clients
+/// know).
+pub async fn start_berth_at(
+    dir: &Path,
+    deployer: &Path,
+    listen: &str,
+    args: &[&str],
+    envs: &[(&str, String)],
+) -> Started {
     // The kernel picks the port; berth writes what it bound.
     let address_file = dir.join("address");
     let _ = std::fs::remove_file(&address_file);
     let child = Command::new(env!("CARGO_BIN_EXE_berth"))
         .arg("serve")
         .arg("--listen")
-        .arg("127.0.0.1:0")
+        .arg(listen)
         .arg("--address-file")
         .arg(&address_file)
         .arg("--data-dir")

@@ -4,9 +4,11 @@
 //! by itself when berth ends the activation, stays silent past the revert
 //! window, or the agent stops.
 //!
-//! The file kind only: the node's `current` is replaced atomically with
-//! the artifact (the bytes it replaced kept first, so a revert puts them
-//! back), `booted` is written at the confirm. The state file records the
+//! A file artifact: the node's `current` is replaced atomically with the
+//! artifact (the bytes it replaced kept first, so a revert puts them
+//! back), `booted` is written at the confirm. A toplevel: its
+//! `switch-to-configuration test`, the earlier one's for a revert, the
+//! system profile and `boot` at the confirm. The state file records the
 //! activation (synced) before the node is touched, so an agent that
 //! starts and finds one unconfirmed reverts it: its authority died with
 //! its incarnation.
@@ -407,9 +409,25 @@ impl Agent {
         self.outcome(&held, None).await;
         self.state.attempt = None;
         self.held = None;
+        super::keep::remember(&mut self.state.confirmed, &held.artifact, self.args.keep);
         if let Err(why) = self.save() {
             tracing::error!(%why, "cannot record the confirm");
         }
+        self.tidy().await;
+        self.unit_changed = held.kind == "nix-store-path" && self.own_unit_changed(&held);
+    }
+
+    /// Whether the confirmed toplevel defines the agent's own unit
+    /// (`--unit`) otherwise than the one it replaced.
+    fn own_unit_changed(&self, held: &Held) -> bool {
+        let Some(unit) = &self.args.unit else {
+            return false;
+        };
+        let definition = |toplevel: &str| {
+            std::fs::canonicalize(Path::new(toplevel).join("etc/systemd/system").join(unit)).ok()
+        };
+        let before = held.before.as_deref().and_then(definition);
+        before != definition(&held.artifact)
     }
 
     /// A file's confirm: `booted` written, then the activate command's

@@ -27,8 +27,11 @@ use crate::settings::AgentArgs;
 use crate::worker::Api;
 
 mod activate;
+mod keep;
 mod nix;
 mod watch_desired;
+
+pub use keep::MAX_KEEP;
 
 /// Exit codes (agents.md "Running an agent").
 pub const EXIT_STOPPED: i32 = 0;
@@ -90,6 +93,10 @@ struct AgentState {
     highest_claimed: u64,
     /// The activation it holds, unconfirmed (reverted at a start).
     attempt: Option<activate::Held>,
+    /// The artifacts it confirmed last (digests or store paths), newest
+    /// last, at most `--keep`: what it keeps besides running and booted.
+    #[serde(default)]
+    confirmed: Vec<String>,
 }
 
 struct Agent {
@@ -104,6 +111,9 @@ struct Agent {
     last_error: Option<(String, String)>,
     /// The activation it holds, with its timers.
     held: Option<(activate::Held, activate::Live)>,
+    /// A confirm changed the agent's own unit (`--unit`): it exits so
+    /// systemd starts the new one.
+    unit_changed: bool,
 }
 
 impl Agent {
@@ -119,7 +129,11 @@ impl Agent {
         let token = read_token(&args.token_file).map_err(|why| (EXIT_STATE, why))?;
         prepare_state_dir(&args.state_dir).map_err(|why| (EXIT_STATE, why))?;
         let state = load_state(&args.state_dir, &args.node).map_err(|why| (EXIT_STATE, why))?;
-        let api = Api::new(&args.url, token).map_err(|why| (EXIT_STATE, why))?;
+        let roots = match &args.ca_file {
+            Some(path) => read_ca_file(path).map_err(|why| (EXIT_STATE, why))?,
+            None => Vec::new(),
+        };
+        let api = Api::new(&args.url, token, roots).map_err(|why| (EXIT_STATE, why))?;
         Ok(Agent {
             api,
             incarnation: crate::worker::new_incarnation().map_err(|why| (EXIT_STATE, why))?,
@@ -129,6 +143,7 @@ impl Agent {
             started: Instant::now(),
             last_error: None,
             held: None,
+            unit_changed: false,
             args,
         })
     }
@@ -146,6 +161,7 @@ impl Agent {
             );
             self.revert().await;
         }
+        self.tidy().await;
         let mut stop = crate::worker::stop_signal();
         let (docs_tx, mut docs) = mpsc::channel::<Value>(4);
         let (refused_tx, mut refused) = watch::channel(false);
@@ -193,6 +209,10 @@ impl Agent {
                     self.take(&doc)?;
                     if let Err(ReportFailure::Refused) = self.act(&doc).await {
                         return Ok(self.refused_code());
+                    }
+                    if self.unit_changed {
+                        tracing::info!("the confirmed toplevel changed this agent's unit; exiting so systemd starts the new one");
+                        return Ok(EXIT_STOPPED);
                     }
                 }
                 _ = tokio::time::sleep_until(renew_at) => {
@@ -351,8 +371,16 @@ impl Agent {
         }
     }
 
-    /// `--check-command`'s verdict (healthy without one).
+    /// The node's health: on a systemd node that runs a toplevel, the
+    /// system's state first; then `--check-command`'s verdict (healthy
+    /// without one).
     async fn health(&self) -> Value {
+        let runs_files = self.args.state_dir.join("current").exists();
+        if !runs_files && Path::new(SYSTEMD_BOOTED).is_dir() {
+            if let Some(reason) = system_unhealthy().await {
+                return json!({"healthy": false, "reason": reason});
+            }
+        }
         let Some(cmd) = &self.args.check_command else {
             return json!({"healthy": true, "reason": null});
         };
@@ -380,6 +408,47 @@ impl Agent {
             Err(_) => json!({"healthy": false, "reason": "the check command ran past 30 s"}),
         }
     }
+}
+
+/// Exists when the node was booted with systemd (`sd_booted(3)`).
+const SYSTEMD_BOOTED: &str = "/run/systemd/system";
+
+/// `systemctl is-system-running`: `None` when `running`, else the state
+/// and the failed units (agents.md "Artifacts").
+async fn system_unhealthy() -> Option<String> {
+    let systemctl = |args: &[&str]| {
+        let mut c = tokio::process::Command::new("systemctl");
+        c.args(args)
+            .stdin(std::process::Stdio::null())
+            .kill_on_drop(true);
+        tokio::time::timeout(CHECK_TIMEOUT, c.output())
+    };
+    let state = match systemctl(&["is-system-running"]).await {
+        Ok(Ok(out)) => String::from_utf8_lossy(&out.stdout).trim().to_string(),
+        Ok(Err(e)) => return Some(format!("systemctl could not run: {e}")),
+        Err(_) => return Some("systemctl is-system-running ran past 30 s".into()),
+    };
+    if state == "running" {
+        return None;
+    }
+    let failed = match systemctl(&["list-units", "--failed", "--plain", "--no-legend"]).await {
+        Ok(Ok(out)) => String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|l| l.split_whitespace().next())
+            .collect::<Vec<_>>()
+            .join(", "),
+        Ok(Err(_)) | Err(_) => String::new(),
+    };
+    let reason = match failed.is_empty() {
+        true => format!("the system is {state}"),
+        false => format!("the system is {state}; failed: {failed}"),
+    };
+    Some(
+        reason
+            .chars()
+            .take(crate::nodes::MAX_REASON_CHARS)
+            .collect(),
+    )
 }
 
 /// Why a report did not land.
@@ -491,6 +560,21 @@ fn check_url(url: &str, allow_http: bool) -> Result<(), String> {
     Ok(())
 }
 
+/// The certificates of `--ca-file` (PEM, at least one).
+fn read_ca_file(path: &Path) -> Result<Vec<reqwest::Certificate>, String> {
+    let pem = std::fs::read(path)
+        .map_err(|e| format!("cannot read --ca-file {}: {e}", path.display()))?;
+    let certs = reqwest::Certificate::from_pem_bundle(&pem)
+        .map_err(|e| format!("--ca-file {} is not PEM certificates: {e}", path.display()))?;
+    if certs.is_empty() {
+        return Err(format!(
+            "--ca-file {} holds no certificate (PEM, BEGIN CERTIFICATE)",
+            path.display()
+        ));
+    }
+    Ok(certs)
+}
+
 /// The token, refused when group or others may read its file.
 fn read_token(path: &Path) -> Result<String, String> {
     use std::os::unix::fs::PermissionsExt;
@@ -532,6 +616,7 @@ fn load_state(dir: &Path, node: &str) -> Result<AgentState, String> {
                 generation: 0,
                 highest_claimed: 0,
                 attempt: None,
+                confirmed: Vec::new(),
             })
         }
         Err(e) => return Err(format!("cannot read {}: {e}", path.display())),

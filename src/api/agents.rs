@@ -146,8 +146,21 @@ pub fn authenticate(
     })
 }
 
-/// `POST /internal/v1/nodes/{deployment}/{node}/report`.
+/// `POST /internal/v1/nodes/{deployment}/{node}/report`. A refused or
+/// invalid report is audited, folded per token (audit.md); one berth
+/// could not take (its rate, a store away: `503`, or a fault: `500`) is
+/// not: the agent sends it again.
 pub async fn report(ctx: &Ctx, req: &Request, auth: &AgentAuth) -> Result<Reply, ApiError> {
+    let answer = take_report(ctx, req, auth).await;
+    if let Err(e) = &answer {
+        if !matches!(e.code, Code::Unavailable | Code::Internal) {
+            super::audit::refused_report(ctx, auth, e).await;
+        }
+    }
+    answer
+}
+
+async fn take_report(ctx: &Ctx, req: &Request, auth: &AgentAuth) -> Result<Reply, ApiError> {
     if req.body.len() > MAX_REPORT_BYTES {
         return Err(ApiError::new(
             Code::PayloadTooLarge,
@@ -690,7 +703,8 @@ pub async fn outcome(ctx: &Ctx, req: &Request, auth: &AgentAuth) -> Result<Reply
 }
 
 /// `GET .../artifacts/{digest}`: a file artifact the node's documents
-/// named, at most `MAX_DOWNLOADS` at once.
+/// named, at most `MAX_DOWNLOADS` at once; with `Range`, a part of it (an
+/// agent on a poor line resumes instead of starting again).
 pub async fn artifact(ctx: &Ctx, req: &Request, auth: &AgentAuth) -> Result<Reply, ApiError> {
     let digest = req.param("digest");
     let Ok(_turn) = ctx.downloads.clone().try_acquire_owned() else {
@@ -700,13 +714,15 @@ pub async fn artifact(ctx: &Ctx, req: &Request, auth: &AgentAuth) -> Result<Repl
                 .retry_after(1),
         );
     };
-    let (engine, b, digest) = (ctx.engine.clone(), auth.binding.clone(), digest.to_string());
+    let (engine, b, wanted) = (ctx.engine.clone(), auth.binding.clone(), digest.to_string());
     let bytes =
-        tokio::task::spawn_blocking(move || engine.node_artifact(&b.deployment, &b.node, &digest))
+        tokio::task::spawn_blocking(move || engine.node_artifact(&b.deployment, &b.node, &wanted))
             .await
             .map_err(|_| ApiError::internal())??;
     match bytes {
-        Some(bytes) => Ok(Reply::text(200, "application/octet-stream", bytes)),
+        Some(bytes) => {
+            super::builds::content_addressed(req, "application/octet-stream", digest, bytes)
+        }
         None => Err(ApiError::not_found("artifact")),
     }
 }

@@ -143,6 +143,34 @@ pub fn parse_range(header: &str) -> Result<ByteRange, ApiError> {
     }
 }
 
+/// Bytes stored by their digest as an answer: the digest as the ETag, a
+/// `Range: bytes=` honoured as the log's is (`206`, or `416` outside).
+pub fn content_addressed(
+    req: &Request,
+    content_type: &'static str,
+    digest: &str,
+    bytes: Vec<u8>,
+) -> Result<Reply, ApiError> {
+    let etag = format!("\"{digest}\"");
+    let Some(range) = req.headers.get("range") else {
+        return Ok(Reply::text(200, content_type, bytes).header("ETag", etag));
+    };
+    let range = range.to_str().map_err(|_| {
+        ApiError::bad_request("Range must be bytes=START-[END]").field("/headers/range", "format")
+    })?;
+    let len = bytes.len() as u64;
+    let Some((start, end)) = resolve_range(&parse_range(range)?, len) else {
+        return Err(ApiError::new(
+            Code::RangeNotSatisfiable,
+            format!("the range is outside the {len} bytes"),
+        ));
+    };
+    let part = bytes[start as usize..=end as usize].to_vec();
+    Ok(Reply::text(206, content_type, part)
+        .header("ETag", etag)
+        .header("Content-Range", format!("bytes {start}-{end}/{len}")))
+}
+
 /// The inclusive byte span of a range over `len` bytes, if satisfiable.
 pub fn resolve_range(r: &ByteRange, len: u64) -> Option<(u64, u64)> {
     let (start, end) = match *r {

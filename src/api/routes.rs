@@ -128,11 +128,9 @@ impl Handler {
     /// not into memory, and not JSON); `None` for every other route.
     pub fn file_body_limit(self, settings: &crate::settings::Settings) -> Option<u64> {
         match self {
-            Handler::Worker(WorkerCall::Blob) => Some(
-                settings
-                    .max_work_state
-                    .max(crate::engine::staging::MIN_BLOB_BYTES),
-            ),
+            Handler::Worker(WorkerCall::Blob) => {
+                Some(crate::engine::staging::max_blob_bytes(settings))
+            }
             Handler::Mutation(MutationCall::PutWorkState, ..) => Some(settings.max_work_state),
             Handler::Public(_)
             | Handler::Metrics

@@ -977,29 +977,7 @@ pub async fn blob(ctx: &Ctx, req: &Request, auth: &WorkerAuth) -> Result<Reply, 
 /// An archive as an answer: `application/x-tar`, its digest as the ETag,
 /// a `Range: bytes=` honoured as the log's is.
 fn tar_reply(req: &Request, digest: &str, tar: Vec<u8>) -> Result<Reply, ApiError> {
-    let etag = format!("\"{digest}\"");
-    let Some(range) = req.headers.get("range") else {
-        return Ok(Reply::text(200, "application/x-tar", tar).header("ETag", etag));
-    };
-    let range = range.to_str().map_err(|_| {
-        bad(
-            "/headers/range",
-            "format",
-            "Range must be bytes=START-[END]",
-        )
-    })?;
-    let parsed = super::builds::parse_range(range)?;
-    let len = tar.len() as u64;
-    let Some((start, end)) = super::builds::resolve_range(&parsed, len) else {
-        return Err(ApiError::new(
-            Code::RangeNotSatisfiable,
-            "the range is outside the archive",
-        ));
-    };
-    let part = tar[start as usize..=end as usize].to_vec();
-    Ok(Reply::text(206, "application/x-tar", part)
-        .header("ETag", etag)
-        .header("Content-Range", format!("bytes {start}-{end}/{len}")))
+    super::builds::content_addressed(req, "application/x-tar", digest, tar)
 }
 
 /// `GET /internal/v1/attempts/{attempt}/work-state`: the archive the

@@ -77,6 +77,8 @@ pub struct Draft {
     pub action: &'static str,
     pub deployment: Option<String>,
     pub build: Option<String>,
+    /// The node of an agent's call or a node activation (agents.md).
+    pub node: Option<String>,
     pub request_id: String,
     pub result: AuditResult,
     /// An error code or rule name, never a value of the request.
@@ -97,6 +99,10 @@ pub struct Event {
     pub deployment: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hash: Option<String>,
+    /// Present only when set: the events chained before the field existed
+    /// keep their canonical form, and so their hashes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<String>,
     pub prev_hash: String,
     pub reason: Option<String>,
     pub request_id: String,
@@ -132,6 +138,7 @@ pub fn seal(draft: &Draft, seq: u64, prev: &Hash) -> Sealed {
         action: draft.action.to_string(),
         deployment: draft.deployment.clone(),
         build: draft.build.clone(),
+        node: draft.node.clone(),
         request_id: draft.request_id.clone(),
         result: draft.result,
         reason: draft.reason.clone(),

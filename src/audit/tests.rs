@@ -11,6 +11,7 @@ fn draft(i: u64) -> Draft {
         action: "submit",
         deployment: Some("alice".into()),
         build: None,
+        node: None,
         request_id: format!("req-{i}"),
         result: AuditResult::Ok,
         reason: None,

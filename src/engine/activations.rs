@@ -20,6 +20,7 @@ use super::outcome::NodeOutcome;
 use super::refusal::Refusal;
 use super::transition::Change;
 use super::Engine;
+use crate::audit::AuditResult;
 use crate::authority::{self, Call, Replay};
 use crate::events::Hub;
 use crate::model::*;
@@ -596,7 +597,7 @@ impl Engine {
                         });
                     if due {
                         let mut n = before.clone();
-                        lose(&mut n, LossCause::LeaseExpired, now);
+                        lose(tx, &mut n, LossCause::LeaseExpired, now)?;
                         put_node(tx, Some(&before), &n, &no_blobs)?;
                         let mut d = tx.deployment(&n.deployment)?;
                         node_event(tx, &hub, d.as_mut(), &n)?;
@@ -665,29 +666,33 @@ impl Engine {
 }
 
 /// A revoked token's open activation of `n` is lost at once.
-pub fn token_revoked(n: &mut NodeRecord, token: &str, now: Millis) {
+pub fn token_revoked(tx: &Tx, n: &mut NodeRecord, token: &str, now: Millis) -> StoreResult<()> {
     let held = n
         .activation
         .as_ref()
         .and_then(|a| a.attempt.as_ref())
         .is_some_and(|t| t.worker == token && t.state == AttemptState::Active);
     if held {
-        lose(n, LossCause::TokenRevoked, now);
+        lose(tx, n, LossCause::TokenRevoked, now)?;
     }
+    Ok(())
 }
 
-/// The activation lost: its attempt and its status.
-fn lose(n: &mut NodeRecord, cause: LossCause, now: Millis) {
+/// The activation lost: its attempt and its status, audited
+/// `attempt_lost` (no actor: berth judged it) in the same transaction.
+fn lose(tx: &Tx, n: &mut NodeRecord, cause: LossCause, now: Millis) -> StoreResult<()> {
     let Some(a) = n.activation.as_mut() else {
-        return;
+        return Ok(());
     };
-    if let Some(t) = a
+    let Some(t) = a
         .attempt
         .as_mut()
         .filter(|t| t.state == AttemptState::Active)
-    {
-        authority::lose(t, cause);
-    }
+    else {
+        return Ok(());
+    };
+    authority::lose(t, cause);
+    let count = t.accepted_calls;
     if !a.status.is_final() {
         a.status = ActivationStatus::Lost;
         a.reason = Some(
@@ -698,6 +703,39 @@ fn lose(n: &mut NodeRecord, cause: LossCause, now: Millis) {
             .to_string(),
         );
         a.finished_at = Some(now);
+    }
+    let mut draft = activation_draft("attempt_lost", n, None, AuditResult::Ok);
+    draft.reason = Some(
+        match cause {
+            LossCause::LeaseExpired => "lease_expired",
+            LossCause::TokenRevoked => "token_revoked",
+        }
+        .to_string(),
+    );
+    draft.count = count;
+    super::audit_events::append(tx, &draft)
+}
+
+/// The audit draft of a node activation's step (audit.md): its node and
+/// build, and the agent's token as the actor of the agent's own calls.
+fn activation_draft(
+    action: &'static str,
+    n: &NodeRecord,
+    token: Option<&str>,
+    result: AuditResult,
+) -> crate::audit::Draft {
+    let mut draft = super::audit_events::system_draft(action, Some(n.deployment.clone()), result);
+    draft.node = Some(n.node.clone());
+    draft.build = n.activation.as_ref().map(|a| format_build_id(a.build));
+    draft.actor = token.map(agent_actor);
+    draft
+}
+
+/// An agent token as an audit actor (agents.md "Errors, audit, events").
+pub fn agent_actor(token: &str) -> crate::audit::Actor {
+    crate::audit::Actor {
+        issuer: Some("berth:agent".into()),
+        subject: token.to_string(),
     }
 }
 
@@ -749,6 +787,8 @@ fn claim_tx(
     act.attempt = Some(attempt);
     act.status = ActivationStatus::Claimed;
     put_node(tx, Some(&before), &n, &no_blobs)?;
+    let claimed = activation_draft("attempt_claim", &n, Some(&call.token), AuditResult::Ok);
+    Change::new(tx, hub).audit(&claimed)?;
     let mut d = tx.deployment(&n.deployment)?;
     node_event(tx, hub, d.as_mut(), &n)?;
     if let Some(d) = &d {
@@ -836,7 +876,14 @@ fn activation_tx(
         &call.digest,
         answer.clone(),
     );
+    let accepted_calls = t.accepted_calls;
     put_node(tx, Some(&before), &n, &no_blobs)?;
+    if let ActivationCall::Outcome { reason, .. } = what {
+        let mut draft = activation_draft("attempt_outcome", &n, Some(&call.token), AuditResult::Ok);
+        draft.reason = reason.clone();
+        draft.count = accepted_calls;
+        Change::new(tx, hub).audit(&draft)?;
+    }
     let shown = before
         .activation
         .as_ref()
@@ -869,27 +916,23 @@ fn refused_tx(
     let first = !t.refusal_audited;
     t.refusal_audited = true;
     let expired = stale == authority::Stale::LeaseExpired && t.state == AttemptState::Active;
-    if expired {
-        lose(&mut n, LossCause::LeaseExpired, now);
-    }
     if !first && !expired {
         return Ok(());
     }
-    put_node(tx, Some(before), &n, &no_blobs)?;
     if first {
-        let mut draft = super::audit_events::system_draft(
+        let mut draft = activation_draft(
             "attempt_refused",
-            Some(n.deployment.clone()),
-            crate::audit::AuditResult::Refused,
+            &n,
+            Some(&call.token),
+            AuditResult::Refused,
         );
-        draft.actor = Some(crate::audit::Actor {
-            issuer: Some("berth:agent".into()),
-            subject: call.token.clone(),
-        });
         draft.reason = Some(stale.reason().to_string());
-        draft.build = n.activation.as_ref().map(|a| format_build_id(a.build));
         Change::new(tx, hub).audit(&draft)?;
     }
+    if expired {
+        lose(tx, &mut n, LossCause::LeaseExpired, now)?;
+    }
+    put_node(tx, Some(before), &n, &no_blobs)?;
     Ok(())
 }
 

@@ -29,12 +29,6 @@ use super::staging::PreparedFiles;
 use super::transition::Change;
 use super::verdict::{parse_result, RunOutcome};
 
-/// A remote worker's file artifacts are not carried to berth yet
-/// (docs/agents.md "Not yet"): a node's file artifact from a worker is
-/// left out of its result.
-fn not_carried(_: &str) -> Result<Option<super::verdict::ArtifactRead>, String> {
-    Ok(None)
-}
 use super::work_state::NewWorkState;
 use super::Engine;
 use crate::audit::{Actor, AuditResult, Draft};
@@ -350,14 +344,7 @@ impl Engine {
                 .map(|a| a.deployment);
             match deployment {
                 Some(d) => Some(Arc::new(
-                    self.prepare_files(
-                        attempt,
-                        &d,
-                        std::mem::take(&mut report.files),
-                        report.work_state.take(),
-                        report.work_state_problem.take(),
-                    )
-                    .await?,
+                    self.prepare_files(attempt, &d, &mut report).await?,
                 )),
                 None => None,
             }
@@ -482,14 +469,7 @@ impl Engine {
             .map(|a| a.deployment);
         let files = match deployment {
             Some(d) => Some(Arc::new(
-                self.prepare_files(
-                    attempt,
-                    &d,
-                    std::mem::take(&mut outcome.files),
-                    outcome.work_state.take(),
-                    outcome.work_state_problem.take(),
-                )
-                .await?,
+                self.prepare_files(attempt, &d, &mut outcome).await?,
             )),
             None => None,
         };
@@ -824,6 +804,7 @@ fn claim_answer(
             "build_timeout_ms": ms(settings.build_timeout),
             "cancel_grace_ms": ms(settings.cancel_grace),
             "max_work_state": settings.max_work_state,
+            "max_artifact_bytes": settings.max_artifact_bytes,
             "max_batch_items": authority::MAX_BATCH_ITEMS,
             "max_body": settings.max_body,
         },
@@ -1055,7 +1036,7 @@ fn deploy_reported_tx(
             Some(prepared) => prepared.clone(),
             None => Err("the SBOM file was not uploaded by the worker".to_string()),
         },
-        &not_carried,
+        &|path| files.artifact(path),
     );
     let Ok(nodes) = nodes else {
         return Ok(());
@@ -1278,7 +1259,7 @@ fn settle(
                 Some(prepared) => prepared.clone(),
                 None => Err("the SBOM file was not uploaded by the worker".to_string()),
             },
-            &not_carried,
+            &|path| files.artifact(path),
         )),
         (Ok(Ended::Exit(0)), Err(problem)) => Some(Err(format!("the result file: {problem}"))),
         _ => None,

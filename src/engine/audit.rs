@@ -5,6 +5,7 @@
 //! its rows are appended by `transition::Change::audit`.
 
 use crate::locks::Held;
+use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -64,10 +65,38 @@ pub fn of_deployment(rx: &impl AuditLookup, id: &str) -> StoreResult<Vec<Event>>
 }
 
 /// Anonymous denials in the current interval (audit.md): the first is
-/// recorded, the rest counted into one `denied_anonymous` event.
+/// recorded, the rest counted into one `denied_anonymous` event. An agent
+/// token's refused or invalid reports fold the same way, per token, into
+/// `node_report_refused` events.
 #[derive(Default)]
 pub struct Denials {
     state: Mutex<DenialWindow>,
+    /// Keyed by agent token. Only a live agent token's report gets this
+    /// far (a revoked or unknown one is refused before, and folded as
+    /// anonymous), so `--max-agents` bounds it; an entry goes when its
+    /// interval has ended.
+    reports: Mutex<HashMap<String, ReportWindow>>,
+}
+
+/// One agent token's refused reports in the current interval.
+struct ReportWindow {
+    started: Instant,
+    folded: u64,
+    /// The latest refusal: the folded event names its node and reason.
+    latest: Draft,
+}
+
+impl ReportWindow {
+    /// The folded count as one event.
+    fn folded_event(&self) -> Option<Draft> {
+        (self.folded > 0).then(|| {
+            let mut d = self.latest.clone();
+            d.at = now_millis();
+            d.request_id = uuid::Uuid::now_v7().simple().to_string();
+            d.count = self.folded;
+            d
+        })
+    }
 }
 
 #[derive(Default)]
@@ -123,8 +152,63 @@ impl Engine {
         }
     }
 
+    /// An agent token's refused or invalid report (`node_report_refused`):
+    /// recorded when it opens the token's interval, else counted; the
+    /// count is written when the next interval opens (or by
+    /// `flush_denials`).
+    pub async fn audit_report_refused(&self, token: &str, draft: Draft) {
+        let interval = self.settings.audit_denial_interval;
+        let now = Instant::now();
+        let (record, folded) = {
+            let mut reports = self.denials.reports.held();
+            match reports.get_mut(token) {
+                Some(w) if now.duration_since(w.started) < interval => {
+                    w.folded += 1;
+                    w.latest = draft.clone();
+                    (false, None)
+                }
+                Some(w) => {
+                    let folded = w.folded_event();
+                    (w.started, w.folded, w.latest) = (now, 0, draft.clone());
+                    (true, folded)
+                }
+                None => {
+                    let w = ReportWindow {
+                        started: now,
+                        folded: 0,
+                        latest: draft.clone(),
+                    };
+                    reports.insert(token.to_string(), w);
+                    (true, None)
+                }
+            }
+        };
+        if let Some(folded) = folded {
+            self.audit_alone(folded).await;
+        }
+        if record {
+            self.audit_alone(draft).await;
+        }
+    }
+
     /// Writes the count of an interval that has ended with no denial since.
     pub async fn flush_denials(&self) {
+        let interval = self.settings.audit_denial_interval;
+        let ended: Vec<Draft> = {
+            let mut reports = self.denials.reports.held();
+            let mut ended = Vec::new();
+            reports.retain(|_, w| {
+                let open = w.started.elapsed() < interval;
+                if !open {
+                    ended.extend(w.folded_event());
+                }
+                open
+            });
+            ended
+        };
+        for draft in ended {
+            self.audit_alone(draft).await;
+        }
         let folded = {
             let mut w = self.denials.state.held();
             match w.started {

@@ -60,6 +60,7 @@ pub fn system_draft(
         action,
         deployment,
         build: None,
+        node: None,
         request_id: uuid::Uuid::now_v7().simple().to_string(),
         result,
         reason: None,

@@ -382,7 +382,7 @@ pub(super) fn bind_tx(tx: &Tx, binding: &NodeBinding, token: &str, add: bool) ->
         n.tokens.push(token.to_string());
     } else {
         // A revoked token's activation is lost with it.
-        super::activations::token_revoked(&mut n, token, now_millis());
+        super::activations::token_revoked(tx, &mut n, token, now_millis())?;
     }
     assert!(n.tokens.len() <= rules::MAX_TOKENS_PER_NODE);
     super::activations::put_node(tx, before.as_ref(), &n, &super::activations::no_blobs)

@@ -16,13 +16,14 @@
 //! and are removed when dropped unless staged: a caller that gives up
 //! halfway leaves nothing behind.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
 use super::outcome::PreparedSbom;
 use super::refusal::{Missing, Refusal};
+use super::verdict::ArtifactRead;
 use super::work_state::{prepare, NewWorkState};
 use super::Engine;
 use crate::authority;
@@ -72,9 +73,25 @@ pub struct PreparedFiles {
     /// Each SBOM path of the result the worker uploaded, prepared (or why
     /// it cannot be used).
     pub sboms: BTreeMap<String, Result<PreparedSbom, String>>,
+    /// Each file artifact path of the result the worker uploaded, read
+    /// (its digest, size and zstd bytes), or why it cannot be used.
+    pub artifacts: BTreeMap<String, Result<ArtifactRead, String>>,
     pub work_state: NewWorkState,
     /// Why the work state at the end cannot be stored.
     pub work_state_problem: Option<String>,
+}
+
+impl PreparedFiles {
+    /// A file artifact a result names, as the worker uploaded it (a path
+    /// it did not upload is a missing file, as on the embedded worker).
+    pub(super) fn artifact(&self, path: &str) -> Result<Option<ArtifactRead>, String> {
+        match self.artifacts.get(path) {
+            Some(read) => read.clone().map(Some),
+            None => Err(format!(
+                "the artifact file {path} was not uploaded by the worker"
+            )),
+        }
+    }
 }
 
 impl Engine {
@@ -93,9 +110,10 @@ impl Engine {
             .join(authority::attempt_id(attempt.0, attempt.1))
     }
 
-    /// The largest blob (`max(64 MiB, --max-work-state)`).
+    /// The largest blob (`max(64 MiB, --max-work-state,
+    /// --max-artifact-bytes)`).
     pub fn max_blob_bytes(&self) -> u64 {
-        self.settings.max_work_state.max(MIN_BLOB_BYTES)
+        max_blob_bytes(&self.settings)
     }
 
     /// The authority check of a call that writes nothing (a blob, the work
@@ -180,10 +198,12 @@ impl Engine {
         &self,
         attempt: (BuildId, u64),
         deployment: &str,
-        files: BTreeMap<String, String>,
-        work_state: Option<String>,
-        problem: Option<String>,
+        report: &mut super::attempts::RemoteOutcome,
     ) -> Result<PreparedFiles, Refusal> {
+        let artifact_paths = artifact_paths(&report.result);
+        let files = std::mem::take(&mut report.files);
+        let (work_state, problem) = (report.work_state.take(), report.work_state_problem.take());
+        let artifact_limit = self.settings.max_artifact_bytes;
         let current = self
             .store
             .read()?
@@ -193,14 +213,17 @@ impl Engine {
         let (dir, store) = (self.staged_dir(attempt), self.store.clone());
         let max = self.settings.max_work_state;
         let prepared = tokio::task::spawn_blocking(move || {
-            let sboms = files
-                .into_iter()
-                .map(|(path, digest)| {
+            let (mut sboms, mut artifacts) = (BTreeMap::new(), BTreeMap::new());
+            for (path, digest) in files {
+                if artifact_paths.contains(&path) {
+                    let read = read_artifact(&dir, &digest, artifact_limit);
+                    artifacts.insert(path, read);
+                } else {
                     let read = read_staged(&dir, &digest, crate::sbom::MAX_SBOM_BYTES)
                         .and_then(|bytes| super::verdict::prepare_sbom(&bytes, &store));
-                    (path, read)
-                })
-                .collect();
+                    sboms.insert(path, read);
+                }
+            }
             let (work_state, work_state_problem) = match (problem, work_state) {
                 (Some(p), _) => (NewWorkState::Unchanged, Some(format!("the worker: {p}"))),
                 (None, None) => (NewWorkState::Empty, None),
@@ -214,6 +237,7 @@ impl Engine {
             };
             PreparedFiles {
                 sboms,
+                artifacts,
                 work_state,
                 work_state_problem,
             }
@@ -268,6 +292,41 @@ impl Engine {
         }
         Ok(())
     }
+}
+
+/// The largest blob a worker may upload: an SBOM, the work state, a file
+/// artifact.
+pub fn max_blob_bytes(settings: &crate::settings::Settings) -> u64 {
+    settings
+        .max_work_state
+        .max(MIN_BLOB_BYTES)
+        .max(settings.max_artifact_bytes)
+}
+
+/// The paths of the file artifacts a deploy result names: the uploads
+/// read as artifacts rather than SBOMs.
+pub fn artifact_paths(result: &Result<String, String>) -> BTreeSet<String> {
+    let Ok(text) = result else {
+        return BTreeSet::new();
+    };
+    let Ok(v) = serde_json::from_str::<serde_json::Value>(text) else {
+        return BTreeSet::new();
+    };
+    super::verdict::node_paths(&v, "artifact", ("kind", "file"))
+        .into_iter()
+        .collect()
+}
+
+/// A staged file artifact, checked against the digest it was staged
+/// under, as the store keeps it.
+fn read_artifact(dir: &Path, digest: &str, max: u64) -> Result<ArtifactRead, String> {
+    let bytes = read_staged(dir, digest, max)?;
+    let compressed = crate::store::compress::compress(&bytes).map_err(|e| e.to_string())?;
+    Ok((
+        digest.to_string(),
+        bytes.len() as u64,
+        std::sync::Arc::new(compressed),
+    ))
 }
 
 /// A staged file's name: its digest's hex.

@@ -525,10 +525,8 @@ impl<'t, 'a> Change<'t, 'a> {
             Some(n.deployment.clone()),
             crate::audit::AuditResult::Ok,
         );
-        draft.actor = Some(crate::audit::Actor {
-            issuer: Some("berth:agent".into()),
-            subject: token.to_string(),
-        });
+        draft.actor = Some(super::activations::agent_actor(token));
+        draft.node = Some(n.node.clone());
         self.audit(&draft)
     }
 

@@ -255,6 +255,24 @@ pub(super) fn read_artifact(
     )))
 }
 
+/// The paths a deploy result's nodes name under `key` where `key`'s
+/// `field` is `value`: the ready SBOMs (`sbom`, `status`, `ready`), the
+/// file artifacts (`artifact`, `kind`, `file`). The files a worker
+/// uploads with its outcome.
+pub fn node_paths(
+    result: &serde_json::Value,
+    key: &str,
+    (field, value): (&str, &str),
+) -> Vec<String> {
+    result["nodes"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|n| n[key][field] == value)
+        .filter_map(|n| n[key]["path"].as_str().map(str::to_string))
+        .collect()
+}
+
 /// A fingerprint longer than this is a protocol error (a digest or a store
 /// path fits many times over).
 pub const MAX_FINGERPRINT_CHARS: usize = 512;

@@ -564,6 +564,7 @@ mod tests {
             action: "submit",
             deployment: Some(format!("d{}", i % 5)),
             build: None,
+            node: None,
             request_id: format!("r{i}"),
             result: AuditResult::Ok,
             reason: None,

@@ -13,6 +13,7 @@ use tokio::time::Instant;
 use super::{Attempt, Worker, CALL_TIMEOUT, MAX_BACKOFF};
 use crate::archive;
 use crate::engine::runner;
+use crate::engine::verdict::node_paths;
 
 /// What the outcome says of the files: `files`, `work_state` and
 /// `work_state_problem`.
@@ -84,8 +85,8 @@ impl Worker {
         ]
     }
 
-    /// After the run: the SBOM files `result` names and the work dir's
-    /// archive, uploaded (what berth has already is not sent again).
+    /// After the run: the SBOM files and file artifacts `result` names and
+    /// the work dir's archive, uploaded (what berth has already is not sent again).
     pub(super) async fn carry(
         &self,
         a: &Attempt,
@@ -94,8 +95,16 @@ impl Worker {
         result: &Value,
     ) -> Carried {
         let mut files = BTreeMap::new();
-        for path in sbom_paths(result) {
-            let read = runner::open_in_scratch(root, &path, crate::sbom::MAX_SBOM_BYTES);
+        let named = node_paths(result, "sbom", ("status", "ready"))
+            .into_iter()
+            .map(|path| (path, crate::sbom::MAX_SBOM_BYTES))
+            .chain(
+                node_paths(result, "artifact", ("kind", "file"))
+                    .into_iter()
+                    .map(|path| (path, a.max_artifact_bytes)),
+            );
+        for (path, limit) in named {
+            let read = runner::open_in_scratch(root, &path, limit);
             let Ok(bytes) = read else {
                 // Not in `files`: berth judges it a missing file.
                 continue;
@@ -168,18 +177,6 @@ impl Worker {
         }
         false
     }
-}
-
-/// The paths of the SBOM files a deploy result names as ready.
-fn sbom_paths(result: &Value) -> Vec<String> {
-    let Some(nodes) = result["nodes"].as_array() else {
-        return vec![];
-    };
-    nodes
-        .iter()
-        .filter(|n| n["sbom"]["status"] == "ready")
-        .filter_map(|n| n["sbom"]["path"].as_str().map(str::to_string))
-        .collect()
 }
 
 impl super::Api {

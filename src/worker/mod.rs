@@ -150,7 +150,7 @@ impl Worker {
             )
         })?;
         stop_orphans(&args.work_dir.join("jobs")).await;
-        let api = Api::new(&args.url, token).map_err(|why| (EXIT_WORK_DIR, why))?;
+        let api = Api::new(&args.url, token, Vec::new()).map_err(|why| (EXIT_WORK_DIR, why))?;
         Ok(Worker {
             api,
             deployer,
@@ -345,6 +345,8 @@ struct Attempt {
     /// The digest of the work state the claim hands out (`None`: empty).
     work_state: Option<String>,
     max_work_state: u64,
+    /// The largest file artifact berth takes (`--max-artifact-bytes`).
+    max_artifact_bytes: u64,
     /// A rollout build: berth hands out its calls after the deploy.
     rollout: bool,
 }
@@ -383,6 +385,7 @@ impl Attempt {
                 ),
             },
             max_work_state: claim["limits"]["max_work_state"].as_u64()?,
+            max_artifact_bytes: claim["limits"]["max_artifact_bytes"].as_u64()?,
             rollout: claim["rollout"].as_bool().unwrap_or(false),
         })
     }
@@ -945,10 +948,19 @@ pub(crate) struct Api {
 }
 
 impl Api {
-    pub(crate) fn new(url: &str, token: String) -> Result<Api, String> {
-        let http = reqwest::Client::builder()
+    /// `roots`: certificates trusted besides the system's.
+    pub(crate) fn new(
+        url: &str,
+        token: String,
+        roots: Vec<reqwest::Certificate>,
+    ) -> Result<Api, String> {
+        let mut builder = reqwest::Client::builder()
             .redirect(reqwest::redirect::Policy::none())
-            .connect_timeout(Duration::from_secs(10))
+            .connect_timeout(Duration::from_secs(10));
+        if !roots.is_empty() {
+            builder = builder.tls_certs_merge(roots);
+        }
+        let http = builder
             .build()
             .map_err(|e| format!("cannot make an HTTP client: {e}"))?;
         Ok(Api {

@@ -152,6 +152,17 @@ impl Agent {
         dir: &std::path::Path,
         flags: &[&str],
     ) -> Agent {
+        Agent::start_at(&s.base, token, node, dir, flags)
+    }
+
+    /// An agent of berth at `url` (a proxy in front of it).
+    pub(crate) fn start_at(
+        url: &str,
+        token: &str,
+        node: &str,
+        dir: &std::path::Path,
+        flags: &[&str],
+    ) -> Agent {
         use std::os::unix::fs::PermissionsExt;
         std::fs::create_dir_all(dir).unwrap();
         let token_file = dir.join("token");
@@ -162,7 +173,7 @@ impl Agent {
             .args([
                 "agent",
                 "--url",
-                &s.base,
+                url,
                 "--node",
                 node,
                 "--report-interval",
@@ -239,7 +250,7 @@ async fn deployment_events(s: &Server, deployment: &str, kind: &str) -> Vec<Valu
     found
 }
 
-async fn agent_token(s: &Server, name: &str, deployment: &str, node: &str) -> String {
+pub(crate) async fn agent_token(s: &Server, name: &str, deployment: &str, node: &str) -> String {
     let (status, made) = make(s, agent(name, deployment, node)).await;
     assert_eq!(status, 201, "{made}");
     made["token"].as_str().unwrap().to_string()
@@ -406,7 +417,7 @@ async fn report(s: &Server, token: &str, path_node: &str, fields: Value) -> (u16
 
 #[tokio::test]
 async fn reports_are_fenced_rate_limited_bounded_and_scoped_to_their_node() {
-    let s = Server::start(Options::default()).await;
+    let s = Server::start(Options::default().arg("--audit-denial-interval").arg("5s")).await;
     let web = agent_token(&s, "web-1", "alice", "web").await;
     let db = agent_token(&s, "db-1", "alice", "db").await;
     // Another node's routes, whatever exists there: 403 token_scope.
@@ -487,6 +498,43 @@ async fn reports_are_fenced_rate_limited_bounded_and_scoped_to_their_node() {
         node(&s, "alice", "db").await["actual"].is_null(),
         "a refused report changes nothing"
     );
+    // Audited per token like anonymous denials: the first of the interval
+    // at once, then the others folded into one event with their count.
+    let refused_reports = || async {
+        let (_, audit) = s
+            .json("/v1/audit?actor_subject=db-1&actor_issuer=berth:agent")
+            .await;
+        let events: Vec<Value> = audit["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|e| e["action"] == "node_report_refused")
+            .cloned()
+            .collect();
+        events
+    };
+    let first = refused_reports().await;
+    assert_eq!(first.len(), 1, "{first:?}");
+    assert_eq!(
+        (
+            first[0]["node"].as_str(),
+            first[0]["result"].as_str(),
+            first[0]["count"].as_u64()
+        ),
+        (Some("db"), Some("invalid"), Some(1)),
+        "{first:?}"
+    );
+    eventually(
+        "the second refused report is folded into a count",
+        || async {
+            let events = refused_reports().await;
+            events.len() == 2
+                && events
+                    .iter()
+                    .any(|e| e["count"] == 1 && e["reason"] == "invalid_request")
+        },
+    )
+    .await;
     // A long poll waits for a new generation, and answers 204 without one.
     let r = s
         .http
@@ -615,6 +663,45 @@ async fn a_deploy_reaches_a_bound_node_through_its_agent_and_a_deploy_of_the_sam
     );
     let log = s.log_text(&build).await;
     assert!(log.contains("published to the agents of mastodon"), "{log}");
+    // Audited as the agent's: its claim and its outcome, naming the node
+    // and the build; the outcome counts the calls berth took.
+    let (_, audit) = s
+        .json("/v1/audit?actor_subject=m-1&actor_issuer=berth:agent")
+        .await;
+    let event = |action: &str| {
+        audit["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["action"] == action)
+            .cloned()
+            .unwrap_or_else(|| panic!("no {action} in {audit}"))
+    };
+    let (claim, outcome) = (event("attempt_claim"), event("attempt_outcome"));
+    assert_eq!(
+        (claim["node"].as_str(), claim["build"].as_str()),
+        (Some("mastodon"), build.as_str().into()),
+        "{claim}"
+    );
+    assert_eq!(outcome["node"], "mastodon", "{outcome}");
+    assert!(outcome["count"].as_u64().unwrap() >= 2, "{outcome}");
+    // The artifact comes in parts too (an agent on a poor line).
+    let path = format!(
+        "/internal/v1/nodes/alice/mastodon/artifacts/{}",
+        desired.as_str().unwrap()
+    );
+    let r = s
+        .http
+        .get(s.url(&path))
+        .bearer_auth(&token)
+        .header("range", "bytes=0-3")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 206);
+    let range = r.headers()["content-range"].to_str().unwrap().to_string();
+    assert!(range.starts_with("bytes 0-3/"), "{range}");
+    assert_eq!(r.bytes().await.unwrap().len(), 4);
     // Changed by hand: drift; a deploy of the same configuration puts the
     // node back through its agent.
     std::fs::write(node_dir.join("current"), b"edited by hand").unwrap();
@@ -632,8 +719,16 @@ async fn a_deploy_reaches_a_bound_node_through_its_agent_and_a_deploy_of_the_sam
     .await;
     assert_eq!(
         file_digest(&node_dir.join("current")).map(Value::from),
-        Some(desired)
+        Some(desired.clone())
     );
+    // The hand-edited bytes it kept to go back to went with the confirm:
+    // the agent keeps what the node runs, boots and confirmed last.
+    let kept: Vec<String> = std::fs::read_dir(node_dir.join("artifacts"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    let name = desired.as_str().unwrap().trim_start_matches("sha256:");
+    assert_eq!(kept, [name], "{kept:?}");
 }
 
 /// A first deploy through the agent, then a second one (another domain)
@@ -704,6 +799,27 @@ async fn an_agent_paused_past_its_lease_fails_the_build_lost_without_a_rollback_
         .filter(|e| e["action"] == "attempt_refused")
         .count();
     assert_eq!(refused, 1, "{audit}");
+    let refusal = audit["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["action"] == "attempt_refused")
+        .unwrap();
+    assert_eq!(refusal["node"], "mastodon", "{refusal}");
+    // The loss is berth's own event: no actor, the node, the reason.
+    let (_, all) = s.json("/v1/deployments/alice").await;
+    let lost: Vec<&Value> = all["audit"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["action"] == "attempt_lost" && e["node"] == "mastodon")
+        .collect();
+    assert_eq!(lost.len(), 1, "{all}");
+    assert_eq!(
+        (lost[0]["actor"].is_null(), lost[0]["reason"].as_str()),
+        (true, Some("lease_expired")),
+        "{all}"
+    );
     // No automatic rollback after a lost activation.
     let (_, builds) = s.json("/v1/deployments/alice/builds").await;
     assert_eq!(builds["items"].as_array().unwrap().len(), 2, "{builds}");
@@ -917,6 +1033,15 @@ async fn a_nix_toplevel_reaches_a_bound_node_from_a_signed_file_cache() {
     assert!(
         log.contains("forgejo") && !log.contains("mastodon"),
         "{log}"
+    );
+    // A GC root holds the confirmed toplevel on the node.
+    let name = toplevel.trim_start_matches("/nix/store/");
+    let root = dir.join("agent/state/gcroots").join(name);
+    assert_eq!(
+        std::fs::read_link(&root).ok(),
+        Some(std::path::PathBuf::from(&toplevel)),
+        "{}",
+        a.log()
     );
 }
 

@@ -879,6 +879,7 @@ async fn verify_finds_each_tampering_and_the_witness_catches_a_rewrite() {
                 action: "submit",
                 deployment: e.deployment.take(),
                 build: None,
+                node: None,
                 request_id: e.request_id.clone(),
                 result: berth::audit::AuditResult::Refused,
                 reason: Some("queue_full".into()),

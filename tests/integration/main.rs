@@ -4,6 +4,7 @@
 mod harness;
 
 mod agents;
+mod agents_tls;
 mod audit;
 mod bad_input;
 mod cli;

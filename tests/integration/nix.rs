@@ -616,6 +616,8 @@ fn every_option_reaches_its_unit(lib: &ModuleLib) {
             "substituters": ["https://cache.example.org"],
             "checkCommand": "systemctl is-active web",
             "allowHttp": true,
+            "keep": 3,
+            "caFile": "/etc/ssl/berth-ca.pem",
             "extraArgs": ["--transport", "poll"],
         },
     });
@@ -754,6 +756,9 @@ fn every_option_reaches_its_unit(lib: &ModuleLib) {
         ("--check-command", "systemctl is-active web"),
         ("--substituter", "https://cache.example.org"),
         ("--transport", "poll"),
+        ("--keep", "3"),
+        ("--ca-file", "/etc/ssl/berth-ca.pem"),
+        ("--unit", "berth-agent.service"),
     ] {
         assert!(
             has_flag(&agent_words, flag, value),

@@ -1404,3 +1404,50 @@ async fn the_embedded_worker_hands_its_work_dir_to_a_remote_one_and_continues_fr
     }
     assert_eq!(count.trim(), "3");
 }
+
+/// A deployer that lists `activate` (so a deploy is a rollout) and whose
+/// deploy renders node `web` as a file artifact (deployer.md's
+/// `artifact`, `kind: file`). Its only node is bound to an agent, so its
+/// own `activate`, `check` and `confirm` are never called for it.
+fn artifact_deployer(dir: &Path) -> PathBuf {
+    let body = r#"verb="$1"
+dep=$(basename "$BERTH_WORK_DIR")
+cat >/dev/null
+case "$verb" in
+describe) printf '%s' '{"methods":["local"],"default_method":"local","actions":{},"catalog":[],"schema":null,"verbs":["check","confirm","activate"]}' > "$BERTH_RESULT";;
+eval) printf '%s' '{"nodes":[]}' > "$BERTH_RESULT";;
+deploy)
+  echo "web of $dep" > "$BERTH_SCRATCH_DIR/web.json"
+  printf '%s' '{"nodes":[{"name":"web","changed":true,"artifact":{"kind":"file","path":"web.json"}}]}' > "$BERTH_RESULT";;
+activate|check) printf '%s' '{"nodes":[]}' > "$BERTH_RESULT";;
+*) printf '{}' > "$BERTH_RESULT";;
+esac
+"#;
+    script(dir, "artifact.sh", body)
+}
+
+#[tokio::test]
+async fn a_file_artifact_a_remote_worker_renders_reaches_the_nodes_agent_through_berth() {
+    let dir = temp_dir("worker-artifact");
+    let deployer = artifact_deployer(&dir);
+    let s = server(&dir, &deployer).await;
+    let (_, token_file) = worker_token(&s, "w1").await;
+    let worker = Worker::start(&s, &token_file, &dir.join("w1"), &deployer);
+    let agent_token = crate::agents::agent_token(&s, "web-1", "alice", "web").await;
+    let agent = crate::agents::Agent::start(&s, &agent_token, "alice/web", &dir.join("agent"), &[]);
+    let build = s.submit_ok_without_rollback("alice", json!({})).await;
+    let done = s.wait_build(&build, "final").await;
+    assert_eq!(done["status"], "succeeded", "{done}\n{}", worker.log());
+    // The node's document names the artifact berth stored from the
+    // worker's upload; the agent activated and confirmed it, and runs it.
+    let (_, entry) = s.json("/v1/deployments/alice/nodes/web").await;
+    assert_eq!(entry["desired"]["artifact"]["kind"], "file", "{entry}");
+    let digest = entry["desired"]["artifact"]["digest"].clone();
+    eventually("the agent runs the worker's artifact", || async {
+        let (_, e) = s.json("/v1/deployments/alice/nodes/web").await;
+        e["actual"]["running"]["digest"] == digest
+    })
+    .await;
+    let running = std::fs::read_to_string(agent.dir.join("state/current")).unwrap();
+    assert_eq!(running, "web of alice\n");
+}
