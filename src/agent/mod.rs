@@ -164,17 +164,25 @@ impl Agent {
         self.tidy().await;
         let mut stop = crate::worker::stop_signal();
         let (docs_tx, mut docs) = mpsc::channel::<Value>(4);
-        let (refused_tx, mut refused) = watch::channel(false);
+        let (refused_tx, refused) = watch::channel(false);
+        let (reconnected_tx, reconnected) = watch::channel(0u64);
         let watcher = watch_desired::Watcher {
             api: self.api.clone(),
             path: format!("{}/desired", self.node_path()),
             transport: self.args.transport.clone(),
             docs: docs_tx,
             refused: refused_tx,
+            reconnected: reconnected_tx,
+            lost: std::sync::atomic::AtomicBool::new(false),
         };
         let watching = tokio::spawn(watcher.run(self.state.generation));
         tracing::info!(incarnation = %self.incarnation, node = %self.args.node, "berth agent started");
-        let stopped = self.run(&mut docs, &mut refused, &mut stop).await;
+        let mut signals = Signals {
+            refused,
+            reconnected,
+            stop: &mut stop,
+        };
+        let stopped = self.run(&mut docs, &mut signals).await;
         watching.abort();
         if self.held.is_some() {
             self.revert().await;
@@ -192,8 +200,7 @@ impl Agent {
     async fn run(
         &mut self,
         docs: &mut mpsc::Receiver<Value>,
-        refused: &mut watch::Receiver<bool>,
-        stop: &mut watch::Receiver<()>,
+        signals: &mut Signals<'_>,
     ) -> Result<i32, String> {
         let mut failures: u32 = 0;
         let mut next_report = Instant::now();
@@ -235,8 +242,10 @@ impl Agent {
                         self.outcome(&held, Some(("reverted", "no renew was accepted within the revert window"))).await;
                     }
                 }
-                _ = refused.changed() => return Ok(self.refused_code()),
-                _ = stop.changed() => {
+                // A watch answering again after a failure: report now.
+                Ok(()) = signals.reconnected.changed() => {}
+                _ = signals.refused.changed() => return Ok(self.refused_code()),
+                _ = signals.stop.changed() => {
                     tracing::info!("berth agent stopped");
                     return Ok(EXIT_STOPPED);
                 }
@@ -449,6 +458,14 @@ async fn system_unhealthy() -> Option<String> {
             .take(crate::nodes::MAX_REASON_CHARS)
             .collect(),
     )
+}
+
+/// What the main loop hears besides documents: the token refused, a
+/// watch answering again after a failure, a stop signal.
+struct Signals<'a> {
+    refused: watch::Receiver<bool>,
+    reconnected: watch::Receiver<u64>,
+    stop: &'a mut watch::Receiver<()>,
 }
 
 /// Why a report did not land.

@@ -26,6 +26,12 @@ pub struct Watcher {
     pub transport: String,
     pub docs: mpsc::Sender<Value>,
     pub refused: watch::Sender<bool>,
+    /// Counts the watches that answered again after one failed: the agent
+    /// reports after each (agents.md "Actual state"), so a berth that
+    /// restarted sees at once what the node runs.
+    pub reconnected: watch::Sender<u64>,
+    /// A watch failed since the last answer.
+    pub lost: std::sync::atomic::AtomicBool,
 }
 
 /// How one watch ended.
@@ -66,12 +72,20 @@ impl Watcher {
                     poll = true;
                 }
                 Ended::Again => {
+                    self.lost.store(true, std::sync::atomic::Ordering::Relaxed);
                     failures = failures.saturating_add(1);
                     tokio::time::sleep(super::backoff(failures)).await;
                     continue;
                 }
             }
             failures = 0;
+        }
+    }
+
+    /// A watch answered: after a failure, the agent hears of it.
+    fn answered(&self) {
+        if self.lost.swap(false, std::sync::atomic::Ordering::Relaxed) {
+            self.reconnected.send_modify(|n| *n += 1);
         }
     }
 
@@ -97,11 +111,12 @@ impl Watcher {
             {
                 Ok((200, doc)) => {
                     first = false;
+                    self.answered();
                     if !self.send(doc, generation).await {
                         return Ended::Gone;
                     }
                 }
-                Ok((204, _)) => {}
+                Ok((204, _)) => self.answered(),
                 Ok((401 | 403, _)) => return Ended::Refused,
                 Ok((status, answer)) => {
                     tracing::warn!(status, %answer, "berth refused a desired-state poll");
@@ -132,7 +147,7 @@ impl Watcher {
             }
         };
         match resp.status().as_u16() {
-            200 => {}
+            200 => self.answered(),
             401 | 403 => return Ended::Refused,
             status => {
                 tracing::warn!(status, "berth refused a desired-state stream");

@@ -169,16 +169,14 @@ impl Agent {
         std::fs::write(&token_file, token).unwrap();
         std::fs::set_permissions(&token_file, std::fs::Permissions::from_mode(0o600)).unwrap();
         let log = std::fs::File::create(dir.join("agent.log")).unwrap();
+        // Reports every second unless the test says otherwise.
+        let interval: &[&str] = match flags.contains(&"--report-interval") {
+            true => &[],
+            false => &["--report-interval", "1s"],
+        };
         let child = std::process::Command::new(env!("CARGO_BIN_EXE_berth"))
-            .args([
-                "agent",
-                "--url",
-                url,
-                "--node",
-                node,
-                "--report-interval",
-                "1s",
-            ])
+            .args(["agent", "--url", url, "--node", node])
+            .args(interval)
             .arg("--token-file")
             .arg(&token_file)
             .arg("--state-dir")
@@ -857,6 +855,56 @@ async fn with_berth_gone_after_a_test_activation_the_agent_goes_back_by_itself_w
         "{}",
         a.log()
     );
+}
+
+#[tokio::test]
+async fn an_agent_reports_as_soon_as_it_reaches_a_restarted_berth_again() {
+    let mut s = activating_server(&[]).await;
+    let token = agent_token(&s, "m-1", "alice", "mastodon").await;
+    // Reports an hour apart: only the report after a reconnect can show
+    // berth what changed while it was away.
+    let dir = s.dir.join("agent");
+    let a = Agent::start(
+        &s,
+        &token,
+        "alice/mastodon",
+        &dir,
+        &["--report-interval", "1h"],
+    );
+    let build = s.submit_ok("alice", mastodon("alice.example.org")).await;
+    s.wait_build(&build, "succeeded").await;
+    let desired =
+        wait_activation(&s, 1, "confirmed").await["desired"]["artifact"]["digest"].clone();
+    // Its report of the last document landed: none is due for an hour.
+    eventually("the report shows the artifact running", || async {
+        let e = node(&s, "alice", "mastodon").await;
+        e["actual"]["running"]["digest"] == desired
+            && e["actual"]["generation"] == e["desired"]["generation"]
+            && s.build(&build).await["finished_at"].is_string()
+    })
+    .await;
+    // kill -9, a hand edit, and a start on the same port (the agent's --url).
+    s.kill();
+    std::fs::write(dir.join("state/current"), b"edited while berth was away").unwrap();
+    let port = s.base.rsplit(':').next().unwrap().to_string();
+    s.args.push("--listen".into());
+    s.args.push(format!("127.0.0.1:{port}"));
+    s.launch().await;
+    // The agent's backoff is at most 30 s; its stream answers again, and
+    // it reports then.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let e = node(&s, "alice", "mastodon").await;
+        if !e["drift"].is_null() {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no drift after the agent came back: {e}\n{}",
+            a.log()
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
 }
 
 #[tokio::test]
