@@ -23,6 +23,8 @@ pub const MAX_REPORT_BYTES: usize = 16 * 1024;
 /// `--report-interval`'s bounds and default (ms).
 pub const REPORT_INTERVAL_MIN_MS: u64 = 1_000;
 pub const REPORT_INTERVAL_MAX_MS: u64 = 3_600_000;
+/// The most confirmed artifacts an agent's `--keep` may keep.
+pub const MAX_KEEP: u32 = 100;
 pub const REPORT_INTERVAL_DEFAULT_MS: u64 = 60_000;
 /// An agent silent for this many of its report intervals is unreachable.
 pub const UNREACHABLE_INTERVALS: u64 = 3;

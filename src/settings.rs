@@ -479,7 +479,7 @@ pub struct AgentArgs {
     /// Confirmed artifacts kept besides the running and booted ones
     /// (files in artifacts/, GC roots in gcroots/), 0 to 100.
     #[arg(long, env = "BERTH_AGENT_KEEP", default_value_t = 5,
-          value_parser = clap::value_parser!(u32).range(0..=i64::from(crate::agent::MAX_KEEP)))]
+          value_parser = clap::value_parser!(u32).range(0..=i64::from(crate::nodes::MAX_KEEP)))]
     pub keep: u32,
     /// The agent's own systemd unit (the NixOS module names it): after a
     /// confirm of a toplevel that changed it, the agent exits 0 once its

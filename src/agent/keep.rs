@@ -9,9 +9,6 @@
 use std::collections::BTreeSet;
 use std::path::Path;
 
-/// The most confirmed artifacts `--keep` may keep.
-pub const MAX_KEEP: u32 = 100;
-
 /// Records a confirmed artifact (a digest or a store path): newest last,
 /// once, at most `keep`.
 pub fn remember(confirmed: &mut Vec<String>, artifact: &str, keep: u32) {

@@ -31,8 +31,6 @@ mod keep;
 mod nix;
 mod watch_desired;
 
-pub use keep::MAX_KEEP;
-
 /// Exit codes (agents.md "Running an agent").
 pub const EXIT_STOPPED: i32 = 0;
 pub const EXIT_STATE: i32 = 1;

@@ -154,7 +154,7 @@ pub async fn report(ctx: &Ctx, req: &Request, auth: &AgentAuth) -> Result<Reply,
     let answer = take_report(ctx, req, auth).await;
     if let Err(e) = &answer {
         if !matches!(e.code, Code::Unavailable | Code::Internal) {
-            super::audit::refused_report(ctx, auth, e).await;
+            super::audit::refused_report(ctx, (&auth.token, &auth.binding), e).await;
         }
     }
     answer
@@ -721,7 +721,7 @@ pub async fn artifact(ctx: &Ctx, req: &Request, auth: &AgentAuth) -> Result<Repl
             .map_err(|_| ApiError::internal())??;
     match bytes {
         Some(bytes) => {
-            super::builds::content_addressed(req, "application/octet-stream", digest, bytes)
+            super::ranges::content_addressed(req, "application/octet-stream", digest, bytes)
         }
         None => Err(ApiError::not_found("artifact")),
     }

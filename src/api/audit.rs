@@ -103,18 +103,21 @@ pub async fn failed(ctx: &Ctx, mut draft: Draft, e: &ApiError) {
 
 /// Records an agent's refused or invalid report (audit.md: folded per
 /// token and `--audit-denial-interval` into `node_report_refused`).
-pub async fn refused_report(ctx: &Ctx, auth: &super::agents::AgentAuth, e: &ApiError) {
+pub async fn refused_report(
+    ctx: &Ctx,
+    (token, binding): (&str, &crate::model::NodeBinding),
+    e: &ApiError,
+) {
     let (outcome, reason) = classify(e);
-    let binding = &auth.binding;
     let mut draft = crate::engine::audit::system_draft(
         "node_report_refused",
         Some(binding.deployment.clone()),
         outcome,
     );
-    draft.actor = Some(crate::engine::activations::agent_actor(&auth.token));
+    draft.actor = Some(crate::audit::Actor::agent(token));
     draft.node = Some(binding.node.clone());
     draft.reason = Some(reason);
-    ctx.engine.audit_report_refused(&auth.token, draft).await;
+    ctx.engine.audit_report_refused(token, draft).await;
 }
 
 /// An event as the API shows it.

@@ -37,6 +37,7 @@ pub mod idempotency;
 pub mod metrics;
 pub mod ops;
 pub mod page;
+pub mod ranges;
 pub mod routes;
 pub mod sboms;
 pub mod webhooks;

@@ -977,7 +977,7 @@ pub async fn blob(ctx: &Ctx, req: &Request, auth: &WorkerAuth) -> Result<Reply, 
 /// An archive as an answer: `application/x-tar`, its digest as the ETag,
 /// a `Range: bytes=` honoured as the log's is.
 fn tar_reply(req: &Request, digest: &str, tar: Vec<u8>) -> Result<Reply, ApiError> {
-    super::builds::content_addressed(req, "application/x-tar", digest, tar)
+    super::ranges::content_addressed(req, "application/x-tar", digest, tar)
 }
 
 /// `GET /internal/v1/attempts/{attempt}/work-state`: the archive the

@@ -36,6 +36,15 @@ pub struct Actor {
 }
 
 impl Actor {
+    /// An agent token as the actor of its calls (agents.md "Errors, audit,
+    /// events").
+    pub fn agent(token: &str) -> Actor {
+        Actor {
+            issuer: Some("berth:agent".into()),
+            subject: token.to_string(),
+        }
+    }
+
     /// The key of this actor's index entries.
     pub fn key(&self) -> String {
         format!(

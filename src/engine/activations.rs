@@ -727,16 +727,8 @@ fn activation_draft(
     let mut draft = super::audit_events::system_draft(action, Some(n.deployment.clone()), result);
     draft.node = Some(n.node.clone());
     draft.build = n.activation.as_ref().map(|a| format_build_id(a.build));
-    draft.actor = token.map(agent_actor);
+    draft.actor = token.map(crate::audit::Actor::agent);
     draft
-}
-
-/// An agent token as an audit actor (agents.md "Errors, audit, events").
-pub fn agent_actor(token: &str) -> crate::audit::Actor {
-    crate::audit::Actor {
-        issuer: Some("berth:agent".into()),
-        subject: token.to_string(),
-    }
 }
 
 fn claim_tx(

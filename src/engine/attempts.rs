@@ -25,7 +25,7 @@ use super::outcome::{End, Halt};
 use super::refusal::{Missing, Refusal};
 use super::remote_log::{append_amid, Amid};
 use super::runner::Ended;
-use super::staging::PreparedFiles;
+use super::staging::{PreparedFiles, Uploads};
 use super::transition::Change;
 use super::verdict::{parse_result, RunOutcome};
 
@@ -134,12 +134,26 @@ pub struct RemoteOutcome {
     /// The result file's JSON text, or why there is none.
     pub result: Result<String, String>,
     pub health: Option<HealthEnd>,
-    /// The result's SBOM paths -> the digests of the staged files.
+    /// The result's SBOM and artifact paths -> the digests of the staged
+    /// files.
     pub files: std::collections::BTreeMap<String, String>,
     /// The digest of the work dir's archive at the end (`None`: empty).
     pub work_state: Option<String>,
     /// Why the worker could not archive its work dir.
     pub work_state_problem: Option<String>,
+}
+
+impl RemoteOutcome {
+    /// What the outcome names besides its JSON, for `prepare_files` (taken
+    /// out: the write job needs only the rest).
+    fn take_uploads(&mut self) -> Uploads {
+        Uploads {
+            artifact_paths: super::staging::artifact_paths(&self.result),
+            files: std::mem::take(&mut self.files),
+            work_state: self.work_state.take(),
+            work_state_problem: self.work_state_problem.take(),
+        }
+    }
 }
 
 /// An internal call's answer: its JSON text, and whether it is the replay
@@ -344,7 +358,8 @@ impl Engine {
                 .map(|a| a.deployment);
             match deployment {
                 Some(d) => Some(Arc::new(
-                    self.prepare_files(attempt, &d, &mut report).await?,
+                    self.prepare_files(attempt, &d, report.take_uploads())
+                        .await?,
                 )),
                 None => None,
             }
@@ -469,7 +484,8 @@ impl Engine {
             .map(|a| a.deployment);
         let files = match deployment {
             Some(d) => Some(Arc::new(
-                self.prepare_files(attempt, &d, &mut outcome).await?,
+                self.prepare_files(attempt, &d, outcome.take_uploads())
+                    .await?,
             )),
             None => None,
         };

@@ -68,6 +68,18 @@ pub struct AttemptAuthority {
     pub incarnation: String,
 }
 
+/// What an outcome names besides its JSON, as the worker sent it.
+pub struct Uploads {
+    /// The result's SBOM and artifact paths -> the staged files' digests.
+    pub files: BTreeMap<String, String>,
+    /// Which of those paths are file artifacts (the rest are SBOMs).
+    pub artifact_paths: BTreeSet<String>,
+    /// The digest of the work dir's archive at the end (`None`: empty).
+    pub work_state: Option<String>,
+    /// Why the worker could not archive its work dir.
+    pub work_state_problem: Option<String>,
+}
+
 /// What an outcome names besides its JSON, read and checked.
 pub struct PreparedFiles {
     /// Each SBOM path of the result the worker uploaded, prepared (or why
@@ -191,18 +203,19 @@ impl Engine {
     }
 
     /// Reads and checks what an outcome names, before its write job: the
-    /// SBOM files (`files`: path -> digest) and the work state at the end
-    /// (`work_state`: its digest; `problem`: why the worker could not make
-    /// it).
+    /// SBOM files and file artifacts, and the work state at the end.
     pub(super) async fn prepare_files(
         &self,
         attempt: (BuildId, u64),
         deployment: &str,
-        report: &mut super::attempts::RemoteOutcome,
+        uploads: Uploads,
     ) -> Result<PreparedFiles, Refusal> {
-        let artifact_paths = artifact_paths(&report.result);
-        let files = std::mem::take(&mut report.files);
-        let (work_state, problem) = (report.work_state.take(), report.work_state_problem.take());
+        let Uploads {
+            files,
+            artifact_paths,
+            work_state,
+            work_state_problem: problem,
+        } = uploads;
         let artifact_limit = self.settings.max_artifact_bytes;
         let current = self
             .store

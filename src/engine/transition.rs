@@ -525,7 +525,7 @@ impl<'t, 'a> Change<'t, 'a> {
             Some(n.deployment.clone()),
             crate::audit::AuditResult::Ok,
         );
-        draft.actor = Some(super::activations::agent_actor(token));
+        draft.actor = Some(crate::audit::Actor::agent(token));
         draft.node = Some(n.node.clone());
         self.audit(&draft)
     }
