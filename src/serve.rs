@@ -6,6 +6,8 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
+use tokio::signal::unix::{signal, Signal, SignalKind};
+
 use crate::api::{self, Ctx};
 use crate::engine::Engine;
 use crate::settings::Settings;
@@ -147,6 +149,9 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
         }
         Location::Postgres(target) => start_replica(&settings, target).await?,
     };
+    // Before the recovery that makes berth ready. A standby (above) still
+    // stops at once on SIGTERM: it holds nothing to hand over.
+    let mut signals = StopSignals::install();
     let local = listener.local_addr().map_err(|e| e.to_string())?;
     let settings = Arc::new(settings);
     let engine = Engine::new(settings.clone(), store, callback_secret)
@@ -191,7 +196,7 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
         });
     }
 
-    match stop_or_lost_lead(lost.as_mut()).await {
+    match stop_or_lost_lead(&mut signals, lost.as_mut()).await {
         None => {
             shut_down(&engine, server, stop_tx, &settings, settings.shutdown_grace).await;
             Ok(())
@@ -209,14 +214,15 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
 /// Waits for SIGTERM/SIGINT (`None`) or, on PostgreSQL, for the lease to
 /// be taken by another replica (`Some(why)`).
 async fn stop_or_lost_lead(
+    signals: &mut StopSignals,
     lost: Option<&mut tokio::sync::watch::Receiver<Option<String>>>,
 ) -> Option<String> {
     let Some(lost) = lost else {
-        wait_for_signal().await;
+        signals.wait().await;
         return None;
     };
     tokio::select! {
-        () = wait_for_signal() => None,
+        () = signals.wait() => None,
         why = lost.wait_for(Option::is_some) => Some(match why {
             Ok(why) => why.clone().unwrap_or_default(),
             Err(_) => "the lease keeper stopped".to_string(),
@@ -630,18 +636,34 @@ fn listen(addr: std::net::SocketAddr) -> std::io::Result<tokio::net::TcpListener
     socket.listen(LISTEN_BACKLOG)
 }
 
-async fn wait_for_signal() {
-    use tokio::signal::unix::{signal, SignalKind};
-    let (Ok(mut term), Ok(mut int)) = (
-        signal(SignalKind::terminate()),
-        signal(SignalKind::interrupt()),
-    ) else {
-        tracing::error!("cannot install signal handlers; stop berth with SIGKILL");
-        return std::future::pending().await;
-    };
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = int.recv() => {}
+/// SIGTERM and SIGINT, caught from before berth says it is ready (a
+/// stop sent as soon as `/readyz` answers 200 still shuts down cleanly);
+/// `None` when the handlers cannot be installed.
+struct StopSignals(Option<(Signal, Signal)>);
+
+impl StopSignals {
+    fn install() -> StopSignals {
+        match (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+        ) {
+            (Ok(term), Ok(int)) => StopSignals(Some((term, int))),
+            (Err(e), _) | (_, Err(e)) => {
+                tracing::error!(error = %e, "cannot install signal handlers; stop berth with SIGKILL");
+                StopSignals(None)
+            }
+        }
+    }
+
+    /// Until SIGTERM or SIGINT.
+    async fn wait(&mut self) {
+        let Some((term, int)) = &mut self.0 else {
+            return std::future::pending().await;
+        };
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
     }
 }
 
