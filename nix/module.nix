@@ -67,6 +67,7 @@ let
     ++ list "labels" wcfg.labels
     ++ flag "deployer-user" wcfg.deployerUser
     ++ optional wcfg.allowHttp "--allow-http"
+    ++ flag "ca-file" (if wcfg.caFile == null then null else "${wcfg.caFile}")
     ++ wcfg.extraArgs;
   acfg = cfg.agent;
   requiredAgent = name: value: if value == null then throw "services.berth.agent.${name} is required" else value;
@@ -235,6 +236,7 @@ in
       deployer = mkOption { type = types.str; default = "builtin:nix"; description = "The deployer it runs (as services.berth.deployer)."; };
       deployerUser = mkOption { type = types.nullOr types.str; default = null; description = "Run deployers as this user (the worker then runs as root)."; };
       allowHttp = mkOption { type = types.bool; default = false; description = "Allow http:// to a berth that is not on loopback."; };
+      caFile = mkOption { type = types.nullOr types.path; default = null; description = "PEM certificates trusted besides the system's roots for berth's https (a private CA; public, so the store may hold it)."; };
       extraArgs = mkOption { type = types.listOf types.str; default = [ ]; description = "More `berth worker` flags."; };
     };
     agent = {

@@ -408,6 +408,10 @@ pub struct WorkerArgs {
     /// Allow http:// to a berth that is not on loopback.
     #[arg(long)]
     pub allow_http: bool,
+    /// PEM certificates trusted besides the system's roots for berth's
+    /// https (a private CA).
+    #[arg(long, env = "BERTH_WORKER_CA_FILE")]
+    pub ca_file: Option<PathBuf>,
 }
 
 /// `berth agent` (agents.md "Running an agent").

@@ -127,11 +127,8 @@ impl Agent {
         let token = read_token(&args.token_file).map_err(|why| (EXIT_STATE, why))?;
         prepare_state_dir(&args.state_dir).map_err(|why| (EXIT_STATE, why))?;
         let state = load_state(&args.state_dir, &args.node).map_err(|why| (EXIT_STATE, why))?;
-        let roots = match &args.ca_file {
-            Some(path) => read_ca_file(path).map_err(|why| (EXIT_STATE, why))?,
-            None => Vec::new(),
-        };
-        let api = Api::new(&args.url, token, roots).map_err(|why| (EXIT_STATE, why))?;
+        let api =
+            Api::new(&args.url, token, args.ca_file.as_deref()).map_err(|why| (EXIT_STATE, why))?;
         Ok(Agent {
             api,
             incarnation: crate::worker::new_incarnation().map_err(|why| (EXIT_STATE, why))?,
@@ -573,21 +570,6 @@ fn check_url(url: &str, allow_http: bool) -> Result<(), String> {
         );
     }
     Ok(())
-}
-
-/// The certificates of `--ca-file` (PEM, at least one).
-fn read_ca_file(path: &Path) -> Result<Vec<reqwest::Certificate>, String> {
-    let pem = std::fs::read(path)
-        .map_err(|e| format!("cannot read --ca-file {}: {e}", path.display()))?;
-    let certs = reqwest::Certificate::from_pem_bundle(&pem)
-        .map_err(|e| format!("--ca-file {} is not PEM certificates: {e}", path.display()))?;
-    if certs.is_empty() {
-        return Err(format!(
-            "--ca-file {} holds no certificate (PEM, BEGIN CERTIFICATE)",
-            path.display()
-        ));
-    }
-    Ok(certs)
 }
 
 /// The token, refused when group or others may read its file.

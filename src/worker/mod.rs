@@ -150,7 +150,8 @@ impl Worker {
             )
         })?;
         stop_orphans(&args.work_dir.join("jobs")).await;
-        let api = Api::new(&args.url, token, Vec::new()).map_err(|why| (EXIT_WORK_DIR, why))?;
+        let api = Api::new(&args.url, token, args.ca_file.as_deref())
+            .map_err(|why| (EXIT_WORK_DIR, why))?;
         Ok(Worker {
             api,
             deployer,
@@ -939,6 +940,21 @@ impl Item {
     }
 }
 
+/// The certificates of `--ca-file` (PEM, at least one).
+fn read_ca_file(path: &Path) -> Result<Vec<reqwest::Certificate>, String> {
+    let pem = std::fs::read(path)
+        .map_err(|e| format!("cannot read --ca-file {}: {e}", path.display()))?;
+    let certs = reqwest::Certificate::from_pem_bundle(&pem)
+        .map_err(|e| format!("--ca-file {} is not PEM certificates: {e}", path.display()))?;
+    if certs.is_empty() {
+        return Err(format!(
+            "--ca-file {} holds no certificate (PEM, BEGIN CERTIFICATE)",
+            path.display()
+        ));
+    }
+    Ok(certs)
+}
+
 /// berth's HTTP API as the worker calls it.
 #[derive(Clone)]
 pub(crate) struct Api {
@@ -948,17 +964,14 @@ pub(crate) struct Api {
 }
 
 impl Api {
-    /// `roots`: certificates trusted besides the system's.
-    pub(crate) fn new(
-        url: &str,
-        token: String,
-        roots: Vec<reqwest::Certificate>,
-    ) -> Result<Api, String> {
+    /// `ca_file`: PEM certificates trusted besides the system's roots
+    /// (`--ca-file`).
+    pub(crate) fn new(url: &str, token: String, ca_file: Option<&Path>) -> Result<Api, String> {
         let mut builder = reqwest::Client::builder()
             .redirect(reqwest::redirect::Policy::none())
             .connect_timeout(Duration::from_secs(10));
-        if !roots.is_empty() {
-            builder = builder.tls_certs_merge(roots);
+        if let Some(path) = ca_file {
+            builder = builder.tls_certs_merge(read_ca_file(path)?);
         }
         let http = builder
             .build()

@@ -4,7 +4,6 @@
 mod harness;
 
 mod agents;
-mod agents_tls;
 mod audit;
 mod bad_input;
 mod cli;
@@ -34,6 +33,7 @@ mod routes;
 mod safe_deploys;
 mod sboms;
 mod tenants;
+mod tls;
 mod torture;
 mod webhooks;
 mod workers;

@@ -604,6 +604,7 @@ fn every_option_reaches_its_unit(lib: &ModuleLib) {
             "deployer": "builtin:local",
             "deployerUser": "deploy",
             "allowHttp": true,
+            "caFile": "/etc/ssl/berth-ca.pem",
             "extraArgs": ["--shutdown-grace", "2m"],
         },
         "agent": {
@@ -722,6 +723,7 @@ fn every_option_reaches_its_unit(lib: &ModuleLib) {
         ("--deployer", "builtin:local"),
         ("--deployer-user", "deploy"),
         ("--shutdown-grace", "2m"),
+        ("--ca-file", "/etc/ssl/berth-ca.pem"),
     ] {
         assert!(
             has_flag(&worker_words, flag, value),

@@ -25,7 +25,7 @@ fn ticking_deployer(dir: &Path) -> (PathBuf, PathBuf) {
 }
 
 /// berth with its embedded worker off, on `deployer`, leases of 5 s.
-async fn server(dir: &Path, deployer: &Path) -> Server {
+pub(crate) async fn server(dir: &Path, deployer: &Path) -> Server {
     server_with_lease(dir, deployer, "5s").await
 }
 
@@ -77,12 +77,23 @@ impl Worker {
         deployer: &Path,
         flags: &[&str],
     ) -> Worker {
+        Worker::start_at(&s.base, token_file, dir, deployer, flags)
+    }
+
+    /// A worker of berth at `url` (a proxy in front of it).
+    pub(crate) fn start_at(
+        url: &str,
+        token_file: &Path,
+        dir: &Path,
+        deployer: &Path,
+        flags: &[&str],
+    ) -> Worker {
         std::fs::create_dir_all(dir).unwrap();
         let log = std::fs::File::create(dir.join("worker.log")).unwrap();
         let child = Command::new(env!("CARGO_BIN_EXE_berth"))
             .arg("worker")
             .arg("--url")
-            .arg(&s.base)
+            .arg(url)
             .arg("--token-file")
             .arg(token_file)
             .arg("--work-dir")

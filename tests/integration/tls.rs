@@ -1,6 +1,6 @@
-//! An agent reaching berth over https through a TLS proxy whose
-//! certificate a private CA signed: trusted with `--ca-file`, refused
-//! without it (agents.md "Running an agent").
+//! An agent and a worker reaching berth over https through a TLS proxy
+//! whose certificate a private CA signed: trusted with `--ca-file`,
+//! refused without it (agents.md "Running an agent", docs/workers.md).
 
 use std::path::Path;
 use std::sync::Arc;
@@ -10,67 +10,36 @@ use crate::harness::*;
 
 /// A private CA and a certificate for localhost it signed (openssl).
 fn make_certificates(dir: &Path) {
-    let openssl = |args: &[&str]| {
-        let out = std::process::Command::new("openssl")
-            .args(args)
-            .current_dir(dir)
+    // `args` split at spaces, then the subject (which has spaces).
+    let openssl = |args: &str, subject: Option<&str>| {
+        let mut command = std::process::Command::new("openssl");
+        command.args(args.split_whitespace()).current_dir(dir);
+        if let Some(subject) = subject {
+            command.arg("-subj").arg(subject);
+        }
+        let out = command
             .output()
-            .expect("openssl (Debian's openssl) is needed for the TLS test");
+            .expect("openssl (Debian's openssl) is needed for the TLS tests");
         assert!(
             out.status.success(),
-            "openssl {args:?}: {}",
+            "openssl {args}: {}",
             String::from_utf8_lossy(&out.stderr)
         );
     };
-    openssl(&[
-        "req",
-        "-x509",
-        "-newkey",
-        "ec",
-        "-pkeyopt",
-        "ec_paramgen_curve:P-256",
-        "-nodes",
-        "-keyout",
-        "ca.key",
-        "-out",
-        "ca.pem",
-        "-days",
-        "2",
-        "-subj",
-        "/CN=berth test CA",
-    ]);
-    openssl(&[
-        "req",
-        "-newkey",
-        "ec",
-        "-pkeyopt",
-        "ec_paramgen_curve:P-256",
-        "-nodes",
-        "-keyout",
-        "leaf.key",
-        "-out",
-        "leaf.csr",
-        "-subj",
-        "/CN=localhost",
-    ]);
+    let key = "-newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes";
+    openssl(
+        &format!("req -x509 {key} -keyout ca.key -out ca.pem -days 2"),
+        Some("/CN=berth test CA"),
+    );
+    openssl(
+        &format!("req {key} -keyout leaf.key -out leaf.csr"),
+        Some("/CN=localhost"),
+    );
     std::fs::write(dir.join("san.ext"), "subjectAltName=DNS:localhost\n").unwrap();
-    openssl(&[
-        "x509",
-        "-req",
-        "-in",
-        "leaf.csr",
-        "-CA",
-        "ca.pem",
-        "-CAkey",
-        "ca.key",
-        "-CAcreateserial",
-        "-out",
-        "leaf.pem",
-        "-days",
-        "2",
-        "-extfile",
-        "san.ext",
-    ]);
+    openssl(
+        "x509 -req -in leaf.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out leaf.pem -days 2 -extfile san.ext",
+        None,
+    );
 }
 
 /// A TLS proxy on loopback in front of berth: its address.
@@ -113,15 +82,21 @@ async fn tls_proxy(dir: &Path, berth: std::net::SocketAddr) -> std::net::SocketA
     addr
 }
 
-#[tokio::test]
-async fn an_agent_trusts_berths_private_ca_with_ca_file_and_refuses_it_without() {
-    let s = Server::start(Options::default()).await;
+/// A TLS proxy in front of `s` with a certificate of a private CA: its
+/// `https://localhost:PORT` address, and the dir with `ca.pem`.
+async fn behind_tls(s: &Server) -> (String, std::path::PathBuf) {
     let dir = s.dir.join("tls");
     std::fs::create_dir_all(&dir).unwrap();
     make_certificates(&dir);
     let berth: std::net::SocketAddr = s.base.trim_start_matches("http://").parse().unwrap();
     let proxy = tls_proxy(&dir, berth).await;
-    let url = format!("https://localhost:{}", proxy.port());
+    (format!("https://localhost:{}", proxy.port()), dir)
+}
+
+#[tokio::test]
+async fn an_agent_trusts_berths_private_ca_with_ca_file_and_refuses_it_without() {
+    let s = Server::start(Options::default()).await;
+    let (url, dir) = behind_tls(&s).await;
     let web = crate::agents::agent_token(&s, "web-1", "alice", "web").await;
     let db = crate::agents::agent_token(&s, "db-1", "alice", "db").await;
     let ca = dir.join("ca.pem");
@@ -164,4 +139,30 @@ async fn an_agent_trusts_berths_private_ca_with_ca_file_and_refuses_it_without()
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("--ca-file"), "{stderr}");
+}
+
+#[tokio::test]
+async fn a_worker_trusts_berths_private_ca_with_ca_file() {
+    let dir = temp_dir("worker-tls");
+    let deployer = script(
+        &dir,
+        "ok.sh",
+        &format!("{SCRIPT_PRELUDE}\nprintf '%s' '{{\"nodes\":[]}}' > \"$BERTH_RESULT\"\n"),
+    );
+    let s = crate::workers::server(&dir, &deployer).await;
+    let (url, tls) = behind_tls(&s).await;
+    let (_, token_file) = crate::workers::worker_token(&s, "w1").await;
+    let ca = tls.join("ca.pem");
+    let worker = crate::workers::Worker::start_at(
+        &url,
+        &token_file,
+        &dir.join("w1"),
+        &deployer,
+        &["--ca-file", ca.to_str().unwrap()],
+    );
+    let build = s
+        .submit_ok_without_rollback("alice", serde_json::json!({}))
+        .await;
+    let done = s.wait_build(&build, "final").await;
+    assert_eq!(done["status"], "succeeded", "{done}\n{}", worker.log());
 }
