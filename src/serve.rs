@@ -184,17 +184,7 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
         .map_err(|e| format!("recovery failed: {e}"))?;
     engine.ready.store(true, Ordering::SeqCst);
     run_in_the_background(&engine);
-    {
-        let ctx = ctx.clone();
-        tokio::spawn(async move {
-            let mut every = tokio::time::interval(api::auth::DECISION_TTL);
-            loop {
-                every.tick().await;
-                ctx.authz.sweep();
-                ctx.tickets.sweep();
-            }
-        });
-    }
+    tokio::spawn(sweep_decisions(ctx.clone()));
 
     match stop_or_lost_lead(&mut signals, lost.as_mut()).await {
         None => {
@@ -208,6 +198,17 @@ async fn serve(mut settings: Settings) -> Result<(), String> {
                 "this replica stopped leading the cluster: {why} (lease_lost)"
             ))
         }
+    }
+}
+
+/// Forgets expired authorization decisions and stream tickets, every
+/// decision's lifetime.
+async fn sweep_decisions(ctx: Arc<Ctx>) {
+    let mut every = tokio::time::interval(api::auth::DECISION_TTL);
+    loop {
+        every.tick().await;
+        ctx.authz.sweep();
+        ctx.tickets.sweep();
     }
 }
 
