@@ -1492,6 +1492,22 @@ mod tests {
             .unwrap()
             .success());
         assert!(history().contains("new boot"), "{}", history());
+        // The new timer would sleep on for an hour after the test: its
+        // command line names this node's dir, and it leads its own group
+        // (setsid), its sleep in it.
+        let found = Command::new("pgrep")
+            .args(["-f", node_text])
+            .output()
+            .unwrap();
+        let timers: Vec<i32> = String::from_utf8_lossy(&found.stdout)
+            .split_whitespace()
+            .filter_map(|pid| pid.parse().ok())
+            .collect();
+        assert!(!timers.is_empty(), "no timer of {node_text} to stop");
+        for pid in timers {
+            let group = nix::unistd::Pid::from_raw(pid);
+            nix::sys::signal::killpg(group, nix::sys::signal::Signal::SIGKILL).unwrap();
+        }
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -726,6 +726,15 @@ async fn a_rollout_whose_worker_is_lost_between_calls_goes_on_with_the_next_clai
         "{end}"
     );
     std::fs::remove_file(s.dir.join("../slow")).unwrap();
+    // The hung activate outlived its worker (the fault is real): its
+    // process group is stopped here, as the worker's next start would.
+    let pid: i32 = std::fs::read_to_string(s.dir.join("../slow.pid"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let group = nix::unistd::Pid::from_raw(pid);
+    nix::sys::signal::killpg(group, nix::sys::signal::Signal::SIGKILL).unwrap();
 }
 
 #[tokio::test]
