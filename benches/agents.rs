@@ -154,22 +154,8 @@ async fn wait_all(seen: &Seen, generation: u64, limit: Duration) -> bool {
 async fn deploy(http: &reqwest::Client, base: &str, token: &str, v: u64) {
     let configuration = json!({"agents": true, "v": v});
     let build = common::submit(http, base, token, "fleet", configuration).await;
-    loop {
-        let b: Value = http
-            .get(format!("{base}/v1/builds/{build}"))
-            .bearer_auth(token)
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        if b["finished_at"].is_string() {
-            assert_eq!(b["status"], "succeeded", "{b}");
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let b = common::finished(http, base, token, &build, Duration::from_millis(20)).await;
+    assert_eq!(b["status"], "succeeded", "{b}");
 }
 
 /// Reports from every agent in turn, `per_second` in all, until `stop`.

@@ -34,25 +34,8 @@ fn configuration(unhealthy: bool) -> Value {
         "mastodon": {"enable": true, "unhealthy": unhealthy}}})
 }
 
-async fn build(http: &reqwest::Client, base: &str, token: &str, id: &str) -> Value {
-    http.get(format!("{base}/v1/builds/{id}"))
-        .bearer_auth(token)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap()
-}
-
 async fn ended(http: &reqwest::Client, base: &str, token: &str, id: &str) -> Value {
-    loop {
-        let b = build(http, base, token, id).await;
-        if b["finished_at"].is_string() {
-            return b;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    common::finished(http, base, token, id, Duration::from_millis(20)).await
 }
 
 fn main() {

@@ -47,22 +47,8 @@ impl Bench {
     }
 
     async fn ended(&self, id: &str) -> Value {
-        loop {
-            let b: Value = self
-                .http
-                .get(format!("{}/v1/builds/{id}", self.base))
-                .bearer_auth(&self.token)
-                .send()
-                .await
-                .unwrap()
-                .json()
-                .await
-                .unwrap();
-            if b["finished_at"].is_string() {
-                return b;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        let poll = Duration::from_millis(10);
+        common::finished(&self.http, &self.base, &self.token, id, poll).await
     }
 
     async fn worker_token(&self, name: &str, dir: &Path) -> std::path::PathBuf {

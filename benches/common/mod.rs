@@ -152,6 +152,31 @@ pub async fn submit(
     answer["build_id"].as_str().expect("a build id").to_string()
 }
 
+/// A build once it has finished (read every `poll`).
+pub async fn finished(
+    http: &reqwest::Client,
+    base: &str,
+    token: &str,
+    id: &str,
+    poll: Duration,
+) -> serde_json::Value {
+    loop {
+        let b: serde_json::Value = http
+            .get(format!("{base}/v1/builds/{id}"))
+            .bearer_auth(token.trim())
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        if b["finished_at"].is_string() {
+            return b;
+        }
+        tokio::time::sleep(poll).await;
+    }
+}
+
 /// The runtime of a benchmark's client side: two workers, as the machine.
 pub fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()

@@ -94,7 +94,7 @@ impl super::Agent {
     /// confirm, and at a start). A failure is logged and reported as the
     /// node's last error: the node runs on, only its disk holds more.
     pub(super) async fn tidy(&mut self) {
-        if let Err(why) = self.tidy_files() {
+        if let Err(why) = self.tidy_files().await {
             tracing::warn!(%why, "cannot remove the artifacts no longer kept");
             self.last_error = Some(("tidy_failed".into(), why));
         }
@@ -108,21 +108,25 @@ impl super::Agent {
         }
     }
 
-    /// The file artifacts kept: what `current` and `booted` hold, the held
+    /// The file artifacts kept: what `current` and `booted` hold (digested
+    /// as a report digests them, off the agent's loop), the held
     /// activation's, and the last `--keep` confirmed.
-    fn tidy_files(&self) -> Result<usize, String> {
-        let dir = &self.args.state_dir;
-        let mut needed: BTreeSet<String> = ["current", "booted"]
-            .iter()
-            .filter_map(|f| std::fs::read(dir.join(f)).ok())
-            .map(|bytes| super::digest_of(&bytes))
-            .collect();
+    async fn tidy_files(&self) -> Result<usize, String> {
+        let dir = self.args.state_dir.clone();
+        let mut needed: BTreeSet<String> = self.kept(|a| a.starts_with("sha256:")).collect();
         if let Some(held) = &self.state.attempt {
             needed.extend(held.before.clone());
             needed.insert(held.artifact.clone());
         }
-        needed.extend(self.kept(|a| a.starts_with("sha256:")));
-        prune_files(dir, &needed)
+        tokio::task::spawn_blocking(move || {
+            for file in ["current", "booted"] {
+                let artifact = super::file_artifact(&dir.join(file));
+                needed.extend(artifact["digest"].as_str().map(str::to_string));
+            }
+            prune_files(&dir, &needed)
+        })
+        .await
+        .map_err(|e| format!("tidying the artifacts failed: {e}"))?
     }
 
     /// The toplevels rooted: once the node confirmed one, what it runs and

@@ -72,9 +72,9 @@ pub fn of_deployment(rx: &impl AuditLookup, id: &str) -> StoreResult<Vec<Event>>
 pub struct Denials {
     state: Mutex<DenialWindow>,
     /// Keyed by agent token. Only a live agent token's report gets this
-    /// far (a revoked or unknown one is refused before, and folded as
-    /// anonymous), so `--max-agents` bounds it; an entry goes when its
-    /// interval has ended.
+    /// far (a revoked or unknown one is refused before its body is read),
+    /// so `--max-agents` bounds it; an entry goes when its interval has
+    /// ended.
     reports: Mutex<HashMap<String, ReportWindow>>,
 }
 
